@@ -1,0 +1,202 @@
+"""Live memory monitor: watch the step peak against the budget, warn, then act before an OOM.
+
+Every ``every_steps`` optimizer steps each rank measures its peak device bytes since the last check
+(CUDA: the caching allocator's ``max_memory_allocated``; CPU: the live-storage tracker) and all
+ranks take the maximum fraction of the budget through one ``all_reduce``. Every rank therefore sees
+the same figure and takes the same decision, so no rank acts alone and none waits in a collective
+the others skip (the ``checkpoint`` action is itself collective).
+
+Actions at ``act_at``, in the order listed:
+
+* ``empty_cache``: ``gc.collect()`` and the accelerator's ``empty_cache()``.
+* ``checkpoint``: ``engine.save_checkpoint(checkpoint_dir, tag="xirang-step<N>")`` (loadable).
+* ``halve_micro_batch``: run each micro-batch as twice as many pieces inside ``engine.forward``
+  (`xirang_ds.microbatch`), so the global batch and the gradient stay the same.
+
+Each warning and action is logged once on rank 0 when it happens and sent to DeepSpeed's monitor
+(tensorboard / csv / wandb) as an event; per-step memory figures go there too.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+from typing import Any
+
+import torch
+
+from xirang_ds.config.schema import MonitorConfig
+from xirang_ds.config.types import format_bytes
+from xirang_ds.config.validate import XirangConfigError
+from xirang_ds.hooks import wrap_method
+from xirang_ds.registry import Plugin, register_plugin
+
+logger = logging.getLogger("xirang_ds")
+
+EVENT_PREFIX = "xirang/monitor"
+
+
+def resolve_budget(requested: Any, device_total: int, model_state_bytes: int) -> int:
+    """The per-rank byte budget: ``memory_budget`` or the device's capacity.
+
+    Raises:
+        XirangConfigError: the budget exceeds the device or is below the rank's model states.
+    """
+    if requested == "auto":
+        return int(device_total)
+    budget = int(requested)
+    if budget > device_total:
+        raise XirangConfigError([("xirang.memory_budget",
+                                  f"{format_bytes(budget)} is more than the device has "
+                                  f"({format_bytes(device_total)}); lower it or use \"auto\"")])
+    if budget < model_state_bytes:
+        raise XirangConfigError([("xirang.memory_budget",
+                                  f"{format_bytes(budget)} is below what this rank's model states "
+                                  f"already take ({format_bytes(model_state_bytes)}); raise it")])
+    return budget
+
+
+@register_plugin(MonitorConfig, section="monitor", order=90)
+class MonitorPlugin(Plugin):
+    """Checks memory after optimizer steps and runs the configured actions on every rank."""
+
+    def __init__(self, config: MonitorConfig, session):
+        super().__init__(config, session)
+        self.budget = 0
+        self.level = "ok"
+        self.history: list[dict] = []
+        self.actions_taken: list[dict] = []
+        self.splitter = None
+        self.last_report = None
+        """The tracker's report of the last checked window (CPU only)."""
+        self._last_step = None
+
+    # ----------------------------------------------------------------------------------------
+    def attach(self, engine: Any) -> None:
+        from deepspeed.accelerator import get_accelerator
+
+        self.engine = engine
+        self.accel = get_accelerator()
+        self.on_cpu = self.accel.device_name() == "cpu"
+        tracker = self.session.track_memory() if self.on_cpu else None
+        state_bytes = tracker.live_bytes if tracker is not None else int(self.accel.memory_allocated())
+        self.budget = resolve_budget(self.session.config.memory_budget, self.accel.total_memory(), state_bytes)
+        if not self.on_cpu:
+            self.accel.reset_peak_memory_stats()
+        if "halve_micro_batch" in self.config.actions:
+            from xirang_ds.microbatch import MicroBatchSplitter
+
+            self.splitter = self.keep(MicroBatchSplitter(engine))
+        self.keep(wrap_method(engine, "step", self._step))
+        self._last_step = engine.global_steps
+
+    def describe(self) -> str:
+        return (f"budget {format_bytes(self.budget)}, warn at {self.config.warn_at:.0%}, act at "
+                f"{self.config.act_at:.0%} with {', '.join(self.config.actions) or 'no actions'}")
+
+    # ----------------------------------------------------------------------------------------
+    def _step(self, original, *args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        engine = self.engine
+        if engine.global_steps != self._last_step:  # an optimizer step happened (boundary)
+            self._last_step = engine.global_steps
+            if engine.global_steps % self.config.every_steps == 0:
+                self.check()
+        return result
+
+    def measure(self) -> int:
+        """This rank's peak device bytes since the previous measurement (then restart the window)."""
+        if self.on_cpu:
+            tracker = self.session.tracker
+            self.last_report = tracker.report()
+            peak = tracker.peak_bytes
+            tracker.reset_peak()
+        else:
+            peak = int(self.accel.max_memory_allocated())
+            self.accel.reset_peak_memory_stats()
+        return peak
+
+    def agree(self, fraction: float) -> float:
+        """The largest fraction over all ranks (one collective; every rank gets the same value)."""
+        import deepspeed.comm as dist
+
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return fraction
+        t = torch.tensor([fraction], dtype=torch.float64, device=self.accel.current_device_name())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def check(self) -> str:
+        """Measure, agree across ranks, then warn or act. Returns the level reached."""
+        peak = self.measure()
+        own = peak / self.budget
+        fraction = self.agree(own)
+        step = self.engine.global_steps
+        level = "act" if fraction >= self.config.act_at else "warn" if fraction >= self.config.warn_at else "ok"
+        record = {"step": step, "peak_bytes": peak, "fraction": own, "max_fraction": fraction, "level": level}
+        self.history.append(record)
+        events = [(f"{EVENT_PREFIX}/peak_bytes", peak, step), (f"{EVENT_PREFIX}/budget_fraction", fraction, step)]
+        if self.config.log_every_steps and step % self.config.log_every_steps == 0:
+            self._log(f"step {step}: peak {format_bytes(peak)} = {own:.1%} of budget "
+                      f"(max over ranks {fraction:.1%})")
+        if level == "warn" and self.level == "ok":
+            self._log(f"step {step}: memory at {fraction:.1%} of the budget {format_bytes(self.budget)} "
+                      f"(warn_at {self.config.warn_at:.0%})", logging.WARNING)
+            events.append((f"{EVENT_PREFIX}/warning", fraction, step))
+        if level == "act":
+            for action in self.config.actions:
+                done = self._run(action, step)
+                self.actions_taken.append({"step": step, "action": action, "fraction": fraction, "done": done})
+                self.session.record_event("monitor_action", step=step, action=action, done=done)
+                events.append((f"{EVENT_PREFIX}/action/{action}", 1.0 if done else 0.0, step))
+        self.level = level
+        self._emit(events)
+        return level
+
+    # actions ----------------------------------------------------------------------------------
+    def _run(self, action: str, step: int) -> bool:
+        if action == "empty_cache":
+            gc.collect()
+            self.accel.empty_cache()
+            self._log(f"step {step}: memory above act_at; freed allocator caches", logging.WARNING)
+            return True
+        if action == "checkpoint":
+            tag = f"xirang-step{step}"
+            self.engine.save_checkpoint(self.config.checkpoint_dir, tag=tag)
+            self._log(f"step {step}: memory above act_at; saved checkpoint {self.config.checkpoint_dir}/{tag}",
+                      logging.WARNING)
+            return True
+        if action == "halve_micro_batch":
+            k = self.splitter.pieces * 2
+            if not self.splitter.can_split(k):
+                self._log(f"step {step}: cannot halve the micro-batch again "
+                          f"({self.engine.train_micro_batch_size_per_gpu()} samples in {self.splitter.pieces} pieces)",
+                          logging.WARNING)
+                return False
+            self.splitter.pieces = k
+            micro = self.engine.train_micro_batch_size_per_gpu()
+            self._log(f"step {step}: memory above act_at; micro-batch {micro} now runs as {k} pieces of "
+                      f"{micro // k} with the accumulation boundary held (global batch unchanged)",
+                      logging.WARNING)
+            return True
+        raise XirangConfigError([("xirang.monitor.actions", f"action {action!r} is not built yet")])
+
+    def _log(self, message: str, level: int = logging.INFO) -> None:
+        if self.engine.global_rank == 0:
+            logger.log(level, "xirang monitor: %s", message)
+
+    def _emit(self, events: list) -> None:
+        monitor = getattr(self.engine, "monitor", None)
+        if self.config.to_deepspeed_monitor and monitor is not None and monitor.enabled:
+            monitor.write_events(events)
+
+    # ----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"pieces": self.splitter.pieces if self.splitter else 1, "level": self.level}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.splitter is not None:
+            self.splitter.pieces = int(state.get("pieces", 1))
+        self.level = state.get("level", "ok")
+
+
+__all__ = ["MonitorPlugin", "resolve_budget"]

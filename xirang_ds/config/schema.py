@@ -1,0 +1,366 @@
+"""The typed schema of the ``"xirang"`` block: one frozen dataclass per section.
+
+Every field carries a docstring right under it (torchtitan and Megatron-core style); the README's
+config reference is generated from them (`xirang_ds.config.reference`). Sections are off by
+default: a block that only says ``{"preset": "balanced"}`` turns on what the preset lists.
+
+Cross-field rules live in each section's ``check()``, which returns ``[(field, message)]`` so the
+validator can report them together with type and range problems.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Annotated, Literal, Optional, Union
+
+from xirang_ds.config.types import (
+    AutoBytes,
+    AutoInt,
+    Fraction,
+    Glob,
+    MultipleOf,
+    NonNegativeInt,
+    PositiveInt,
+    Range,
+)
+
+Issues = list[tuple[str, str]]
+
+
+@dataclass(frozen=True)
+class Section:
+    """Base of every section: a section does nothing unless ``enabled``."""
+
+    enabled: bool = False
+    """Turn this section's plugin on."""
+
+    def check(self) -> Issues:
+        """Cross-field rules; ``[(field, message)]``, empty when the section is consistent."""
+        return []
+
+
+# --------------------------------------------------------------------------------------------
+# optimizer_states
+# --------------------------------------------------------------------------------------------
+
+StateDtype = Literal["fp32", "bf16", "int8", "int4"]
+STATE_DTYPE_ORDER = ("fp32", "bf16", "int8", "int4")
+"""From most to least precise; a schedule only moves down this list (stability may move up)."""
+
+
+@dataclass(frozen=True)
+class ScheduleEntry:
+    """One stage of a by-step precision schedule."""
+
+    dtype: StateDtype
+    """Storage format of the optimizer states during this stage."""
+    until_step: Optional[PositiveInt] = None
+    """Last optimizer step (exclusive) of this stage; omit on the final stage."""
+
+
+@dataclass(frozen=True)
+class StabilityConfig:
+    """Move a state tensor down in precision once its moments stop changing."""
+
+    window_steps: PositiveInt = 50
+    """Steps over which the relative change of a tensor's moments is measured."""
+    threshold: Annotated[float, Range(0.0, 1.0, low_exclusive=True)] = 0.05
+    """A tensor moves down one format when the relative change over the window stays below this."""
+    lowest: StateDtype = "int8"
+    """The least precise format stability may reach."""
+    max_quantization_error: Annotated[float, Range(0.0, 1.0, low_exclusive=True)] = 0.1
+    """A tensor moves back up one format when its relative quantization error exceeds this."""
+
+
+@dataclass(frozen=True)
+class OptimizerStatesConfig(Section):
+    """Dynamic-precision Adam/AdamW states: fp32 early, then bf16 / int8 / int4 as they settle."""
+
+    policy: Literal["steps", "stability"] = "steps"
+    """How a state tensor's precision is chosen: by the step ``schedule`` or by ``stability``."""
+    schedule: tuple[ScheduleEntry, ...] = (
+        ScheduleEntry(dtype="fp32", until_step=100),
+        ScheduleEntry(dtype="int8"),
+    )
+    """By-step stages in order; each entry but the last has ``until_step``, increasing."""
+    stability: StabilityConfig = field(default_factory=StabilityConfig)
+    """Settings of the ``stability`` policy."""
+    block_size: Annotated[int, Range(32, 4096), MultipleOf(32)] = 256
+    """Elements per quantization block (one scale each); int4 uses half of it rounded to 32s."""
+    min_numel: NonNegativeInt = 4096
+    """Parameters with fewer elements keep fp32 states."""
+    keep_fp32: tuple[Glob, ...] = ()
+    """Globs of parameter names whose states stay fp32, besides embeddings and norms."""
+    keep_fp32_embeddings_and_norms: bool = True
+    """Keep states of embedding and normalisation parameters in fp32 (found by module type)."""
+    stochastic_rounding: bool = False
+    """Round quantized states stochastically instead of to nearest."""
+    refresh_every_steps: NonNegativeInt = 0
+    """Every N steps, requantize states from a fresh fp32 copy of their decoded values (0 = never)."""
+
+    def check(self) -> Issues:
+        issues: Issues = []
+        last = 0
+        for i, entry in enumerate(self.schedule):
+            final = i == len(self.schedule) - 1
+            if entry.until_step is None and not final:
+                issues.append((f"schedule[{i}].until_step", "is required on every entry but the last"))
+            if entry.until_step is not None:
+                if entry.until_step <= last:
+                    issues.append((f"schedule[{i}].until_step",
+                                   f"must be greater than the previous entry's ({last}); got {entry.until_step}"))
+                last = entry.until_step
+        if not self.schedule:
+            issues.append(("schedule", "must have at least one entry"))
+        return issues
+
+
+# --------------------------------------------------------------------------------------------
+# grad_release
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GradReleaseConfig(Section):
+    """Optimizer step fused into backward: each bucket is reduced, applied and freed at once."""
+
+    bucket_size_numel: AutoInt = "auto"
+    """Gradient elements per reduction bucket; ``auto`` sizes it from the model and world size."""
+    clipping: Literal["exact", "previous_step", "per_layer"] = "exact"
+    """How ``gradient_clipping`` is honoured: ``exact`` (a norm pass before the update pass),
+    ``previous_step`` (the clip coefficient from the last step's norm) or ``per_layer``."""
+    overlap_comm: bool = True
+    """Reduce buckets asynchronously while backward continues."""
+
+
+# --------------------------------------------------------------------------------------------
+# precision
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrecisionConfig(Section):
+    """Mixed precision with editable op lists and 16-bit weight copies made on demand."""
+
+    dtype: Literal["auto", "bf16", "fp16"] = "auto"
+    """Low-precision dtype; ``auto`` follows ds_config's ``bf16``/``fp16`` section, else bf16."""
+    low_precision_ops: tuple[str, ...] = ("default",)
+    """Ops that run in low precision. ``"default"`` stands for the built-in list (autocast's and
+    Apex O1's); other names add an op; a name prefixed with ``-`` removes it."""
+    fp32_ops: tuple[str, ...] = ("default",)
+    """Ops forced to fp32, same syntax as ``low_precision_ops``."""
+    fp32_modules: tuple[Glob, ...] = ()
+    """Globs of module names kept entirely in fp32 (for example ``"*.norm"``, ``"lm_head"``)."""
+    weight_copies: Literal["on_demand", "persistent"] = "on_demand"
+    """``on_demand``: a layer's 16-bit weight copy exists only while the layer runs."""
+
+
+# --------------------------------------------------------------------------------------------
+# activations
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ActivationsConfig(Section):
+    """Per-module choice of keep / recompute / compress / offload for saved activations."""
+
+    budget: AutoBytes = "auto"
+    """Bytes of activations the planner may keep on the device; ``auto`` = what the memory budget
+    leaves after model states."""
+    candidates: Union[Literal["auto"], tuple[Glob, ...]] = "auto"
+    """Modules the planner chooses for; ``auto`` = the repeated blocks of the model."""
+    planner: bool = True
+    """Let the planner choose for the candidates not fixed by hand below."""
+    keep: tuple[Glob, ...] = ()
+    """Modules fixed to keep their activations."""
+    recompute: tuple[Glob, ...] = ()
+    """Modules fixed to recompute in backward."""
+    compress: tuple[Glob, ...] = ()
+    """Modules fixed to compress their saved tensors."""
+    offload: tuple[Glob, ...] = ()
+    """Modules fixed to offload their saved tensors to host memory."""
+    recompute_mode: Literal["full", "selective"] = "full"
+    """``selective`` keeps saved outputs of expensive ops (matmuls) and recomputes the rest."""
+    compress_dtype: Literal["bf16", "fp16"] = "bf16"
+    """Storage dtype of lossless compression for fp32 activations."""
+    tolerant: tuple[Glob, ...] = ()
+    """Modules whose saved tensors may be stored lossily."""
+    lossy: Literal["none", "int8", "sparse"] = "none"
+    """Lossy encoding for tolerant modules."""
+    lossy_block_size: Annotated[int, Range(32, 4096), MultipleOf(32)] = 64
+    """Elements per scale of int8 activation storage."""
+    offload_prefetch: PositiveInt = 1
+    """How many modules ahead backward prefetches offloaded tensors."""
+    host_bandwidth_gbps: Union[Literal["auto"], Annotated[float, Range(0.0, low_exclusive=True)]] = "auto"
+    """Device-host bandwidth used to price offload; ``auto`` measures it."""
+    honour_deepspeed_checkpointing: bool = True
+    """Apply ds_config's ``activation_checkpointing`` section through this plugin."""
+
+
+# --------------------------------------------------------------------------------------------
+# comm_buffers and memory_pool
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CommBuffersConfig(Section):
+    """Communication buckets sized from the model and budget, in one arena reused every step."""
+
+    reduce_bucket_size: AutoInt = "auto"
+    """ZeRO ``reduce_bucket_size`` in elements; ``auto`` picks it (a value set in
+    ``zero_optimization`` is kept)."""
+    allgather_bucket_size: AutoInt = "auto"
+    """ZeRO ``allgather_bucket_size`` in elements, likewise."""
+    max_fraction_of_budget: Annotated[float, Range(0.0, 1.0, low_exclusive=True)] = 0.05
+    """Upper bound of all communication buffers as a fraction of the memory budget."""
+    adapt: bool = True
+    """Resize between steps from measured communication volume and memory headroom."""
+    arena: bool = True
+    """Serve the buckets from one arena allocated once."""
+    lend_to_activations: bool = False
+    """Park saved activations in the arena while it is idle between reductions."""
+
+
+@dataclass(frozen=True)
+class MemoryPoolConfig(Section):
+    """Pools for plugin tensors (quantized states, compressed activations, offload staging)."""
+
+    size: AutoBytes = "auto"
+    """Bytes reserved up front; ``auto`` sizes from the estimator."""
+    use_torch_mempool: bool = True
+    """On CUDA, allocate from ``torch.cuda.MemPool`` where the installed torch has it."""
+
+
+# --------------------------------------------------------------------------------------------
+# monitor, profiler, autotune
+# --------------------------------------------------------------------------------------------
+
+MonitorAction = Literal["empty_cache", "checkpoint", "halve_micro_batch", "raise_compression",
+                        "raise_recompute"]
+
+
+@dataclass(frozen=True)
+class MonitorConfig(Section):
+    """Watch used memory against the budget every step; warn, then act before an OOM."""
+
+    warn_at: Fraction = 0.85
+    """Fraction of the memory budget at which a warning is logged."""
+    act_at: Fraction = 0.95
+    """Fraction of the memory budget at which the ``actions`` run."""
+    actions: tuple[MonitorAction, ...] = ("empty_cache",)
+    """What to do at ``act_at``, in order; all ranks agree through one collective."""
+    checkpoint_dir: Optional[str] = None
+    """Where the ``checkpoint`` action saves; required when that action is listed."""
+    every_steps: PositiveInt = 1
+    """Check every N optimizer steps."""
+    log_every_steps: NonNegativeInt = 0
+    """Log a memory line every N steps on rank 0 (0 = only warnings and actions)."""
+    to_deepspeed_monitor: bool = True
+    """Send memory figures and events to DeepSpeed's monitor (tensorboard/csv/wandb) if enabled."""
+
+    def check(self) -> Issues:
+        issues: Issues = []
+        if self.act_at <= self.warn_at:
+            issues.append(("act_at", f"must be greater than warn_at ({self.warn_at}); got {self.act_at}"))
+        if "checkpoint" in self.actions and not self.checkpoint_dir:
+            issues.append(("checkpoint_dir", 'is required when actions lists "checkpoint"'))
+        if len(set(self.actions)) != len(self.actions):
+            issues.append(("actions", "lists an action twice"))
+        return issues
+
+
+TraceFormat = Literal["json", "pickle", "html", "png"]
+
+
+@dataclass(frozen=True)
+class ProfilerConfig(Section):
+    """Record a per-tensor memory timeline of one step and print the breakdown at its peak."""
+
+    step: PositiveInt = 2
+    """Optimizer step to record (1 = the first)."""
+    output_dir: str = "xirang_trace"
+    """Folder for the trace files."""
+    formats: tuple[TraceFormat, ...] = ("json", "html")
+    """Files to write: ``json`` (our timeline), ``pickle`` (PyTorch memory_viz), ``html``, ``png``."""
+    top_tensors: PositiveInt = 10
+    """How many of the largest live tensors at the peak to name."""
+
+
+@dataclass(frozen=True)
+class AutotuneConfig(Section):
+    """Search the block's options under the memory budget and write the winning ds_config."""
+
+    objective: Literal["fastest", "largest_micro_batch"] = "fastest"
+    """What to optimise under the budget."""
+    time_limit_s: Annotated[float, Range(0.0, low_exclusive=True)] = 600.0
+    """Wall-clock limit of the search."""
+    measure_top: PositiveInt = 3
+    """How many best candidates of the cost model are measured for real."""
+    output: str = "ds_config.tuned.json"
+    """Where the winning ds_config is written."""
+
+
+# --------------------------------------------------------------------------------------------
+# the block
+# --------------------------------------------------------------------------------------------
+
+PresetName = Literal["conservative", "balanced", "aggressive"]
+
+
+@dataclass(frozen=True)
+class XirangConfig:
+    """The whole ``"xirang"`` block of a ds_config."""
+
+    preset: Optional[PresetName] = None
+    """Start from a preset; keys written next to it override the preset's key by key."""
+    memory_budget: AutoBytes = "auto"
+    """Per-rank device memory the run may use; ``auto`` = the device's capacity."""
+    optimizer_states: OptimizerStatesConfig = field(default_factory=OptimizerStatesConfig)
+    """Dynamic-precision optimizer states."""
+    grad_release: GradReleaseConfig = field(default_factory=GradReleaseConfig)
+    """Per-layer gradient release (optimizer step in backward)."""
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """Mixed precision with op lists and on-demand half weights."""
+    activations: ActivationsConfig = field(default_factory=ActivationsConfig)
+    """Activation memory planner."""
+    comm_buffers: CommBuffersConfig = field(default_factory=CommBuffersConfig)
+    """Adaptive communication buffers."""
+    memory_pool: MemoryPoolConfig = field(default_factory=MemoryPoolConfig)
+    """Pooled allocation for plugin tensors."""
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    """Live memory monitor with thresholds and actions."""
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    """Per-tensor memory timeline of one step."""
+    autotune: AutotuneConfig = field(default_factory=AutotuneConfig)
+    """Auto-tuner."""
+    extensions: dict = field(default_factory=dict, init=False, compare=False)
+    """Sections of third-party plugins, by section name (filled by the loader, not written)."""
+
+    def sections(self) -> dict[str, Section]:
+        """Every section by its key, built-in and third-party."""
+        out = {name: getattr(self, name) for name in SECTION_NAMES}
+        out.update(self.extensions)
+        return out
+
+    def enabled_sections(self) -> dict[str, Section]:
+        return {name: s for name, s in self.sections().items() if s.enabled}
+
+    def check(self) -> Issues:
+        """Rules across sections."""
+        issues: Issues = []
+        if self.monitor.enabled:
+            for action in ("raise_compression", "raise_recompute"):
+                if action in self.monitor.actions and not self.activations.enabled:
+                    issues.append(("monitor.actions", f"{action!r} acts through the activations plugin; "
+                                                      "enable xirang.activations or remove the action"))
+        return issues
+
+
+SECTION_NAMES = ("optimizer_states", "grad_release", "precision", "activations", "comm_buffers",
+                 "memory_pool", "monitor", "profiler", "autotune")
+"""Built-in section keys in the order the block documents them."""
+
+
+def glob_matches(pattern: str, name: str) -> bool:
+    """Whole-name glob match: ``"layers.2"`` does not match ``"layers.20"``."""
+    return fnmatch.fnmatchcase(name, pattern)

@@ -1,0 +1,1 @@
+"""Memory accounting: the live-storage tracker, categories, reports."""

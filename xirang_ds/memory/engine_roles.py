@@ -1,0 +1,173 @@
+"""Connect a `MemoryTracker` to a training loop: phases from hooks, roles from DeepSpeed's buffers.
+
+DeepSpeed keeps model states in its optimizer wrappers under attribute names that differ by ZeRO
+stage and precision mode. `ROLE_ATTRIBUTES` names them, checked against deepspeed 0.16-0.19
+(``runtime/zero/stage_1_and_2.py``, ``runtime/zero/stage3.py``, ``runtime/bf16_optimizer.py``,
+``runtime/fp16/{fused,unfused}_optimizer.py``); ``tests/test_tracker_deepspeed.py`` fails when a
+DeepSpeed release moves them, because its byte accounting no longer closes.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+import torch
+
+from xirang_ds.memory.categories import COMM_BUFFERS, GRADIENTS, OPTIMIZER_STATES, PARAMETERS
+from xirang_ds.memory.tracker import MemoryTracker
+
+ROLE_ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    PARAMETERS: (
+        "bit16_groups_flat", "single_partition_of_fp32_groups", "fp16_groups", "fp32_groups",
+        "fp16_groups_flat", "fp32_groups_flat", "fp16_partitioned_groups_flat",
+        "fp32_partitioned_groups_flat", "lp_param_buffer", "bf16_groups", "bf16_groups_flat",
+        "fp32_groups_flat_partition", "bit16_groups",
+    ),
+    GRADIENTS: (
+        "averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer",
+        "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition", "fp32_groups_gradients_flat",
+        "fp32_groups_gradient_flat_partition", "fp32_groups_gradients", "fp32_groups_actual_gradients_flat",
+    ),
+    COMM_BUFFERS: (
+        "ipg_buckets", "ipg_buffer", "_DeepSpeedZeroOptimizer_Stage3__ipg_bucket_flat_buffer",
+    ),
+}
+
+
+def _walk(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors inside containers and DeepSpeed's small helper objects (an IPG bucket's buffer)."""
+    if depth > 4 or obj is None:
+        return
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _walk(v, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _walk(v, depth + 1)
+    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("deepspeed"):
+        for v in vars(obj).values():
+            yield from _walk(v, depth + 1)
+
+
+def engine_tensors(wrapper: Any, category: str) -> list[torch.Tensor]:
+    """Tensors of ``category`` held by a DeepSpeed optimizer wrapper, by attribute name."""
+    out: list[torch.Tensor] = []
+    for name in ROLE_ATTRIBUTES[category]:
+        out.extend(_walk(getattr(wrapper, name, None)))
+    return out
+
+
+def optimizer_state_tensors(optimizer: Any) -> list[torch.Tensor]:
+    """Tensors in ``optimizer.state`` (and nested optimizers' states)."""
+    state = getattr(optimizer, "state", None)
+    if state is None:
+        return []
+    return list(_walk(dict(state) if not isinstance(state, dict) else state))
+
+
+class TrainingWatch:
+    """Drives a tracker's phases and roles from a model, an optimizer and (optionally) a DeepSpeed
+    engine. Every hook it installs is removed by `remove`.
+
+    Args:
+        tracker: the tracker to feed.
+        model: the root module (``engine.module`` under DeepSpeed).
+        basic_optimizer: the ``torch.optim`` object whose ``step`` marks the optimizer phase.
+        wrapper: DeepSpeed's optimizer wrapper (``engine.optimizer``), or ``None``.
+    """
+
+    def __init__(self, tracker: MemoryTracker, model: torch.nn.Module, basic_optimizer: Any = None,
+                 wrapper: Any = None):
+        self.tracker = tracker
+        self.model = model
+        self.basic_optimizer = basic_optimizer
+        self.wrapper = wrapper if wrapper is not basic_optimizer else None
+        self._handles: list[Any] = []
+        self._comm_scanned = False
+        self.on_step_end: list[Any] = []
+        self._handles.append(model.register_forward_pre_hook(self._forward_pre))
+        self._handles.append(model.register_forward_hook(self._forward_post))
+        for p in model.parameters():
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+        if basic_optimizer is not None and hasattr(basic_optimizer, "register_step_pre_hook"):
+            self._handles.append(basic_optimizer.register_step_pre_hook(self._step_pre))
+            self._handles.append(basic_optimizer.register_step_post_hook(self._step_post))
+
+    # hooks --------------------------------------------------------------------------------
+    def _forward_pre(self, module, args) -> None:
+        if self.tracker.phase != "forward":
+            self.tracker.set_phase("forward")
+            self._comm_scanned = False
+
+    def _forward_post(self, module, args, output) -> None:
+        self.tracker.set_phase("backward")
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        t = self.tracker
+        if not t.active:
+            return
+        if param.grad is not None:
+            t.mark(param.grad, GRADIENTS)
+        if self.wrapper is not None and not self._comm_scanned:
+            # ZeRO allocates its reduction bucket in its own grad hook, which runs before ours.
+            t.mark(engine_tensors(self.wrapper, COMM_BUFFERS), COMM_BUFFERS)
+            self._comm_scanned = True
+
+    def _step_pre(self, optimizer, args, kwargs) -> None:
+        self.mark_model_states()
+        self.tracker.set_phase("optimizer_step")
+
+    def _step_post(self, optimizer, args, kwargs) -> None:
+        self.tracker.mark(optimizer_state_tensors(optimizer), OPTIMIZER_STATES)
+        for fn in self.on_step_end:
+            fn()
+
+    # scans --------------------------------------------------------------------------------
+    def mark_model_states(self) -> None:
+        """Mark parameters, gradients, optimizer states and communication buffers by role."""
+        t = self.tracker
+        params = list(self.model.parameters())
+        t.mark(params, PARAMETERS)
+        t.mark([p.grad for p in params if p.grad is not None], GRADIENTS)
+        if self.basic_optimizer is not None:
+            masters = [p for g in self.basic_optimizer.param_groups for p in g["params"]]
+            t.mark(masters, PARAMETERS)
+            t.mark([p.grad for p in masters if p.grad is not None], GRADIENTS)
+            t.mark(optimizer_state_tensors(self.basic_optimizer), OPTIMIZER_STATES)
+        if self.wrapper is not None:
+            for category in (PARAMETERS, GRADIENTS, COMM_BUFFERS):
+                tensors = engine_tensors(self.wrapper, category)
+                t.mark(tensors, category)
+                if category == PARAMETERS:
+                    t.mark([p.grad for p in tensors if p.grad is not None], GRADIENTS)
+
+    def remove(self) -> None:
+        while self._handles:
+            self._handles.pop().remove()
+
+
+def watch_engine(tracker: MemoryTracker, engine: Any) -> TrainingWatch:
+    """Seed the tracker with what the engine holds and drive it from the engine's hooks."""
+    watch = TrainingWatch(tracker, engine.module, getattr(engine, "basic_optimizer", None),
+                          getattr(engine, "optimizer", None))
+    seed_model_states(tracker, watch)
+    return watch
+
+
+def seed_model_states(tracker: MemoryTracker, watch: TrainingWatch) -> None:
+    """Register what already exists before tracking starts, by role."""
+    watch.mark_model_states()
+
+
+def current_device_bytes(tracker: Optional[MemoryTracker] = None) -> int:
+    """Bytes in use on the device now: the accelerator's allocator, or the tracker on CPU."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if acc.device_name() != "cpu":
+        return int(acc.memory_allocated())
+    if tracker is None:
+        raise RuntimeError("on CPU, device bytes come from a MemoryTracker; none is running")
+    return tracker.live_bytes

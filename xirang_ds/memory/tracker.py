@@ -1,0 +1,450 @@
+"""Exact device-memory tracker: every live storage, its size, its category and its lifetime.
+
+A ``TorchDispatchMode`` sees every tensor an op returns; each new storage of the tracked device
+type gets a `Record` and a ``weakref.finalize`` that closes it when the storage dies. Storages are
+keyed by their C++ ``StorageImpl`` (``_cdata``), so views (ZeRO's parameters are views of one flat
+buffer) count once. Tensors that existed before tracking started are seeded explicitly.
+
+On CPU this is the measurement (DESIGN.md §4): the same step gives the same peak to the byte, run
+after run. On CUDA the same records give categories, and `allocator_stats` adds the caching
+allocator's own figures (allocated, reserved, fragmentation).
+
+Categories (`categories.py`): a record's category is the strongest role anyone gave it
+(`mark`, `scope`, `seed`). Without a role, a storage created in forward and still alive when
+forward ends is an activation; everything else is a temporary.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from xirang_ds.memory.categories import (
+    ACTIVATIONS,
+    CATEGORIES,
+    HOST,
+    PRIORITY,
+    TEMPORARIES,
+)
+
+PHASES = ("setup", "forward", "backward", "optimizer_step")
+
+
+@dataclass
+class Record:
+    """One storage's life.
+
+    Attributes:
+        serial: creation order (unique for the tracker's life).
+        nbytes: size of the storage in bytes.
+        created, freed: event clock at creation and free (``freed`` is None while alive).
+        last_used: event clock of the last op that read or wrote it (timeline mode only).
+        phase: phase at creation.
+        category: role, or None until `resolve`.
+        module: module (forward) or autograd node (backward) that created it.
+        op: the op that created it, or ``"seed"``.
+        shape, dtype: of the first tensor seen on the storage.
+    """
+
+    serial: int
+    nbytes: int
+    created: int
+    phase: str
+    category: Optional[str] = None
+    module: str = ""
+    op: str = ""
+    shape: tuple = ()
+    dtype: str = ""
+    freed: Optional[int] = None
+    last_used: int = -1
+    ptr: int = 0
+    host: bool = False
+
+    def resolved_category(self) -> str:
+        return self.category or TEMPORARIES
+
+
+@dataclass
+class PeakReport:
+    """The state of memory at the peak of a measurement window.
+
+    Attributes:
+        peak_bytes: device bytes live at the peak.
+        by_category: device bytes per category at the peak (``host`` holds host-tier bytes).
+        phase: phase in which the peak happened.
+        phase_peaks: highest live device bytes in each phase.
+        top: the largest live records at the peak.
+        baseline_bytes: device bytes live when the window began.
+    """
+
+    peak_bytes: int
+    by_category: dict[str, int]
+    phase: str
+    phase_peaks: dict[str, int]
+    top: list[Record] = field(default_factory=list)
+    baseline_bytes: int = 0
+
+    def as_dict(self) -> dict:
+        return {
+            "peak_bytes": self.peak_bytes,
+            "peak_by_category": dict(self.by_category),
+            "peak_phase": self.phase,
+            "phase_peaks": dict(self.phase_peaks),
+            "baseline_bytes": self.baseline_bytes,
+            "top_tensors": [
+                {"nbytes": r.nbytes, "category": r.resolved_category(), "shape": list(r.shape),
+                 "dtype": r.dtype, "module": r.module, "op": r.op, "phase": r.phase}
+                for r in self.top
+            ],
+        }
+
+
+def _storage_of(t: torch.Tensor):
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse, meta-only or functional wrappers
+        return None
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, tracker: "MemoryTracker"):
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tracker = self.tracker
+        if tracker.record_uses:
+            tracker._use(args, kwargs)
+        if isinstance(out, torch.Tensor):
+            tracker._see(out, func)
+        elif isinstance(out, (tuple, list)):
+            for t in out:
+                if isinstance(t, torch.Tensor):
+                    tracker._see(t, func)
+                elif isinstance(t, (tuple, list)):
+                    for u in t:
+                        if isinstance(u, torch.Tensor):
+                            tracker._see(u, func)
+        # In-place ops that resize an argument (resize_, set_) return it, so `_see` catches the
+        # new size through the output; out= ops return their out tensor likewise.
+        return out
+
+
+class MemoryTracker:
+    """Live-storage memory tracker with categories, phases and per-tensor records.
+
+    Args:
+        device_type: the device type whose memory is measured (``"cpu"``, ``"cuda"``); default:
+            DeepSpeed's accelerator if deepspeed is imported, else CUDA if available, else CPU.
+        record_uses: also record each storage's last use (for timelines; costs more per op).
+
+    Example:
+        >>> tracker = MemoryTracker("cpu")
+        >>> with tracker:
+        ...     x = torch.empty(1024)          # 4096 bytes
+        ...     y = torch.empty(256)
+        >>> tracker.peak_bytes
+        5120
+    """
+
+    def __init__(self, device_type: Optional[str] = None, record_uses: bool = False):
+        self.device_type = device_type or default_device_type()
+        self.record_uses = record_uses
+        self._lock = threading.RLock()
+        self._serial = itertools.count()
+        self.clock = 0
+        self._live: dict[int, Record] = {}  # StorageImpl address -> record
+        self._finalizers: dict[int, Any] = {}
+        self.records: list[Record] = []  # every record of the current window (alive or freed)
+        self.live_bytes = 0
+        self.host_bytes = 0
+        self.phase = "setup"
+        self.module_stack: list[str] = []
+        self._scopes: list[str] = []
+        self._host_depth = 0
+        self._forward_start_serial: Optional[int] = None
+        self._mode: Optional[_Mode] = None
+        self._handles: list[Any] = []
+        self.reset_peak()
+
+    # ----------------------------------------------------------------------------------------
+    # lifecycle
+    def start(self) -> "MemoryTracker":
+        """Begin tracking (enter the dispatch mode on this thread)."""
+        if self._mode is None:
+            self._mode = _Mode(self)
+            self._mode.__enter__()
+        return self
+
+    def stop(self) -> None:
+        """Stop tracking and remove the hooks this tracker installed."""
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+        while self._handles:
+            self._handles.pop().remove()
+
+    @property
+    def active(self) -> bool:
+        return self._mode is not None
+
+    def __enter__(self) -> "MemoryTracker":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Run a block untracked (the tracker's own bookkeeping, reports)."""
+        if self._mode is None:
+            yield
+            return
+        from torch.utils._python_dispatch import _pop_mode_temporarily
+
+        with _pop_mode_temporarily():
+            yield
+
+    # ----------------------------------------------------------------------------------------
+    # seeing storages
+    def _key_and_storage(self, t: torch.Tensor):
+        if t.device.type != self.device_type:
+            return None, None
+        st = _storage_of(t)
+        if st is None or st.data_ptr() == 0:
+            return None, None
+        return st._cdata, st
+
+    def _see(self, t: torch.Tensor, func: Any, category: Optional[str] = None) -> Optional[Record]:
+        key, st = self._key_and_storage(t)
+        if key is None:
+            return None
+        with self._lock:
+            rec = self._live.get(key)
+            nbytes = st.nbytes()
+            if rec is not None:
+                if rec.nbytes != nbytes or rec.ptr != st.data_ptr():  # resized in place
+                    self._close(key)
+                    rec = None
+                else:
+                    if category:
+                        self._set_category(rec, category)
+                    return rec
+            self.clock += 1
+            host = self._host_depth > 0 or category == HOST
+            scope = self._scopes[-1] if self._scopes else None
+            rec = Record(serial=next(self._serial), nbytes=nbytes, created=self.clock, phase=self.phase,
+                         category=HOST if host else (category or scope), module=self._where(),
+                         op=str(func) if func is not None else "seed", shape=tuple(t.shape),
+                         dtype=str(t.dtype).replace("torch.", ""), ptr=st.data_ptr(), host=host)
+            self._live[key] = rec
+            self.records.append(rec)
+            self._finalizers[key] = weakref.finalize(st, self._on_free, key, rec.serial)
+            if host:
+                self.host_bytes += nbytes
+            else:
+                self.live_bytes += nbytes
+                self._after_alloc()
+            return rec
+
+    def _where(self) -> str:
+        if self.phase == "backward":
+            node = torch._C._current_autograd_node()
+            if node is not None:
+                return node.name()
+        return self.module_stack[-1] if self.module_stack else ""
+
+    def _on_free(self, key: int, serial: int) -> None:
+        with self._lock:
+            rec = self._live.get(key)
+            if rec is not None and rec.serial == serial:
+                self._close(key)
+
+    def _close(self, key: int) -> None:
+        rec = self._live.pop(key)
+        fin = self._finalizers.pop(key, None)
+        if fin is not None:
+            fin.detach()
+        self.clock += 1
+        rec.freed = self.clock
+        if rec.host:
+            self.host_bytes -= rec.nbytes
+        else:
+            self.live_bytes -= rec.nbytes
+
+    def _use(self, args: Any, kwargs: Any) -> None:
+        clock = self.clock
+        for a in itertools.chain(args, (kwargs or {}).values()):
+            items = a if isinstance(a, (list, tuple)) else (a,)
+            for t in items:
+                if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
+                    st = _storage_of(t)
+                    if st is not None:
+                        rec = self._live.get(st._cdata)
+                        if rec is not None:
+                            rec.last_used = clock
+
+    def _after_alloc(self) -> None:
+        live = self.live_bytes
+        phase_peak = self.phase_peaks.get(self.phase, 0)
+        if live > phase_peak:
+            self.phase_peaks[self.phase] = live
+        if live > self.peak_bytes:
+            self.peak_bytes = live
+            self.peak_clock = self.clock
+            self.peak_phase = self.phase
+
+    # ----------------------------------------------------------------------------------------
+    # roles
+    def _set_category(self, rec: Record, category: str) -> None:
+        if rec.category is None or PRIORITY[category] > PRIORITY[rec.category]:
+            if category == HOST and not rec.host:
+                rec.host = True
+                self.live_bytes -= rec.nbytes
+                self.host_bytes += rec.nbytes
+            rec.category = category
+
+    def seed(self, tensors: Iterable[Any], category: str) -> int:
+        """Register tensors that existed before tracking (or mark them if already seen).
+
+        Returns the bytes newly registered (storages already known count zero).
+        """
+        added = 0
+        for t in _tensors(tensors):
+            before = self.live_bytes + self.host_bytes
+            self._see(t, None, category)
+            added += self.live_bytes + self.host_bytes - before
+        return added
+
+    def mark(self, tensors: Iterable[Any], category: str) -> None:
+        """Give the storages of ``tensors`` a role (the strongest role wins, see PRIORITY)."""
+        if category not in CATEGORIES:
+            raise ValueError(f"unknown category {category!r}; one of {CATEGORIES}")
+        for t in _tensors(tensors):
+            key, st = self._key_and_storage(t)
+            if key is None:
+                continue
+            rec = self._live.get(key)
+            if rec is None:
+                self._see(t, None, category)
+            else:
+                self._set_category(rec, category)
+
+    @contextlib.contextmanager
+    def scope(self, category: str) -> Iterator[None]:
+        """Storages created inside the block get ``category`` (e.g. recomputed activations)."""
+        self._scopes.append(category)
+        try:
+            yield
+        finally:
+            self._scopes.pop()
+
+    @contextlib.contextmanager
+    def host_tier(self) -> Iterator[None]:
+        """Storages created inside the block are host tier: counted as ``host``, not device.
+
+        Plugins that move tensors off the device create the host copies inside this block; on CPU
+        the host tier is accounted, not physically separate.
+        """
+        self._host_depth += 1
+        try:
+            yield
+        finally:
+            self._host_depth -= 1
+
+    # ----------------------------------------------------------------------------------------
+    # phases and windows
+    def set_phase(self, phase: str) -> None:
+        if phase == "forward" and self.phase != "forward":
+            self._forward_start_serial = next(self._serial)
+        elif self.phase == "forward" and phase != "forward":
+            self._end_forward()
+        self.phase = phase
+
+    def _end_forward(self) -> None:
+        """Storages created in this forward and still alive are activations unless marked."""
+        start = self._forward_start_serial
+        if start is None:
+            return
+        for rec in reversed(self.records):
+            if rec.serial < start:
+                break
+            if rec.freed is None and rec.category is None and rec.phase == "forward":
+                rec.category = ACTIVATIONS
+        self._forward_start_serial = None
+
+    def reset_peak(self) -> None:
+        """Start a new measurement window: the peak restarts from what is live now."""
+        with self._lock:
+            self.records = [r for r in getattr(self, "records", []) if r.freed is None]
+            self.peak_bytes = self.live_bytes
+            self.peak_clock = self.clock
+            self.peak_phase = getattr(self, "phase", "setup")
+            self.phase_peaks: dict[str, int] = {}
+            self.window_start_clock = self.clock
+            self.baseline_bytes = self.live_bytes
+
+    def live_records(self, at: Optional[int] = None) -> list[Record]:
+        """Records alive at event clock ``at`` (default: now)."""
+        if at is None:
+            return list(self._live.values())
+        return [r for r in self.records if r.created <= at and (r.freed is None or r.freed > at)]
+
+    def by_category(self, records: Iterable[Record]) -> dict[str, int]:
+        out = {c: 0 for c in CATEGORIES}
+        for r in records:
+            out[HOST if r.host else r.resolved_category()] += r.nbytes
+        return out
+
+    def report(self, top: int = 10) -> PeakReport:
+        """Peak of the current window with its breakdown, phase and largest tensors."""
+        at_peak = [r for r in self.live_records(self.peak_clock)]
+        by_cat = self.by_category(at_peak)
+        # host bytes at the peak: host records alive then
+        device = [r for r in at_peak if not r.host]
+        device.sort(key=lambda r: r.nbytes, reverse=True)
+        return PeakReport(peak_bytes=self.peak_bytes, by_category=by_cat, phase=self.peak_phase,
+                          phase_peaks=dict(self.phase_peaks), top=device[:top],
+                          baseline_bytes=self.baseline_bytes)
+
+    # ----------------------------------------------------------------------------------------
+    # module attribution
+    def watch_module(self, model: torch.nn.Module) -> None:
+        """Name the module that creates each storage in forward (costs two hooks per module)."""
+        for name, module in model.named_modules():
+            label = name or type(module).__name__
+            self._handles.append(module.register_forward_pre_hook(
+                lambda m, a, _l=label: self.module_stack.append(_l)))
+            self._handles.append(module.register_forward_hook(
+                lambda m, a, o: self.module_stack.pop() if self.module_stack else None))
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in nested lists, tuples, dicts and optimizer states."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple, set)) or hasattr(obj, "__iter__") and not isinstance(obj, (str, bytes)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def default_device_type() -> str:
+    """The device type memory is measured on: DeepSpeed's accelerator when loaded, else CUDA/CPU."""
+    import sys
+
+    if "deepspeed" in sys.modules:
+        from deepspeed.accelerator import get_accelerator
+
+        name = get_accelerator().device_name()
+        return "cpu" if name == "cpu" else torch.device(name).type
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,86 @@
+"""Split each micro-batch into k pieces inside ``engine.forward``, without changing the user's loop.
+
+The monitor's ``halve_micro_batch`` action uses this: the pieces run forward and backward one after
+another with the accumulation boundary held off, so activations shrink k-fold while the gradient
+(and the global batch) stay the same. The loss the user receives has the value of the whole
+micro-batch's mean loss, and its backward applies only the last piece's share.
+
+Exact for losses that are a mean over equally sized samples (the usual language-model loss with
+no padding); the batch dimension must divide by k.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from xirang_ds.hooks import wrap_method
+
+
+class SplitError(RuntimeError):
+    """The forward's inputs or output do not allow splitting."""
+
+
+def _batch_size(args: tuple, kwargs: dict) -> int:
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return value.shape[0]
+    raise SplitError("no tensor argument to split along dimension 0")
+
+
+def split_inputs(args: tuple, kwargs: dict, k: int) -> list[tuple[tuple, dict]]:
+    """k (args, kwargs) pieces: tensors whose first dimension is the batch are chunked."""
+    batch = _batch_size(args, kwargs)
+    if batch % k:
+        raise SplitError(f"micro-batch of {batch} does not split into {k} equal pieces")
+
+    def piece(value: Any, i: int) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
+            return value.chunk(k, dim=0)[i]
+        return value
+
+    return [(tuple(piece(a, i) for a in args), {n: piece(v, i) for n, v in kwargs.items()}) for i in range(k)]
+
+
+class MicroBatchSplitter:
+    """Run each ``engine(...)`` call as ``pieces`` smaller forward/backward passes.
+
+    Args:
+        engine: the DeepSpeed engine.
+        pieces: initial number of pieces (1 = off).
+    """
+
+    def __init__(self, engine: Any, pieces: int = 1):
+        self.engine = engine
+        self.pieces = pieces
+        self._handle = wrap_method(engine, "forward", self._forward)
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+    def can_split(self, k: int) -> bool:
+        micro = self.engine.train_micro_batch_size_per_gpu()
+        return micro % k == 0 and micro >= k
+
+    def _forward(self, original, *args: Any, **kwargs: Any) -> Any:
+        k = self.pieces
+        if k <= 1 or not torch.is_grad_enabled() or not self.engine.training:
+            return original(*args, **kwargs)
+        pieces = split_inputs(args, kwargs, k)
+        engine = self.engine
+        saved_boundary = engine._is_gradient_accumulation_boundary
+        earlier = []
+        try:
+            engine.set_gradient_accumulation_boundary(False)
+            for piece_args, piece_kwargs in pieces[:-1]:
+                loss = original(*piece_args, **piece_kwargs)
+                if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+                    raise SplitError(f"halve_micro_batch needs forward to return a scalar loss; "
+                                     f"got {type(loss).__name__}")
+                engine.backward(loss / k)
+                earlier.append(loss.detach())
+        finally:
+            engine._is_gradient_accumulation_boundary = saved_boundary
+        last = original(*pieces[-1][0], **pieces[-1][1])
+        # value: mean of all pieces; gradient: only the last piece's 1/k share (the rest is applied)
+        return last / k + torch.stack(earlier).sum().to(last.dtype) / k

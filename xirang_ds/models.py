@@ -1,0 +1,241 @@
+"""Built-in model specs for ``estimate`` and ``bench``: a GPT-style decoder and a Llama-style one.
+
+A spec is written ``gpt:layers=4,hidden=256,heads=8,seq=128,vocab=1024`` or named
+(`BUILTIN_SPECS`); ``package.module:factory`` names a Python factory returning a module whose
+``forward(input_ids, labels)`` returns the loss. The micro-batch comes from the ds_config.
+
+Module names are stable (``blocks.3.attn``, ``blocks.3.mlp``, ``lm_head``) so globs in the
+``"xirang"`` block can select them.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Any, Callable, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class ModelSpecError(ValueError):
+    """A model spec that is incomplete, inconsistent or cannot be loaded."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a built-in decoder.
+
+    Attributes:
+        arch: ``gpt`` (LayerNorm, GELU MLP, learned positions) or ``llama`` (RMSNorm, SwiGLU, RoPE).
+        layers, hidden, heads, seq, vocab: the usual transformer sizes.
+        ffn: MLP width (default 4 × hidden for gpt, 8/3 × hidden rounded to 32 for llama).
+    """
+
+    arch: str = "gpt"
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 8
+    seq: int = 128
+    vocab: int = 256
+    ffn: int = 0
+
+    def __post_init__(self):
+        problems = []
+        if self.arch not in ARCHS:
+            problems.append(f"arch must be one of {', '.join(ARCHS)}; got {self.arch!r}")
+        for name in ("layers", "hidden", "heads", "seq", "vocab"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.heads >= 1 and self.hidden % self.heads:
+            problems.append(f"heads ({self.heads}) must divide hidden ({self.hidden})")
+        elif self.arch == "llama" and self.heads >= 1 and (self.hidden // self.heads) % 2:
+            problems.append(f"llama needs an even head size for RoPE; hidden/heads = {self.hidden // self.heads}")
+        if self.ffn < 0:
+            problems.append(f"ffn must be >= 0; got {self.ffn}")
+        if problems:
+            raise ModelSpecError("invalid model spec: " + "; ".join(problems))
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn:
+            return self.ffn
+        if self.arch == "llama":
+            return 32 * math.ceil(8 * self.hidden / 3 / 32)
+        return 4 * self.hidden
+
+    def describe(self) -> str:
+        return (f"{self.arch}:layers={self.layers},hidden={self.hidden},heads={self.heads},"
+                f"seq={self.seq},vocab={self.vocab}" + (f",ffn={self.ffn}" if self.ffn else ""))
+
+
+ARCHS = ("gpt", "llama")
+BUILTIN_SPECS: dict[str, ModelSpec] = {
+    "gpt-tiny": ModelSpec("gpt", layers=2, hidden=64, heads=4, seq=64, vocab=256),
+    "gpt-small": ModelSpec("gpt", layers=4, hidden=256, heads=8, seq=128, vocab=256),
+    "gpt-medium": ModelSpec("gpt", layers=8, hidden=512, heads=8, seq=256, vocab=256),
+    "llama-tiny": ModelSpec("llama", layers=2, hidden=64, heads=4, seq=64, vocab=256),
+    "llama-small": ModelSpec("llama", layers=4, hidden=256, heads=8, seq=128, vocab=256),
+}
+"""Named specs; ``gpt-small`` is the bench GPT."""
+
+_INT_KEYS = {f.name for f in fields(ModelSpec)} - {"arch"}
+
+
+def parse_model_spec(text: str) -> Union[ModelSpec, Callable[[], nn.Module]]:
+    """Parse ``--model``: a built-in name, ``arch:key=value,...``, or ``package.module:factory``.
+
+    Raises:
+        ModelSpecError: unknown name, missing or extra keys, bad numbers, or a factory that
+            cannot be imported.
+    """
+    text = text.strip()
+    if text in BUILTIN_SPECS:
+        return BUILTIN_SPECS[text]
+    head, sep, tail = text.partition(":")
+    if head in ARCHS:
+        values: dict[str, Any] = {}
+        for item in filter(None, (s.strip() for s in tail.split(","))):
+            key, eq, value = item.partition("=")
+            if not eq:
+                raise ModelSpecError(f"model spec item {item!r} must be key=value")
+            if key not in _INT_KEYS:
+                raise ModelSpecError(f"model spec key {key!r} is unknown; allowed: {', '.join(sorted(_INT_KEYS))}")
+            try:
+                values[key] = int(float(value))
+            except ValueError:
+                raise ModelSpecError(f"model spec {key}={value!r} is not a number") from None
+        missing = {"layers", "hidden", "heads", "seq", "vocab"} - values.keys()
+        if missing:
+            raise ModelSpecError(f"model spec {text!r} is missing {', '.join(sorted(missing))}; "
+                                 f"write e.g. {head}:layers=4,hidden=256,heads=8,seq=128,vocab=256")
+        return ModelSpec(arch=head, **values)
+    if sep and "." in head:
+        try:
+            factory = getattr(importlib.import_module(head), tail)
+        except (ImportError, AttributeError) as e:
+            raise ModelSpecError(f"cannot load model factory {text!r}: {e}") from None
+        if not callable(factory):
+            raise ModelSpecError(f"model factory {text!r} is not callable")
+        return factory
+    raise ModelSpecError(f"unknown model {text!r}; use one of {', '.join(BUILTIN_SPECS)}, "
+                         f"'gpt:layers=..,hidden=..,heads=..,seq=..,vocab=..' or 'package.module:factory'")
+
+
+# ------------------------------------------------------------------------------------------------
+# modules
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x.float() * scale).to(x.dtype) * self.weight
+
+
+def _rope(x: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding on [b, heads, s, d]."""
+    s, d = x.shape[-2], x.shape[-1]
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    ang = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), inv)
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.heads = spec.heads
+        self.rope = spec.arch == "llama"
+        self.qkv = nn.Linear(spec.hidden, 3 * spec.hidden, bias=not self.rope)
+        self.proj = nn.Linear(spec.hidden, spec.hidden, bias=not self.rope)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        if self.rope:
+            q, k = _rope(q), _rope(k)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, h))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.gated = spec.arch == "llama"
+        width = spec.ffn_size
+        self.fc_in = nn.Linear(spec.hidden, (2 if self.gated else 1) * width, bias=not self.gated)
+        self.fc_out = nn.Linear(width, spec.hidden, bias=not self.gated)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            gate, up = self.fc_in(x).chunk(2, dim=-1)
+            return self.fc_out(F.silu(gate) * up)
+        return self.fc_out(F.gelu(self.fc_in(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        norm = (lambda: RMSNorm(spec.hidden)) if spec.arch == "llama" else (lambda: nn.LayerNorm(spec.hidden))
+        self.ln_1, self.attn, self.ln_2, self.mlp = norm(), Attention(spec), norm(), MLP(spec)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class Decoder(nn.Module):
+    """A GPT- or Llama-style decoder LM; ``forward(input_ids, labels=None)`` returns the mean loss
+    when labels are given, else the logits."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.embed = nn.Embedding(spec.vocab, spec.hidden)
+        self.pos = nn.Embedding(spec.seq, spec.hidden) if spec.arch == "gpt" else None
+        self.blocks = nn.ModuleList(Block(spec) for _ in range(spec.layers))
+        self.ln_f = RMSNorm(spec.hidden) if spec.arch == "llama" else nn.LayerNorm(spec.hidden)
+        self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(input_ids)
+        if self.pos is not None:
+            x = x + self.pos(torch.arange(input_ids.shape[1], device=input_ids.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def build_model(spec: Union[ModelSpec, Callable[[], nn.Module]], seed: int = 0) -> nn.Module:
+    """Build the model of a spec with a fixed seed (same weights on every rank and run)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if isinstance(spec, ModelSpec):
+            return Decoder(spec)
+        return spec()
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def with_seq(spec: ModelSpec, seq: int) -> ModelSpec:
+    return replace(spec, seq=seq)

@@ -1,0 +1,220 @@
+"""Plugins: the base class, the registry keyed by config type, and entry-point discovery.
+
+The config type is the plugin key (torchao's ``register_quantize_module_handler``): a plugin class
+is registered with ``@register_plugin(SomeConfig, section="some")`` and the session dispatches on
+``type(config)``. Third-party plugins ship a section dataclass and a plugin class and expose the
+class under the entry-point group ``xirang_ds.plugins``; their section then becomes a key of the
+block.
+
+Order: plugins are applied in ascending ``order`` at every seam and removed in reverse. The
+built-in order is documented in the README:
+
+    10 comm_buffers   (ds_config edits come first: bucket sizes)
+    20 precision      (module casts and op lists, before anything reads dtypes)
+    30 activations    (saved-tensor hooks and recompute wrappers on the model)
+    40 optimizer_states (the basic optimizer)
+    50 grad_release   (hooks on parameters, needs the final optimizer)
+    60 memory_pool
+    80 profiler       (observes everything above)
+    90 monitor        (acts on what the tracker sees)
+    100 autotune
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
+
+from xirang_ds.config.schema import Section, XirangConfig
+
+if TYPE_CHECKING:  # pragma: no cover
+    from xirang_ds.session import Session
+
+logger = logging.getLogger("xirang_ds")
+
+ENTRY_POINT_GROUP = "xirang_ds.plugins"
+
+
+@dataclass
+class OptimizerSpec:
+    """The ds_config ``optimizer`` block, handed to plugins when no client optimizer is given.
+
+    A plugin that returns it unchanged lets DeepSpeed build the optimizer from the block as usual;
+    a plugin that replaces it returns a ``torch.optim`` object or a callable
+    ``f(model_parameters) -> optimizer`` (what ``deepspeed.initialize`` accepts).
+
+    Attributes:
+        type: the block's ``type`` as written (``"AdamW"``).
+        params: the block's ``params`` as written.
+    """
+
+    type: str
+    params: dict
+
+
+class Plugin:
+    """Base class of every plugin. Override the seams you need; each default does nothing.
+
+    Seams, called by the session in plugin order:
+
+    * ``prepare_ds_config(ds_config)``: edit the ds_config copy handed to DeepSpeed.
+    * ``prepare_model(model)``: hooks or module swaps before DeepSpeed wraps the model.
+    * ``prepare_optimizer(optimizer)``: receive the basic optimizer (a ``torch.optim`` object, an
+      `OptimizerSpec`, or ``None``) and return it or a replacement.
+    * ``attach(engine)``: after ``deepspeed.initialize``.
+    * ``remove()``: undo everything; the run behaves as without the plugin afterwards.
+    * ``state_dict()``/``load_state_dict(state)``: plugin state saved in engine checkpoints.
+
+    Attributes:
+        config: this plugin's validated section.
+        session: the `Session` that owns the plugin (config, tracker, engine).
+    """
+
+    section: ClassVar[str] = ""
+    config_type: ClassVar[type] = Section
+    order: ClassVar[int] = 50
+
+    def __init__(self, config: Section, session: "Session"):
+        self.config = config
+        self.session = session
+        self._handles: list[Any] = []
+
+    # seams ---------------------------------------------------------------------------------
+    def prepare_ds_config(self, ds_config: dict) -> None:
+        """Edit the ds_config DeepSpeed will see (a private copy)."""
+
+    def prepare_model(self, model: Any) -> None:
+        """Attach to the model before DeepSpeed wraps it."""
+
+    def prepare_optimizer(self, optimizer: Any) -> Any:
+        """Return the basic optimizer DeepSpeed should wrap (default: unchanged)."""
+        return optimizer
+
+    def attach(self, engine: Any) -> None:
+        """Attach to the DeepSpeed engine after it is built."""
+
+    def remove(self) -> None:
+        """Remove every hook and wrapper this plugin added."""
+        while self._handles:
+            self._handles.pop().remove()
+
+    def state_dict(self) -> dict:
+        """Plugin state for checkpoints (plain data)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned."""
+
+    # helpers --------------------------------------------------------------------------------
+    def keep(self, handle: Any) -> Any:
+        """Keep a removable handle (anything with ``.remove()``) for `remove`."""
+        self._handles.append(handle)
+        return handle
+
+
+@dataclass
+class _Registry:
+    by_type: dict[type, type[Plugin]] = field(default_factory=dict)
+    by_section: dict[str, type] = field(default_factory=dict)
+    builtin_loaded: bool = False
+    entry_points_loaded: bool = False
+
+
+_REGISTRY = _Registry()
+
+BUILTIN_PLUGIN_MODULES = ("xirang_ds.plugins.monitor",)
+"""Modules of the built-in plugins; importing one registers its plugin (no deepspeed import)."""
+
+
+def register_plugin(config_type: type, section: str, order: int = 50) -> Callable[[type], type]:
+    """Class decorator: register a `Plugin` subclass as the handler of ``config_type``.
+
+    Args:
+        config_type: the section dataclass (a `Section` subclass) that selects this plugin.
+        section: the key of the section in the ``"xirang"`` block.
+        order: position among plugins at every seam (see the module docstring).
+
+    Raises:
+        ValueError: another plugin already handles this config type or section.
+
+    Example:
+        >>> @register_plugin(MyConfig, section="my_plugin", order=70)
+        ... class MyPlugin(Plugin):
+        ...     def attach(self, engine): ...
+    """
+
+    def wrap(cls: type) -> type:
+        if not (isinstance(cls, type) and issubclass(cls, Plugin)):
+            raise TypeError(f"@register_plugin expects a Plugin subclass; got {cls!r}")
+        known = _REGISTRY.by_section.get(section)
+        if known is not None and known is not config_type:
+            raise ValueError(f"section {section!r} is already handled by {_REGISTRY.by_type[known].__name__}")
+        cls.section, cls.config_type, cls.order = section, config_type, order
+        _REGISTRY.by_type[config_type] = cls
+        _REGISTRY.by_section[section] = config_type
+        return cls
+
+    return wrap
+
+
+def _load_builtins() -> None:
+    if not _REGISTRY.builtin_loaded:
+        _REGISTRY.builtin_loaded = True
+        for name in BUILTIN_PLUGIN_MODULES:
+            importlib.import_module(name)
+
+
+def _load_entry_points() -> None:
+    if _REGISTRY.entry_points_loaded:
+        return
+    _REGISTRY.entry_points_loaded = True
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            ep.load()  # the module registers its plugin on import, or the object is the class
+        except Exception as e:  # a broken third-party plugin must not stop training setups
+            logger.warning("xirang_ds: could not load plugin entry point %s (%s): %s", ep.name, ep.value, e)
+
+
+def plugin_for(config: Section) -> Optional[type[Plugin]]:
+    """The plugin class registered for ``type(config)``, or ``None`` if none is built."""
+    _load_builtins()
+    _load_entry_points()
+    return _REGISTRY.by_type.get(type(config))
+
+
+def extension_sections() -> dict[str, type]:
+    """Sections contributed by third-party plugins: key → config dataclass."""
+    _load_builtins()
+    _load_entry_points()
+    from xirang_ds.config.schema import SECTION_NAMES
+
+    return {k: v for k, v in _REGISTRY.by_section.items() if k not in SECTION_NAMES}
+
+
+def check_available(config: XirangConfig) -> list[tuple[str, str]]:
+    """Problems for enabled sections whose plugin is not built in this version."""
+    from xirang_ds import __version__
+
+    problems = []
+    for name, section in config.enabled_sections().items():
+        if plugin_for(section) is None:
+            problems.append((f"xirang.{name}.enabled",
+                             f"the {name} plugin is not built yet in xirang_ds {__version__}; "
+                             f"set it to false or remove the {name!r} section"))
+    return problems
+
+
+def plugins_for(config: XirangConfig) -> list[tuple[type[Plugin], Section]]:
+    """Enabled sections with their plugin classes, in application order."""
+    pairs = [(plugin_for(s), s) for s in config.enabled_sections().values()]
+    return sorted(((cls, s) for cls, s in pairs if cls is not None), key=lambda p: p[0].order)
+
+
+def unregister(section: str) -> None:
+    """Forget a registered plugin (for tests of third-party registration)."""
+    config_type = _REGISTRY.by_section.pop(section, None)
+    if config_type is not None:
+        _REGISTRY.by_type.pop(config_type, None)

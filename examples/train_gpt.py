@@ -47,12 +47,12 @@ def main() -> int:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ["WORLD_SIZE"])))
 
     spec = parse_model_spec(args.model)
+    tokens = load_tokens(args.data or find_default_corpus())
     model = build_model(spec, seed=args.seed)
     engine, _, _, _ = xirang_ds.initialize(model=model, model_parameters=model.parameters(),
                                            config=args.ds_config)
     rank, world = engine.global_rank, engine.dp_world_size
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    tokens = load_tokens(args.data or find_default_corpus())
     data = batches(tokens, micro, spec.seq, seed=args.seed, vocab=spec.vocab, rank=rank, world_size=world)
     dtype = next(engine.module.parameters()).dtype
     device = engine.device

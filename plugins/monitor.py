@@ -68,6 +68,7 @@ class MonitorPlugin(Plugin):
         self.splitter = None
         self.last_report = None
         """The tracker's report of the last checked window (CPU only)."""
+        self.window = None
         self._last_step = None
 
     # ----------------------------------------------------------------------------------------
@@ -78,6 +79,7 @@ class MonitorPlugin(Plugin):
         self.accel = get_accelerator()
         self.on_cpu = self.accel.device_name() == "cpu"
         tracker = self.session.track_memory() if self.on_cpu else None
+        self.window = tracker.open_window() if tracker is not None else None
         state_bytes = tracker.live_bytes if tracker is not None else int(self.accel.memory_allocated())
         self.budget = resolve_budget(self.session.config.memory_budget, self.accel.total_memory(), state_bytes)
         if not self.on_cpu:
@@ -105,11 +107,10 @@ class MonitorPlugin(Plugin):
 
     def measure(self) -> int:
         """This rank's peak device bytes since the previous measurement (then restart the window)."""
-        if self.on_cpu:
-            tracker = self.session.tracker
-            self.last_report = tracker.report()
-            peak = tracker.peak_bytes
-            tracker.reset_peak()
+        if self.window is not None:
+            self.last_report = self.window.report()
+            peak = self.window.peak_bytes
+            self.window.reset()
         else:
             peak = int(self.accel.max_memory_allocated())
             self.accel.reset_peak_memory_stats()

@@ -13,6 +13,22 @@ from typing import Any
 
 __version__ = "0.1.0"
 
+import logging as _logging  # noqa: E402
+
+
+def _configure_logger() -> None:
+    """xirang's own console logger, like DeepSpeed's: INFO to stderr unless the user configured one."""
+    log = _logging.getLogger("xirang_ds")
+    if not log.handlers:
+        handler = _logging.StreamHandler()
+        handler.setFormatter(_logging.Formatter("[xirang] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(_logging.INFO)
+        log.propagate = False
+
+
+_configure_logger()
+
 from xirang_ds.config import XirangConfig, XirangConfigError, load_config  # noqa: E402
 from xirang_ds.registry import OptimizerSpec, Plugin, register_plugin  # noqa: E402
 

@@ -87,7 +87,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (XirangConfigError, UsageError) as e:
         print(f"xirang-ds {args.command}: {e}", file=sys.stderr)
         return USAGE_ERROR
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:  # ModelSpecError, TraceError, a bad data file
         print(f"xirang-ds {args.command}: {e}", file=sys.stderr)
         return USAGE_ERROR
 

@@ -74,8 +74,13 @@ def batches(tokens: torch.Tensor, batch: int, seq: int, seed: int, vocab: int = 
     Each rank draws the full global batch and keeps its slice, so a 2-rank run sees exactly the
     data a 1-rank run with twice the micro-batch sees.
     """
-    gen = torch.Generator().manual_seed(seed)
-    tokens = tokens % vocab
+    if int(tokens.max()) >= vocab:  # byte tokens fit any vocab >= 256 as they are
+        tokens = tokens % vocab
+    return _windows(tokens, batch, seq, torch.Generator().manual_seed(seed), rank, world_size)
+
+
+def _windows(tokens: torch.Tensor, batch: int, seq: int, gen: torch.Generator, rank: int,
+             world_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     n = tokens.numel() - seq - 1
     while True:
         starts = torch.randint(0, n, (batch * world_size,), generator=gen)

@@ -1,39 +1,61 @@
 """Removable wrappers: the one way plugins change behaviour they do not own.
 
 Module and tensor hooks return PyTorch's own handles. For a method of one object (the engine's
-``save_checkpoint``), `wrap_method` shadows it with an instance attribute and the handle deletes
-that attribute again, so the class and every other instance stay untouched.
+``step``), `wrap_method` shadows it with an instance attribute that runs a chain of wrappers around
+the class's method; each handle removes its own wrapper, in any order, and the attribute is
+deleted with the last one, so the class and every other instance stay untouched.
 """
 from __future__ import annotations
 
 import functools
 from typing import Any, Callable
 
+_CHAINS = "__xirang_method_chains__"
+
 
 class MethodWrap:
-    """Handle of `wrap_method`; ``remove()`` restores the original attribute exactly."""
+    """Handle of `wrap_method`; ``remove()`` takes this wrapper out of the chain."""
 
     def __init__(self, obj: Any, name: str, wrapper: Callable):
-        self.obj, self.name = obj, name
-        self._had_own = name in vars(obj)
-        self._own = vars(obj).get(name)
-        self.original = getattr(obj, name)
-        bound = functools.wraps(self.original)(functools.partial(wrapper, self.original))
-        setattr(obj, name, bound)
-        self.wrapped = bound
+        self.obj, self.name, self.wrapper = obj, name, wrapper
+        chains = vars(obj).setdefault(_CHAINS, {})
+        if name not in chains:
+            if name in vars(obj):
+                raise RuntimeError(f"{type(obj).__name__}.{name} is already replaced on this instance by "
+                                   "something other than xirang; cannot wrap it safely")
+            original = getattr(obj, name)
+            chain: list[Callable] = []
+            chains[name] = (original, chain)
+
+            @functools.wraps(original)
+            def dispatch(*args: Any, **kwargs: Any) -> Any:
+                call = original
+                for w in chain:  # first registered is innermost
+                    call = functools.partial(w, call)
+                return call(*args, **kwargs)
+
+            vars(obj)[name] = dispatch  # bypasses nn.Module.__setattr__ on purpose
+        chains[name][1].append(wrapper)
+
+    @property
+    def original(self) -> Callable:
+        return vars(self.obj)[_CHAINS][self.name][0]
 
     def remove(self) -> None:
-        if getattr(self.obj, self.name, None) is not self.wrapped:
-            raise RuntimeError(f"{self.name} of {type(self.obj).__name__} was wrapped again after xirang; "
-                               "remove wrappers in reverse order")
-        if self._had_own:
-            setattr(self.obj, self.name, self._own)
-        else:
-            delattr(self.obj, self.name)
+        chains = vars(self.obj).get(_CHAINS, {})
+        entry = chains.get(self.name)
+        if entry is None or self.wrapper not in entry[1]:
+            return
+        entry[1].remove(self.wrapper)
+        if not entry[1]:
+            del chains[self.name]
+            vars(self.obj).pop(self.name, None)
+            if not chains:
+                vars(self.obj).pop(_CHAINS, None)
 
 
 def wrap_method(obj: Any, name: str, wrapper: Callable) -> MethodWrap:
-    """Replace ``obj.name`` by ``wrapper(original, *args, **kwargs)`` on this instance only.
+    """Run ``obj.name(...)`` as ``wrapper(original, *args, **kwargs)`` on this instance only.
 
     Example:
         >>> handle = wrap_method(engine, "step", lambda step, *a, **k: step(*a, **k))

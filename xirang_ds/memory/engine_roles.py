@@ -12,6 +12,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import COMM_BUFFERS, GRADIENTS, OPTIMIZER_STATES, PARAMETERS
 from xirang_ds.memory.tracker import MemoryTracker
 
@@ -78,7 +79,7 @@ class TrainingWatch:
     """
 
     def __init__(self, tracker: MemoryTracker, model: torch.nn.Module, basic_optimizer: Any = None,
-                 wrapper: Any = None):
+                 wrapper: Any = None, engine: Any = None):
         self.tracker = tracker
         self.model = model
         self.basic_optimizer = basic_optimizer
@@ -94,6 +95,11 @@ class TrainingWatch:
         if basic_optimizer is not None and hasattr(basic_optimizer, "register_step_pre_hook"):
             self._handles.append(basic_optimizer.register_step_pre_hook(self._step_pre))
             self._handles.append(basic_optimizer.register_step_post_hook(self._step_post))
+        if engine is not None:
+            # ZeRO's gradient partitions live from the first reduction to the start of step();
+            # mark them when backward returns, while they are alive.
+            self._handles.append(wrap_method(engine, "backward", self._after_backward))
+            self._handles.append(wrap_method(engine, "step", self._after_step))
 
     # hooks --------------------------------------------------------------------------------
     def _forward_pre(self, module, args) -> None:
@@ -114,6 +120,17 @@ class TrainingWatch:
             # ZeRO allocates its reduction bucket in its own grad hook, which runs before ours.
             t.mark(engine_tensors(self.wrapper, COMM_BUFFERS), COMM_BUFFERS)
             self._comm_scanned = True
+
+    def _after_backward(self, original, *args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        self.mark_model_states()
+        return result
+
+    def _after_step(self, original, *args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        if self.tracker.phase == "optimizer_step":
+            self.tracker.set_phase("idle")  # between steps: data loading, logging
+        return result
 
     def _step_pre(self, optimizer, args, kwargs) -> None:
         self.mark_model_states()
@@ -151,7 +168,7 @@ class TrainingWatch:
 def watch_engine(tracker: MemoryTracker, engine: Any) -> TrainingWatch:
     """Seed the tracker with what the engine holds and drive it from the engine's hooks."""
     watch = TrainingWatch(tracker, engine.module, getattr(engine, "basic_optimizer", None),
-                          getattr(engine, "optimizer", None))
+                          getattr(engine, "optimizer", None), engine)
     seed_model_states(tracker, watch)
     return watch
 

@@ -33,7 +33,7 @@ from xirang_ds.memory.categories import (
     TEMPORARIES,
 )
 
-PHASES = ("setup", "forward", "backward", "optimizer_step")
+PHASES = ("setup", "forward", "backward", "optimizer_step", "idle")
 
 
 @dataclass
@@ -112,6 +112,19 @@ def _storage_of(t: torch.Tensor):
         return None
 
 
+_ALIASING: dict[Any, bool] = {}
+
+
+def _returns_alias(func: Any) -> bool:
+    """True for ops whose outputs alias an input (views, in-place and out= ops)."""
+    known = _ALIASING.get(func)
+    if known is None:
+        schema = getattr(func, "_schema", None)
+        known = bool(schema is not None and any(r.alias_info is not None for r in schema.returns))
+        _ALIASING[func] = known
+    return known
+
+
 class _Mode(TorchDispatchMode):
     def __init__(self, tracker: "MemoryTracker"):
         super().__init__()
@@ -122,16 +135,19 @@ class _Mode(TorchDispatchMode):
         tracker = self.tracker
         if tracker.record_uses:
             tracker._use(args, kwargs)
+        # An output that aliases an input is not a new storage: only a known storage is looked
+        # at (it may have been resized in place); an untracked one stays untracked.
+        new = not _returns_alias(func)
         if isinstance(out, torch.Tensor):
-            tracker._see(out, func)
+            tracker._see(out, func, new=new)
         elif isinstance(out, (tuple, list)):
             for t in out:
                 if isinstance(t, torch.Tensor):
-                    tracker._see(t, func)
+                    tracker._see(t, func, new=new)
                 elif isinstance(t, (tuple, list)):
                     for u in t:
                         if isinstance(u, torch.Tensor):
-                            tracker._see(u, func)
+                            tracker._see(u, func, new=new)
         # In-place ops that resize an argument (resize_, set_) return it, so `_see` catches the
         # new size through the output; out= ops return their out tensor likewise.
         return out
@@ -144,6 +160,7 @@ class MemoryTracker:
         device_type: the device type whose memory is measured (``"cpu"``, ``"cuda"``); default:
             DeepSpeed's accelerator if deepspeed is imported, else CUDA if available, else CPU.
         record_uses: also record each storage's last use (for timelines; costs more per op).
+        fake: track ``FakeTensor`` storages (the estimator traces a step without memory).
 
     Example:
         >>> tracker = MemoryTracker("cpu")
@@ -154,9 +171,10 @@ class MemoryTracker:
         5120
     """
 
-    def __init__(self, device_type: Optional[str] = None, record_uses: bool = False):
+    def __init__(self, device_type: Optional[str] = None, record_uses: bool = False, fake: bool = False):
         self.device_type = device_type or default_device_type()
         self.record_uses = record_uses
+        self.fake = fake
         self._lock = threading.RLock()
         self._serial = itertools.count()
         self.clock = 0
@@ -172,7 +190,9 @@ class MemoryTracker:
         self._forward_start_serial: Optional[int] = None
         self._mode: Optional[_Mode] = None
         self._handles: list[Any] = []
-        self.reset_peak()
+        self.phase_log: list[tuple[int, str]] = [(0, "setup")]
+        self._windows: list[Window] = []
+        self.default = self.open_window()
 
     # ----------------------------------------------------------------------------------------
     # lifecycle
@@ -218,19 +238,22 @@ class MemoryTracker:
         if t.device.type != self.device_type:
             return None, None
         st = _storage_of(t)
-        if st is None or st.data_ptr() == 0:
+        if st is None or (st.nbytes() == 0 if self.fake else st.data_ptr() == 0):
             return None, None
         return st._cdata, st
 
-    def _see(self, t: torch.Tensor, func: Any, category: Optional[str] = None) -> Optional[Record]:
+    def _see(self, t: torch.Tensor, func: Any, category: Optional[str] = None, new: bool = True) -> Optional[Record]:
         key, st = self._key_and_storage(t)
         if key is None:
             return None
         with self._lock:
             rec = self._live.get(key)
+            if rec is None and not new:
+                return None
             nbytes = st.nbytes()
+            ptr = 0 if self.fake else st.data_ptr()
             if rec is not None:
-                if rec.nbytes != nbytes or rec.ptr != st.data_ptr():  # resized in place
+                if rec.nbytes != nbytes or rec.ptr != ptr:  # resized in place
                     self._close(key)
                     rec = None
                 else:
@@ -243,7 +266,7 @@ class MemoryTracker:
             rec = Record(serial=next(self._serial), nbytes=nbytes, created=self.clock, phase=self.phase,
                          category=HOST if host else (category or scope), module=self._where(),
                          op=str(func) if func is not None else "seed", shape=tuple(t.shape),
-                         dtype=str(t.dtype).replace("torch.", ""), ptr=st.data_ptr(), host=host)
+                         dtype=str(t.dtype).replace("torch.", ""), ptr=ptr, host=host)
             self._live[key] = rec
             self.records.append(rec)
             self._finalizers[key] = weakref.finalize(st, self._on_free, key, rec.serial)
@@ -292,14 +315,12 @@ class MemoryTracker:
                             rec.last_used = clock
 
     def _after_alloc(self) -> None:
-        live = self.live_bytes
-        phase_peak = self.phase_peaks.get(self.phase, 0)
-        if live > phase_peak:
-            self.phase_peaks[self.phase] = live
-        if live > self.peak_bytes:
-            self.peak_bytes = live
-            self.peak_clock = self.clock
-            self.peak_phase = self.phase
+        live, clock, phase = self.live_bytes, self.clock, self.phase
+        for w in self._windows:
+            if live > w.phase_peaks.get(phase, 0):
+                w.phase_peaks[phase] = live
+            if live > w.peak_bytes:
+                w.peak_bytes, w.peak_clock, w.peak_phase = live, clock, phase
 
     # ----------------------------------------------------------------------------------------
     # roles
@@ -362,6 +383,11 @@ class MemoryTracker:
     # ----------------------------------------------------------------------------------------
     # phases and windows
     def set_phase(self, phase: str) -> None:
+        if phase != self.phase:
+            self.phase_log.append((self.clock, phase))
+            if len(self.phase_log) > 4096:  # keep what open windows can see
+                oldest = min(w.start_clock for w in self._windows)
+                self.phase_log = [p for p in self.phase_log if p[0] >= oldest] or self.phase_log[-1:]
         if phase == "forward" and self.phase != "forward":
             self._forward_start_serial = next(self._serial)
         elif self.phase == "forward" and phase != "forward":
@@ -380,16 +406,57 @@ class MemoryTracker:
                 rec.category = ACTIVATIONS
         self._forward_start_serial = None
 
-    def reset_peak(self) -> None:
-        """Start a new measurement window: the peak restarts from what is live now."""
+    def open_window(self) -> "Window":
+        """An independent measurement window starting now (the monitor, the profiler and the bench
+        each keep one, so one resetting its peak does not disturb the others)."""
         with self._lock:
-            self.records = [r for r in getattr(self, "records", []) if r.freed is None]
-            self.peak_bytes = self.live_bytes
-            self.peak_clock = self.clock
-            self.peak_phase = getattr(self, "phase", "setup")
-            self.phase_peaks: dict[str, int] = {}
-            self.window_start_clock = self.clock
-            self.baseline_bytes = self.live_bytes
+            w = Window(self)
+            self._windows.append(w)
+            return w
+
+    def close_window(self, window: "Window") -> None:
+        with self._lock:
+            if window in self._windows and window is not self.default:
+                self._windows.remove(window)
+            self._prune()
+
+    def _prune(self) -> None:
+        """Forget freed records no open window can still see."""
+        oldest = min(w.start_clock for w in self._windows)
+        self.records = [r for r in self.records if r.freed is None or r.freed > oldest]
+
+    def reset_peak(self) -> None:
+        """Restart the default window: its peak restarts from what is live now."""
+        self.default.reset()
+
+    # the default window's figures
+    @property
+    def peak_bytes(self) -> int:
+        return self.default.peak_bytes
+
+    @property
+    def peak_clock(self) -> int:
+        return self.default.peak_clock
+
+    @property
+    def peak_phase(self) -> str:
+        return self.default.peak_phase
+
+    @property
+    def phase_peaks(self) -> dict[str, int]:
+        return self.default.phase_peaks
+
+    @property
+    def window_start_clock(self) -> int:
+        return self.default.start_clock
+
+    @property
+    def baseline_bytes(self) -> int:
+        return self.default.baseline_bytes
+
+    def report(self, top: int = 10) -> "PeakReport":
+        """Peak of the default window with its breakdown, phase and largest tensors."""
+        return self.default.report(top)
 
     def live_records(self, at: Optional[int] = None) -> list[Record]:
         """Records alive at event clock ``at`` (default: now)."""
@@ -403,27 +470,63 @@ class MemoryTracker:
             out[HOST if r.host else r.resolved_category()] += r.nbytes
         return out
 
-    def report(self, top: int = 10) -> PeakReport:
-        """Peak of the current window with its breakdown, phase and largest tensors."""
-        at_peak = [r for r in self.live_records(self.peak_clock)]
-        by_cat = self.by_category(at_peak)
-        # host bytes at the peak: host records alive then
-        device = [r for r in at_peak if not r.host]
-        device.sort(key=lambda r: r.nbytes, reverse=True)
-        return PeakReport(peak_bytes=self.peak_bytes, by_category=by_cat, phase=self.peak_phase,
-                          phase_peaks=dict(self.phase_peaks), top=device[:top],
-                          baseline_bytes=self.baseline_bytes)
-
     # ----------------------------------------------------------------------------------------
     # module attribution
     def watch_module(self, model: torch.nn.Module) -> None:
         """Name the module that creates each storage in forward (costs two hooks per module)."""
+        stack = self.module_stack
+
+        def enter(label: str):
+            def hook(module, args) -> None:
+                stack.append(label)
+            return hook
+
+        def leave(module, args, output) -> None:
+            if stack:
+                stack.pop()
+
         for name, module in model.named_modules():
-            label = name or type(module).__name__
-            self._handles.append(module.register_forward_pre_hook(
-                lambda m, a, _l=label: self.module_stack.append(_l)))
-            self._handles.append(module.register_forward_hook(
-                lambda m, a, o: self.module_stack.pop() if self.module_stack else None))
+            self._handles.append(module.register_forward_pre_hook(enter(name or type(module).__name__)))
+            self._handles.append(module.register_forward_hook(leave))
+
+
+class Window:
+    """Peak bookkeeping from a start point: bytes, phase, per-phase peaks (see `open_window`)."""
+
+    def __init__(self, tracker: MemoryTracker):
+        self.tracker = tracker
+        self.reset()
+
+    def reset(self) -> None:
+        t = self.tracker
+        with t._lock:
+            self.start_clock = t.clock
+            self.baseline_bytes = t.live_bytes
+            self.peak_bytes = t.live_bytes
+            self.peak_clock = t.clock
+            self.peak_phase = t.phase
+            self.phase_peaks: dict[str, int] = {}
+            if t._windows:
+                t._prune()
+
+    @property
+    def phases(self) -> list[tuple[int, str]]:
+        """Phase changes seen in this window, starting with the phase at its start."""
+        log = self.tracker.phase_log
+        before = [p for p in log if p[0] <= self.start_clock]
+        first = (self.start_clock, before[-1][1] if before else self.tracker.phase)
+        return [first] + [p for p in log if p[0] > self.start_clock]
+
+    def report(self, top: int = 10) -> PeakReport:
+        """The window's peak with its breakdown by category, its phase and the largest tensors."""
+        t = self.tracker
+        at_peak = t.live_records(self.peak_clock)
+        device = sorted((r for r in at_peak if not r.host), key=lambda r: r.nbytes, reverse=True)
+        return PeakReport(peak_bytes=self.peak_bytes, by_category=t.by_category(at_peak), phase=self.peak_phase,
+                          phase_peaks=dict(self.phase_peaks), top=device[:top], baseline_bytes=self.baseline_bytes)
+
+    def close(self) -> None:
+        self.tracker.close_window(self)
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:

@@ -1,0 +1,102 @@
+"""The monitor: one rank over the threshold makes every rank act, the actions work (a loadable
+checkpoint, a halved micro-batch that keeps the gradient), and events reach DeepSpeed's monitor."""
+import os
+
+import pytest
+
+from tests.engine_runs import data_iter, ds_config
+from xirang_ds.launch import run_ranks
+
+
+def _run(rank, world, tmp, actions, stage, steps, hog_rank, dtype="bf16", split_from_start=False):
+    import torch
+
+    import xirang_ds
+    from xirang_ds.models import BUILTIN_SPECS, build_model
+
+    spec = BUILTIN_SPECS["gpt-tiny"]
+    model = build_model(spec)
+    if rank == hog_rank:  # this rank alone needs 400 MB more in every forward
+        def hog(module, args, output):
+            torch.empty(100_000_000).fill_(0)
+
+        model.blocks[0].register_forward_hook(hog)
+    block = {"memory_budget": "300MB", "monitor": {"enabled": True, "warn_at": 0.5, "act_at": 0.9,
+                                                   "actions": actions, "checkpoint_dir": os.path.join(tmp, "ckpt")}}
+    config = ds_config(stage=stage, dtype=dtype, micro=4, xirang=block,
+                       csv_monitor={"enabled": True, "output_path": os.path.join(tmp, "csv"), "job_name": "j"})
+    engine, *_ = xirang_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
+    monitor = engine.xirang.plugin("monitor")
+    if split_from_start:
+        monitor.splitter.pieces = 2
+    data = data_iter(4, spec.seq, rank, world)
+    losses = []
+    for _ in range(steps):
+        x, y = next(data)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"history": monitor.history, "actions": monitor.actions_taken,
+            "pieces": monitor.splitter.pieces if monitor.splitter else 1, "losses": losses}
+
+
+@pytest.mark.distributed
+def test_one_rank_over_threshold_both_act(tmp_path):
+    results = run_ranks(_run, 2, str(tmp_path), ["empty_cache", "checkpoint"], 2, 2, 1)
+    r0, r1 = results
+    assert r1["history"][0]["fraction"] > 0.9 > r0["history"][0]["fraction"]  # only rank 1 is over
+    for r in results:
+        assert [h["level"] for h in r["history"]] == ["act", "act"]
+        assert [(a["step"], a["action"]) for a in r["actions"]] == [
+            (1, "empty_cache"), (1, "checkpoint"), (2, "empty_cache"), (2, "checkpoint")]
+    assert {"latest", "xirang-step1", "xirang-step2"} <= set(os.listdir(tmp_path / "ckpt"))
+    # the events reached DeepSpeed's csv monitor (rank 0 writes)
+    csv_files = [f for _, _, fs in os.walk(tmp_path / "csv") for f in fs]
+    assert any("budget_fraction" in f for f in csv_files) and any("checkpoint" in f for f in csv_files)
+
+
+def _load(rank, world, tmp):
+    import xirang_ds
+    from xirang_ds.models import BUILTIN_SPECS, build_model
+
+    model = build_model(BUILTIN_SPECS["gpt-tiny"], seed=1)
+    config = ds_config(stage=2, xirang={"monitor": {"enabled": True}})
+    engine, *_ = xirang_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
+    path, _ = engine.load_checkpoint(os.path.join(tmp, "ckpt"), tag="xirang-step2")
+    return path is not None and engine.global_steps == 2
+
+
+@pytest.mark.distributed
+def test_emergency_checkpoint_loads(tmp_path):
+    run_ranks(_run, 2, str(tmp_path), ["checkpoint"], 2, 2, 0)
+    assert all(run_ranks(_load, 2, str(tmp_path)))
+
+
+@pytest.mark.distributed
+def test_halve_micro_batch_keeps_the_gradient():
+    """fp32 so the comparison is tight: the split run follows the unsplit run's losses."""
+    split = run_ranks(_run, 2, "/tmp", ["halve_micro_batch"], 1, 3, -1, "fp32", True)
+    plain = run_ranks(_run, 2, "/tmp", ["halve_micro_batch"], 1, 3, -1, "fp32", False)
+    for s, p in zip(split, plain):
+        assert s["pieces"] == 2 and p["pieces"] == 1
+        assert s["losses"] == pytest.approx(p["losses"], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.distributed
+def test_halve_micro_batch_action_fires_on_all_ranks():
+    results = run_ranks(_run, 2, "/tmp", ["halve_micro_batch"], 2, 2, 0)
+    assert [r["pieces"] for r in results] == [4, 4]  # halved at step 1 and again at step 2
+    for r in results:
+        assert [a["done"] for a in r["actions"]] == [True, True]
+
+
+def test_budget_errors():
+    from xirang_ds import XirangConfigError
+    from xirang_ds.plugins.monitor import resolve_budget
+
+    assert resolve_budget("auto", 1000, 10) == 1000
+    with pytest.raises(XirangConfigError, match="more than the device has"):
+        resolve_budget(2000, 1000, 10)
+    with pytest.raises(XirangConfigError, match="below what this rank's model states already take"):
+        resolve_budget(5, 1000, 10)

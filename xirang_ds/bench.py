@@ -1,0 +1,196 @@
+"""``xirang-ds bench``: the same model, data and seed trained with plain DeepSpeed (the user's
+ds_config without the block) and with the block, side by side in one invocation.
+
+Each side runs in fresh processes (1 or 2 CPU ranks over gloo, or GPUs), so memory figures do not
+mix. Memory: every storage is tracked from the end of ``initialize`` over all steps (the live-storage
+tracker; on CUDA the allocator's ``max_memory_allocated`` is the peak and the tracker gives the
+categories); the peak is the worst rank's. Time: the median step time after the first step, with
+the tracker on for both sides. Loss: the mean over ranks of the last steps' losses.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from xirang_ds.config.types import format_bytes
+from xirang_ds.memory.categories import CATEGORIES
+
+
+@dataclass
+class SideResult:
+    """One side of the bench (baseline or xirang), worst rank for memory."""
+
+    peak_bytes: int
+    peak_by_category: dict[str, int]
+    peak_phase: str
+    step_time_median_s: float
+    final_loss: float
+    losses: list[float] = field(default_factory=list)
+    step_times_s: list[float] = field(default_factory=list)
+    per_rank_peak_bytes: list[int] = field(default_factory=list)
+    allocator_peak_bytes: Optional[int] = None
+    summary: str = ""
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items()}
+
+
+def _final_loss(losses: list[float]) -> float:
+    tail = max(1, min(10, len(losses) // 5))
+    return sum(losses[-tail:]) / tail
+
+
+def bench_rank(rank: int, world: int, model_text: str, ds_config: dict, steps: int, data_path: Optional[str],
+               seed: int, use_xirang: bool) -> dict:
+    """One rank of one side: train ``steps`` optimizer steps and measure."""
+    import deepspeed
+    import torch
+
+    import xirang_ds
+    from xirang_ds.data import batches, load_tokens
+    from xirang_ds.memory.engine_roles import watch_engine
+    from xirang_ds.memory.tracker import MemoryTracker
+    from xirang_ds.models import ModelSpec, build_model, parse_model_spec
+
+    spec = parse_model_spec(model_text)
+    tokens = load_tokens(data_path)
+    model = build_model(spec, seed=seed)
+    seq = spec.seq if isinstance(spec, ModelSpec) else int(getattr(model, "seq", 128))
+    vocab = spec.vocab if isinstance(spec, ModelSpec) else int(getattr(model, "vocab", 256))
+    init = xirang_ds.initialize if use_xirang else deepspeed.initialize
+    engine, *_ = init(model=model, model_parameters=model.parameters(), config=ds_config)
+    session = getattr(engine, "xirang", None)
+    if session is not None:
+        tracker = session.track_memory()
+        watch = None
+    else:
+        tracker = MemoryTracker()
+        watch = watch_engine(tracker, engine)
+        tracker.start()
+    cuda = torch.cuda.is_available() and engine.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    window = tracker.open_window()
+    data = batches(tokens, engine.train_micro_batch_size_per_gpu(), seq, seed=seed, vocab=vocab, rank=rank,
+                   world_size=world)
+    gas = engine.gradient_accumulation_steps()
+    losses, times = [], []
+    for _ in range(steps):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        total = 0.0
+        for _ in range(gas):
+            x, y = (t.to(engine.device) for t in next(data))
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            total += float(loss.detach())
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        losses.append(total / gas)
+    report = window.report()
+    out = {
+        "peak_bytes": report.peak_bytes, "peak_by_category": report.by_category, "peak_phase": report.phase,
+        "losses": losses, "step_times_s": times,
+        "allocator_peak_bytes": int(torch.cuda.max_memory_allocated()) if cuda else None,
+        "summary": session.summary() if session is not None else "",
+    }
+    window.close()
+    if watch is not None:
+        watch.remove()
+        tracker.stop()
+    elif session is not None:
+        session.remove()
+    return out
+
+
+def combine(per_rank: list[dict]) -> SideResult:
+    """Worst rank for memory, rank-mean for losses, rank-max per step for time."""
+    worst = max(per_rank, key=lambda r: r["allocator_peak_bytes"] or r["peak_bytes"])
+    steps = len(per_rank[0]["losses"])
+    losses = [sum(r["losses"][i] for r in per_rank) / len(per_rank) for i in range(steps)]
+    times = [max(r["step_times_s"][i] for r in per_rank) for i in range(steps)]
+    timed = times[1:] if len(times) > 1 else times
+    return SideResult(
+        peak_bytes=worst["allocator_peak_bytes"] or worst["peak_bytes"], peak_by_category=worst["peak_by_category"],
+        peak_phase=worst["peak_phase"], step_time_median_s=statistics.median(timed), final_loss=_final_loss(losses),
+        losses=losses, step_times_s=times, per_rank_peak_bytes=[r["peak_bytes"] for r in per_rank],
+        allocator_peak_bytes=worst["allocator_peak_bytes"], summary=per_rank[0]["summary"])
+
+
+def strip_block(ds_config: dict) -> dict:
+    out = copy.deepcopy(ds_config)
+    out.pop("xirang", None)
+    return out
+
+
+def run_side(model_text: str, ds_config: dict, steps: int, world_size: int, data_path: Optional[str], seed: int,
+             use_xirang: bool) -> SideResult:
+    from xirang_ds.launch import run_ranks
+
+    threads = max(1, (os.cpu_count() or 2) // world_size)
+    per_rank = run_ranks(bench_rank, world_size, model_text, ds_config, steps, data_path, seed, use_xirang,
+                         threads=threads)
+    return combine(per_rank)
+
+
+def run_bench(model_text: str, ds_config: dict, steps: int = 20, world_size: int = 1,
+              data_path: Optional[str] = None, seed: int = 0, baseline_config: Optional[dict] = None) -> dict:
+    """Baseline then xirang; the JSON-ready result with the ratios.
+
+    Args:
+        baseline_config: the baseline's ds_config (default: ``ds_config`` without the block).
+    """
+    base = run_side(model_text, baseline_config or strip_block(ds_config), steps, world_size, data_path, seed, False)
+    ours = run_side(model_text, ds_config, steps, world_size, data_path, seed, True)
+    return {
+        "model": model_text, "steps": steps, "world_size": world_size, "seed": seed,
+        "data": data_path or "stdlib docstrings",
+        "baseline": base.as_dict(), "xirang": ours.as_dict(),
+        "peak_ratio": ours.peak_bytes / base.peak_bytes,
+        "step_time_ratio": ours.step_time_median_s / base.step_time_median_s,
+        "loss_delta": ours.final_loss - base.final_loss,
+    }
+
+
+def format_result(result: dict) -> str:
+    """The side-by-side table."""
+    base, ours = result["baseline"], result["xirang"]
+    rows = [("", "baseline", "xirang", "ratio")]
+    for c in CATEGORIES:
+        a, b = base["peak_by_category"].get(c, 0), ours["peak_by_category"].get(c, 0)
+        if a or b:
+            rows.append((c, format_bytes(a), format_bytes(b), f"{b / a:.2f}" if a else "-"))
+    rows.append(("peak (worst rank)", f"{format_bytes(base['peak_bytes'])}", f"{format_bytes(ours['peak_bytes'])}",
+                 f"{result['peak_ratio']:.2f}"))
+    rows.append(("peak phase", base["peak_phase"], ours["peak_phase"], ""))
+    rows.append(("step time (median)", f"{base['step_time_median_s'] * 1000:.0f} ms",
+                 f"{ours['step_time_median_s'] * 1000:.0f} ms", f"{result['step_time_ratio']:.2f}"))
+    rows.append(("final loss", f"{base['final_loss']:.4f}", f"{ours['final_loss']:.4f}",
+                 f"{result['loss_delta']:+.4f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = [f"bench: {result['model']}, {result['world_size']} rank(s), {result['steps']} steps, "
+             f"data: {os.path.basename(str(result['data']))}"]
+    for i, r in enumerate(rows):
+        lines.append("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]))
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    if ours.get("summary"):
+        lines += ["", ours["summary"]]
+    return "\n".join(lines)
+
+
+def write_json(result: dict, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+
+
+__all__ = ["run_bench", "format_result", "write_json", "bench_rank", "SideResult"]

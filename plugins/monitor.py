@@ -59,6 +59,8 @@ def resolve_budget(requested: Any, device_total: int, model_state_bytes: int) ->
 class MonitorPlugin(Plugin):
     """Checks memory after optimizer steps and runs the configured actions on every rank."""
 
+    memory_neutral = True
+
     def __init__(self, config: MonitorConfig, session):
         super().__init__(config, session)
         self.budget = 0

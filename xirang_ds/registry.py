@@ -74,6 +74,8 @@ class Plugin:
     section: ClassVar[str] = ""
     config_type: ClassVar[type] = Section
     order: ClassVar[int] = 50
+    memory_neutral: ClassVar[bool] = False
+    """True for plugins that only observe (the estimate needs no adjustment)."""
 
     def __init__(self, config: Section, session: "Session"):
         self.config = config
@@ -102,6 +104,20 @@ class Plugin:
     def state_dict(self) -> dict:
         """Plugin state for checkpoints (plain data)."""
         return {}
+
+    def adjust_estimate(self, phases: dict, shape: Any, numels: list) -> Optional[dict]:
+        """Change the estimator's prediction for what this plugin does before anything runs.
+
+        Args:
+            phases: ``{"forward"|"backward"|"optimizer_step": {category: bytes}}`` for plain DeepSpeed.
+            shape: the run's `xirang_ds.memory.estimator.RunShape` (stage, dtype, world size, ...).
+            numels: element count of each trainable parameter.
+
+        Returns:
+            The adjusted phases, or ``None`` when this plugin's effect is not modelled (the
+            estimate then says so in its notes).
+        """
+        return phases if self.memory_neutral else None
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` returned."""

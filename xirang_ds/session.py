@@ -7,6 +7,7 @@ which the engine behaves as plain DeepSpeed again.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Optional
 
 from xirang_ds.config.schema import XirangConfig
@@ -29,9 +30,11 @@ class Session:
         engine: the DeepSpeed engine once attached, else ``None``.
     """
 
-    def __init__(self, config: XirangConfig, ds_config: dict):
+    def __init__(self, config: XirangConfig, ds_config: dict, world_size: Optional[int] = None):
         self.config = config
         self.ds_config = ds_config
+        self.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+        """Ranks of the run (the estimator sets it; at initialize it comes from the launcher)."""
         self.plugins: list[Plugin] = [cls(section, self) for cls, section in plugins_for(config)]
         self.engine: Any = None
         self.model: Any = None

@@ -204,21 +204,33 @@ class ActivationsConfig(Section):
 
 @dataclass(frozen=True)
 class CommBuffersConfig(Section):
-    """Communication buckets sized from the model and budget, in one arena reused every step."""
+    """Communication buckets sized from the model, the links and the budget, in one arena reused
+    every step."""
 
     reduce_bucket_size: AutoInt = "auto"
-    """ZeRO ``reduce_bucket_size`` in elements; ``auto`` picks it (a value set in
+    """ZeRO ``reduce_bucket_size`` in elements; ``auto`` applies the sizing rule (a value set in
     ``zero_optimization`` is kept)."""
     allgather_bucket_size: AutoInt = "auto"
     """ZeRO ``allgather_bucket_size`` in elements, likewise."""
     max_fraction_of_budget: Annotated[float, Range(0.0, 1.0, low_exclusive=True)] = 0.05
-    """Upper bound of all communication buffers as a fraction of the memory budget."""
+    """Upper bound of the reduction buffers (all of them) as a fraction of the memory budget."""
+    collective_latency_us: Union[Literal["auto"], Annotated[float, Range(0.0, low_exclusive=True)]] = "auto"
+    """Fixed cost of one collective in the sizing rule; ``auto``: by backend (NCCL 30, gloo 50)."""
+    collective_bandwidth_gbps: Union[Literal["auto"], Annotated[float, Range(0.0, low_exclusive=True)]] = "auto"
+    """Link bandwidth in GB/s in the sizing rule; ``auto``: by backend (NCCL 100, gloo 2)."""
     adapt: bool = True
-    """Resize between steps from measured communication volume and memory headroom."""
+    """Resize the reduction bucket between steps from memory headroom and the number of reductions."""
+    adapt_every_steps: PositiveInt = 10
+    """Consider a resize every N optimizer steps."""
     arena: bool = True
-    """Serve the buckets from one arena allocated once."""
+    """Serve ZeRO-1/2 reduction buckets from one allocation made once, instead of one per backward."""
     lend_to_activations: bool = False
     """Park saved activations in the arena while it is idle between reductions."""
+
+    def check(self) -> Issues:
+        if self.lend_to_activations:
+            return [("lend_to_activations", "is not built yet in this version; set it to false")]
+        return []
 
 
 @dataclass(frozen=True)

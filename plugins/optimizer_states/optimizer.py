@@ -126,10 +126,10 @@ class DynamicAdamW(torch.optim.Optimizer):
         return "fp32" if self._pinned(param, group) else self.policy.initial()
 
     def state_nbytes(self, param: Optional[torch.Tensor] = None) -> int:
-        """Bytes of moment buffers (codes and scales included) of ``param``, or of all tensors."""
+        """Bytes of the state tensors (moments or codes and scales, and the step counter) of
+        ``param``, or of every parameter."""
         states = [self.state.get(param, {})] if param is not None else list(self.state.values())
-        return sum(t.numel() * t.element_size() for s in states for k, t in s.items()
-                   if isinstance(t, torch.Tensor) and k != "step")
+        return sum(t.numel() * t.element_size() for s in states for t in s.values() if isinstance(t, torch.Tensor))
 
     def format_numel(self) -> dict[str, int]:
         """Elements per format over all parameters that have states."""

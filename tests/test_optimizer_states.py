@@ -250,6 +250,13 @@ def test_loading_other_precision_converts_at_the_next_step():
     assert other.state_format(model[0].weight) == "int8"
     train(model, other, 1)
     assert other.format_numel() == {"int4": sum(p.numel() for p in model.parameters())}
+    # another block size re-blocks at the next update
+    reblocked = DynamicAdamW(model.parameters(), lr=1e-3, states=schedule("int4", int4_block_size=64))
+    reblocked.load_state_dict(other.state_dict())
+    assert reblocked.state[model[0].weight]["block_size"] == 128
+    train(model, reblocked, 1)
+    assert reblocked.state[model[0].weight]["block_size"] == 64
+    assert reblocked.state[model[0].weight]["exp_avg_scales"].numel() == model[0].weight.numel() // 64
     # and from plain torch.optim.AdamW states
     plain = torch.optim.AdamW(model.parameters(), lr=1e-3)
     train(model, plain, 2)

@@ -177,7 +177,7 @@ class DynamicAdamW(torch.optim.Optimizer):
         old_name = format_of(state)
         new_name = "fp32" if pinned else self.policy.target(state, step)
         src = self._format(old_name, state.get("block_size", 0))
-        dst = src if new_name == old_name else self._format(new_name)
+        dst = self._format(new_name)  # the same object when neither format nor block size changes
         buffers = {k: state[k] for m in MOMENTS for k in src.keys(m)}
         out = buffers if dst is src else {k: v for m in MOMENTS for k, v in dst.zeros(m, p.numel(), p.device).items()}
         measure = not pinned and self.policy.wants_measurement(state, step)

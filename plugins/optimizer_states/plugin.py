@@ -129,8 +129,9 @@ class OptimizerStatesPlugin(Plugin):
         opt = self.optimizer
         if opt is None:
             return "not built"
-        numel = opt.format_numel() or {opt.policy.initial(): 0}
-        formats = ", ".join(f"{k} {v:,} elements" for k, v in numel.items())
+        numel = opt.format_numel()
+        formats = (", ".join(f"{k} {v:,} elements" for k, v in numel.items()) if numel else
+                   f"created at the first step, starting in {opt.policy.initial()}")
         return (f"DynamicAdamW ({self.config.policy} policy) from {self.source}; states: {formats}; "
                 f"{format_bytes(opt.state_nbytes())} on this rank; {len(self.keep_reasons)} parameter(s) kept fp32")
 

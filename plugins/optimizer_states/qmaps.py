@@ -80,14 +80,25 @@ class CompandingMap:
         return c.mul_(sign) if sign is not None else c
 
     def _round_stochastic(self, c: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        """Round up with the probability that keeps the decoded value unbiased."""
+        """Round up with the probability that keeps the decoded value unbiased.
+
+        With ``a = floor(c) + offset`` and ``f = c - floor(c)``, the value between codes is
+        ``((a + f) / L) ** power``, so rounding up with probability
+        ``((a + f) ** power - a ** power) / ((a + 1) ** power - a ** power)`` has the right mean.
+        """
         low = c.floor()
-        lo_val = self.magnitude(low)
-        hi_val = self.magnitude(low + 1.0)
-        target = self.magnitude(c)
+        f = c.sub_(low)
+        a = low + self.offset if self.offset else low.clone()
+        if self.power == 2:  # f (2a + f) / (2a + 1)
+            a.mul_(2)
+            p = (a + f).mul_(f).div_(a.add_(1))
+        else:
+            a2 = a.square()
+            b2 = (a + 1).square_()
+            x2 = a.add_(f).square_()
+            p = x2.square_().sub_(a2.square()).div_(b2.square_().sub_(a2.square_()))
         u = torch.rand(c.shape, generator=generator, device=c.device, dtype=c.dtype)
-        up = u.mul_(hi_val - lo_val).lt_(target - lo_val)
-        return low.add_(up)
+        return low.add_(u.lt_(p))
 
     def magnitude(self, codes: torch.Tensor) -> torch.Tensor:
         """``((|q| + offset) / levels) ** power`` as a new fp32 tensor."""

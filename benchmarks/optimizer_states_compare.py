@@ -12,7 +12,6 @@ step, with state creation and torchao's compilation, is not timed).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -22,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 
+from xirang_ds.bench import write_json
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of every tensor in ``optimizer.state``; tensor subclasses counted by their parts."""
@@ -108,9 +108,7 @@ def main() -> None:
     for name, row in result["results"].items():
         print(f"{name.ljust(width)}  {row['state_bytes_per_param']:13.4f}  {row['update_ns_per_param']:15.2f}")
     if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+        write_json(result, args.json)
 
 
 if __name__ == "__main__":

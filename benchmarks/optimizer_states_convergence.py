@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 
+from xirang_ds.bench import write_json
 from xirang_ds.data import batches, load_tokens
 from xirang_ds.models import build_model, parse_model_spec
 
@@ -116,20 +117,14 @@ def main() -> None:
         print(f"{name:62s} train {row['final_train_loss']:.4f}  held-out {row['held_out_loss']:.4f}  "
               f"{row['state_bytes_per_param']:.3f} B/param  {row['wall_s']:.0f} s", flush=True)
         if args.json:
-            _write(result, args.json)
+            write_json(result, args.json)
     ref = result["variants"].get("torch AdamW fp32 (reference)")
     if ref:
         for row in result["variants"].values():
             row["train_ratio_to_fp32"] = row["final_train_loss"] / ref["final_train_loss"]
             row["held_out_ratio_to_fp32"] = row["held_out_loss"] / ref["held_out_loss"]
     if args.json:
-        _write(result, args.json)
-
-
-def _write(result: dict, path: str) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
+        write_json(result, args.json)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,13 @@ of Li et al. 2023 as torchao ships them (dynamic-exponent map for m, linear map 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import warnings
 
 import torch
 
+from xirang_ds.bench import write_json
 from xirang_ds.data import batches, load_tokens
 from xirang_ds.models import build_model, parse_model_spec
 
@@ -97,9 +97,7 @@ def main() -> None:
     for name, row in result["update_relative_error"].items():
         print(f"{name:44s} " + "  ".join(f"step {s}: {e:.4f}" for s, e in row.items()))
     if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+        write_json(result, args.json)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
-"""The DeepSpeed internals this plugin touches, in one place, checked against deepspeed 0.16-0.19.
+"""The DeepSpeed internals this plugin touches, in one place, read in deepspeed 0.19.8.
 
 * ``_link_all_hp_params`` (``runtime/zero/stage_1_and_2.py`` L824, ``runtime/bf16_optimizer.py``
-  L336 in 0.19.8): ZeRO 1/2 and the bf16 optimizer keep views of every optimizer-state tensor
-  shaped like the fp32 partition (``utils/tensor_fragment.py`` ``set_optim_state_fragment``) for
-  ``safe_get_full_optimizer_state``. After a tensor's states change format those views would keep
-  the old fp32 buffers alive, so the links are rebuilt (quantized buffers have another shape and
-  are not linked; DeepSpeed's per-parameter state getters then report no state for them).
+  L336): ZeRO 1/2 and the bf16 optimizer keep views of every optimizer-state tensor shaped like
+  the fp32 partition (``utils/tensor_fragment.py`` ``set_optim_state_fragment``) for
+  ``safe_get_full_optimizer_state``; ZeRO 3's method of that name only tags parameters. After a
+  tensor's states change format those views would keep the old fp32 buffers alive, so the links
+  are rebuilt (quantized buffers have another shape and are not linked; DeepSpeed's
+  per-parameter state getters then report no state for them).
 * the basic optimizer's attribute on DeepSpeed's wrappers (``.optimizer`` on ZeRO 1/2/3, the
   bf16 and the fp16 optimizers; ``engine.basic_optimizer``; ``engine.optimizer`` without a
   wrapper), swapped when the plugin is removed.

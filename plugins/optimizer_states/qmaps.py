@@ -15,12 +15,15 @@ search. The maps here are companding curves computed with a square root and a mu
   entries rounded to it to ``m / eps``; excluding zero fixes that, and working on ``sqrt(v)``
   instead of ``v`` halves the dynamic range the 16 levels must cover.
 
-Measured on real moments of the bench GPT (``benchmarks/optimizer_states_maps.py``), the relative
-error of the Adam update ``m / sqrt(v)`` is 1.0-1.3% with the 8-bit maps here against 1.6-2.0% with
-bitsandbytes' dynamic maps, and 21-25% at 4 bits against 38-45% with Li et al.'s DE + linear maps.
+Measured on the moments of a small GPT trained on tinyshakespeare
+(``benchmarks/optimizer_states_maps.py``), the relative error of the Adam update ``m / sqrt(v)``
+from decoded states is 1.0-1.2% with the 8-bit maps here against 1.6-1.9% with bitsandbytes'
+dynamic maps, and 16-20% at 4 bits against 27-35% with Li et al.'s maps (as torchao ships them).
+That is one round trip; over training, round to nearest also drops changes smaller than half a
+code step, which matters at 4 bits (see docs/optimizer_states.md).
 
-Rounding is to nearest, or stochastic: rounding up with probability equal to the distance from
-the lower neighbour *in value*, so the stored state is unbiased in expectation.
+Rounding is to nearest (in the companded domain), or stochastic: up with the probability that
+makes the decoded value's expectation equal the input (unbiased in value, not in code).
 """
 from __future__ import annotations
 

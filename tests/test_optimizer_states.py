@@ -380,3 +380,36 @@ def test_short_convergence_int8_and_int4_near_fp32():
             finals[dtype] = sum(model(x, y).item() for x, y in held_out) / len(held_out)
     assert abs(finals["int8"] / finals["fp32"] - 1) < 0.01, finals
     assert abs(finals["int4"] / finals["fp32"] - 1) < 0.02, finals
+
+
+def _step_temporaries(opt, param):
+    """Bytes above what was live before the step, at the step's peak (the live-storage tracker)."""
+    from xirang_ds.memory.tracker import MemoryTracker
+
+    param.grad = torch.randn(param.numel(), generator=torch.Generator().manual_seed(0))
+    tracker = MemoryTracker("cpu")
+    tracker.seed([param, param.grad], "parameters")
+    tracker.seed(opt.state, "optimizer_states")
+    before = tracker.live_bytes
+    with tracker:
+        opt.step()
+    return tracker.peak_bytes - before, tracker.live_bytes - before
+
+
+def test_step_memory_is_bounded_by_the_chunk_not_the_tensor():
+    n, chunk = 1 << 20, 65536
+    p = torch.nn.Parameter(torch.zeros(n))
+    opt = DynamicAdamW([p], states={"schedule": [{"dtype": "fp32", "until_step": 3}, {"dtype": "int8"}],
+                                    "chunk_numel": chunk})
+    measured = [_step_temporaries(opt, p) for _ in range(4)]
+    fp32_step, transition, int8_step = measured[1], measured[2], measured[3]
+    assert fp32_step[0] <= 8 * chunk  # torch.optim.AdamW: 8 bytes per element of the whole tensor
+    assert int8_step[0] <= 16 * chunk
+    int8_bytes = n * 2 + 2 * (n // 256) * 4
+    # the step that changes format holds the new int8 buffers next to the old fp32 ones
+    assert transition[0] <= int8_bytes + 16 * chunk
+    assert transition[1] == int8_bytes - 8 * n  # and frees the fp32 ones when it ends
+    ref = torch.nn.Parameter(torch.zeros(n))
+    torch_opt = torch.optim.AdamW([ref], foreach=False)
+    _step_temporaries(torch_opt, ref)
+    assert _step_temporaries(torch_opt, ref)[0] >= 8 * n

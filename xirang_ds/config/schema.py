@@ -95,8 +95,8 @@ class OptimizerStatesConfig(Section):
     int4_block_size: Annotated[int, Range(32, 4096), MultipleOf(32)] = 128
     """Elements per scale of int4 states (1 + 8/size bytes per parameter for both moments)."""
     chunk_numel: Annotated[int, Range(4096, 2**30), MultipleOf(4096)] = 131072
-    """Elements updated at a time; quantized formats need about 30 bytes of temporaries per
-    element of a chunk during the step."""
+    """Elements updated at a time: the step's temporaries are at most 16 bytes per element of a
+    chunk (8 for fp32), whatever the size of the tensor."""
     min_numel: NonNegativeInt = 4096
     """Parameters with fewer elements keep fp32 states."""
     keep_fp32: tuple[Glob, ...] = ()

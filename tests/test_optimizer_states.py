@@ -413,3 +413,26 @@ def test_step_memory_is_bounded_by_the_chunk_not_the_tensor():
     torch_opt = torch.optim.AdamW([ref], foreach=False)
     _step_temporaries(torch_opt, ref)
     assert _step_temporaries(torch_opt, ref)[0] >= 8 * n
+
+
+def test_refresh_rounds_stochastically_on_every_nth_step_only():
+    def codes_after(steps, **extra):
+        model = mlp()
+        opt = DynamicAdamW(model.parameters(), lr=1e-3, states={"schedule": [{"dtype": "int4"}], "min_numel": 0,
+                                                                "chunk_numel": 4096, **extra})
+        train(model, opt, steps)
+        return opt.state[model[0].weight]["exp_avg_codes"].clone()
+
+    assert torch.equal(codes_after(2, refresh_every_steps=3), codes_after(2))
+    assert not torch.equal(codes_after(3, refresh_every_steps=3), codes_after(3))
+    assert not torch.equal(codes_after(1, stochastic_rounding=True), codes_after(1))
+
+
+def test_bf16_stochastic_rounding_is_unbiased():
+    fmt = make_format("bf16")
+    value = 1.0 + 2 ** -10  # between two bf16 neighbours (1 and 1 + 2**-7)
+    buffers = fmt.zeros("exp_avg", 100_000, torch.device("cpu"))
+    fmt.encode("exp_avg", torch.full((100_000,), value), buffers, 0, torch.Generator().manual_seed(0))
+    decoded = fmt.decode("exp_avg", buffers, 0, 100_000)
+    assert set(decoded.unique().tolist()) == {1.0, 1.0 + 2 ** -7}
+    assert abs(decoded.mean().item() - value) < 2e-5

@@ -139,7 +139,12 @@ class _Registry:
 
 _REGISTRY = _Registry()
 
-BUILTIN_PLUGIN_MODULES = ("xirang_ds.plugins.comm_buffers", "xirang_ds.plugins.monitor", "xirang_ds.plugins.profiler")
+BUILTIN_PLUGIN_MODULES = (
+    "xirang_ds.plugins.comm_buffers",
+    "xirang_ds.plugins.monitor",
+    "xirang_ds.plugins.optimizer_states.plugin",
+    "xirang_ds.plugins.profiler",
+)
 """Modules of the built-in plugins; importing one registers its plugin (no deepspeed import)."""
 
 

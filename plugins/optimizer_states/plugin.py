@@ -124,6 +124,51 @@ class OptimizerStatesPlugin(Plugin):
         swap_basic_optimizer(self.engine, self.optimizer, replacement)
         self.engine = None
 
+    # estimate -----------------------------------------------------------------------------------
+    def adjust_estimate(self, phases: dict, shape: Any, numels: list) -> Optional[dict]:
+        """States at the most precise format the policy starts from (the run's peak is there: a
+        schedule only lowers precision, stability never rises above its start), fp32 for the kept
+        parameters, over ZeRO's partition; step temporaries of one chunk instead of whole tensors."""
+        import math
+
+        from xirang_ds.memory.estimator import _adam_temporaries
+        from xirang_ds.plugins.optimizer_states.build import keep_reasons
+        from xirang_ds.plugins.optimizer_states.formats import MOMENTS, make_format
+        from xirang_ds.plugins.optimizer_states.schedule import make_policy
+
+        model = self.session.model
+        if model is None:
+            return None
+        kept_ids = keep_reasons(model, self.config)
+        params = [p for p in model.parameters() if p.requires_grad]
+        kept = sum(p.numel() for p in params if id(p) in kept_ids)
+        quant = sum(p.numel() for p in params) - kept
+        n = shape.world_size if shape.stage >= 1 else 1
+        fmt_name = make_policy(self.config).initial()
+        fmt = make_format(fmt_name, self.config.int8_block_size, self.config.int4_block_size)
+
+        def state_bytes(f: Any, numel: int) -> int:
+            return sum(f.nbytes(f.zeros(m, numel, torch.device("meta"))) for m in MOMENTS) if numel else 0
+
+        fp32 = make_format("fp32")
+        part = (lambda x: math.ceil(x / n))
+        groups = (1 if kept else 0) + (1 if quant else 0)
+        tensors = groups if shape.stage >= 1 else len(params)
+        states = state_bytes(fp32, part(kept)) + state_bytes(fmt, part(quant)) + 4 * tensors
+        largest = part(quant) if shape.stage >= 1 else max((p.numel() for p in params if id(p) not in kept_ids),
+                                                            default=0)
+        chunk = min(self.config.chunk_numel, max(largest, 1))
+        temps = (8 if fmt_name == "fp32" else 16) * chunk
+        plain_temps = _adam_temporaries(shape, [part(sum(numels))] if shape.stage >= 1 else list(numels))
+        out = {}
+        for name, cats in phases.items():
+            cats = dict(cats)
+            cats["optimizer_states"] = states
+            if name == "optimizer_step":
+                cats["temporaries"] = max(0, cats.get("temporaries", 0) - plain_temps) + temps
+            out[name] = cats
+        return out
+
     # reporting and checkpoints ----------------------------------------------------------------
     def describe(self) -> str:
         opt = self.optimizer

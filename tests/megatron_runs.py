@@ -50,6 +50,7 @@ def count_storages(model: Any, optimizer: Any, session: Any) -> dict:
         buffer_tensors,
         global_memory_buffer_tensors,
         inner_optimizers,
+        parallel_layers,
         unwrap,
     )
     from xirang_ds.memory.engine_roles import optimizer_state_tensors
@@ -65,6 +66,7 @@ def count_storages(model: Any, optimizer: Any, session: Any) -> dict:
         "arena_bytes": storage_bytes(global_memory_buffer_tensors()),
         "param_shapes": {n: [list(p.shape), bool(getattr(p, "tensor_model_parallel", False)),
                              int(getattr(p, "partition_dim", -1))] for n, p in unwrap(model).named_parameters()},
+        "layer_kinds": {name: kind for name, _, kind in parallel_layers(unwrap(model))},
         "buckets": sum(len(group.buckets) for group in model.bucket_groups),
         "bucket_size": model.ddp_config.bucket_size,
         "monitor": list(session.plugin("monitor").history) if session and session.plugin("monitor") else [],
@@ -98,6 +100,7 @@ def removal_check(ex: Any, config: str) -> dict:
     session.remove()
     params = list(model.parameters())
     return {"wrapped_before": wrapped, "step_wrapped_after": "step" in vars(optimizer),
+            "session_left_on_model": hasattr(model.module, "xirang"),
             "forward_hooks": len(model._forward_hooks) + len(model._forward_pre_hooks),
             "grad_hooks": sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in params),
             "tracker_active": session.tracker.active}
@@ -197,6 +200,34 @@ def case_conflicts(ex: Any, tmp: str) -> dict:
         member.config.exp_avg_dtype = torch.bfloat16
     out["states_vs_bf16_exp_avg"] = message(check_optimizer(states, optimizer))
     return out
+
+
+def case_seams(ex: Any, tmp: str) -> dict:
+    """The seams docs/megatron.md gives plugins: the TP layers by kind, and `gradient` before and
+    after Megatron's DDP takes the gradients over."""
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from xirang_ds.integration.megatron_compat import gradient, parallel_layers
+
+    def backward(model: Any) -> None:
+        tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+        mask = torch.triu(torch.ones(32, 32, dtype=torch.bool), 1).view(1, 1, 32, 32)
+        model(tokens, torch.arange(32).unsqueeze(0).expand(2, 32), mask, labels=tokens).mean().backward()
+
+    plain = gpt(num_layers=1)
+    backward(plain)
+    wrapped = gpt(num_layers=1)
+    ddp = DistributedDataParallel(wrapped.config, DistributedDataParallelConfig(), wrapped)
+    backward(ddp)
+    return {
+        "kinds": {name: kind for name, _, kind in parallel_layers(plain)},
+        "plain_is_grad": all(gradient(p) is p.grad is not None for p in plain.parameters()),
+        "ddp_grad_dropped": all(p.grad is None for p in wrapped.parameters()),
+        "ddp_is_main_grad": all(gradient(p) is p.main_grad for p in wrapped.parameters()),
+        "same_values": all(torch.equal(gradient(a), gradient(b))
+                           for a, b in zip(plain.parameters(), wrapped.parameters())),
+    }
 
 
 def case_comm_buffers_errors(ex: Any, tmp: str) -> dict:

@@ -78,7 +78,7 @@ def test_tensor_parallel_split_of_each_weight(tp2, dp2):
             if not tensor_parallel:
                 assert shape == reference, name
                 continue
-            expected_dim = 1 if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else 0
+            expected_dim = 1 if r["xirang"]["layer_kinds"][name.rsplit(".", 1)[0]] == "row" else 0
             assert dim == expected_dim, name
             assert shape[dim] * 2 == reference[dim], name
             assert shape[:dim] + shape[dim + 1:] == reference[:dim] + reference[dim + 1:], name
@@ -115,5 +115,5 @@ def test_monitor_agrees_and_profiler_writes_each_rank(tp2):
 @pytest.mark.distributed
 def test_remove_restores_megatron_objects(tp2):
     for r in tp2:
-        assert r["removal"] == {"wrapped_before": True, "step_wrapped_after": False, "forward_hooks": 0,
-                                "grad_hooks": 0, "tracker_active": False}
+        assert r["removal"] == {"wrapped_before": True, "step_wrapped_after": False, "session_left_on_model": False,
+                                "forward_hooks": 0, "grad_hooks": 0, "tracker_active": False}

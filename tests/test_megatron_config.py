@@ -153,6 +153,7 @@ def megatron_cases(tmp_path_factory):
             "monitor": {"enabled": True}}
     cases = {
         "conflicts": {},
+        "seams": {},
         "comm_buffers_errors": {},
         "megatron_lm_glue": {"flags": ["--overlap-grad-reduce", "--micro-batch-size", "2"], "block": glue},
         "megatron_lm_glue:plain": {"flags": ["--overlap-grad-reduce", "--ddp-bucket-size", "4096"]},
@@ -216,3 +217,19 @@ def test_megatron_lm_glue_in_megatron_lm_order(megatron_cases):
     assert not plain["session"] and plain["bucket_from_args"] == 4096
     assert kept["session"] and kept["bucket_from_args"] == 4096  # the user's --ddp-bucket-size wins
     assert glue["losses"] == plain["losses"] == kept["losses"]
+
+
+@pytest.mark.distributed
+def test_seams_for_plugins_on_megatron_layers(megatron_cases):
+    c = megatron_cases["seams"]
+    assert c["kinds"] == {
+        "embedding.word_embeddings": "vocab",
+        "decoder.layers.0.self_attention.linear_proj": "row",
+        "decoder.layers.0.self_attention.linear_qkv": "column",
+        "decoder.layers.0.mlp.linear_fc1": "column",
+        "decoder.layers.0.mlp.linear_fc2": "row",
+        "output_layer": "column",
+    }
+    assert c["plain_is_grad"]  # without Megatron's DDP the gradient is param.grad
+    assert c["ddp_grad_dropped"] and c["ddp_is_main_grad"]  # under it, param.main_grad; param.grad is None
+    assert c["same_values"]

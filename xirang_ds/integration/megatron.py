@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from xirang_ds.config.loader import BLOCK_KEY, DsConfig, read_ds_config, validate_block
 from xirang_ds.config.validate import XirangConfigError
+from xirang_ds.hooks import CallbackHandle
 from xirang_ds.registry import check_framework
 from xirang_ds.session import Session
 
@@ -146,7 +147,7 @@ def prepare_model(session: Session, model: Any, ddp_config: Any = None) -> None:
 
     Args:
         session: from `build_session`.
-        model: the chunk (``GPTModel``); it gets ``model.xirang = session``.
+        model: the chunk (``GPTModel``); it gets ``model.xirang = session`` until ``session.remove()``.
         ddp_config: the ``DistributedDataParallelConfig`` DDP will get; plugins may edit it
             (``comm_buffers`` sets ``bucket_size``). Pass it for the first chunk only.
 
@@ -163,6 +164,7 @@ def prepare_model(session: Session, model: Any, ddp_config: Any = None) -> None:
     if ddp_config is not None:
         session.prepare_ddp_config(ddp_config)
     model.xirang = session
+    session.keep(CallbackHandle(lambda: vars(model).pop("xirang", None)))
 
 
 # 3. optimizer --------------------------------------------------------------------------------------
@@ -211,10 +213,9 @@ def _megatron_lm_args() -> argparse.Namespace:
 
 
 def _rank() -> int:
-    import sys
+    import torch.distributed as dist
 
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
+    if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
 
@@ -311,7 +312,7 @@ def wrap_pretrain(pretrain: Callable[..., Any]) -> Callable[..., Any]:
         TypeError: this ``pretrain`` takes no ``model_provider`` / ``extra_args_provider``
             (Megatron-LM core_v0.18 and later parse arguments before ``pretrain``).
     """
-    signature = inspect.signature(pretrain)
+    signature = inspect.signature(pretrain)  # follows __wrapped__ through functools.wraps wrappers
     missing = [name for name in ("model_provider", "extra_args_provider") if name not in signature.parameters]
     if missing:
         raise TypeError(f"this Megatron-LM's pretrain() has no {' or '.join(missing)} parameter (Megatron-LM "

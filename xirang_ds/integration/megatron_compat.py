@@ -22,13 +22,17 @@ TESTED_VERSION = "0.16.1"
 """The version the CPU tests run."""
 
 UPSTREAM_NAMES: dict[str, tuple[str, ...]] = {
-    # DDP's contiguous grad (and, with the distributed optimizer, param) buffers
-    "megatron/core/distributed/distributed_data_parallel.py": ("self.buffers", "self.expert_parallel_buffers"),
+    # DDP's contiguous grad (and, with the distributed optimizer, param) buffers, and its backward
+    # hook, which folds param.grad into param.main_grad
+    "megatron/core/distributed/distributed_data_parallel.py": (
+        "self.buffers", "self.expert_parallel_buffers", "param.main_grad.add_(param.grad.data)"),
     "megatron/core/distributed/param_and_grad_buffer.py": ("self.grad_data", "self.param_data"),
     "megatron/core/distributed/distributed_data_parallel_config.py": (
         "bucket_size:", "overlap_grad_reduce:", "grad_reduce_in_fp32:"),
     # the persistent model-parallel arena (sequence-parallel all-gathers, attention workspace)
-    "megatron/core/parallel_state.py": ("_GLOBAL_MEMORY_BUFFER = None",),
+    "megatron/core/parallel_state.py": (
+        "_GLOBAL_MEMORY_BUFFER = None", "def model_parallel_is_initialized", "def get_data_parallel_world_size",
+        "def get_tensor_model_parallel_world_size"),
     "megatron/core/utils.py": ("class GlobalMemoryBuffer", "self.buffer = {}"),
     "megatron/core/optimizer/optimizer.py": ("self.chained_optimizers",),
     "megatron/core/optimizer/optimizer_config.py": (
@@ -41,6 +45,12 @@ UPSTREAM_NAMES: dict[str, tuple[str, ...]] = {
         "class TransformerLayer(", "self.self_attention", "self.input_layernorm", "self.pre_mlp_layernorm",
         "self.mlp"),
     "megatron/core/num_microbatches_calculator.py": ("def get_num_microbatches",),
+    "megatron/core/package_info.py": ("__version__",),
+    "megatron/core/optimizer/__init__.py": ("MegatronOptimizer",),
+    # the seams docs/megatron.md gives the plugins: the TP layers and what their autograd function saves
+    "megatron/core/tensor_parallel/layers.py": (
+        "class ColumnParallelLinear", "class RowParallelLinear", "class VocabParallelEmbedding",
+        "ctx.save_for_backward(input, weight)", "weight.main_grad", "grad_added_to_main_grad"),
 }
 """File → substrings that must be in it (read at every tag of `CHECKED_RANGE` by the tests)."""
 
@@ -158,6 +168,33 @@ def is_megatron_optimizer(optimizer: Any) -> bool:
     return isinstance(optimizer, MegatronOptimizer)
 
 
+def parallel_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
+    """``(name, module, kind)`` of Megatron's tensor-parallel layers in ``model``.
+
+    ``kind`` is ``"column"`` (``ColumnParallelLinear``: weight ``[out/tp, in]``, input replicated on
+    the TP group, output split), ``"row"`` (``RowParallelLinear``: weight ``[out, in/tp]``, input
+    split, output all-reduced, bias replicated) or ``"vocab"`` (``VocabParallelEmbedding``: rows
+    ``[vocab/tp, hidden]``, output all-reduced). tensor_parallel/layers.py.
+    """
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    kinds = ((ColumnParallelLinear, "column"), (RowParallelLinear, "row"), (VocabParallelEmbedding, "vocab"))
+    out = []
+    for name, module in model.named_modules():
+        kind = next((k for cls, k in kinds if isinstance(module, cls)), None)
+        if kind is not None:
+            out.append((name, module, kind))
+    return out
+
+
+def gradient(param: torch.Tensor) -> torch.Tensor | None:
+    """The gradient Megatron reduces and steps: ``param.main_grad`` under Megatron's DDP (its backward
+    hook folds ``param.grad`` into it and drops ``param.grad``; with ``gradient_accumulation_fusion``
+    the weight gradient is written there directly), else ``param.grad``."""
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad if isinstance(main_grad, torch.Tensor) else param.grad
+
+
 def transformer_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """``(name, layer)`` of every ``TransformerLayer`` in ``model``, in order (names local to the chunk:
     ``decoder.layers.0``)."""
@@ -177,6 +214,6 @@ def num_microbatches() -> int | None:
 
 
 __all__ = ["CHECKED_RANGE", "OFFLOAD_MODULES", "RECOMPUTE_MODULES", "TESTED_VERSION", "UPSTREAM_NAMES",
-           "buffer_tensors", "check_version", "global_memory_buffer_tensors", "grad_buffers", "inner_optimizers",
-           "is_megatron_optimizer", "megatron_version", "num_microbatches", "optimizer_configs",
-           "transformer_layers", "unwrap"]
+           "buffer_tensors", "check_version", "global_memory_buffer_tensors", "grad_buffers", "gradient",
+           "inner_optimizers", "is_megatron_optimizer", "megatron_version", "num_microbatches", "optimizer_configs",
+           "parallel_layers", "transformer_layers", "unwrap"]

@@ -76,8 +76,8 @@ def build(opts: argparse.Namespace, tp_size: int) -> tuple[Any, Any, Any]:
         num_layers=opts.num_layers, hidden_size=opts.hidden_size, num_attention_heads=opts.num_attention_heads,
         ffn_hidden_size=opts.ffn_hidden_size, tensor_model_parallel_size=tp_size, use_cpu_initialization=True,
         hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
-        bias_activation_fusion=on_gpu, bias_dropout_fusion=on_gpu, masked_softmax_fusion=on_gpu,
-        persist_layer_norm=on_gpu, apply_rope_fusion=False)
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, apply_rope_fusion=False)  # the fused kernels need Apex or TE
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=256,
                      max_sequence_length=opts.seq_length)
     if on_gpu:
@@ -126,8 +126,8 @@ def train(opts: argparse.Namespace, inspect: Optional[Callable[[Any, Any, Any], 
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), 1).view(1, 1, seq, seq)
 
     def forward_step(data_iterator: Any, chunk: Any) -> tuple[torch.Tensor, Any]:
-        tokens, labels = (t.to(device) for t in next(data_iterator))
-        output = chunk(tokens, position_ids, mask, labels=labels)  # per-token loss [b, s]
+        inputs, labels = (t.to(device) for t in next(data_iterator))
+        output = chunk(inputs, position_ids, mask, labels=labels)  # per-token loss [b, s]
 
         def loss_func(out: torch.Tensor) -> tuple[torch.Tensor, dict]:
             loss = out.float().mean()

@@ -17,6 +17,12 @@ a value the user set is kept and the log says what auto would have picked.
 needed more than 32 reductions and doubling stays within the cap and the headroom, it doubles. Each
 change is logged with its reason and takes effect at the next backward.
 
+**Megatron-core** (`prepare_ddp_config`). The same rule sizes ``DistributedDataParallelConfig.bucket_size``
+(Megatron-LM ``--ddp-bucket-size``) when the user left it unset and ``overlap_grad_reduce`` is on; a size
+the user set is kept, and a different explicit ``reduce_bucket_size`` in the block is an error naming
+both. Megatron's DDP keeps all gradients in one persistent buffer whose buckets are views, so the size
+sets how reductions overlap backward, not memory: the arena and adapting do not apply there.
+
 **Arena** (``arena``, ZeRO 1/2). The reduction buckets come from one allocation made at ``attach``
 and reused every backward (`xirang_ds.memory.arena`), instead of DeepSpeed's ``torch.empty`` per
 backward; the arena is resized only when the bucket size adapts. ZeRO 3 already keeps its bucket
@@ -60,7 +66,10 @@ def auto_bucket_numel(largest_param: int, total_params: int, elem_bytes: int, bu
 
 @register_plugin(CommBuffersConfig, section="comm_buffers", order=10)
 class CommBuffersPlugin(Plugin):
-    """Sizes ZeRO buckets, serves ZeRO-1/2 buckets from one arena, and adapts the size between steps."""
+    """Sizes ZeRO buckets, serves ZeRO-1/2 buckets from one arena, and adapts the size between steps;
+    under Megatron-core, sizes the DDP buckets."""
+
+    frameworks = ("deepspeed", "megatron")
 
     def __init__(self, config: CommBuffersConfig, session):
         super().__init__(config, session)
@@ -114,6 +123,61 @@ class CommBuffersPlugin(Plugin):
                       f"({'auto: ' + why if requested == 'auto' else 'from xirang.comm_buffers'}; "
                       f"DeepSpeed's default is {DEEPSPEED_DEFAULT_BUCKET:,})")
 
+    def prepare_ddp_config(self, ddp_config: Any) -> None:
+        """Size Megatron DDP's ``bucket_size`` with the rule of the module docstring.
+
+        Raises:
+            XirangConfigError: an explicit ``reduce_bucket_size`` disagrees with the DDP config's, has
+                no effect (no ``overlap_grad_reduce``), or ``allgather_bucket_size`` is set (Megatron
+                gathers parameters in the gradient buckets).
+        """
+        model = self.session.model
+        params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
+        if not params:
+            return
+        knob = "DistributedDataParallelConfig.bucket_size (Megatron-LM --ddp-bucket-size)"
+        requested = self.config.reduce_bucket_size
+        if self.config.allgather_bucket_size != "auto":
+            raise XirangConfigError([("xirang.comm_buffers.allgather_bucket_size",
+                                      f"is {int(self.config.allgather_bucket_size):,} but Megatron's DDP gathers "
+                                      f"parameters in its gradient buckets, sized by {knob}; remove the key or "
+                                      "set it to \"auto\" for Megatron runs")])
+        if not ddp_config.overlap_grad_reduce:
+            if requested != "auto":
+                raise XirangConfigError([("xirang.comm_buffers.reduce_bucket_size",
+                                          f"is {int(requested):,} but Megatron's DDP reduces all gradients in one "
+                                          "bucket after backward unless overlap_grad_reduce is on (Megatron-LM "
+                                          "--overlap-grad-reduce); turn that on, or set reduce_bucket_size to "
+                                          "\"auto\"")])
+            self.decisions["bucket_size"] = {"value": None, "auto": None, "kept": True,
+                                             "why": "overlap_grad_reduce is off: one bucket after backward"}
+            self._log("Megatron DDP: overlap_grad_reduce is off, so all gradients reduce in one bucket after "
+                      "backward; nothing to size")
+            return
+        dtype = getattr(getattr(model, "config", None), "params_dtype", None) or params[0].dtype
+        elem = 4 if ddp_config.grad_reduce_in_fp32 else dtype.itemsize
+        latency, bandwidth = self._link()
+        largest = max(p.numel() for p in params)
+        total = sum(p.numel() for p in params)
+        n, why = auto_bucket_numel(largest, total, elem, 1, self._budget_bytes(),
+                                   self.config.max_fraction_of_budget, latency, bandwidth)
+        if ddp_config.bucket_size is not None:
+            kept = int(ddp_config.bucket_size)
+            if requested != "auto" and int(requested) != kept:
+                raise XirangConfigError([("xirang.comm_buffers.reduce_bucket_size",
+                                          f"is {int(requested):,} but {knob} is set to {kept:,}; set one of them "
+                                          "(or both to the same value)")])
+            self.decisions["bucket_size"] = {"value": kept, "auto": n, "why": why, "kept": True}
+            self._log(f"Megatron DDP bucket_size: keeping the value you set ({kept:,} elements); auto would pick "
+                      f"{n:,} ({why})")
+            return
+        value = n if requested == "auto" else int(requested)
+        ddp_config.bucket_size = value
+        self.decisions["bucket_size"] = {"value": value, "auto": n, "why": why, "kept": False}
+        self._log(f"Megatron DDP bucket_size: {value:,} elements = {format_bytes(value * elem)} per bucket "
+                  f"({'auto: ' + why if requested == 'auto' else 'from xirang.comm_buffers'}; Megatron's default "
+                  f"is max(40,000,000, 1,000,000 x data-parallel size))")
+
     def _budget_bytes(self) -> int:
         budget = self.session.config.memory_budget
         if budget != "auto":
@@ -123,9 +187,14 @@ class CommBuffersPlugin(Plugin):
         return int(get_accelerator().total_memory())
 
     def _link(self) -> tuple[float, float]:
-        from deepspeed.accelerator import get_accelerator
+        import torch.distributed as dist
 
-        backend = get_accelerator().communication_backend_name()
+        if dist.is_available() and dist.is_initialized():
+            backend = str(dist.get_backend())  # the group Megatron (or the user) already built
+        else:
+            from deepspeed.accelerator import get_accelerator
+
+            backend = get_accelerator().communication_backend_name()
         latency, bandwidth = LINKS.get(backend, LINKS["nccl"])
         if self.config.collective_latency_us != "auto":
             latency = float(self.config.collective_latency_us) * 1e-6
@@ -138,6 +207,8 @@ class CommBuffersPlugin(Plugin):
         from xirang_ds.memory.arena import Arena, ArenaServer, bucket_slots
 
         self.engine = engine
+        if self.session.framework == "megatron":
+            return  # Megatron's grad buffer is allocated once by its DDP; buckets are views of it
         opt = engine.optimizer
         slots = bucket_slots(opt)
         if self.config.arena and slots is not None:
@@ -162,7 +233,10 @@ class CommBuffersPlugin(Plugin):
         return original(*args, **kwargs)
 
     def describe(self) -> str:
-        parts = [f"{k}={v['value']:,}" for k, v in self.decisions.items()]
+        parts = [f"{k}={v['value']:,}" if v["value"] is not None else f"{k}: {v['why']}"
+                 for k, v in self.decisions.items()]
+        if self.session.framework == "megatron" and self.decisions:
+            parts.append("Megatron DDP buckets are views of its persistent grad buffer (no arena, no resizing)")
         if self.arena is not None:
             parts.append(f"arena {format_bytes(self.arena.nbytes)} ({self.arena.slots} slot(s), allocated once)")
         return ", ".join(parts) or "no trainable parameters"

@@ -1,9 +1,9 @@
 """Adaptive communication buffers: bucket sizes from the model, the links and the budget; one arena.
 
-**The rule** (`auto_bucket_numel`). A collective of ``n`` elements of ``b`` bytes costs about
-``alpha + n*b/beta`` (latency ``alpha``, bandwidth ``beta``). At ``n*b = 9*alpha*beta`` the fixed cost
-is 10% of the transfer, so the bucket runs at >= 90% of link bandwidth; larger buckets only add
-memory. The bucket is then held to at least the largest parameter (a gradient never straddles
+**The rule** (`auto_bucket_numel`). A ring reduce-scatter of ``n`` elements of ``b`` bytes over ``p``
+ranks costs about ``(p-1)*alpha + (p-1)/p * n*b/beta`` (latency ``alpha``, bandwidth ``beta``). At
+``n*b = 9*p*alpha*beta`` the fixed cost is 10% of the transfer, so the bucket runs at >= 90% of link
+bandwidth; larger buckets only add memory (``p`` is capped at 8: larger groups use trees). The bucket is then held to at least the largest parameter (a gradient never straddles
 reductions), at most ``max_fraction_of_budget`` of the memory budget over all its buffers (2 with
 ``overlap_comm``), and at most the model (beyond that there is nothing left to overlap with).
 ``alpha``/``beta`` default by backend: NCCL 30 us / 100 GB/s, gloo 50 us / 2 GB/s; override with
@@ -49,19 +49,41 @@ MAX_REDUCTIONS_PER_STEP = 32
 PRESSURE = 0.9
 
 
+RING_RANKS_MAX = 8
+"""Beyond this many ranks NCCL reduces with trees and hierarchies, not one flat ring."""
+
+
 def auto_bucket_numel(largest_param: int, total_params: int, elem_bytes: int, buffers: int, budget_bytes: int,
-                      max_fraction: float, latency_s: float, bandwidth: float) -> tuple[int, str]:
-    """The bucket size rule of the module docstring; returns (elements, why)."""
-    efficient = int(9 * latency_s * bandwidth / elem_bytes)
+                      max_fraction: float, latency_s: float, bandwidth: float, ranks: int = 1) -> tuple[int, str]:
+    """The bucket size rule of the module docstring; returns (elements, why).
+
+    A ring reduce-scatter over ``p`` ranks pays ``p - 1`` latencies and moves ``(p - 1)/p`` of the
+    bucket, so >= 90% link efficiency needs ``n*b >= 9*p*alpha*beta`` (``p`` capped at
+    `RING_RANKS_MAX`, beyond which collectives are not flat rings).
+    """
+    p = max(1, min(int(ranks), RING_RANKS_MAX))
+    efficient = int(9 * p * latency_s * bandwidth / elem_bytes)
     cap = int(max_fraction * budget_bytes / (elem_bytes * buffers))
     n = max(efficient, largest_param)
-    why = (f"9*alpha*beta = {format_bytes(efficient * elem_bytes)} for >= 90% link efficiency"
+    why = (f"9*p*alpha*beta = {format_bytes(efficient * elem_bytes)} for >= 90% link efficiency on {p} rank(s)"
            if efficient >= largest_param else f"the largest parameter ({largest_param:,} elements)")
     if n > total_params:
         n, why = total_params, f"the whole model ({total_params:,} elements)"
     if n > cap:
         n, why = max(1, cap), f"the cap of {max_fraction:.0%} of the budget over {buffers} buffer(s)"
     return n, why
+
+
+def _data_parallel_size() -> int:
+    """Megatron's data-parallel size when its groups exist, else the world size."""
+    try:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            return int(parallel_state.get_data_parallel_world_size())
+    except ImportError:
+        pass
+    return max(1, int(os.environ.get("WORLD_SIZE", "1")))
 
 
 @register_plugin(CommBuffersConfig, section="comm_buffers", order=10)
@@ -97,7 +119,7 @@ class CommBuffersPlugin(Plugin):
         largest = max(p.numel() for p in params)
         total = sum(p.numel() for p in params)
         n, why = auto_bucket_numel(largest, total, elem, buffers, budget, self.config.max_fraction_of_budget,
-                                   latency, bandwidth)
+                                   latency, bandwidth, self.session.world_size)
         self.floor = min(largest, n)
         self.cap = max(n, int(self.config.max_fraction_of_budget * budget / (elem * buffers)))
         self.elem_bytes, self.buffers, self.total = elem, buffers, total
@@ -160,7 +182,7 @@ class CommBuffersPlugin(Plugin):
         largest = max(p.numel() for p in params)
         total = sum(p.numel() for p in params)
         n, why = auto_bucket_numel(largest, total, elem, 1, self._budget_bytes(),
-                                   self.config.max_fraction_of_budget, latency, bandwidth)
+                                   self.config.max_fraction_of_budget, latency, bandwidth, _data_parallel_size())
         if ddp_config.bucket_size is not None:
             kept = int(ddp_config.bucket_size)
             if requested != "auto" and int(requested) != kept:

@@ -13,6 +13,9 @@ GIB = 2**30
 def test_rule_efficiency_floor_cap_and_model():
     # gloo: 9 * 50us * 2 GB/s = 900 KB -> 450k bf16 elements
     assert auto_bucket_numel(1000, 10**9, 2, 1, 80 * GIB, 0.05, 50e-6, 2e9)[0] == 450_000
+    # a ring over p ranks pays p latencies: the efficient size grows with p, up to 8 ranks
+    assert auto_bucket_numel(1000, 10**9, 2, 1, 80 * GIB, 0.05, 50e-6, 2e9, ranks=2)[0] == 900_000
+    assert auto_bucket_numel(1000, 10**9, 2, 1, 80 * GIB, 0.05, 50e-6, 2e9, ranks=64)[0] == 3_600_000
     # the largest parameter wins when bigger
     n, why = auto_bucket_numel(2_000_000, 10**9, 2, 1, 80 * GIB, 0.05, 50e-6, 2e9)
     assert n == 2_000_000 and "largest parameter" in why

@@ -7,10 +7,10 @@ which the engine behaves as plain DeepSpeed again.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from xirang_ds.config.schema import XirangConfig
-from xirang_ds.hooks import wrap_method
+from xirang_ds.hooks import CallbackHandle, wrap_method
 from xirang_ds.registry import Plugin, plugins_for
 
 logger = logging.getLogger("xirang_ds")
@@ -39,6 +39,7 @@ class Session:
         self._watch = None
         self._handles: list[Any] = []
         self.events: list[dict] = []
+        self.memory_roles: list[Callable[[], Iterable[tuple[str, Any]]]] = []
 
     # ----------------------------------------------------------------------------------------
     def plugin(self, section: str) -> Optional[Plugin]:
@@ -65,9 +66,24 @@ class Session:
 
             if self.engine is None:
                 raise RuntimeError("track_memory() needs the engine; call it from Plugin.attach")
-            self._watch = watch_engine(self.tracker, self.engine)
+            self._watch = watch_engine(self.tracker, self.engine, roles=self.memory_roles)
             self.tracker.start()
         return self.tracker
+
+    def add_memory_roles(self, provider: Callable[[], Iterable[tuple[str, Any]]]) -> CallbackHandle:
+        """Declare tensors a plugin holds outside DeepSpeed's structures (its own master weights,
+        optimizer states) so the tracker counts them by role.
+
+        Args:
+            provider: returns ``(category, tensors)`` pairs; called whenever the tracker marks the
+                engine's model states (when tracking starts, after each backward and before the
+                optimizer step).
+
+        Returns:
+            A handle whose ``remove()`` withdraws the provider.
+        """
+        self.memory_roles.append(provider)
+        return CallbackHandle(lambda: self.memory_roles.remove(provider))
 
     def record_event(self, kind: str, **fields: Any) -> None:
         """Remember something a plugin did; `summary` and the monitor report these."""

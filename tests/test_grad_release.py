@@ -247,22 +247,6 @@ def _errors(rank, world):
 
 
 # memory --------------------------------------------------------------------------------------------------
-def _category_max(window, category):
-    """Most bytes of one category alive at once during a tracker window (exact sweep over records)."""
-    events = []
-    for rec in window.tracker.records:
-        if rec.resolved_category() != category or rec.host or (rec.freed is not None and rec.freed <= window.start_clock):
-            continue
-        events.append((max(rec.created, window.start_clock), rec.nbytes))
-        if rec.freed is not None:
-            events.append((rec.freed, -rec.nbytes))
-    live = best = 0
-    for _, delta in sorted(events, key=lambda e: (e[0], e[1])):
-        live += delta
-        best = max(best, live)
-    return best
-
-
 def _memory(rank, world, use_xirang):
     """bf16 ZeRO-2, same bucket size on both sides; the third step measured with the live-storage tracker."""
     import deepspeed
@@ -294,7 +278,7 @@ def _memory(rank, world, use_xirang):
         engine.backward(engine(x, y))
         engine.step()
     report = window.report()
-    out = {"numel": numel, "grad_max": _category_max(window, "gradients"), "at_peak": report.by_category,
+    out = {"numel": numel, "grad_max": window.most_at_once()["gradients"], "at_peak": report.by_category,
            "peak": report.peak_bytes, "phase": report.phase}
     window.close()
     if watch is not None:
@@ -427,7 +411,7 @@ def test_bad_configurations_fail_at_initialize_naming_both(two_ranks):
     assert "lm_head.weight requires grad but is in no param group" in r0["not_in_optimizer"]
     assert "needs an optimizer" in r0["no_optimizer"]
     for r in (r0, r1):
-        for mode, state in (("fused", "buckets reduced before it were already updated"),
+        for mode, state in (("fused", "every bucket was applied as it was reduced"),
                             ("hold", "no parameter was updated")):
             assert "non-finite gradient at step 1" in r[mode] and "lm_head.weight" in r[mode], r[mode]
             assert state in r[mode] and "skip_step" in r[mode], r[mode]

@@ -174,9 +174,9 @@ class _Net(torch.nn.Module):
 
 
 @pytest.mark.parametrize("gas", [1, 3])
-@pytest.mark.parametrize("clip", [0.0, 0.05])
-def test_fused_step_equals_adamw_with_accumulation_and_clipping(gas, clip):
-    """The pipeline, driven like engine.backward would drive it, gives torch.optim.AdamW's parameters.
+@pytest.mark.parametrize("clip,method", [(0.0, "hold"), (0.05, "hold"), (0.05, "two_pass")])
+def test_fused_step_equals_adamw_with_accumulation_and_clipping(gas, clip, method):
+    """The pipeline, driven the way engine.backward drives it, gives torch.optim.AdamW's parameters.
 
     The unused layer gets zero gradients, as DeepSpeed gives parameters without a gradient."""
     from xirang_ds.plugins.grad_release.bucket import Bucket
@@ -198,7 +198,7 @@ def test_fused_step_equals_adamw_with_accumulation_and_clipping(gas, clip):
     pipeline = ReleasePipeline(buckets)
     for p in params:
         p.register_post_accumulate_grad_hook(pipeline.on_grad)
-    policy = ReleasePolicy(comm, False, clip, "exact", "hold", False)
+    policy = ReleasePolicy(comm, False, clip, "exact", method, False)
     for step in range(4):
         xs = [torch.randn(5, 8) for _ in range(gas)]
         for x in xs:
@@ -211,14 +211,60 @@ def test_fused_step_equals_adamw_with_accumulation_and_clipping(gas, clip):
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
         for micro, x in enumerate(xs):
-            (kind,) = policy.passes(boundary=micro == gas - 1)
-            pipeline.begin(kind, policy.rule() if kind is Pass.FUSED else None)
-            (ours(x) / gas).backward()
-            assert all(p.grad is None for p in ours.parameters())  # released as soon as taken
-            sumsq = pipeline.finish()
-            if kind is Pass.HOLD:
-                policy.known_norm = math.sqrt(float(sumsq))
-                pipeline.apply_all(policy.rule())
+            passes = policy.passes(boundary=micro == gas - 1)
+            loss = ours(x) / gas
+            for n, kind in enumerate(passes):
+                pipeline.begin(kind, policy.rule() if kind in (Pass.FUSED, Pass.UPDATE) else None)
+                loss.backward(retain_graph=n < len(passes) - 1)
+                assert all(p.grad is None for p in ours.parameters())  # released as soon as taken
+                sumsq = pipeline.finish()
+                if kind in (Pass.HOLD, Pass.NORM):
+                    policy.known_norm = math.sqrt(float(sumsq))
+                if kind is Pass.HOLD:
+                    pipeline.apply_all(policy.rule())
         for a, b in zip(ref.parameters(), ours.parameters()):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     assert buckets[0].optimizer.param_groups[0]["lr"] == 0.05
+    stepped = buckets[0].optimizer.param_groups[0]["params"][0]
+    assert stepped.xirang_slice_of.name == buckets[0].names[0] and stepped.xirang_slice_of.start == 0
+
+
+def test_window_most_at_once_sees_a_category_at_its_own_maximum():
+    """The tracker helper the memory claims use: gradients peak before the window's overall peak."""
+    from xirang_ds.memory.tracker import MemoryTracker
+
+    tracker = MemoryTracker("cpu")
+    with tracker:
+        window = tracker.open_window()
+        with tracker.scope("gradients"):
+            a = torch.empty(100)  # 400 B
+            b = torch.empty(50)  # 200 B
+        del a
+        with tracker.scope("gradients"):
+            c = torch.empty(10)  # 40 B
+        big = torch.empty(1000)  # 4000 B of temporaries: the peak, with 240 B of gradients
+        del b, c, big
+    assert window.most_at_once()["gradients"] == 600
+    assert window.report().by_category["gradients"] == 240
+    assert window.most_at_once()["temporaries"] == 4000
+
+
+def test_measurement_configs_are_valid():
+    """The ds_configs docs/grad_release.md measures with: blocks valid, grad_release accepts them."""
+    import glob
+    import json
+    import os
+
+    from xirang_ds.plugins.grad_release.ds_config import read_setup
+
+    files = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "grad_release", "*.json")))
+    assert len(files) >= 10
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            ds_config = json.load(f)
+        if "xirang" not in ds_config:
+            assert path.endswith("_plain_default_buckets.json"), path  # baselines only
+            continue
+        block = load_config(ds_config).grad_release
+        assert block.enabled, path
+        read_setup(ds_config, block)

@@ -20,6 +20,7 @@ steps views of them); 16-bit parameters get an fp32 master copy of this rank's s
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Optional, Sequence, Union
 
 import torch
@@ -31,6 +32,23 @@ from xirang_ds.plugins.grad_release.optimizers import clone_optimizer, hyperpara
 
 Scope = Callable[[str], ContextManager[None]]
 Coefficient = Union[float, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SliceOf:
+    """Which parameter a tensor stepped by a bucket's optimizer is a slice of.
+
+    Attributes:
+        name: the parameter's name in the model.
+        shape: the parameter's shape.
+        start: first element of the slice in the flattened parameter.
+        numel: elements in the slice (the whole parameter when not sharded).
+    """
+
+    name: str
+    shape: tuple
+    start: int
+    numel: int
 
 
 def no_scope(category: str) -> ContextManager[None]:
@@ -84,7 +102,11 @@ class Bucket:
 
     # masters and optimizer ------------------------------------------------------------------
     def build_masters(self) -> None:
-        """(Re)build the fp32 master slices from the parameters and a fresh optimizer over them."""
+        """(Re)build the fp32 master slices from the parameters and a fresh optimizer over them.
+
+        Each tensor the optimizer steps carries ``xirang_slice_of``: the `SliceOf` saying which
+        parameter it is a slice of (optimizers that decide per parameter, by name or size, read it).
+        """
         with torch.no_grad():
             if self.dtype == torch.float32:
                 self.master = None
@@ -97,6 +119,9 @@ class Bucket:
                     view = self.master[piece.offset:piece.offset + piece.numel]
                     view.copy_(self._param_slice(piece).reshape(-1))
                     self.views.append(view if self.sharded else view.view(self.params[piece.index].shape))
+        for piece, view in zip(self.pieces, self.views):
+            param = self.params[piece.index]
+            view.xirang_slice_of = SliceOf(self.names[piece.index], tuple(param.shape), piece.start, piece.numel)
         self.optimizer = self._make_optimizer()
         self.steps_applied = 0
 
@@ -339,4 +364,4 @@ class Bucket:
                 "dtype": str(self.dtype).replace("torch.", "")}
 
 
-__all__ = ["Bucket", "Coefficient", "Scope", "no_scope"]
+__all__ = ["Bucket", "Coefficient", "Scope", "SliceOf", "no_scope"]

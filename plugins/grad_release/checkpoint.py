@@ -9,7 +9,7 @@ and the step counters stay in DeepSpeed's files.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -47,6 +47,44 @@ def load_shard(path: str) -> dict:
     return payload
 
 
+def save_rank_state(tag_dir: str, rank: int, layout: dict, policy: Any, buckets: Sequence[Any]) -> None:
+    """Write this rank's masters, optimizer states and policy state for a checkpoint tag.
+
+    Args:
+        tag_dir: ``<save_dir>/<tag>``.
+        layout: the run's layout (world, stage, bucket fingerprints), checked again on load.
+        policy: the `ReleasePolicy` (loss scale, previous norm).
+        buckets: this rank's buckets.
+    """
+    save_shard(shard_path(tag_dir, rank), {**layout, "rank": rank, "policy": policy.state_dict(),
+                                           "bucket_states": [b.state_dict() for b in buckets]})
+
+
+def load_rank_state(tag_dir: str, rank: int, layout: dict, policy: Any, buckets: Sequence[Any]) -> None:
+    """Restore what `save_rank_state` wrote for this rank.
+
+    Raises:
+        RuntimeError: the tag has no grad_release file for this rank, or its layout differs from this
+            run's; the message says how to load the weights alone.
+    """
+    path = shard_path(tag_dir, rank)
+    try:
+        saved = load_shard(path)
+    except FileNotFoundError:
+        raise RuntimeError(f"xirang.grad_release: the checkpoint {tag_dir} has no grad_release state for rank {rank} "
+                           f"({path}); it was saved without grad_release or with fewer ranks. Fix: "
+                           "load_checkpoint(..., load_optimizer_states=False) to start fresh optimizer states from "
+                           "its weights") from None
+    problems = mismatch(saved, layout)
+    if problems:
+        raise RuntimeError(f"xirang.grad_release: the checkpoint's optimizer shards do not fit this run: "
+                           f"{'; '.join(problems)}. Fix: resume with the same world size, ZeRO stage, model and "
+                           "bucket_size_numel, or load_checkpoint(..., load_optimizer_states=False)")
+    for bucket, state in zip(buckets, saved["bucket_states"]):
+        bucket.load_state_dict(state)
+    policy.load_state_dict(saved["policy"])
+
+
 def mismatch(saved: dict, current: dict) -> list[str]:
     """Differences between the saved run's layout and this run's (empty: the shards fit)."""
     out = []
@@ -70,4 +108,4 @@ def _brief(fingerprint: Any) -> str:
     return f"{names[:2]}{'...' if len(names) > 2 else ''} ({fingerprint.get('dtype')}, world {fingerprint.get('world')})"
 
 
-__all__ = ["FORMAT", "load_shard", "mismatch", "save_shard", "shard_path"]
+__all__ = ["FORMAT", "load_rank_state", "load_shard", "mismatch", "save_rank_state", "save_shard", "shard_path"]

@@ -248,7 +248,7 @@ class GradReleasePlugin(Plugin):
                  if s is not None and not math.isfinite(float(s))]
         where = (f"in the bucket of {', '.join(local[0].names[:3])}{', ...' if len(local[0].names) > 3 else ''}"
                  if local else "in a bucket sharded to another rank")
-        state = ("parameters of the buckets reduced before it were already updated" if applied
+        state = ("every bucket was applied as it was reduced, this one included" if applied
                  else "no parameter was updated")
         raise RuntimeError(f"xirang.grad_release: non-finite gradient at step {self.engine.global_steps + 1} "
                            f"(global norm {norm}) {where}; {state}. Set xirang.grad_release.nonfinite to "
@@ -291,47 +291,31 @@ class GradReleasePlugin(Plugin):
         return {"world": self.comm.world, "zero_stage": self.setup.zero_stage, "buckets": len(self.buckets)}
 
     def _save_checkpoint(self, original: Any, save_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
-        from xirang_ds.plugins.grad_release.checkpoint import save_shard, shard_path
+        """Each rank writes its file first; then DeepSpeed writes its files and the ``latest`` pointer."""
+        from xirang_ds.plugins.grad_release.checkpoint import save_rank_state
 
-        name = str(tag) if tag is not None else f"global_step{self.engine.global_steps}"
+        name = str(tag) if tag is not None else f"global_step{self.engine.global_steps}"  # DeepSpeed's default
         if any(b.acc is not None for b in self.buckets) and self.engine.global_rank == 0:
             logger.warning("xirang grad_release: checkpoint saved in the middle of a gradient accumulation; the "
                            "accumulated gradients are not saved (DeepSpeed does not save them either)")
-        save_shard(shard_path(os.path.join(save_dir, name), self.comm.rank),
-                   {**self._layout(), "rank": self.comm.rank, "policy": self.policy.state_dict(),
-                    "bucket_states": [b.state_dict() for b in self.buckets]})
+        save_rank_state(os.path.join(save_dir, name), self.comm.rank, self._layout(), self.policy, self.buckets)
         return original(save_dir, tag, *args, **kwargs)
 
     def _load_checkpoint(self, original: Any, *args: Any, **kwargs: Any) -> Any:
-        from xirang_ds.plugins.grad_release.checkpoint import load_shard, mismatch, shard_path
+        """DeepSpeed loads weights, hyperparameters and counters; then this rank's file, unless told not to."""
+        from xirang_ds.plugins.grad_release.checkpoint import load_rank_state
 
         bound = inspect.signature(type(self.engine).load_checkpoint).bind(self.engine, *args, **kwargs)
         bound.apply_defaults()
-        options = bound.arguments
         self.pipeline.discard_all()
         load_path, client_state = original(*args, **kwargs)
         if load_path is None:
             return load_path, client_state
-        if not options["load_optimizer_states"] or options["load_module_only"]:
+        if not bound.arguments["load_optimizer_states"] or bound.arguments["load_module_only"]:
             for bucket in self.buckets:
-                bucket.build_masters()
-            return load_path, client_state
-        path = shard_path(os.path.dirname(load_path), self.comm.rank)
-        try:
-            saved = load_shard(path)
-        except FileNotFoundError:
-            raise RuntimeError(f"xirang.grad_release: the checkpoint {os.path.dirname(load_path)} has no grad_release "
-                               f"state for rank {self.comm.rank} ({path}); it was saved without grad_release or with "
-                               "fewer ranks. Fix: load_checkpoint(..., load_optimizer_states=False) to start fresh "
-                               "optimizer states from its weights") from None
-        problems = mismatch(saved, self._layout())
-        if problems:
-            raise RuntimeError(f"xirang.grad_release: the checkpoint's optimizer shards do not fit this run: "
-                               f"{'; '.join(problems)}. Fix: resume with the same world size, ZeRO stage, model and "
-                               "bucket_size_numel, or load_checkpoint(..., load_optimizer_states=False)")
-        for bucket, state in zip(self.buckets, saved["bucket_states"]):
-            bucket.load_state_dict(state)
-        self.policy.load_state_dict(saved["policy"])
+                bucket.build_masters()  # fresh optimizer states from the loaded weights
+        else:
+            load_rank_state(os.path.dirname(load_path), self.comm.rank, self._layout(), self.policy, self.buckets)
         return load_path, client_state
 
     # removal ------------------------------------------------------------------------------------

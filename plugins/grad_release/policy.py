@@ -141,13 +141,6 @@ class ReleasePolicy:
             self.comm.all_reduce(total, async_op=False)
         return math.sqrt(float(total)) / self.loss_scale if math.isfinite(float(total)) else float(total)
 
-    def after_norm_pass(self, norm: float) -> bool:
-        """Two-pass: True if the update pass should run (the gradient is finite or must raise later)."""
-        if math.isfinite(norm) or not self.skip_nonfinite:
-            self.known_norm = norm
-            return True
-        return False
-
     def finish_step(self, norm: float, applied: bool) -> StepOutcome:
         """Record a boundary backward's result; update the loss scale like DeepSpeed does each step."""
         skipped = not applied

@@ -187,11 +187,19 @@ def test_fused_step_equals_adamw_with_accumulation_and_clipping(gas, clip, metho
     torch.manual_seed(0)
     ref = _Net()
     ours = copy.deepcopy(ref)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
-    basic = torch.optim.AdamW(ours.parameters(), lr=0.05, weight_decay=0.1)
+
+    def groups(model):  # two groups, as trainers make them: no weight decay on biases, another lr
+        decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+        return [{"params": decay, "weight_decay": 0.1},
+                {"params": [p for p in model.parameters() if all(p is not q for q in decay)],
+                 "weight_decay": 0.0, "lr": 0.02}]
+
+    ref_opt = torch.optim.AdamW(groups(ref), lr=0.05)
+    basic = torch.optim.AdamW(groups(ours), lr=0.05)
+    group_of = {p: gi for gi, g in enumerate(basic.param_groups) for p in g["params"]}
     comm = DataParallelComm(None)
     params = list(reversed(list(ours.parameters())))
-    buckets = [Bucket(i, [params[j] for j in idx], [str(j) for j in idx], [0] * len(idx),
+    buckets = [Bucket(i, [params[j] for j in idx], [str(j) for j in idx], [group_of[params[j]] for j in idx],
                       BucketLayout.build([params[j].numel() for j in idx], 1), comm, basic, torch.float32)
                for i, idx in enumerate(plan_buckets([p.numel() for p in params], 100))]
     assert len(buckets) > 1
@@ -224,9 +232,11 @@ def test_fused_step_equals_adamw_with_accumulation_and_clipping(gas, clip, metho
                     pipeline.apply_all(policy.rule())
         for a, b in zip(ref.parameters(), ours.parameters()):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
-    assert buckets[0].optimizer.param_groups[0]["lr"] == 0.05
-    stepped = buckets[0].optimizer.param_groups[0]["params"][0]
-    assert stepped.xirang_slice_of.name == buckets[0].names[0] and stepped.xirang_slice_of.start == 0
+    assert {g["lr"] for b in buckets for g in b.optimizer.param_groups} == {0.05, 0.02}
+    for bucket in buckets:  # every stepped tensor says which parameter it is (whole ones here)
+        stepped = [t.xirang_slice_of for g in bucket.optimizer.param_groups for t in g["params"]]
+        assert sorted(s.name for s in stepped) == sorted(bucket.names)
+        assert all(s.start == 0 and s.numel == math.prod(s.shape) for s in stepped)
 
 
 def test_window_most_at_once_sees_a_category_at_its_own_maximum():

@@ -21,7 +21,7 @@ class DataParallelComm:
         rank: this process's rank in the group.
     """
 
-    def __init__(self, group: Any):
+    def __init__(self, group: Any) -> None:
         import deepspeed.comm as dist
 
         self.dist = dist
@@ -51,10 +51,6 @@ class DataParallelComm:
             out.copy_(shard)
             return None
         return self.dist.all_gather_into_tensor(out, shard, group=self.group, async_op=True)
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            self.dist.barrier(group=self.group)
 
 
 def wait(work: Optional[Any]) -> None:

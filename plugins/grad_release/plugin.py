@@ -1,6 +1,6 @@
 """The grad_release plugin: attaches the fused step to a DeepSpeed engine.
 
-Seams (README of the package in ``docs/grad_release.md``):
+Seams (the design is in ``docs/grad_release.md``):
 
 * ``prepare_ds_config``: read precision, ZeRO stage and clipping from the ds_config, refuse what
   cannot work, hand DeepSpeed a copy without them (`ds_config.py`).
@@ -45,7 +45,7 @@ class GradReleasePlugin(Plugin):
         policy: passes, multipliers, loss scale and step outcomes (`policy.ReleasePolicy`).
     """
 
-    def __init__(self, config: GradReleaseConfig, session: Any):
+    def __init__(self, config: GradReleaseConfig, session: Any) -> None:
         super().__init__(config, session)
         self.setup: Any = None
         self.engine: Any = None

@@ -17,7 +17,6 @@ skip the whole step, so no bucket may be applied before every gradient is known 
 """
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -27,8 +26,6 @@ import torch
 from xirang_ds.plugins.grad_release.bucket import Bucket, Coefficient
 from xirang_ds.plugins.grad_release.comm import DataParallelComm
 from xirang_ds.plugins.grad_release.pipeline import Pass, Rule
-
-logger = logging.getLogger("xirang_ds")
 
 CLIP_EPS = 1e-6
 """Added to the norm before dividing, as DeepSpeed does."""

@@ -167,6 +167,7 @@ _REGISTRY = _Registry()
 
 BUILTIN_PLUGIN_MODULES = (
     "xirang_ds.plugins.comm_buffers",
+    "xirang_ds.plugins.grad_release",
     "xirang_ds.plugins.monitor",
     "xirang_ds.plugins.optimizer_states.plugin",
     "xirang_ds.plugins.profiler",

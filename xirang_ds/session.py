@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 from xirang_ds.config.schema import XirangConfig
-from xirang_ds.hooks import wrap_method
+from xirang_ds.hooks import CallbackHandle, wrap_method
 from xirang_ds.registry import Plugin, plugins_for
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -28,8 +28,8 @@ logger = logging.getLogger("xirang_ds")
 FRAMEWORKS = ("deepspeed", "megatron")
 """Training frameworks a session drives plugins through."""
 
-WatchFactory = Callable[["MemoryTracker", Any], "TrainingWatch"]
-"""``watch(tracker, engine)``: builds the `TrainingWatch` that drives the shared tracker."""
+WatchFactory = Callable[..., "TrainingWatch"]
+"""``watch(tracker, engine, roles=...)``: builds the `TrainingWatch` that drives the shared tracker."""
 
 CHECKPOINT_KEY = "xirang"
 """Key of the plugins' state inside DeepSpeed's ``client_state``."""
@@ -64,6 +64,7 @@ class Session:
         self._watch_factory: Optional[WatchFactory] = None
         self._handles: list[Any] = []
         self.events: list[dict] = []
+        self.memory_roles: list[Callable[[], Iterable[tuple[str, Any]]]] = []
 
     # ----------------------------------------------------------------------------------------
     def plugin(self, section: str) -> Optional[Plugin]:
@@ -91,7 +92,7 @@ class Session:
             if self.engine is None:
                 raise RuntimeError("track_memory() needs the engine; call it from Plugin.attach")
             factory = self._watch_factory or watch_engine
-            self._watch = factory(self.tracker, self.engine)
+            self._watch = factory(self.tracker, self.engine, roles=self.memory_roles)
             self.tracker.start()
         return self.tracker
 
@@ -99,6 +100,21 @@ class Session:
         """Keep a removable handle (anything with ``.remove()``) that `remove` undoes after the plugins."""
         self._handles.append(handle)
         return handle
+
+    def add_memory_roles(self, provider: Callable[[], Iterable[tuple[str, Any]]]) -> CallbackHandle:
+        """Declare tensors a plugin holds outside DeepSpeed's structures (its own master weights,
+        optimizer states) so the tracker counts them by role.
+
+        Args:
+            provider: returns ``(category, tensors)`` pairs; called whenever the tracker marks the
+                engine's model states (when tracking starts, after each backward and before the
+                optimizer step).
+
+        Returns:
+            A handle whose ``remove()`` withdraws the provider.
+        """
+        self.memory_roles.append(provider)
+        return CallbackHandle(lambda: self.memory_roles.remove(provider))
 
     def record_event(self, kind: str, **fields: Any) -> None:
         """Remember something a plugin did; `summary` and the monitor report these."""

@@ -15,7 +15,7 @@ all-gathers, which local attention also borrows for its baddbmm input).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -124,10 +124,12 @@ class MegatronWatch(TrainingWatch):
     Args:
         tracker: the tracker to feed.
         run: the run; its ``step`` marks the optimizer phase.
+        roles: providers of ``(category, tensors)`` for tensors plugins hold (`Session.add_memory_roles`).
     """
 
-    def __init__(self, tracker: MemoryTracker, run: MegatronRun):
-        super().__init__(tracker, run.module)
+    def __init__(self, tracker: MemoryTracker, run: MegatronRun,
+                 roles: Sequence[Callable[[], Iterable[tuple[str, Any]]]] = ()):
+        super().__init__(tracker, run.module, roles=roles)
         self.run = run
         self._handles.append(wrap_method(run, "step", self._around_step))
 
@@ -161,9 +163,10 @@ class MegatronWatch(TrainingWatch):
         t.mark(global_memory_buffer_tensors(), COMM_BUFFERS)
 
 
-def watch_run(tracker: MemoryTracker, run: MegatronRun) -> MegatronWatch:
+def watch_run(tracker: MemoryTracker, run: MegatronRun,
+              roles: Sequence[Callable[[], Iterable[tuple[str, Any]]]] = ()) -> MegatronWatch:
     """Seed the tracker with what the run holds and drive it from the run (`Session.attach`'s ``watch``)."""
-    watch = MegatronWatch(tracker, run)
+    watch = MegatronWatch(tracker, run, roles=roles)
     watch.mark_model_states()
     return watch
 

@@ -25,9 +25,17 @@ def hand_back(buckets: list[Bucket], optimizer: torch.optim.Optimizer) -> None:
                                       for k, v in state.items()}
 
 
+def _local_state(optimizer: Optional[torch.optim.Optimizer], view: torch.Tensor) -> dict:
+    """The optimizer's state of ``view`` in ``torch.optim`` layout: an optimizer that stores its
+    states otherwise (optimizer_states' quantized codes) converts them with ``torch_state``."""
+    if optimizer is None:
+        return {}
+    convert = getattr(optimizer, "torch_state", None)
+    return convert(view) if convert is not None else optimizer.state.get(view, {})
+
+
 def _full_states(bucket: Bucket) -> dict[torch.Tensor, dict[str, Any]]:
-    local = {piece.index: (bucket.optimizer.state.get(view, {}) if bucket.optimizer else {})
-             for piece, view in zip(bucket.pieces, bucket.views)}
+    local = {piece.index: _local_state(bucket.optimizer, view) for piece, view in zip(bucket.pieces, bucket.views)}
     if not bucket.sharded:
         return {bucket.params[i]: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
                 for i, s in local.items() if s}

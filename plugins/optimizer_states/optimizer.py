@@ -97,6 +97,11 @@ class DynamicAdamW(torch.optim.Optimizer):
         'fp32'
     """
 
+    xirang_elementwise = True
+    """The update math is element-wise (grad_release may step 1/world slices of a parameter). A
+    quantized tensor's blocks then follow the slice it is given, which moves block boundaries but
+    keeps each format's error bound; fp32 states stay exact."""
+
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, adam_w_mode: bool = True,
                  maximize: bool = False, bias_correction: bool = True, states: Any = None,
@@ -231,6 +236,15 @@ class DynamicAdamW(torch.optim.Optimizer):
         return Measurement(math.sqrt(sums[0]) / bc1, math.sqrt(sums[1]) / bc2, error)
 
     # helpers ------------------------------------------------------------------------------------
+    def torch_state(self, p: torch.Tensor) -> dict:
+        """``p``'s state in ``torch.optim.AdamW`` layout (fp32 moments shaped like ``p``, ``step``);
+        empty before its first update. Other code that moves states (grad_release handing them
+        back on removal) reads them through this."""
+        from xirang_ds.plugins.optimizer_states.export import decode_state
+
+        state = self.state.get(p)
+        return decode_state(state, p) if state else {}
+
     def _init_state(self, p: torch.Tensor, state: dict, name: str) -> None:
         fmt = self._format(name)
         state["step"] = torch.tensor(0.0, dtype=torch.float32)

@@ -11,12 +11,15 @@ from xirang_ds.memory.estimator import EstimateError, RunShape, estimate_spec, k
 from xirang_ds.models import ModelSpecError, parse_model_spec
 
 INT8 = {"optimizer_states": {"enabled": True, "schedule": [{"dtype": "int8"}], "min_numel": 0}}
+GRAD_RELEASE = {"grad_release": {"enabled": True}}
 CASES = [  # model, stage, dtype, micro, world, bucket, xirang block
     ("gpt-tiny", 0, "bf16", 4, 1, 1e6, None),
     ("gpt-tiny", 2, "fp32", 4, 2, 1e6, None),
     ("llama-tiny", 1, "bf16", 8, 2, 1e5, None),
     ("gpt-tiny", 3, "bf16", 4, 2, 1e6, None),
     ("gpt-tiny", 2, "bf16", 4, 2, 1e6, INT8),
+    ("gpt-small", 2, "bf16", 1, 2, 1e6, GRAD_RELEASE),
+    ("gpt-small", 0, "bf16", 4, 1, 1e6, GRAD_RELEASE),
 ]
 
 
@@ -27,7 +30,8 @@ def test_estimate_within_ten_percent_of_measured(model, stage, dtype, micro, wor
     measured = max(r["peak_bytes"] for r in run_ranks(bench_rank, world, model, config, 3, None, 0,
                                                       xirang is not None))
     predicted = estimate_spec(model, config, world).predicted_peak_bytes
-    tolerance = 0.10 if stage == 3 else 0.01  # ZeRO 0-2 are modelled buffer by buffer
+    # ZeRO 0-2 are modelled buffer by buffer; grad_release's backward by two points (its start and end)
+    tolerance = 0.10 if stage == 3 else 0.03 if xirang is GRAD_RELEASE else 0.01
     assert abs(predicted - measured) / measured <= tolerance, (predicted, measured)
 
 

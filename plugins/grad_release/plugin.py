@@ -166,6 +166,60 @@ class GradReleasePlugin(Plugin):
                                                   "xirang.grad_release")]) from None
         return buckets
 
+    def adjust_estimate(self, phases: dict, shape: Any, numels: list) -> Optional[dict]:
+        """Model states as the buckets hold them and gradients a bucket at a time (the table under
+        "One step of a bucket" in docs/grad_release.md): 16-bit parameters whole, fp32 masters and
+        Adam states over this rank's shard, one bucket filling and one reducing, this rank's shard
+        held until backward ends when exact clipping uses ``hold``, and the update's temporaries in
+        backward, one bucket shard at a time. There is no separate optimizer-step phase."""
+        from xirang_ds.memory.estimator import _adam_temporaries
+        from xirang_ds.plugins.grad_release.layout import auto_bucket_numel
+
+        if not numels:
+            return phases
+        total = sum(numels)
+        lp = shape.lp_bytes
+        world = shape.world_size if shape.stage >= 1 and shape.world_size > 1 else 1
+        part = sum(math.ceil(n / world) for n in numels)
+        bucket = auto_bucket_numel(total) if self.config.bucket_size_numel == "auto" else int(self.config.bucket_size_numel)
+        bucket = max(bucket, max(numels))  # a larger parameter gets a bucket of its own
+        masters = 4 * part if lp != 4 else 0
+        states = 8 * part
+        if self.session.plugin("optimizer_states") is not None:
+            states = phases["forward"].get(OPTIMIZER_STATES, states)  # that plugin's own model (it runs first)
+        clipping = self.setup.gradient_clipping if self.setup is not None else 0.0
+        fp16 = self.setup is not None and self.setup.fp16 is not None
+        holds = (clipping > 0 and self.config.clipping == "exact" and self.config.exact_method == "hold") or fp16
+        accum = 4 * part if shape.grad_accum > 1 else 0
+        in_flight = (2 if self.config.overlap_comm else 1) * lp * bucket
+        shard = math.ceil(bucket / world)
+        update = 4 * shard + _adam_temporaries(shape, [shard])
+        out = {}
+        for name, cats in phases.items():
+            cats = dict(cats)
+            cats[PARAMETERS] = lp * total + masters
+            cats[OPTIMIZER_STATES] = states
+            cats[GRADIENTS] = accum
+            cats["comm_buffers"] = 0
+            if name == "backward":
+                # early in backward the activations are all there and little is held; at its end
+                # the activations are gone and the held shard is whole
+                # early in backward the activations are all there and the first bucket fills; at
+                # its end the activations are gone, buckets are in flight and updating, and the
+                # held shard (if any) is whole
+                cats[GRADIENTS] = accum + lp * max(numels)
+                cats["comm_buffers"] = lp * bucket
+                late = {**cats, "activations": 0, "comm_buffers": in_flight,
+                        "temporaries": update,
+                        GRADIENTS: accum + (lp * part if holds else 0) + lp * max(numels)}
+                if sum(late.values()) > sum(cats.values()):
+                    cats = late
+            elif name == "optimizer_step":
+                cats["temporaries"] = 0
+                cats["activations"] = 0
+            out[name] = cats
+        return out
+
     def describe(self) -> str:
         stage = self.setup.zero_stage
         shards = f"sharded 1/{self.comm.world}" if self.policy.sharded else "replicated"

@@ -20,6 +20,7 @@ measured `PeakReport` with the estimate and returns per-category correction fact
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
@@ -305,9 +306,14 @@ def estimate_run(build: Callable[[], torch.nn.Module], ds_config: dict, seq: int
     ``initialize`` (bucket sizes), then adjust the phases (`Plugin.adjust_estimate`).
     """
     session = _session_for(build, ds_config, world_size)
-    if session is not None:
-        ds_config = session.ds_config
     shape = RunShape.from_ds_config(ds_config, world_size, device)
+    if session is not None:
+        # Buckets as the plugins sized them; stage, precision and the optimizer as the user asked
+        # (a plugin that takes a part over, like grad_release, hands DeepSpeed stage 0 in fp32 and
+        # models its own layout in adjust_estimate).
+        edited = RunShape.from_ds_config(session.ds_config, world_size, device)
+        shape = dataclasses.replace(shape, reduce_bucket=edited.reduce_bucket, allgather_bucket=edited.allgather_bucket,
+                                    prefetch_bucket=edited.prefetch_bucket, overlap_comm=edited.overlap_comm)
     if shape.stage not in (0, 1, 2, 3):
         raise EstimateError(f"zero_optimization.stage must be 0-3; got {shape.stage}")
     trace = trace_model(build, shape, seq, vocab)

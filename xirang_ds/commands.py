@@ -121,8 +121,76 @@ def _run_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _setup_tune(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="gpt-small | gpt:layers=4,hidden=256,heads=8,seq=128,vocab=256 | "
+                                                   "package.module:factory")
+    p.add_argument("--ds-config", required=True, help="the ds_config to start from (its \"xirang\" block's autotune "
+                                                      "section gives the defaults below)")
+    p.add_argument("--budget", default=None, help="per-rank memory budget: 40GB, 512MiB, 5e8 "
+                                                  "(default: xirang.memory_budget)")
+    p.add_argument("--world-size", type=int, default=1, choices=(1, 2), help="ranks (gloo on CPU)")
+    p.add_argument("--objective", default=None, choices=("fastest", "largest_micro_batch"))
+    p.add_argument("--measure-top", type=int, default=None, help="candidates measured for real")
+    p.add_argument("--time-limit", type=float, default=None, help="seconds for the whole search")
+    p.add_argument("--lossless", action="store_true", help="only options that leave the numbers unchanged")
+    p.add_argument("--profile-steps", type=int, default=4, help="steps per profiling run (default 4)")
+    p.add_argument("--measure-steps", type=int, default=6, help="steps per measured candidate (default 6)")
+    p.add_argument("--data", default=None, help="text file (default: the standard library's docstrings)")
+    p.add_argument("--out", default=None, help="where the winning ds_config goes (default: xirang.autotune.output)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the search report as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _run_tune(args: argparse.Namespace) -> int:
+    import json
+    import sys
+
+    from xirang_ds.config.loader import BLOCK_KEY, read_ds_config, validate_block
+    from xirang_ds.config.types import format_bytes, parse_byte_size
+    from xirang_ds.models import parse_model_spec
+    from xirang_ds.tune import Progress, format_result, tune, winning_ds_config, write_json
+
+    parse_model_spec(args.model)
+    ds_config = read_ds_config(args.ds_config)
+    block = dict(ds_config.get(BLOCK_KEY, {}) or {})
+    section = dict(block.pop("autotune", {}) or {})
+    section.pop("enabled", None)
+    settings = validate_block({"autotune": section}).autotune
+    config = validate_block(block)
+    if args.budget is not None:
+        budget = parse_byte_size(str(args.budget))
+        if budget is None or budget <= 0:
+            raise UsageError(f"--budget: {args.budget!r} is not a size; write it like 40GB, 512MiB or 5e8")
+    elif isinstance(config.memory_budget, int):
+        budget = int(config.memory_budget)
+    else:
+        raise UsageError("no budget: pass --budget (for example --budget 40GB) or set xirang.memory_budget in "
+                         f"{args.ds_config}")
+    if args.data and not os.path.isfile(args.data):
+        raise UsageError(f"--data file not found: {args.data!r}")
+    result = tune(args.model, ds_config, budget, world_size=args.world_size,
+                  objective=args.objective or settings.objective,
+                  measure_top=args.measure_top or settings.measure_top,
+                  time_limit_s=args.time_limit or settings.time_limit_s, lossless_only=args.lossless,
+                  profile_steps=args.profile_steps, measure_steps=args.measure_steps, data=args.data,
+                  progress=Progress(None if args.quiet else sys.stderr))
+    print(format_result(result))
+    if args.json:
+        write_json(result, args.json)
+        print(f"wrote {args.json}")
+    if result.winner is None:
+        return 1
+    out = args.out or settings.output
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump(winning_ds_config(ds_config, result), f, indent=2)
+    print(f"wrote {out} (winner {result.winner.name}, measured peak {format_bytes(result.winner.measured_peak)})")
+    return 0
+
+
 register_command("estimate", "predict a rank's peak memory and its breakdown before running", _setup_estimate,
                  _run_estimate)
 register_command("bench", "train plain DeepSpeed and DeepSpeed with the block side by side", _setup_bench,
                  _run_bench)
+register_command("tune", "search the block's options for the fastest configuration under a memory budget",
+                 _setup_tune, _run_tune)
 register_command("report", "render a recorded memory timeline as HTML and PNG", _setup_report, _run_report)

@@ -248,7 +248,12 @@ def check_available(config: XirangConfig) -> list[tuple[str, str]]:
 
     problems = []
     for name, section in config.enabled_sections().items():
-        if plugin_for(section) is None:
+        if name == "autotune":
+            problems.append(("xirang.autotune.enabled",
+                             "the search runs before training, as a command: `xirang-ds tune --model ... --ds-config "
+                             f"<this file> --budget 40GB` writes the winning ds_config to {section.output!r} "
+                             "(xirang.autotune.output); train with that file. Set enabled to false here"))
+        elif plugin_for(section) is None:
             problems.append((f"xirang.{name}.enabled",
                              f"the {name} plugin is not built yet in xirang_ds {__version__}; "
                              f"set it to false or remove the {name!r} section"))

@@ -1,0 +1,146 @@
+"""`xirang-ds tune`: the search space, the cost model's arithmetic, the choice of the winner (with a
+scripted runner whose measurements are known), and one real search end to end."""
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from xirang_ds.config.loader import validate_block
+from xirang_ds.config.validate import XirangConfigError
+from xirang_ds.memory.estimator import estimate_spec
+from xirang_ds.tune import Progress, format_result, search_space, tune, winning_ds_config
+
+DS = {
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 1,
+    "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 2},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+    "xirang": {"monitor": {"enabled": True, "warn_at": 0.9}},
+}
+STAGE_TIME = {0: 1.2, 1: 1.0, 2: 1.0}
+OPTION_TIME = {"int8": 1.1, "int4": 1.3, "grad_release": 1.05}
+
+
+def labels(cfg: dict) -> set[str]:
+    block = cfg["xirang"]
+    out = set()
+    if block.get("optimizer_states", {}).get("enabled"):
+        out.add(block["optimizer_states"]["schedule"][0]["dtype"])
+    if block.get("grad_release", {}).get("enabled"):
+        out.add("grad_release")
+    return out
+
+
+class ScriptedRunner:
+    """Measures a candidate as the estimator predicts it times ``peak_factor`` of each option; time from the
+    tables above. Records what it ran."""
+
+    def __init__(self, world: int, peak_factor=None):
+        self.world, self.peak_factor, self.runs = world, peak_factor or {}, []
+
+    def __call__(self, cfg: dict, steps: int):
+        self.runs.append(cfg)
+        assert "monitor" not in cfg["xirang"], "trials run without the monitor"
+        stage = cfg["zero_optimization"]["stage"]
+        t = STAGE_TIME[stage] * cfg["train_micro_batch_size_per_gpu"] / 4
+        for name in labels(cfg):
+            t *= OPTION_TIME[name]
+        peak = estimate_spec("gpt-tiny", cfg, self.world).predicted_peak_bytes
+        for name in labels(cfg):
+            peak = int(peak * self.peak_factor.get(name, 1.0))
+        return SimpleNamespace(peak_bytes=peak, step_time_median_s=t, final_loss=1.0)
+
+
+def test_search_space_follows_ranks_and_lossless():
+    names = [[o.label for o in d] for d in search_space(DS, 2)]
+    assert names[0] == ["zero0", "zero1", "zero2"]
+    assert ["", "int8_states", "int4_states"] in names and ["", "grad_release"] in names
+    lossless = [[o.label for o in d] for d in search_space(DS, 1, lossless_only=True)]
+    assert lossless[0] == ["zero2"]  # one rank: the user's stage only
+    assert all(not o.startswith("int") for d in lossless for o in d)
+
+
+def test_cost_model_and_winner():
+    base_peak = estimate_spec("gpt-tiny", {**DS, "xirang": {"comm_buffers": {"enabled": True}}}, 2).predicted_peak_bytes
+    runner = ScriptedRunner(2)
+    result = tune("gpt-tiny", DS, budget=int(base_peak * 0.95), world_size=2, measure_top=3, runner=runner)
+    assert set(result.profiles) == {"zero0", "zero1", "zero2", "int8_states", "int4_states", "grad_release"}
+    assert all(abs(v - 1.0) < 1e-9 for v in result.calibration.values())  # the runner measures the estimate
+    by_name = {c.name: c for c in result.candidates}
+    # time = the stage's base time x each option's measured ratio
+    assert by_name["zero0+int4_states+grad_release"].predicted_time_s == pytest.approx(1.2 * 1.3 * 1.05)
+    assert by_name["zero1+int8_states"].predicted_time_s == pytest.approx(1.1)
+    # nothing over the budget is measured; the winner is the fastest measured that fits
+    measured = [c for c in result.candidates if c.measured_peak is not None]
+    assert len(measured) == 3 and all(c.predicted_peak <= result.budget for c in measured)
+    assert result.winner is min(measured, key=lambda c: c.measured_time_s)
+    assert result.winner.measured_peak <= result.budget
+    fitting = [c for c in result.candidates if c.predicted_peak is not None and c.predicted_peak <= result.budget]
+    assert result.winner.predicted_time_s == pytest.approx(min(c.predicted_time_s for c in fitting))
+    report = result.as_dict()
+    assert report["model_error"] and all(abs(e["peak_error"]) < 1e-9 for e in report["model_error"])
+    out = winning_ds_config(DS, result)
+    assert out["xirang"]["monitor"] == DS["xirang"]["monitor"]  # the user's monitor comes back
+    validate_block(out["xirang"])
+    assert "winner:" in format_result(result)
+
+
+def test_a_candidate_measured_over_budget_is_not_chosen():
+    base_peak = estimate_spec("gpt-tiny", {**DS, "xirang": {"comm_buffers": {"enabled": True}}}, 2).predicted_peak_bytes
+    # grad_release measures 50% over what the model predicts: its candidates fail for real
+    runner = ScriptedRunner(2, {"grad_release": 1.5})
+    result = tune("gpt-tiny", DS, budget=int(base_peak * 0.95), world_size=2, measure_top=3, runner=runner)
+    over = [c for c in result.candidates if c.measured_peak and c.measured_peak > result.budget]
+    assert over, "the scripted runner put a measured candidate over the budget"
+    assert result.winner is not None and result.winner not in over
+    assert result.winner.measured_peak <= result.budget
+
+
+def test_no_fit_and_progress_lines(capsys):
+    import io
+
+    stream = io.StringIO()
+    result = tune("gpt-tiny", DS, budget=1000, world_size=1, runner=ScriptedRunner(1), progress=Progress(stream))
+    assert result.winner is None
+    assert "no measured candidate fits" in format_result(result)
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("[") and "estimate" in lines[0] and any("profile" in x for x in lines)
+
+
+def test_autotune_enabled_points_to_the_command():
+    with pytest.raises(XirangConfigError) as e:
+        validate_block({"autotune": {"enabled": True, "output": "tuned.json"}})
+    assert "xirang.autotune.enabled" in str(e.value) and "xirang-ds tune" in str(e.value)
+    assert "'tuned.json'" in str(e.value)
+
+
+def test_cli_budget_errors(tmp_path, capsys):
+    from xirang_ds.cli import main
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(DS))
+    assert main(["tune", "--model", "gpt-tiny", "--ds-config", str(path)]) == 2
+    assert "no budget" in capsys.readouterr().err
+    assert main(["tune", "--model", "gpt-tiny", "--ds-config", str(path), "--budget", "lots"]) == 2
+    assert "40GB" in capsys.readouterr().err
+
+
+@pytest.mark.distributed
+def test_cli_tune_end_to_end(tmp_path, capsys):
+    """A real search (one rank, lossless options, short runs): the written ds_config trains."""
+    from xirang_ds.cli import main
+
+    path, out, report = tmp_path / "ds.json", tmp_path / "tuned.json", tmp_path / "tune.json"
+    path.write_text(json.dumps({**DS, "xirang": {"autotune": {"enabled": True, "measure_top": 1}}}))
+    code = main(["tune", "--model", "gpt-tiny", "--ds-config", str(path), "--budget", "64MiB", "--lossless",
+                 "--profile-steps", "2", "--measure-steps", "2", "--out", str(out), "--json", str(report),
+                 "--quiet"])
+    assert code == 0, capsys.readouterr()
+    tuned = json.loads(out.read_text())
+    validate_block(tuned["xirang"])
+    assert "autotune" not in tuned["xirang"] and tuned["xirang"]["memory_budget"] == 64 * 2**20
+    data = json.loads(report.read_text())
+    assert data["winner"]["measured_peak_bytes"] <= 64 * 2**20
+    assert {"zero2", "grad_release"} <= set(data["profiles"])
+    assert len(data["model_error"]) == 1

@@ -1,0 +1,420 @@
+"""``xirang-ds tune``: the fastest block (or the largest micro-batch) that fits a memory budget.
+
+The search has three stages, each cheaper in count than the one before:
+
+1. **Predict memory for every candidate** of the joint space (ZeRO stage × optimizer-state format ×
+   grad_release × every other built plugin's options × micro-batch) with the estimator: a fake
+   trace of the model, no real step, well under a second each. Candidates the plugins reject
+   (an invalid combination) are dropped with their reason.
+2. **Profile** a few real steps of the base configuration at each ZeRO stage and of each option
+   alone on the base. They calibrate the estimate (measured / predicted of the base, per stage),
+   price each option's step time as a ratio to the base, and give the memory ratio of an option
+   whose plugin does not model itself in the estimator. The cost model of a candidate is then
+   ``peak = estimate × calibration`` and ``time = base time × Π option time ratios``.
+3. **Measure** the ``measure_top`` best predicted candidates that fit for real; the winner is the
+   fastest measured one (per sample, for ``largest_micro_batch`` the largest micro-batch first)
+   whose measured peak fits. Its block is written into a copy of the user's ds_config.
+
+Every trial runs in fresh processes (`xirang_ds.bench.run_side`), so a trial that fails (out of
+memory, a plugin's error) costs that trial only; the report keeps its error. The report also gives
+the cost model's error against each measured candidate.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from xirang_ds.config.loader import BLOCK_KEY
+from xirang_ds.config.types import format_bytes
+
+SEARCHED = ("optimizer_states", "grad_release", "precision", "activations")
+"""Sections whose options the tuner chooses (comm_buffers is always on in its adaptive mode)."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One value of one dimension: a label, what it writes into the ds_config, and whether it
+    changes the numbers training computes (lossy) or only where and when they live."""
+
+    label: str
+    block: dict = field(default_factory=dict)  # sections laid over the candidate's block
+    ds: dict = field(default_factory=dict)  # keys laid over the ds_config (ZeRO stage, micro-batch)
+    lossy: bool = False
+
+    @property
+    def is_default(self) -> bool:
+        return not self.block and not self.ds
+
+
+@dataclass
+class Candidate:
+    """A point of the joint space and what is known about it."""
+
+    options: tuple[Option, ...]
+    ds_config: dict
+    micro_batch: int
+    predicted_peak: Optional[int] = None
+    predicted_time_s: Optional[float] = None
+    rejected: Optional[str] = None
+    measured_peak: Optional[int] = None
+    measured_time_s: Optional[float] = None
+    measured_loss: Optional[float] = None
+    error: Optional[str] = None
+
+    @property
+    def name(self) -> str:
+        parts = [o.label for o in self.options if o.label]
+        return "+".join(parts) or "base"
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "micro_batch": self.micro_batch, "predicted_peak_bytes": self.predicted_peak,
+                "predicted_step_time_s": self.predicted_time_s, "rejected": self.rejected,
+                "measured_peak_bytes": self.measured_peak, "measured_step_time_s": self.measured_time_s,
+                "measured_final_loss": self.measured_loss, "error": self.error,
+                "block": self.ds_config.get(BLOCK_KEY, {})}
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def built_sections() -> set[str]:
+    """Sections of the block whose plugin is built (the tuner searches only those)."""
+    from xirang_ds import registry
+
+    registry._load_builtins()
+    return set(registry._REGISTRY.by_section)
+
+
+def search_space(ds_config: dict, world_size: int, lossless_only: bool = False,
+                 micro_batches: Optional[list[int]] = None) -> list[list[Option]]:
+    """The dimensions of the joint space for this ds_config, each with its default first.
+
+    The ZeRO stage varies over 0-2 on several ranks (the stage the user wrote stays a candidate);
+    stage 3 is searched only when the user asked for it, since most plugins refuse it.
+    """
+    built = built_sections()
+    zero = ds_config.get("zero_optimization", {}) or {}
+    user_stage = int(zero.get("stage", 0))
+    stages = sorted({user_stage} | ({0, 1, 2} if world_size > 1 else set()))
+    dims: list[list[Option]] = [[Option(f"zero{s}", ds={"zero_optimization": {"stage": s}}) for s in stages]]
+    if micro_batches:
+        dims.append([Option(f"mb{m}", ds={"train_micro_batch_size_per_gpu": m}) for m in micro_batches])
+    if "optimizer_states" in built:
+        states = [Option("")]
+        states.append(Option("int8_states", {"optimizer_states": {"enabled": True, "schedule": [{"dtype": "int8"}]}},
+                             lossy=True))
+        states.append(Option("int4_states", {"optimizer_states": {"enabled": True, "schedule": [{"dtype": "int4"}]}},
+                             lossy=True))
+        dims.append(states)
+    if "grad_release" in built:
+        dims.append([Option(""), Option("grad_release", {"grad_release": {"enabled": True}})])
+    if "precision" in built and _low_precision(ds_config):
+        dims.append([Option(""), Option("precision", {"precision": {"enabled": True}})])
+    if "activations" in built:
+        dims.append([Option(""), Option("act_lossless", {"activations": {"enabled": True}})])
+    if lossless_only:
+        dims = [[o for o in d if not o.lossy] for d in dims]
+    return dims
+
+
+def _low_precision(ds_config: dict) -> bool:
+    return any((ds_config.get(k) or {}).get("enabled") in (True, "true") for k in ("bf16", "fp16"))
+
+
+def base_config(ds_config: dict, budget: int) -> dict:
+    """The user's ds_config with the searched sections cleared, adaptive buffers on and the budget
+    written into the block (the activation planner and the monitor read it)."""
+    out = copy.deepcopy(ds_config)
+    block = dict(out.get(BLOCK_KEY, {}) or {})
+    block.pop("preset", None)
+    # searched sections are the tuner's; the monitor and profiler stay out of trials (an action
+    # such as halve_micro_batch would change what is measured) and come back in the output
+    for name in SEARCHED + ("autotune", "monitor", "profiler"):
+        block.pop(name, None)
+    if "comm_buffers" in built_sections():
+        block["comm_buffers"] = _merge({"enabled": True}, block.get("comm_buffers", {}) or {})
+    block["memory_budget"] = int(budget)
+    out[BLOCK_KEY] = block
+    return out
+
+
+def candidates(ds_config: dict, dims: list[list[Option]]) -> list[Candidate]:
+    base = base_config(ds_config, ds_config[BLOCK_KEY]["memory_budget"]) if BLOCK_KEY in ds_config else ds_config
+    out = []
+    for combo in itertools.product(*dims):
+        cfg = copy.deepcopy(base)
+        for o in combo:
+            cfg = _merge(cfg, o.ds)
+            cfg[BLOCK_KEY] = _merge(cfg.get(BLOCK_KEY, {}), o.block)
+        out.append(Candidate(tuple(combo), cfg, int(cfg.get("train_micro_batch_size_per_gpu", 1))))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# the progress bar
+
+
+class Progress:
+    """One console line: ``[#####.....] 12/48 stage: what``; silent when ``stream`` is None."""
+
+    def __init__(self, stream: Any = sys.stderr, width: int = 24) -> None:
+        self.stream, self.width = stream, width
+        self.tty = bool(stream is not None and getattr(stream, "isatty", lambda: False)())
+        self.quiet_stage = "estimate"
+
+    def update(self, done: int, total: int, stage: str, what: str = "") -> None:
+        if self.stream is None:
+            return
+        filled = int(self.width * done / max(total, 1))
+        line = f"[{'#' * filled}{'.' * (self.width - filled)}] {done}/{total} {stage}" + (f": {what}" if what else "")
+        if self.tty:
+            self.stream.write("\r\033[K" + line)
+            if done >= total:
+                self.stream.write("\n")
+        elif done >= total or self.quiet_stage != stage:
+            self.stream.write(line + "\n")  # a log: every slow item, the fast stage once at its end
+        self.stream.flush()
+
+
+# ------------------------------------------------------------------------------------------------
+# the search
+
+
+@dataclass
+class TuneResult:
+    budget: int
+    objective: str
+    world_size: int
+    model: str
+    candidates: list[Candidate]
+    profiles: dict[str, dict]
+    calibration: dict[str, float]
+    winner: Optional[Candidate]
+    seconds: dict[str, float]
+    notes: list[str]
+
+    def as_dict(self) -> dict:
+        measured = [c for c in self.candidates if c.measured_peak is not None]
+        return {
+            "model": self.model, "budget_bytes": self.budget, "objective": self.objective,
+            "world_size": self.world_size, "seconds": self.seconds, "notes": self.notes,
+            "calibration": self.calibration, "profiles": self.profiles,
+            "winner": self.winner.as_dict() if self.winner else None,
+            "model_error": [{"name": c.name, "micro_batch": c.micro_batch,
+                             "peak_error": c.predicted_peak / c.measured_peak - 1,
+                             "time_error": (c.predicted_time_s / c.measured_time_s - 1) if c.measured_time_s else None}
+                            for c in measured if c.predicted_peak and c.measured_peak],
+            "candidates": [c.as_dict() for c in self.candidates],
+        }
+
+
+Runner = Callable[[dict, int], Any]  # (ds_config, steps) -> SideResult
+
+
+def _default_runner(model: str, world_size: int, data: Optional[str], seed: int) -> Runner:
+    from xirang_ds.bench import run_side
+
+    def run(cfg: dict, steps: int) -> Any:
+        return run_side(model, cfg, steps, world_size, data, seed, True)
+
+    return run
+
+
+def _estimate(model: str, cfg: dict, world_size: int, device: str) -> tuple[int, list[str]]:
+    from xirang_ds.memory.estimator import estimate_spec
+
+    est = estimate_spec(model, cfg, world_size, device)
+    unmodelled = [n.split(":")[0] for n in est.notes if "not modelled" in n]
+    return est.predicted_peak_bytes, unmodelled
+
+
+def _stage(c: Candidate) -> int:
+    return int((c.ds_config.get("zero_optimization") or {}).get("stage", 0))
+
+
+def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objective: str = "fastest",
+         measure_top: int = 3, profile_steps: int = 4, measure_steps: int = 6, time_limit_s: float = 600.0,
+         lossless_only: bool = False, micro_batches: Optional[list[int]] = None, data: Optional[str] = None,
+         seed: int = 0, device: str = "cpu", progress: Optional[Progress] = None,
+         runner: Optional[Runner] = None) -> TuneResult:
+    """Search the joint space under ``budget`` bytes per rank (see the module docstring)."""
+    from xirang_ds.config.validate import XirangConfigError
+    from xirang_ds.memory.estimator import EstimateError
+
+    progress = progress or Progress(None)
+    runner = runner or _default_runner(model, world_size, data, seed)
+    start = time.perf_counter()
+    seconds: dict[str, float] = {}
+    notes: list[str] = []
+    if objective == "largest_micro_batch" and not micro_batches:
+        m = int(ds_config.get("train_micro_batch_size_per_gpu", 1) or 1)
+        micro_batches = [m * 2**k for k in range(6)]
+    dims = search_space(ds_config, world_size, lossless_only, micro_batches)
+    user = copy.deepcopy(ds_config)
+    user.setdefault(BLOCK_KEY, {})
+    user[BLOCK_KEY] = dict(user[BLOCK_KEY], memory_budget=int(budget))
+    pool = candidates(user, dims)
+
+    # 1. predict memory
+    unmodelled_of: dict[int, list[str]] = {}
+    for i, c in enumerate(pool):
+        progress.update(i, len(pool), "estimate", c.name)
+        try:
+            c.predicted_peak, unmodelled_of[id(c)] = _estimate(model, c.ds_config, world_size, device)
+        except (XirangConfigError, EstimateError, ValueError) as e:
+            c.rejected = " ".join(str(e).split())[:300]
+    progress.update(len(pool), len(pool), "estimate")
+    seconds["estimate"] = time.perf_counter() - start
+    live = [c for c in pool if c.rejected is None]
+    if not live:
+        raise ValueError("no candidate is valid for this ds_config: " + pool[0].rejected if pool else "empty space")
+
+    # 2. profile the base at each stage and each option alone (at the user's stage and micro-batch)
+    t0 = time.perf_counter()
+    user_stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+    user_mb = int(ds_config.get("train_micro_batch_size_per_gpu", 1) or 1)
+    profiles: dict[str, dict] = {}
+    jobs: list[tuple[str, dict]] = []
+    stages = sorted({_stage(c) for c in live})
+    base = base_config(user, budget)
+    for s in stages:
+        jobs.append((f"zero{s}", _merge(base, {"zero_optimization": {"stage": s}})))
+    singles = sorted({o.label: o for c in live for o in c.options if o.block}.values(), key=lambda o: o.label)
+    for o in singles:
+        cfg = _merge(base, {"zero_optimization": {"stage": user_stage}})
+        cfg[BLOCK_KEY] = _merge(cfg[BLOCK_KEY], o.block)
+        jobs.append((o.label, cfg))
+    for i, (label, cfg) in enumerate(jobs):
+        progress.update(i, len(jobs), "profile", label)
+        if time.perf_counter() - start > time_limit_s:
+            notes.append(f"time limit reached while profiling; {label} and later not profiled")
+            break
+        try:
+            side = runner(cfg, profile_steps)
+            est, _ = _estimate(model, cfg, world_size, device)
+            profiles[label] = {"peak_bytes": side.peak_bytes, "step_time_s": side.step_time_median_s,
+                               "final_loss": side.final_loss, "predicted_peak_bytes": est}
+        except Exception as e:  # a failing option costs only itself
+            profiles[label] = {"error": " ".join(str(e).split())[-300:]}
+    progress.update(len(jobs), len(jobs), "profile")
+    seconds["profile"] = time.perf_counter() - t0
+
+    calibration = {f"zero{s}": profiles[f"zero{s}"]["peak_bytes"] / profiles[f"zero{s}"]["predicted_peak_bytes"]
+                   for s in stages if "peak_bytes" in profiles.get(f"zero{s}", {})}
+    ref = profiles.get(f"zero{user_stage}", {})
+    for c in live:
+        stage_key = f"zero{_stage(c)}"
+        if "step_time_s" not in profiles.get(stage_key, {}) or "step_time_s" not in ref:
+            c.rejected = f"the base at {stage_key} failed to run: {profiles.get(stage_key, {}).get('error', '')}"
+            continue
+        t = profiles[stage_key]["step_time_s"] * c.micro_batch / user_mb
+        peak = c.predicted_peak * calibration[stage_key]
+        for o in c.options:
+            if not o.block:
+                continue
+            prof = profiles.get(o.label, {})
+            if "step_time_s" not in prof:
+                c.rejected = f"{o.label} failed alone: {prof.get('error', 'not profiled')}"
+                break
+            t *= prof["step_time_s"] / ref["step_time_s"]
+            section = next(iter(o.block))
+            if section in unmodelled_of.get(id(c), []):
+                peak *= prof["peak_bytes"] / ref["peak_bytes"]
+        c.predicted_time_s = t
+        c.predicted_peak = int(peak)
+    fitting = [c for c in live if c.rejected is None and c.predicted_peak <= budget]
+
+    def rank_key(c: Candidate) -> tuple:
+        per_sample = (c.predicted_time_s or math.inf) / c.micro_batch
+        return (-c.micro_batch, per_sample) if objective == "largest_micro_batch" else (c.predicted_time_s, 0)
+
+    fitting.sort(key=rank_key)
+    notes.append(f"{len(pool)} candidates, {len(pool) - len(live)} rejected by the plugins, "
+                 f"{len(fitting)} predicted to fit {format_bytes(budget)}")
+
+    # 3. measure the best few for real
+    t0 = time.perf_counter()
+    chosen = fitting[:measure_top]
+    for i, c in enumerate(chosen):
+        progress.update(i, len(chosen), "measure", c.name)
+        if time.perf_counter() - start > time_limit_s:
+            notes.append(f"time limit reached; {c.name} and later not measured")
+            break
+        try:
+            side = runner(c.ds_config, measure_steps)
+            c.measured_peak, c.measured_time_s, c.measured_loss = (side.peak_bytes, side.step_time_median_s,
+                                                                   side.final_loss)
+        except Exception as e:
+            c.error = " ".join(str(e).split())[-300:]
+    progress.update(len(chosen), len(chosen), "measure")
+    seconds["measure"] = time.perf_counter() - t0
+    seconds["total"] = time.perf_counter() - start
+    ok = [c for c in chosen if c.measured_peak is not None and c.measured_peak <= budget]
+
+    def measured_key(c: Candidate) -> tuple:
+        per_sample = c.measured_time_s / c.micro_batch
+        return (-c.micro_batch, per_sample) if objective == "largest_micro_batch" else (c.measured_time_s, 0)
+
+    winner = min(ok, key=measured_key) if ok else None
+    return TuneResult(budget, objective, world_size, model, pool, profiles, calibration, winner, seconds, notes)
+
+
+def winning_ds_config(user_ds_config: dict, result: TuneResult) -> dict:
+    """The user's ds_config with the winner's ZeRO stage, micro-batch and block."""
+    out = copy.deepcopy(result.winner.ds_config)
+    out.pop("train_batch_size", None)  # the micro-batch may have changed; DeepSpeed derives the total
+    user_block = user_ds_config.get(BLOCK_KEY, {}) or {}
+    for name in ("monitor", "profiler"):
+        if name in user_block:
+            out[BLOCK_KEY][name] = copy.deepcopy(user_block[name])
+    return out
+
+
+def format_result(result: TuneResult) -> str:
+    """The console table: measured candidates with the model's predictions, then the winner."""
+    lines = [f"tune: {result.model}, {result.world_size} rank(s), budget {format_bytes(result.budget)}, "
+             f"objective {result.objective}; {result.seconds.get('total', 0):.0f} s "
+             f"(estimate {result.seconds.get('estimate', 0):.0f} s, profile {result.seconds.get('profile', 0):.0f} s, "
+             f"measure {result.seconds.get('measure', 0):.0f} s)"]
+    lines += ["  " + n for n in result.notes]
+    header = f"{'candidate':<44}{'mb':>4}{'pred. peak':>13}{'peak':>13}{'err':>7}{'pred. ms':>10}{'ms':>8}{'err':>7}"
+    lines += [header, "-" * len(header)]
+    for c in result.candidates:
+        if c.measured_peak is None and c.error is None:
+            continue
+        if c.error:
+            lines.append(f"{c.name:<44}{c.micro_batch:>4}  failed: {c.error[:80]}")
+            continue
+        lines.append(f"{c.name:<44}{c.micro_batch:>4}{format_bytes(c.predicted_peak):>13}"
+                     f"{format_bytes(c.measured_peak):>13}{c.predicted_peak / c.measured_peak - 1:>+7.1%}"
+                     f"{c.predicted_time_s * 1000:>10.0f}{c.measured_time_s * 1000:>8.0f}"
+                     f"{c.predicted_time_s / c.measured_time_s - 1:>+7.1%}")
+    if result.winner:
+        w = result.winner
+        lines.append(f"winner: {w.name}, micro-batch {w.micro_batch}: {format_bytes(w.measured_peak)} "
+                     f"({w.measured_peak / result.budget:.0%} of the budget), {w.measured_time_s * 1000:.0f} ms/step")
+    else:
+        lines.append("no measured candidate fits the budget; raise it, or allow lossy options")
+    return "\n".join(lines)
+
+
+def write_json(result: TuneResult, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(result.as_dict(), f, indent=2)
+
+
+__all__ = ["Option", "Candidate", "TuneResult", "Progress", "search_space", "tune", "winning_ds_config",
+           "format_result", "built_sections"]

@@ -24,7 +24,8 @@ from xirang_ds.models import build_model, parse_model_spec
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ds-config", required=True, help="ds_config JSON/YAML with a \"xirang\" block")
+    p.add_argument("--ds-config", "--deepspeed_config", dest="ds_config", required=True,
+                   help="ds_config JSON/YAML with a \"xirang\" block (--deepspeed_config as DeepSpeed scripts name it)")
     p.add_argument("--model", default="gpt-small", help="built-in name or gpt:layers=..,hidden=..,...")
     p.add_argument("--steps", type=int, default=40, help="optimizer steps")
     p.add_argument("--data", default=None, help="text file (default: tinyshakespeare if present, "

@@ -197,3 +197,17 @@ def test_third_party_section_registers_and_validates():
         unregister("echo")
     found = problems({"echo": {}})
     assert found[0][0] == "xirang.echo" and "unknown key" in found[0][1]
+
+
+def test_ds_config_as_base64_like_deepspeed():
+    """DeepSpeed accepts urlsafe base64 of the JSON (its autotuner passes the config that way)."""
+    import base64
+    import json as _json
+
+    from xirang_ds.config.loader import read_ds_config
+
+    cfg = {"train_micro_batch_size_per_gpu": 2, "xirang": {"monitor": {"enabled": True}}}
+    text = base64.urlsafe_b64encode(_json.dumps(cfg).encode()).decode()
+    assert read_ds_config(text) == cfg
+    with pytest.raises(XirangConfigError, match="config file not found"):
+        read_ds_config("no/such/file.json")

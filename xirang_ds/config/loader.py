@@ -18,8 +18,23 @@ BLOCK_KEY = "xirang"
 DsConfig = Union[str, os.PathLike, Mapping[str, Any]]
 
 
+def _decode_base64(text: str) -> Optional[dict]:
+    """A ds_config passed as urlsafe base64 of its JSON, or None if ``text`` is not one."""
+    import base64
+    import binascii
+
+    if not text or any(c in text for c in "/\\. "):
+        return None
+    try:
+        data = json.loads(base64.urlsafe_b64decode(text).decode("utf-8"))
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def read_ds_config(ds_config: DsConfig) -> dict:
-    """Load a ds_config from a JSON or YAML file, or copy a dict.
+    """Load a ds_config from a JSON or YAML file or urlsafe base64 of its JSON (as DeepSpeed accepts
+    it), or copy a dict.
 
     Raises:
         XirangConfigError: the file is missing, unreadable, not JSON/YAML, or not an object.
@@ -30,6 +45,9 @@ def read_ds_config(ds_config: DsConfig) -> dict:
         raise XirangConfigError([("", f"ds_config must be a path or a dict; got {type(ds_config).__name__}")])
     path = os.fspath(ds_config)
     if not os.path.isfile(path):
+        decoded = _decode_base64(path)
+        if decoded is not None:  # as DeepSpeed accepts it (runtime/config.py; its autotuner passes one)
+            return decoded
         raise XirangConfigError([("", f"config file not found: {path!r}; check the path "
                                       "(it is resolved against the current directory "
                                       f"{os.getcwd()!r})")])

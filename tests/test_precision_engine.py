@@ -1,0 +1,213 @@
+"""The precision plugin on real DeepSpeed engines: 2 gloo ranks, gradient accumulation, ZeRO 0/1/2,
+fp16 loss scaling with overflow, checkpoints, removal, bad input, weight bytes."""
+import copy
+
+import pytest
+import torch
+
+from tests import engine_runs
+from tests.engine_runs import ds_config
+from xirang_ds.launch import run_ranks
+
+PRECISION = {"precision": {"enabled": True}}
+
+
+def _numerics(rank, world, stage):
+    """fp32 reference, then the block (bf16); what the optimizer saw, masters, bytes, removal."""
+    import deepspeed
+
+    import xirang_ds
+    from xirang_ds.memory.categories import PARAMETERS
+    from xirang_ds.models import BUILTIN_SPECS, build_model
+    from xirang_ds.plugins.precision.kernels import installed_policy
+
+    out = {}
+    for use in (False, True):
+        config = ds_config(stage=stage, dtype="bf16" if use else "fp32", gas=2, xirang=PRECISION if use else None)
+        model = build_model(BUILTIN_SPECS["gpt-tiny"])
+        engine, *_ = (xirang_ds.initialize if use else deepspeed.initialize)(
+            model=model, model_parameters=model.parameters(), config=config)
+        seen = set()
+        basic = engine.basic_optimizer
+        hook = basic.register_step_pre_hook(lambda opt, a, k: seen.update(
+            (str(p.dtype), str(p.grad.dtype)) for g in opt.param_groups for p in g["params"] if p.grad is not None))
+        tracker = xirang_ds.MemoryTracker("cpu")
+        from xirang_ds.memory.engine_roles import watch_engine
+
+        watch = watch_engine(tracker, engine)
+        weights = tracker.by_category(tracker.live_records())[PARAMETERS]
+        watch.remove()
+        data = engine_runs.data_iter(4, 64, rank, world)
+        losses = []
+        for _ in range(3):
+            step = []
+            for _ in range(2):
+                x, y = next(data)
+                loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+                step.append(loss.item())
+            losses.append(sum(step) / 2)
+        hook.remove()
+        out[use] = {"losses": losses, "seen": sorted(seen), "weight_bytes": weights,
+                    "modes": (engine.bfloat16_enabled(), engine.fp16_enabled())}
+        if use:
+            session = engine.xirang
+            plugin = session.plugin("precision")
+            out["masters_shared"] = plugin.masters_shared
+            x, _ = next(data)
+            with torch.no_grad():
+                before = engine.module(x)
+            session.remove()
+            reference = copy.deepcopy(engine.module)
+            with torch.no_grad():
+                after = engine.module(x)
+                plain = reference(x)
+            out["removed"] = (installed_policy("cpu") is None, "forward" not in vars(engine.module),
+                              str(before.dtype), str(after.dtype), torch.equal(after, plain))
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_trains_like_fp32_with_fp32_optimizer_view_2_ranks(stage):
+    for rank_out in run_ranks(_numerics, 2, stage):
+        ref, ours = rank_out[False], rank_out[True]
+        for a, b in zip(ours["losses"], ref["losses"]):
+            assert abs(a - b) / b < 1e-3, (ours["losses"], ref["losses"])
+        assert ours["modes"] == (False, False)  # DeepSpeed runs in fp32
+        assert ours["seen"] == [("torch.float32", "torch.float32")]  # the optimizer sees fp32 params and grads
+        if stage:
+            # the rank's fp32 master partition is a view of the weights: DeepSpeed's clone is gone
+            assert rank_out["masters_shared"]
+            assert ours["weight_bytes"] < ref["weight_bytes"]
+        assert rank_out["removed"] == (True, True, "torch.bfloat16", "torch.float32", True)
+
+
+def _overflow(rank, world, stage):
+    """fp16 with loss scale 256, hysteresis 1: rank 1's loss is inf in one micro-step of step 3."""
+    import xirang_ds
+    from xirang_ds.models import BUILTIN_SPECS, build_model
+
+    config = ds_config(stage=stage, dtype="fp16", gas=2, xirang=PRECISION)
+    config["fp16"].update(hysteresis=1)
+    model = build_model(BUILTIN_SPECS["gpt-tiny"])
+    engine, *_ = xirang_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
+    plugin = engine.xirang.plugin("precision")
+    data = engine_runs.data_iter(4, 64, rank, world)
+    record = []
+    for step in range(4):
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        scale = plugin.loss_scale
+        for micro in range(2):
+            x, y = next(data)
+            loss = engine(x, y)
+            if step == 2 and micro == 1 and rank == 1:
+                loss = loss * float("inf")
+            engine.backward(loss)
+            engine.step()
+        changed = any(not torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
+        record.append({"scale": scale, "changed": changed, "skipped": engine.skipped_steps,
+                       "global_steps": engine.global_steps})
+    return record
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", [0, 2])
+def test_fp16_overflow_skips_the_step_on_every_rank_and_halves_the_scale(stage):
+    records = run_ranks(_overflow, 2, stage)
+    assert records[0] == records[1]  # every rank took the same decision
+    r = records[0]
+    assert [s["scale"] for s in r] == [256, 256, 256, 128]
+    assert [s["changed"] for s in r] == [True, True, False, True]
+    assert [s["skipped"] for s in r] == [0, 0, 1, 1]
+    assert [s["global_steps"] for s in r] == [1, 2, 3, 4]
+
+
+def _round_trip(rank, world, config, tmp):
+    full = engine_runs.train(rank, world, config, 4)
+    engine_runs.train(rank, world, config, 2, save_dir=tmp)
+    resumed = engine_runs.train(rank, world, config, 2, load_dir=tmp, skip_batches=2 * config["gradient_accumulation_steps"])
+    return full, resumed
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage, dtype", [(2, "bf16"), (0, "fp16")])
+def test_checkpoint_round_trip_resumes_identically(stage, dtype, tmp_path):
+    config = ds_config(stage=stage, dtype=dtype, gas=2, xirang=PRECISION)
+    if dtype == "fp16":
+        config["fp16"].update(loss_scale_window=1)  # the scale doubles every step: its state must travel
+    for full, resumed in run_ranks(_round_trip, 2, config, str(tmp_path)):
+        assert resumed["losses"] == full["losses"][2:]
+        assert resumed["global_steps"] == full["global_steps"] == 4
+        assert resumed["session_state"] == full["session_state"]
+    if dtype == "fp16":
+        assert full["session_state"]["precision"]["loss_scaler"]["cur_scale"] == 256 * 2 ** 3
+
+
+def _bad(rank, world):
+    import deepspeed.comm as dist
+
+    import xirang_ds
+    from xirang_ds.models import BUILTIN_SPECS, build_model
+
+    messages = []
+    for block, ds_extra, to_bf16 in (({"fp32_modules": ["blocks.*.ln1"]}, {}, False),
+                                     ({}, {"torch_autocast": {"enabled": True}}, False),
+                                     ({}, {}, True)):
+        model = build_model(BUILTIN_SPECS["gpt-tiny"])
+        if to_bf16:
+            model = model.bfloat16()
+        config = ds_config(stage=1, xirang={"precision": {"enabled": True, **block}}, **ds_extra)
+        try:
+            xirang_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
+            messages.append(None)
+        except xirang_ds.XirangConfigError as e:
+            messages.append(str(e))
+    return messages, dist.is_initialized()
+
+
+def test_bad_input_fails_before_deepspeed_runs():
+    messages, started = run_ranks(_bad, 1)[0]
+    assert started is False
+    assert "xirang.precision.fp32_modules[0]: glob 'blocks.*.ln1' matches no module" in messages[0]
+    assert "close names: blocks.1.ln_1, blocks.0.ln_1" in messages[0]
+    assert "ds_config.torch_autocast.enabled: DeepSpeed's torch_autocast and xirang.precision both cast" in messages[1]
+    assert "xirang.precision: 29 parameter(s) are not fp32 (first: embed.weight, torch.bfloat16)" in messages[2]
+
+
+def _weight_bytes(rank, world):
+    """Parameters bytes at the peak of one step: DeepSpeed bf16 vs the block (ZeRO 0, 1 rank)."""
+    import deepspeed
+
+    import xirang_ds
+    from xirang_ds.memory.categories import PARAMETERS
+    from xirang_ds.memory.engine_roles import watch_engine
+    from xirang_ds.models import BUILTIN_SPECS, build_model
+
+    out = {}
+    for use in (False, True):
+        model = build_model(BUILTIN_SPECS["gpt-small"])
+        config = ds_config(stage=0, dtype="bf16", micro=2, xirang=PRECISION if use else None)
+        engine, *_ = (xirang_ds.initialize if use else deepspeed.initialize)(
+            model=model, model_parameters=model.parameters(), config=config)
+        if use:
+            tracker = engine.xirang.track_memory()
+        else:
+            tracker = xirang_ds.MemoryTracker("cpu")
+            watch_engine(tracker, engine)
+            tracker.start()
+        window = tracker.open_window()
+        x, y = next(engine_runs.data_iter(2, 128, rank, world))
+        engine.backward(engine(x, y))
+        engine.step()
+        out[use] = window.report().by_category[PARAMETERS]
+        tracker.stop()
+    params = list(build_model(BUILTIN_SPECS["gpt-small"]).parameters())
+    return out, sum(p.numel() for p in params), max(p.numel() for p in params)
+
+
+def test_weights_kept_once_with_16_bit_copies_one_at_a_time():
+    out, n, largest = run_ranks(_weight_bytes, 1)[0]
+    assert out[False] >= 6 * n  # DeepSpeed bf16: 16-bit weights and fp32 masters, all the time
+    assert 4 * n <= out[True] <= 4 * n + 2 * largest  # fp32 masters, plus at most one 16-bit copy

@@ -275,3 +275,24 @@ def test_apply_precision_rejects_16_bit_parameters_and_unmatched_globs():
     paths = [p for p, _ in info.value.problems]
     assert paths == ["xirang.precision", "xirang.precision.fp32_modules[0]"]
     assert "6 parameter(s) are not fp32 (first: fc.weight, torch.bfloat16)" in info.value.problems[0][1]
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_recompute_gives_identical_results(reentrant):
+    """torch.utils.checkpoint re-enters autocast for the recompute, so the lists and the remade
+    weight copies apply there too: same loss and gradients as without recompute."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = build_model(BUILTIN_SPECS["gpt-tiny"])
+    x = torch.randint(0, 256, (2, 64))
+    autocast = torch.autocast("cpu", dtype=BF16, cache_enabled=False)
+    handle = install(policy(), contextlib.nullcontext)  # installed through backward, as the plugin keeps it
+    try:
+        plain = gpt_step(model, x, autocast)
+        for block in model.blocks:
+            block.forward = (lambda f: (lambda h: checkpoint(f, h, use_reentrant=reentrant)))(block.forward)
+        recomputed = gpt_step(model, x, autocast)
+    finally:
+        handle.remove()
+    assert torch.equal(plain[0], recomputed[0])
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], recomputed[1]))

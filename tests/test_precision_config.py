@@ -117,7 +117,7 @@ def ds(**sections) -> dict:
     (PrecisionConfig(), ds(torch_autocast={"enabled": True}), "torch_autocast.enabled", "remove the torch_autocast"),
     (PrecisionConfig(), ds(zero_optimization={"stage": 3}), "zero_optimization.stage", "supports ZeRO stages 0, 1 and 2"),
     (PrecisionConfig(), ds(bf16={"enabled": True, "bf16_master_weights_and_grads": True}),
-     "bf16.bf16_master_weights_and_grads", "keeps fp32 masters; remove the key"),
+     "bf16.bf16_master_weights_and_grads", "keep fp32 masters; remove the key or set xirang.precision.weight_copies"),
     (PrecisionConfig(), ds(fp16={"enabled": True, "auto_cast": True}), "fp16.auto_cast", "remove the key"),
     (PrecisionConfig(), ds(fp16={"enabled": True, "loss_scale_window": 0}), "fp16",
      "DeepSpeed rejects this section: "),
@@ -140,6 +140,48 @@ def test_plan_follows_ds_config_and_reads_loss_scale_settings():
     assert not decided.check_overflow
 
 
+def test_fp16_refused_with_a_plugin_that_applies_unscaled_gradients():
+    from xirang_ds.plugins.precision.plugin import loss_scale_conflicts
+
+    fp16, _ = plan(PrecisionConfig(), ds(fp16={"enabled": True}))
+    bf16, _ = plan(PrecisionConfig(), ds())
+    unaware = types.SimpleNamespace(section="grad_release")
+    aware = types.SimpleNamespace(section="grad_release", applies_loss_scale=True)
+    assert loss_scale_conflicts(fp16, unaware) == [("xirang.precision.dtype", "fp16 gradients carry the loss scale, "
+                                                    "and grad_release applies them inside backward without "
+                                                    "unscaling them; use bf16, or disable grad_release")]
+    assert loss_scale_conflicts(fp16, aware) == [] == loss_scale_conflicts(bf16, unaware) == loss_scale_conflicts(fp16, None)
+
+
+def test_weight_copies_auto_picks_the_layout_with_fewer_weight_bytes():
+    from xirang_ds.plugins.precision.ds_config import choose_weight_copies
+
+    assert choose_weight_copies("auto", 0, 8) == "on_demand"  # 4 bytes/param against DeepSpeed's 6
+    assert choose_weight_copies("auto", 2, 1) == "on_demand"  # 4 against 2 + 4/1
+    assert choose_weight_copies("auto", 1, 2) == choose_weight_copies("auto", 2, 4) == "persistent"  # 2 + 4/N <= 4
+    assert choose_weight_copies("on_demand", 2, 8) == "on_demand"
+
+
+def test_ds_config_edits_per_layout():
+    from xirang_ds.plugins.precision.ds_config import edit_ds_config
+
+    user = ds(bf16={"enabled": True, "bf16_master_weights_and_grads": True}, zero_optimization={"stage": 2})
+    decided, found = plan(PrecisionConfig(), user, world_size=2)
+    assert found == [] and decided.weight_copies == "persistent" and decided.loss_scale is None
+    assert not decided.check_overflow  # DeepSpeed's bf16 mode checks
+    copy = dict(user)
+    edit_ds_config(copy, decided)
+    assert copy["bf16"] == user["bf16"]
+    decided, _ = plan(PrecisionConfig(dtype="fp16", weight_copies="persistent"), ds(), world_size=1)
+    copy = ds()
+    edit_ds_config(copy, decided)
+    assert copy["fp16"] == {"enabled": True} and decided.loss_scale is None
+    decided, _ = plan(PrecisionConfig(), ds(bf16={"enabled": True}), world_size=1)
+    copy = ds(bf16={"enabled": True})
+    edit_ds_config(copy, decided)
+    assert decided.on_demand and "bf16" not in copy  # DeepSpeed trains in fp32
+
+
 class _Accelerator:
     """Capability answers of a DeepSpeed accelerator (only these two methods are read)."""
 
@@ -160,6 +202,10 @@ def test_device_dtype_check():
     assert reason.startswith("float8_e4m3fn cannot run on cpu (")
     assert check_device_dtype("cuda", torch.bfloat16, _Accelerator(False, True)) == \
         "DeepSpeed's cuda accelerator reports that this device cannot run bfloat16"
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():  # the estimator lets plugins edit the ds_config under fake tensors
+        assert check_device_dtype("cpu", torch.bfloat16, _Accelerator(True, False)) is None
 
 
 # NVIDIA Apex registrations ---------------------------------------------------------------------------

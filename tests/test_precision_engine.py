@@ -9,10 +9,25 @@ from tests import engine_runs
 from tests.engine_runs import ds_config
 from xirang_ds.launch import run_ranks
 
-PRECISION = {"precision": {"enabled": True}}
+PRECISION = {"precision": {"enabled": True, "weight_copies": "on_demand"}}
 
 
-def _numerics(rank, world, stage):
+def _steps(engine, data, steps):
+    """``steps`` optimizer steps; the mean loss of each step's micro-batches."""
+    losses = []
+    for _ in range(steps):
+        micro = []
+        for _ in range(engine.gradient_accumulation_steps()):
+            x, y = next(data)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            micro.append(loss.item())
+        losses.append(sum(micro) / len(micro))
+    return losses
+
+
+def _numerics(rank, world, stage, copies):
     """fp32 reference, then the block (bf16); what the optimizer saw, masters, bytes, removal."""
     import deepspeed
 
@@ -23,7 +38,8 @@ def _numerics(rank, world, stage):
 
     out = {}
     for use in (False, True):
-        config = ds_config(stage=stage, dtype="bf16" if use else "fp32", gas=2, xirang=PRECISION if use else None)
+        block = {"precision": {"enabled": True, "weight_copies": copies, "fp32_modules": ["lm_head"]}}
+        config = ds_config(stage=stage, dtype="bf16" if use else "fp32", gas=2, xirang=block if use else None)
         model = build_model(BUILTIN_SPECS["gpt-tiny"])
         engine, *_ = (xirang_ds.initialize if use else deepspeed.initialize)(
             model=model, model_parameters=model.parameters(), config=config)
@@ -38,16 +54,7 @@ def _numerics(rank, world, stage):
         weights = tracker.by_category(tracker.live_records())[PARAMETERS]
         watch.remove()
         data = engine_runs.data_iter(4, 64, rank, world)
-        losses = []
-        for _ in range(3):
-            step = []
-            for _ in range(2):
-                x, y = next(data)
-                loss = engine(x, y)
-                engine.backward(loss)
-                engine.step()
-                step.append(loss.item())
-            losses.append(sum(step) / 2)
+        losses = _steps(engine, data, 2)
         hook.remove()
         out[use] = {"losses": losses, "seen": sorted(seen), "weight_bytes": weights,
                     "modes": (engine.bfloat16_enabled(), engine.fp16_enabled())}
@@ -55,6 +62,7 @@ def _numerics(rank, world, stage):
             session = engine.xirang
             plugin = session.plugin("precision")
             out["masters_shared"] = plugin.masters_shared
+            out["weight_copies"] = plugin.plan.weight_copies
             x, _ = next(data)
             with torch.no_grad():
                 before = engine.module(x)
@@ -69,19 +77,25 @@ def _numerics(rank, world, stage):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_trains_like_fp32_with_fp32_optimizer_view_2_ranks(stage):
-    for rank_out in run_ranks(_numerics, 2, stage):
+@pytest.mark.parametrize("stage, copies, layout", [(0, "auto", "on_demand"), (1, "on_demand", "on_demand"),
+                                                   (2, "auto", "persistent")])
+def test_trains_like_fp32_with_fp32_optimizer_view_2_ranks(stage, copies, layout):
+    for rank_out in run_ranks(_numerics, 2, stage, copies):
         ref, ours = rank_out[False], rank_out[True]
         for a, b in zip(ours["losses"], ref["losses"]):
             assert abs(a - b) / b < 1e-3, (ours["losses"], ref["losses"])
-        assert ours["modes"] == (False, False)  # DeepSpeed runs in fp32
+        assert rank_out["weight_copies"] == layout
+        # on_demand: DeepSpeed runs in fp32; persistent: in its bf16 mode
+        assert ours["modes"] == (layout == "persistent", False)
         assert ours["seen"] == [("torch.float32", "torch.float32")]  # the optimizer sees fp32 params and grads
         if stage:
-            # the rank's fp32 master partition is a view of the weights: DeepSpeed's clone is gone
-            assert rank_out["masters_shared"]
+            # on_demand: the rank's fp32 master partition is a view of the weights (DeepSpeed's clone is
+            # gone); persistent: 16-bit weights plus the partition
+            assert rank_out["masters_shared"] == (layout == "on_demand")
             assert ours["weight_bytes"] < ref["weight_bytes"]
-        assert rank_out["removed"] == (True, True, "torch.bfloat16", "torch.float32", True)
+        # lm_head is an fp32 module: fp32 logits (persistent: from an fp32 copy of its bf16 weight)
+        model_dtype = "torch.bfloat16" if layout == "persistent" else "torch.float32"
+        assert rank_out["removed"] == (True, True, "torch.float32", model_dtype, True)
 
 
 def _overflow(rank, world, stage):
@@ -134,7 +148,7 @@ def _round_trip(rank, world, config, tmp):
 @pytest.mark.distributed
 @pytest.mark.parametrize("stage, dtype", [(2, "bf16"), (0, "fp16")])
 def test_checkpoint_round_trip_resumes_identically(stage, dtype, tmp_path):
-    config = ds_config(stage=stage, dtype=dtype, gas=2, xirang=PRECISION)
+    config = ds_config(stage=stage, dtype=dtype, gas=2 if dtype == "bf16" else 1, xirang=PRECISION)
     if dtype == "fp16":
         config["fp16"].update(loss_scale_window=1)  # the scale doubles every step: its state must travel
     for full, resumed in run_ranks(_round_trip, 2, config, str(tmp_path)):
@@ -187,7 +201,7 @@ def _weight_bytes(rank, world):
 
     out = {}
     for use in (False, True):
-        model = build_model(BUILTIN_SPECS["gpt-small"])
+        model = build_model(BUILTIN_SPECS["gpt-tiny"])
         config = ds_config(stage=0, dtype="bf16", micro=2, xirang=PRECISION if use else None)
         engine, *_ = (xirang_ds.initialize if use else deepspeed.initialize)(
             model=model, model_parameters=model.parameters(), config=config)
@@ -198,12 +212,12 @@ def _weight_bytes(rank, world):
             watch_engine(tracker, engine)
             tracker.start()
         window = tracker.open_window()
-        x, y = next(engine_runs.data_iter(2, 128, rank, world))
+        x, y = next(engine_runs.data_iter(2, 64, rank, world))
         engine.backward(engine(x, y))
         engine.step()
         out[use] = window.report().by_category[PARAMETERS]
         tracker.stop()
-    params = list(build_model(BUILTIN_SPECS["gpt-small"]).parameters())
+    params = list(build_model(BUILTIN_SPECS["gpt-tiny"]).parameters())
     return out, sum(p.numel() for p in params), max(p.numel() for p in params)
 
 
@@ -211,3 +225,34 @@ def test_weights_kept_once_with_16_bit_copies_one_at_a_time():
     out, n, largest = run_ranks(_weight_bytes, 1)[0]
     assert out[False] >= 6 * n  # DeepSpeed bf16: 16-bit weights and fp32 masters, all the time
     assert 4 * n <= out[True] <= 4 * n + 2 * largest  # fp32 masters, plus at most one 16-bit copy
+
+
+def _shared_vs_separate(rank, world):
+    """Two engines from the same seed: masters shared (the plugin) and separated again by hand."""
+    import deepspeed.comm as dist
+
+    import xirang_ds
+    from xirang_ds.models import BUILTIN_SPECS, build_model
+
+    out = []
+    for separate in (False, True):
+        model = build_model(BUILTIN_SPECS["gpt-tiny"])
+        engine, *_ = xirang_ds.initialize(model=model, model_parameters=model.parameters(),
+                                          config=ds_config(stage=2, dtype="bf16", xirang=PRECISION))
+        opt = engine.optimizer
+        if separate:  # DeepSpeed's own layout: a cloned fp32 master partition
+            for i, master in enumerate(opt.single_partition_of_fp32_groups):
+                part = opt.parallel_partitioned_bit16_groups[i][dist.get_rank(group=opt.real_dp_process_group[i])]
+                master.data = part.detach().clone()
+            opt._link_all_hp_params()
+        losses = _steps(engine, engine_runs.data_iter(4, 64, rank, world), 2)
+        out.append((losses, [p.detach().clone() for p in engine.module.parameters()]))
+        engine.xirang.remove()
+    return out
+
+
+@pytest.mark.distributed
+def test_shared_zero_masters_change_no_result():
+    for (shared_losses, shared), (separate_losses, separate) in run_ranks(_shared_vs_separate, 2):
+        assert shared_losses == separate_losses
+        assert all(torch.equal(a, b) for a, b in zip(shared, separate))

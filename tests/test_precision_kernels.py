@@ -12,18 +12,12 @@ from xirang_ds import XirangConfigError
 from xirang_ds.config.schema import PrecisionConfig
 from xirang_ds.memory.tracker import MemoryTracker
 from xirang_ds.models import BUILTIN_SPECS, build_model
-from xirang_ds.plugins.precision.kernels import CastPolicy, install, installed_policy, native_autocast_ops
+from xirang_ds.plugins.precision.kernels import CastPolicy, install, installed_policy
 from xirang_ds.plugins.precision.modules import match_modules
-from xirang_ds.plugins.precision.op_lists import OpLists, build_op_lists, short
+from xirang_ds.plugins.precision.op_lists import build_op_lists, torch_cpu_autocast_lists
 from xirang_ds.plugins.precision.runtime import apply_precision
 
 BF16 = torch.bfloat16
-CPU_AUTOCAST_LOW = {"conv1d", "conv2d", "conv3d", "bmm", "mm", "linalg_vecdot", "baddbmm", "addmm",
-                    "_addmm_activation", "addbmm", "linear", "_convolution", "matmul", "conv_tbc",
-                    "mkldnn_rnn_layer", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "prelu",
-                    "scaled_dot_product_attention", "_native_multi_head_attention"}
-"""PyTorch's CPU autocast lower_precision_fp list (aten/src/ATen/autocast_mode.cpp, v2.13)."""
-CPU_AUTOCAST_PROMOTE = {"cat", "stack", "index_copy"}
 
 
 def policy(low=("default",), fp32=("default",), narrow=True) -> CastPolicy:
@@ -107,13 +101,6 @@ def test_fp32_listed_outputs_equal_fp32_exactly():
            F.cross_entropy(x.float(), y), x.float().exp(), x.float().sum(-1), x.float().pow(2.0)]
     for g, r in zip(got, ref):
         assert g.dtype == torch.float32 and torch.equal(g, r)
-
-
-def torch_cpu_autocast_lists() -> OpLists:
-    """PyTorch's own CPU autocast lists as an OpLists (read from the dispatcher)."""
-    native = native_autocast_ops("AutocastCPU")
-    low = frozenset(o for o in native if short(o) in CPU_AUTOCAST_LOW)
-    return OpLists(low=low, fp32=frozenset(o for o in native - low if short(o) not in CPU_AUTOCAST_PROMOTE))
 
 
 def gpt_step(model, x, mode):

@@ -64,7 +64,7 @@ class GradScaling:
             (a DeepSpeed version whose ZeRO optimizer lacks the loss-scale attributes).
     """
 
-    def __init__(self, engine: Any, plan: PrecisionPlan):
+    def __init__(self, engine: Any, plan: PrecisionPlan) -> None:
         self.engine = engine
         self.plan = plan
         self.stage = engine.zero_optimization_stage()

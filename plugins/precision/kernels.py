@@ -127,9 +127,14 @@ def _make_kernel(op: torch._ops.OpOverload, kind: str, inst: _Installation) -> C
         casts = CastSet(inst.weight_scope(), narrow)
         with torch._C._DisableAutocast():
             if to is not None:
-                target: Callable[[torch.Tensor], Optional[torch.dtype]] = lambda t: to if eligible(t) else None
+                def target(t: torch.Tensor) -> Optional[torch.dtype]:
+                    return to if eligible(t) else None
+
                 args = casts.map(args, target)
-                kwargs = {k: casts.map(v, target) for k, v in kwargs.items()}
+                if kwargs:
+                    kwargs = {k: casts.map(v, target) for k, v in kwargs.items()}
+            if not casts.copies:
+                return op(*args, **kwargs)
             with casts.saving():
                 return op(*args, **kwargs)
 
@@ -165,7 +170,7 @@ def _register(inst: _Installation, key: str) -> None:
 class KernelHandle:
     """One user of an installed policy; ``remove()`` restores PyTorch's kernels after the last one."""
 
-    def __init__(self, key: str, scope: Callable[[], Any]):
+    def __init__(self, key: str, scope: Callable[[], Any]) -> None:
         self.key, self.scope = key, scope
         self._removed = False
 

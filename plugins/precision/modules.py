@@ -74,7 +74,7 @@ class ModuleCast:
     """
 
     def __init__(self, module: torch.nn.Module, device_type: str, dtype: "torch.dtype | Callable[[], torch.dtype]",
-                 weight_scope: Callable[[], Any], narrow_upcasts: bool, cast_parameters: bool):
+                 weight_scope: Callable[[], Any], narrow_upcasts: bool, cast_parameters: bool) -> None:
         self.module = module
         self.device_type = device_type
         self.dtype = dtype

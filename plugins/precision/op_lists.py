@@ -87,6 +87,13 @@ FP32_DEFAULT: tuple[str, ...] = (
 )
 """Built-in black list: ops that always run in fp32."""
 
+TORCH_CPU_AUTOCAST_LOW: frozenset[str] = frozenset({
+    "conv1d", "conv2d", "conv3d", "bmm", "mm", "linalg_vecdot", "baddbmm", "addmm", "_addmm_activation", "addbmm",
+    "linear", "_convolution", "matmul", "conv_tbc", "mkldnn_rnn_layer", "conv_transpose1d", "conv_transpose2d",
+    "conv_transpose3d", "prelu", "scaled_dot_product_attention", "_native_multi_head_attention"})
+"""PyTorch's CPU autocast ``lower_precision_fp`` ops (``autocast_mode.cpp``); its ``promote`` ops are
+``cat``, ``stack`` and ``index_copy``, every other op it lists is ``fp32``."""
+
 ALIASES: dict[str, str] = {
     "cross_entropy": "cross_entropy_loss",
     "F.cross_entropy": "cross_entropy_loss",
@@ -291,6 +298,17 @@ def build_op_lists(low_tokens: Iterable[str], fp32_tokens: Iterable[str], path: 
                    promote=frozenset(promote - listed))
 
 
+def torch_cpu_autocast_lists() -> OpLists:
+    """PyTorch's own CPU autocast lists as an `OpLists`, read from the dispatcher (for comparisons:
+    with them the plugin computes exactly what ``torch.autocast("cpu")`` computes)."""
+    from xirang_ds.plugins.precision.kernels import native_autocast_ops
+
+    native = native_autocast_ops("AutocastCPU")
+    low = frozenset(o for o in native if short(o) in TORCH_CPU_AUTOCAST_LOW)
+    promote = {"cat", "stack", "index_copy"}
+    return OpLists(low=low, fp32=frozenset(o for o in native - low if short(o) not in promote))
+
+
 @dataclass(frozen=True)
 class Registrations:
     """Op names registered outside the config (NVIDIA Apex ``amp.register_*_function``)."""
@@ -301,4 +319,5 @@ class Registrations:
 
 
 __all__ = ["ALIASES", "DEFAULT_TOKEN", "FP32_DEFAULT", "LOW_PRECISION_DEFAULT", "OpLists", "OpNameError",
-           "Registrations", "build_op_lists", "compose", "resolve", "short"]
+           "Registrations", "TORCH_CPU_AUTOCAST_LOW", "build_op_lists", "compose", "resolve", "short",
+           "torch_cpu_autocast_lists"]

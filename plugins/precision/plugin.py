@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from typing import Any, Optional
 
 import torch
@@ -27,7 +28,7 @@ from xirang_ds.config.schema import PrecisionConfig
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.memory.categories import PARAMETERS
 from xirang_ds.plugins.precision.apex_lists import apex_registrations
-from xirang_ds.plugins.precision.ds_config import PrecisionPlan, check_device_dtype, plan, strip_mixed_precision
+from xirang_ds.plugins.precision.ds_config import PrecisionPlan, check_device_dtype, edit_ds_config, plan
 from xirang_ds.plugins.precision.grad_scaling import GradScaling
 from xirang_ds.plugins.precision.kernels import CastPolicy, autocast_key
 from xirang_ds.plugins.precision.op_lists import OpLists, build_op_lists
@@ -36,6 +37,15 @@ from xirang_ds.plugins.precision.zero_masters import share_fp32_masters
 from xirang_ds.registry import Plugin, register_plugin
 
 logger = logging.getLogger("xirang_ds")
+
+
+def loss_scale_conflicts(decided: Optional[PrecisionPlan], stepper: Any) -> list[tuple[str, str]]:
+    """fp16 with a plugin that applies gradients inside backward (``grad_release``) is refused
+    unless that plugin says it unscales them (``applies_loss_scale = True``, see the plugin API)."""
+    if decided is None or decided.loss_scale is None or stepper is None or getattr(stepper, "applies_loss_scale", False):
+        return []
+    return [(f"{PATH}.dtype", f"fp16 gradients carry the loss scale, and {stepper.section} applies them inside "
+                              "backward without unscaling them; use bf16, or disable " + stepper.section)]
 
 
 @register_plugin(PrecisionConfig, section="precision", order=20)
@@ -52,7 +62,7 @@ class PrecisionPlugin(Plugin):
             (`zero_masters.share_fp32_masters`).
     """
 
-    def __init__(self, config: PrecisionConfig, session: Any):
+    def __init__(self, config: PrecisionConfig, session: Any) -> None:
         super().__init__(config, session)
         self.plan: Optional[PrecisionPlan] = None
         self.lists: Optional[OpLists] = None
@@ -73,7 +83,7 @@ class PrecisionPlugin(Plugin):
         """
         from deepspeed.accelerator import get_accelerator
 
-        decided, problems = plan(self.config, ds_config)
+        decided, problems = plan(self.config, ds_config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
         problems = [(p if p.startswith("xirang.") else f"ds_config.{p}", m) for p, m in problems]
         registered = apex_registrations(PATH, problems)
         lists = build_op_lists(self.config.low_precision_ops, self.config.fp32_ops, PATH, problems, registered)
@@ -83,6 +93,7 @@ class PrecisionPlugin(Plugin):
             autocast_key(device_type)
         except ValueError as e:
             problems.append((PATH, str(e)))
+        problems += loss_scale_conflicts(decided, self.session.plugin("grad_release"))
         if decided is not None and not problems:
             reason = check_device_dtype(device_type, decided.dtype, accelerator)
             if reason:
@@ -90,7 +101,7 @@ class PrecisionPlugin(Plugin):
         if problems:
             raise XirangConfigError(problems)
         self.plan, self.lists, self.device_type = decided, lists, device_type
-        strip_mixed_precision(ds_config)
+        edit_ds_config(ds_config, decided)
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Check the parameters are fp32 masters and resolve the module rules (`runtime.model_rules`).
@@ -99,7 +110,7 @@ class PrecisionPlugin(Plugin):
             XirangConfigError: 16-bit parameters, a glob matching no module, or a Megatron layer
                 with ``gradient_accumulation_fusion``.
         """
-        rules, problems = model_rules(model, self.config.fp32_modules)
+        rules, problems = model_rules(model, self.config.fp32_modules, require_fp32=self.plan.on_demand)
         if problems:
             raise XirangConfigError(problems)
         self.rules = rules
@@ -109,12 +120,14 @@ class PrecisionPlugin(Plugin):
         self.engine = engine
         self._tracker = self.session.tracker
         policy = CastPolicy(self.lists, self.device_type, self.plan.dtype, self.config.narrow_saved_upcasts)
-        for handle in PrecisionRuntime(policy, self.rules, self._weight_scope).attach(engine.module):
+        runtime = PrecisionRuntime(policy, self.rules, self._weight_scope,
+                                   widen_fp32_module_weights=not self.plan.on_demand)
+        for handle in runtime.attach(engine.module):
             self.keep(handle)
         self.scaling = GradScaling(engine, self.plan)
         for handle in self.scaling.attach():
             self.keep(handle)
-        if self.plan.zero_stage in (1, 2):
+        if self.plan.on_demand and self.plan.zero_stage in (1, 2):
             reason = share_fp32_masters(engine.optimizer)
             self.masters_shared = reason is None
             if reason is not None and engine.global_rank == 0:
@@ -128,6 +141,10 @@ class PrecisionPlugin(Plugin):
         return tracker.scope(PARAMETERS) if tracker is not None and tracker.active else contextlib.nullcontext()
 
     # for other plugins -----------------------------------------------------------------------
+    # A plugin that applies gradients itself (grad_release) under fp16 unscales them with
+    # `unscale_and_check`, skips the update when it returns True, calls `update_scale` once per
+    # optimizer step, and sets ``applies_loss_scale = True`` on itself; otherwise fp16 with it is
+    # refused at initialize.
     @property
     def loss_scale(self) -> float:
         """The factor gradients carry during backward (1 under bf16); see `GradScaling`."""
@@ -142,14 +159,18 @@ class PrecisionPlugin(Plugin):
         self.scaling.update_scale(overflow)
 
     def describe(self) -> str:
-        name = self.plan.dtype_name if self.plan else "?"
-        scale = ("dynamic loss scale" if self.plan and self.plan.loss_scale and self.plan.loss_scale.static_scale is None
-                 else "static loss scale" if self.plan and self.plan.loss_scale else
-                 "non-finite steps skipped" if self.plan and self.plan.check_overflow else "no overflow check")
-        fp32_modules = f"; fp32 modules: {', '.join(self.rules.fp32_modules)}" if self.rules.fp32_modules else ""
-        return (f"{name} compute with fp32 masters kept once (16-bit weight copies per op, remade in backward); "
-                f"{len(self.lists.low) if self.lists else 0} low-precision and "
-                f"{len(self.lists.fp32) if self.lists else 0} fp32 op overloads; {scale}{fp32_modules}")
+        """One line for the session summary (after ``attach``)."""
+        p = self.plan
+        if p.on_demand:
+            layout = "fp32 masters kept once, 16-bit weight copies made per op and again in backward"
+            scale = ("dynamic loss scale" if p.loss_scale and p.loss_scale.static_scale is None else
+                     "static loss scale" if p.loss_scale else
+                     "steps with non-finite gradients skipped" if p.check_overflow else "no overflow check")
+        else:
+            layout, scale = "DeepSpeed's persistent 16-bit weights", f"DeepSpeed's {p.dtype_name} mode scales and checks"
+        modules = f"; fp32 modules: {', '.join(self.rules.fp32_modules)}" if self.rules.fp32_modules else ""
+        return (f"{p.dtype_name}, {layout}; {len(self.lists.low)} low-precision and {len(self.lists.fp32)} fp32 "
+                f"op overloads; {scale}{modules}")
 
     # checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -164,4 +185,4 @@ class PrecisionPlugin(Plugin):
         self.scaling.skipped_steps = int(state.get("skipped_steps", 0))
 
 
-__all__ = ["PrecisionPlugin"]
+__all__ = ["PrecisionPlugin", "loss_scale_conflicts"]

@@ -20,14 +20,20 @@ import torch
 
 WEIGHT = "weight"
 UPCAST = "upcast"
+_PARAMETER = torch.nn.Parameter
 
 _HOOKS_ENABLED = torch._C._autograd._saved_tensors_hooks_is_enabled
 _TOP_HOOKS = torch._C._autograd._top_saved_tensors_default_hooks
 
 
 def is_parameter(t: torch.Tensor) -> bool:
-    """A ``nn.Parameter`` or a view of one (``weight.t()``): alive anyway, so a copy can be remade."""
-    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+    """A ``nn.Parameter`` or a view of one (``weight.t()``): alive anyway, so a copy can be remade.
+
+    Tested on the type (``issubclass``): ``isinstance`` goes through ``Parameter``'s metaclass,
+    which costs more than the rest of a kernel's bookkeeping.
+    """
+    base = t._base
+    return issubclass(type(t), _PARAMETER) or (base is not None and issubclass(type(base), _PARAMETER))
 
 
 def widest(dtypes: Iterator[torch.dtype]) -> Optional[torch.dtype]:
@@ -53,7 +59,7 @@ class Recast:
 
     __slots__ = ("source", "dtype", "size", "stride", "offset", "version", "kind", "scope")
 
-    def __init__(self, source: torch.Tensor, saved: torch.Tensor, kind: str, scope: Callable[[], Any]):
+    def __init__(self, source: torch.Tensor, saved: torch.Tensor, kind: str, scope: Callable[[], Any]) -> None:
         self.source, self.dtype, self.kind, self.scope = source, saved.dtype, kind, scope
         self.size, self.stride, self.offset = saved.size(), saved.stride(), saved.storage_offset()
         self.version = source._version
@@ -78,7 +84,7 @@ class Recast:
 class _Outer:
     __slots__ = ("packed", "unpack")
 
-    def __init__(self, packed: Any, unpack: Callable[[Any], torch.Tensor]):
+    def __init__(self, packed: Any, unpack: Callable[[Any], torch.Tensor]) -> None:
         self.packed, self.unpack = packed, unpack
 
 
@@ -100,7 +106,7 @@ class CastSet:
 
     __slots__ = ("weight_scope", "narrow_upcasts", "copies")
 
-    def __init__(self, weight_scope: Callable[[], Any], narrow_upcasts: bool):
+    def __init__(self, weight_scope: Callable[[], Any], narrow_upcasts: bool) -> None:
         self.weight_scope = weight_scope
         self.narrow_upcasts = narrow_upcasts
         self.copies: dict[int, tuple[torch.Tensor, str]] = {}
@@ -121,13 +127,29 @@ class CastSet:
         return copy
 
     def map(self, value: Any, target: Callable[[torch.Tensor], Optional[torch.dtype]]) -> Any:
-        """Cast every tensor in ``value`` (tensors, lists, tuples) for which ``target`` gives a dtype."""
+        """Cast the tensors in ``value`` for which ``target`` gives a dtype: a tensor, or a list or
+        tuple of arguments whose items are tensors or lists of tensors (``cat``'s ``Tensor[]``)."""
         if isinstance(value, torch.Tensor):
             dtype = target(value)
-            return value if dtype is None or dtype == value.dtype else self.cast(value, dtype)
-        if isinstance(value, (list, tuple)) and value and any(isinstance(v, torch.Tensor) for v in value):
-            return type(value)(self.map(v, target) for v in value)
-        return value
+            return value if dtype is None or dtype is value.dtype else self.cast(value, dtype)
+        if not isinstance(value, (list, tuple)):
+            return value
+        out = None
+        for i, item in enumerate(value):
+            if isinstance(item, torch.Tensor):
+                dtype = target(item)
+                new = item if dtype is None or dtype is item.dtype else self.cast(item, dtype)
+            elif isinstance(item, (list, tuple)):
+                new = self.map(item, target)
+            else:
+                continue
+            if new is not item:
+                if out is None:
+                    out = list(value)
+                out[i] = new
+        if out is None:
+            return value
+        return out if isinstance(value, list) else tuple(out)
 
     @contextlib.contextmanager
     def saving(self) -> Iterator[None]:

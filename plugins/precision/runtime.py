@@ -34,20 +34,21 @@ class ModelRules:
     megatron_layers: tuple[str, ...] = ()
 
 
-def model_rules(model: torch.nn.Module, fp32_globs: tuple[str, ...]) -> tuple[ModelRules, list[tuple[str, str]]]:
-    """Resolve the module rules and check the model can keep fp32 masters; problems are returned.
+def model_rules(model: torch.nn.Module, fp32_globs: tuple[str, ...],
+                require_fp32: bool = True) -> tuple[ModelRules, list[tuple[str, str]]]:
+    """Resolve the module rules and check the model; problems are returned, not raised.
 
-    Problems: 16-bit parameters (the weights are kept once, as fp32 masters), a glob matching no
-    module, a Megatron layer with ``gradient_accumulation_fusion`` (it writes into
-    ``weight.main_grad``, which a 16-bit weight copy lacks).
+    Problems: 16-bit parameters when ``require_fp32`` (on-demand copies keep the weights once, as
+    fp32 masters), a glob matching no module, a Megatron layer with ``gradient_accumulation_fusion``
+    (it writes into ``weight.main_grad``, which a 16-bit weight copy lacks).
     """
     problems: list[tuple[str, str]] = []
     narrow = [(n, p.dtype) for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32]
-    if narrow:
+    if narrow and require_fp32:
         name, dtype = narrow[0]
-        problems.append((PATH, f"{len(narrow)} parameter(s) are not fp32 (first: {name}, {dtype}); the precision "
-                               "plugin keeps the weights once, as fp32 masters, and makes 16-bit copies per op: "
-                               "build the model in fp32"))
+        problems.append((PATH, f"{len(narrow)} parameter(s) are not fp32 (first: {name}, {dtype}); on-demand "
+                               "weight copies keep the weights once, as fp32 masters: build the model in fp32, or "
+                               "set weight_copies to \"persistent\""))
     names, glob_problems = match_modules(model, fp32_globs, f"{PATH}.fp32_modules")
     problems += glob_problems
     types = megatron_layer_types()
@@ -68,11 +69,14 @@ class PrecisionRuntime:
         policy: lists, device and dtypes.
         rules: module rules.
         weight_scope: context factory entered while weight copies are made (a tracker scope).
+        widen_fp32_module_weights: fp32 modules also run on fp32 copies of their weights (the
+            weights are 16-bit: DeepSpeed's persistent layout).
     """
 
     policy: CastPolicy
     rules: ModelRules = field(default_factory=ModelRules)
     weight_scope: Callable[[], Any] = contextlib.nullcontext
+    widen_fp32_module_weights: bool = False
 
     def attach(self, model: torch.nn.Module) -> list[Any]:
         """Install the kernels and wrap the forwards of ``model`` and of its ruled modules.
@@ -90,7 +94,7 @@ class PrecisionRuntime:
         for name in self.rules.fp32_modules:
             module = model.get_submodule(name)
             cast = ModuleCast(module, policy.device_type, torch.float32, self.weight_scope, narrow,
-                              cast_parameters=False)
+                              cast_parameters=self.widen_fp32_module_weights)
             handles.append(wrap_method(module, "forward", cast.forward))
         return handles
 
@@ -105,7 +109,7 @@ class PrecisionRuntime:
 class AppliedPrecision:
     """Handle of `apply_precision`; ``remove()`` restores the model and PyTorch's autocast kernels."""
 
-    def __init__(self, handles: list[Any], runtime: PrecisionRuntime):
+    def __init__(self, handles: list[Any], runtime: PrecisionRuntime) -> None:
         self._handles = handles
         self.runtime = runtime
 

@@ -159,6 +159,13 @@ class PrecisionConfig(Section):
     fp32_modules: tuple[Glob, ...] = ()
     """Globs of full module names that run entirely in fp32 (``"lm_head"``, ``"blocks.*.ln_*"``);
     ``"blocks.2"`` does not match ``"blocks.20"``; each glob must match a module."""
+    weight_copies: Literal["auto", "on_demand", "persistent"] = "auto"
+    """Where the 16-bit weights live. ``on_demand``: the weights are kept once, as fp32 masters
+    (DeepSpeed trains in fp32), and each op's 16-bit copy of a weight is made just before it runs,
+    freed after it, and made again in backward: 4 bytes per parameter. ``persistent``: DeepSpeed's
+    bf16/fp16 mode (16-bit weights all the time plus its fp32 masters: 6 bytes per parameter at
+    ZeRO 0, 2 + 4/N at ZeRO 1/2 over N ranks) with the lists applied on top. ``auto``: whichever
+    keeps fewer weight bytes: ``persistent`` at ZeRO 1/2 with more than one rank, else ``on_demand``."""
     narrow_saved_upcasts: bool = True
     """An fp32-listed op that widens a 16-bit input saves that input for backward and widens it
     again there, instead of saving the fp32 copy (exact, half the bytes). Turn off only if the

@@ -7,7 +7,8 @@
   (live-storage tracker, worst rank), weight bytes per parameter at the peak (the ``parameters``
   category: 16-bit weights + fp32 masters for DeepSpeed, fp32 masters + live 16-bit copies for
   the plugin), the peak ratio, the median step-time ratio and the loss difference.
-* ``memory_variants``: the same with edited lists (the embedding on the white list).
+* ``memory_variants``: the same with edited lists (the embedding on the white list), and a model
+  whose states dominate its activations.
 * ``loss``: fp32, DeepSpeed bf16 and the plugin trained for ``--loss-steps`` steps from the same
   seed and data (no tracker); the mean loss of the last 20 steps, and its relative difference.
 * ``mechanisms``: one model's forward+backward (no DeepSpeed) under plain fp32, ``torch.autocast``,
@@ -57,8 +58,11 @@ MEMORY = [  # (model, ds_config, world size); weight_copies "auto" unless named
     ("gpt-small", ds(2, 8), 2),
     ("gpt-small", ds(2, 4, gas=2), 2),
 ]
-VARIANTS = [  # the embedding on the white list: the residual stream in bf16, as in DeepSpeed's bf16 mode
+VARIANTS = [
+    # the embedding on the white list: the residual stream in bf16, as in DeepSpeed's bf16 mode
     ("gpt-small", ds(0, 8, block={"precision": {"enabled": True, "low_precision_ops": ["default", "embedding"]}}), 1),
+    # model states dominate (25M parameters, 32 tokens per micro-batch)
+    ("gpt:layers=2,hidden=1024,heads=8,seq=32,vocab=256", ds(0, 1), 1),
 ]
 LOSS_MODEL = "gpt:layers=4,hidden=128,heads=4,seq=128,vocab=256"
 
@@ -177,32 +181,36 @@ def run_mechanisms(model_text: str, rounds: int) -> dict:
 
     def kernels(lists: Any) -> Any:
         @contextlib.contextmanager
-        def mode() -> Any:
+        def installed() -> Any:  # registration is set-up, outside the timed step
             handle = install(CastPolicy(lists, "cpu", bf16), contextlib.nullcontext)
             try:
-                with autocast():
-                    yield
+                yield autocast
             finally:
                 handle.remove()
-        return mode
+        return installed
+
+    def plain(mode: Any) -> Any:
+        return lambda: contextlib.nullcontext(mode)
 
     low, fp32 = {short(o) for o in ours.low}, {short(o) for o in ours.fp32}
-    modes = {"fp32": contextlib.nullcontext, "torch_autocast": autocast,
-             "kernels_with_torch_lists": kernels(torchs), "kernels_with_default_lists": kernels(ours),
-             "function_mode_with_default_lists": lambda: FunctionModePolicy(low, fp32, bf16)}
-    times: dict[str, list[float]] = {k: [] for k in modes}
+    setups = {"fp32": plain(contextlib.nullcontext), "torch_autocast": plain(autocast),
+              "kernels_with_torch_lists": kernels(torchs), "kernels_with_default_lists": kernels(ours),
+              "function_mode_with_default_lists": plain(lambda: FunctionModePolicy(low, fp32, bf16))}
+    times: dict[str, list[float]] = {k: [] for k in setups}
     losses = {}
     for r in range(rounds + 1):
-        for name, mode in modes.items():
-            for p in model.parameters():
-                p.grad = None
-            start = time.perf_counter()
-            with mode():
-                loss = model(x, x)
-            loss.backward()
-            if r:  # the first round warms up
-                times[name].append(time.perf_counter() - start)
-            losses[name] = loss.item()
+        for name, setup in setups.items():
+            with setup() as mode:
+                for timed in (False, True):  # each mode's first step after its set-up is not timed
+                    for p in model.parameters():
+                        p.grad = None
+                    start = time.perf_counter()
+                    with mode():
+                        loss = model(x, x)
+                    loss.backward()
+                    if timed and r:  # the first round warms up
+                        times[name].append(time.perf_counter() - start)
+                losses[name] = loss.item()
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"model": model_text, "micro_batch": 8, "rounds": rounds, "threads": torch.get_num_threads(),
             "median_s": med, "ratio_to_torch_autocast": {k: v / med["torch_autocast"] for k, v in med.items()},
@@ -248,6 +256,51 @@ def run_dispatch_overhead(calls: int, rounds: int) -> dict:
     return {"calls": calls, "rounds": rounds, **results}
 
 
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def tables(result: dict) -> str:
+    """The markdown tables docs/precision.md quotes, from a results file."""
+    out = []
+    rows = result.get("memory", {}).get("rows", []) + result.get("memory_variants", {}).get("rows", [])
+    if rows:
+        out += ["| model | ZeRO | ranks | micro x GA | section | weights B/param DS bf16 | weights B/param xirang | "
+                "peak MiB DS bf16 | peak MiB xirang | peak ratio | step time ratio |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            section = {k: v for k, v in r["precision_section"].items() if k != "enabled"} or "defaults"
+            layout = "persistent" if "persistent" in r["summary"] else "on_demand"
+            w, p = r["weight_bytes_per_param_at_peak"], r["peak_bytes"]
+            out.append(f"| {r['model']} | {r['zero_stage']} | {r['world_size']} | {r['micro_batch']} x "
+                       f"{r['gradient_accumulation']} | `{json.dumps(section)}` ({layout}) | "
+                       f"{w['deepspeed_bf16']:.2f} | {w['precision']:.2f} | {_mib(p['deepspeed_bf16'])} | "
+                       f"{_mib(p['precision'])} | {r['peak_ratio']:.3f} | {r['step_time_ratio']:.2f} |")
+    loss = result.get("loss")
+    if loss:
+        out += ["", "| side | mean loss, last 20 of {} steps | vs fp32 | vs DeepSpeed bf16 |".format(loss["steps"]),
+                "|---|---|---|---|"]
+        for k, v in loss["final_loss_last20_mean"].items():
+            rel = loss["relative_difference"].get(k)
+            ds_rel = loss.get("relative_to_deepspeed_bf16", {}).get(k)
+            out.append(f"| {k} | {v:.4f} | {'' if rel is None else f'{rel:+.2%}'} | "
+                       f"{'' if ds_rel is None else f'{ds_rel:+.2%}'} |")
+    mech = result.get("mechanisms")
+    if mech:
+        out += ["", "| model | " + " | ".join(mech["gpt-tiny"]["median_s"]) + " |",
+                "|---|" + "---|" * len(mech["gpt-tiny"]["median_s"])]
+        for m in ("gpt-tiny", "gpt-small"):
+            out.append(f"| {m} (s, ratio to torch.autocast) | " + " | ".join(
+                f"{mech[m]['median_s'][k]:.3f} ({mech[m]['ratio_to_torch_autocast'][k]:.2f})"
+                for k in mech[m]["median_s"]) + " |")
+        d = mech["dispatch_overhead"]
+        out += ["", "| per call | torch.autocast µs | kernels µs | overhead µs |", "|---|---|---|---|"]
+        for k in ("mm", "mm_weight_forward_backward"):
+            med = d[k]["median_us_per_call"]
+            out.append(f"| {k} | {med['torch_autocast']:.1f} | {med['kernels']:.1f} | {d[k]['overhead_us_per_call']:.1f} |")
+    return "\n".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default="memory,loss,mechanisms")
@@ -255,7 +308,12 @@ def main() -> None:
     parser.add_argument("--loss-steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--out", default=os.path.join(HERE, "results", "precision.json"))
+    parser.add_argument("--tables", action="store_true", help="print the markdown tables of --out and exit")
     args = parser.parse_args()
+    if args.tables:
+        with open(args.out, encoding="utf-8") as f:
+            print(tables(json.load(f)))
+        return
     result: dict = {}
     if os.path.isfile(args.out):
         with open(args.out, encoding="utf-8") as f:

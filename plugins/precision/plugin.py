@@ -4,9 +4,9 @@ Seams (in plugin order 20, before anything reads dtypes):
 
 * ``prepare_ds_config``: decide dtype, loss scaling and overflow checks from the section and the
   ds_config (`ds_config.plan`), resolve the op lists (with Apex registrations), check the device
-  runs the dtype, then take DeepSpeed's ``bf16``/``fp16`` sections out of its copy: DeepSpeed
-  trains in fp32 and every optimizer (DeepSpeed's, or another plugin's) sees ordinary fp32
-  parameters and gradients.
+  runs the dtype, then edit DeepSpeed's copy (`ds_config.edit_ds_config`): ``on_demand`` takes
+  its ``bf16``/``fp16`` sections out (DeepSpeed trains in fp32 and every optimizer sees ordinary
+  fp32 parameters and gradients); ``persistent`` enables DeepSpeed's 16-bit mode for the dtype.
 * ``prepare_model``: the model's parameters must be fp32; ``fp32_modules`` globs are resolved (a
   glob matching nothing is an error before DeepSpeed runs); Megatron-core layers are found.
 * ``attach``: `runtime.PrecisionRuntime` installs the kernels (`kernels.install`), wraps the root
@@ -50,7 +50,7 @@ def loss_scale_conflicts(decided: Optional[PrecisionPlan], stepper: Any) -> list
 
 @register_plugin(PrecisionConfig, section="precision", order=20)
 class PrecisionPlugin(Plugin):
-    """Mixed precision with editable op lists and on-demand 16-bit weight copies.
+    """Mixed precision with editable op lists, and on-demand 16-bit weight copies or DeepSpeed's own layout.
 
     Attributes:
         plan: dtype, loss scaling and overflow checks (after ``prepare_ds_config``).
@@ -75,7 +75,7 @@ class PrecisionPlugin(Plugin):
 
     # seams ----------------------------------------------------------------------------------
     def prepare_ds_config(self, ds_config: dict) -> None:
-        """Decide the plan and lists, check the device, hand DeepSpeed an fp32 config.
+        """Decide the plan and lists, check the device, edit the config DeepSpeed gets.
 
         Raises:
             XirangConfigError: conflicting ds_config sections, bad op names or lists, an Apex

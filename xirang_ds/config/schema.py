@@ -140,13 +140,12 @@ class GradReleaseConfig(Section):
 
 @dataclass(frozen=True)
 class PrecisionConfig(Section):
-    """Mixed precision with editable op lists; weights kept once, as fp32 masters, with each op's
-    16-bit weight copy made just before it runs and made again in backward."""
+    """Mixed precision with editable op lists, and weights kept once as fp32 masters with 16-bit
+    copies made per op (or DeepSpeed's persistent 16-bit layout where that is not larger)."""
 
     dtype: Literal["auto", "bf16", "fp16"] = "auto"
-    """Low-precision dtype; ``auto`` follows ds_config's ``bf16``/``fp16`` section, else bf16.
-    DeepSpeed then trains in fp32 (its 16-bit sections are taken out of the copy it receives);
-    fp16 uses DeepSpeed's dynamic loss scaler with the ``fp16`` section's settings."""
+    """Low-precision dtype; ``auto`` follows ds_config's ``bf16``/``fp16`` section, else bf16. fp16
+    uses DeepSpeed's dynamic loss scaler with the ``fp16`` section's settings."""
     low_precision_ops: tuple[str, ...] = ("default",)
     """White list: ATen ops that run in the low-precision dtype, applied in order. ``"default"`` is
     the built-in list (PyTorch autocast's CUDA and CPU lists and Apex O1's: matmuls, linear,

@@ -10,19 +10,22 @@ from xirang_ds.launch import run_ranks
 from xirang_ds.memory.estimator import EstimateError, RunShape, estimate_spec, korthikanti_activations
 from xirang_ds.models import ModelSpecError, parse_model_spec
 
-CASES = [  # model, stage, dtype, micro, world, bucket
-    ("gpt-tiny", 0, "bf16", 4, 1, 1e6),
-    ("gpt-tiny", 2, "fp32", 4, 2, 1e6),
-    ("llama-tiny", 1, "bf16", 8, 2, 1e5),
-    ("gpt-tiny", 3, "bf16", 4, 2, 1e6),
+INT8 = {"optimizer_states": {"enabled": True, "schedule": [{"dtype": "int8"}], "min_numel": 0}}
+CASES = [  # model, stage, dtype, micro, world, bucket, xirang block
+    ("gpt-tiny", 0, "bf16", 4, 1, 1e6, None),
+    ("gpt-tiny", 2, "fp32", 4, 2, 1e6, None),
+    ("llama-tiny", 1, "bf16", 8, 2, 1e5, None),
+    ("gpt-tiny", 3, "bf16", 4, 2, 1e6, None),
+    ("gpt-tiny", 2, "bf16", 4, 2, 1e6, INT8),
 ]
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("model, stage, dtype, micro, world, bucket", CASES)
-def test_estimate_within_ten_percent_of_measured(model, stage, dtype, micro, world, bucket):
-    config = ds_config(stage=stage, dtype=dtype, micro=micro, bucket=bucket)
-    measured = max(r["peak_bytes"] for r in run_ranks(bench_rank, world, model, config, 3, None, 0, False))
+@pytest.mark.parametrize("model, stage, dtype, micro, world, bucket, xirang", CASES)
+def test_estimate_within_ten_percent_of_measured(model, stage, dtype, micro, world, bucket, xirang):
+    config = ds_config(stage=stage, dtype=dtype, micro=micro, bucket=bucket, xirang=xirang)
+    measured = max(r["peak_bytes"] for r in run_ranks(bench_rank, world, model, config, 3, None, 0,
+                                                      xirang is not None))
     predicted = estimate_spec(model, config, world).predicted_peak_bytes
     tolerance = 0.10 if stage == 3 else 0.01  # ZeRO 0-2 are modelled buffer by buffer
     assert abs(predicted - measured) / measured <= tolerance, (predicted, measured)

@@ -299,7 +299,14 @@ def _adam_temporaries(shape: RunShape, tensors: list[int]) -> int:
 
 def estimate_run(build: Callable[[], torch.nn.Module], ds_config: dict, seq: int, vocab: int,
                  world_size: int = 1, device: str = "cpu") -> Estimate:
-    """Estimate one rank's peak for ``build()`` trained with ``ds_config`` on ``world_size`` ranks."""
+    """Estimate one rank's peak for ``build()`` trained with ``ds_config`` on ``world_size`` ranks.
+
+    With a ``"xirang"`` block, the enabled plugins first edit the ds_config as they would at
+    ``initialize`` (bucket sizes), then adjust the phases (`Plugin.adjust_estimate`).
+    """
+    session = _session_for(build, ds_config, world_size)
+    if session is not None:
+        ds_config = session.ds_config
     shape = RunShape.from_ds_config(ds_config, world_size, device)
     if shape.stage not in (0, 1, 2, 3):
         raise EstimateError(f"zero_optimization.stage must be 0-3; got {shape.stage}")
@@ -341,21 +348,35 @@ def estimate_run(build: Callable[[], torch.nn.Module], ds_config: dict, seq: int
         if shape.stage == 3:
             step = _add(step, _cat(comm_buffers=lp * shape.reduce_bucket))
     phases = {"forward": fwd, "backward": bwd, "optimizer_step": step}
-    phases = _apply_plugins(ds_config, phases, shape, numels, notes)
+    phases = _apply_plugins(session, phases, shape, numels, notes)
     totals = {k: sum(v[c] for c in CATEGORIES if c != "host") for k, v in phases.items()}
     peak_phase = max(totals, key=totals.__getitem__)
     return Estimate(predicted_peak_bytes=totals[peak_phase], by_category=phases[peak_phase], peak_phase=peak_phase,
                     phases={k: {**v, "total": totals[k]} for k, v in phases.items()}, notes=notes)
 
 
-def _apply_plugins(ds_config: dict, phases: dict, shape: RunShape, numels: list[int], notes: list[str]) -> dict:
-    """Let each enabled plugin of the block adjust the phases (`Plugin.adjust_estimate`)."""
+def _session_for(build: Callable[[], torch.nn.Module], ds_config: dict, world_size: int) -> Any:
+    """A session over a fake copy of the model whose plugins have edited a copy of the ds_config."""
+    import copy
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     from xirang_ds.config.loader import BLOCK_KEY, validate_block
     from xirang_ds.session import Session
 
     if BLOCK_KEY not in ds_config:
+        return None
+    session = Session(validate_block(ds_config[BLOCK_KEY]), copy.deepcopy(ds_config), world_size=world_size)
+    with FakeTensorMode():
+        session.model = build()
+        session.prepare_ds_config()
+    return session
+
+
+def _apply_plugins(session: Any, phases: dict, shape: RunShape, numels: list[int], notes: list[str]) -> dict:
+    """Let each enabled plugin of the block adjust the phases (`Plugin.adjust_estimate`)."""
+    if session is None:
         return phases
-    session = Session(validate_block(ds_config[BLOCK_KEY]), ds_config)
     for plugin in session.plugins:
         adjusted = plugin.adjust_estimate(phases, shape, numels)
         if adjusted is None:

@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from xirang_ds.memory.categories import (
     ACTIVATIONS,
     CATEGORIES,
+    DEVICE_CATEGORIES,
     HOST,
     PRIORITY,
     TEMPORARIES,
@@ -524,6 +525,30 @@ class Window:
         device = sorted((r for r in at_peak if not r.host), key=lambda r: r.nbytes, reverse=True)
         return PeakReport(peak_bytes=self.peak_bytes, by_category=t.by_category(at_peak), phase=self.peak_phase,
                           phase_peaks=dict(self.phase_peaks), top=device[:top], baseline_bytes=self.baseline_bytes)
+
+    def most_at_once(self) -> dict[str, int]:
+        """Per device category, the most bytes of it alive at the same time in this window.
+
+        The breakdown at the peak (`report`) shows each category at one moment; a category can be
+        larger at another (gradients at the end of backward while the peak is at its start).
+        Categories are resolved as they are now (roles given after creation count).
+        """
+        changes: dict[str, list[tuple[int, int]]] = {c: [] for c in DEVICE_CATEGORIES}
+        for r in self.tracker.records:
+            if r.host or (r.freed is not None and r.freed <= self.start_clock):
+                continue
+            events = changes[r.resolved_category()]
+            events.append((max(r.created, self.start_clock), r.nbytes))
+            if r.freed is not None:
+                events.append((r.freed, -r.nbytes))
+        out = {}
+        for category, events in changes.items():
+            live = most = 0
+            for _, delta in sorted(events):
+                live += delta
+                most = max(most, live)
+            out[category] = most
+        return out
 
     def close(self) -> None:
         self.tracker.close_window(self)

@@ -18,6 +18,7 @@ Seams (in plugin order 20, before anything reads dtypes):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from typing import Any, Optional
@@ -39,13 +40,22 @@ from xirang_ds.registry import Plugin, register_plugin
 logger = logging.getLogger("xirang_ds")
 
 
+def deepspeed_runs(accelerator: Any, dtype: torch.dtype) -> bool:
+    """Whether DeepSpeed's own bf16/fp16 mode starts on this accelerator (``weight_copies: "persistent"``)."""
+    probe = "is_fp16_supported" if dtype == torch.float16 else "is_bf16_supported"
+    return bool(getattr(accelerator, probe)())
+
+
 def loss_scale_conflicts(decided: Optional[PrecisionPlan], stepper: Any) -> list[tuple[str, str]]:
     """fp16 with a plugin that applies gradients inside backward (``grad_release``) is refused
     unless that plugin says it unscales them (``applies_loss_scale = True``, see the plugin API)."""
     if decided is None or decided.loss_scale is None or stepper is None or getattr(stepper, "applies_loss_scale", False):
         return []
-    return [(f"{PATH}.dtype", f"fp16 gradients carry the loss scale, and {stepper.section} applies them inside "
-                              "backward without unscaling them; use bf16, or disable " + stepper.section)]
+    return [(f"{PATH}.dtype", f"fp16 with weight_copies \"on_demand\" scales the loss in the precision plugin, "
+                              f"and xirang.{stepper.section} applies the gradients inside backward without "
+                              "unscaling them; set xirang.precision.weight_copies to \"persistent\" (DeepSpeed's "
+                              f"fp16 section is then {stepper.section}'s, which scales itself), use bf16, or disable "
+                              f"xirang.{stepper.section}")]
 
 
 @register_plugin(PrecisionConfig, section="precision", order=20)
@@ -83,17 +93,36 @@ class PrecisionPlugin(Plugin):
         """
         from deepspeed.accelerator import get_accelerator
 
-        decided, problems = plan(self.config, ds_config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        accelerator = get_accelerator()
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        stepper = self.session.plugin("grad_release")
+        decided, problems = plan(self.config, ds_config, world_size=world_size)
+        if (decided is not None and not decided.on_demand and stepper is None
+                and not deepspeed_runs(accelerator, decided.dtype)):
+            # DeepSpeed's engine refuses its 16-bit mode where the accelerator says the dtype is not
+            # native (engine.py ``_do_sanity_check``); on_demand runs any dtype torch can run.
+            # grad_release takes the 16-bit mode over and hands DeepSpeed an fp32 config.
+            if self.config.weight_copies == "auto":
+                on_demand = dataclasses.replace(self.config, weight_copies="on_demand")
+                decided, problems = plan(on_demand, ds_config, world_size=world_size)
+            else:
+                problems.append((f"{PATH}.weight_copies",
+                                 f"is \"persistent\" (DeepSpeed's {decided.dtype_name} mode), which DeepSpeed "
+                                 f"refuses on this {accelerator.device_name()} device; set it to \"on_demand\" "
+                                 "or \"auto\""))
         problems = [(p if p.startswith("xirang.") else f"ds_config.{p}", m) for p, m in problems]
         registered = apex_registrations(PATH, problems)
         lists = build_op_lists(self.config.low_precision_ops, self.config.fp32_ops, PATH, problems, registered)
-        accelerator = get_accelerator()
         device_type = accelerator.device_name()
         try:
             autocast_key(device_type)
         except ValueError as e:
             problems.append((PATH, str(e)))
-        problems += loss_scale_conflicts(decided, self.session.plugin("grad_release"))
+        problems += loss_scale_conflicts(decided, stepper)
+        if decided is not None and stepper is not None and decided.check_overflow:
+            # The step runs inside backward, bucket by bucket: gradients are gone by the boundary where
+            # the check would run. grad_release's own ``nonfinite`` setting decides instead.
+            decided = dataclasses.replace(decided, check_overflow=False)
         if decided is not None and not problems:
             reason = check_device_dtype(device_type, decided.dtype, accelerator)
             if reason:
@@ -160,14 +189,17 @@ class PrecisionPlugin(Plugin):
 
     def describe(self) -> str:
         """One line for the session summary (after ``attach``)."""
-        p = self.plan
+        p, stepper = self.plan, self.session.plugin("grad_release")
         if p.on_demand:
             layout = "fp32 masters kept once, 16-bit weight copies made per op and again in backward"
             scale = ("dynamic loss scale" if p.loss_scale and p.loss_scale.static_scale is None else
                      "static loss scale" if p.loss_scale else
-                     "steps with non-finite gradients skipped" if p.check_overflow else "no overflow check")
+                     "steps with non-finite gradients skipped" if p.check_overflow else
+                     "non-finite gradients: grad_release's nonfinite setting" if stepper else "no overflow check")
         else:
-            layout, scale = "DeepSpeed's persistent 16-bit weights", f"DeepSpeed's {p.dtype_name} mode scales and checks"
+            layout = "DeepSpeed's persistent 16-bit weights"
+            scale = (f"grad_release scales and checks (it takes the {p.dtype_name} section over)" if stepper else
+                     f"DeepSpeed's {p.dtype_name} mode scales and checks")
         modules = f"; fp32 modules: {', '.join(self.rules.fp32_modules)}" if self.rules.fp32_modules else ""
         return (f"{p.dtype_name}, {layout}; {len(self.lists.low)} low-precision and {len(self.lists.fp32)} fp32 "
                 f"op overloads; {scale}{modules}")
@@ -185,4 +217,4 @@ class PrecisionPlugin(Plugin):
         self.scaling.skipped_steps = int(state.get("skipped_steps", 0))
 
 
-__all__ = ["PrecisionPlugin", "loss_scale_conflicts"]
+__all__ = ["PrecisionPlugin", "deepspeed_runs", "loss_scale_conflicts"]

@@ -256,3 +256,165 @@ def test_shared_zero_masters_change_no_result():
     for (shared_losses, shared), (separate_losses, separate) in run_ranks(_shared_vs_separate, 2):
         assert shared_losses == separate_losses
         assert all(torch.equal(a, b) for a, b in zip(shared, separate))
+
+
+# composing with grad_release and optimizer_states ------------------------------------------------------
+COMPOSE_BUCKET = 8192  # grad_release's bucket and DeepSpeed's reduce bucket (gpt-tiny: 136,960 elements)
+FP32_STATES = {"enabled": True, "schedule": [{"dtype": "fp32"}]}
+INT8_STATES = {"enabled": True, "schedule": [{"dtype": "int8"}]}
+COMPOSITIONS = {
+    "on_demand": {"precision": {"enabled": True, "weight_copies": "on_demand"}},
+    "on_demand+grad_release": {"precision": {"enabled": True, "weight_copies": "on_demand"},
+                               "grad_release": {"enabled": True, "bucket_size_numel": COMPOSE_BUCKET}},
+    "persistent": {"precision": {"enabled": True}},  # auto: persistent at ZeRO 2 on 2 ranks
+    "persistent+grad_release": {"precision": {"enabled": True},
+                                "grad_release": {"enabled": True, "bucket_size_numel": COMPOSE_BUCKET}},
+    "on_demand+optimizer_states": {"precision": {"enabled": True, "weight_copies": "on_demand"},
+                                   "optimizer_states": FP32_STATES},
+    "persistent+optimizer_states": {"precision": {"enabled": True}, "optimizer_states": FP32_STATES},
+    "on_demand+optimizer_states_int8": {"precision": {"enabled": True, "weight_copies": "on_demand"},
+                                       "optimizer_states": INT8_STATES},
+}
+
+
+def _client_adamw(model, config):
+    """torch.optim.AdamW over the groups optimizer_states builds (its fp32 schedule is AdamW's math)."""
+    from xirang_ds.config.schema import OptimizerStatesConfig
+    from xirang_ds.plugins.optimizer_states.build import keep_reasons, split_groups
+
+    groups = split_groups([{"params": list(model.parameters())}], keep_reasons(model, OptimizerStatesConfig()))
+    params = config["optimizer"]["params"]
+    return torch.optim.AdamW(groups, lr=params["lr"], weight_decay=params["weight_decay"])
+
+
+def _compose(rank, world, names, client_adamw):
+    """bf16 ZeRO-2, accumulation 2, 3 steps per composition; the third step measured by the tracker."""
+    import xirang_ds
+    from xirang_ds.models import BUILTIN_SPECS, build_model
+
+    out = {}
+    for name in names:
+        config = ds_config(stage=2, dtype="bf16", micro=2, gas=2, bucket=COMPOSE_BUCKET, xirang=COMPOSITIONS[name])
+        config["gradient_clipping"] = 0.0
+        model = build_model(BUILTIN_SPECS["gpt-tiny"], seed=0)
+        if client_adamw:
+            optimizer = _client_adamw(model, config)
+            config.pop("optimizer")
+            engine, *_ = xirang_ds.initialize(model=model, optimizer=optimizer, config=config)
+        else:
+            engine, *_ = xirang_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
+        data = engine_runs.data_iter(2, 64, rank, world)
+        tracker = engine.xirang.track_memory()
+        losses = _steps(engine, data, 2)
+        window = tracker.open_window()
+        losses += _steps(engine, data, 1)
+        report = window.report()
+        plugin = engine.xirang.plugin("precision")
+        out[name] = {"losses": losses, "params": torch.cat([p.detach().float().reshape(-1)
+                                                             for p in engine.module.parameters()]),
+                     "weight_copies": plugin.plan.weight_copies, "grad_max": window.most_at_once()["gradients"],
+                     "states": report.by_category.get("optimizer_states", 0), "peak": report.peak_bytes,
+                     "plugins": [p.section for p in engine.xirang.plugins],
+                     "optimizer": type(engine.basic_optimizer).__name__}
+        window.close()
+        engine.xirang.remove()
+        tracker.stop()
+    return out
+
+
+@pytest.fixture(scope="module")
+def compositions():
+    """Every composition and the two references in one pair of processes (starting ranks is the slow part)."""
+    names = list(COMPOSITIONS)
+    runs = run_ranks(_compose, 2, names, False)
+    references = run_ranks(_compose, 2, ["on_demand", "persistent"], True)
+    return [{**ours, "reference_adamw": ref} for ours, ref in zip(runs, references)]
+
+
+def _fp16_with_grad_release(rank, world):
+    """fp16 ZeRO-2 with grad_release: on_demand is refused naming both sections; persistent hands
+    scaling to grad_release where DeepSpeed's fp16 mode runs on the device, else it is refused."""
+    import xirang_ds
+    from deepspeed.accelerator import get_accelerator
+    from xirang_ds.config.validate import XirangConfigError
+    from xirang_ds.models import BUILTIN_SPECS, build_model
+
+    out = {"deepspeed_fp16": bool(get_accelerator().is_fp16_supported())}
+    persistent = copy.deepcopy(COMPOSITIONS["persistent+grad_release"])
+    persistent["precision"]["weight_copies"] = "persistent"
+    runs = {"on_demand": COMPOSITIONS["on_demand"], "auto": COMPOSITIONS["persistent"],
+            "persistent": {"precision": persistent["precision"]},
+            "on_demand+grad_release": COMPOSITIONS["on_demand+grad_release"], "persistent+grad_release": persistent}
+    for name, block in runs.items():
+        config = ds_config(stage=2, dtype="fp16", micro=2, gas=2, bucket=COMPOSE_BUCKET, xirang=block)
+        config["gradient_clipping"] = 0.0
+        model = build_model(BUILTIN_SPECS["gpt-tiny"], seed=0)
+        try:
+            engine, *_ = xirang_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
+        except XirangConfigError as e:
+            out[name] = str(e)
+            continue
+        out[name] = {"losses": _steps(engine, engine_runs.data_iter(2, 64, rank, world), 3),
+                     "weight_copies": engine.xirang.plugin("precision").plan.weight_copies}
+        engine.xirang.remove()
+    return out
+
+
+@pytest.mark.distributed
+def test_composes_with_grad_release_and_optimizer_states_2_ranks(compositions):
+    """bf16 ZeRO-2, 2 ranks, accumulation 2, 3 steps; tracker on the third step.
+
+    on_demand + grad_release: the engine is fp32 underneath, so grad_release applies the same fp32
+    AdamW to the same fp32 gradients: identical losses and weights to precision alone, with fewer
+    gradient bytes alive at once. persistent + grad_release: grad_release keeps its own fp32 masters
+    and reduces in its own order, so the 16-bit weights may round differently: within 2 bf16 ulps.
+    optimizer_states with fp32 states is torch.optim.AdamW's math: identical to precision with a client
+    AdamW over the same parameter groups, in both layouts; int8 states take fewer bytes."""
+    for rank in compositions:
+        ref = rank["reference_adamw"]
+        for name in COMPOSITIONS:
+            assert all(torch.isfinite(torch.tensor(rank[name]["losses"]))), name
+            assert "precision" in rank[name]["plugins"], name
+        assert rank["on_demand+grad_release"]["weight_copies"] == "on_demand"
+        assert rank["persistent+grad_release"]["weight_copies"] == "persistent"
+        # grad_release
+        alone, released = rank["on_demand"], rank["on_demand+grad_release"]
+        assert released["losses"] == alone["losses"] and torch.equal(released["params"], alone["params"])
+        assert released["grad_max"] < alone["grad_max"]
+        alone, released = rank["persistent"], rank["persistent+grad_release"]
+        for a, b in zip(released["losses"], alone["losses"]):
+            assert abs(a - b) / b < 1e-4, (released["losses"], alone["losses"])
+        assert float((released["params"] - alone["params"]).abs().max()) <= 2 * 2.0 ** -8
+        assert released["grad_max"] < alone["grad_max"]
+        # optimizer_states
+        for layout in ("on_demand", "persistent"):
+            ours = rank[f"{layout}+optimizer_states"]
+            assert ours["optimizer"] == "DynamicAdamW"
+            assert ours["losses"] == ref[layout]["losses"] and torch.equal(ours["params"], ref[layout]["params"])
+        int8, fp32 = rank["on_demand+optimizer_states_int8"], rank["on_demand+optimizer_states"]
+        assert int8["states"] < 0.5 * fp32["states"]
+        assert int8["peak"] < fp32["peak"]
+        for a, b in zip(int8["losses"], fp32["losses"]):
+            assert abs(a - b) / b < 1e-3
+
+
+@pytest.mark.distributed
+def test_fp16_with_grad_release_scales_in_grad_release_or_is_refused_2_ranks():
+    for out in run_ranks(_fp16_with_grad_release, 2):
+        assert all(torch.isfinite(torch.tensor(out["on_demand"]["losses"])))
+        message = out["on_demand+grad_release"]
+        assert "xirang.precision.dtype" in message and "xirang.grad_release" in message
+        assert "weight_copies to \"persistent\"" in message
+        # grad_release takes DeepSpeed's fp16 section over (its own fp32 masters and loss scaler) and
+        # hands DeepSpeed an fp32 config, so persistent fp16 runs with it even where DeepSpeed's fp16
+        # mode does not; precision alone with persistent fp16 needs DeepSpeed's mode
+        assert all(torch.isfinite(torch.tensor(out["persistent+grad_release"]["losses"])))
+        assert out["persistent+grad_release"]["weight_copies"] == "persistent"
+        for a, b in zip(out["persistent+grad_release"]["losses"], out["on_demand"]["losses"]):
+            assert abs(a - b) / b < 1e-2, (out["persistent+grad_release"], out["on_demand"])
+        # auto takes DeepSpeed's layout at ZeRO 2 on 2 ranks only where DeepSpeed's fp16 mode runs
+        assert out["auto"]["weight_copies"] == ("persistent" if out["deepspeed_fp16"] else "on_demand")
+        if out["deepspeed_fp16"]:
+            assert out["persistent"]["weight_copies"] == "persistent"
+        else:
+            assert "xirang.precision.weight_copies" in out["persistent"] and "\"on_demand\"" in out["persistent"]

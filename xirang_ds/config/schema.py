@@ -206,7 +206,8 @@ class PrecisionConfig(Section):
     freed after it, and made again in backward: 4 bytes per parameter. ``persistent``: DeepSpeed's
     bf16/fp16 mode (16-bit weights all the time plus its fp32 masters: 6 bytes per parameter at
     ZeRO 0, 2 + 4/N at ZeRO 1/2 over N ranks) with the lists applied on top. ``auto``: whichever
-    keeps fewer weight bytes: ``persistent`` at ZeRO 1/2 with more than one rank, else ``on_demand``."""
+    keeps fewer weight bytes: ``persistent`` at ZeRO 1/2 with more than one rank (unless DeepSpeed's
+    16-bit mode cannot start on the device, as fp16 on most CPUs), else ``on_demand``."""
     narrow_saved_upcasts: bool = True
     """An fp32-listed op that widens a 16-bit input saves that input for backward and widens it
     again there, instead of saving the fp32 copy (exact, half the bytes). Turn off only if the

@@ -170,6 +170,7 @@ BUILTIN_PLUGIN_MODULES = (
     "xirang_ds.plugins.grad_release",
     "xirang_ds.plugins.monitor",
     "xirang_ds.plugins.optimizer_states.plugin",
+    "xirang_ds.plugins.precision",
     "xirang_ds.plugins.profiler",
 )
 """Modules of the built-in plugins; importing one registers its plugin (no deepspeed import)."""

@@ -182,19 +182,51 @@ class GradReleaseConfig(Section):
 
 @dataclass(frozen=True)
 class PrecisionConfig(Section):
-    """Mixed precision with editable op lists and 16-bit weight copies made on demand."""
+    """Mixed precision with editable op lists, and weights kept once as fp32 masters with 16-bit
+    copies made per op (or DeepSpeed's persistent 16-bit layout where that is not larger)."""
 
     dtype: Literal["auto", "bf16", "fp16"] = "auto"
-    """Low-precision dtype; ``auto`` follows ds_config's ``bf16``/``fp16`` section, else bf16."""
+    """Low-precision dtype; ``auto`` follows ds_config's ``bf16``/``fp16`` section, else bf16. fp16
+    uses DeepSpeed's dynamic loss scaler with the ``fp16`` section's settings."""
     low_precision_ops: tuple[str, ...] = ("default",)
-    """Ops that run in low precision. ``"default"`` stands for the built-in list (autocast's and
-    Apex O1's); other names add an op; a name prefixed with ``-`` removes it."""
+    """White list: ATen ops that run in the low-precision dtype, applied in order. ``"default"`` is
+    the built-in list (PyTorch autocast's CUDA and CPU lists and Apex O1's: matmuls, linear,
+    convolutions, attention); ``"name"`` adds an op (``"gelu"``, ``"aten::bmm"``, one overload as
+    ``"pow.Scalar"``); ``"-name"`` removes one from the list built so far."""
     fp32_ops: tuple[str, ...] = ("default",)
-    """Ops forced to fp32, same syntax as ``low_precision_ops``."""
+    """Black list: ops that always run in fp32, same syntax (the default has softmax, log_softmax,
+    layer_norm, cross_entropy, exp, log, pow, sum, norms and losses). An op may be in one list only;
+    ops in neither run in the widest floating dtype of their inputs."""
     fp32_modules: tuple[Glob, ...] = ()
-    """Globs of module names kept entirely in fp32 (for example ``"*.norm"``, ``"lm_head"``)."""
-    weight_copies: Literal["on_demand", "persistent"] = "on_demand"
-    """``on_demand``: a layer's 16-bit weight copy exists only while the layer runs."""
+    """Globs of full module names that run entirely in fp32 (``"lm_head"``, ``"blocks.*.ln_*"``);
+    ``"blocks.2"`` does not match ``"blocks.20"``; each glob must match a module."""
+    weight_copies: Literal["auto", "on_demand", "persistent"] = "auto"
+    """Where the 16-bit weights live. ``on_demand``: the weights are kept once, as fp32 masters
+    (DeepSpeed trains in fp32), and each op's 16-bit copy of a weight is made just before it runs,
+    freed after it, and made again in backward: 4 bytes per parameter. ``persistent``: DeepSpeed's
+    bf16/fp16 mode (16-bit weights all the time plus its fp32 masters: 6 bytes per parameter at
+    ZeRO 0, 2 + 4/N at ZeRO 1/2 over N ranks) with the lists applied on top. ``auto``: whichever
+    keeps fewer weight bytes: ``persistent`` at ZeRO 1/2 with more than one rank (unless DeepSpeed's
+    16-bit mode cannot start on the device, as fp16 on most CPUs), else ``on_demand``."""
+    narrow_saved_upcasts: bool = True
+    """An fp32-listed op that widens a 16-bit input saves that input for backward and widens it
+    again there, instead of saving the fp32 copy (exact, half the bytes). Turn off only if the
+    program modifies such inputs in place before backward (an error says so)."""
+
+    def check(self) -> Issues:
+        issues: Issues = []
+        if self.low_precision_ops or self.fp32_ops:
+            from xirang_ds.plugins.precision.op_lists import build_op_lists
+
+            build_op_lists(self.low_precision_ops, self.fp32_ops, "", issues)
+        seen: set[str] = set()
+        for i, glob in enumerate(self.fp32_modules):
+            if not glob.strip():
+                issues.append((f"fp32_modules[{i}]", "is empty; write a module name or a glob like \"blocks.*.ln_1\""))
+            elif glob in seen:
+                issues.append((f"fp32_modules[{i}]", f"{glob!r} is listed twice; remove one"))
+            seen.add(glob)
+        return issues
 
 
 # --------------------------------------------------------------------------------------------
@@ -374,7 +406,7 @@ class XirangConfig:
     grad_release: GradReleaseConfig = field(default_factory=GradReleaseConfig)
     """Per-layer gradient release (optimizer step in backward)."""
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    """Mixed precision with op lists and on-demand half weights."""
+    """Mixed precision with editable op lists; fp32 masters with per-op 16-bit copies or DeepSpeed's layout."""
     activations: ActivationsConfig = field(default_factory=ActivationsConfig)
     """Activation memory planner."""
     comm_buffers: CommBuffersConfig = field(default_factory=CommBuffersConfig)

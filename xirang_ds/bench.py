@@ -46,9 +46,65 @@ def _final_loss(losses: list[float]) -> float:
     return sum(losses[-tail:]) / tail
 
 
+def _client_optimizer(factory: str):
+    def make(model, ds_config: dict):
+        params = dict((ds_config.get("optimizer") or {}).get("params") or {})
+        params.pop("torch_adam", None)
+        params.pop("adam_w_mode", None)
+        ds_config = {k: v for k, v in ds_config.items() if k != "optimizer"}
+        ds_config["zero_allow_untested_optimizer"] = True  # what DeepSpeed asks users to add for these
+        if factory == "torchao_adamw8bit":
+            from torchao.optim import AdamW8bit as cls
+        elif factory == "torchao_adamw4bit":
+            from torchao.optim import AdamW4bit as cls
+        else:
+            from bitsandbytes.optim import AdamW8bit as cls
+        return ds_config, cls(model.parameters(), **params)
+
+    return make
+
+
+def _checkpoint_blocks(model, ds_config: dict):
+    """torch.utils.checkpoint (non-reentrant) around every block, as a user edits model code."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    for block in model.blocks:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    return ds_config, None
+
+
+def _untracked_step(optimizer, tracker) -> None:
+    """torchao's step is torch.compile'd, and Dynamo refuses to trace under a dispatch mode: run it
+    with the tracker paused and register its states after each step (the compiled step's own
+    temporaries go uncounted)."""
+    from xirang_ds.memory.categories import OPTIMIZER_STATES
+
+    step = optimizer.step
+
+    def tracked_step(*args, **kwargs):
+        with tracker.paused():
+            out = step(*args, **kwargs)
+        tracker.mark(list(optimizer.state.values()), OPTIMIZER_STATES)
+        return out
+
+    optimizer.step = tracked_step
+
+
+PEERS = {
+    "torchao_adamw8bit": _client_optimizer("torchao_adamw8bit"),
+    "torchao_adamw4bit": _client_optimizer("torchao_adamw4bit"),
+    "bnb_adamw8bit": _client_optimizer("bnb_adamw8bit"),
+    "torch_checkpoint": _checkpoint_blocks,
+}
+"""What users pick today, applied to the plain DeepSpeed side: a low-bit client optimizer built from
+the ds_config's ``optimizer`` params, or ``torch.utils.checkpoint`` around every block."""
+
+
 def bench_rank(rank: int, world: int, model_text: str, ds_config: dict, steps: int, data_path: Optional[str],
-               seed: int, use_xirang: bool) -> dict:
-    """One rank of one side: train ``steps`` optimizer steps and measure."""
+               seed: int, use_xirang: bool, peer: Optional[str] = None) -> dict:
+    """One rank of one side: train ``steps`` optimizer steps and measure (``peer``: a `PEERS` key)."""
     import deepspeed
     import torch
 
@@ -64,7 +120,10 @@ def bench_rank(rank: int, world: int, model_text: str, ds_config: dict, steps: i
     seq = spec.seq if isinstance(spec, ModelSpec) else int(getattr(model, "seq", 128))
     vocab = spec.vocab if isinstance(spec, ModelSpec) else int(getattr(model, "vocab", 256))
     init = xirang_ds.initialize if use_xirang else deepspeed.initialize
-    engine, *_ = init(model=model, model_parameters=model.parameters(), config=ds_config)
+    optimizer = None
+    if peer is not None:
+        ds_config, optimizer = PEERS[peer](model, ds_config)
+    engine, *_ = init(model=model, model_parameters=model.parameters(), config=ds_config, optimizer=optimizer)
     session = getattr(engine, "xirang", None)
     if session is not None:
         tracker = session.track_memory()
@@ -73,6 +132,8 @@ def bench_rank(rank: int, world: int, model_text: str, ds_config: dict, steps: i
         tracker = MemoryTracker()
         watch = watch_engine(tracker, engine)
         tracker.start()
+    if peer is not None and peer.startswith("torchao"):
+        _untracked_step(optimizer, tracker)
     cuda = torch.cuda.is_available() and engine.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
@@ -135,11 +196,11 @@ def strip_block(ds_config: dict) -> dict:
 
 
 def run_side(model_text: str, ds_config: dict, steps: int, world_size: int, data_path: Optional[str], seed: int,
-             use_xirang: bool) -> SideResult:
+             use_xirang: bool, peer: Optional[str] = None) -> SideResult:
     from xirang_ds.launch import run_ranks
 
     threads = max(1, (os.cpu_count() or 2) // world_size)
-    per_rank = run_ranks(bench_rank, world_size, model_text, ds_config, steps, data_path, seed, use_xirang,
+    per_rank = run_ranks(bench_rank, world_size, model_text, ds_config, steps, data_path, seed, use_xirang, peer,
                          threads=threads)
     return combine(per_rank)
 
@@ -195,4 +256,4 @@ def write_json(result: dict, path: str) -> None:
         json.dump(result, f, indent=2)
 
 
-__all__ = ["run_bench", "format_result", "write_json", "bench_rank", "SideResult"]
+__all__ = ["run_bench", "run_side", "format_result", "write_json", "bench_rank", "SideResult", "PEERS"]

@@ -241,6 +241,40 @@ def _estimate(model: str, cfg: dict, world_size: int, device: str) -> tuple[int,
     return est.predicted_peak_bytes, unmodelled
 
 
+def _grow_micro_batch(c: Candidate, model: str, world_size: int, device: str, budget: int,
+                      unmodelled_of: dict, max_doublings: int = 12) -> None:
+    """Double the candidate's micro-batch while the estimate fits (halve it while it does not)."""
+    def at(mb: int) -> tuple[dict, int]:
+        cfg = _merge(c.ds_config, {"train_micro_batch_size_per_gpu": mb})
+        return cfg, _estimate(model, cfg, world_size, device)[0]
+
+    mb, peak = c.micro_batch, c.predicted_peak
+    while peak > budget and mb > 1:
+        mb = mb // 2
+        c.ds_config, peak = at(mb)
+    for _ in range(max_doublings):
+        if peak > budget:
+            break
+        cfg, bigger = at(mb * 2)
+        if bigger > budget:
+            break
+        mb, peak, c.ds_config = mb * 2, bigger, cfg
+    c.micro_batch, c.predicted_peak = mb, peak
+
+
+def _mb_scale(profiles: dict, stage: int, mb0: int, mb1: int, mb: int) -> float:
+    """Step time at ``mb`` over step time at ``mb0``: the line through the two profiled points when
+    there are two, else proportional to the micro-batch."""
+    t0 = profiles.get(f"zero{stage}", {}).get("step_time_s")
+    t1 = profiles.get(f"zero{stage}@mb{mb1}", {}).get("step_time_s")
+    if mb == mb0:
+        return 1.0
+    if t0 and t1 and mb1 != mb0:
+        slope = (t1 - t0) / (mb1 - mb0)
+        return max(t0 + slope * (mb - mb0), 1e-9) / t0
+    return mb / mb0
+
+
 def _stage(c: Candidate) -> int:
     return int((c.ds_config.get("zero_optimization") or {}).get("stage", 0))
 
@@ -259,9 +293,7 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
     start = time.perf_counter()
     seconds: dict[str, float] = {}
     notes: list[str] = []
-    if objective == "largest_micro_batch" and not micro_batches:
-        m = int(ds_config.get("train_micro_batch_size_per_gpu", 1) or 1)
-        micro_batches = [m * 2**k for k in range(6)]
+    grow = objective == "largest_micro_batch" and not micro_batches
     dims = search_space(ds_config, world_size, lossless_only, micro_batches)
     user = copy.deepcopy(ds_config)
     user.setdefault(BLOCK_KEY, {})
@@ -277,8 +309,13 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
         except (XirangConfigError, EstimateError, ValueError) as e:
             c.rejected = " ".join(str(e).split())[:300]
     progress.update(len(pool), len(pool), "estimate")
-    seconds["estimate"] = time.perf_counter() - start
     live = [c for c in pool if c.rejected is None]
+    if grow:  # each combination at the largest power-of-two multiple of the micro-batch predicted to fit
+        for i, c in enumerate(live):
+            progress.update(i, len(live), "micro-batch", c.name)
+            _grow_micro_batch(c, model, world_size, device, budget, unmodelled_of)
+        progress.update(len(live), len(live), "micro-batch")
+    seconds["estimate"] = time.perf_counter() - start
     if not live:
         raise ValueError("no candidate is valid for this ds_config: " + pool[0].rejected if pool else "empty space")
 
@@ -292,6 +329,12 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
     base = base_config(user, budget)
     for s in stages:
         jobs.append((f"zero{s}", _merge(base, {"zero_optimization": {"stage": s}})))
+    # step time is a + b * micro-batch: a second point at the largest micro-batch the base fits
+    plain = [c for c in live if not any(o.block for o in c.options) and _stage(c) == user_stage]
+    far_mb = max((c.micro_batch for c in plain), default=user_mb)
+    if grow and far_mb != user_mb:
+        jobs.append((f"zero{user_stage}@mb{far_mb}", _merge(base, {"zero_optimization": {"stage": user_stage},
+                                                                   "train_micro_batch_size_per_gpu": far_mb})))
     singles = sorted({o.label: o for c in live for o in c.options if o.block}.values(), key=lambda o: o.label)
     for o in singles:
         cfg = _merge(base, {"zero_optimization": {"stage": user_stage}})
@@ -320,7 +363,7 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
         if "step_time_s" not in profiles.get(stage_key, {}) or "step_time_s" not in ref:
             c.rejected = f"the base at {stage_key} failed to run: {profiles.get(stage_key, {}).get('error', '')}"
             continue
-        t = profiles[stage_key]["step_time_s"] * c.micro_batch / user_mb
+        t = profiles[stage_key]["step_time_s"] * _mb_scale(profiles, user_stage, user_mb, far_mb, c.micro_batch)
         peak = c.predicted_peak * calibration[stage_key]
         for o in c.options:
             if not o.block:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from xirang_ds.memory.categories import (
     ACTIVATIONS,
@@ -244,6 +244,10 @@ class MemoryTracker:
         return st._cdata, st
 
     def _see(self, t: torch.Tensor, func: Any, category: Optional[str] = None, new: bool = True) -> Optional[Record]:
+        if is_traceable_wrapper_subclass(t):  # torchao's quantized states, DTensor: the bytes are inside
+            for inner in _inner_tensors(t):
+                self._see(inner, func, category, new)
+            return None
         key, st = self._key_and_storage(t)
         if key is None:
             return None
@@ -554,10 +558,25 @@ class Window:
         self.tracker.close_window(self)
 
 
+def _inner_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The plain tensors a wrapper subclass holds (``__tensor_flatten__``), recursively."""
+    names, _ = t.__tensor_flatten__()
+    for name in names:
+        inner = getattr(t, name)
+        if is_traceable_wrapper_subclass(inner):
+            yield from _inner_tensors(inner)
+        else:
+            yield inner
+
+
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in nested lists, tuples, dicts and optimizer states."""
+    """Every tensor in nested lists, tuples, dicts and optimizer states (wrapper subclasses as the
+    plain tensors inside them)."""
     if isinstance(obj, torch.Tensor):
-        yield obj
+        if is_traceable_wrapper_subclass(obj):
+            yield from _inner_tensors(obj)
+        else:
+            yield obj
     elif isinstance(obj, dict):
         for v in obj.values():
             yield from _tensors(v)

@@ -123,7 +123,7 @@ class _Registry:
 
 _REGISTRY = _Registry()
 
-BUILTIN_PLUGIN_MODULES = ("xirang_ds.plugins.monitor", "xirang_ds.plugins.profiler")
+BUILTIN_PLUGIN_MODULES = ("xirang_ds.plugins.monitor", "xirang_ds.plugins.profiler", "xirang_ds.plugins.activations")
 """Modules of the built-in plugins; importing one registers its plugin (no deepspeed import)."""
 
 

@@ -525,6 +525,31 @@ class Window:
         return PeakReport(peak_bytes=self.peak_bytes, by_category=t.by_category(at_peak), phase=self.peak_phase,
                           phase_peaks=dict(self.phase_peaks), top=device[:top], baseline_bytes=self.baseline_bytes)
 
+    def category_peaks(self) -> dict[str, int]:
+        """The highest live bytes of each category over the window, each at its own moment (the
+        activations peak at the end of forward while the overall peak may be in the optimizer step);
+        ``host`` holds the host tier's highest."""
+        t = self.tracker
+        live = {c: 0 for c in CATEGORIES}
+        events = []
+        with t._lock:
+            for r in t.records:
+                if r.freed is not None and r.freed <= self.start_clock:
+                    continue
+                c = HOST if r.host else r.resolved_category()
+                if r.created <= self.start_clock:
+                    live[c] += r.nbytes
+                else:
+                    events.append((r.created, r.nbytes, c))
+                if r.freed is not None:
+                    events.append((r.freed, -r.nbytes, c))
+        peaks = dict(live)
+        for _, delta, c in sorted(events):  # every allocation and free has its own clock value
+            live[c] += delta
+            if live[c] > peaks[c]:
+                peaks[c] = live[c]
+        return peaks
+
     def close(self) -> None:
         self.tracker.close_window(self)
 

@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import torch
 
-from xirang_ds.config.schema import ActivationsConfig
+from xirang_ds.config.schema import LOSSY_ACTIVATION_OPTIONS, ActivationsConfig
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
@@ -79,12 +79,24 @@ class ActivationsPlugin(Plugin):
         self._window: Any = None
         self._engine: Any = None
         self._bandwidth: Optional[float] = None
+        self.options: tuple[str, ...] = config.options
 
     # seams ----------------------------------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module) -> None:
         problems: list[tuple[str, str]] = []
         self._candidates = find_candidates(model, self.config, problems) if self.config.planner else []
         self._fixed, self._ds_settings = fixed_plan(model, self.config, self.session.ds_config, problems)
+        self.options = self.config.options
+        zero = self.session.ds_config.get("zero_optimization") or {}
+        if isinstance(zero, dict) and zero.get("stage") == 3:
+            # ZeRO-3's own linear function and selective checkpointing's op cache do not give
+            # bit-identical gradients (measured); full recompute, compress and offload do.
+            self.options = tuple(o for o in self.options if o != "selective_recompute")
+            for name, option in self._fixed.items():
+                if option == "selective_recompute":
+                    problems.append((f"{PATH}.selective_recompute", f"{name!r}: selective recompute is not supported "
+                                                                    "with ZeRO stage 3 (its gradients are not "
+                                                                    "bit-identical there); use recompute"))
         if problems:
             raise XirangConfigError(problems)
         self._tolerant = tolerant_names(model, self.config)
@@ -159,7 +171,7 @@ class ActivationsPlugin(Plugin):
 
     # checkpoints ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"plan": dict(self.plan), "budget_bytes": self.budget_bytes,
+        return {"plan": dict(self.plan), "budget_bytes": self.budget_bytes, "bandwidth_bps": self._bandwidth,
                 "profiles": {n: p.as_dict() for n, p in self.profiles.items()}}
 
     def load_state_dict(self, state: dict) -> None:
@@ -172,6 +184,7 @@ class ActivationsPlugin(Plugin):
                                             f"have ({', '.join(unknown[:4])}); load it into the same model")])
         self.profiles = {n: ModuleProfile.from_dict(p) for n, p in (state.get("profiles") or {}).items()}
         self.budget_bytes = state.get("budget_bytes")
+        self._bandwidth = state.get("bandwidth_bps") or self._bandwidth
         self._stop_private_tracker()
         self.runtime.profiler = None
         modules = dict(self._engine.module.named_modules())
@@ -210,7 +223,7 @@ class ActivationsPlugin(Plugin):
             p = self.profiles.get(name)
             if p is None or self.plan.get(name, "keep") != "keep" or self._covered(name):
                 continue
-            allowed = tuple(o for o in options if o in self.config.options)
+            allowed = tuple(o for o in options if o in self.options)
             for c in option_costs(p, allowed, name in self._tolerant, self._bandwidth or 1e10, streams):
                 freed = p.keep_bytes - c.device_bytes
                 if freed > 0:
@@ -258,7 +271,7 @@ class ActivationsPlugin(Plugin):
         from deepspeed.accelerator import get_accelerator
 
         acc = get_accelerator()
-        lossy = tuple(k for k in ("quantize", "sparsify") if k in self.config.options)
+        lossy = tuple(k for k in ("quantize", "sparsify") if k in self.options)
         rt = self.runtime
         sync = acc.synchronize if rt.device.type != "cpu" else (lambda: None)
         rt.profiler = Profiler(rt.eligible, rt.handlers["offload"], rt.storage.__class__(), self._tolerant,
@@ -314,7 +327,7 @@ class ActivationsPlugin(Plugin):
         self.budget_bytes = resolve_budget(self.config, self.session.config.memory_budget,
                                            int(get_accelerator().total_memory()), profiles, other)
         streams = rt.offloader.stream is not None
-        roots, self.outside_bytes = build_tree(self._candidates, self._fixed, profiles, self.config, self._tolerant,
+        roots, self.outside_bytes = build_tree(self._candidates, self._fixed, profiles, self.options, self._tolerant,
                                                self._bandwidth, streams)
         self.choices = choose(roots, self.budget_bytes, self.outside_bytes)
         self._apply({name: c.option for name, c in self.choices.items()})
@@ -340,6 +353,11 @@ class ActivationsPlugin(Plugin):
             self.plan_text = format_plan(self.choices, self.profiles, self.budget_bytes, self.outside_bytes)
         else:
             self.plan_text = "\n".join(f"{n}: {o}" for n, o in self.plan.items()) or "(no module)"
+        lossy = [(n, o, getattr(self.profiles[n], f"{o}_error")) for n, o in self.plan.items()
+                 if o in LOSSY_ACTIVATION_OPTIONS and n in self.profiles]
+        if lossy:
+            self.plan_text += "\nlossy, worst error measured in profiling as a fraction of the stated bound: " + \
+                ", ".join(f"{n} ({o}) {e:.2f}" for n, o, e in lossy)
         self._log("plan\n" + self.plan_text)
 
     def _log(self, message: str) -> None:

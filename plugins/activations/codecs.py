@@ -207,6 +207,8 @@ def encode_int8(flat: torch.Tensor, storage: PayloadStorage, block_size: int) ->
     x[n:].zero_()
     xb = x.view(blocks, block_size)
     scale = xb.abs().amax(1).div_(127.0)
+    if not bool(torch.isfinite(scale).all()):
+        return None  # inf/nan has no scale: the tensor stays as it is
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     payload = _payload("int8", flat, storage, [("scale", torch.float32, blocks), ("q", torch.int8, blocks * block_size)],
                        meta={"block_size": block_size})

@@ -44,7 +44,7 @@ def _inside(name: str, ancestor: str) -> bool:
 
 
 def build_tree(candidates: list[str], fixed: dict[str, str], profiles: dict[str, ModuleProfile],
-               config: ActivationsConfig, tolerant: frozenset, bandwidth_bps: float, streams: bool
+               options: tuple[str, ...], tolerant: frozenset, bandwidth_bps: float, streams: bool
                ) -> tuple[list[Node], int]:
     """Planning nodes (candidates and fixed modules) and the saved bytes outside all of them.
 
@@ -64,7 +64,7 @@ def build_tree(candidates: list[str], fixed: dict[str, str], profiles: dict[str,
         elif any(_inside(f, name) for f in fixed):
             choices = []
         else:
-            choices = option_costs(p, config.options, name in tolerant, bandwidth_bps, streams)
+            choices = option_costs(p, options, name in tolerant, bandwidth_bps, streams)
         nodes[name] = Node(name, choices, p.keep_bytes, fixed=name in fixed)
     roots = []
     for name in sorted(nodes, key=len):

@@ -73,19 +73,23 @@ class StorageIds:
 class PackedStorage:
     """A storage held by a handler; restored once and shared by all its views."""
 
-    __slots__ = ("holder", "handler", "dtype", "numel", "pending", "_flat")
+    __slots__ = ("holder", "handler", "dtype", "numel", "pending", "_flat", "_weak")
 
     def __init__(self, holder: Any, handler: Handler, dtype: torch.dtype, numel: int):
         self.holder, self.handler, self.dtype, self.numel = holder, handler, dtype, numel
         self.pending = 0
         self._flat: Optional[torch.Tensor] = None
+        self._weak: Optional[weakref.ref] = None
 
     def materialize(self) -> torch.Tensor:
         flat = self._flat
+        if flat is None and self._weak is not None:
+            flat = self._weak()  # a view unpacked again while the restored storage still lives
         if flat is None:
             flat = self.handler.restore(self.holder, self.dtype, self.numel)
+            self._weak = weakref.ref(flat)
         self.pending -= 1
-        self._flat = flat if self.pending > 0 else None  # keep it only for views still to come
+        self._flat = flat if self.pending > 0 else None  # hold it only for views still to come
         return flat
 
 
@@ -147,7 +151,7 @@ def storage_flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     el = t.element_size()
     span = t.storage_offset() + _span_elements(t)
     if st.nbytes() % el or 2 * span * el < st.nbytes():
-        return t.detach().reshape(-1).clone(), True
+        return t.detach().reshape(-1), True
     with torch.no_grad():
         return t.new_empty(0).set_(st, 0, (st.nbytes() // el,), (1,)), False
 

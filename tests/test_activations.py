@@ -103,6 +103,8 @@ def test_lossless_plans_train_bit_identically_zero_0_to_3_two_ranks_grad_accumul
         assert a["planned"] <= a["budget"]
         if stage < 3:  # at ZeRO-3 the tracker also counts parameters gathered in forward as activations
             assert a["activations_peak"] <= a["budget"] + 8192, (a["activations_peak"], a["budget"])
+            # the profile's prediction is what the tracker measures, within 2 %
+            assert abs(a["activations_peak"] - a["planned"]) <= 0.02 * a["planned"] + 4096, a
 
 
 def _round_trip(rank, world, tmp):

@@ -33,10 +33,18 @@ from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import ACTIVATIONS
 from xirang_ds.plugins.activations.planner import Choice, format_plan
-from xirang_ds.plugins.activations.planning import agree, build_tree, choose, resolve_budget
+from xirang_ds.plugins.activations.planning import (
+    OtherPeak,
+    agree,
+    build_tree,
+    check_memory_budget,
+    choose,
+    escalation,
+    resolve_budget,
+)
 from xirang_ds.plugins.activations.profile import ROOT, ModuleProfile, Profiler
 from xirang_ds.plugins.activations.selection import PATH, fixed_plan, find_candidates, tolerant_names
-from xirang_ds.plugins.activations.storage import StorageProvider
+from xirang_ds.plugins.activations.storage import PayloadStorage, StorageProvider
 from xirang_ds.plugins.activations.wrapper import ModuleWrapper, Runtime
 from xirang_ds.registry import Plugin, register_plugin
 
@@ -75,8 +83,7 @@ class ActivationsPlugin(Plugin):
         self._ds_settings: dict = {}
         self._tolerant: frozenset = frozenset()
         self._passes = 0
-        self._private_watch: Any = None
-        self._window: Any = None
+        self._other_peak: Optional[OtherPeak] = None
         self._engine: Any = None
         self._bandwidth: Optional[float] = None
         self.options: tuple[str, ...] = config.options
@@ -114,7 +121,7 @@ class ActivationsPlugin(Plugin):
             synchronize=acc.synchronize if self._ds_settings.get("synchronize") else None,
             timings=self.recompute_timings if self._ds_settings.get("profile") else None)
         model = engine.module
-        self._check_memory_budget(engine)
+        check_memory_budget(self.session.config.memory_budget, engine)
         self.runtime.eligible.refresh(model)
         modules = dict(model.named_modules())
         for name in list(self._fixed) + [c for c in self._candidates if c not in self._fixed]:
@@ -133,25 +140,11 @@ class ActivationsPlugin(Plugin):
             self.state = "planned"
             self._log_plan()
 
-    def _check_memory_budget(self, engine: Any) -> None:
-        """``memory_budget`` below the model states this rank already holds is an error now."""
-        requested = self.session.config.memory_budget
-        if requested == "auto":
-            return
-        from xirang_ds.memory.engine_roles import model_state_bytes
-
-        held = model_state_bytes(engine)
-        if int(requested) < held:
-            raise XirangConfigError([("xirang.memory_budget",
-                                      f"{format_bytes(int(requested))} is below what this rank's model states "
-                                      f"already take ({format_bytes(held)}: parameters, optimizer states, "
-                                      "DeepSpeed's flat buffers); raise it or use \"auto\"")])
-
     def remove(self) -> None:
         for wrapper in self.wrappers.values():
             wrapper.remove()
         self.wrappers.clear()
-        self._stop_private_tracker()
+        self._close_other_peak()
         if self.runtime is not None:
             self.runtime.offloader.synchronize()
             self.runtime.profiler = None
@@ -172,7 +165,8 @@ class ActivationsPlugin(Plugin):
     # checkpoints ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"plan": dict(self.plan), "budget_bytes": self.budget_bytes, "bandwidth_bps": self._bandwidth,
-                "profiles": {n: p.as_dict() for n, p in self.profiles.items()}}
+                "choices": {n: [c.option, c.device_bytes, c.added_s] for n, c in self.choices.items()},
+                "outside_bytes": self.outside_bytes, "profiles": {n: p.as_dict() for n, p in self.profiles.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         plan = state.get("plan") or {}
@@ -185,7 +179,9 @@ class ActivationsPlugin(Plugin):
         self.profiles = {n: ModuleProfile.from_dict(p) for n, p in (state.get("profiles") or {}).items()}
         self.budget_bytes = state.get("budget_bytes")
         self._bandwidth = state.get("bandwidth_bps") or self._bandwidth
-        self._stop_private_tracker()
+        self.choices = {n: Choice(*c) for n, c in (state.get("choices") or {}).items()}
+        self.outside_bytes = int(state.get("outside_bytes") or 0)
+        self._close_other_peak()
         self.runtime.profiler = None
         modules = dict(self._engine.module.named_modules())
         for name in plan:
@@ -215,32 +211,16 @@ class ActivationsPlugin(Plugin):
     def _escalate(self, options: tuple[str, ...]) -> bool:
         if self.state != "planned" or not self.profiles:
             return False
-        from xirang_ds.plugins.activations.planner import option_costs
-
-        streams = self.runtime.offloader.stream is not None
-        best: Optional[tuple[float, str, Choice]] = None
-        for name, wrapper in self.wrappers.items():
-            p = self.profiles.get(name)
-            if p is None or self.plan.get(name, "keep") != "keep" or self._covered(name):
-                continue
-            allowed = tuple(o for o in options if o in self.options)
-            for c in option_costs(p, allowed, name in self._tolerant, self._bandwidth or 1e10, streams):
-                freed = p.keep_bytes - c.device_bytes
-                if freed > 0:
-                    score = freed / max(c.added_s, 1e-9)
-                    if best is None or score > best[0]:
-                        best = (score, name, c)
-        if best is None:
+        found = escalation(self.profiles, self.plan, list(self.wrappers), tuple(o for o in options if o in self.options),
+                           self._tolerant, self._bandwidth or 1e10, self.runtime.offloader.stream is not None)
+        if found is None:
             return False
-        _, name, choice = best
-        plan = dict(self.plan)
-        plan[name] = choice.option
+        name, choice = found
+        freed = self.profiles[name].keep_bytes - choice.device_bytes
         self.choices[name] = choice
-        self._apply(plan)
-        self.session.record_event("activations_escalated", module=name, option=choice.option,
-                                  freed_bytes=self.profiles[name].keep_bytes - choice.device_bytes)
-        self._log(f"monitor action: {name} now {choice.option} (frees "
-                  f"{format_bytes(self.profiles[name].keep_bytes - choice.device_bytes)})")
+        self._apply({**self.plan, name: choice.option})
+        self.session.record_event("activations_escalated", module=name, option=choice.option, freed_bytes=freed)
+        self._log(f"monitor action: {name} now {choice.option} (frees {format_bytes(freed)})")
         return True
 
     def set_storage_provider(self, provider: Optional[StorageProvider]) -> None:
@@ -270,48 +250,18 @@ class ActivationsPlugin(Plugin):
     def _start_profiling(self) -> None:
         from deepspeed.accelerator import get_accelerator
 
-        acc = get_accelerator()
-        lossy = tuple(k for k in ("quantize", "sparsify") if k in self.options)
         rt = self.runtime
-        sync = acc.synchronize if rt.device.type != "cpu" else (lambda: None)
-        rt.profiler = Profiler(rt.eligible, rt.handlers["offload"], rt.storage.__class__(), self._tolerant,
-                               lossy, self.config.quantize_block_size, self.config.sparsify_threshold, sync)
-        if self._needs_other_peak() and rt.device.type == "cpu":
-            tracker = self.session.tracker
-            if not tracker.active:
-                from xirang_ds.memory.engine_roles import watch_engine
-                from xirang_ds.memory.tracker import MemoryTracker
+        lossy = tuple(k for k in ("quantize", "sparsify") if k in self.options)
+        sync = get_accelerator().synchronize if rt.device.type != "cpu" else (lambda: None)
+        rt.profiler = Profiler(rt.eligible, rt.handlers["offload"], PayloadStorage(), self._tolerant, lossy,
+                               self.config.quantize_block_size, self.config.sparsify_threshold, sync)
+        if self.config.budget_fraction is None and self.config.budget == "auto":
+            self._other_peak = OtherPeak(self.session, self._engine)
 
-                tracker = MemoryTracker()
-                self._private_watch = (tracker, watch_engine(tracker, self._engine))
-                tracker.start()
-            self._window = tracker.open_window()
-
-    def _needs_other_peak(self) -> bool:
-        return self.config.budget_fraction is None and self.config.budget == "auto"
-
-    def _other_peak(self) -> Optional[int]:
-        """Device bytes at the peak of the profiling passes (activations were offloaded)."""
-        from deepspeed.accelerator import get_accelerator
-
-        if not self._needs_other_peak():
-            return None
-        if self._window is not None:
-            peak = self._window.peak_bytes
-            self._window.close()
-            self._window = None
-            return peak
-        return int(get_accelerator().max_memory_allocated())
-
-    def _stop_private_tracker(self) -> None:
-        if self._window is not None:
-            self._window.close()
-            self._window = None
-        if self._private_watch is not None:
-            tracker, watch = self._private_watch
-            self._private_watch = None
-            tracker.stop()
-            watch.remove()
+    def _close_other_peak(self) -> Optional[int]:
+        peak = self._other_peak.stop() if self._other_peak is not None else None
+        self._other_peak = None
+        return peak
 
     def _finish_profiling(self) -> None:
         from deepspeed.accelerator import get_accelerator
@@ -319,8 +269,7 @@ class ActivationsPlugin(Plugin):
         rt = self.runtime
         profiles = rt.profiler.combined()
         rt.profiler = None
-        other = self._other_peak()
-        self._stop_private_tracker()
+        other = self._close_other_peak()
         extra = agree(profiles, [-self._bandwidth, float(other or 0)], rt.device)
         self._bandwidth, other = -extra[0], (int(extra[1]) if other is not None else None)
         self.profiles = profiles
@@ -335,9 +284,6 @@ class ActivationsPlugin(Plugin):
         self._log_plan()
 
     # applying -------------------------------------------------------------------------------------
-    def _covered(self, name: str) -> bool:
-        return any(name.startswith(other + ".") and option != "keep" for other, option in self.plan.items())
-
     def _apply(self, plan: dict[str, str]) -> None:
         """Put ``plan`` in force from the next forward."""
         self.plan = dict(plan)

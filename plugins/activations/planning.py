@@ -2,7 +2,7 @@
 modules is priced, and the budget is resolved."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -114,3 +114,89 @@ def choose(roots: list[Node], budget_bytes: int, outside_bytes: int) -> dict[str
                                   f"keeps ({format_bytes(least)}: inputs kept by recompute, small tensors, and "
                                   f"{format_bytes(outside_bytes)} saved outside the candidates); raise the budget "
                                   "(or budget_fraction / memory_budget), or add candidates and options")]) from None
+
+
+def check_memory_budget(requested: object, engine: Any) -> None:
+    """``memory_budget`` below the model states the rank already holds is an error at attach.
+
+    Raises:
+        XirangConfigError: with both figures.
+    """
+    if requested == "auto":
+        return
+    from xirang_ds.memory.engine_roles import model_state_bytes
+
+    held = model_state_bytes(engine)
+    if int(requested) < held:
+        raise XirangConfigError([("xirang.memory_budget",
+                                  f"{format_bytes(int(requested))} is below what this rank's model states already "
+                                  f"take ({format_bytes(held)}: parameters, optimizer states, DeepSpeed's flat "
+                                  "buffers); raise it or use \"auto\"")])
+
+
+class OtherPeak:
+    """The device peak of the profiling passes, when the budget is ``auto``: the session's tracker
+    if it runs, else (CPU) a private tracker for the passes only, else (accelerators) the
+    allocator's ``max_memory_allocated``.
+
+    Args:
+        session: the xirang session (its tracker).
+        engine: the DeepSpeed engine (roles for a private tracker).
+    """
+
+    def __init__(self, session: Any, engine: Any):
+        self._watch: Any = None
+        self._window: Any = None
+        tracker = session.tracker
+        if torch.device(engine.device).type == "cpu":
+            if not tracker.active:
+                from xirang_ds.memory.engine_roles import watch_engine
+                from xirang_ds.memory.tracker import MemoryTracker
+
+                tracker = MemoryTracker()
+                self._watch = (tracker, watch_engine(tracker, engine))
+                tracker.start()
+            self._window = tracker.open_window()
+
+    def stop(self) -> int:
+        """The peak since construction; stops a private tracker."""
+        from deepspeed.accelerator import get_accelerator
+
+        peak = self._window.peak_bytes if self._window is not None else int(get_accelerator().max_memory_allocated())
+        self.close()
+        return peak
+
+    def close(self) -> None:
+        if self._window is not None:
+            self._window.close()
+            self._window = None
+        if self._watch is not None:
+            tracker, watch = self._watch
+            self._watch = None
+            tracker.stop()
+            watch.remove()
+
+
+def escalation(profiles: dict[str, ModuleProfile], plan_: dict[str, str], names: list[str],
+               options: tuple[str, ...], tolerant: frozenset, bandwidth_bps: float, streams: bool
+               ) -> Optional[tuple[str, Choice]]:
+    """The kept module and option that free the most bytes per added second (monitor actions).
+
+    Only modules that keep their tensors and contain no planned module qualify.
+    """
+    best: Optional[tuple[float, str, Choice]] = None
+    for name in names:
+        p = profiles.get(name)
+        if p is None or plan_.get(name, "keep") != "keep":
+            continue
+        if any(_inside(name, other) and o != "keep" for other, o in plan_.items()):
+            continue  # covered by a packing or recomputing module
+        if any(_inside(other, name) for other in plan_ if other != name):
+            continue  # its inside is planned module by module
+        for c in option_costs(p, options, name in tolerant, bandwidth_bps, streams):
+            freed = p.keep_bytes - c.device_bytes
+            if freed > 0:
+                score = freed / max(c.added_s, 1e-9)
+                if best is None or score > best[0]:
+                    best = (score, name, c)
+    return None if best is None else (best[1], best[2])

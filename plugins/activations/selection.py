@@ -77,7 +77,8 @@ def find_candidates(model: nn.Module, config: ActivationsConfig, problems: Probl
     if not blocks and config.planner:
         problems.append((f"{PATH}.candidates", "\"auto\" finds the children of nn.ModuleList containers and this "
                                                "model has none; list the modules to plan for as globs, e.g. "
-                                               f"[{', '.join(repr(n) for n in names[:2])}]"))
+                                               f"[{', '.join(repr(n) for n in names[:2])}], or set "
+                                               "planner to false to apply only the fixed lists"))
     return out
 
 

@@ -269,6 +269,8 @@ class ActivationsPlugin(Plugin):
         rt = self.runtime
         profiles = rt.profiler.combined()
         rt.profiler = None
+        rt.offloader.synchronize()
+        rt.offloader.pool.clear()  # profiling offloaded everything; the plan's own buffers pool anew
         other = self._close_other_peak()
         extra = agree(profiles, [-self._bandwidth, float(other or 0)], rt.device)
         self._bandwidth, other = -extra[0], (int(extra[1]) if other is not None else None)

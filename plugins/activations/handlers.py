@@ -35,9 +35,11 @@ class CodecHandler:
         self.encoded_bytes = 0
 
     def begin_call(self) -> None:
+        """No per-call state."""
         return None
 
     def store(self, flat: torch.Tensor, call: Any) -> Optional[Payload]:
+        """Encode ``flat``; ``None`` when the encoding would not be smaller."""
         with torch.no_grad():
             if self.kind == "compress":
                 payload = encode_lossless(flat, self.storage)
@@ -51,6 +53,7 @@ class CodecHandler:
         return payload
 
     def restore(self, payload: Payload, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """Decode (counted as activations) and hand lent bytes back."""
         with self.scope(), torch.no_grad():
             flat = payload.decode()
         payload.release()  # lent bytes go back to the lender as soon as they are decoded
@@ -64,10 +67,13 @@ class OffloadHandler:
         self.offloader = offloader
 
     def begin_call(self) -> OffloadGroup:
+        """The call's prefetch group."""
         return self.offloader.begin_group()
 
     def store(self, flat: torch.Tensor, call: Optional[OffloadGroup]) -> HostCopy:
+        """Start the copy of the storage's bytes to host memory."""
         return self.offloader.to_host(flat.view(torch.uint8), call)
 
     def restore(self, copy: HostCopy, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The bytes back on the device (prefetched or fetched now), as ``dtype``."""
         return self.offloader.fetch(copy).view(dtype)

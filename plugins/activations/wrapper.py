@@ -35,6 +35,8 @@ from xirang_ds.plugins.activations.storage import PayloadStorage
 
 
 class _KeepHandler:
+    """Packs nothing: the pass-through context of a kept module inside a packing one."""
+
     def begin_call(self) -> None:
         return None
 
@@ -78,6 +80,7 @@ class Runtime:
         self.profiler: Optional[Profiler] = None
 
     def recompute_scope(self, name: str) -> RecomputeScope:
+        """The context entered around each recomputation of module ``name``."""
         return RecomputeScope(self.scope, self.synchronize, self.timings, name)
 
 
@@ -120,10 +123,12 @@ class ModuleWrapper:
             self._context_fn = None
 
     def remove(self) -> None:
+        """Restore the module's own forward."""
         self.handle.remove()
 
     # --------------------------------------------------------------------------------------------
     def forward(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward under its option (plain without grad, framed while profiling)."""
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
         rt = self.runtime

@@ -32,7 +32,7 @@ from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import ACTIVATIONS
-from xirang_ds.plugins.activations.planner import Choice, format_plan
+from xirang_ds.plugins.activations.planner import Choice, estimate_peak, format_plan
 from xirang_ds.plugins.activations.planning import (
     OtherPeak,
     agree,
@@ -73,6 +73,8 @@ class ActivationsPlugin(Plugin):
         self.profiles: dict[str, ModuleProfile] = {}
         self.budget_bytes: Optional[int] = None
         self.outside_bytes = 0
+        self.planned_peaks: Optional[tuple[int, int]] = None
+        """Planned saved-activation bytes: (end of forward, worst point of backward)."""
         self.plan_text = ""
         self.state = "idle"
         self.runtime: Optional[Runtime] = None
@@ -157,16 +159,18 @@ class ActivationsPlugin(Plugin):
         for option in self.plan.values():
             counts[option] = counts.get(option, 0) + 1
         text = ", ".join(f"{n} {o}" for o, n in sorted(counts.items())) or "nothing to do"
-        if self.budget_bytes is not None:
-            planned = sum(c.device_bytes for c in self.choices.values()) + self.outside_bytes
-            text += f"; plans {format_bytes(planned)} of saved activations (budget {format_bytes(self.budget_bytes)})"
+        if self.budget_bytes is not None and self.planned_peaks is not None:
+            end, worst = self.planned_peaks
+            text += (f"; plans {format_bytes(max(end, worst))} of saved activations at most "
+                     f"(budget {format_bytes(self.budget_bytes)})")
         return text
 
     # checkpoints ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"plan": dict(self.plan), "budget_bytes": self.budget_bytes, "bandwidth_bps": self._bandwidth,
                 "choices": {n: [c.option, c.device_bytes, c.added_s] for n, c in self.choices.items()},
-                "outside_bytes": self.outside_bytes, "profiles": {n: p.as_dict() for n, p in self.profiles.items()}}
+                "outside_bytes": self.outside_bytes, "planned_peaks": self.planned_peaks,
+                "profiles": {n: p.as_dict() for n, p in self.profiles.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         plan = state.get("plan") or {}
@@ -181,6 +185,8 @@ class ActivationsPlugin(Plugin):
         self._bandwidth = state.get("bandwidth_bps") or self._bandwidth
         self.choices = {n: Choice(*c) for n, c in (state.get("choices") or {}).items()}
         self.outside_bytes = int(state.get("outside_bytes") or 0)
+        peaks = state.get("planned_peaks")
+        self.planned_peaks = tuple(peaks) if peaks else None
         self._close_other_peak()
         self.runtime.profiler = None
         modules = dict(self._engine.module.named_modules())
@@ -278,9 +284,11 @@ class ActivationsPlugin(Plugin):
         self.budget_bytes = resolve_budget(self.config, self.session.config.memory_budget,
                                            int(get_accelerator().total_memory()), profiles, other)
         streams = rt.offloader.stream is not None
-        roots, self.outside_bytes = build_tree(self._candidates, self._fixed, profiles, self.options, self._tolerant,
-                                               self._bandwidth, streams)
-        self.choices = choose(roots, self.budget_bytes, self.outside_bytes)
+        roots, before, after = build_tree(self._candidates, self._fixed, profiles, self.options, self._tolerant,
+                                          self._bandwidth, streams, self.config.offload_prefetch)
+        self.outside_bytes = before + after
+        self.choices = choose(roots, self.budget_bytes, before, after)
+        self.planned_peaks = estimate_peak(roots, self.choices, before, after)
         self._apply({name: c.option for name, c in self.choices.items()})
         self.state = "planned"
         self._log_plan()
@@ -298,7 +306,8 @@ class ActivationsPlugin(Plugin):
 
     def _log_plan(self) -> None:
         if self.choices:
-            self.plan_text = format_plan(self.choices, self.profiles, self.budget_bytes, self.outside_bytes)
+            self.plan_text = format_plan(self.choices, self.profiles, self.budget_bytes, self.outside_bytes,
+                                         self.planned_peaks)
         else:
             self.plan_text = "\n".join(f"{n}: {o}" for n, o in self.plan.items()) or "(no module)"
         lossy = [(n, o, getattr(self.profiles[n], f"{o}_error")) for n, o in self.plan.items()

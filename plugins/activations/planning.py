@@ -12,7 +12,7 @@ from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.plugins.activations.planner import BudgetError, Choice, Node, option_costs, plan
 from xirang_ds.plugins.activations.profile import ROOT, ModuleProfile
 
-_FIELDS = ("calls", "saved_bytes", "small_bytes", "input_bytes", "time_s", "selective_bytes", "selective_time_s",
+_FIELDS = ("calls", "before_bytes", "saved_bytes", "small_bytes", "input_bytes", "time_s", "selective_bytes", "selective_time_s",
            "compress_bytes", "compress_time_s", "quantize_bytes", "quantize_time_s", "quantize_error",
            "sparsify_bytes", "sparsify_time_s", "sparsify_error")
 PATH = "xirang.activations"
@@ -44,9 +44,10 @@ def _inside(name: str, ancestor: str) -> bool:
 
 
 def build_tree(candidates: list[str], fixed: dict[str, str], profiles: dict[str, ModuleProfile],
-               options: tuple[str, ...], tolerant: frozenset, bandwidth_bps: float, streams: bool
-               ) -> tuple[list[Node], int]:
-    """Planning nodes (candidates and fixed modules) and the saved bytes outside all of them.
+               options: tuple[str, ...], tolerant: frozenset, bandwidth_bps: float, streams: bool, prefetch: int = 1
+               ) -> tuple[list[Node], int, int]:
+    """Planning nodes (candidates and fixed modules) and the saved bytes outside all of them, before
+    the first candidate runs and after.
 
     A fixed module is a node with its one option; candidates inside it are dropped (it covers
     them); a candidate with a fixed module inside it can only leave the choice to its children.
@@ -60,12 +61,13 @@ def build_tree(candidates: list[str], fixed: dict[str, str], profiles: dict[str,
     for name in names:
         p = profiles.get(name, empty)
         if name in fixed:
-            choices = option_costs(p, (fixed[name],), True, bandwidth_bps, streams)
+            choices = option_costs(p, (fixed[name],), True, bandwidth_bps, streams, prefetch)
         elif any(_inside(f, name) for f in fixed):
             choices = []
         else:
-            choices = option_costs(p, options, name in tolerant, bandwidth_bps, streams)
-        nodes[name] = Node(name, choices, p.keep_bytes, fixed=name in fixed)
+            choices = option_costs(p, options, name in tolerant, bandwidth_bps, streams, prefetch)
+        nodes[name] = Node(name, choices, p.keep_bytes, fixed=name in fixed,
+                           order=p.order if p.order >= 0 else len(profiles) + names.index(name))
     roots = []
     for name in sorted(nodes, key=len):
         parents = [n for n in nodes if _inside(name, n)]
@@ -78,7 +80,8 @@ def build_tree(candidates: list[str], fixed: dict[str, str], profiles: dict[str,
     roots.sort(key=lambda c: names.index(c.name))
     root = profiles.get(ROOT, empty)
     outside = max(0, root.keep_bytes - sum(r.keep_bytes for r in roots))
-    return roots, outside
+    before = min(root.before_bytes, outside)
+    return roots, before, outside - before
 
 
 def resolve_budget(config: ActivationsConfig, memory_budget: object, device_total: int, profiles: dict,
@@ -103,17 +106,17 @@ def resolve_budget(config: ActivationsConfig, memory_budget: object, device_tota
     return total - other
 
 
-def choose(roots: list[Node], budget_bytes: int, outside_bytes: int) -> dict[str, Choice]:
-    """The plan; a budget no plan reaches is a configuration error naming the figures."""
+def choose(roots: list[Node], budget_bytes: int, before: int, after: int) -> dict[str, Choice]:
+    """The plan; a budget no plan fits is a configuration error naming the figures."""
     try:
-        return plan(roots, budget_bytes - outside_bytes)
+        return plan(roots, budget_bytes, before, after)
     except BudgetError as e:
-        least = e.least_bytes + outside_bytes
         raise XirangConfigError([(f"{PATH}.budget",
                                   f"{format_bytes(budget_bytes)} of saved activations is below the least any plan "
-                                  f"keeps ({format_bytes(least)}: inputs kept by recompute, small tensors, and "
-                                  f"{format_bytes(outside_bytes)} saved outside the candidates); raise the budget "
-                                  "(or budget_fraction / memory_budget), or add candidates and options")]) from None
+                                  f"needs ({format_bytes(e.least_bytes)}: inputs kept by recompute, small tensors, "
+                                  f"{format_bytes(before + after)} saved outside the candidates, and one module's "
+                                  "tensors back during its backward); raise the budget (or budget_fraction / "
+                                  "memory_budget), or add candidates and options")]) from None
 
 
 def check_memory_budget(requested: object, engine: Any) -> None:

@@ -57,10 +57,13 @@ class ModuleProfile:
         compress_bytes, quantize_bytes, sparsify_bytes: eligible bytes after each encoding.
         compress_time_s, quantize_time_s, sparsify_time_s: encode+decode time of each.
         quantize_error, sparsify_error: worst measured error as a fraction of the stated bound.
+        order: position of the module's first call in forward (the planner's sequence).
+        before_bytes: (root only) bytes saved before the first candidate ran.
     """
 
     name: str
     calls: int = 0
+    order: int = -1
     saved_bytes: int = 0
     small_bytes: int = 0
     input_bytes: int = 0
@@ -76,6 +79,7 @@ class ModuleProfile:
     sparsify_bytes: int = 0
     sparsify_time_s: float = 0.0
     sparsify_error: float = 0.0
+    before_bytes: int = 0
 
     @property
     def keep_bytes(self) -> int:
@@ -217,7 +221,9 @@ class Profiler:
             yield
             return
         current = self.passes[-1]
-        profile = current.setdefault(name, ModuleProfile(name))
+        profile = current.get(name)
+        if profile is None:
+            profile = current[name] = ModuleProfile(name, order=len(current))
         frame = _Frame(profile, name in self.tolerant)
         for value in list(args) + list(kwargs.values()):
             if isinstance(value, torch.Tensor) and self.eligible(value):
@@ -264,6 +270,8 @@ class Profiler:
                 continue
             frame.saved.add(key)
             p = frame.profile
+            if len(self.stack) == 1 and len(self.passes[-1]) == 1:  # before any candidate ran
+                p.before_bytes += nbytes
             if not eligible:
                 p.small_bytes += nbytes
                 continue

@@ -120,6 +120,7 @@ class ActivationsPlugin(Plugin):
             torch.device(engine.device), self.config.min_tensor_bytes, self.config.offload_prefetch,
             self.config.quantize_block_size, self.config.sparsify_threshold, tracker.host_tier,
             lambda: tracker.scope(ACTIVATIONS),
+            mark=lambda t: tracker.mark([t], ACTIVATIONS) if tracker.active else None,
             synchronize=acc.synchronize if self._ds_settings.get("synchronize") else None,
             timings=self.recompute_timings if self._ds_settings.get("profile") else None)
         model = engine.module

@@ -194,34 +194,47 @@ def _decode_bits(p: Payload) -> torch.Tensor:
 # lossy
 
 
+CHUNK_ELEMENTS = 1 << 20
+"""int8 encodes and decodes this many elements at a time, so its fp32 working copy stays small."""
+
+
 def encode_int8(flat: torch.Tensor, storage: PayloadStorage, block_size: int) -> Optional[Payload]:
-    """8-bit block quantization (see the module docstring for the bound); floats only."""
+    """8-bit block quantization (see the module docstring for the bound); floats only, finite only."""
     if not flat.is_floating_point():
         return None
     n = flat.numel()
     blocks = math.ceil(n / block_size)
     if blocks * (block_size + 4) >= n * flat.element_size():
         return None
-    x = torch.empty(blocks * block_size, dtype=torch.float32, device=flat.device)  # never an alias of flat
-    x[:n].copy_(flat)
-    x[n:].zero_()
-    xb = x.view(blocks, block_size)
-    scale = xb.abs().amax(1).div_(127.0)
-    if not bool(torch.isfinite(scale).all()):
-        return None  # inf/nan has no scale: the tensor stays as it is
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     payload = _payload("int8", flat, storage, [("scale", torch.float32, blocks), ("q", torch.int8, blocks * block_size)],
                        meta={"block_size": block_size})
-    payload.part("scale").copy_(scale)
-    payload.part("q").view(blocks, block_size).copy_(xb.div_(safe.unsqueeze(1)).round_().clamp_(-127, 127))
+    scales, q = payload.part("scale"), payload.part("q").view(blocks, block_size)
+    step = max(1, CHUNK_ELEMENTS // block_size)
+    for first in range(0, blocks, step):
+        last = min(blocks, first + step)
+        lo, hi = first * block_size, min(n, last * block_size)
+        x = torch.zeros((last - first) * block_size, dtype=torch.float32, device=flat.device)  # never an alias
+        x[:hi - lo].copy_(flat[lo:hi])
+        xb = x.view(-1, block_size)
+        scale = xb.abs().amax(1).div_(127.0)
+        if not bool(torch.isfinite(scale).all()):
+            return None  # inf/nan has no scale: the tensor stays as it is
+        scales[first:last].copy_(scale)
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q[first:last].copy_(xb.div_(safe.unsqueeze(1)).round_().clamp_(-127, 127))
     return payload
 
 
 def _decode_int8(p: Payload) -> torch.Tensor:
     block = p.meta["block_size"]
-    scale = p.part("scale")
-    q = p.part("q").view(-1, block)
-    return (q.float() * scale.unsqueeze(1)).view(-1)[:p.numel].to(p.dtype)
+    scales, q = p.part("scale"), p.part("q").view(-1, block)
+    out = torch.empty(p.numel, dtype=p.dtype, device=p.device)
+    step = max(1, CHUNK_ELEMENTS // block)
+    for first in range(0, q.shape[0], step):
+        last = min(q.shape[0], first + step)
+        lo, hi = first * block, min(p.numel, last * block)
+        out[lo:hi].copy_((q[first:last].float() * scales[first:last].unsqueeze(1)).view(-1)[:hi - lo])
+    return out
 
 
 def int8_bound(flat: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -1,8 +1,7 @@
 """The storage handlers behind the compress, quantize, sparsify and offload options."""
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -19,18 +18,19 @@ class CodecHandler:
         storage: where payloads are allocated (the lending seam).
         block_size: elements per scale for ``quantize``.
         threshold: fraction of the largest magnitude dropped by ``sparsify``.
-        scope: context for decoded tensors (the tracker's activations scope).
+        mark: gives decoded tensors the activations role (the tracker's ``mark``); the decoder's
+            own temporaries stay temporaries.
     """
 
     def __init__(self, kind: str, storage: PayloadStorage, block_size: int = 64, threshold: float = 0.0,
-                 scope: Optional[Callable[[], ContextManager]] = None):
+                 mark: Optional[Callable[[torch.Tensor], None]] = None):
         if kind not in ("compress", "quantize", "sparsify"):
             raise ValueError(f"unknown codec kind {kind!r}")
         self.kind = kind
         self.storage = storage
         self.block_size = block_size
         self.threshold = threshold
-        self.scope = scope or contextlib.nullcontext
+        self.mark = mark
         self.stored_bytes = 0
         self.encoded_bytes = 0
 
@@ -54,8 +54,10 @@ class CodecHandler:
 
     def restore(self, payload: Payload, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """Decode (counted as activations) and hand lent bytes back."""
-        with self.scope(), torch.no_grad():
+        with torch.no_grad():
             flat = payload.decode()
+        if self.mark is not None:
+            self.mark(flat)
         payload.release()  # lent bytes go back to the lender as soon as they are decoded
         return flat
 

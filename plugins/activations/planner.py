@@ -13,7 +13,11 @@ was saved before the first candidate), a plan fits the budget ``B`` when
 * ``K(last) + after <= B`` (the end of forward, ``after`` = saved after the last candidate), and
 * ``K(m) + transient(m) <= B`` for every module ``m`` (its backward).
 
-(An offloaded module's prefetched successor counts into its transient on accelerators.)
+A recomputed module's transient is all it saves beyond its kept inputs (the recomputation
+rebuilds the module at once); decoded or fetched storages come back one at a time, at the unpack
+that needs them, and go with the node that used them, so their transient is about two storages;
+on accelerators the copy stream fetches whole offloaded modules ahead, so an offloaded module's
+transient is itself and the ``prefetch`` modules after it in backward.
 
 Candidates form a tree (``blocks.3`` contains ``blocks.3.mlp``): a node either takes one option
 for its whole subtree, or leaves the choice to its children and keeps its own remaining tensors.
@@ -108,7 +112,11 @@ def option_costs(p: ModuleProfile, options: tuple[str, ...], tolerant: bool, ban
             return 2 * t
         return max(0.0, t - p.time_s) + max(0.0, t - 2 * p.time_s)
 
-    fetched = p.saved_bytes * (1 + prefetch if streams else 1)
+    # Restored on demand, storage by storage, and freed after the node that needs it: about two
+    # storages at a time. A copy stream instead fetches whole modules ahead (this one and the
+    # ``prefetch`` next).
+    on_demand = min(p.saved_bytes, 2 * p.largest_bytes)
+    fetched = p.saved_bytes * (1 + prefetch) if streams else on_demand
     for option in options:
         if option in ("quantize", "sparsify") and not tolerant:
             continue
@@ -126,11 +134,11 @@ def option_costs(p: ModuleProfile, options: tuple[str, ...], tolerant: bool, ban
                               p.keep_bytes + p.input_bytes))
         elif option == "offload":
             out.append(Choice(option, p.small_bytes, offload_s(p.saved_bytes), fetched))
-        else:  # compress, quantize, sparsify: the decoded tensors join the payload in backward
+        else:  # compress, quantize, sparsify: decoded on demand, next to the payload
             nbytes = getattr(p, f"{option}_bytes")
             penalty = LOSSY_PENALTY_S if option != "compress" else 0.0
             out.append(Choice(option, p.small_bytes + nbytes, getattr(p, f"{option}_time_s") + penalty,
-                              p.saved_bytes))
+                              on_demand))
     return out
 
 

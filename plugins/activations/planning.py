@@ -12,7 +12,7 @@ from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.plugins.activations.planner import BudgetError, Choice, Node, option_costs, plan
 from xirang_ds.plugins.activations.profile import ROOT, ModuleProfile
 
-_FIELDS = ("calls", "before_bytes", "saved_bytes", "small_bytes", "input_bytes", "time_s", "selective_bytes", "selective_time_s",
+_FIELDS = ("calls", "before_bytes", "saved_bytes", "largest_bytes", "small_bytes", "input_bytes", "time_s", "selective_bytes", "selective_time_s",
            "compress_bytes", "compress_time_s", "quantize_bytes", "quantize_time_s", "quantize_error",
            "sparsify_bytes", "sparsify_time_s", "sparsify_error")
 PATH = "xirang.activations"

@@ -48,6 +48,7 @@ class ModuleProfile:
 
     Attributes:
         saved_bytes: storages saved for backward that options can pack.
+        largest_bytes: the largest of them (what an on-demand restore holds at once, roughly).
         small_bytes: saved storages below ``min_tensor_bytes`` or otherwise left as they are.
         input_bytes: storages of tensor inputs (what recompute keeps).
         time_s: forward time (sum of op times).
@@ -65,6 +66,7 @@ class ModuleProfile:
     calls: int = 0
     order: int = -1
     saved_bytes: int = 0
+    largest_bytes: int = 0
     small_bytes: int = 0
     input_bytes: int = 0
     time_s: float = 0.0
@@ -276,6 +278,7 @@ class Profiler:
                 p.small_bytes += nbytes
                 continue
             p.saved_bytes += nbytes
+            p.largest_bytes = max(p.largest_bytes, nbytes)
             for kind, r in results.items():
                 if kind == "compress" or frame.tolerant:
                     setattr(p, f"{kind}_bytes", getattr(p, f"{kind}_bytes") + r.nbytes)

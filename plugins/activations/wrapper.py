@@ -52,7 +52,8 @@ class Runtime:
         device: the training device.
         min_tensor_bytes, prefetch, block_size, threshold: from the section.
         host_tier: the tracker's host-tier context factory.
-        scope: the tracker's activations-scope factory.
+        scope: the tracker's activations-scope factory (recomputation, fetched bytes).
+        mark: gives a tensor the activations role (decoded tensors).
         synchronize: accelerator synchronize around recomputations (DeepSpeed's
             ``synchronize_checkpoint_boundary``), or ``None``.
         timings: list collecting ``(module, seconds)`` per recomputation (DeepSpeed's ``profile``).
@@ -60,6 +61,7 @@ class Runtime:
 
     def __init__(self, device: torch.device, min_tensor_bytes: int, prefetch: int, block_size: int,
                  threshold: float, host_tier: Callable[[], ContextManager], scope: Callable[[], ContextManager],
+                 mark: Optional[Callable[[torch.Tensor], None]] = None,
                  synchronize: Optional[Callable[[], None]] = None, timings: Optional[list] = None):
         self.device = device
         self.scope = scope
@@ -70,9 +72,9 @@ class Runtime:
         self.offloader = Offloader(device, prefetch, host_tier, scope)
         offload = OffloadHandler(self.offloader)
         self.handlers: dict[str, Any] = {
-            "compress": CodecHandler("compress", self.storage, scope=scope),
-            "quantize": CodecHandler("quantize", self.storage, block_size=block_size, scope=scope),
-            "sparsify": CodecHandler("sparsify", self.storage, threshold=threshold, scope=scope),
+            "compress": CodecHandler("compress", self.storage, mark=mark),
+            "quantize": CodecHandler("quantize", self.storage, block_size=block_size, mark=mark),
+            "sparsify": CodecHandler("sparsify", self.storage, threshold=threshold, mark=mark),
             "offload": offload,
             "recompute_offload": offload,
         }

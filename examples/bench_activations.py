@@ -83,6 +83,47 @@ def interleaved(model: str, config_path: str, steps: int, data: str, warmup: int
     return out
 
 
+def forced_rank(rank: int, world: int, model: str, config: dict, option: str, steps: int, data: str) -> dict:
+    """Every candidate forced to ``option`` (the planner with only that option and room for it):
+    the planner's estimate of the step's worst point against the tracker's activations peak."""
+    import copy
+
+    import xirang_ds
+    from xirang_ds.data import batches, load_tokens
+    from xirang_ds.models import build_model, parse_model_spec
+
+    config = copy.deepcopy(config)
+    config["xirang"] = {"activations": {"enabled": True, "budget": "100GB", "profile_steps": 1,
+                                        "options": [option], "tolerant": ["*"]}}
+    spec = parse_model_spec(model)
+    net = build_model(spec)
+    engine, *_ = xirang_ds.initialize(model=net, model_parameters=net.parameters(), config=config)
+    tracker = engine.xirang.track_memory()
+    window = tracker.open_window()
+    data = batches(load_tokens(data), engine.train_micro_batch_size_per_gpu(), spec.seq, seed=0)
+    for _ in range(steps):
+        x, y = next(data)
+        engine.backward(engine(x, y))
+        engine.step()
+    plugin = engine.xirang.plugin("activations")
+    return {"planned": max(plugin.planned_peaks), "measured": window.category_peaks()["activations"],
+            "options": sorted(set(plugin.plan.values()))}
+
+
+def planned_vs_measured(model: str, config_path: str, data: str) -> list[str]:
+    """Rows of the planned-against-measured table, one per option."""
+    from xirang_ds.config.loader import read_ds_config
+    from xirang_ds.launch import run_ranks
+
+    rows = ["| option | planned worst point | measured | measured / planned |", "|---|---|---|---|"]
+    for option in ("recompute", "selective_recompute", "recompute_offload", "compress", "quantize", "offload"):
+        r = run_ranks(forced_rank, 1, model, read_ds_config(config_path), option, 3, data, threads=1)[0]
+        rows.append(f"| {option} | {format_bytes(r['planned'])} | {format_bytes(r['measured'])} | "
+                    f"{r['measured'] / r['planned']:.3f} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
 def row(name: str, result: dict, inter: Optional[dict] = None) -> str:
     base, ours = result["baseline"], result["xirang"]
     act_b, act_o = base["category_peaks"]["activations"], ours["category_peaks"]["activations"]
@@ -102,9 +143,15 @@ def main() -> int:
     p.add_argument("--data", default=os.path.join("..", "shared", "data", "tinyshakespeare.txt"))
     p.add_argument("--out", default=os.path.join("runs", "activations"))
     p.add_argument("--only", nargs="*", help="config names (default: every file in configs/activations)")
+    p.add_argument("--planned-vs-measured", action="store_true",
+                   help="only print the planner's estimate against the tracker for each option forced everywhere "
+                        "(on the base of configs/activations/keep.json)")
     p.add_argument("--interleaved", type=int, default=0, metavar="STEPS",
                    help="also measure the time ratio with two engines stepping alternately for STEPS steps each")
     args = p.parse_args()
+    if args.planned_vs_measured:
+        print("\n".join(planned_vs_measured(args.model, os.path.join(CONFIGS, "keep.json"), args.data)))
+        return 0
     os.makedirs(args.out, exist_ok=True)
     configs = sorted(glob.glob(os.path.join(CONFIGS, "*.json")))
     if args.only:

@@ -131,7 +131,7 @@ def option_costs(p: ModuleProfile, options: tuple[str, ...], tolerant: bool, ban
                               max(0, p.keep_bytes - kept)))
         elif option == "recompute_offload":
             out.append(Choice(option, 0, p.time_s + calls * RECOMPUTE_OVERHEAD_S + offload_s(p.input_bytes),
-                              p.keep_bytes + p.input_bytes))
+                              p.keep_bytes))
         elif option == "offload":
             out.append(Choice(option, p.small_bytes, offload_s(p.saved_bytes), fetched))
         else:  # compress, quantize, sparsify: decoded on demand, next to the payload

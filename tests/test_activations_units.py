@@ -1,6 +1,7 @@
 """The activations plugin's parts without an engine: codecs (bit-exact or within their stated
 bound), storage-level packing (views, strides, composition with outer hooks), the lending seam,
 the planner (against brute force), selectors and their errors, and the private torch APIs."""
+import contextlib
 import itertools
 import random
 
@@ -418,3 +419,41 @@ def test_window_category_peaks_sees_each_category_at_its_own_moment():
         assert w.peak_bytes == 12000 and w.report().by_category[ACTIVATIONS] == 0
         assert peaks[ACTIVATIONS] == 4000 and peaks["temporaries"] == 12000
         w.close()
+
+
+def test_nested_options_innermost_wins_and_keep_shields():
+    """offload on a block, compress or keep on a module inside it: the inner option applies there."""
+    from xirang_ds.plugins.activations.wrapper import ModuleWrapper, Runtime
+
+    model = build_model(BUILTIN_SPECS["gpt-tiny"]).float()
+    x = torch.randint(0, 256, (4, 64))
+
+    def grads():
+        model.zero_grad()
+        model(x, x).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    ref = grads()
+    tracker = MemoryTracker("cpu")
+    rt = Runtime(torch.device("cpu"), 0, 1, 64, 0.01, tracker.host_tier, contextlib.nullcontext)
+    rt.eligible.refresh(model)
+    modules = dict(model.named_modules())
+    block = ModuleWrapper("blocks.0", modules["blocks.0"], rt)
+    inner = ModuleWrapper("blocks.0.mlp", modules["blocks.0.mlp"], rt)
+    block.apply("offload")
+    seen = []
+    for option in ("keep", "compress"):
+        inner.apply(option, passthrough=option == "keep")
+        before = rt.offloader.offloaded_bytes
+        got = grads()
+        assert all(torch.equal(a, b) for a, b in zip(ref, got))
+        seen.append(rt.offloader.offloaded_bytes - before)
+    inner.apply(None)  # covered: follows the block
+    before = rt.offloader.offloaded_bytes
+    grads()
+    covered = rt.offloader.offloaded_bytes - before
+    # the mlp's tensors (fc_in input and output, gelu output) are what the inner option kept from offload
+    assert seen[0] == seen[1] < covered
+    block.remove()
+    inner.remove()
+    assert "forward" not in vars(modules["blocks.0"]) and "forward" not in vars(modules["blocks.0.mlp"])

@@ -9,7 +9,9 @@ and the restored views have the original strides (so backward's kernels see what
 
 Composition (``saved_tensors_hooks`` applies only the innermost pair): at entry `PackContext`
 reads the pair active outside it. Inside a ``torch.utils.checkpoint`` region it stays out of the
-way (the checkpoint's hooks must see every saved tensor). Any other outer pair is composed: its
+way (the checkpoint's hooks must see every saved tensor). Inside another `PackContext` (an
+enclosing module with its own option) it replaces that one: the innermost module's option wins,
+composed with whatever the enclosing one was composed with. Any other outer pair is composed: its
 pack runs first and ours packs what it returns when that is a tensor; unpack runs in reverse.
 """
 from __future__ import annotations
@@ -177,6 +179,9 @@ class PackContext:
         outer = current_saved_tensors_hooks()
         if is_checkpoint_hook(outer):
             return self
+        owner = getattr(outer[0], "__self__", None) if outer is not None else None
+        if isinstance(owner, PackContext):  # an enclosing module of ours: the innermost option wins
+            outer = owner._outer
         self._outer = outer
         self.call = self.handler.begin_call()
         torch._C._autograd._push_saved_tensors_default_hooks(self._pack_hook, self._unpack_hook)

@@ -135,6 +135,29 @@ def row(name: str, result: dict, inter: Optional[dict] = None) -> str:
             f"{result['loss_delta']:+.4f} | {plan} |")
 
 
+HEADER = ["| config | activations peak, plain | with block | less | host tier peak | step peak ratio | "
+          "step time ratio (CLI) | time ratio interleaved, CPU / wall | loss delta | plan |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
+
+
+def render(model: str, dirs: list[str]) -> list[str]:
+    """The table from ``<dir>/<model>-<config>.json`` (and ``-interleaved.json``) files."""
+    found: dict[str, tuple[dict, Optional[dict]]] = {}
+    for d in dirs:
+        for path in sorted(glob.glob(os.path.join(d, f"{model}-*.json"))):
+            name = os.path.basename(path)[len(model) + 1:-len(".json")]
+            if name.endswith("-interleaved"):
+                continue
+            inter_path = path[:-len(".json")] + "-interleaved.json"
+            inter = None
+            if os.path.exists(inter_path):
+                with open(inter_path, encoding="utf-8") as f:
+                    inter = json.load(f)
+            with open(path, encoding="utf-8") as f:
+                found[name] = (json.load(f), inter)
+    return HEADER + [row(name, *found[name]) for name in sorted(found)]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="gpt-small")
@@ -143,12 +166,17 @@ def main() -> int:
     p.add_argument("--data", default=os.path.join("..", "shared", "data", "tinyshakespeare.txt"))
     p.add_argument("--out", default=os.path.join("runs", "activations"))
     p.add_argument("--only", nargs="*", help="config names (default: every file in configs/activations)")
+    p.add_argument("--render", nargs="+", metavar="DIR",
+                   help="only print the table from the JSON files earlier runs wrote (a later DIR wins per config)")
     p.add_argument("--planned-vs-measured", action="store_true",
                    help="only print the planner's estimate against the tracker for each option forced everywhere "
                         "(on the base of configs/activations/keep.json)")
     p.add_argument("--interleaved", type=int, default=0, metavar="STEPS",
                    help="also measure the time ratio with two engines stepping alternately for STEPS steps each")
     args = p.parse_args()
+    if args.render:
+        print("\n".join(render(args.model, args.render)))
+        return 0
     if args.planned_vs_measured:
         print("\n".join(planned_vs_measured(args.model, os.path.join(CONFIGS, "keep.json"), args.data)))
         return 0
@@ -156,9 +184,7 @@ def main() -> int:
     configs = sorted(glob.glob(os.path.join(CONFIGS, "*.json")))
     if args.only:
         configs = [c for c in configs if os.path.splitext(os.path.basename(c))[0] in args.only]
-    lines = ["| config | activations peak, plain | with block | less | host tier peak | step peak ratio | "
-             "step time ratio (CLI) | time ratio interleaved, CPU / wall | loss delta | plan |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = list(HEADER)
     commands = []
     for config in configs:
         name = os.path.splitext(os.path.basename(config))[0]

@@ -254,8 +254,8 @@ class Profiler:
             index = frame.counter[key]
             frame.counter[key] = index + 1
             frame.ops.append(_Op(key, index, seconds, heavy, outputs))
-            for cdata, _ in outputs:
-                frame.produced[cdata] = len(frame.ops) - 1
+            for ident, _ in outputs:
+                frame.produced[ident] = len(frame.ops) - 1
 
     def record_saved(self, t: torch.Tensor) -> None:
         """Attribute one saved tensor to every module running now."""
@@ -293,9 +293,9 @@ class Profiler:
         if index is None or index in frame.selected or not frame.ops[index].heavy:
             return
         frame.selected.add(index)
-        for cdata, nbytes in frame.ops[index].outputs:  # SAC caches every output of the op
-            if cdata not in frame.selected_storages:
-                frame.selected_storages.add(cdata)
+        for ident, nbytes in frame.ops[index].outputs:  # SAC caches every output of the op
+            if ident not in frame.selected_storages:
+                frame.selected_storages.add(ident)
                 frame.profile.selective_bytes += nbytes
 
     def _trial(self, t: torch.Tensor, key: int) -> dict[str, Any]:

@@ -23,6 +23,7 @@ setup(
     extras_require={
         "megatron": ["megatron-core>=0.12,<0.20"],
         "plots": ["matplotlib>=3.5"],
+        "bench": ["torchao>=0.10", "bitsandbytes>=0.45"],
         "test": ["pytest>=7", "matplotlib>=3.5", "transformers>=4.40", "accelerate>=0.30"],
     },
     entry_points={"console_scripts": ["xirang-ds = xirang_ds.cli:main"]},

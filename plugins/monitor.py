@@ -59,6 +59,24 @@ def resolve_budget(requested: Any, device_total: int, model_state_bytes: int) ->
 class MonitorPlugin(Plugin):
     """Checks memory after optimizer steps and runs the configured actions on every rank."""
 
+    memory_neutral = True
+    frameworks = ("deepspeed", "megatron")
+
+    MEGATRON_ACTIONS = ("empty_cache",)
+    """Actions available under Megatron-core: ``checkpoint`` needs DeepSpeed's ``save_checkpoint``
+    and ``halve_micro_batch`` splits inside ``engine.forward``; Megatron has neither."""
+
+    @classmethod
+    def check_framework(cls, config: MonitorConfig, framework: str) -> list[tuple[str, str]]:
+        issues = super().check_framework(config, framework)
+        if framework == "megatron":
+            for action in config.actions:
+                if action not in cls.MEGATRON_ACTIONS:
+                    issues.append(("actions", f"{action!r} is not available with Megatron-core (allowed there: "
+                                              f"{', '.join(map(repr, cls.MEGATRON_ACTIONS))}); remove it for "
+                                              "Megatron runs (Megatron saves checkpoints with --save-interval)"))
+        return issues
+
     def __init__(self, config: MonitorConfig, session):
         super().__init__(config, session)
         self.budget = 0
@@ -118,9 +136,9 @@ class MonitorPlugin(Plugin):
 
     def agree(self, fraction: float) -> float:
         """The largest fraction over all ranks (one collective; every rank gets the same value)."""
-        import deepspeed.comm as dist
+        import torch.distributed as dist  # the process group DeepSpeed or Megatron initialized
 
-        if not dist.is_initialized() or dist.get_world_size() == 1:
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
             return fraction
         t = torch.tensor([fraction], dtype=torch.float64, device=self.accel.current_device_name())
         dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -23,6 +23,9 @@ logger = logging.getLogger("xirang_ds")
 class ProfilerPlugin(Plugin):
     """Timeline of the configured step; ``files`` and ``report`` hold the results afterwards."""
 
+    memory_neutral = True
+    frameworks = ("deepspeed", "megatron")
+
     def __init__(self, config: ProfilerConfig, session):
         super().__init__(config, session)
         self.files: dict[str, str] = {}

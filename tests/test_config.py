@@ -59,7 +59,7 @@ def test_all_problems_reported_at_once_with_paths():
     ({"monitor": {"every_steps": 2.5}}, "xirang.monitor.every_steps", "must be an integer"),
     ({"comm_buffers": {"reduce_bucket_size": "autox"}}, "xirang.comm_buffers.reduce_bucket_size",
      "must be an integer (>= 1) or 'auto'; got 'autox'"),
-    ({"optimizer_states": {"block_size": 100}}, "xirang.optimizer_states.block_size", "multiple of 32"),
+    ({"optimizer_states": {"int8_block_size": 100}}, "xirang.optimizer_states.int8_block_size", "multiple of 32"),
     ({"optimizer_states": {"schedule": [{"dtype": "int3"}]}}, "xirang.optimizer_states.schedule[0].dtype",
      "did you mean 'int8'?"),
     ({"memory_budget": -5}, "xirang.memory_budget", "must be >= 0"),

@@ -32,6 +32,7 @@ class SideResult:
     peak_phase: str
     step_time_median_s: float
     final_loss: float
+    phase_peaks: dict[str, int] = field(default_factory=dict)
     losses: list[float] = field(default_factory=list)
     step_times_s: list[float] = field(default_factory=list)
     per_rank_peak_bytes: list[int] = field(default_factory=list)
@@ -102,7 +103,7 @@ def bench_rank(rank: int, world: int, model_text: str, ds_config: dict, steps: i
     report = window.report()
     out = {
         "peak_bytes": report.peak_bytes, "peak_by_category": report.by_category, "peak_phase": report.phase,
-        "losses": losses, "step_times_s": times,
+        "phase_peaks": report.phase_peaks, "losses": losses, "step_times_s": times,
         "allocator_peak_bytes": int(torch.cuda.max_memory_allocated()) if cuda else None,
         "summary": session.summary() if session is not None else "",
         "category_peaks": window.category_peaks(),
@@ -126,6 +127,7 @@ def combine(per_rank: list[dict]) -> SideResult:
     return SideResult(
         peak_bytes=worst["allocator_peak_bytes"] or worst["peak_bytes"], peak_by_category=worst["peak_by_category"],
         peak_phase=worst["peak_phase"], step_time_median_s=statistics.median(timed), final_loss=_final_loss(losses),
+        phase_peaks=worst["phase_peaks"],
         losses=losses, step_times_s=times, per_rank_peak_bytes=[r["peak_bytes"] for r in per_rank],
         allocator_peak_bytes=worst["allocator_peak_bytes"], summary=per_rank[0]["summary"],
         category_peaks={c: max(r["category_peaks"].get(c, 0) for r in per_rank) for c in CATEGORIES})

@@ -75,6 +75,54 @@ def _run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _setup_estimate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="gpt-small | gpt:layers=4,hidden=256,heads=8,seq=128,vocab=256 | "
+                                                   "package.module:factory")
+    p.add_argument("--ds-config", required=True, help="ds_config (JSON/YAML)")
+    p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="device the run will use (changes the optimizer's temporaries)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="then run 3 real steps here, measure, and report the error per category")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON")
+
+
+def _run_estimate(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from xirang_ds.config.loader import BLOCK_KEY, read_ds_config, validate_block
+    from xirang_ds.memory.estimator import estimate_spec, format_estimate, recalibrate
+    from xirang_ds.models import parse_model_spec
+
+    parse_model_spec(args.model)
+    ds_config = read_ds_config(args.ds_config)
+    if BLOCK_KEY in ds_config:
+        validate_block(ds_config[BLOCK_KEY])
+    if args.world_size < 1:
+        raise UsageError(f"--world-size must be >= 1; got {args.world_size}")
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    est = estimate_spec(args.model, ds_config, args.world_size, device)
+    out = est.as_dict()
+    print(format_estimate(est))
+    if args.calibrate:
+        from xirang_ds.bench import run_side
+
+        side = run_side(args.model, ds_config, 3, args.world_size, None, 0, "xirang" in ds_config)
+        cal = recalibrate(est, side.peak_by_category, side.peak_bytes)
+        out["calibration"] = cal
+        print(f"\nmeasured over 3 steps: {side.peak_bytes:,} bytes ({side.peak_phase}); "
+              f"estimate error {cal['error']:+.2%}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+register_command("estimate", "predict a rank's peak memory and its breakdown before running", _setup_estimate,
+                 _run_estimate)
 register_command("bench", "train plain DeepSpeed and DeepSpeed with the block side by side", _setup_bench,
                  _run_bench)
 register_command("report", "render a recorded memory timeline as HTML and PNG", _setup_report, _run_report)

@@ -59,10 +59,14 @@ class Plugin:
     Seams, called by the session in plugin order:
 
     * ``prepare_ds_config(ds_config)``: edit the ds_config copy handed to DeepSpeed.
-    * ``prepare_model(model)``: hooks or module swaps before DeepSpeed wraps the model.
+    * ``prepare_ddp_config(ddp_config)``: Megatron-core only; edit the
+      ``DistributedDataParallelConfig`` before Megatron's DDP wraps the model.
+    * ``prepare_model(model)``: hooks or module swaps before DeepSpeed (or Megatron's DDP) wraps
+      the model.
     * ``prepare_optimizer(optimizer)``: receive the basic optimizer (a ``torch.optim`` object, an
       `OptimizerSpec`, or ``None``) and return it or a replacement.
-    * ``attach(engine)``: after ``deepspeed.initialize``.
+    * ``attach(engine)``: after ``deepspeed.initialize``; under Megatron-core ``engine`` is a
+      `xirang_ds.integration.megatron_run.MegatronRun` (``session.framework == "megatron"``).
     * ``remove()``: undo everything; the run behaves as without the plugin afterwards.
     * ``state_dict()``/``load_state_dict(state)``: plugin state saved in engine checkpoints.
 
@@ -74,6 +78,11 @@ class Plugin:
     section: ClassVar[str] = ""
     config_type: ClassVar[type] = Section
     order: ClassVar[int] = 50
+    memory_neutral: ClassVar[bool] = False
+    """True for plugins that only observe (the estimate needs no adjustment)."""
+    frameworks: ClassVar[tuple[str, ...]] = ("deepspeed",)
+    """Training frameworks the plugin attaches to: ``"deepspeed"``, ``"megatron"``. A plugin lists
+    ``"megatron"`` once it handles Megatron-core's seams (docs/megatron.md)."""
 
     def __init__(self, config: Section, session: "Session"):
         self.config = config
@@ -83,6 +92,9 @@ class Plugin:
     # seams ---------------------------------------------------------------------------------
     def prepare_ds_config(self, ds_config: dict) -> None:
         """Edit the ds_config DeepSpeed will see (a private copy)."""
+
+    def prepare_ddp_config(self, ddp_config: Any) -> None:
+        """Megatron-core: edit the ``DistributedDataParallelConfig`` before DDP wraps the model."""
 
     def prepare_model(self, model: Any) -> None:
         """Attach to the model before DeepSpeed wraps it."""
@@ -103,8 +115,38 @@ class Plugin:
         """Plugin state for checkpoints (plain data)."""
         return {}
 
+    def adjust_estimate(self, phases: dict, shape: Any, numels: list) -> Optional[dict]:
+        """Change the estimator's prediction for what this plugin does before anything runs.
+
+        Args:
+            phases: ``{"forward"|"backward"|"optimizer_step": {category: bytes}}`` for plain DeepSpeed.
+            shape: the run's `xirang_ds.memory.estimator.RunShape` (stage, dtype, world size, ...).
+            numels: element count of each trainable parameter.
+
+        Returns:
+            The adjusted phases, or ``None`` when this plugin's effect is not modelled (the
+            estimate then says so in its notes).
+        """
+        return phases if self.memory_neutral else None
+
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` returned."""
+
+    @classmethod
+    def check_framework(cls, config: Section, framework: str) -> list[tuple[str, str]]:
+        """Problems running this plugin with ``config`` under ``framework``.
+
+        Args:
+            config: the plugin's validated section.
+            framework: ``"deepspeed"`` or ``"megatron"``.
+
+        Returns:
+            ``[(field, message)]`` with fields relative to the section; empty when it can run.
+        """
+        if framework in cls.frameworks:
+            return []
+        return [("enabled", f"the {cls.section} plugin does not run under {framework} yet (it supports "
+                            f"{', '.join(cls.frameworks)}); set it to false for {framework} runs")]
 
     # helpers --------------------------------------------------------------------------------
     def keep(self, handle: Any) -> Any:
@@ -123,7 +165,14 @@ class _Registry:
 
 _REGISTRY = _Registry()
 
-BUILTIN_PLUGIN_MODULES = ("xirang_ds.plugins.monitor", "xirang_ds.plugins.profiler", "xirang_ds.plugins.activations")
+BUILTIN_PLUGIN_MODULES = (
+    "xirang_ds.plugins.activations",
+    "xirang_ds.plugins.comm_buffers",
+    "xirang_ds.plugins.grad_release",
+    "xirang_ds.plugins.monitor",
+    "xirang_ds.plugins.optimizer_states.plugin",
+    "xirang_ds.plugins.profiler",
+)
 """Modules of the built-in plugins; importing one registers its plugin (no deepspeed import)."""
 
 
@@ -204,6 +253,17 @@ def check_available(config: XirangConfig) -> list[tuple[str, str]]:
             problems.append((f"xirang.{name}.enabled",
                              f"the {name} plugin is not built yet in xirang_ds {__version__}; "
                              f"set it to false or remove the {name!r} section"))
+    return problems
+
+
+def check_framework(config: XirangConfig, framework: str) -> list[tuple[str, str]]:
+    """Problems for enabled sections whose plugin cannot run under ``framework`` (dotted paths)."""
+    problems = []
+    for name, section in config.enabled_sections().items():
+        cls = plugin_for(section)
+        if cls is not None:
+            problems.extend((f"xirang.{name}.{field}", message) for field, message in
+                            cls.check_framework(section, framework))
     return problems
 
 

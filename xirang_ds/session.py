@@ -1,19 +1,35 @@
 """A session: the validated block, its plugins, and the engine they are attached to.
 
-One session per ``xirang_ds.initialize`` call. It is reachable as ``engine.xirang`` so training
-code (and tests) can ask what xirang did, read the tracker, or ``remove()`` every plugin, after
-which the engine behaves as plain DeepSpeed again.
+One session per ``xirang_ds.initialize`` call (DeepSpeed) or per Megatron-core model
+(`xirang_ds.integration.megatron`). It is reachable as ``engine.xirang`` so training code (and
+tests) can ask what xirang did, read the tracker, or ``remove()`` every plugin, after which the
+engine behaves as plain DeepSpeed (or plain Megatron) again.
+
+Under Megatron-core there is no DeepSpeed engine: the integration attaches a
+`xirang_ds.integration.megatron_run.MegatronRun` (the model chunks, Megatron's optimizer and a
+step counter) in its place, with the `TrainingWatch` that suits it; ``framework`` says which.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+import os
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 from xirang_ds.config.schema import XirangConfig
-from xirang_ds.hooks import wrap_method
+from xirang_ds.hooks import CallbackHandle, wrap_method
 from xirang_ds.registry import Plugin, plugins_for
 
+if TYPE_CHECKING:  # pragma: no cover
+    from xirang_ds.memory.engine_roles import TrainingWatch
+    from xirang_ds.memory.tracker import MemoryTracker
+
 logger = logging.getLogger("xirang_ds")
+
+FRAMEWORKS = ("deepspeed", "megatron")
+"""Training frameworks a session drives plugins through."""
+
+WatchFactory = Callable[..., "TrainingWatch"]
+"""``watch(tracker, engine, roles=...)``: builds the `TrainingWatch` that drives the shared tracker."""
 
 CHECKPOINT_KEY = "xirang"
 """Key of the plugins' state inside DeepSpeed's ``client_state``."""
@@ -24,21 +40,31 @@ class Session:
 
     Attributes:
         config: the resolved ``"xirang"`` block.
-        ds_config: the ds_config as DeepSpeed received it (after plugin edits).
+        ds_config: the ds_config as DeepSpeed received it (after plugin edits); under Megatron the
+            file's content, read for the block only.
         plugins: plugin instances in application order.
-        engine: the DeepSpeed engine once attached, else ``None``.
+        engine: the DeepSpeed engine once attached (under Megatron the ``MegatronRun``), else ``None``.
+        framework: ``"deepspeed"`` or ``"megatron"``: which seams the plugins are driven through.
     """
 
-    def __init__(self, config: XirangConfig, ds_config: dict):
+    def __init__(self, config: XirangConfig, ds_config: dict, world_size: Optional[int] = None,
+                 framework: str = "deepspeed"):
+        if framework not in FRAMEWORKS:
+            raise ValueError(f"framework must be one of {FRAMEWORKS}; got {framework!r}")
+        self.framework = framework
         self.config = config
         self.ds_config = ds_config
+        self.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+        """Ranks of the run (the estimator sets it; at initialize it comes from the launcher)."""
         self.plugins: list[Plugin] = [cls(section, self) for cls, section in plugins_for(config)]
         self.engine: Any = None
         self.model: Any = None
         self._tracker = None
         self._watch = None
+        self._watch_factory: Optional[WatchFactory] = None
         self._handles: list[Any] = []
         self.events: list[dict] = []
+        self.memory_roles: list[Callable[[], Iterable[tuple[str, Any]]]] = []
 
     # ----------------------------------------------------------------------------------------
     def plugin(self, section: str) -> Optional[Plugin]:
@@ -58,16 +84,37 @@ class Session:
         """Start the shared tracker on the attached engine (once) and return it.
 
         Seeds it with the engine's model states by role and drives its phases from the engine's
-        hooks (`xirang_ds.memory.engine_roles`).
+        hooks (`xirang_ds.memory.engine_roles`; under Megatron the watch given to `attach`).
         """
         if self._watch is None:
             from xirang_ds.memory.engine_roles import watch_engine
 
             if self.engine is None:
                 raise RuntimeError("track_memory() needs the engine; call it from Plugin.attach")
-            self._watch = watch_engine(self.tracker, self.engine)
+            factory = self._watch_factory or watch_engine
+            self._watch = factory(self.tracker, self.engine, roles=self.memory_roles)
             self.tracker.start()
         return self.tracker
+
+    def keep(self, handle: Any) -> Any:
+        """Keep a removable handle (anything with ``.remove()``) that `remove` undoes after the plugins."""
+        self._handles.append(handle)
+        return handle
+
+    def add_memory_roles(self, provider: Callable[[], Iterable[tuple[str, Any]]]) -> CallbackHandle:
+        """Declare tensors a plugin holds outside DeepSpeed's structures (its own master weights,
+        optimizer states) so the tracker counts them by role.
+
+        Args:
+            provider: returns ``(category, tensors)`` pairs; called whenever the tracker marks the
+                engine's model states (when tracking starts, after each backward and before the
+                optimizer step).
+
+        Returns:
+            A handle whose ``remove()`` withdraws the provider.
+        """
+        self.memory_roles.append(provider)
+        return CallbackHandle(lambda: self.memory_roles.remove(provider))
 
     def record_event(self, kind: str, **fields: Any) -> None:
         """Remember something a plugin did; `summary` and the monitor report these."""
@@ -79,6 +126,11 @@ class Session:
         for p in self.plugins:
             p.prepare_ds_config(self.ds_config)
 
+    def prepare_ddp_config(self, ddp_config: Any) -> None:
+        """Megatron-core: let plugins edit the ``DistributedDataParallelConfig`` (bucket sizes)."""
+        for p in self.plugins:
+            p.prepare_ddp_config(ddp_config)
+
     def prepare_model(self, model: Any) -> None:
         self.model = model
         for p in self.plugins:
@@ -89,11 +141,20 @@ class Session:
             optimizer = p.prepare_optimizer(optimizer)
         return optimizer
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: Any, watch: Optional[WatchFactory] = None) -> None:
+        """Attach every plugin to ``engine``.
+
+        Args:
+            engine: the DeepSpeed engine, or under Megatron the integration's ``MegatronRun``.
+            watch: ``watch(tracker, engine)`` builds the `TrainingWatch` behind `track_memory`;
+                default: `xirang_ds.memory.engine_roles.watch_engine` (DeepSpeed's buffers by role).
+        """
         self.engine = engine
+        self._watch_factory = watch
         engine.xirang = self
-        self._handles.append(wrap_method(engine, "save_checkpoint", self._save_checkpoint))
-        self._handles.append(wrap_method(engine, "load_checkpoint", self._load_checkpoint))
+        if self.framework == "deepspeed":  # Megatron saves its own checkpoints (docs/megatron.md)
+            self._handles.append(wrap_method(engine, "save_checkpoint", self._save_checkpoint))
+            self._handles.append(wrap_method(engine, "load_checkpoint", self._load_checkpoint))
         for p in self.plugins:
             p.attach(engine)
 

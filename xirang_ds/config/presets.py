@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 
 _COMMON = {
+    "comm_buffers": {"enabled": True, "arena": True, "adapt": True},
     "monitor": {"enabled": True, "warn_at": 0.85, "act_at": 0.95, "actions": ["empty_cache"]},
 }
 

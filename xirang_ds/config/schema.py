@@ -55,21 +55,25 @@ class ScheduleEntry:
     dtype: StateDtype
     """Storage format of the optimizer states during this stage."""
     until_step: Optional[PositiveInt] = None
-    """Last optimizer step (exclusive) of this stage; omit on the final stage."""
+    """The stage holds while a tensor's step count is below this (exclusive); omit on the last."""
 
 
 @dataclass(frozen=True)
 class StabilityConfig:
     """Move a state tensor down in precision once its moments stop changing."""
 
+    start: StateDtype = "fp32"
+    """Format of every tensor's states before its first move."""
     window_steps: PositiveInt = 50
-    """Steps over which the relative change of a tensor's moments is measured."""
+    """Steps between two measurements of a tensor's moments (and of its quantization error)."""
     threshold: Annotated[float, Range(0.0, 1.0, low_exclusive=True)] = 0.05
-    """A tensor moves down one format when the relative change over the window stays below this."""
+    """A tensor moves down one format when the relative change of its bias-corrected moment norms
+    between two measurements is below this."""
     lowest: StateDtype = "int8"
     """The least precise format stability may reach."""
     max_quantization_error: Annotated[float, Range(0.0, 1.0, low_exclusive=True)] = 0.1
-    """A tensor moves back up one format when its relative quantization error exceeds this."""
+    """A tensor moves back up one format, and stays at or above it, when the relative error of its
+    Adam update direction from the stored states exceeds this (int8 measures ~0.01, int4 ~0.2)."""
 
 
 @dataclass(frozen=True)
@@ -82,21 +86,31 @@ class OptimizerStatesConfig(Section):
         ScheduleEntry(dtype="fp32", until_step=100),
         ScheduleEntry(dtype="int8"),
     )
-    """By-step stages in order; each entry but the last has ``until_step``, increasing."""
+    """By-step stages in order; each entry but the last has ``until_step``, increasing, and each
+    dtype is at most as precise as the one before."""
     stability: StabilityConfig = field(default_factory=StabilityConfig)
     """Settings of the ``stability`` policy."""
-    block_size: Annotated[int, Range(32, 4096), MultipleOf(32)] = 256
-    """Elements per quantization block (one scale each); int4 uses half of it rounded to 32s."""
+    int8_block_size: Annotated[int, Range(32, 4096), MultipleOf(32)] = 256
+    """Elements per scale of int8 states (2 + 8/size bytes per parameter for both moments)."""
+    int4_block_size: Annotated[int, Range(32, 4096), MultipleOf(32)] = 128
+    """Elements per scale of int4 states (1 + 8/size bytes per parameter for both moments)."""
+    chunk_numel: Annotated[int, Range(4096, 2**30), MultipleOf(4096)] = 131072
+    """Elements updated at a time: the step's temporaries are at most 16 bytes per element of a
+    chunk (8 for fp32), whatever the size of the tensor."""
     min_numel: NonNegativeInt = 4096
     """Parameters with fewer elements keep fp32 states."""
     keep_fp32: tuple[Glob, ...] = ()
-    """Globs of parameter names whose states stay fp32, besides embeddings and norms."""
+    """Globs of parameter names whose states stay fp32, besides embeddings and norms; each must
+    match at least one parameter."""
     keep_fp32_embeddings_and_norms: bool = True
     """Keep states of embedding and normalisation parameters in fp32 (found by module type)."""
     stochastic_rounding: bool = False
-    """Round quantized states stochastically instead of to nearest."""
+    """Round quantized and bf16 states stochastically (unbiased) instead of to nearest."""
     refresh_every_steps: NonNegativeInt = 0
-    """Every N steps, requantize states from a fresh fp32 copy of their decoded values (0 = never)."""
+    """Every N steps encode the states with stochastic rounding even when ``stochastic_rounding``
+    is off, so codes stuck by round-to-nearest move again (0 = never)."""
+    seed: NonNegativeInt = 0
+    """Seed of the stochastic-rounding draws (the same on every rank)."""
 
     def check(self) -> Issues:
         issues: Issues = []
@@ -110,8 +124,23 @@ class OptimizerStatesConfig(Section):
                     issues.append((f"schedule[{i}].until_step",
                                    f"must be greater than the previous entry's ({last}); got {entry.until_step}"))
                 last = entry.until_step
+            if i and STATE_DTYPE_ORDER.index(entry.dtype) < STATE_DTYPE_ORDER.index(self.schedule[i - 1].dtype):
+                issues.append((f"schedule[{i}].dtype",
+                               f"{entry.dtype!r} is more precise than the previous entry's "
+                               f"{self.schedule[i - 1].dtype!r}; a schedule only lowers precision "
+                               f"(fp32 -> bf16 -> int8 -> int4)"))
         if not self.schedule:
             issues.append(("schedule", "must have at least one entry"))
+        elif self.schedule[-1].until_step is not None:
+            issues.append((f"schedule[{len(self.schedule) - 1}].until_step",
+                           "must be omitted on the last entry (it holds to the end of training)"))
+        for key in ("int8_block_size", "int4_block_size"):
+            size = getattr(self, key)
+            if self.chunk_numel % size:
+                issues.append(("chunk_numel", f"must be a multiple of {key} ({size}); got {self.chunk_numel}"))
+        if STATE_DTYPE_ORDER.index(self.stability.lowest) < STATE_DTYPE_ORDER.index(self.stability.start):
+            issues.append(("stability.lowest", f"{self.stability.lowest!r} is more precise than stability.start "
+                                               f"({self.stability.start!r}); set lowest at or below start"))
         return issues
 
 
@@ -125,12 +154,25 @@ class GradReleaseConfig(Section):
     """Optimizer step fused into backward: each bucket is reduced, applied and freed at once."""
 
     bucket_size_numel: AutoInt = "auto"
-    """Gradient elements per reduction bucket; ``auto`` sizes it from the model and world size."""
+    """Gradient elements per reduction bucket; ``auto`` = 1/16 of the trainable elements, kept
+    between 2**16 and 2**25. A parameter larger than the bucket gets a bucket of its own."""
     clipping: Literal["exact", "previous_step", "per_layer"] = "exact"
-    """How ``gradient_clipping`` is honoured: ``exact`` (a norm pass before the update pass),
-    ``previous_step`` (the clip coefficient from the last step's norm) or ``per_layer``."""
+    """How ds_config's ``gradient_clipping`` is honoured: ``exact`` (this step's global norm, known
+    before any update through ``exact_method``), ``previous_step`` (the coefficient of the previous
+    step's global norm; the first step is exact) or ``per_layer`` (each parameter tensor clipped to
+    its share of the limit, ``gradient_clipping * sqrt(numel / total numel)``)."""
+    exact_method: Literal["hold", "two_pass"] = "hold"
+    """How the global norm (exact clipping) and a non-finite gradient (fp16 overflow) are known
+    before any update: ``hold`` keeps each bucket's reduced gradient shard until backward ends
+    (this rank's shard of all gradients), ``two_pass`` runs backward twice, the first pass for the
+    norm only (about one bucket of gradients; one more backward of time)."""
+    nonfinite: Literal["auto", "raise", "skip_step"] = "auto"
+    """A non-finite gradient: ``skip_step`` skips the step on every rank with no parameter updated
+    (a global pass every step, see ``exact_method``); ``raise`` stops every rank with an error
+    naming the bucket; ``auto`` = ``skip_step`` under fp16 (dynamic loss scaling), else ``raise``."""
     overlap_comm: bool = True
-    """Reduce buckets asynchronously while backward continues."""
+    """Reduce the next bucket while the previous one is applied and backward continues (one
+    reduction in flight); ``false`` reduces and applies each bucket synchronously."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,21 +292,33 @@ class ActivationsConfig(Section):
 
 @dataclass(frozen=True)
 class CommBuffersConfig(Section):
-    """Communication buckets sized from the model and budget, in one arena reused every step."""
+    """Communication buckets sized from the model, the links and the budget, in one arena reused
+    every step."""
 
     reduce_bucket_size: AutoInt = "auto"
-    """ZeRO ``reduce_bucket_size`` in elements; ``auto`` picks it (a value set in
+    """ZeRO ``reduce_bucket_size`` in elements; ``auto`` applies the sizing rule (a value set in
     ``zero_optimization`` is kept)."""
     allgather_bucket_size: AutoInt = "auto"
     """ZeRO ``allgather_bucket_size`` in elements, likewise."""
     max_fraction_of_budget: Annotated[float, Range(0.0, 1.0, low_exclusive=True)] = 0.05
-    """Upper bound of all communication buffers as a fraction of the memory budget."""
+    """Upper bound of the reduction buffers (all of them) as a fraction of the memory budget."""
+    collective_latency_us: Union[Literal["auto"], Annotated[float, Range(0.0, low_exclusive=True)]] = "auto"
+    """Fixed cost of one collective in the sizing rule; ``auto``: by backend (NCCL 30, gloo 50)."""
+    collective_bandwidth_gbps: Union[Literal["auto"], Annotated[float, Range(0.0, low_exclusive=True)]] = "auto"
+    """Link bandwidth in GB/s in the sizing rule; ``auto``: by backend (NCCL 100, gloo 2)."""
     adapt: bool = True
-    """Resize between steps from measured communication volume and memory headroom."""
+    """Resize the reduction bucket between steps from memory headroom and the number of reductions."""
+    adapt_every_steps: PositiveInt = 10
+    """Consider a resize every N optimizer steps."""
     arena: bool = True
-    """Serve the buckets from one arena allocated once."""
+    """Serve ZeRO-1/2 reduction buckets from one allocation made once, instead of one per backward."""
     lend_to_activations: bool = False
     """Park saved activations in the arena while it is idle between reductions."""
+
+    def check(self) -> Issues:
+        if self.lend_to_activations:
+            return [("lend_to_activations", "is not built yet in this version; set it to false")]
+        return []
 
 
 @dataclass(frozen=True)

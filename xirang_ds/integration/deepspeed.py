@@ -81,6 +81,7 @@ def initialize(
     if model is None:
         return _ORIGINAL_INITIALIZE(**passthrough)  # DeepSpeed's own error for a missing model
     session = Session(xcfg, ds_config)
+    session.model = model
     session.prepare_ds_config()
     session.prepare_model(model)
 

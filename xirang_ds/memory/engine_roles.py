@@ -8,7 +8,7 @@ DeepSpeed release moves them, because its byte accounting no longer closes.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -76,11 +76,15 @@ class TrainingWatch:
         model: the root module (``engine.module`` under DeepSpeed).
         basic_optimizer: the ``torch.optim`` object whose ``step`` marks the optimizer phase.
         wrapper: DeepSpeed's optimizer wrapper (``engine.optimizer``), or ``None``.
+        roles: providers of ``(category, tensors)`` pairs for tensors held outside DeepSpeed's
+            structures (`Session.add_memory_roles`); marked with the model states.
     """
 
     def __init__(self, tracker: MemoryTracker, model: torch.nn.Module, basic_optimizer: Any = None,
-                 wrapper: Any = None, engine: Any = None):
+                 wrapper: Any = None, engine: Any = None,
+                 roles: Sequence[Callable[[], Iterable[tuple[str, Any]]]] = ()):
         self.tracker = tracker
+        self.roles = roles
         self.model = model
         self.basic_optimizer = basic_optimizer
         self.wrapper = wrapper if wrapper is not basic_optimizer else None
@@ -159,16 +163,20 @@ class TrainingWatch:
                 t.mark(tensors, category)
                 if category == PARAMETERS:
                     t.mark([p.grad for p in tensors if p.grad is not None], GRADIENTS)
+        for provider in self.roles:
+            for category, tensors in provider():
+                t.mark(tensors, category)
 
     def remove(self) -> None:
         while self._handles:
             self._handles.pop().remove()
 
 
-def watch_engine(tracker: MemoryTracker, engine: Any) -> TrainingWatch:
+def watch_engine(tracker: MemoryTracker, engine: Any,
+                 roles: Sequence[Callable[[], Iterable[tuple[str, Any]]]] = ()) -> TrainingWatch:
     """Seed the tracker with what the engine holds and drive it from the engine's hooks."""
     watch = TrainingWatch(tracker, engine.module, getattr(engine, "basic_optimizer", None),
-                          getattr(engine, "optimizer", None), engine)
+                          getattr(engine, "optimizer", None), engine, roles=roles)
     seed_model_states(tracker, watch)
     return watch
 

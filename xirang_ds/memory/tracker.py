@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from xirang_ds.memory.categories import (
     ACTIVATIONS,
     CATEGORIES,
+    DEVICE_CATEGORIES,
     HOST,
     PRIORITY,
     TEMPORARIES,
@@ -549,6 +550,17 @@ class Window:
             if live[c] > peaks[c]:
                 peaks[c] = live[c]
         return peaks
+
+    def most_at_once(self) -> dict[str, int]:
+        """Per device category, the most bytes of it alive at the same time in this window.
+
+        The breakdown at the peak (`report`) shows each category at one moment; a category can be
+        larger at another (gradients at the end of backward while the peak is at its start).
+        Categories are resolved as they are now (roles given after creation count). The device
+        part of `category_peaks`.
+        """
+        peaks = self.category_peaks()
+        return {c: peaks[c] for c in DEVICE_CATEGORIES}
 
     def close(self) -> None:
         self.tracker.close_window(self)

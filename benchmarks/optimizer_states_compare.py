@@ -1,0 +1,115 @@
+"""Side by side on one tensor: optimizer-state bytes per parameter and update time per parameter of
+torch AdamW, DynamicAdamW in each format, torchao AdamW8bit/AdamW4bit and bitsandbytes AdamW8bit.
+
+    .venv/bin/python benchmarks/optimizer_states_compare.py --numel 4194304 --rounds 15 \
+        --threads 1 --json benchmarks/results/optimizer_states_compare.json
+
+Bytes: every tensor the optimizer keeps in ``state`` after a step (torchao's tensor subclasses are
+opened into codes, scales and map). Time: the optimizers step in turn within each round, so a
+burst of load on a shared machine hits them alike; the median over rounds is reported (the first
+step, with state creation and torchao's compilation, is not timed).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from xirang_ds.bench import write_json
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in ``optimizer.state``; tensor subclasses counted by their parts."""
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if not isinstance(value, torch.Tensor):
+                continue
+            if hasattr(value, "__tensor_flatten__") and type(value) is not torch.Tensor:
+                names, _ = value.__tensor_flatten__()
+                total += sum(getattr(value, n).numel() * getattr(value, n).element_size() for n in names)
+            else:
+                total += value.numel() * value.element_size()
+    return total
+
+
+def candidates() -> dict[str, Callable[[list], torch.optim.Optimizer]]:
+    """Optimizer factories by name; libraries that do not import are left out."""
+    from xirang_ds.plugins.optimizer_states import DynamicAdamW
+
+    out: dict[str, Callable[[list], torch.optim.Optimizer]] = {
+        "torch.optim.AdamW (single tensor)": lambda ps: torch.optim.AdamW(ps, foreach=False),
+        "torch.optim.AdamW (fused)": lambda ps: torch.optim.AdamW(ps, fused=True),
+    }
+    for dtype in ("fp32", "bf16", "int8", "int4"):
+        out[f"xirang DynamicAdamW {dtype}"] = (
+            lambda ps, d=dtype: DynamicAdamW(ps, states={"schedule": [{"dtype": d}]}))
+    try:
+        from torchao.optim import AdamW4bit, AdamW8bit
+
+        out["torchao AdamW8bit"] = lambda ps: AdamW8bit(ps)
+        out["torchao AdamW4bit"] = lambda ps: AdamW4bit(ps)
+    except Exception as e:  # pragma: no cover - reported, not fatal
+        print(f"torchao not available: {e}")
+    try:
+        import bitsandbytes as bnb
+
+        out["bitsandbytes AdamW8bit"] = lambda ps: bnb.optim.AdamW8bit(ps)
+    except Exception as e:  # pragma: no cover
+        print(f"bitsandbytes not available: {e}")
+    return out
+
+
+def run(numel: int, rounds: int, threads: int) -> dict[str, Any]:
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)
+    makers = candidates()
+    params, opts = {}, {}
+    for name, make in makers.items():
+        p = torch.nn.Parameter(torch.randn(numel, generator=gen) * 0.02)
+        p.grad = torch.randn(numel, generator=gen) * 1e-3
+        opt = make([p])
+        opt.step()  # creates states (and compiles torchao's step)
+        params[name], opts[name] = p, opt
+    times: dict[str, list[float]] = {name: [] for name in makers}
+    for _ in range(rounds):
+        for name, opt in opts.items():
+            params[name].grad = torch.randn(numel, generator=gen) * 1e-3
+            start = time.perf_counter()
+            opt.step()
+            times[name].append(time.perf_counter() - start)
+    rows = {}
+    for name in makers:
+        med = statistics.median(times[name])
+        rows[name] = {"state_bytes_per_param": state_bytes(opts[name]) / numel,
+                      "update_ns_per_param": med * 1e9 / numel,
+                      "update_ns_per_param_all_rounds": [t * 1e9 / numel for t in times[name]]}
+    return {"numel": numel, "rounds": rounds, "threads": threads, "torch": torch.__version__,
+            "machine": f"{platform.machine()}, {os.cpu_count()} cpu(s)", "results": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--numel", type=int, default=1 << 22)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    result = run(args.numel, args.rounds, args.threads)
+    width = max(map(len, result["results"]))
+    print(f"{'optimizer'.ljust(width)}  state B/param  update ns/param  ({args.threads} thread(s), "
+          f"{args.numel:,} elements, median of {args.rounds})")
+    for name, row in result["results"].items():
+        print(f"{name.ljust(width)}  {row['state_bytes_per_param']:13.4f}  {row['update_ns_per_param']:15.2f}")
+    if args.json:
+        write_json(result, args.json)
+
+
+if __name__ == "__main__":
+    main()

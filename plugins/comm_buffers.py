@@ -1,0 +1,356 @@
+"""Adaptive communication buffers: bucket sizes from the model, the links and the budget; one arena.
+
+**The rule** (`auto_bucket_numel`). A ring reduce-scatter of ``n`` elements of ``b`` bytes over ``p``
+ranks costs about ``(p-1)*alpha + (p-1)/p * n*b/beta`` (latency ``alpha``, bandwidth ``beta``). At
+``n*b = 9*p*alpha*beta`` the fixed cost is 10% of the transfer, so the bucket runs at >= 90% of link
+bandwidth; larger buckets only add memory (``p`` is capped at 8: larger groups use trees). The bucket is then held to at least the largest parameter (a gradient never straddles
+reductions), at most ``max_fraction_of_budget`` of the memory budget over all its buffers (2 with
+``overlap_comm``), and at most the model (beyond that there is nothing left to overlap with).
+``alpha``/``beta`` default by backend: NCCL 30 us / 100 GB/s, gloo 50 us / 2 GB/s; override with
+``collective_latency_us`` / ``collective_bandwidth_gbps``.
+
+**Keys.** With the section enabled, ZeRO bucket keys the user left unset are set to the rule's value;
+a value the user set is kept and the log says what auto would have picked.
+
+**Adapting** (``adapt``). Every ``adapt_every_steps`` optimizer steps: if the step's peak is above
+90% of the budget, the reduction bucket halves (not below the largest parameter); if the backward
+needed more than 32 reductions and doubling stays within the cap and the headroom, it doubles. Each
+change is logged with its reason and takes effect at the next backward.
+
+**Megatron-core** (`prepare_ddp_config`). The same rule sizes ``DistributedDataParallelConfig.bucket_size``
+(Megatron-LM ``--ddp-bucket-size``) when the user left it unset and ``overlap_grad_reduce`` is on; a size
+the user set is kept, and a different explicit ``reduce_bucket_size`` in the block is an error naming
+both. Megatron's DDP keeps all gradients in one persistent buffer whose buckets are views, so the size
+sets how reductions overlap backward, not memory: the arena and adapting do not apply there.
+
+**Arena** (``arena``, ZeRO 1/2). The reduction buckets come from one allocation made at ``attach``
+and reused every backward (`xirang_ds.memory.arena`), instead of DeepSpeed's ``torch.empty`` per
+backward; the arena is resized only when the bucket size adapts. ZeRO 3 already keeps its bucket
+from init.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional
+
+from xirang_ds.config.schema import CommBuffersConfig
+from xirang_ds.config.types import format_bytes
+from xirang_ds.config.validate import XirangConfigError
+from xirang_ds.hooks import wrap_method
+from xirang_ds.registry import Plugin, register_plugin
+
+logger = logging.getLogger("xirang_ds")
+
+LINKS = {"nccl": (30e-6, 100e9), "gloo": (50e-6, 2e9), "hccl": (30e-6, 50e9), "ccl": (50e-6, 10e9)}
+"""Backend → (latency s, bandwidth bytes/s) used when the config leaves them ``auto``."""
+DEEPSPEED_DEFAULT_BUCKET = 500_000_000
+MAX_REDUCTIONS_PER_STEP = 32
+PRESSURE = 0.9
+
+
+RING_RANKS_MAX = 8
+"""Beyond this many ranks NCCL reduces with trees and hierarchies, not one flat ring."""
+
+
+def auto_bucket_numel(largest_param: int, total_params: int, elem_bytes: int, buffers: int, budget_bytes: int,
+                      max_fraction: float, latency_s: float, bandwidth: float, ranks: int = 1) -> tuple[int, str]:
+    """The bucket size rule of the module docstring; returns (elements, why).
+
+    A ring reduce-scatter over ``p`` ranks pays ``p - 1`` latencies and moves ``(p - 1)/p`` of the
+    bucket, so >= 90% link efficiency needs ``n*b >= 9*p*alpha*beta`` (``p`` capped at
+    `RING_RANKS_MAX`, beyond which collectives are not flat rings).
+    """
+    p = max(1, min(int(ranks), RING_RANKS_MAX))
+    efficient = int(9 * p * latency_s * bandwidth / elem_bytes)
+    cap = int(max_fraction * budget_bytes / (elem_bytes * buffers))
+    n = max(efficient, largest_param)
+    why = (f"9*p*alpha*beta = {format_bytes(efficient * elem_bytes)} for >= 90% link efficiency on {p} rank(s)"
+           if efficient >= largest_param else f"the largest parameter ({largest_param:,} elements)")
+    if n > total_params:
+        n, why = total_params, f"the whole model ({total_params:,} elements)"
+    if n > cap:
+        n, why = max(1, cap), f"the cap of {max_fraction:.0%} of the budget over {buffers} buffer(s)"
+    return n, why
+
+
+def _data_parallel_size() -> int:
+    """Megatron's data-parallel size when its groups exist, else the world size."""
+    try:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            return int(parallel_state.get_data_parallel_world_size())
+    except ImportError:
+        pass
+    return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+
+
+@register_plugin(CommBuffersConfig, section="comm_buffers", order=10)
+class CommBuffersPlugin(Plugin):
+    """Sizes ZeRO buckets, serves ZeRO-1/2 buckets from one arena, and adapts the size between steps;
+    under Megatron-core, sizes the DDP buckets."""
+
+    frameworks = ("deepspeed", "megatron")
+
+    def __init__(self, config: CommBuffersConfig, session):
+        super().__init__(config, session)
+        self.decisions: dict[str, dict] = {}
+        self.changes: list[dict] = []
+        self.arena = None
+        self.server = None
+        self.reductions = 0
+        self._window = None
+
+    # ds_config --------------------------------------------------------------------------------
+    def prepare_ds_config(self, ds_config: dict) -> None:
+        model = self.session.model
+        params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
+        if not params:
+            return
+        zero = ds_config.setdefault("zero_optimization", {})
+        stage = int(zero.get("stage", 0))
+        self.stage = stage
+        elem = 2 if any(ds_config.get(k, {}).get("enabled") in (True, "true") for k in ("bf16", "fp16")) else 4
+        overlap = bool(zero.get("overlap_comm", stage == 3))
+        buffers = 2 if overlap else 1
+        budget = self._budget_bytes()
+        latency, bandwidth = self._link()
+        largest = max(p.numel() for p in params)
+        total = sum(p.numel() for p in params)
+        n, why = auto_bucket_numel(largest, total, elem, buffers, budget, self.config.max_fraction_of_budget,
+                                   latency, bandwidth, self.session.world_size)
+        self.floor = min(largest, n)
+        self.cap = max(n, int(self.config.max_fraction_of_budget * budget / (elem * buffers)))
+        self.elem_bytes, self.buffers, self.total = elem, buffers, total
+        if self.config.reduce_bucket_size != "auto" and int(self.config.reduce_bucket_size) < largest:
+            raise XirangConfigError([("xirang.comm_buffers.reduce_bucket_size",
+                                      f"{int(self.config.reduce_bucket_size):,} elements is smaller than the largest "
+                                      f"parameter ({largest:,} elements), whose gradient would then bypass the arena "
+                                      f"and be allocated every step; use at least {largest:,} or \"auto\"")])
+        keys = ["reduce_bucket_size", "allgather_bucket_size"]
+        if stage == 3:
+            keys.append("stage3_prefetch_bucket_size")
+        for key in keys:
+            requested = getattr(self.config, key, "auto") if key != "stage3_prefetch_bucket_size" else "auto"
+            if key in zero and zero[key] != "auto":
+                self.decisions[key] = {"value": int(float(zero[key])), "auto": n, "why": why, "kept": True}
+                self._log(f"{key}: keeping the value you set ({int(float(zero[key])):,} elements); auto would pick "
+                          f"{n:,} ({why})")
+                continue
+            value = n if requested == "auto" else int(requested)
+            zero[key] = value
+            self.decisions[key] = {"value": value, "auto": n, "why": why, "kept": False}
+            self._log(f"{key}: {value:,} elements = {format_bytes(value * elem)} per buffer "
+                      f"({'auto: ' + why if requested == 'auto' else 'from xirang.comm_buffers'}; "
+                      f"DeepSpeed's default is {DEEPSPEED_DEFAULT_BUCKET:,})")
+
+    def prepare_ddp_config(self, ddp_config: Any) -> None:
+        """Size Megatron DDP's ``bucket_size`` with the rule of the module docstring.
+
+        Raises:
+            XirangConfigError: an explicit ``reduce_bucket_size`` disagrees with the DDP config's, has
+                no effect (no ``overlap_grad_reduce``), or ``allgather_bucket_size`` is set (Megatron
+                gathers parameters in the gradient buckets).
+        """
+        model = self.session.model
+        params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
+        if not params:
+            return
+        knob = "DistributedDataParallelConfig.bucket_size (Megatron-LM --ddp-bucket-size)"
+        requested = self.config.reduce_bucket_size
+        if self.config.allgather_bucket_size != "auto":
+            raise XirangConfigError([("xirang.comm_buffers.allgather_bucket_size",
+                                      f"is {int(self.config.allgather_bucket_size):,} but Megatron's DDP gathers "
+                                      f"parameters in its gradient buckets, sized by {knob}; remove the key or "
+                                      "set it to \"auto\" for Megatron runs")])
+        if not ddp_config.overlap_grad_reduce:
+            if requested != "auto":
+                raise XirangConfigError([("xirang.comm_buffers.reduce_bucket_size",
+                                          f"is {int(requested):,} but Megatron's DDP reduces all gradients in one "
+                                          "bucket after backward unless overlap_grad_reduce is on (Megatron-LM "
+                                          "--overlap-grad-reduce); turn that on, or set reduce_bucket_size to "
+                                          "\"auto\"")])
+            self.decisions["bucket_size"] = {"value": None, "auto": None, "kept": True,
+                                             "why": "overlap_grad_reduce is off: one bucket after backward"}
+            self._log("Megatron DDP: overlap_grad_reduce is off, so all gradients reduce in one bucket after "
+                      "backward; nothing to size")
+            return
+        dtype = getattr(getattr(model, "config", None), "params_dtype", None) or params[0].dtype
+        elem = 4 if ddp_config.grad_reduce_in_fp32 else dtype.itemsize
+        latency, bandwidth = self._link()
+        largest = max(p.numel() for p in params)
+        total = sum(p.numel() for p in params)
+        n, why = auto_bucket_numel(largest, total, elem, 1, self._budget_bytes(),
+                                   self.config.max_fraction_of_budget, latency, bandwidth, _data_parallel_size())
+        if ddp_config.bucket_size is not None:
+            kept = int(ddp_config.bucket_size)
+            if requested != "auto" and int(requested) != kept:
+                raise XirangConfigError([("xirang.comm_buffers.reduce_bucket_size",
+                                          f"is {int(requested):,} but {knob} is set to {kept:,}; set one of them "
+                                          "(or both to the same value)")])
+            self.decisions["bucket_size"] = {"value": kept, "auto": n, "why": why, "kept": True}
+            self._log(f"Megatron DDP bucket_size: keeping the value you set ({kept:,} elements); auto would pick "
+                      f"{n:,} ({why})")
+            return
+        value = n if requested == "auto" else int(requested)
+        ddp_config.bucket_size = value
+        self.decisions["bucket_size"] = {"value": value, "auto": n, "why": why, "kept": False}
+        self._log(f"Megatron DDP bucket_size: {value:,} elements = {format_bytes(value * elem)} per bucket "
+                  f"({'auto: ' + why if requested == 'auto' else 'from xirang.comm_buffers'}; Megatron's default "
+                  f"is max(40,000,000, 1,000,000 x data-parallel size))")
+
+    def _budget_bytes(self) -> int:
+        budget = self.session.config.memory_budget
+        if budget != "auto":
+            return int(budget)
+        from deepspeed.accelerator import get_accelerator
+
+        return int(get_accelerator().total_memory())
+
+    def _link(self) -> tuple[float, float]:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            backend = str(dist.get_backend())  # the group Megatron (or the user) already built
+        else:
+            from deepspeed.accelerator import get_accelerator
+
+            backend = get_accelerator().communication_backend_name()
+        latency, bandwidth = LINKS.get(backend, LINKS["nccl"])
+        if self.config.collective_latency_us != "auto":
+            latency = float(self.config.collective_latency_us) * 1e-6
+        if self.config.collective_bandwidth_gbps != "auto":
+            bandwidth = float(self.config.collective_bandwidth_gbps) * 1e9
+        return latency, bandwidth
+
+    # engine ---------------------------------------------------------------------------------------
+    def attach(self, engine: Any) -> None:
+        from xirang_ds.memory.arena import Arena, ArenaServer, bucket_slots
+
+        self.engine = engine
+        if self.session.framework == "megatron":
+            return  # Megatron's grad buffer is allocated once by its DDP; buckets are views of it
+        opt = engine.optimizer
+        slots = bucket_slots(opt)
+        if self.config.arena and slots is not None:
+            size = int(opt.reduce_bucket_size)
+            self.arena = Arena(size, slots, opt._gradient_reduction_buffer_dtype(), engine.device)
+            self._mark_arena()
+            self.server = self.keep(ArenaServer(opt, self.arena))
+        if slots is not None and hasattr(opt, "reduce_ipg_grads"):
+            self.keep(wrap_method(opt, "reduce_ipg_grads", self._count))
+        if self.config.adapt and slots is not None:
+            self.keep(wrap_method(engine, "step", self._step))
+            if engine.device.type == "cpu":
+                self._window = self.session.track_memory().open_window()
+
+    def _mark_arena(self) -> None:
+        tracker = self.session._tracker
+        if tracker is not None and self.arena is not None:
+            tracker.mark([self.arena.buffer], "comm_buffers")
+
+    def _count(self, original, *args: Any, **kwargs: Any) -> Any:
+        self.reductions += 1
+        return original(*args, **kwargs)
+
+    def describe(self) -> str:
+        parts = [f"{k}={v['value']:,}" if v["value"] is not None else f"{k}: {v['why']}"
+                 for k, v in self.decisions.items()]
+        if self.session.framework == "megatron" and self.decisions:
+            parts.append("Megatron DDP buckets are views of its persistent grad buffer (no arena, no resizing)")
+        if self.arena is not None:
+            parts.append(f"arena {format_bytes(self.arena.nbytes)} ({self.arena.slots} slot(s), allocated once)")
+        return ", ".join(parts) or "no trainable parameters"
+
+    # adapting -------------------------------------------------------------------------------------
+    def _step(self, original, *args: Any, **kwargs: Any) -> Any:
+        before = self.engine.global_steps
+        result = original(*args, **kwargs)
+        if self.engine.global_steps != before:
+            if self.engine.global_steps % self.config.adapt_every_steps == 0:
+                self.adapt()
+            self.reductions = 0
+        return result
+
+    def _peak(self) -> int:
+        if self._window is not None:
+            peak = self._window.peak_bytes
+            self._window.reset()
+            return peak
+        from deepspeed.accelerator import get_accelerator
+
+        return int(get_accelerator().max_memory_allocated())
+
+    def adapt(self) -> Optional[dict]:
+        """One adaptation decision (all ranks decide alike: the inputs are agreed by all_reduce)."""
+        import torch
+
+        opt = self.engine.optimizer
+        size = int(opt.reduce_bucket_size)
+        budget = self._budget_bytes()
+        peak = self._peak()
+        stats = torch.tensor([peak, self.reductions], dtype=torch.float64)
+        import deepspeed.comm as dist
+
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            stats = stats.to(self.engine.device)
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+        peak, reductions = int(stats[0].item()), int(stats[1].item())
+        extra = size * self.elem_bytes * self.buffers
+        new, reason = size, None
+        if peak > PRESSURE * budget and size > self.floor:
+            new = max(self.floor, size // 2)
+            reason = f"step peak {format_bytes(peak)} is above {PRESSURE:.0%} of the budget {format_bytes(budget)}"
+        elif reductions > MAX_REDUCTIONS_PER_STEP and size * 2 <= self.cap and peak + extra < PRESSURE * budget:
+            new = size * 2
+            reason = f"{reductions} reductions in the last backward (> {MAX_REDUCTIONS_PER_STEP}) with headroom"
+        if new == size:
+            return None
+        opt.reduce_bucket_size = new
+        change = {"step": self.engine.global_steps, "from": size, "to": new, "why": reason}
+        self.changes.append(change)
+        self.session.record_event("comm_buffers_resize", **change)
+        if self.arena is not None:
+            from xirang_ds.memory.arena import Arena
+
+            self.arena = Arena(new, self.arena.slots, self.arena.dtype, self.arena.device)
+            self.server.replace(self.arena)
+            self._mark_arena()
+        self._log(f"step {change['step']}: reduce_bucket_size {size:,} -> {new:,} elements ({reason})")
+        return change
+
+    def _log(self, message: str) -> None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            logger.info("comm_buffers: %s", message)
+
+    def state_dict(self) -> dict:
+        opt = getattr(getattr(self, "engine", None), "optimizer", None)
+        return {"reduce_bucket_size": int(opt.reduce_bucket_size) if hasattr(opt, "reduce_bucket_size") else None,
+                "changes": list(self.changes)}
+
+    def load_state_dict(self, state: dict) -> None:
+        size = state.get("reduce_bucket_size")
+        opt = self.engine.optimizer
+        if size and hasattr(opt, "reduce_bucket_size") and int(size) != int(opt.reduce_bucket_size):
+            opt.reduce_bucket_size = int(size)
+            if self.arena is not None:
+                from xirang_ds.memory.arena import Arena
+
+                self.arena = Arena(int(size), self.arena.slots, self.arena.dtype, self.arena.device)
+                self.server.replace(self.arena)
+                self._mark_arena()
+        self.changes = list(state.get("changes", []))
+
+    def adjust_estimate(self, phases: dict, shape: Any, numels: list) -> Optional[dict]:
+        """The bucket sizes are already in the ds_config the estimate reads; the arena keeps the
+        bucket bytes resident in every phase instead of allocating them in each backward."""
+        if not (self.config.arena and shape.stage in (1, 2) and shape.contiguous_gradients):
+            return phases
+        arena = shape.reduce_bucket * shape.lp_bytes * (2 if shape.overlap_comm else 1)
+        out = {}
+        for name, cats in phases.items():
+            cats = dict(cats)
+            cats["comm_buffers"] = max(cats.get("comm_buffers", 0), arena)
+            out[name] = cats
+        return out

@@ -1,0 +1,367 @@
+"""One bucket on one rank: its parameters, this rank's fp32 master slices and their optimizer, and
+the gradient buffers of the step in progress.
+
+Life of a bucket's gradient in one optimizer step (``layout.py`` has the buffer layout):
+
+1. ``add``: each parameter's gradient is copied into the bucket's communication buffer as soon as
+   autograd finishes it, and ``param.grad`` is dropped at once.
+2. ``launch``/``wait``: the buffer is reduce-scattered (sharded: each rank keeps the sum of its
+   row) or all-reduced (stage 0: every rank keeps the whole sum).
+3. Not the last micro-step (gradient accumulation): ``fold`` adds the averaged shard into an fp32
+   accumulator of this rank's shard. Stage 0 skips the collective and accumulates locally
+   (``add(..., local=True)``); it reduces the accumulator once, in the last micro-step.
+4. Last micro-step: ``finalize`` makes the step's gradient; ``apply`` unscales and clips it, steps
+   the bucket's optimizer and frees it, then casts the masters into the parameters (stage 0) or
+   all-gathers every rank's updated slices (``gather``/``finish_gather``).
+
+A bucket's parameters share one dtype. Parameters in fp32 are their own masters (the optimizer
+steps views of them); 16-bit parameters get an fp32 master copy of this rank's slices.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Optional, Sequence, Union
+
+import torch
+
+from xirang_ds.memory.categories import COMM_BUFFERS, GRADIENTS
+from xirang_ds.plugins.grad_release.comm import DataParallelComm, wait
+from xirang_ds.plugins.grad_release.layout import BucketLayout, Piece
+from xirang_ds.plugins.grad_release.optimizers import clone_optimizer, hyperparameters, sync_hyperparameters
+
+Scope = Callable[[str], ContextManager[None]]
+Coefficient = Union[float, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SliceOf:
+    """Which parameter a tensor stepped by a bucket's optimizer is a slice of.
+
+    Attributes:
+        name: the parameter's name in the model.
+        shape: the parameter's shape.
+        start: first element of the slice in the flattened parameter.
+        numel: elements in the slice (the whole parameter when not sharded).
+    """
+
+    name: str
+    shape: tuple
+    start: int
+    numel: int
+
+
+def no_scope(category: str) -> ContextManager[None]:
+    """The `Scope` used without a memory tracker."""
+    return contextlib.nullcontext()
+
+
+class Bucket:
+    """A bucket of parameters on this rank.
+
+    Args:
+        index: position of the bucket in the launch order.
+        params: the bucket's parameters, one dtype, contiguous.
+        names: their names (messages, checkpoints).
+        sources: for each parameter, the index of its group in the basic optimizer.
+        layout: the bucket's shard layout (``world`` 1 when not sharded).
+        comm: the data-parallel collectives.
+        basic_optimizer: the engine's basic optimizer (cloned for this bucket, hyperparameters
+            copied from it before every step).
+        comm_dtype: dtype gradients are reduced in.
+        scope: tracker scope for the bucket's transient buffers (`no_scope` without a tracker).
+
+    Attributes:
+        grad: after ``finalize``, the step's gradient shard (``grad * grad_scale`` is the average).
+        steps_applied: optimizer steps this bucket has applied.
+    """
+
+    def __init__(self, index: int, params: Sequence[torch.nn.Parameter], names: Sequence[str],
+                 sources: Sequence[int], layout: BucketLayout, comm: DataParallelComm,
+                 basic_optimizer: torch.optim.Optimizer, comm_dtype: torch.dtype, scope: Scope = no_scope):
+        self.index = index
+        self.params = list(params)
+        self.names = list(names)
+        self.sources = list(sources)
+        self.layout = layout
+        self.comm = comm
+        self.basic = basic_optimizer
+        self.comm_dtype = comm_dtype
+        self.scope = scope
+        self.sharded = layout.world > 1
+        self.dtype = self.params[0].dtype
+        self.pieces: list[Piece] = [p for p in layout.pieces(comm.rank if self.sharded else 0) if p.numel > 0]
+        self.master: Optional[torch.Tensor] = None
+        self.views: list[torch.Tensor] = []
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.group_sources: list[int] = []
+        self.steps_applied = 0
+        self.acc: Optional[torch.Tensor] = None
+        self._reset_step_buffers()
+        self.build_masters()
+
+    # masters and optimizer ------------------------------------------------------------------
+    def build_masters(self) -> None:
+        """(Re)build the fp32 master slices from the parameters and a fresh optimizer over them.
+
+        Each tensor the optimizer steps carries ``xirang_slice_of``: the `SliceOf` saying which
+        parameter it is a slice of (optimizers that decide per parameter, by name or size, read it).
+        """
+        with torch.no_grad():
+            if self.dtype == torch.float32:
+                self.master = None
+                self.views = [self._param_slice(piece) for piece in self.pieces]
+            else:
+                self.master = torch.zeros(self.layout.shard_numel, dtype=torch.float32,
+                                          device=self.params[0].device)
+                self.views = []
+                for piece in self.pieces:
+                    view = self.master[piece.offset:piece.offset + piece.numel]
+                    view.copy_(self._param_slice(piece).reshape(-1))
+                    self.views.append(view if self.sharded else view.view(self.params[piece.index].shape))
+        for piece, view in zip(self.pieces, self.views):
+            param = self.params[piece.index]
+            view.xirang_slice_of = SliceOf(self.names[piece.index], tuple(param.shape), piece.start, piece.numel)
+        self.optimizer = self._make_optimizer()
+        self.steps_applied = 0
+
+    def _param_slice(self, piece: Piece) -> torch.Tensor:
+        param = self.params[piece.index].detach()
+        if not self.sharded:
+            return param
+        return param.view(-1)[piece.start:piece.start + piece.numel]
+
+    def _make_optimizer(self) -> Optional[torch.optim.Optimizer]:
+        by_group: dict[int, list[torch.Tensor]] = {}
+        for piece, view in zip(self.pieces, self.views):
+            by_group.setdefault(self.sources[piece.index], []).append(view)
+        self.group_sources = sorted(by_group)
+        if not by_group:
+            return None  # this rank holds no element of this bucket (tiny parameters, many ranks)
+        groups = [{"params": by_group[i], **hyperparameters(self.basic.param_groups[i])} for i in self.group_sources]
+        return clone_optimizer(self.basic, groups)
+
+    # gradients in ----------------------------------------------------------------------------
+    def _reset_step_buffers(self) -> None:
+        self.arrived = [False] * len(self.params)
+        self.missing = len(self.params)
+        self.target: Optional[torch.Tensor] = None
+        self._target_accumulates = False
+        self.reduced: Optional[torch.Tensor] = None
+        self._in_flight: Optional[torch.Tensor] = None
+        self.work: Any = None
+        self.grad: Optional[torch.Tensor] = None
+        self.grad_scale = 1.0
+        self.gather_work: Any = None
+        self._gather_buffers: tuple = ()
+
+    def begin_backward(self) -> None:
+        """A new backward starts: no gradient of it has arrived."""
+        self.arrived = [False] * len(self.params)
+        self.missing = len(self.params)
+
+    def add(self, index: int, grad: torch.Tensor, local: bool = False, peek: bool = False) -> None:
+        """Take parameter ``index``'s gradient of this backward.
+
+        Args:
+            local: accumulate into this rank's accumulator without a collective (stage 0, not
+                the last micro-step).
+            peek: a norm-only pass: the accumulator must stay as it is.
+        """
+        flat = grad.reshape(-1)
+        if local:
+            self.layout.write(self._accumulator(), index, flat, add=True)
+        else:
+            target = self._target(peek)
+            self.layout.write(target, index, flat, add=self._target_accumulates or self.arrived[index])
+        if not self.arrived[index]:
+            self.arrived[index] = True
+            self.missing -= 1
+
+    def _accumulator(self) -> torch.Tensor:
+        if self.acc is None:
+            numel = self.layout.shard_numel if self.sharded else self.layout.numel
+            with self.scope(GRADIENTS):
+                self.acc = torch.zeros(numel, dtype=torch.float32, device=self.params[0].device)
+        return self.acc
+
+    def _target(self, peek: bool) -> torch.Tensor:
+        if self.target is None:
+            with self.scope(GRADIENTS):
+                if not self.sharded and self.acc is not None:
+                    # stage 0 with accumulation: the local sum so far plus this micro-step
+                    self.target = self.acc.clone() if peek else self.acc
+                    self._target_accumulates = True
+                else:
+                    self.target = torch.empty(self.layout.numel, dtype=self.comm_dtype, device=self.params[0].device)
+                    self._target_accumulates = False
+        return self.target
+
+    @property
+    def complete(self) -> bool:
+        """Every parameter's gradient of this backward has arrived."""
+        return self.missing == 0
+
+    def launch(self, peek: bool = False) -> None:
+        """Start reducing this backward's gradients (zeros for parameters that got none)."""
+        target = self._target(peek)
+        if not self._target_accumulates:
+            for i, done in enumerate(self.arrived):
+                if not done:
+                    self.layout.zero(target, i)
+        if self.sharded:
+            with self.scope(GRADIENTS):
+                self.reduced = torch.empty(self.layout.shard_numel, dtype=target.dtype, device=target.device)
+            self.work = self.comm.reduce_scatter(self.reduced, target)
+            self._in_flight = target
+        else:
+            self.reduced = target
+            self.work = self.comm.all_reduce(target)
+        self.target = None
+
+    def wait(self) -> None:
+        """Wait for the reduction; the communication buffer is freed."""
+        wait(self.work)
+        self.work, self._in_flight = None, None
+
+    # gradients folded -------------------------------------------------------------------------
+    def fold(self) -> None:
+        """Not the last micro-step: add this micro-step's averaged shard into the accumulator."""
+        self._accumulator().add_(self.reduced, alpha=1.0 / self.comm.world)
+        self.reduced = None
+
+    def finalize(self) -> None:
+        """Last micro-step: make ``grad`` (the step's gradient shard) from the reduction."""
+        if self.sharded and self.acc is not None:
+            self.acc.add_(self.reduced, alpha=1.0 / self.comm.world)
+            self.grad, self.grad_scale = self.acc, 1.0
+        else:
+            self.grad, self.grad_scale = self.reduced, 1.0 / self.comm.world
+        self.acc = None
+        self.reduced = None
+
+    def sumsq(self) -> torch.Tensor:
+        """Squared L2 norm of the step's gradient shard (float64 scalar; nan/inf if non-finite)."""
+        norm = torch.linalg.vector_norm(self.grad, dtype=torch.float32).double() * self.grad_scale
+        return norm * norm
+
+    def peek_sumsq(self) -> torch.Tensor:
+        """Norm pass: the squared norm the step's gradient will have, leaving the accumulator as it is."""
+        if self.sharded and self.acc is not None:
+            with self.scope(GRADIENTS):
+                total = torch.add(self.acc, self.reduced, alpha=1.0 / self.comm.world)
+            norm = torch.linalg.vector_norm(total, dtype=torch.float32).double()
+            del total
+        else:
+            norm = torch.linalg.vector_norm(self.reduced, dtype=torch.float32).double() / self.comm.world
+        self.reduced = None
+        return norm * norm
+
+    def param_sumsq(self) -> torch.Tensor:
+        """Squared norm of each parameter's part of the step's gradient shard (float64 vector)."""
+        g = self.grad
+        parts = [torch.linalg.vector_norm(g[off:off + c], dtype=torch.float32)
+                 for off, c in zip(self.layout.offsets, self.layout.chunks)]
+        norms = torch.stack(parts).double() * self.grad_scale
+        return norms * norms
+
+    # the update -------------------------------------------------------------------------------
+    def apply(self, coefficient: Coefficient) -> None:
+        """Step this bucket with its gradient times ``coefficient``, free the gradient, start the gather.
+
+        Args:
+            coefficient: one multiplier (unscale and clip), or one per parameter (a tensor).
+        """
+        grad = self._grad32()
+        if isinstance(coefficient, torch.Tensor):
+            for piece in self.pieces:
+                grad[piece.offset:piece.offset + piece.numel].mul_(coefficient[piece.index])
+        elif coefficient != 1.0:
+            grad.mul_(coefficient)
+        if self.optimizer is not None:
+            for piece, view in zip(self.pieces, self.views):
+                view.grad = grad[piece.offset:piece.offset + piece.numel].view(view.shape)
+            sync_hyperparameters(self.basic.param_groups, self.optimizer, self.group_sources)
+            self.optimizer.step()
+            for view in self.views:
+                view.grad = None
+        del grad
+        self.grad = None
+        self.steps_applied += 1
+        self.gather()
+
+    def _grad32(self) -> torch.Tensor:
+        grad, scale = self.grad, self.grad_scale
+        if grad.dtype != torch.float32:
+            with self.scope(GRADIENTS):
+                grad = grad.float()
+        if scale != 1.0:
+            grad.mul_(scale)
+        return grad
+
+    def gather(self) -> None:
+        """Bring the updated masters back into the parameters (all-gather when sharded)."""
+        with torch.no_grad():
+            if not self.sharded:
+                if self.master is not None:
+                    for piece, view in zip(self.pieces, self.views):
+                        self.params[piece.index].copy_(view)
+                return
+            device = self.params[0].device
+            with self.scope(COMM_BUFFERS):
+                shard = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=device)
+                if self.master is not None:
+                    shard.copy_(self.master)
+                else:
+                    for piece, view in zip(self.pieces, self.views):
+                        shard[piece.offset:piece.offset + piece.numel].copy_(view)
+                full = torch.empty(self.layout.numel, dtype=self.dtype, device=device)
+            self.gather_work = self.comm.all_gather(full, shard)
+            self._gather_buffers = (shard, full)
+
+    def finish_gather(self) -> None:
+        """Wait for the all-gather and copy every rank's slices into the parameters."""
+        if not self._gather_buffers:
+            return
+        wait(self.gather_work)
+        shard, full = self._gather_buffers
+        with torch.no_grad():
+            for i, param in enumerate(self.params):
+                self.layout.read(full, i, param.detach().view(-1))
+        self.gather_work, self._gather_buffers = None, ()
+
+    def discard(self) -> None:
+        """Drop the step's gradients (skipped step) and any buffer of the backward in progress."""
+        wait(self.work)
+        wait(self.gather_work)
+        self.acc = None
+        self._reset_step_buffers()
+
+    def abort_backward(self) -> None:
+        """Forget a backward that did not finish (its gradients are lost; the accumulator stays)."""
+        wait(self.work)
+        self.finish_gather()
+        acc = self.acc
+        self._reset_step_buffers()
+        self.acc = acc
+
+    # checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's masters and optimizer state (fp32 parameters: optimizer state only)."""
+        return {"master": self.master, "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+                "steps_applied": self.steps_applied}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.master is not None and state["master"] is not None:
+            self.master.copy_(state["master"])
+        if self.optimizer is not None and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.steps_applied = int(state.get("steps_applied", 0))
+
+    def fingerprint(self) -> dict:
+        """What must match for a checkpoint of this bucket to load here."""
+        return {"names": list(self.names), "numels": list(self.layout.numels), "world": self.layout.world,
+                "dtype": str(self.dtype).replace("torch.", "")}
+
+
+__all__ = ["Bucket", "Coefficient", "Scope", "SliceOf", "no_scope"]

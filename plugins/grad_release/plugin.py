@@ -1,0 +1,350 @@
+"""The grad_release plugin: attaches the fused step to a DeepSpeed engine.
+
+Seams (the design is in ``docs/grad_release.md``):
+
+* ``prepare_ds_config``: read precision, ZeRO stage and clipping from the ds_config, refuse what
+  cannot work, hand DeepSpeed a copy without them (`ds_config.py`).
+* ``prepare_model``: cast parameters to fp16/bf16 as DeepSpeed would have.
+* ``attach``: plan buckets over the basic optimizer's parameters, build each bucket's master slices
+  and optimizer, register one post-accumulate-grad hook per parameter, wrap ``engine.backward``,
+  ``engine.step``, ``save_checkpoint`` and ``load_checkpoint`` on this engine instance.
+* ``remove``: hand the optimizer state back to the basic optimizer, undo every hook and wrapper.
+
+``engine.backward(loss)`` keeps its meaning: it runs backward; in the last micro-step of an
+accumulation it also applies the optimizer update, bucket by bucket. ``engine.step()`` keeps its
+meaning for everything around the update: it advances ``global_steps``, ``global_samples`` and
+``micro_steps``, steps the LR scheduler unless the step was skipped, and counts ``skipped_steps``.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import os
+from typing import Any, Optional
+
+import torch
+
+from xirang_ds.config.schema import GradReleaseConfig
+from xirang_ds.config.validate import XirangConfigError
+from xirang_ds.hooks import CallbackHandle, wrap_method
+from xirang_ds.memory.categories import GRADIENTS, OPTIMIZER_STATES, PARAMETERS
+from xirang_ds.registry import Plugin, register_plugin
+
+logger = logging.getLogger("xirang_ds")
+
+
+@register_plugin(GradReleaseConfig, section="grad_release", order=50)
+class GradReleasePlugin(Plugin):
+    """Optimizer step fused into backward, with data parallel, accumulation, clipping and fp16.
+
+    Attributes:
+        setup: what the user's ds_config asked for (`ds_config.TrainingSetup`).
+        buckets: this rank's buckets in launch order (after ``attach``).
+        pipeline: the per-backward machinery (`pipeline.ReleasePipeline`).
+        policy: passes, multipliers, loss scale and step outcomes (`policy.ReleasePolicy`).
+    """
+
+    def __init__(self, config: GradReleaseConfig, session: Any) -> None:
+        super().__init__(config, session)
+        self.setup: Any = None
+        self.engine: Any = None
+        self.comm: Any = None
+        self.buckets: list[Any] = []
+        self.pipeline: Any = None
+        self.policy: Any = None
+        self.bucket_numel = 0
+        self._applied_at_micro_step: Optional[int] = None
+
+    # seams before DeepSpeed -----------------------------------------------------------------
+    def prepare_ds_config(self, ds_config: dict) -> None:
+        from xirang_ds.plugins.grad_release.ds_config import hand_over, read_setup
+
+        self.setup = read_setup(ds_config, self.config)
+        hand_over(ds_config)
+
+    def prepare_model(self, model: Any) -> None:
+        from xirang_ds.plugins.grad_release.ds_config import cast_model
+
+        cast_model(model, self.setup.param_dtype)
+
+    def prepare_optimizer(self, optimizer: Any) -> Any:
+        if optimizer is None:
+            raise XirangConfigError([("", "xirang.grad_release needs an optimizer to step during backward, and "
+                                          "neither a client optimizer nor an \"optimizer\" block was given. Fix: pass "
+                                          "optimizer= to initialize or add an \"optimizer\" block")])
+        return optimizer
+
+    # attach ------------------------------------------------------------------------------------
+    def attach(self, engine: Any) -> None:
+        from xirang_ds.plugins.grad_release.comm import DataParallelComm
+        from xirang_ds.plugins.grad_release.ds_config import make_loss_scaler
+        from xirang_ds.plugins.grad_release.pipeline import ReleasePipeline
+        from xirang_ds.plugins.grad_release.policy import ReleasePolicy
+
+        self.engine = engine
+        self._check_engine(engine)
+        self.comm = DataParallelComm(engine.seq_data_parallel_group)
+        sharded = self.setup.zero_stage >= 1 and self.comm.world > 1
+        self.buckets = self._build_buckets(engine, sharded)
+        total = sum(b.layout.numels[i] for b in self.buckets for i in range(len(b.params)))
+        self.policy = ReleasePolicy(self.comm, sharded, self.setup.gradient_clipping, self.config.clipping,
+                                    self.config.exact_method, self.setup.skip_nonfinite,
+                                    make_loss_scaler(self.setup), total)
+        tracker = self.session.tracker
+        self.pipeline = ReleasePipeline(self.buckets, self.config.overlap_comm,
+                                        on_grad_seen=lambda g: tracker.mark(g, GRADIENTS) if tracker.active else None)
+        for bucket in self.buckets:
+            for param in bucket.params:
+                self.keep(param.register_post_accumulate_grad_hook(self.pipeline.on_grad))
+        self.keep(wrap_method(engine, "backward", self._backward))
+        self.keep(wrap_method(engine, "step", self._step))
+        self.keep(wrap_method(engine, "save_checkpoint", self._save_checkpoint))
+        self.keep(wrap_method(engine, "load_checkpoint", self._load_checkpoint))
+        previous = engine.enable_backward_allreduce
+        engine.enable_backward_allreduce = False
+        self.keep(CallbackHandle(lambda: setattr(engine, "enable_backward_allreduce", previous)))
+        self.keep(self.session.add_memory_roles(self._memory_roles))
+
+    def _check_engine(self, engine: Any) -> None:
+        from xirang_ds.plugins.grad_release.compat import protocol_holds
+
+        problems = [("", f"xirang.grad_release: {m}; this DeepSpeed version is not supported")
+                    for m in protocol_holds()]
+        if type(engine).__name__ == "PipelineEngine":
+            problems.append(("", "xirang.grad_release cannot run under pipeline parallelism (a PipelineModule): the "
+                                 "pipeline engine schedules its own backward and reduction. Fix: disable "
+                                 "xirang.grad_release for pipeline-parallel runs"))
+        if getattr(engine, "has_moe_layers", False):
+            problems.append(("", "xirang.grad_release cannot run with MoE layers: expert parameters reduce over "
+                                 "expert-parallel groups. Fix: disable xirang.grad_release for MoE models"))
+        if engine.optimizer is not engine.basic_optimizer:
+            problems.append(("", f"xirang.grad_release expected DeepSpeed to use the basic optimizer directly, but "
+                                 f"it wrapped it in {type(engine.optimizer).__name__} (another plugin changed the "
+                                 "precision or ZeRO settings after grad_release?). Fix: disable one of them"))
+        if problems:
+            raise XirangConfigError(problems)
+
+    def _build_buckets(self, engine: Any, sharded: bool) -> list[Any]:
+        from xirang_ds.plugins.grad_release.bucket import Bucket
+        from xirang_ds.plugins.grad_release.layout import BucketLayout, auto_bucket_numel, plan_buckets
+        from xirang_ds.plugins.grad_release.optimizers import optimizer_problems
+
+        basic = engine.basic_optimizer
+        problems = optimizer_problems(basic, sharded, self.setup.zero_stage)
+        if problems:
+            raise XirangConfigError([("", f"xirang.grad_release: {p}") for p in problems])
+        group_of = {p: gi for gi, g in enumerate(basic.param_groups) for p in g["params"]}
+        order = [(n, p) for n, p in reversed(list(engine.module.named_parameters())) if p.requires_grad]
+        missing = [n for n, p in order if p not in group_of]
+        if missing:
+            raise XirangConfigError([("", f"xirang.grad_release: parameter {missing[0]} requires grad but is in no "
+                                          f"param group of the optimizer ({len(missing)} such); grad_release would drop "
+                                          "its gradient. Fix: give the optimizer every trainable parameter or set "
+                                          "requires_grad=False on the others")])
+        odd = [n for n, p in order if not p.is_contiguous() or p.is_sparse]
+        if odd:
+            raise XirangConfigError([("", f"xirang.grad_release: parameter {odd[0]} is not a dense contiguous tensor")])
+        total = sum(p.numel() for _, p in order)
+        self.bucket_numel = (auto_bucket_numel(total) if self.config.bucket_size_numel == "auto"
+                             else int(self.config.bucket_size_numel))
+        world = self.comm.world if sharded else 1
+        tracker = self.session.tracker
+        buckets: list[Any] = []
+        for run in _dtype_runs(order):
+            for indices in plan_buckets([p.numel() for _, p in run], self.bucket_numel):
+                chosen = [run[i] for i in indices]
+                params = [p for _, p in chosen]
+                try:
+                    buckets.append(Bucket(len(buckets), params, [n for n, _ in chosen], [group_of[p] for p in params],
+                                          BucketLayout.build([p.numel() for p in params], world), self.comm, basic,
+                                          self.setup.comm_dtype, tracker.scope))
+                except TypeError as e:
+                    raise XirangConfigError([("", f"xirang.grad_release: the optimizer {type(basic).__name__} cannot "
+                                                  f"be rebuilt as type(opt)(param_groups, **opt.defaults) for each "
+                                                  f"bucket ({e}). Fix: use a torch.optim optimizer, or disable "
+                                                  "xirang.grad_release")]) from None
+        return buckets
+
+    def describe(self) -> str:
+        stage = self.setup.zero_stage
+        shards = f"sharded 1/{self.comm.world}" if self.policy.sharded else "replicated"
+        clip = (f"clipping {self.setup.gradient_clipping} ({self.config.clipping}"
+                + (f", {self.config.exact_method}" if self.config.clipping != "per_layer" else "") + ")"
+                if self.setup.gradient_clipping > 0 else "no clipping")
+        return (f"step in backward, ZeRO-{stage} semantics over {self.comm.world} rank(s): {len(self.buckets)} buckets "
+                f"of <= {self.bucket_numel:,} elements, masters and optimizer states {shards}, {clip}"
+                + (", fp16 loss scaling" if self.setup.fp16 is not None else ""))
+
+    # engine.backward / engine.step --------------------------------------------------------------
+    def _backward(self, original: Any, loss: torch.Tensor, retain_graph: bool = False,
+                  scale_wrt_gas: bool = True) -> Any:
+        from xirang_ds.plugins.grad_release.pipeline import Pass
+
+        engine = self.engine
+        if engine.inside_no_sync_ctxt:
+            raise RuntimeError("xirang.grad_release: engine.backward inside engine.no_sync() is not supported: "
+                               "grad_release reduces every micro-step's gradients during backward")
+        boundary = engine.is_gradient_accumulation_boundary()
+        if boundary and self._applied_at_micro_step == engine.micro_steps:
+            raise RuntimeError("xirang.grad_release: this step's update was already applied in the previous "
+                               "engine.backward (the last micro-step of the accumulation); call engine.step() "
+                               "before the next backward")
+        passes = self.policy.passes(boundary)
+        scaling = None
+        if self.policy.loss_scaler is not None and loss.requires_grad:
+            scale = self.policy.loss_scale
+            scaling = loss.register_hook(lambda grad: grad * scale)
+        try:
+            result = None
+            for n, kind in enumerate(passes):
+                rule = self.policy.rule() if kind in (Pass.FUSED, Pass.UPDATE) else None
+                self.pipeline.begin(kind, rule)
+                try:
+                    result = original(loss, retain_graph=retain_graph if n == len(passes) - 1 else True,
+                                      scale_wrt_gas=scale_wrt_gas)
+                    sumsq = self.pipeline.finish()
+                except BaseException:
+                    self.pipeline.abort()
+                    raise
+                if not self._after_pass(kind, sumsq):
+                    break
+        finally:
+            if scaling is not None:
+                scaling.remove()
+        if boundary:
+            self._applied_at_micro_step = engine.micro_steps
+        return result
+
+    def _after_pass(self, kind: Any, sumsq: Optional[torch.Tensor]) -> bool:
+        """Act on a finished pass; False stops the passes of this backward (step skipped)."""
+        from xirang_ds.plugins.grad_release.pipeline import Pass
+
+        if kind is Pass.ACCUMULATE:
+            return True
+        policy, pipeline = self.policy, self.pipeline
+        norm = policy.global_norm(sumsq)
+        finite = math.isfinite(norm)
+        if kind in (Pass.NORM, Pass.HOLD) and not finite:
+            pipeline.discard_all()
+            policy.finish_step(norm, applied=False)
+            if not policy.skip_nonfinite:
+                self._raise_nonfinite(norm, applied=False)
+            self._log_skip(norm)
+            return False
+        if kind is Pass.NORM:
+            policy.known_norm = norm
+            return True
+        if kind is Pass.HOLD:
+            policy.known_norm = norm
+            pipeline.apply_all(policy.rule())
+        policy.finish_step(norm, applied=True)
+        if not finite:
+            self._raise_nonfinite(norm, applied=True)
+        return True
+
+    def _raise_nonfinite(self, norm: float, applied: bool) -> None:
+        local = [b for b, s in zip(self.buckets, self.pipeline.bucket_sumsq)
+                 if s is not None and not math.isfinite(float(s))]
+        where = (f"in the bucket of {', '.join(local[0].names[:3])}{', ...' if len(local[0].names) > 3 else ''}"
+                 if local else "in a bucket sharded to another rank")
+        state = ("every bucket was applied as it was reduced, this one included" if applied
+                 else "no parameter was updated")
+        raise RuntimeError(f"xirang.grad_release: non-finite gradient at step {self.engine.global_steps + 1} "
+                           f"(global norm {norm}) {where}; {state}. Set xirang.grad_release.nonfinite to "
+                           "\"skip_step\" to skip such steps as DeepSpeed does (costs a global pass every step, "
+                           "see exact_method)")
+
+    def _log_skip(self, norm: float) -> None:
+        if self.engine.global_rank == 0:
+            scale = self.policy.loss_scale
+            logger.info("xirang grad_release: step %d skipped (gradient norm %s); no parameter updated%s",
+                        self.engine.global_steps + 1, norm,
+                        f", loss scale now {scale:g}" if self.policy.loss_scaler is not None else "")
+
+    def _step(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        from xirang_ds.plugins.grad_release.compat import step_protocol
+
+        engine = self.engine
+        if not engine.is_gradient_accumulation_boundary():
+            return original(*args, **kwargs)
+        outcome, self.policy.outcome = self.policy.outcome, None
+        skipped = outcome.skipped if outcome is not None else False
+        norm = outcome.grad_norm if outcome is not None else None
+        with step_protocol(engine.optimizer, skipped, norm):
+            return original(*args, **kwargs)
+
+    # memory roles -------------------------------------------------------------------------------
+    def _memory_roles(self) -> list[tuple[str, Any]]:
+        from xirang_ds.plugins.grad_release.optimizers import state_tensors
+
+        masters = [b.master for b in self.buckets if b.master is not None]
+        states = [t for b in self.buckets for t in state_tensors(b.optimizer)]
+        return [(PARAMETERS, masters), (OPTIMIZER_STATES, states)]
+
+    # checkpoints --------------------------------------------------------------------------------
+    def _layout(self) -> dict:
+        return {"world": self.comm.world, "zero_stage": self.setup.zero_stage,
+                "buckets": [b.fingerprint() for b in self.buckets]}
+
+    def state_dict(self) -> dict:
+        return {"world": self.comm.world, "zero_stage": self.setup.zero_stage, "buckets": len(self.buckets)}
+
+    def _save_checkpoint(self, original: Any, save_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """Each rank writes its file first; then DeepSpeed writes its files and the ``latest`` pointer."""
+        from xirang_ds.plugins.grad_release.checkpoint import save_rank_state
+
+        name = str(tag) if tag is not None else f"global_step{self.engine.global_steps}"  # DeepSpeed's default
+        if any(b.acc is not None for b in self.buckets) and self.engine.global_rank == 0:
+            logger.warning("xirang grad_release: checkpoint saved in the middle of a gradient accumulation; the "
+                           "accumulated gradients are not saved (DeepSpeed does not save them either)")
+        save_rank_state(os.path.join(save_dir, name), self.comm.rank, self._layout(), self.policy, self.buckets)
+        return original(save_dir, tag, *args, **kwargs)
+
+    def _load_checkpoint(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        """DeepSpeed loads weights, hyperparameters and counters; then this rank's file, unless told not to."""
+        from xirang_ds.plugins.grad_release.checkpoint import load_rank_state
+
+        bound = inspect.signature(type(self.engine).load_checkpoint).bind(self.engine, *args, **kwargs)
+        bound.apply_defaults()
+        self.pipeline.discard_all()
+        load_path, client_state = original(*args, **kwargs)
+        if load_path is None:
+            return load_path, client_state
+        if not bound.arguments["load_optimizer_states"] or bound.arguments["load_module_only"]:
+            for bucket in self.buckets:
+                bucket.build_masters()  # fresh optimizer states from the loaded weights
+        else:
+            load_rank_state(os.path.dirname(load_path), self.comm.rank, self._layout(), self.policy, self.buckets)
+        return load_path, client_state
+
+    # removal ------------------------------------------------------------------------------------
+    def remove(self) -> None:
+        """Hand the optimizer state back to the engine's basic optimizer, then undo every hook."""
+        if self.engine is not None and self.buckets:
+            from xirang_ds.plugins.grad_release.compat import restore_gradient_clipping
+            from xirang_ds.plugins.grad_release.handback import hand_back
+
+            self.pipeline.discard_all()
+            hand_back(self.buckets, self.engine.basic_optimizer)
+            restore_gradient_clipping(self.engine, self.setup.gradient_clipping)
+            if self.setup.param_dtype != torch.float32 and self.engine.global_rank == 0:
+                logger.warning("xirang grad_release removed: the engine continues without fp32 master weights "
+                               "(DeepSpeed built it at stage 0 without a precision wrapper); optimizer states were "
+                               "cast to %s", str(self.setup.param_dtype).replace("torch.", ""))
+            self.buckets = []
+        super().remove()
+
+
+def _dtype_runs(order: list[tuple[str, torch.nn.Parameter]]) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    """Consecutive parameters of one dtype (a bucket holds a single dtype)."""
+    runs: list[list[tuple[str, torch.nn.Parameter]]] = []
+    for name, param in order:
+        if runs and runs[-1][-1][1].dtype == param.dtype:
+            runs[-1].append((name, param))
+        else:
+            runs.append([(name, param)])
+    return runs
+
+
+__all__ = ["GradReleasePlugin"]

@@ -1,0 +1,71 @@
+"""The DeepSpeed internals this plugin touches, in one place, read in deepspeed 0.19.8.
+
+* ``_link_all_hp_params`` (``runtime/zero/stage_1_and_2.py`` L824, ``runtime/bf16_optimizer.py``
+  L336): ZeRO 1/2 and the bf16 optimizer keep views of every optimizer-state tensor shaped like
+  the fp32 partition (``utils/tensor_fragment.py`` ``set_optim_state_fragment``) for
+  ``safe_get_full_optimizer_state``; ZeRO 3's method of that name only tags parameters. After a
+  tensor's states change format those views would keep the old fp32 buffers alive, so the links
+  are rebuilt (quantized buffers have another shape and are not linked; DeepSpeed's
+  per-parameter state getters then report no state for them).
+* the basic optimizer's attribute on DeepSpeed's wrappers (``.optimizer`` on ZeRO 1/2/3, the
+  bf16 and the fp16 optimizers; ``engine.basic_optimizer``; ``engine.optimizer`` without a
+  wrapper), swapped when the plugin is removed.
+
+``tests/test_optimizer_states_engine.py`` fails when a DeepSpeed release moves these.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from xirang_ds.config.validate import XirangConfigError
+
+SECTION = "xirang.optimizer_states"
+
+
+def check_ds_config(ds_config: dict) -> None:
+    """Refuse ds_config settings this plugin cannot work with, before DeepSpeed starts.
+
+    Raises:
+        XirangConfigError: optimizer offload (DeepSpeed then steps its own CPU Adam on host
+            memory).
+    """
+    zero = ds_config.get("zero_optimization") or {}
+    problems = []
+    offload = zero.get("offload_optimizer") or {}
+    if isinstance(offload, dict) and offload.get("device") not in (None, "none"):
+        problems.append((f"{SECTION}.enabled",
+                         f"zero_optimization.offload_optimizer.device is {offload.get('device')!r}: DeepSpeed then "
+                         f"keeps the optimizer states in host memory and steps its own CPU Adam, so there are no "
+                         f"device states to shrink; remove offload_optimizer or disable optimizer_states"))
+    if problems:
+        raise XirangConfigError(problems)
+
+
+def relink_state_views(engine: Any) -> None:
+    """Rebuild DeepSpeed's views of the optimizer states (see the module docstring)."""
+    wrapper = getattr(engine, "optimizer", None)
+    relink = getattr(wrapper, "_link_all_hp_params", None)
+    if relink is not None and not getattr(wrapper, "cpu_offload", False):
+        relink()
+
+
+def swap_basic_optimizer(engine: Any, old: Any, new: Any) -> None:
+    """Put ``new`` wherever the engine and its wrapper hold ``old``.
+
+    Raises:
+        RuntimeError: ``old`` is not found (a DeepSpeed release moved the attribute).
+    """
+    found = False
+    if getattr(engine, "basic_optimizer", None) is old:
+        engine.basic_optimizer = new
+        found = True
+    wrapper = getattr(engine, "optimizer", None)
+    if wrapper is old:
+        engine.optimizer = new
+        found = True
+    elif getattr(wrapper, "optimizer", None) is old:
+        wrapper.optimizer = new
+        found = True
+    if not found:
+        raise RuntimeError(f"xirang optimizer_states: cannot find the basic optimizer in {type(wrapper).__name__}; "
+                           "this DeepSpeed version is not supported")

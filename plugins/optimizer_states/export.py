@@ -1,0 +1,66 @@
+"""States decoded to fp32 in ``torch.optim.AdamW``/``Adam`` layout: for removing the plugin and
+for reading a checkpoint without it."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from xirang_ds.plugins.optimizer_states.formats import MOMENTS, format_of, make_format
+from xirang_ds.plugins.optimizer_states.optimizer import DynamicAdamW
+
+
+def decode_state(state: dict, param: torch.Tensor) -> dict:
+    """One parameter's state as ``torch.optim.AdamW`` keeps it: ``step``, ``exp_avg``, ``exp_avg_sq``
+    (fp32, shaped like ``param``)."""
+    name = format_of(state)
+    size = state.get("block_size") or 0
+    fmt = make_format(name, int8_block_size=size or 256, int4_block_size=size or 128)
+    out = {"step": state["step"].clone()}
+    for moment in MOMENTS:
+        buffers = {k: state[k] for k in fmt.keys(moment)}
+        out[moment] = fmt.decode(moment, buffers, 0, param.numel()).clone().view_as(param)
+    return out
+
+
+def to_torch_optimizer(opt: DynamicAdamW, into: Optional[torch.optim.Optimizer] = None) -> torch.optim.Optimizer:
+    """A ``torch.optim`` Adam/AdamW continuing where ``opt`` is: same param-group dicts (so learning
+    rate schedulers holding either keep working), states decoded to fp32.
+
+    Args:
+        into: an existing Adam/AdamW object to fill (the client's original), else a new one.
+
+    Raises:
+        ValueError: a group without bias correction (torch's Adam always corrects).
+    """
+    if any(not g["bias_correction"] for g in opt.param_groups):
+        raise ValueError("cannot hand states to torch.optim: a param group has bias_correction=False")
+    decoupled = all(g["adam_w_mode"] for g in opt.param_groups)
+    if into is None:
+        cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+        into = cls([{"params": list(g["params"])} for g in opt.param_groups])
+    template = dict(into.defaults)
+    for group in opt.param_groups:
+        for key, value in template.items():
+            group.setdefault(key, value)
+        group["decoupled_weight_decay"] = bool(group["adam_w_mode"])
+    into.param_groups = opt.param_groups
+    into.state.clear()
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if opt.state.get(p):
+                into.state[p] = decode_state(opt.state[p], p)
+    return into
+
+
+def checkpoint_to_torch(optimizer_state_dict: dict, params: list[torch.Tensor]) -> dict:
+    """A saved `DynamicAdamW` state dict rewritten as a ``torch.optim.AdamW`` state dict (for a run
+    resumed without the plugin); ``params`` gives each saved index its element count and shape."""
+    out = {k: v for k, v in optimizer_state_dict.items() if k in ("state", "param_groups")}
+    ids = [i for g in optimizer_state_dict["param_groups"] for i in g["params"]]
+    out["state"] = {i: decode_state(optimizer_state_dict["state"][i], p)
+                    for i, p in zip(ids, params) if optimizer_state_dict["state"].get(i)}
+    return out
+
+
+__all__ = ["decode_state", "to_torch_optimizer", "checkpoint_to_torch"]

@@ -1,0 +1,376 @@
+"""`DynamicAdamW`: Adam/AdamW whose states change storage format during training.
+
+The bookkeeping lives here (state creation, the chunk loop, format changes, checkpoints); the
+formats (`formats.py`) only encode and decode, the math (`update.py`) is one pure function, and
+the policy (`schedule.py`) picks each tensor's format. This is torchao's ``optim/adam.py`` split,
+with plain tensors instead of tensor subclasses so that DeepSpeed's per-rank checkpoints and the
+memory tracker see every byte.
+
+A format change happens inside an update: the chunk is decoded from the old format and encoded
+into the new one, so no separate conversion pass is made; the old buffers are freed when the
+tensor's update finishes.
+
+Contract for code that drives the optimizer (``grad_release``):
+
+* it is a ``torch.optim.Optimizer``; ``type(opt)(param_groups, **opt.defaults)`` builds an
+  equivalent optimizer over other tensors (``defaults["states"]`` carries the section's
+  settings as plain data, ``defaults["keep_fp32"]`` a group's fp32 pin);
+* state is keyed by parameter and every position (step count, format, policy window) is per
+  tensor, so stepping a subset of parameters by narrowing ``param_groups`` works;
+* `state_format` / `state_nbytes` answer per tensor.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import OrderedDict
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from xirang_ds.config.schema import STATE_DTYPE_ORDER, OptimizerStatesConfig
+from xirang_ds.plugins.optimizer_states.formats import MOMENTS, StateFormat, format_of, make_format
+from xirang_ds.plugins.optimizer_states.schedule import Measurement, Policy, make_policy
+from xirang_ds.plugins.optimizer_states.update import AdamHyper, adam_chunk_
+
+STATE_DICT_KEY = "xirang_optimizer_states"
+"""Extra key of `DynamicAdamW.state_dict`: format version and the stochastic-rounding generator."""
+STATE_DICT_VERSION = 1
+
+
+class StateLoadError(ValueError):
+    """A checkpoint's optimizer states cannot be loaded into this optimizer (the message says why
+    and what to do)."""
+
+
+def config_from_dict(data: Any) -> OptimizerStatesConfig:
+    """The section from plain data (what ``defaults["states"]`` holds), validated.
+
+    Raises:
+        XirangConfigError: the data is not a valid ``optimizer_states`` section.
+    """
+    if isinstance(data, OptimizerStatesConfig):
+        return data
+    from xirang_ds.config.validate import XirangConfigError, convert_section
+
+    problems: list = []
+    config = convert_section(dict(data or {}), OptimizerStatesConfig, "xirang.optimizer_states", problems)
+    if problems:
+        raise XirangConfigError(problems)
+    return config
+
+
+def config_to_dict(config: OptimizerStatesConfig) -> dict:
+    """The section as plain JSON data (round-trips through `config_from_dict`)."""
+    out = dataclasses.asdict(config)
+    out["schedule"] = [{k: v for k, v in e.items() if v is not None} for e in out["schedule"]]
+    out["keep_fp32"] = list(out["keep_fp32"])
+    return out
+
+
+class DynamicAdamW(torch.optim.Optimizer):
+    """Adam/AdamW with fp32, bf16, int8 or int4 states chosen per tensor by a policy.
+
+    With every tensor in fp32 the update equals ``torch.optim.AdamW`` (``adam_w_mode=True``) or
+    ``torch.optim.Adam`` bit for bit.
+
+    Args:
+        params: parameters or param groups, as for any ``torch.optim`` optimizer.
+        lr, betas, eps, weight_decay: Adam's hyperparameters.
+        adam_w_mode: decoupled weight decay (AdamW); ``False`` adds ``weight_decay * p`` to the
+            gradient (Adam).
+        maximize: ascend instead of descend.
+        bias_correction: divide moments by ``1 - beta ** step`` (DeepSpeed FusedAdam's key).
+        states: the ``optimizer_states`` section, as plain data or the dataclass.
+        keep_fp32: keep every tensor of the group in fp32 (set per group by the plugin for
+            embeddings, norms, small tensors and ``keep_fp32`` globs).
+
+    Raises:
+        ValueError: a hyperparameter out of range.
+        XirangConfigError: ``states`` is not a valid section.
+
+    Example:
+        >>> opt = DynamicAdamW(model.parameters(), lr=1e-3,
+        ...                    states={"schedule": [{"dtype": "fp32", "until_step": 100}, {"dtype": "int8"}]})
+        >>> opt.state_format(next(model.parameters()))
+        'fp32'
+    """
+
+    xirang_elementwise = True
+    """The update math is element-wise (grad_release may step 1/world slices of a parameter). A
+    quantized tensor's blocks then follow the slice it is given, which moves block boundaries but
+    keeps each format's error bound; fp32 states stay exact."""
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, adam_w_mode: bool = True,
+                 maximize: bool = False, bias_correction: bool = True, states: Any = None,
+                 keep_fp32: bool = False):
+        _check_hyper(lr, betas, eps, weight_decay)
+        config = config_from_dict(states)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adam_w_mode=adam_w_mode,
+                        maximize=maximize, bias_correction=bias_correction, states=config_to_dict(config),
+                        keep_fp32=keep_fp32)
+        super().__init__(params, defaults)
+        self.config = config
+        self.policy: Policy = make_policy(config)
+        self._formats: dict[tuple[str, int], StateFormat] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self._format_hooks: OrderedDict[int, Callable[["DynamicAdamW", torch.Tensor, str, str], None]] = \
+            OrderedDict()  # weak-referencable, as RemovableHandle needs
+        self.format_changes: list[tuple[int, str, str, int]] = []
+        """Every format change: ``(step, from, to, numel)``, in order."""
+
+    # queries ------------------------------------------------------------------------------------
+    def state_format(self, param: torch.Tensor) -> str:
+        """Format ``param``'s states are stored in now (before its first step: the one it starts in)."""
+        state = self.state.get(param)
+        if state:
+            return format_of(state)
+        group = self._group_of(param)
+        return "fp32" if self._pinned(param, group) else self.policy.initial()
+
+    def state_nbytes(self, param: Optional[torch.Tensor] = None) -> int:
+        """Bytes of the state tensors (moments or codes and scales, and the step counter) of
+        ``param``, or of every parameter."""
+        states = [self.state.get(param, {})] if param is not None else list(self.state.values())
+        return sum(t.numel() * t.element_size() for s in states for t in s.values() if isinstance(t, torch.Tensor))
+
+    def format_numel(self) -> dict[str, int]:
+        """Elements per format over all parameters that have states."""
+        out: dict[str, int] = {}
+        for p, state in self.state.items():  # not param_groups: ZeRO 3 empties them between steps
+            if state:
+                name = format_of(state)
+                out[name] = out.get(name, 0) + p.numel()
+        return out
+
+    def register_format_change_hook(self, hook: Callable[["DynamicAdamW", torch.Tensor, str, str], None]
+                                    ) -> RemovableHandle:
+        """Call ``hook(optimizer, param, old, new)`` after a tensor's states change format."""
+        handle = RemovableHandle(self._format_hooks)
+        self._format_hooks[handle.id] = hook
+        return handle
+
+    # step ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One update of every parameter with a gradient in ``param_groups``."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            hyper = AdamHyper(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                              weight_decay=group["weight_decay"], decoupled=group["adam_w_mode"],
+                              maximize=group["maximize"], bias_correction=group["bias_correction"])
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, group, hyper)
+        return loss
+
+    def _update(self, p: torch.Tensor, group: dict, hyper: AdamHyper) -> None:
+        if p.grad.is_sparse:
+            raise RuntimeError("DynamicAdamW does not support sparse gradients")
+        state = self.state[p]
+        pinned = self._pinned(p, group)
+        if not state:
+            self._init_state(p, state, "fp32" if pinned else self.policy.initial())
+        state["step"] += 1
+        step = int(state["step"].item())
+        old_name = format_of(state)
+        new_name = "fp32" if pinned else self.policy.target(state, step)
+        src = self._format(old_name, state.get("block_size", 0))
+        dst = self._format(new_name)  # the same object when neither format nor block size changes
+        buffers = {k: state[k] for m in MOMENTS for k in src.keys(m)}
+        out = buffers if dst is src else {k: v for m in MOMENTS for k, v in dst.zeros(m, p.numel(), p.device).items()}
+        measure = not pinned and self.policy.wants_measurement(state, step)
+        stats = self._run_chunks(p, buffers, out, src, dst, step, hyper, measure, self._rounding(p, step))
+        if dst is not src:
+            for k in buffers:
+                del state[k]
+            state.update(out)
+            state["format"] = STATE_DTYPE_ORDER.index(new_name)
+            state["block_size"] = dst.block_size
+            self.format_changes.append((step, old_name, new_name, p.numel()))
+            for hook in list(self._format_hooks.values()):
+                hook(self, p, old_name, new_name)
+        if measure:
+            self.policy.observe(state, step, stats)
+
+    def _run_chunks(self, p: torch.Tensor, src_buf: dict, dst_buf: dict, src: StateFormat, dst: StateFormat,
+                    step: int, hyper: AdamHyper, measure: bool, generator: Optional[torch.Generator]
+                    ) -> Optional[Measurement]:
+        """Decode, update and encode ``p`` chunk by chunk; the measurement when ``measure``."""
+        flat_p = _flat(p)
+        flat_g = _flat(p.grad)
+        n = flat_p.numel()
+        chunk = _lcm(self.config.chunk_numel, src.block_size, dst.block_size)
+        sums = [0.0, 0.0, 0.0, 0.0]  # |m|^2, |v|^2, |du|^2, |u|^2
+        quantized = dst.name.startswith("int")
+        for start in range(0, n, chunk):
+            end = min(n, start + chunk)
+            p32 = flat_p[start:end] if flat_p.dtype == torch.float32 else flat_p[start:end].float()
+            g32 = flat_g[start:end] if flat_g.dtype == torch.float32 else flat_g[start:end].float()
+            m = src.decode("exp_avg", src_buf, start, end)
+            v = src.decode("exp_avg_sq", src_buf, start, end)
+            adam_chunk_(p32, g32, m, v, float(step), hyper)
+            if p32.data_ptr() != flat_p[start:end].data_ptr():
+                flat_p[start:end].copy_(p32)
+            if measure:
+                sums[0] += float(m.double().square().sum())
+                sums[1] += float(v.double().square().sum())
+                reference = (m.clone(), v.clone()) if quantized else None
+            dst.encode("exp_avg", m, dst_buf, start, generator)
+            dst.encode("exp_avg_sq", v, dst_buf, start, generator)
+            if measure and reference is not None:
+                du, u = _update_error(reference, dst, dst_buf, start, end, hyper.eps)
+                sums[2] += du
+                sums[3] += u
+        if not measure:
+            return None
+        error = math.sqrt(sums[2] / sums[3]) if quantized and sums[3] > 0 else (0.0 if quantized else None)
+        # bias-corrected, so a stationary gradient reads as settled while v is still warming up
+        bc1, bc2 = (1 - hyper.beta1 ** step, 1 - hyper.beta2 ** step) if hyper.bias_correction else (1.0, 1.0)
+        return Measurement(math.sqrt(sums[0]) / bc1, math.sqrt(sums[1]) / bc2, error)
+
+    # helpers ------------------------------------------------------------------------------------
+    def torch_state(self, p: torch.Tensor) -> dict:
+        """``p``'s state in ``torch.optim.AdamW`` layout (fp32 moments shaped like ``p``, ``step``);
+        empty before its first update. Other code that moves states (grad_release handing them
+        back on removal) reads them through this."""
+        from xirang_ds.plugins.optimizer_states.export import decode_state
+
+        state = self.state.get(p)
+        return decode_state(state, p) if state else {}
+
+    def _init_state(self, p: torch.Tensor, state: dict, name: str) -> None:
+        fmt = self._format(name)
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        for m in MOMENTS:
+            state.update(fmt.zeros(m, p.numel(), p.device))
+        state["format"] = STATE_DTYPE_ORDER.index(name)
+        state["block_size"] = fmt.block_size
+
+    def _format(self, name: str, block_size: int = 0) -> StateFormat:
+        if not block_size:
+            block_size = {"int8": self.config.int8_block_size, "int4": self.config.int4_block_size}.get(name, 1)
+        key = (name, block_size)
+        fmt = self._formats.get(key)
+        if fmt is None:
+            fmt = make_format(name, int8_block_size=block_size, int4_block_size=block_size)
+            self._formats[key] = fmt
+        return fmt
+
+    def _pinned(self, p: torch.Tensor, group: Optional[dict]) -> bool:
+        return bool(group and group.get("keep_fp32")) or p.numel() < self.config.min_numel
+
+    def _group_of(self, p: torch.Tensor) -> Optional[dict]:
+        return next((g for g in self.param_groups if any(q is p for q in g["params"])), None)
+
+    def _rounding(self, p: torch.Tensor, step: int) -> Optional[torch.Generator]:
+        refresh = self.config.refresh_every_steps
+        if not (self.config.stochastic_rounding or (refresh and step % refresh == 0)):
+            return None
+        key = str(p.device)
+        gen = self._generators.get(key)
+        if gen is None:
+            gen = torch.Generator(device=p.device)
+            gen.manual_seed(self.config.seed)
+            self._generators[key] = gen
+        return gen
+
+    # checkpoints --------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """``torch.optim`` state dict plus the format version and the rounding generators."""
+        out = super().state_dict()
+        out[STATE_DICT_KEY] = {"version": STATE_DICT_VERSION,
+                               "generators": {k: g.get_state() for k, g in self._generators.items()}}
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict of this optimizer or of ``torch.optim.AdamW``/``Adam``.
+
+        States saved in another format are converted by the next update (decoded from the saved
+        format, encoded in the one the policy picks now); their block size travels with them.
+
+        Raises:
+            StateLoadError: a saved state tensor does not have the parameter's element count
+                (saved under ZeRO with another data-parallel world size), or another format version.
+        """
+        extra = state_dict.get(STATE_DICT_KEY, {})
+        if extra and extra.get("version") != STATE_DICT_VERSION:
+            raise StateLoadError(f"optimizer states saved with format version {extra.get('version')}; "
+                                 f"this xirang_ds reads version {STATE_DICT_VERSION}")
+        saved = state_dict["state"]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for index, (i, p) in enumerate(zip(ids, params)):
+            st = saved.get(i)
+            if st:
+                _check_numel(st, p, index)
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:  # torch.optim.AdamW's groups lack this optimizer's keys
+            group.setdefault("adam_w_mode", bool(group.get("decoupled_weight_decay", self.defaults["adam_w_mode"])))
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+        for i, p in zip(ids, params):
+            st = self.state.get(p)
+            for k, t in (st or {}).items():
+                original = saved.get(i, {}).get(k)
+                if isinstance(t, torch.Tensor) and k != "step" and t.dtype != original.dtype:
+                    st[k] = original.to(device=p.device)  # torch casts floating states to the param's dtype
+        for key, value in extra.get("generators", {}).items():
+            gen = torch.Generator(device=key)
+            gen.set_state(value)
+            self._generators[key] = gen
+
+
+def _check_hyper(lr: float, betas: tuple, eps: float, weight_decay: float) -> None:
+    if not 0.0 <= float(lr):
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"Invalid betas: {betas}; two numbers in [0, 1)")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+def _check_numel(state: dict, p: torch.Tensor, index: int) -> None:
+    name = format_of(state)
+    fmt = make_format(name, state.get("block_size") or 256, state.get("block_size") or 128)
+    key = fmt.keys("exp_avg")[0]
+    if key not in state:
+        return
+    expected = fmt.zeros("exp_avg", p.numel(), torch.device("meta"))[key].numel()
+    if state[key].numel() != expected:
+        raise StateLoadError(
+            f"optimizer state of parameter {index} holds {state[key].numel()} {name} elements of {key!r} but the "
+            f"parameter has {p.numel()} elements (the states would need {expected}). Under ZeRO each rank keeps "
+            f"the states of its own partition, so a checkpoint saved with another data-parallel world size (or "
+            f"another set of parameters) cannot be matched element by element. Resume with the world size the "
+            f"checkpoint was saved with, or load with load_optimizer_states=False to restart the moments.")
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError(f"DynamicAdamW needs contiguous parameters and gradients; got strides {t.stride()}")
+    return t.view(-1)
+
+
+def _lcm(*values: int) -> int:
+    out = 1
+    for v in values:
+        out = out * v // math.gcd(out, v)
+    return out
+
+
+def _update_error(reference: tuple[torch.Tensor, torch.Tensor], fmt: StateFormat, buffers: dict, start: int,
+                  end: int, eps: float) -> tuple[float, float]:
+    """Squared norms of (stored direction - true direction) and of the true direction."""
+    m, v = reference
+    true = m / (v.sqrt_() + eps)
+    stored = fmt.decode("exp_avg", buffers, start, end) / (fmt.decode("exp_avg_sq", buffers, start, end).sqrt_() + eps)
+    return float(stored.sub_(true).double().square().sum()), float(true.double().square().sum())

@@ -1,0 +1,195 @@
+"""The ``optimizer_states`` plugin: `DynamicAdamW` as the basic optimizer DeepSpeed wraps.
+
+Seams: ``prepare_ds_config`` refuses what cannot work (optimizer offload) and allows the
+optimizer under ZeRO (``zero_allow_untested_optimizer`` in the private ds_config copy);
+``prepare_model`` finds the parameters that keep fp32 states; ``prepare_optimizer`` replaces the
+ds_config block's optimizer or the client's Adam/AdamW; ``attach`` keeps DeepSpeed's state views
+in step with format changes; ``remove`` hands the engine a ``torch.optim`` Adam/AdamW (the
+client's own object when there was one) holding the states decoded to fp32.
+
+The states themselves travel in DeepSpeed's checkpoints through the optimizer's ``state_dict``
+(per rank under ZeRO); the plugin's own ``state_dict`` records the settings they were made with.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+
+from xirang_ds.config.schema import OptimizerStatesConfig
+from xirang_ds.config.types import format_bytes
+from xirang_ds.config.validate import XirangConfigError
+from xirang_ds.registry import OptimizerSpec, Plugin, register_plugin
+
+logger = logging.getLogger("xirang_ds")
+
+
+@register_plugin(OptimizerStatesConfig, section="optimizer_states", order=40)
+class OptimizerStatesPlugin(Plugin):
+    """Replaces the basic Adam/AdamW by `DynamicAdamW`.
+
+    Attributes:
+        optimizer: the `DynamicAdamW` once built.
+        original: the client's optimizer object, when one was passed to ``initialize``.
+        keep_reasons: why each kept parameter (by name) keeps fp32 states.
+    """
+
+    def __init__(self, config: OptimizerStatesConfig, session):
+        super().__init__(config, session)
+        self.optimizer = None
+        self.original: Optional[torch.optim.Optimizer] = None
+        self.source = ""
+        self.model: Optional[torch.nn.Module] = None
+        self.keep_reasons: dict[str, str] = {}
+        self.engine = None
+        self.loaded_config: Optional[dict] = None
+
+    # seams ------------------------------------------------------------------------------------
+    def prepare_ds_config(self, ds_config: dict) -> None:
+        from xirang_ds.plugins.optimizer_states.deepspeed_compat import check_ds_config
+
+        check_ds_config(ds_config)
+        zero = ds_config.get("zero_optimization") or {}
+        if int(zero.get("stage", 0) or 0) > 0:
+            # ZeRO lists the optimizer classes it was tested with (runtime/zero/utils.py); this one
+            # follows torch.optim's contract on one flat partition per group, as theirs do.
+            ds_config["zero_allow_untested_optimizer"] = True
+
+    def prepare_model(self, model: Any) -> None:
+        from xirang_ds.plugins.optimizer_states.build import keep_reasons
+
+        self.model = model
+        by_id = keep_reasons(model, self.config)  # a keep_fp32 glob matching nothing fails here
+        self.keep_reasons = {name: by_id[id(p)] for name, p in model.named_parameters() if id(p) in by_id}
+
+    def prepare_optimizer(self, optimizer: Any) -> Any:
+        from xirang_ds.plugins.optimizer_states import build
+
+        if optimizer is None:
+            raise XirangConfigError([("xirang.optimizer_states.enabled",
+                                      "there is no optimizer to replace: add an \"optimizer\" block of type AdamW "
+                                      "or Adam to ds_config, or pass a torch.optim.AdamW to initialize")])
+        if isinstance(optimizer, OptimizerSpec):
+            self.source = f"ds_config optimizer {optimizer.type}"
+            make = build.from_spec(optimizer.type, optimizer.params, self.config, self.model)
+            return self._capture(make)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            self.source = f"client {type(optimizer).__name__}"
+            self.original = optimizer
+            self.optimizer = build.from_client(optimizer, self.config, self.model)
+            return self.optimizer
+        if callable(optimizer):  # a client callable: build theirs, then replace it
+            self.source = "client callable"
+
+            def make(params: Any) -> Any:
+                self.original = optimizer(params)
+                return build.from_client(self.original, self.config, self.model)
+
+            return self._capture(make)
+        raise XirangConfigError([("optimizer", build.unsupported_message(type(optimizer).__name__))])
+
+    def _capture(self, make: Any) -> Any:
+        def built(params: Any) -> Any:
+            self.optimizer = make(params)
+            return self.optimizer
+
+        built.__name__ = built.__qualname__ = "DynamicAdamW"
+        return built
+
+    def attach(self, engine: Any) -> None:
+        from xirang_ds.plugins.optimizer_states.deepspeed_compat import relink_state_views
+        from xirang_ds.plugins.optimizer_states.optimizer import DynamicAdamW
+
+        self.engine = engine
+        if not isinstance(getattr(engine, "basic_optimizer", None), DynamicAdamW):
+            raise RuntimeError("xirang optimizer_states: DeepSpeed did not take the optimizer this plugin built "
+                               f"(basic optimizer: {type(getattr(engine, 'basic_optimizer', None)).__name__})")
+        self.optimizer = engine.basic_optimizer
+        self.keep(self.optimizer.register_format_change_hook(lambda opt, p, old, new: relink_state_views(engine)))
+        if engine.global_rank == 0:
+            kept = len(self.keep_reasons)
+            logger.info("xirang optimizer_states: %s replaced by DynamicAdamW; %d parameter(s) keep fp32 states",
+                        self.source, kept)
+
+    def remove(self) -> None:
+        """Hand the engine a ``torch.optim`` Adam/AdamW with the states decoded to fp32."""
+        super().remove()
+        if self.engine is None or self.optimizer is None:
+            return
+        from xirang_ds.plugins.optimizer_states.deepspeed_compat import swap_basic_optimizer
+        from xirang_ds.plugins.optimizer_states.export import to_torch_optimizer
+
+        replacement = to_torch_optimizer(self.optimizer, into=self.original)
+        swap_basic_optimizer(self.engine, self.optimizer, replacement)
+        self.engine = None
+
+    # estimate -----------------------------------------------------------------------------------
+    def adjust_estimate(self, phases: dict, shape: Any, numels: list) -> Optional[dict]:
+        """States at the most precise format the policy starts from (the run's peak is there: a
+        schedule only lowers precision, stability never rises above its start), fp32 for the kept
+        parameters, over ZeRO's partition; step temporaries of one chunk instead of whole tensors."""
+        import math
+
+        from xirang_ds.memory.estimator import _adam_temporaries
+        from xirang_ds.plugins.optimizer_states.build import keep_reasons
+        from xirang_ds.plugins.optimizer_states.formats import MOMENTS, make_format
+        from xirang_ds.plugins.optimizer_states.schedule import make_policy
+
+        model = self.session.model
+        if model is None:
+            return None
+        kept_ids = keep_reasons(model, self.config)
+        params = [p for p in model.parameters() if p.requires_grad]
+        kept = sum(p.numel() for p in params if id(p) in kept_ids)
+        quant = sum(p.numel() for p in params) - kept
+        n = shape.world_size if shape.stage >= 1 else 1
+        fmt_name = make_policy(self.config).initial()
+        fmt = make_format(fmt_name, self.config.int8_block_size, self.config.int4_block_size)
+
+        def state_bytes(f: Any, numel: int) -> int:
+            return sum(f.nbytes(f.zeros(m, numel, torch.device("meta"))) for m in MOMENTS) if numel else 0
+
+        fp32 = make_format("fp32")
+        part = (lambda x: math.ceil(x / n))
+        groups = (1 if kept else 0) + (1 if quant else 0)
+        tensors = groups if shape.stage >= 1 else len(params)
+        states = state_bytes(fp32, part(kept)) + state_bytes(fmt, part(quant)) + 4 * tensors
+        largest = part(quant) if shape.stage >= 1 else max((p.numel() for p in params if id(p) not in kept_ids),
+                                                            default=0)
+        chunk = min(self.config.chunk_numel, max(largest, 1))
+        temps = (8 if fmt_name == "fp32" else 16) * chunk
+        plain_temps = _adam_temporaries(shape, [part(sum(numels))] if shape.stage >= 1 else list(numels))
+        out = {}
+        for name, cats in phases.items():
+            cats = dict(cats)
+            cats["optimizer_states"] = states
+            if name == "optimizer_step":
+                cats["temporaries"] = max(0, cats.get("temporaries", 0) - plain_temps) + temps
+            out[name] = cats
+        return out
+
+    # reporting and checkpoints ----------------------------------------------------------------
+    def describe(self) -> str:
+        opt = self.optimizer
+        if opt is None:
+            return "not built"
+        numel = opt.format_numel()
+        formats = (", ".join(f"{k} {v:,} elements" for k, v in numel.items()) if numel else
+                   f"created at the first step, starting in {opt.policy.initial()}")
+        return (f"DynamicAdamW ({self.config.policy} policy) from {self.source}; states: {formats}; "
+                f"{format_bytes(opt.state_nbytes())} on this rank; {len(self.keep_reasons)} parameter(s) kept fp32")
+
+    def state_dict(self) -> dict:
+        from xirang_ds.plugins.optimizer_states.optimizer import config_to_dict
+
+        return {"config": config_to_dict(self.config)}
+
+    def load_state_dict(self, state: dict) -> None:
+        from xirang_ds.plugins.optimizer_states.optimizer import config_to_dict
+
+        self.loaded_config = state.get("config")
+        if self.loaded_config is not None and self.loaded_config != config_to_dict(self.config):
+            if self.engine is not None and self.engine.global_rank == 0:
+                logger.info("xirang optimizer_states: the checkpoint's states were made with other settings; "
+                            "each tensor is converted to the format the current settings pick at its next step")

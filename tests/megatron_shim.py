@@ -1,0 +1,83 @@
+"""Test-only shim: megatron-core's CUDA-only calls, answered on CPU.
+
+megatron-core 0.16.1 runs GPT forward/backward, its DDP, its schedules and its fp32 optimizer on CPU
+except for a few calls that name CUDA (notes/cpu-runtime.md). `install` maps exactly those, in the
+test process only (the package never imports this module; ``examples/megatron_gpt.py`` does on CPU):
+
+* ``torch.cuda.current_device()`` returns ``"cpu"``: used as ``device=`` by RoPE, by
+  ``GlobalMemoryBuffer.get_tensor`` (local-spec attention) and by the grad buffers
+  (``distributed/param_and_grad_buffer.py``).
+* The CUDA RNG calls of ``tensor_parallel/random.py`` (``torch.cuda.get_rng_state``,
+  ``torch.cuda.manual_seed``, ``_set_cuda_rng_state``) use the CPU generator, so the RNG tracker's
+  ``fork`` and ``model_parallel_cuda_manual_seed`` keep their meaning (``fork``'s warning that the CPU
+  state changed inside it is silenced: here the two are one generator).
+* Four modules allocate on ``device="cuda"`` literally: ``pipeline_parallel/schedules.py`` (the token
+  count), ``optimizer/optimizer.py`` (``FP32Optimizer``'s loss scale), ``optimizer/clip_grads.py`` and
+  ``utils.py`` (``local_multi_tensor_l2_norm``, the grad norm). Their module-level ``torch`` is
+  replaced by `CpuTorch`, which forwards every name to ``torch`` and rewrites that one argument of
+  the factory functions.
+
+Not covered (CUDA-only in 0.16.1 and left so): gradient clipping in Megatron's optimizer
+(``clip_grad_by_total_norm_fp32`` asserts ``torch.cuda.FloatTensor``), its fp16/bf16 optimizers
+(they check ``param.type()`` against CUDA type names), sequence parallelism (needs TE or Apex norms).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import types
+import warnings
+from typing import Any, Callable
+
+import torch
+
+FACTORIES = frozenset({"empty", "zeros", "ones", "full", "tensor", "arange"})
+"""Factory functions whose ``device=`` `CpuTorch` rewrites."""
+PATCHED_MODULES = ("megatron.core.pipeline_parallel.schedules", "megatron.core.optimizer.optimizer",
+                   "megatron.core.optimizer.clip_grads", "megatron.core.utils")
+"""Modules whose ``torch`` global becomes `CpuTorch`."""
+
+_INSTALLED = False
+
+
+def _cpu_device(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        device = kwargs.get("device")
+        if device is not None and (isinstance(device, int) or str(device).startswith("cuda")):
+            kwargs["device"] = "cpu"
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+class CpuTorch(types.ModuleType):
+    """``torch`` as seen by one Megatron module: every name forwarded, factories allocate on CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self._factories = {name: _cpu_device(getattr(torch, name)) for name in FACTORIES}
+
+    def __getattr__(self, name: str) -> Any:
+        factory = self.__dict__.get("_factories", {}).get(name)
+        return factory if factory is not None else getattr(torch, name)
+
+
+def install() -> None:
+    """Patch the CUDA-only calls listed in the module docstring (idempotent; this process only)."""
+    global _INSTALLED
+    if _INSTALLED or torch.cuda.is_available():
+        return
+    _INSTALLED = True
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.random.get_rng_state = torch.cuda.get_rng_state
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+
+    import megatron.core.tensor_parallel.random as random_module
+
+    random_module._set_cuda_rng_state = lambda state, device=-1, graph_safe=False: torch.set_rng_state(state)
+    warnings.filterwarnings("ignore", message="CPU RNG state changed within GPU RNG context")
+    cpu_torch = CpuTorch()
+    for name in PATCHED_MODULES:
+        importlib.import_module(name).torch = cpu_torch

@@ -1,0 +1,219 @@
+"""Every name xirang reads from megatron-core, in one version-guarded place.
+
+The integration runs on megatron-core 0.16.1 (what installs for Python 3.11 here) and its names were
+read in the source of Megatron-LM's tags ``core_v0.12.0`` to ``core_v0.19.0``. `UPSTREAM_NAMES` lists,
+per file, the lines this module relies on; ``tests/test_megatron_patch.py`` reads each tag's source
+(when a Megatron-LM checkout is available) and fails when one of them moves. Line numbers below are at
+``core_v0.16.1`` (commit 55ac7082517c3878ae653c07c09c534b8aed49f6).
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Iterable
+
+import torch
+
+logger = logging.getLogger("xirang_ds")
+
+CHECKED_RANGE = ((0, 12), (0, 20))
+"""megatron-core versions whose source was read: ``>= 0.12, < 0.20`` (setup.py's extra)."""
+TESTED_VERSION = "0.16.1"
+"""The version the CPU tests run."""
+
+UPSTREAM_NAMES: dict[str, tuple[str, ...]] = {
+    # DDP's contiguous grad (and, with the distributed optimizer, param) buffers, and its backward
+    # hook, which folds param.grad into param.main_grad
+    "megatron/core/distributed/distributed_data_parallel.py": (
+        "self.buffers", "self.expert_parallel_buffers", "param.main_grad.add_(param.grad.data)"),
+    "megatron/core/distributed/param_and_grad_buffer.py": ("self.grad_data", "self.param_data"),
+    "megatron/core/distributed/distributed_data_parallel_config.py": (
+        "bucket_size:", "overlap_grad_reduce:", "grad_reduce_in_fp32:"),
+    # the persistent model-parallel arena (sequence-parallel all-gathers, attention workspace)
+    "megatron/core/parallel_state.py": (
+        "_GLOBAL_MEMORY_BUFFER = None", "def model_parallel_is_initialized", "def get_data_parallel_world_size",
+        "def get_tensor_model_parallel_world_size"),
+    "megatron/core/utils.py": ("class GlobalMemoryBuffer", "self.buffer = {}"),
+    "megatron/core/optimizer/optimizer.py": ("self.chained_optimizers",),
+    "megatron/core/optimizer/optimizer_config.py": (
+        "use_precision_aware_optimizer:", "exp_avg_dtype:", "exp_avg_sq_dtype:", "optimizer_cpu_offload:"),
+    "megatron/core/transformer/transformer_config.py": (
+        "recompute_granularity:", "recompute_method:", "recompute_num_layers:", "recompute_modules:",
+        "distribute_saved_activations:"),
+    "megatron/core/model_parallel_config.py": ("cpu_offloading:", "cpu_offloading_num_layers:", "bf16:", "fp16:"),
+    "megatron/core/transformer/transformer_layer.py": (
+        "class TransformerLayer(", "self.self_attention", "self.input_layernorm", "self.pre_mlp_layernorm",
+        "self.mlp"),
+    "megatron/core/num_microbatches_calculator.py": ("def get_num_microbatches",),
+    "megatron/core/package_info.py": ("__version__",),
+    "megatron/core/optimizer/__init__.py": ("MegatronOptimizer",),
+    # the seams docs/megatron.md gives the plugins: the TP layers and what their autograd function saves
+    "megatron/core/tensor_parallel/layers.py": (
+        "class ColumnParallelLinear", "class RowParallelLinear", "class VocabParallelEmbedding",
+        "ctx.save_for_backward(input, weight)", "weight.main_grad", "grad_added_to_main_grad"),
+}
+"""File → substrings that must be in it (read at every tag of `CHECKED_RANGE` by the tests)."""
+
+RECOMPUTE_MODULES: dict[str, tuple[str, ...]] = {
+    "core_attn": ("self_attention.core_attention",),
+    "layernorm": ("input_layernorm", "pre_mlp_layernorm"),
+    "mlp": ("mlp",),
+    "moe": ("mlp",),
+    "moe_act": ("mlp.experts",),
+    "shared_experts": ("mlp.shared_experts",),
+    "mla_up_proj": ("self_attention",),
+}
+"""``TransformerConfig.recompute_modules`` keys → submodules of a ``TransformerLayer`` they recompute
+(transformer_config.py L411-424, transformer_layer.py). An unknown key counts as the whole layer."""
+
+OFFLOAD_MODULES: dict[str, tuple[str, ...]] = {
+    "attn_norm": ("input_layernorm",),
+    "qkv_linear": ("self_attention.linear_qkv",),
+    "core_attn": ("self_attention.core_attention",),
+    "attn_proj": ("self_attention.linear_proj",),
+    "mlp_norm": ("pre_mlp_layernorm",),
+    "expert_fc1": ("mlp.experts",),
+    "moe_act": ("mlp.experts",),
+}
+"""``TransformerConfig.offload_modules`` keys (fine-grained activation offloading, 0.16+;
+transformer_config.py L894) → submodules of a ``TransformerLayer``."""
+
+_warned = False
+
+
+def megatron_version() -> tuple[int, ...]:
+    """The installed megatron-core version as integers (``(0, 16, 1)``)."""
+    from megatron.core.package_info import __version__
+
+    return tuple(int(part) for part in __version__.split(".")[:3] if part.isdigit())
+
+
+def check_version() -> None:
+    """Warn once when megatron-core is outside the range whose source was read."""
+    global _warned
+    version = megatron_version()
+    low, high = CHECKED_RANGE
+    if not (low <= version[:2] < high) and not _warned:
+        _warned = True
+        warnings.warn(f"xirang_ds's Megatron integration was checked against megatron-core "
+                      f"{low[0]}.{low[1]} to {high[0]}.{high[1] - 1} (tested on {TESTED_VERSION}); found "
+                      f"{'.'.join(map(str, version))}. If something fails, the names it reads are listed in "
+                      "xirang_ds/integration/megatron_compat.py", stacklevel=2)
+
+
+def unwrap(module: Any) -> Any:
+    """The model under Megatron's wrappers (``DistributedDataParallel``, ``Float16Module``): both keep
+    it as ``.module``."""
+    while isinstance(getattr(module, "module", None), torch.nn.Module):
+        module = module.module
+    return module
+
+
+def grad_buffers(model_chunks: Iterable[Any]) -> list[Any]:
+    """The ``_ParamAndGradBuffer`` objects of Megatron DDP chunks (dense and expert-parallel;
+    distributed_data_parallel.py L291-302). A chunk that is not Megatron's DDP has none."""
+    out: list[Any] = []
+    for chunk in model_chunks:
+        out.extend(getattr(chunk, "buffers", None) or [])
+        out.extend(getattr(chunk, "expert_parallel_buffers", None) or [])
+    return out
+
+
+def buffer_tensors(model_chunks: Iterable[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``(grad_data, param_data)`` tensors of the chunks' buffers (param_and_grad_buffer.py: ``grad_data``
+    holds every ``param.main_grad``; ``param_data`` exists with the distributed optimizer)."""
+    grads, params = [], []
+    for buffer in grad_buffers(model_chunks):
+        if isinstance(getattr(buffer, "grad_data", None), torch.Tensor):
+            grads.append(buffer.grad_data)
+        if isinstance(getattr(buffer, "param_data", None), torch.Tensor):
+            params.append(buffer.param_data)
+    return grads, params
+
+
+def global_memory_buffer_tensors() -> list[torch.Tensor]:
+    """Tensors held by Megatron's ``GlobalMemoryBuffer`` (parallel_state.py L139, utils.py L609): the
+    persistent arena of sequence-parallel all-gathers, lent to local attention's baddbmm input."""
+    from megatron.core import parallel_state
+
+    buffer = getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
+    if buffer is None:
+        return []
+    return [t for t in getattr(buffer, "buffer", {}).values() if isinstance(t, torch.Tensor)]
+
+
+def inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The ``torch.optim`` objects inside a Megatron optimizer: ``ChainedOptimizer.chained_optimizers``
+    (optimizer.py L1104), each a ``MegatronOptimizer`` whose ``.optimizer`` is the torch one."""
+    members = getattr(optimizer, "chained_optimizers", None)
+    if members is None:
+        members = [optimizer]
+    out = []
+    for member in members:
+        inner = getattr(member, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            out.append(inner)
+    return out
+
+
+def optimizer_configs(optimizer: Any) -> list[Any]:
+    """The ``OptimizerConfig`` of each member of a Megatron optimizer (``MegatronOptimizer.config``)."""
+    members = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [m.config for m in members if getattr(m, "config", None) is not None]
+
+
+def is_megatron_optimizer(optimizer: Any) -> bool:
+    from megatron.core.optimizer import MegatronOptimizer
+
+    return isinstance(optimizer, MegatronOptimizer)
+
+
+def parallel_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
+    """``(name, module, kind)`` of Megatron's tensor-parallel layers in ``model``.
+
+    ``kind`` is ``"column"`` (``ColumnParallelLinear``: weight ``[out/tp, in]``, input replicated on
+    the TP group, output split), ``"row"`` (``RowParallelLinear``: weight ``[out, in/tp]``, input
+    split, output all-reduced, bias replicated) or ``"vocab"`` (``VocabParallelEmbedding``: rows
+    ``[vocab/tp, hidden]``, output all-reduced). tensor_parallel/layers.py.
+    """
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    kinds = ((ColumnParallelLinear, "column"), (RowParallelLinear, "row"), (VocabParallelEmbedding, "vocab"))
+    out = []
+    for name, module in model.named_modules():
+        kind = next((k for cls, k in kinds if isinstance(module, cls)), None)
+        if kind is not None:
+            out.append((name, module, kind))
+    return out
+
+
+def gradient(param: torch.Tensor) -> torch.Tensor | None:
+    """The gradient Megatron reduces and steps: ``param.main_grad`` under Megatron's DDP (its backward
+    hook folds ``param.grad`` into it and drops ``param.grad``; with ``gradient_accumulation_fusion``
+    the weight gradient is written there directly), else ``param.grad``."""
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad if isinstance(main_grad, torch.Tensor) else param.grad
+
+
+def transformer_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``(name, layer)`` of every ``TransformerLayer`` in ``model``, in order (names local to the chunk:
+    ``decoder.layers.0``)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, TransformerLayer)]
+
+
+def num_microbatches() -> int | None:
+    """Megatron's current number of micro-batches per step, when its calculator is initialised."""
+    try:
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        return int(get_num_microbatches())
+    except (AssertionError, AttributeError, TypeError, ImportError):
+        return None
+
+
+__all__ = ["CHECKED_RANGE", "OFFLOAD_MODULES", "RECOMPUTE_MODULES", "TESTED_VERSION", "UPSTREAM_NAMES",
+           "buffer_tensors", "check_version", "global_memory_buffer_tensors", "grad_buffers", "gradient",
+           "inner_optimizers", "is_megatron_optimizer", "megatron_version", "num_microbatches", "optimizer_configs",
+           "parallel_layers", "transformer_layers", "unwrap"]

@@ -1,0 +1,459 @@
+"""Predict a rank's peak device memory before anything runs, with its breakdown by category.
+
+Two parts:
+
+* The model's own activations, temporaries and gradients come from a *fake trace*: one forward and
+  backward of the real model under ``FakeTensorMode`` (no memory, no compute; a few hundred
+  milliseconds whatever the model size) measured by the same live-storage tracker that measures real
+  runs. DeepSpeed's gradient handling is emulated during that trace by gradient hooks that allocate
+  what the engine allocates when it allocates it: the reduction bucket at the first gradient
+  (ZeRO 1/2), ZeRO-2's gradient partition at the first bucket reduction, gradients moved out of
+  ``param.grad`` (ZeRO 2). So the activation term is exact for any architecture, and the
+  Korthikanti et al. formula is reported beside it for reference.
+* Model states and the optimizer step are analytic, by ZeRO stage and dtype, following DeepSpeed's
+  buffers (flat 16-bit parameters, fp32 partitions, states over the partition, fp32 gradient
+  partitions at the step) and the optimizer implementation's temporaries (torch's single-tensor Adam
+  on CPU, foreach on CUDA, none for fused kernels).
+
+The peak is the largest of the phases: forward, backward, optimizer step. ``recalibrate`` compares a
+measured `PeakReport` with the estimate and returns per-category correction factors.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from xirang_ds.memory.categories import (
+    ACTIVATIONS,
+    CATEGORIES,
+    COMM_BUFFERS,
+    GRADIENTS,
+    OPTIMIZER_STATES,
+    PARAMETERS,
+    TEMPORARIES,
+)
+
+DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+DEFAULT_REDUCE_BUCKET = int(5e8)
+DEFAULT_ALLGATHER_BUCKET = int(5e8)
+DEFAULT_PREFETCH_BUCKET = int(5e7)
+DEFAULT_PERSISTENCE_THRESHOLD = int(1e5)
+
+
+class EstimateError(ValueError):
+    """The ds_config or model cannot be estimated (the message says why)."""
+
+
+# ------------------------------------------------------------------------------------------------
+# ds_config facts
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What the estimate needs from a ds_config, with DeepSpeed's defaults applied."""
+
+    micro_batch: int
+    grad_accum: int
+    world_size: int
+    stage: int
+    dtype: torch.dtype
+    reduce_bucket: int
+    allgather_bucket: int
+    overlap_comm: bool
+    contiguous_gradients: bool
+    prefetch_bucket: int
+    persistence_threshold: int
+    optimizer: str
+    adam_impl: str  # "single_tensor" | "foreach" | "fused"
+    device: str
+
+    @classmethod
+    def from_ds_config(cls, ds: dict, world_size: int = 1, device: str = "cpu") -> "RunShape":
+        gas = int(ds.get("gradient_accumulation_steps", 1) or 1)
+        micro = ds.get("train_micro_batch_size_per_gpu")
+        if micro in (None, "auto"):
+            total = ds.get("train_batch_size")
+            if total in (None, "auto"):
+                raise EstimateError("ds_config sets neither train_micro_batch_size_per_gpu nor train_batch_size")
+            micro = int(total) // (gas * world_size)
+        zero = ds.get("zero_optimization", {}) or {}
+        stage = int(zero.get("stage", 0))
+        if ds.get("bf16", {}).get("enabled") in (True, "true"):
+            dtype = torch.bfloat16
+        elif ds.get("fp16", {}).get("enabled") in (True, "true"):
+            dtype = torch.float16
+        else:
+            dtype = torch.float32
+        opt = ds.get("optimizer", {}) or {}
+        params = opt.get("params", {}) or {}
+        name = str(opt.get("type", "AdamW"))
+        if params.get("torch_adam"):
+            impl = "foreach" if device == "cuda" else "single_tensor"
+        else:
+            impl = "fused"  # DeepSpeed's FusedAdam (GPU) / CPUAdam: no step temporaries
+        return cls(micro_batch=int(micro), grad_accum=gas, world_size=world_size, stage=stage, dtype=dtype,
+                   reduce_bucket=int(float(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET))),
+                   allgather_bucket=int(float(zero.get("allgather_bucket_size", DEFAULT_ALLGATHER_BUCKET))),
+                   overlap_comm=bool(zero.get("overlap_comm", stage == 3)),
+                   contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
+                   prefetch_bucket=int(float(zero.get("stage3_prefetch_bucket_size", DEFAULT_PREFETCH_BUCKET))),
+                   persistence_threshold=int(float(zero.get("stage3_param_persistence_threshold",
+                                                            DEFAULT_PERSISTENCE_THRESHOLD))),
+                   optimizer=name, adam_impl=impl, device=device)
+
+    @property
+    def lp_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+# ------------------------------------------------------------------------------------------------
+# the fake trace
+
+
+@dataclass
+class Trace:
+    """Bytes above the resident parameters during one fake forward and backward.
+
+    Attributes:
+        forward_peak: highest live bytes (above parameters and inputs) in forward.
+        activations: bytes alive when forward ends (saved for backward, the loss).
+        backward_peak: highest live bytes in backward, with the engine's gradient handling emulated.
+        backward_by_category: the breakdown at the backward peak.
+        forward_by_category: the breakdown at the forward peak.
+        inputs: bytes of the batch tensors.
+        param_numels: numel of each trainable parameter.
+    """
+
+    forward_peak: int
+    activations: int
+    backward_peak: int
+    backward_by_category: dict
+    forward_by_category: dict
+    inputs: int
+    param_numels: list[int] = field(default_factory=list)
+
+
+class _EngineEmulation:
+    """Gradient hooks that allocate what DeepSpeed's ZeRO 1/2 allocate, when they allocate it."""
+
+    def __init__(self, shape: RunShape, params: list[torch.nn.Parameter], tracker: Any):
+        self.shape = shape
+        self.params = params
+        self.tracker = tracker
+        self.keep: list[torch.Tensor] = []
+        self.bucket_fill = 0
+        self.started = False
+        total = sum(p.numel() for p in params)
+        n = shape.world_size
+        align = 2 * n
+        self.partition_numel = int(math.ceil(total / align) * align) // n
+
+    def hook(self, param: torch.Tensor) -> None:
+        shape = self.shape
+        if shape.stage in (1, 2) and shape.contiguous_gradients and not self.started:
+            self.started = True
+            buffers = 2 if shape.overlap_comm else 1
+            with self.tracker.scope(COMM_BUFFERS):
+                for _ in range(buffers):
+                    self.keep.append(torch.empty(shape.reduce_bucket, dtype=shape.dtype))
+        if shape.stage == 2:
+            numel = param.numel()
+            if self.bucket_fill + numel > shape.reduce_bucket and self.bucket_fill:
+                self._reduce()
+                self.bucket_fill = 0
+            self.bucket_fill += numel
+            param.grad = None  # copied into the bucket; the bucket is the gradient now
+
+    def _reduce(self) -> None:
+        if not any(getattr(t, "_xirang_partition", False) for t in self.keep):
+            with self.tracker.scope(GRADIENTS):
+                t = torch.empty(self.partition_numel, dtype=self.shape.dtype)
+            t._xirang_partition = True  # type: ignore[attr-defined]
+            self.keep.append(t)
+
+
+def _fake_model(build: Callable[[], torch.nn.Module], dtype: torch.dtype) -> torch.nn.Module:
+    model = build()
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model
+
+
+def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: int, vocab: int) -> Trace:
+    """Run one fake forward/backward of ``build()`` and measure it (see the module docstring)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from xirang_ds.memory.tracker import MemoryTracker
+
+    mode = FakeTensorMode()
+    with mode:
+        model = _fake_model(build, shape.dtype)
+        params = [p for p in model.parameters() if p.requires_grad]
+        x = torch.randint(0, vocab, (shape.micro_batch, seq))
+        y = torch.randint(0, vocab, (shape.micro_batch, seq))
+        tracker = MemoryTracker("cpu", fake=True)
+        tracker.seed(model.parameters(), PARAMETERS)
+        tracker.seed([x, y], TEMPORARIES)
+        base = tracker.live_bytes
+        emu = _EngineEmulation(shape, params, tracker)
+        handles = [p.register_post_accumulate_grad_hook(emu.hook) for p in params]
+        fwd = tracker.open_window()
+        with tracker:
+            tracker.set_phase("forward")
+            loss = model(x, y)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise EstimateError("the model's forward(input_ids, labels) must return a scalar loss")
+            tracker.set_phase("backward")
+            fwd_report = fwd.report()
+            activations = tracker.live_bytes - base
+            bwd = tracker.open_window()
+            loss.backward()
+            bwd_report = bwd.report()
+        for h in handles:
+            h.remove()
+    inputs = x.numel() * x.element_size() + y.numel() * y.element_size()
+    param_bytes = fwd_report.by_category[PARAMETERS]
+
+    def above(report) -> dict:
+        out = dict(report.by_category)
+        out[PARAMETERS] -= param_bytes
+        out[TEMPORARIES] -= inputs
+        return out
+
+    return Trace(forward_peak=fwd_report.peak_bytes - base, activations=activations,
+                 backward_peak=bwd_report.peak_bytes - base, backward_by_category=above(bwd_report),
+                 forward_by_category=above(fwd_report), inputs=inputs,
+                 param_numels=[p.numel() for p in params])
+
+
+# ------------------------------------------------------------------------------------------------
+# model states and the step
+
+
+@dataclass
+class Estimate:
+    """A predicted per-rank peak and its breakdown.
+
+    Attributes:
+        predicted_peak_bytes: the largest phase.
+        by_category: bytes per category at the predicted peak.
+        peak_phase: ``forward``, ``backward`` or ``optimizer_step``.
+        phases: each phase's total and breakdown.
+        notes: what the estimate assumed.
+        korthikanti_activations: the paper's formula for a standard transformer, for reference.
+    """
+
+    predicted_peak_bytes: int
+    by_category: dict[str, int]
+    peak_phase: str
+    phases: dict[str, dict[str, int]]
+    notes: list[str]
+    korthikanti_activations: Optional[int] = None
+
+    def as_dict(self) -> dict:
+        return {"predicted_peak_bytes": self.predicted_peak_bytes, "by_category": dict(self.by_category),
+                "peak_phase": self.peak_phase,
+                "phases": {k: dict(v) for k, v in self.phases.items()}, "notes": list(self.notes),
+                "korthikanti_activations": self.korthikanti_activations}
+
+
+def _cat(**parts: int) -> dict[str, int]:
+    out = {c: 0 for c in CATEGORIES}
+    for k, v in parts.items():
+        out[k] += int(v)
+    return out
+
+
+def _add(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {c: a.get(c, 0) + b.get(c, 0) for c in CATEGORIES}
+
+
+def model_states(shape: RunShape, numels: list[int]) -> dict[str, int]:
+    """Resident bytes between steps: parameters (16-bit and fp32 master) and optimizer states."""
+    total = sum(numels)
+    n, lp = shape.world_size, shape.lp_bytes
+    align = 2 * n
+    padded = int(math.ceil(total / align) * align)
+    part = padded // n
+    groups = 1
+    if shape.stage == 0:
+        master = 4 * total if shape.dtype != torch.float32 else 0
+        return _cat(parameters=lp * total + master, optimizer_states=8 * total + 4 * len(numels))
+    if shape.stage in (1, 2):
+        return _cat(parameters=lp * padded + 4 * part, optimizer_states=8 * part + 4 * groups)
+    # ZeRO 3: 16-bit partition, fp32 partition, states over the partition
+    return _cat(parameters=lp * part + 4 * part, optimizer_states=8 * part + 4 * groups)
+
+
+def _adam_temporaries(shape: RunShape, tensors: list[int]) -> int:
+    """Peak temporaries of one Adam step over tensors of these numels (fp32)."""
+    if shape.adam_impl == "fused" or not tensors:
+        return 0
+    if shape.adam_impl == "foreach":
+        return 4 * sum(tensors)  # _foreach_sqrt of every exp_avg_sq, then in-place ops
+    return 2 * 4 * max(tensors)  # sqrt() and its quotient, one tensor at a time
+
+
+def estimate_run(build: Callable[[], torch.nn.Module], ds_config: dict, seq: int, vocab: int,
+                 world_size: int = 1, device: str = "cpu") -> Estimate:
+    """Estimate one rank's peak for ``build()`` trained with ``ds_config`` on ``world_size`` ranks.
+
+    With a ``"xirang"`` block, the enabled plugins first edit the ds_config as they would at
+    ``initialize`` (bucket sizes), then adjust the phases (`Plugin.adjust_estimate`).
+    """
+    session = _session_for(build, ds_config, world_size)
+    if session is not None:
+        ds_config = session.ds_config
+    shape = RunShape.from_ds_config(ds_config, world_size, device)
+    if shape.stage not in (0, 1, 2, 3):
+        raise EstimateError(f"zero_optimization.stage must be 0-3; got {shape.stage}")
+    trace = trace_model(build, shape, seq, vocab)
+    numels = trace.param_numels
+    total = sum(numels)
+    n, lp = shape.world_size, shape.lp_bytes
+    part = int(math.ceil(total / (2 * n)) * 2 * n) // n
+    states = model_states(shape, numels)
+    notes = [f"ZeRO {shape.stage}, {str(shape.dtype).replace('torch.', '')}, micro-batch {shape.micro_batch}, "
+             f"{n} rank(s), {total:,} parameters", f"optimizer step temporaries: {shape.adam_impl}"]
+    inputs = _cat(temporaries=trace.inputs)
+    accum = _cat()  # gradients carried into the next micro-step's forward
+    if shape.grad_accum > 1:
+        if shape.stage in (0, 1):
+            accum = _cat(gradients=lp * total)
+        elif shape.stage == 2:
+            accum = _cat(gradients=lp * part)
+    fwd = _add(_add(states, inputs), _add(accum, trace.forward_by_category))
+    bwd = _add(_add(states, inputs), trace.backward_by_category)
+    if shape.grad_accum > 1 and shape.stage == 2:
+        bwd = _add(bwd, accum)
+    if shape.stage == 0:
+        # engine.allreduce_gradients at the boundary (buffered_allreduce_fallback): every gradient
+        # alive plus a flattened copy of up to 5e8 elements (engine.py allreduce_and_copy), after
+        # the activations are gone; it runs even on one rank.
+        flat = min(total, int(5e8))
+        reduce = _add(_add(states, inputs), _cat(gradients=lp * total, temporaries=lp * flat))
+        if sum(reduce.values()) > sum(bwd.values()):
+            bwd = reduce
+    if shape.stage == 3:
+        fwd, bwd = _stage3_working_set(shape, numels, fwd, bwd)
+    # the optimizer step
+    if shape.stage == 0:
+        grads = lp * total + (4 * total if shape.dtype != torch.float32 else 0)
+        step = _add(states, _cat(gradients=grads, temporaries=_adam_temporaries(shape, numels)))
+    else:
+        step = _add(states, _cat(gradients=4 * part, temporaries=_adam_temporaries(shape, [part])))
+        if shape.stage == 3:
+            step = _add(step, _cat(comm_buffers=lp * shape.reduce_bucket))
+    phases = {"forward": fwd, "backward": bwd, "optimizer_step": step}
+    phases = _apply_plugins(session, phases, shape, numels, notes)
+    totals = {k: sum(v[c] for c in CATEGORIES if c != "host") for k, v in phases.items()}
+    peak_phase = max(totals, key=totals.__getitem__)
+    return Estimate(predicted_peak_bytes=totals[peak_phase], by_category=phases[peak_phase], peak_phase=peak_phase,
+                    phases={k: {**v, "total": totals[k]} for k, v in phases.items()}, notes=notes)
+
+
+def _session_for(build: Callable[[], torch.nn.Module], ds_config: dict, world_size: int) -> Any:
+    """A session over a fake copy of the model whose plugins have edited a copy of the ds_config."""
+    import copy
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from xirang_ds.config.loader import BLOCK_KEY, validate_block
+    from xirang_ds.session import Session
+
+    if BLOCK_KEY not in ds_config:
+        return None
+    session = Session(validate_block(ds_config[BLOCK_KEY]), copy.deepcopy(ds_config), world_size=world_size)
+    with FakeTensorMode():
+        session.model = build()
+        session.prepare_ds_config()
+    return session
+
+
+def _apply_plugins(session: Any, phases: dict, shape: RunShape, numels: list[int], notes: list[str]) -> dict:
+    """Let each enabled plugin of the block adjust the phases (`Plugin.adjust_estimate`)."""
+    if session is None:
+        return phases
+    for plugin in session.plugins:
+        adjusted = plugin.adjust_estimate(phases, shape, numels)
+        if adjusted is None:
+            notes.append(f"{plugin.section}: its effect on memory is not modelled; measure with xirang-ds bench")
+        else:
+            phases = adjusted
+    return phases
+
+
+def _stage3_working_set(shape: RunShape, numels: list[int], fwd: dict, bwd: dict) -> tuple[dict, dict]:
+    """ZeRO 3: parameters live as partitions; the trace counted them whole, gathered. Replace the
+    whole 16-bit parameters by the gathered working set and add the persistent reduction buffers."""
+    lp = shape.lp_bytes
+    total = sum(numels)
+    persistent = sum(x for x in numels if x <= shape.persistence_threshold)
+    gathered = min(total, max(shape.prefetch_bucket, max(numels)) + max(numels)) + persistent
+    extra = _cat(parameters=lp * gathered,
+                 comm_buffers=lp * shape.reduce_bucket,
+                 gradients=lp * (int(math.ceil(total / (2 * shape.world_size)) * 2 * shape.world_size)
+                                 // shape.world_size))
+    return _add(fwd, extra), _add(bwd, extra)
+
+
+def korthikanti_activations(layers: int, seq: int, batch: int, hidden: int, heads: int) -> int:
+    """Activation bytes of a standard 16-bit transformer without recomputation (Korthikanti et al.
+    2022, eq. 1 with t = 1): s·b·h·(34 + 5·a·s/h) per layer."""
+    return int(layers * seq * batch * hidden * (34 + 5 * heads * seq / hidden))
+
+
+def estimate_spec(model: Union[str, Any], ds_config: dict, world_size: int = 1, device: str = "cpu") -> Estimate:
+    """`estimate_run` for a ``--model`` spec (built-in name, ``gpt:...`` or ``module:factory``)."""
+    from xirang_ds.models import ModelSpec, build_model, parse_model_spec
+
+    spec = parse_model_spec(model) if isinstance(model, str) else model
+    if isinstance(spec, ModelSpec):
+        build = lambda: build_model(spec)  # noqa: E731
+        seq, vocab = spec.seq, spec.vocab
+    else:
+        build = spec
+        probe = None
+        seq = int(getattr(probe, "seq", 128))
+        vocab = 256
+    est = estimate_run(build, ds_config, seq, vocab, world_size, device)
+    if isinstance(spec, ModelSpec):
+        shape = RunShape.from_ds_config(ds_config, world_size, device)
+        est.korthikanti_activations = korthikanti_activations(spec.layers, spec.seq, shape.micro_batch,
+                                                              spec.hidden, spec.heads)
+    return est
+
+
+def recalibrate(estimate: Estimate, measured_by_category: dict[str, int], measured_peak: int) -> dict:
+    """Compare with a measured peak: the error and a factor per category (measured / predicted)."""
+    factors = {}
+    for c in CATEGORIES:
+        p = estimate.by_category.get(c, 0)
+        m = measured_by_category.get(c, 0)
+        if p:
+            factors[c] = m / p
+    return {"predicted_peak_bytes": estimate.predicted_peak_bytes, "measured_peak_bytes": measured_peak,
+            "error": (estimate.predicted_peak_bytes - measured_peak) / measured_peak, "factors": factors}
+
+
+def format_estimate(est: Estimate) -> str:
+    """The estimate as a table: each phase's total and the breakdown at the predicted peak."""
+    from xirang_ds.config.types import format_bytes
+
+    lines = ["predicted per-rank peak: " + format_bytes(est.predicted_peak_bytes) +
+             f" ({est.predicted_peak_bytes:,} bytes) in {est.peak_phase}"]
+    lines += ["  " + n for n in est.notes]
+    lines.append(f"{'category':<18}{'forward':>12}{'backward':>12}{'optimizer_step':>16}")
+    for c in CATEGORIES:
+        vals = [est.phases[p].get(c, 0) for p in ("forward", "backward", "optimizer_step")]
+        if any(vals):
+            lines.append(f"{c:<18}" + "".join(f"{format_bytes(v):>{w}}" for v, w in zip(vals, (12, 12, 16))))
+    totals = [est.phases[p]["total"] for p in ("forward", "backward", "optimizer_step")]
+    lines.append(f"{'total':<18}" + "".join(f"{format_bytes(v):>{w}}" for v, w in zip(totals, (12, 12, 16))))
+    if est.korthikanti_activations is not None:
+        lines.append(f"(Korthikanti et al. formula for 16-bit activations of a standard transformer: "
+                     f"{format_bytes(est.korthikanti_activations)}; the trace measured this model's own)")
+    return "\n".join(lines)

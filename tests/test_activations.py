@@ -2,8 +2,9 @@
 give bit-identical training to plain DeepSpeed at ZeRO 0-3 on 2 ranks with gradient
 accumulation; the tracker shows device activation bytes falling (to the host tier for offload)
 within the budget; a checkpoint resumes with the same plan and identical losses; int8 stays within
-its bound and 2 % of the loss over 200 steps; removal restores plain DeepSpeed; bad input fails
-with the key, the value and the fix."""
+its bound and 2 % of the loss over 200 steps; removal restores plain DeepSpeed; a lossless plan
+leaves grad_release and optimizer_states training exactly as without it; bad input fails with the
+key, the value and the fix."""
 import pytest
 import torch
 
@@ -227,3 +228,33 @@ def test_single_rank_behaviours():
     assert "xirang.memory_budget: 976.56 KiB is below" in budget
     assert "below what this rank's model states already take" in budget
     assert "xirang.activations.budget: 1000 B of saved activations is below the least any plan needs" in tiny
+
+
+def _with_other_plugins(rank, world):
+    """grad_release and optimizer_states each alone, then each with a lossless activations plan
+    (compress and recompute on the blocks), at ZeRO-2 with gradient accumulation."""
+    lossless = {"enabled": True, "planner": False, "compress": ["blocks.0"], "recompute": ["blocks.1"]}
+    out = {}
+    for name, block in (("grad_release", {"grad_release": {"enabled": True}}),
+                        ("optimizer_states", {"optimizer_states": {"enabled": True, "schedule": [{"dtype": "int8"}]}})):
+        sections: list = []
+
+        def attached(engine, step, seen=sections):
+            seen.append([p.section for p in engine.xirang.plugins])
+        alone = _train(rank, world, ds_config(stage=2, gas=2, xirang=block), 3)
+        both = _train(rank, world, ds_config(stage=2, gas=2, xirang={**block, "activations": lossless}), 3,
+                      engine_hook=attached)
+        out[name] = (alone["losses"], both["losses"], _same(alone, both), both["plan"], sections[0])
+    return out
+
+
+@pytest.mark.distributed
+def test_lossless_plans_compose_with_grad_release_and_optimizer_states():
+    """Saved-tensor hooks and the optimizer seams are independent: a lossless plan leaves the losses
+    and parameters of grad_release and of int8 optimizer states exactly as they are without it."""
+    for out in run_ranks(_with_other_plugins, 2, threads=1):
+        for name, (alone, both, same, plan, sections) in out.items():
+            assert sections == ["activations", name]  # both attached, in plugin order
+            assert plan == {"blocks.0": "compress", "blocks.1": "recompute"}, name
+            assert both == alone, name
+            assert same, name

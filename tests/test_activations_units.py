@@ -457,3 +457,18 @@ def test_nested_options_innermost_wins_and_keep_shields():
     block.remove()
     inner.remove()
     assert "forward" not in vars(modules["blocks.0"]) and "forward" not in vars(modules["blocks.0.mlp"])
+
+
+def test_measurement_configs_are_valid():
+    """The ds_configs docs/activations.md measures with: blocks valid, activations enabled."""
+    import glob
+    import json
+    import os
+
+    from xirang_ds.config import load_config
+
+    files = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "activations", "*.json")))
+    assert len(files) >= 10
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            assert load_config(json.load(f)).activations.enabled, path

@@ -4,7 +4,9 @@ ds_config without the block) and with the block, side by side in one invocation.
 Each side runs in fresh processes (1 or 2 CPU ranks over gloo, or GPUs), so memory figures do not
 mix. Memory: every storage is tracked from the end of ``initialize`` over all steps (the live-storage
 tracker; on CUDA the allocator's ``max_memory_allocated`` is the peak and the tracker gives the
-categories); the peak is the worst rank's. Time: the median step time after the first step, with
+categories); the peak is the worst rank's. Besides the breakdown at the overall peak, each
+category's own highest (``category_peaks``: activations peak at the end of forward even when the
+overall peak is in the optimizer step) is reported, worst rank per category. Time: the median step time after the first step, with
 the tracker on for both sides. Loss: the mean over ranks of the last steps' losses.
 """
 from __future__ import annotations
@@ -36,6 +38,7 @@ class SideResult:
     per_rank_peak_bytes: list[int] = field(default_factory=list)
     allocator_peak_bytes: Optional[int] = None
     summary: str = ""
+    category_peaks: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items()}
@@ -164,6 +167,7 @@ def bench_rank(rank: int, world: int, model_text: str, ds_config: dict, steps: i
         "phase_peaks": report.phase_peaks, "losses": losses, "step_times_s": times,
         "allocator_peak_bytes": int(torch.cuda.max_memory_allocated()) if cuda else None,
         "summary": session.summary() if session is not None else "",
+        "category_peaks": window.category_peaks(),
     }
     window.close()
     if watch is not None:
@@ -186,7 +190,8 @@ def combine(per_rank: list[dict]) -> SideResult:
         peak_phase=worst["peak_phase"], step_time_median_s=statistics.median(timed), final_loss=_final_loss(losses),
         phase_peaks=worst["phase_peaks"],
         losses=losses, step_times_s=times, per_rank_peak_bytes=[r["peak_bytes"] for r in per_rank],
-        allocator_peak_bytes=worst["allocator_peak_bytes"], summary=per_rank[0]["summary"])
+        allocator_peak_bytes=worst["allocator_peak_bytes"], summary=per_rank[0]["summary"],
+        category_peaks={c: max(r["category_peaks"].get(c, 0) for r in per_rank) for c in CATEGORIES})
 
 
 def strip_block(ds_config: dict) -> dict:
@@ -219,6 +224,8 @@ def run_bench(model_text: str, ds_config: dict, steps: int = 20, world_size: int
         "data": data_path or "stdlib docstrings",
         "baseline": base.as_dict(), "xirang": ours.as_dict(),
         "peak_ratio": ours.peak_bytes / base.peak_bytes,
+        "activations_peak_ratio": (ours.category_peaks["activations"] / base.category_peaks["activations"]
+                                   if base.category_peaks.get("activations") else None),
         "step_time_ratio": ours.step_time_median_s / base.step_time_median_s,
         "loss_delta": ours.final_loss - base.final_loss,
     }
@@ -232,6 +239,10 @@ def format_result(result: dict) -> str:
         a, b = base["peak_by_category"].get(c, 0), ours["peak_by_category"].get(c, 0)
         if a or b:
             rows.append((c, format_bytes(a), format_bytes(b), f"{b / a:.2f}" if a else "-"))
+    for c in ("activations", "host"):
+        a, b = base.get("category_peaks", {}).get(c, 0), ours.get("category_peaks", {}).get(c, 0)
+        if a or b:
+            rows.append((f"{c} peak (own moment)", format_bytes(a), format_bytes(b), f"{b / a:.2f}" if a else "-"))
     rows.append(("peak (worst rank)", f"{format_bytes(base['peak_bytes'])}", f"{format_bytes(ours['peak_bytes'])}",
                  f"{result['peak_ratio']:.2f}"))
     rows.append(("peak phase", base["peak_phase"], ours["peak_phase"], ""))

@@ -166,6 +166,7 @@ class _Registry:
 _REGISTRY = _Registry()
 
 BUILTIN_PLUGIN_MODULES = (
+    "xirang_ds.plugins.activations",
     "xirang_ds.plugins.comm_buffers",
     "xirang_ds.plugins.grad_release",
     "xirang_ds.plugins.monitor",

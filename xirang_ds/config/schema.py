@@ -234,41 +234,87 @@ class PrecisionConfig(Section):
 # --------------------------------------------------------------------------------------------
 
 
+ActivationOption = Literal["keep", "recompute", "selective_recompute", "recompute_offload", "compress",
+                           "quantize", "sparsify", "offload"]
+ACTIVATION_OPTIONS = ("keep", "recompute", "selective_recompute", "recompute_offload", "compress", "quantize",
+                      "sparsify", "offload")
+"""What can happen to the tensors a module saves for backward; each is also the key of a fixed plan."""
+LOSSY_ACTIVATION_OPTIONS = ("quantize", "sparsify")
+"""Options whose decoded tensors differ from the saved ones: only for modules listed in ``tolerant``."""
+
+
 @dataclass(frozen=True)
 class ActivationsConfig(Section):
-    """Per-module choice of keep / recompute / compress / offload for saved activations."""
+    """Per-module choice of keep / recompute / compress / offload for the tensors saved for backward.
+
+    Fixed plans name modules by glob (``"recompute": ["blocks.*.mlp"]``); the planner profiles the
+    first passes and chooses for every other candidate under the budget. ds_config's own
+    ``activation_checkpointing`` section is applied through the same mechanism.
+    """
 
     budget: AutoBytes = "auto"
-    """Bytes of activations the planner may keep on the device; ``auto`` = what the memory budget
-    leaves after model states."""
-    candidates: Union[Literal["auto"], tuple[Glob, ...]] = "auto"
-    """Modules the planner chooses for; ``auto`` = the repeated blocks of the model."""
+    """Device bytes of saved activations per rank the plan may keep at the end of forward; ``auto`` =
+    what ``memory_budget`` leaves after everything else the profiling passes measured (model
+    states, gradients, buffers)."""
+    budget_fraction: Optional[Annotated[float, Range(0.0, 1.0, low_exclusive=True)]] = None
+    """Instead of ``budget``: this fraction of the activation bytes measured with every module kept."""
     planner: bool = True
-    """Let the planner choose for the candidates not fixed by hand below."""
+    """Profile the first passes, then choose an option for every candidate not fixed by hand."""
+    candidates: Union[Literal["auto"], tuple[Glob, ...]] = "auto"
+    """Modules the planner chooses for (globs on full module names); ``auto`` = the children of every
+    ``nn.ModuleList`` (the repeated blocks) and their direct children."""
+    options: tuple[ActivationOption, ...] = ACTIVATION_OPTIONS
+    """Options the planner may choose; ``quantize`` and ``sparsify`` only for modules in ``tolerant``."""
     keep: tuple[Glob, ...] = ()
-    """Modules fixed to keep their activations."""
+    """Modules fixed to keep their saved tensors as they are."""
     recompute: tuple[Glob, ...] = ()
-    """Modules fixed to recompute in backward."""
+    """Modules fixed to full recompute: only their inputs are kept; forward runs again in backward."""
+    selective_recompute: tuple[Glob, ...] = ()
+    """Modules fixed to selective recompute: outputs of matmuls and attention that backward needs are
+    kept, everything else (norms, activations functions, copies) is recomputed."""
+    recompute_offload: tuple[Glob, ...] = ()
+    """Modules fixed to full recompute with their inputs held in host memory (DeepSpeed's
+    ``cpu_checkpointing``)."""
     compress: tuple[Glob, ...] = ()
-    """Modules fixed to compress their saved tensors."""
+    """Modules fixed to lossless compression: bit-exact narrower storage (fp32 values that are exactly
+    bf16/fp16), bitmask encoding of exact zeros, 1 bit per bool."""
+    quantize: tuple[Glob, ...] = ()
+    """Modules fixed to lossy 8-bit block quantization; each must also match ``tolerant``."""
+    sparsify: tuple[Glob, ...] = ()
+    """Modules fixed to lossy sparse storage (values at or below ``sparsify_threshold`` dropped); each
+    must also match ``tolerant``."""
     offload: tuple[Glob, ...] = ()
-    """Modules fixed to offload their saved tensors to host memory."""
-    recompute_mode: Literal["full", "selective"] = "full"
-    """``selective`` keeps saved outputs of expensive ops (matmuls) and recomputes the rest."""
-    compress_dtype: Literal["bf16", "fp16"] = "bf16"
-    """Storage dtype of lossless compression for fp32 activations."""
+    """Modules fixed to offload their saved tensors to host memory (async copies, prefetched in backward)."""
     tolerant: tuple[Glob, ...] = ()
-    """Modules whose saved tensors may be stored lossily."""
-    lossy: Literal["none", "int8", "sparse"] = "none"
-    """Lossy encoding for tolerant modules."""
-    lossy_block_size: Annotated[int, Range(32, 4096), MultipleOf(32)] = 64
-    """Elements per scale of int8 activation storage."""
+    """Modules whose saved tensors may be stored lossily (``quantize``, ``sparsify``)."""
+    quantize_block_size: Annotated[int, Range(32, 4096), MultipleOf(32)] = 64
+    """Elements per fp32 scale of 8-bit storage; the error bound is max|block| / 254 per element."""
+    sparsify_threshold: Annotated[float, Range(0.0, 1.0)] = 0.01
+    """``sparsify`` drops values whose magnitude is at most this fraction of the tensor's largest."""
+    min_tensor_bytes: NonNegativeInt = 4096
+    """Saved tensors smaller than this stay as they are (except under recompute)."""
+    profile_steps: PositiveInt = 2
+    """Forward/backward passes profiled before planning; meanwhile every saved tensor is offloaded
+    (memory-safe, results unchanged) and the fastest pass's op times are used."""
     offload_prefetch: PositiveInt = 1
-    """How many modules ahead backward prefetches offloaded tensors."""
+    """How many offloaded modules ahead backward prefetches (on a side stream; CPU copies on demand)."""
     host_bandwidth_gbps: Union[Literal["auto"], Annotated[float, Range(0.0, low_exclusive=True)]] = "auto"
-    """Device-host bandwidth used to price offload; ``auto`` measures it."""
+    """Device-host copy bandwidth that prices offload, in GB/s; ``auto`` measures it."""
     honour_deepspeed_checkpointing: bool = True
-    """Apply ds_config's ``activation_checkpointing`` section through this plugin."""
+    """Apply ds_config's ``activation_checkpointing`` section through this plugin (recompute of the
+    repeated blocks; DeepSpeed alone ignores it unless model code calls its API)."""
+
+    def check(self) -> Issues:
+        issues: Issues = []
+        if self.budget_fraction is not None and self.budget != "auto":
+            issues.append(("budget_fraction", f"cannot be set together with budget ({int(self.budget)} bytes); "
+                                              "keep one of them"))
+        if self.planner and not self.options:
+            issues.append(("options", "must list at least one option while planner is true; "
+                                      "add \"keep\" or set planner to false"))
+        if len(set(self.options)) != len(self.options):
+            issues.append(("options", "lists an option twice"))
+        return issues
 
 
 # --------------------------------------------------------------------------------------------

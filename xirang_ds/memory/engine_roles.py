@@ -186,6 +186,31 @@ def seed_model_states(tracker: MemoryTracker, watch: TrainingWatch) -> None:
     watch.mark_model_states()
 
 
+def model_state_bytes(engine: Any) -> int:
+    """Device bytes of the storages that hold an engine's model states now (each storage once):
+    the allocator's figure on accelerators, a count of parameters, optimizer states and
+    DeepSpeed's parameter and gradient buffers on CPU."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if acc.device_name() != "cpu":
+        return int(acc.memory_allocated())
+    tensors = list(engine.module.parameters())
+    basic = getattr(engine, "basic_optimizer", None)
+    if basic is not None:
+        tensors += [p for g in basic.param_groups for p in g["params"]] + optimizer_state_tensors(basic)
+    wrapper = getattr(engine, "optimizer", None)
+    if wrapper is not None and wrapper is not basic:
+        for category in (PARAMETERS, GRADIENTS, COMM_BUFFERS):
+            tensors += engine_tensors(wrapper, category)
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel():
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
 def current_device_bytes(tracker: Optional[MemoryTracker] = None) -> int:
     """Bytes in use on the device now: the accelerator's allocator, or the tracker on CPU."""
     from deepspeed.accelerator import get_accelerator

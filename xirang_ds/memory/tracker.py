@@ -530,29 +530,41 @@ class Window:
         return PeakReport(peak_bytes=self.peak_bytes, by_category=t.by_category(at_peak), phase=self.peak_phase,
                           phase_peaks=dict(self.phase_peaks), top=device[:top], baseline_bytes=self.baseline_bytes)
 
+    def category_peaks(self) -> dict[str, int]:
+        """The highest live bytes of each category over the window, each at its own moment (the
+        activations peak at the end of forward while the overall peak may be in the optimizer step);
+        ``host`` holds the host tier's highest."""
+        t = self.tracker
+        live = {c: 0 for c in CATEGORIES}
+        events = []
+        with t._lock:
+            for r in t.records:
+                if r.freed is not None and r.freed <= self.start_clock:
+                    continue
+                c = HOST if r.host else r.resolved_category()
+                if r.created <= self.start_clock:
+                    live[c] += r.nbytes
+                else:
+                    events.append((r.created, r.nbytes, c))
+                if r.freed is not None:
+                    events.append((r.freed, -r.nbytes, c))
+        peaks = dict(live)
+        for _, delta, c in sorted(events):  # every allocation and free has its own clock value
+            live[c] += delta
+            if live[c] > peaks[c]:
+                peaks[c] = live[c]
+        return peaks
+
     def most_at_once(self) -> dict[str, int]:
         """Per device category, the most bytes of it alive at the same time in this window.
 
         The breakdown at the peak (`report`) shows each category at one moment; a category can be
         larger at another (gradients at the end of backward while the peak is at its start).
-        Categories are resolved as they are now (roles given after creation count).
+        Categories are resolved as they are now (roles given after creation count). The device
+        part of `category_peaks`.
         """
-        changes: dict[str, list[tuple[int, int]]] = {c: [] for c in DEVICE_CATEGORIES}
-        for r in self.tracker.records:
-            if r.host or (r.freed is not None and r.freed <= self.start_clock):
-                continue
-            events = changes[r.resolved_category()]
-            events.append((max(r.created, self.start_clock), r.nbytes))
-            if r.freed is not None:
-                events.append((r.freed, -r.nbytes))
-        out = {}
-        for category, events in changes.items():
-            live = most = 0
-            for _, delta in sorted(events):
-                live += delta
-                most = max(most, live)
-            out[category] = most
-        return out
+        peaks = self.category_peaks()
+        return {c: peaks[c] for c in DEVICE_CATEGORIES}
 
     def close(self) -> None:
         self.tracker.close_window(self)

@@ -1,0 +1,337 @@
+"""Activation memory planner: per module, keep / recompute / compress / offload what it saves for
+backward, chosen under a byte budget from measured costs; no change to model code.
+
+Lifecycle:
+
+1. ``prepare_model``: globs are checked against the model (a glob matching nothing, one module
+   under two options, a lossy option on a module not marked tolerant: errors before DeepSpeed
+   runs); ds_config's ``activation_checkpointing`` section is mapped onto the same options.
+2. ``attach``: a removable forward wrapper goes on every candidate and fixed module, and one on
+   the model (per-pass bookkeeping). Without planning, the fixed plan applies at once.
+3. Profiling (the first ``profile_steps`` forward/backward passes): every saved tensor is
+   recorded and offloaded (`profile.py`); then all ranks agree on the figures, the budget is
+   resolved and the planner (`planner.py`) chooses; the plan is logged on rank 0 and applied from
+   the next forward.
+4. ``state_dict`` carries the plan, so a resumed run skips profiling and uses the same plan.
+5. ``remove``: every wrapper goes; the model runs as without the plugin.
+
+Run-time seams for other plugins: `ActivationsPlugin.raise_recompute` and
+`ActivationsPlugin.raise_compression` (the monitor's actions), and `set_storage_provider` (memory
+lent to compressed activations; see `storage.py`).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Optional
+
+import torch
+
+from xirang_ds.config.schema import LOSSY_ACTIVATION_OPTIONS, ActivationsConfig
+from xirang_ds.config.types import format_bytes
+from xirang_ds.config.validate import XirangConfigError
+from xirang_ds.hooks import wrap_method
+from xirang_ds.memory.categories import ACTIVATIONS
+from xirang_ds.plugins.activations.planner import Choice, estimate_peak, format_plan
+from xirang_ds.plugins.activations.planning import (
+    OtherPeak,
+    agree,
+    build_tree,
+    check_memory_budget,
+    choose,
+    escalation,
+    resolve_budget,
+)
+from xirang_ds.plugins.activations.profile import ROOT, ModuleProfile, Profiler
+from xirang_ds.plugins.activations.selection import PATH, fixed_plan, find_candidates, tolerant_names
+from xirang_ds.plugins.activations.storage import PayloadStorage, StorageProvider
+from xirang_ds.plugins.activations.wrapper import ModuleWrapper, Runtime
+from xirang_ds.registry import Plugin, register_plugin
+
+logger = logging.getLogger("xirang_ds")
+
+HOOKED_OPTIONS = ("compress", "quantize", "sparsify", "offload", "recompute_offload")
+"""Options that pack saved tensors inside the module (a kept descendant must shield itself)."""
+
+
+@register_plugin(ActivationsConfig, section="activations", order=30)
+class ActivationsPlugin(Plugin):
+    """Chooses and applies an option per module (see the module docstring).
+
+    Attributes:
+        plan: ``{module: option}`` in force (fixed and planned), empty while profiling.
+        choices: the planner's `Choice` per module (bytes and estimated added time).
+        profiles: the combined `ModuleProfile` per module after profiling.
+        budget_bytes: resolved activation budget (``None`` when no planning happened).
+        plan_text: the plan table logged on rank 0.
+    """
+
+    def __init__(self, config: ActivationsConfig, session: Any):
+        super().__init__(config, session)
+        self.plan: dict[str, str] = {}
+        self.choices: dict[str, Choice] = {}
+        self.profiles: dict[str, ModuleProfile] = {}
+        self.budget_bytes: Optional[int] = None
+        self.outside_bytes = 0
+        self.planned_peaks: Optional[tuple[int, int]] = None
+        """Planned saved-activation bytes: (end of forward, worst point of backward)."""
+        self.plan_text = ""
+        self.state = "idle"
+        self.runtime: Optional[Runtime] = None
+        self.wrappers: dict[str, ModuleWrapper] = {}
+        self.recompute_timings: list = []
+        self._candidates: list[str] = []
+        self._fixed: dict[str, str] = {}
+        self._ds_settings: dict = {}
+        self._tolerant: frozenset = frozenset()
+        self._passes = 0
+        self._other_peak: Optional[OtherPeak] = None
+        self._engine: Any = None
+        self._bandwidth: Optional[float] = None
+        self.options: tuple[str, ...] = config.options
+
+    # seams ----------------------------------------------------------------------------------------
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        problems: list[tuple[str, str]] = []
+        self._candidates = find_candidates(model, self.config, problems) if self.config.planner else []
+        self._fixed, self._ds_settings = fixed_plan(model, self.config, self.session.ds_config, problems)
+        self.options = self.config.options
+        zero = self.session.ds_config.get("zero_optimization") or {}
+        if isinstance(zero, dict) and zero.get("stage") == 3:
+            # ZeRO-3's own linear function and selective checkpointing's op cache do not give
+            # bit-identical gradients (measured); full recompute, compress and offload do.
+            self.options = tuple(o for o in self.options if o != "selective_recompute")
+            for name, option in self._fixed.items():
+                if option == "selective_recompute":
+                    problems.append((f"{PATH}.selective_recompute", f"{name!r}: selective recompute is not supported "
+                                                                    "with ZeRO stage 3 (its gradients are not "
+                                                                    "bit-identical there); use recompute"))
+        if problems:
+            raise XirangConfigError(problems)
+        self._tolerant = tolerant_names(model, self.config)
+
+    def attach(self, engine: Any) -> None:
+        from deepspeed.accelerator import get_accelerator
+
+        self._engine = engine
+        acc = get_accelerator()
+        tracker = self.session.tracker
+        self.runtime = Runtime(
+            torch.device(engine.device), self.config.min_tensor_bytes, self.config.offload_prefetch,
+            self.config.quantize_block_size, self.config.sparsify_threshold, tracker.host_tier,
+            lambda: tracker.scope(ACTIVATIONS),
+            mark=lambda t: tracker.mark([t], ACTIVATIONS) if tracker.active else None,
+            synchronize=acc.synchronize if self._ds_settings.get("synchronize") else None,
+            timings=self.recompute_timings if self._ds_settings.get("profile") else None)
+        model = engine.module
+        check_memory_budget(self.session.config.memory_budget, engine)
+        self.runtime.eligible.refresh(model)
+        modules = dict(model.named_modules())
+        for name in list(self._fixed) + [c for c in self._candidates if c not in self._fixed]:
+            self.wrappers[name] = ModuleWrapper(name, modules[name], self.runtime)
+        self.keep(wrap_method(model, "forward", self._root_forward))
+        if self._ds_settings.get("profile"):
+            self.keep(wrap_method(engine, "step", self._step))
+        free = [c for c in self._candidates if c not in self._fixed and not any(
+            c.startswith(f + ".") for f in self._fixed)]
+        if free:
+            self.state = "profiling"
+            self._bandwidth = (self.config.host_bandwidth_gbps * 1e9 if self.config.host_bandwidth_gbps != "auto"
+                               else self.runtime.offloader.measure_bandwidth())
+        else:
+            self._apply({name: option for name, option in self._fixed.items()})
+            self.state = "planned"
+            self._log_plan()
+
+    def remove(self) -> None:
+        for wrapper in self.wrappers.values():
+            wrapper.remove()
+        self.wrappers.clear()
+        self._close_other_peak()
+        if self.runtime is not None:
+            self.runtime.offloader.synchronize()
+            self.runtime.profiler = None
+        super().remove()
+
+    def describe(self) -> str:
+        if self.state == "profiling":
+            return f"profiling {len(self._candidates)} candidates for {self.config.profile_steps} passes, then planning"
+        counts: dict[str, int] = {}
+        for option in self.plan.values():
+            counts[option] = counts.get(option, 0) + 1
+        text = ", ".join(f"{n} {o}" for o, n in sorted(counts.items())) or "nothing to do"
+        if self.budget_bytes is not None and self.planned_peaks is not None:
+            end, worst = self.planned_peaks
+            text += (f"; plans {format_bytes(max(end, worst))} of saved activations at most "
+                     f"(budget {format_bytes(self.budget_bytes)})")
+        return text
+
+    # checkpoints ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"plan": dict(self.plan), "budget_bytes": self.budget_bytes, "bandwidth_bps": self._bandwidth,
+                "choices": {n: [c.option, c.device_bytes, c.added_s] for n, c in self.choices.items()},
+                "outside_bytes": self.outside_bytes, "planned_peaks": self.planned_peaks,
+                "profiles": {n: p.as_dict() for n, p in self.profiles.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        plan = state.get("plan") or {}
+        if not plan:
+            return
+        unknown = [n for n in plan if n not in self.wrappers and n not in dict(self._engine.module.named_modules())]
+        if unknown:
+            raise XirangConfigError([(PATH, f"the checkpoint's activation plan names modules this model does not "
+                                            f"have ({', '.join(unknown[:4])}); load it into the same model")])
+        self.profiles = {n: ModuleProfile.from_dict(p) for n, p in (state.get("profiles") or {}).items()}
+        self.budget_bytes = state.get("budget_bytes")
+        self._bandwidth = state.get("bandwidth_bps") or self._bandwidth
+        self.choices = {n: Choice(*c) for n, c in (state.get("choices") or {}).items()}
+        self.outside_bytes = int(state.get("outside_bytes") or 0)
+        peaks = state.get("planned_peaks")
+        self.planned_peaks = tuple(peaks) if peaks else None
+        self._close_other_peak()
+        self.runtime.profiler = None
+        modules = dict(self._engine.module.named_modules())
+        for name in plan:
+            if name not in self.wrappers:
+                self.wrappers[name] = ModuleWrapper(name, modules[name], self.runtime)
+        self._apply(plan)
+        self.state = "planned"
+
+    # run-time actions (the monitor's raise_recompute / raise_compression) -------------------------
+    def raise_recompute(self) -> bool:
+        """Switch the kept module that frees most bytes per added second to a recompute option.
+
+        Returns:
+            True if the plan changed (every rank takes the same decision: the profiles agree).
+        """
+        return self._escalate(("selective_recompute", "recompute", "recompute_offload"))
+
+    def raise_compression(self) -> bool:
+        """Switch the kept module that frees most bytes per added second to a storage option
+        (compress, or quantize / sparsify where tolerant, or offload).
+
+        Returns:
+            True if the plan changed.
+        """
+        return self._escalate(("compress", "quantize", "sparsify", "offload"))
+
+    def _escalate(self, options: tuple[str, ...]) -> bool:
+        if self.state != "planned" or not self.profiles:
+            return False
+        found = escalation(self.profiles, self.plan, list(self.wrappers), tuple(o for o in options if o in self.options),
+                           self._tolerant, self._bandwidth or 1e10, self.runtime.offloader.stream is not None)
+        if found is None:
+            return False
+        name, choice = found
+        freed = self.profiles[name].keep_bytes - choice.device_bytes
+        self.choices[name] = choice
+        self._apply({**self.plan, name: choice.option})
+        self.session.record_event("activations_escalated", module=name, option=choice.option, freed_bytes=freed)
+        self._log(f"monitor action: {name} now {choice.option} (frees {format_bytes(freed)})")
+        return True
+
+    def set_storage_provider(self, provider: Optional[StorageProvider]) -> None:
+        """Let ``provider`` lend device memory to compressed activations (``None``: plain allocations)."""
+        if self.runtime is None:
+            raise RuntimeError("set_storage_provider() needs the engine; call it from Plugin.attach or later")
+        self.runtime.storage.provider = provider
+
+    # passes ---------------------------------------------------------------------------------------
+    def _root_forward(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        rt = self.runtime
+        if not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        rt.eligible.refresh(self._engine.module)
+        rt.offloader.end_forward()
+        if self.state == "profiling":
+            if self._passes == self.config.profile_steps:
+                self._finish_profiling()
+            else:
+                self._passes += 1
+                if rt.profiler is None:
+                    self._start_profiling()
+                with rt.profiler.run_pass():
+                    return original(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    def _start_profiling(self) -> None:
+        from deepspeed.accelerator import get_accelerator
+
+        rt = self.runtime
+        lossy = tuple(k for k in ("quantize", "sparsify") if k in self.options)
+        sync = get_accelerator().synchronize if rt.device.type != "cpu" else (lambda: None)
+        rt.profiler = Profiler(rt.eligible, rt.handlers["offload"], PayloadStorage(), self._tolerant, lossy,
+                               self.config.quantize_block_size, self.config.sparsify_threshold, sync)
+        if self.config.budget_fraction is None and self.config.budget == "auto":
+            self._other_peak = OtherPeak(self.session, self._engine)
+
+    def _close_other_peak(self) -> Optional[int]:
+        peak = self._other_peak.stop() if self._other_peak is not None else None
+        self._other_peak = None
+        return peak
+
+    def _finish_profiling(self) -> None:
+        from deepspeed.accelerator import get_accelerator
+
+        rt = self.runtime
+        profiles = rt.profiler.combined()
+        rt.profiler = None
+        rt.offloader.synchronize()
+        rt.offloader.pool.clear()  # profiling offloaded everything; the plan's own buffers pool anew
+        other = self._close_other_peak()
+        extra = agree(profiles, [-self._bandwidth, float(other or 0)], rt.device)
+        self._bandwidth, other = -extra[0], (int(extra[1]) if other is not None else None)
+        self.profiles = profiles
+        self.budget_bytes = resolve_budget(self.config, self.session.config.memory_budget,
+                                           int(get_accelerator().total_memory()), profiles, other)
+        streams = rt.offloader.stream is not None
+        roots, before, after = build_tree(self._candidates, self._fixed, profiles, self.options, self._tolerant,
+                                          self._bandwidth, streams, self.config.offload_prefetch)
+        self.outside_bytes = before + after
+        self.choices = choose(roots, self.budget_bytes, before, after)
+        self.planned_peaks = estimate_peak(roots, self.choices, before, after)
+        self._apply({name: c.option for name, c in self.choices.items()})
+        self.state = "planned"
+        self._log_plan()
+
+    # applying -------------------------------------------------------------------------------------
+    def _apply(self, plan: dict[str, str]) -> None:
+        """Put ``plan`` in force from the next forward."""
+        self.plan = dict(plan)
+        for name, wrapper in self.wrappers.items():
+            option = plan.get(name)
+            hooked_above = any(name.startswith(o + ".") and plan[o] in HOOKED_OPTIONS for o in plan)
+            p = self.profiles.get(name)
+            must_save = frozenset(p.must_save) if p is not None and p.calls else None
+            wrapper.apply(option, must_save, passthrough=hooked_above and option == "keep")
+
+    def _log_plan(self) -> None:
+        if self.choices:
+            self.plan_text = format_plan(self.choices, self.profiles, self.budget_bytes, self.outside_bytes,
+                                         self.planned_peaks)
+        else:
+            self.plan_text = "\n".join(f"{n}: {o}" for n, o in self.plan.items()) or "(no module)"
+        lossy = [(n, o, getattr(self.profiles[n], f"{o}_error")) for n, o in self.plan.items()
+                 if o in LOSSY_ACTIVATION_OPTIONS and n in self.profiles]
+        if lossy:
+            self.plan_text += "\nlossy, worst error measured in profiling as a fraction of the stated bound: " + \
+                ", ".join(f"{n} ({o}) {e:.2f}" for n, o, e in lossy)
+        self._log("plan\n" + self.plan_text)
+
+    def _log(self, message: str) -> None:
+        if getattr(self._engine, "global_rank", 0) == 0:
+            logger.info("xirang activations: %s", message)
+
+    def _step(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        """DeepSpeed's ``activation_checkpointing.profile``: log the step's recomputation times."""
+        before = self._engine.global_steps
+        result = original(*args, **kwargs)
+        if self._engine.global_steps != before and self.recompute_timings:
+            total = sum(s for _, s in self.recompute_timings)
+            self._log(f"step {self._engine.global_steps}: {len(self.recompute_timings)} recomputations took "
+                      f"{total * 1e3:.1f} ms")
+            self.recompute_timings.clear()
+        return result
+
+
+__all__ = ["ActivationsPlugin"]

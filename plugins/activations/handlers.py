@@ -1,0 +1,81 @@
+"""The storage handlers behind the compress, quantize, sparsify and offload options."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from xirang_ds.plugins.activations.codecs import Payload, encode_int8, encode_lossless, encode_sparse
+from xirang_ds.plugins.activations.offload import HostCopy, OffloadGroup, Offloader
+from xirang_ds.plugins.activations.storage import PayloadStorage
+
+
+class CodecHandler:
+    """Encodes saved storages into device payloads (lossless, int8 or sparse).
+
+    Args:
+        kind: ``compress`` (lossless), ``quantize`` (int8 blocks) or ``sparsify`` (threshold).
+        storage: where payloads are allocated (the lending seam).
+        block_size: elements per scale for ``quantize``.
+        threshold: fraction of the largest magnitude dropped by ``sparsify``.
+        mark: gives decoded tensors the activations role (the tracker's ``mark``); the decoder's
+            own temporaries stay temporaries.
+    """
+
+    def __init__(self, kind: str, storage: PayloadStorage, block_size: int = 64, threshold: float = 0.0,
+                 mark: Optional[Callable[[torch.Tensor], None]] = None):
+        if kind not in ("compress", "quantize", "sparsify"):
+            raise ValueError(f"unknown codec kind {kind!r}")
+        self.kind = kind
+        self.storage = storage
+        self.block_size = block_size
+        self.threshold = threshold
+        self.mark = mark
+        self.stored_bytes = 0
+        self.encoded_bytes = 0
+
+    def begin_call(self) -> None:
+        """No per-call state."""
+        return None
+
+    def store(self, flat: torch.Tensor, call: Any) -> Optional[Payload]:
+        """Encode ``flat``; ``None`` when the encoding would not be smaller."""
+        with torch.no_grad():
+            if self.kind == "compress":
+                payload = encode_lossless(flat, self.storage)
+            elif self.kind == "quantize":
+                payload = encode_int8(flat, self.storage, self.block_size)
+            else:
+                payload = encode_sparse(flat, self.storage, self.threshold)
+        if payload is not None:
+            self.stored_bytes += flat.numel() * flat.element_size()
+            self.encoded_bytes += payload.nbytes
+        return payload
+
+    def restore(self, payload: Payload, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """Decode (counted as activations) and hand lent bytes back."""
+        with torch.no_grad():
+            flat = payload.decode()
+        if self.mark is not None:
+            self.mark(flat)
+        payload.release()  # lent bytes go back to the lender as soon as they are decoded
+        return flat
+
+
+class OffloadHandler:
+    """Sends saved storages to host memory through the `Offloader`."""
+
+    def __init__(self, offloader: Offloader):
+        self.offloader = offloader
+
+    def begin_call(self) -> OffloadGroup:
+        """The call's prefetch group."""
+        return self.offloader.begin_group()
+
+    def store(self, flat: torch.Tensor, call: Optional[OffloadGroup]) -> HostCopy:
+        """Start the copy of the storage's bytes to host memory."""
+        return self.offloader.to_host(flat.view(torch.uint8), call)
+
+    def restore(self, copy: HostCopy, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The bytes back on the device (prefetched or fetched now), as ``dtype``."""
+        return self.offloader.fetch(copy).view(dtype)

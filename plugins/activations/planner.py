@@ -1,0 +1,349 @@
+"""The planner: per candidate module, the option that minimises added step time under a byte budget.
+
+Costs per option come from the profile (`option_costs`): the device bytes the module keeps from its
+forward until its backward, the bytes that come back while its backward runs (recomputed, decoded
+or fetched: the *transient*), and the seconds added to a training step.
+
+Memory model. Saved tensors live from their module's forward to its backward, and backward visits
+modules in reverse. So while module ``m`` runs backward, the modules before it still hold what they
+keep and ``m`` holds its kept bytes plus its transient; the modules after it are gone. With
+``K(m)`` the bytes kept by ``m`` and everything before it (in forward order, starting with what
+was saved before the first candidate), a plan fits the budget ``B`` when
+
+* ``K(last) + after <= B`` (the end of forward, ``after`` = saved after the last candidate), and
+* ``K(m) + transient(m) <= B`` for every module ``m`` (its backward).
+
+A recomputed module's transient is all it saves beyond its kept inputs (the recomputation
+rebuilds the module at once); decoded or fetched storages come back one at a time, at the unpack
+that needs them, and go with the node that used them, so their transient is about two storages;
+on accelerators the copy stream fetches whole offloaded modules ahead, so an offloaded module's
+transient is itself and the ``prefetch`` modules after it in backward.
+
+Candidates form a tree (``blocks.3`` contains ``blocks.3.mlp``): a node either takes one option
+for its whole subtree, or leaves the choice to its children and keeps its own remaining tensors.
+In forward order the tree is a sequence of positions (each leaf, plus one position for each split
+node's own tensors), and a node's option covers the interval of its subtree. The plan is then a
+shortest path over positions with state ``K`` in bytes, rounded *up* to ``budget / resolution`` (a
+plan found always fits): dynamic programming, exact for the model up to that rounding, and fast
+(positions x options x resolution). A test checks it against brute force.
+
+Offload is priced by a bandwidth model: each direction moves the module's bytes at the device-host
+bandwidth. With a copy stream (accelerators) a direction costs only what its copy takes beyond the
+compute it overlaps (the module's forward for the copy out, its backward, taken as twice the
+forward, for the copy back); without one (CPU) both copies add in full.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from xirang_ds.config.types import format_bytes
+from xirang_ds.plugins.activations.profile import ModuleProfile
+
+RECOMPUTE_OVERHEAD_S = 50e-6
+"""Fixed cost of one checkpointed call (saving RNG state, the checkpoint frame)."""
+LOSSY_PENALTY_S = 1e-6
+"""Added to lossy options so that a lossless option of the same cost wins."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One option for one module.
+
+    Attributes:
+        option: the option's name.
+        device_bytes: bytes kept on the device from the module's forward to its backward.
+        added_s: seconds added per pass.
+        transient_bytes: bytes back on the device while the module's backward runs.
+    """
+
+    option: str
+    device_bytes: int
+    added_s: float
+    transient_bytes: int = 0
+
+
+@dataclass
+class Node:
+    """A candidate in the planning tree.
+
+    Attributes:
+        name: full module name.
+        choices: what the module may do (one entry when fixed by hand; none: it must split).
+        keep_bytes: its saved bytes when kept (its subtree's included).
+        children: candidates inside it.
+        fixed: True when the option was fixed by hand (the subtree is not split).
+        order: position of its first call in forward.
+    """
+
+    name: str
+    choices: list[Choice]
+    keep_bytes: int
+    children: list["Node"] = field(default_factory=list)
+    fixed: bool = False
+    order: int = 0
+
+
+def transfer_s(nbytes: int, bandwidth_bps: float) -> float:
+    return nbytes / bandwidth_bps if nbytes else 0.0
+
+
+def option_costs(p: ModuleProfile, options: tuple[str, ...], tolerant: bool, bandwidth_bps: float,
+                 streams: bool, prefetch: int = 1) -> list[Choice]:
+    """The choices a module has, priced from its profile.
+
+    Args:
+        p: the module's profile.
+        options: the options allowed.
+        tolerant: lossy options are allowed for this module.
+        bandwidth_bps: device-host bytes per second.
+        streams: copies overlap compute (a side stream exists).
+        prefetch: offloaded modules fetched ahead in backward (with streams).
+    """
+    calls = max(p.calls, 1)
+    out = []
+
+    def offload_s(nbytes: int) -> float:
+        t = transfer_s(nbytes, bandwidth_bps)
+        if not streams:
+            return 2 * t
+        return max(0.0, t - p.time_s) + max(0.0, t - 2 * p.time_s)
+
+    # Restored on demand, storage by storage, and freed after the node that needs it: about two
+    # storages at a time. A copy stream instead fetches whole modules ahead (this one and the
+    # ``prefetch`` next).
+    on_demand = min(p.saved_bytes, 2 * p.largest_bytes)
+    fetched = p.saved_bytes * (1 + prefetch) if streams else on_demand
+    for option in options:
+        if option in ("quantize", "sparsify") and not tolerant:
+            continue
+        if option == "keep":
+            out.append(Choice("keep", p.keep_bytes, 0.0, 0))
+        elif option == "recompute":
+            out.append(Choice(option, p.input_bytes, p.time_s + calls * RECOMPUTE_OVERHEAD_S,
+                              max(0, p.keep_bytes - p.input_bytes)))
+        elif option == "selective_recompute":
+            kept = p.input_bytes + p.selective_bytes
+            out.append(Choice(option, kept, p.selective_time_s + calls * RECOMPUTE_OVERHEAD_S,
+                              max(0, p.keep_bytes - kept)))
+        elif option == "recompute_offload":
+            out.append(Choice(option, 0, p.time_s + calls * RECOMPUTE_OVERHEAD_S + offload_s(p.input_bytes),
+                              p.keep_bytes))
+        elif option == "offload":
+            out.append(Choice(option, p.small_bytes, offload_s(p.saved_bytes), fetched))
+        else:  # compress, quantize, sparsify: decoded on demand, next to the payload
+            nbytes = getattr(p, f"{option}_bytes")
+            penalty = LOSSY_PENALTY_S if option != "compress" else 0.0
+            out.append(Choice(option, p.small_bytes + nbytes, getattr(p, f"{option}_time_s") + penalty,
+                              on_demand))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# dynamic programming over positions in forward order
+
+
+@dataclass(frozen=True)
+class _Move:
+    """A transition from position ``start`` to ``end`` taking ``choice`` for ``node``."""
+
+    start: int
+    end: int
+    node: Optional[Node]
+    choice: Choice
+
+
+def _moves(roots: list[Node]) -> tuple[list[_Move], int]:
+    """Positions and transitions of the tree in forward order."""
+    moves: list[_Move] = []
+    count = 0
+
+    def visit(node: Node) -> None:
+        nonlocal count
+        start = count
+        if node.children and not node.fixed:
+            own = max(0, node.keep_bytes - sum(c.keep_bytes for c in node.children))
+            moves.append(_Move(start, start + 1, None, Choice("keep", own, 0.0, 0)))  # its own tensors, if split
+            count += 1
+            for child in sorted(node.children, key=lambda c: c.order):
+                visit(child)
+        else:
+            count += 1
+        moves.extend(_Move(start, count, node, c) for c in node.choices)
+
+    for root in sorted(roots, key=lambda r: r.order):
+        visit(root)
+    return moves, count
+
+
+def _units(nbytes: int, quantum: float) -> int:
+    return int(math.ceil(nbytes / quantum - 1e-9)) if nbytes > 0 else 0
+
+
+def _solve(roots: list[Node], budget_bytes: int, before: int, after: int, resolution: int
+           ) -> Optional[tuple[float, dict[str, Choice]]]:
+    """The cheapest plan under the model, or ``None`` when none fits."""
+    moves, positions = _moves(roots)
+    k = resolution
+    quantum = max(budget_bytes, 1) / k
+    start = _units(before, quantum)
+    if start > k:
+        return None
+    cost = np.full((positions + 1, k + 1), np.inf)
+    back_b = np.zeros((positions + 1, k + 1), dtype=np.int64)
+    back_m = np.full((positions + 1, k + 1), -1, dtype=np.int64)
+    cost[0, start] = 0.0
+    by_start: dict[int, list[int]] = {}
+    for i, m in enumerate(moves):
+        by_start.setdefault(m.start, []).append(i)
+    idx = np.arange(k + 1)
+    for pos in range(positions):
+        row = cost[pos]
+        if not np.isfinite(row).any():
+            continue
+        for i in by_start.get(pos, ()):
+            m = moves[i]
+            d = _units(m.choice.device_bytes, quantum)
+            t = _units(m.choice.transient_bytes, quantum)
+            top = k - d - t  # highest K before this module that leaves room for its backward
+            if top < 0:
+                continue
+            cand = row[:top + 1] + m.choice.added_s
+            target = cost[m.end, d:d + top + 1]
+            better = cand < target
+            if better.any():
+                cost[m.end, d:d + top + 1] = np.where(better, cand, target)
+                back_b[m.end, d:d + top + 1] = np.where(better, idx[:top + 1], back_b[m.end, d:d + top + 1])
+                back_m[m.end, d:d + top + 1] = np.where(better, i, back_m[m.end, d:d + top + 1])
+    last = k - _units(after, quantum)
+    if last < 0 or not np.isfinite(cost[positions, :last + 1]).any():
+        return None
+    b = int(np.argmin(cost[positions, :last + 1]))
+    total = float(cost[positions, b])
+    out: dict[str, Choice] = {}
+    pos = positions
+    while pos > 0:
+        m = moves[int(back_m[pos, b])]
+        if m.node is not None:
+            out[m.node.name] = m.choice
+        b, pos = int(back_b[pos, b]), m.start
+    return total, out
+
+
+def estimate_peak(roots: list[Node], choices: dict[str, Choice], before: int, after: int) -> tuple[int, int]:
+    """``(end of forward, worst point of backward)`` device bytes of saved activations for a plan,
+    under the module docstring's model."""
+    kept, worst = before, 0
+
+    def visit(node: Node) -> None:
+        nonlocal kept, worst
+        choice = choices.get(node.name)
+        if choice is not None:
+            kept += choice.device_bytes
+            worst = max(worst, kept + choice.transient_bytes)
+        elif node.children and not node.fixed:
+            kept += max(0, node.keep_bytes - sum(c.keep_bytes for c in node.children))
+            for child in sorted(node.children, key=lambda c: c.order):
+                visit(child)
+        else:
+            kept += node.keep_bytes
+        worst = max(worst, kept)
+
+    for root in sorted(roots, key=lambda r: r.order):
+        visit(root)
+    return kept + after, max(worst, kept + after)
+
+
+class BudgetError(ValueError):
+    """The budget is below what any plan reaches.
+
+    Attributes:
+        least_bytes: the smallest budget any plan fits (within the planner's rounding).
+    """
+
+    def __init__(self, least_bytes: int, budget_bytes: int):
+        self.least_bytes, self.budget_bytes = least_bytes, budget_bytes
+        super().__init__(f"budget {format_bytes(budget_bytes)} is below the least any plan needs "
+                         f"({format_bytes(least_bytes)})")
+
+
+def least_budget(roots: list[Node], before: int, after: int, resolution: int = 256) -> int:
+    """The smallest budget some plan fits (bisection over the model's feasibility)."""
+    high = before + after + sum(max([c.device_bytes + c.transient_bytes for c in _all_choices(r)] + [r.keep_bytes])
+                                for r in roots) + 1
+    low = 0
+    while high - low > max(1, high // 1000):
+        mid = (low + high) // 2
+        if _solve(roots, mid, before, after, resolution) is None:
+            low = mid
+        else:
+            high = mid
+    return high
+
+
+def _all_choices(node: Node) -> list[Choice]:
+    out = list(node.choices)
+    for c in node.children:
+        out.extend(_all_choices(c))
+    return out
+
+
+def plan(roots: list[Node], budget_bytes: int, before: int = 0, after: int = 0,
+         resolution: int = 1024) -> dict[str, Choice]:
+    """The cheapest choices (by added time) that fit ``budget_bytes`` at every point of the step.
+
+    Args:
+        roots: top-level candidates (each with its subtree).
+        budget_bytes: device bytes of saved activations allowed.
+        before, after: bytes saved before the first and after the last candidate (always kept).
+        resolution: byte quanta of the budget (bytes are rounded up, so the plan always fits).
+
+    Returns:
+        ``{module name: Choice}`` for the modules that take an option (covered children omitted).
+
+    Raises:
+        BudgetError: no plan fits.
+    """
+    for r in (resolution, 4 * resolution):
+        found = _solve(roots, budget_bytes, before, after, r)
+        if found is not None:
+            return found[1]
+    raise BudgetError(least_budget(roots, before, after), budget_bytes)
+
+
+def format_plan(choices: dict[str, Choice], profiles: dict[str, ModuleProfile], budget_bytes: Optional[int],
+                outside_bytes: int, peaks: Optional[tuple[int, int]] = None) -> str:
+    """The plan as a table: module, option, bytes saved, kept, back during backward, added time."""
+    rows = [("module", "option", "saved", "kept", "in backward", "added (est.)")]
+    total_keep = total_kept = 0
+    total_s = 0.0
+    for name in sorted(choices, key=_natural):
+        c = choices[name]
+        p = profiles.get(name)
+        keep = p.keep_bytes if p is not None else 0
+        rows.append((name, c.option, format_bytes(keep), format_bytes(c.device_bytes),
+                     format_bytes(c.device_bytes + c.transient_bytes), f"{c.added_s * 1e3:.2f} ms"))
+        total_keep += keep
+        total_kept += c.device_bytes
+        total_s += c.added_s
+    rows.append(("(outside the candidates)", "keep", format_bytes(outside_bytes), format_bytes(outside_bytes), "",
+                 "0.00 ms"))
+    rows.append(("total", "", format_bytes(total_keep + outside_bytes), format_bytes(total_kept + outside_bytes), "",
+                 f"{total_s * 1e3:.2f} ms"))
+    widths = [max(len(r[i]) for r in rows) for i in range(6)]
+    lines = ["  ".join([r[0].ljust(widths[0]), r[1].ljust(widths[1])] + [c.rjust(w) for c, w in zip(r[2:], widths[2:])])
+             for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    if peaks is not None:
+        lines.append(f"planned saved activations: {format_bytes(peaks[0])} at the end of forward, "
+                     f"{format_bytes(peaks[1])} at the worst point of backward")
+    if budget_bytes is not None:
+        lines.append(f"budget {format_bytes(budget_bytes)} of saved activations per rank")
+    return "\n".join(lines)
+
+
+def _natural(name: str) -> list:
+    return [int(part) if part.isdigit() else part for part in name.split(".")]

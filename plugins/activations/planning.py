@@ -1,0 +1,205 @@
+"""From profiles to a plan: ranks agree on the measurements, the tree of candidates and fixed
+modules is priced, and the budget is resolved."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from xirang_ds.config.schema import ActivationsConfig
+from xirang_ds.config.types import format_bytes
+from xirang_ds.config.validate import XirangConfigError
+from xirang_ds.plugins.activations.planner import BudgetError, Choice, Node, option_costs, plan
+from xirang_ds.plugins.activations.profile import ROOT, ModuleProfile
+
+_FIELDS = ("calls", "before_bytes", "saved_bytes", "largest_bytes", "small_bytes", "input_bytes", "time_s", "selective_bytes", "selective_time_s",
+           "compress_bytes", "compress_time_s", "quantize_bytes", "quantize_time_s", "quantize_error",
+           "sparsify_bytes", "sparsify_time_s", "sparsify_error")
+PATH = "xirang.activations"
+
+
+def agree(profiles: dict[str, ModuleProfile], extras: list[float], device: torch.device) -> list[float]:
+    """Make every rank hold the same profiles: the maximum of every figure over ranks (one
+    ``all_reduce``), so all ranks plan alike. ``extras`` are reduced with them and returned."""
+    import deepspeed.comm as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return extras
+    names = sorted(profiles)
+    values = [float(getattr(profiles[n], f)) for n in names for f in _FIELDS] + [float(x) for x in extras]
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    out = t.tolist()
+    i = 0
+    for n in names:
+        for f in _FIELDS:
+            value = out[i]
+            setattr(profiles[n], f, int(value) if isinstance(getattr(profiles[n], f), int) else value)
+            i += 1
+    return out[i:]
+
+
+def _inside(name: str, ancestor: str) -> bool:
+    return name.startswith(ancestor + ".")
+
+
+def build_tree(candidates: list[str], fixed: dict[str, str], profiles: dict[str, ModuleProfile],
+               options: tuple[str, ...], tolerant: frozenset, bandwidth_bps: float, streams: bool, prefetch: int = 1
+               ) -> tuple[list[Node], int, int]:
+    """Planning nodes (candidates and fixed modules) and the saved bytes outside all of them, before
+    the first candidate runs and after.
+
+    A fixed module is a node with its one option; candidates inside it are dropped (it covers
+    them); a candidate with a fixed module inside it can only leave the choice to its children.
+    """
+    names = list(fixed)
+    for name in candidates:
+        if name not in fixed and not any(_inside(name, f) for f in fixed):
+            names.append(name)
+    empty = ModuleProfile("")
+    nodes: dict[str, Node] = {}
+    for name in names:
+        p = profiles.get(name, empty)
+        if name in fixed:
+            choices = option_costs(p, (fixed[name],), True, bandwidth_bps, streams, prefetch)
+        elif any(_inside(f, name) for f in fixed):
+            choices = []
+        else:
+            choices = option_costs(p, options, name in tolerant, bandwidth_bps, streams, prefetch)
+        nodes[name] = Node(name, choices, p.keep_bytes, fixed=name in fixed,
+                           order=p.order if p.order >= 0 else len(profiles) + names.index(name))
+    roots = []
+    for name in sorted(nodes, key=len):
+        parents = [n for n in nodes if _inside(name, n)]
+        if parents:
+            nodes[max(parents, key=len)].children.append(nodes[name])
+        else:
+            roots.append(nodes[name])
+    for node in nodes.values():
+        node.children.sort(key=lambda c: names.index(c.name))
+    roots.sort(key=lambda c: names.index(c.name))
+    root = profiles.get(ROOT, empty)
+    outside = max(0, root.keep_bytes - sum(r.keep_bytes for r in roots))
+    before = min(root.before_bytes, outside)
+    return roots, before, outside - before
+
+
+def resolve_budget(config: ActivationsConfig, memory_budget: object, device_total: int, profiles: dict,
+                   other_peak: Optional[int]) -> int:
+    """Device bytes the saved activations may take per rank.
+
+    Raises:
+        XirangConfigError: ``memory_budget`` is below what the rank needs besides activations.
+    """
+    if config.budget_fraction is not None:
+        return int(config.budget_fraction * profiles.get(ROOT, ModuleProfile("")).keep_bytes)
+    if config.budget != "auto":
+        return int(config.budget)
+    total = device_total if memory_budget == "auto" else int(memory_budget)
+    other = other_peak or 0
+    if total <= other:
+        raise XirangConfigError([("xirang.memory_budget",
+                                  f"{format_bytes(total)} is below what this rank needs besides saved activations "
+                                  f"({format_bytes(other)} at the peak of the profiling passes: model states, "
+                                  "gradients, communication buffers, temporaries); raise it, or set "
+                                  f"{PATH}.budget to the bytes activations may take")])
+    return total - other
+
+
+def choose(roots: list[Node], budget_bytes: int, before: int, after: int) -> dict[str, Choice]:
+    """The plan; a budget no plan fits is a configuration error naming the figures."""
+    try:
+        return plan(roots, budget_bytes, before, after)
+    except BudgetError as e:
+        raise XirangConfigError([(f"{PATH}.budget",
+                                  f"{format_bytes(budget_bytes)} of saved activations is below the least any plan "
+                                  f"needs ({format_bytes(e.least_bytes)}: inputs kept by recompute, small tensors, "
+                                  f"{format_bytes(before + after)} saved outside the candidates, and one module's "
+                                  "tensors back during its backward); raise the budget (or budget_fraction / "
+                                  "memory_budget), or add candidates and options")]) from None
+
+
+def check_memory_budget(requested: object, engine: Any) -> None:
+    """``memory_budget`` below the model states the rank already holds is an error at attach.
+
+    Raises:
+        XirangConfigError: with both figures.
+    """
+    if requested == "auto":
+        return
+    from xirang_ds.memory.engine_roles import model_state_bytes
+
+    held = model_state_bytes(engine)
+    if int(requested) < held:
+        raise XirangConfigError([("xirang.memory_budget",
+                                  f"{format_bytes(int(requested))} is below what this rank's model states already "
+                                  f"take ({format_bytes(held)}: parameters, optimizer states, DeepSpeed's flat "
+                                  "buffers); raise it or use \"auto\"")])
+
+
+class OtherPeak:
+    """The device peak of the profiling passes, when the budget is ``auto``: the session's tracker
+    if it runs, else (CPU) a private tracker for the passes only, else (accelerators) the
+    allocator's ``max_memory_allocated``.
+
+    Args:
+        session: the xirang session (its tracker).
+        engine: the DeepSpeed engine (roles for a private tracker).
+    """
+
+    def __init__(self, session: Any, engine: Any):
+        self._watch: Any = None
+        self._window: Any = None
+        tracker = session.tracker
+        if torch.device(engine.device).type == "cpu":
+            if not tracker.active:
+                from xirang_ds.memory.engine_roles import watch_engine
+                from xirang_ds.memory.tracker import MemoryTracker
+
+                tracker = MemoryTracker()
+                self._watch = (tracker, watch_engine(tracker, engine))
+                tracker.start()
+            self._window = tracker.open_window()
+
+    def stop(self) -> int:
+        """The peak since construction; stops a private tracker."""
+        from deepspeed.accelerator import get_accelerator
+
+        peak = self._window.peak_bytes if self._window is not None else int(get_accelerator().max_memory_allocated())
+        self.close()
+        return peak
+
+    def close(self) -> None:
+        if self._window is not None:
+            self._window.close()
+            self._window = None
+        if self._watch is not None:
+            tracker, watch = self._watch
+            self._watch = None
+            tracker.stop()
+            watch.remove()
+
+
+def escalation(profiles: dict[str, ModuleProfile], plan_: dict[str, str], names: list[str],
+               options: tuple[str, ...], tolerant: frozenset, bandwidth_bps: float, streams: bool
+               ) -> Optional[tuple[str, Choice]]:
+    """The kept module and option that free the most bytes per added second (monitor actions).
+
+    Only modules that keep their tensors and contain no planned module qualify.
+    """
+    best: Optional[tuple[float, str, Choice]] = None
+    for name in names:
+        p = profiles.get(name)
+        if p is None or plan_.get(name, "keep") != "keep":
+            continue
+        if any(_inside(name, other) and o != "keep" for other, o in plan_.items()):
+            continue  # covered by a packing or recomputing module
+        if any(_inside(other, name) for other in plan_ if other != name):
+            continue  # its inside is planned module by module
+        for c in option_costs(p, options, name in tolerant, bandwidth_bps, streams):
+            freed = p.keep_bytes - c.device_bytes
+            if freed > 0:
+                score = freed / max(c.added_s, 1e-9)
+                if best is None or score > best[0]:
+                    best = (score, name, c)
+    return None if best is None else (best[1], best[2])

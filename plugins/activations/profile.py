@@ -1,0 +1,330 @@
+"""Profiling passes: what each candidate module saves for backward, what its ops cost, and what
+each option would make of it.
+
+During a profiling pass (the first ``profile_steps`` forward/backward passes of training):
+
+* one `PackContext` around the whole forward sees every tensor saved for backward; it attributes
+  each storage to every candidate module running at that moment (``blocks.3`` and
+  ``blocks.3.mlp``), once per module call, and counts the bytes of storages it could pack
+  (eligible) and of the small ones it leaves;
+* a ``TorchDispatchMode`` times every op and remembers which op produced which storage, so the
+  profile knows which saved tensors are outputs of expensive ops (what selective recompute keeps,
+  by SAC's per-op index) and what the recomputed rest costs;
+* each eligible storage goes once through every encoding (lossless always, lossy ones for
+  modules marked tolerant): encoded bytes, encode+decode time and the measured error against the
+  stated bound;
+* the storage is then offloaded to host memory, so a profiling pass keeps at most what the
+  running module holds on the device (results are unchanged: offload is exact).
+
+Times are sums of op times (synchronised per op on accelerators), the fastest pass counts. Op
+times include the tracker's bookkeeping when the tracker runs, for every option alike.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from xirang_ds.memory.tracker import _returns_alias
+from xirang_ds.plugins.activations.codecs import trial
+from xirang_ds.plugins.activations.compat import sac_ignored_ops
+from xirang_ds.plugins.activations.handlers import OffloadHandler
+from xirang_ds.plugins.activations.recompute import op_key
+from xirang_ds.plugins.activations.saved import Eligibility, PackContext, StorageIds
+from xirang_ds.plugins.activations.storage import PayloadStorage
+
+ROOT = ""
+"""Name of the whole model in a profile (everything saved in forward)."""
+
+
+@dataclass
+class ModuleProfile:
+    """One module over one profiling pass (all its calls summed).
+
+    Attributes:
+        saved_bytes: storages saved for backward that options can pack.
+        largest_bytes: the largest of them (what an on-demand restore holds at once, roughly).
+        small_bytes: saved storages below ``min_tensor_bytes`` or otherwise left as they are.
+        input_bytes: storages of tensor inputs (what recompute keeps).
+        time_s: forward time (sum of op times).
+        selective_bytes: outputs of expensive ops that backward saved (what selective keeps).
+        selective_time_s: time of the other ops (what selective recomputes).
+        must_save: ``(op name, index)`` of the expensive ops whose outputs are kept.
+        compress_bytes, quantize_bytes, sparsify_bytes: eligible bytes after each encoding.
+        compress_time_s, quantize_time_s, sparsify_time_s: encode+decode time of each.
+        quantize_error, sparsify_error: worst measured error as a fraction of the stated bound.
+        order: position of the module's first call in forward (the planner's sequence).
+        before_bytes: (root only) bytes saved before the first candidate ran.
+    """
+
+    name: str
+    calls: int = 0
+    order: int = -1
+    saved_bytes: int = 0
+    largest_bytes: int = 0
+    small_bytes: int = 0
+    input_bytes: int = 0
+    time_s: float = 0.0
+    selective_bytes: int = 0
+    selective_time_s: float = 0.0
+    must_save: set = field(default_factory=set)
+    compress_bytes: int = 0
+    compress_time_s: float = 0.0
+    quantize_bytes: int = 0
+    quantize_time_s: float = 0.0
+    quantize_error: float = 0.0
+    sparsify_bytes: int = 0
+    sparsify_time_s: float = 0.0
+    sparsify_error: float = 0.0
+    before_bytes: int = 0
+
+    @property
+    def keep_bytes(self) -> int:
+        """Device bytes of its saved tensors when nothing is done."""
+        return self.saved_bytes + self.small_bytes
+
+    def as_dict(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k != "must_save"}
+        out["must_save"] = sorted([list(x) for x in self.must_save])
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModuleProfile":
+        data = dict(data)
+        data["must_save"] = {tuple(x) for x in data.get("must_save", [])}
+        return cls(**data)
+
+
+@dataclass
+class _Op:
+    key: str
+    index: int
+    seconds: float
+    heavy: bool
+    outputs: list
+
+
+class _Frame:
+    """One call of one module during a profiling pass."""
+
+    def __init__(self, profile: ModuleProfile, tolerant: bool):
+        self.profile = profile
+        self.tolerant = tolerant
+        self.counter: dict[str, int] = defaultdict(int)
+        self.ops: list[_Op] = []
+        self.produced: dict[int, int] = {}
+        self.saved: set = set()
+        self.inputs: set = set()
+        self.selected: set[int] = set()
+        self.selected_storages: set = set()
+
+    def close(self) -> None:
+        p = self.profile
+        p.calls += 1
+        p.time_s += sum(op.seconds for op in self.ops)
+        p.selective_time_s += sum(op.seconds for i, op in enumerate(self.ops) if i not in self.selected)
+        p.must_save.update((self.ops[i].key, self.ops[i].index) for i in self.selected)
+
+
+class _OpTimer(TorchDispatchMode):
+    def __init__(self, profiler: "Profiler"):
+        super().__init__()
+        self.profiler = profiler
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        prof = self.profiler
+        kwargs = kwargs or {}
+        if prof.in_hook or len(prof.stack) < 2 or func in prof.ignored:
+            return func(*args, **kwargs)
+        prof.synchronize()
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        prof.synchronize()
+        seconds = time.perf_counter() - start
+        prof.record_op(func, out, seconds)
+        return out
+
+
+class _ProfilePack(PackContext):
+    """The pass-wide pack context: records every saved tensor before packing (offloading) it."""
+
+    def __init__(self, profiler: "Profiler", handler: OffloadHandler):
+        super().__init__(handler, profiler.eligible)
+        self.profiler = profiler
+
+    def pack(self, t: torch.Tensor) -> Any:
+        prof = self.profiler
+        prof.in_hook = True
+        try:
+            prof.record_saved(t)
+            return super().pack(t)
+        finally:
+            prof.in_hook = False
+
+
+class Profiler:
+    """Runs profiling passes and keeps one `ModuleProfile` per candidate and pass.
+
+    Args:
+        eligible: which saved tensors options may pack.
+        handler: the offload handler that holds saved tensors during profiling.
+        storage: payload storage for the encoding trials (plain allocations).
+        tolerant: names of modules whose tensors may be stored lossily.
+        lossy_kinds: lossy encodings to try on tolerant modules (``quantize``, ``sparsify``).
+        block_size, threshold: settings of the lossy encodings.
+        synchronize: the accelerator's synchronize (no-op on CPU).
+    """
+
+    def __init__(self, eligible: Eligibility, handler: OffloadHandler, storage: PayloadStorage,
+                 tolerant: frozenset, lossy_kinds: tuple[str, ...], block_size: int, threshold: float,
+                 synchronize: Callable[[], None]):
+        self.eligible = eligible
+        self.handler = handler
+        self.storage = storage
+        self.tolerant = tolerant
+        self.lossy_kinds = lossy_kinds
+        self.block_size = block_size
+        self.threshold = threshold
+        self.synchronize = synchronize
+        self.ignored = sac_ignored_ops()
+        self.passes: list[dict[str, ModuleProfile]] = []
+        self.stack: list[_Frame] = []
+        self.in_hook = False
+        self.ids = StorageIds()
+        self._trials: dict[int, dict[str, Any]] = {}
+
+    # passes --------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def run_pass(self) -> Iterator[None]:
+        """One profiled forward (the saved tensors stay offloaded until backward needs them)."""
+        current: dict[str, ModuleProfile] = {ROOT: ModuleProfile(ROOT)}
+        self.passes.append(current)
+        self.stack = [_Frame(current[ROOT], False)]
+        self._trials = {}
+        timer = _OpTimer(self)
+        with _ProfilePack(self, self.handler), timer:
+            try:
+                yield
+            finally:
+                self.stack[0].close()
+                self.stack = []
+                self._trials = {}
+                self.ids.clear()
+
+    @contextlib.contextmanager
+    def frame(self, name: str, args: tuple, kwargs: dict) -> Iterator[None]:
+        """A candidate module's call inside a pass."""
+        if not self.stack:  # a forward outside a pass (no grad, or evaluation)
+            yield
+            return
+        current = self.passes[-1]
+        profile = current.get(name)
+        if profile is None:
+            profile = current[name] = ModuleProfile(name, order=len(current))
+        frame = _Frame(profile, name in self.tolerant)
+        for value in list(args) + list(kwargs.values()):
+            if isinstance(value, torch.Tensor) and self.eligible(value):
+                st = value.untyped_storage()
+                ident = self.ids(st)
+                if ident not in frame.inputs:
+                    frame.inputs.add(ident)
+                    profile.input_bytes += st.nbytes()
+        self.stack.append(frame)
+        try:
+            yield
+        finally:
+            self.stack.pop()
+            frame.close()
+
+    # recording -----------------------------------------------------------------------------------
+    def record_op(self, func: Any, out: Any, seconds: float) -> None:
+        key, heavy = op_key(func)
+        outputs = []
+        if not _returns_alias(func):
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type == self.eligible.device_type:
+                    st = t.untyped_storage()
+                    outputs.append((self.ids(st), st.nbytes()))
+        for frame in self.stack[1:]:
+            index = frame.counter[key]
+            frame.counter[key] = index + 1
+            frame.ops.append(_Op(key, index, seconds, heavy, outputs))
+            for ident, _ in outputs:
+                frame.produced[ident] = len(frame.ops) - 1
+
+    def record_saved(self, t: torch.Tensor) -> None:
+        """Attribute one saved tensor to every module running now."""
+        if type(t) is not torch.Tensor or t.layout != torch.strided or t.device.type != self.eligible.device_type:
+            return
+        st = t.untyped_storage()
+        if st.data_ptr() in self.eligible.model_storages or st.data_ptr() == 0:
+            return
+        key, nbytes = self.ids(st), st.nbytes()
+        eligible = self.eligible(t)
+        results = self._trial(t, key) if eligible else {}
+        for frame in self.stack:
+            if key in frame.saved:
+                continue
+            frame.saved.add(key)
+            p = frame.profile
+            if len(self.stack) == 1 and len(self.passes[-1]) == 1:  # before any candidate ran
+                p.before_bytes += nbytes
+            if not eligible:
+                p.small_bytes += nbytes
+                continue
+            p.saved_bytes += nbytes
+            p.largest_bytes = max(p.largest_bytes, nbytes)
+            for kind, r in results.items():
+                if kind == "compress" or frame.tolerant:
+                    setattr(p, f"{kind}_bytes", getattr(p, f"{kind}_bytes") + r.nbytes)
+                    setattr(p, f"{kind}_time_s", getattr(p, f"{kind}_time_s") + r.seconds)
+                    if kind != "compress":
+                        setattr(p, f"{kind}_error", max(getattr(p, f"{kind}_error"), r.error_ratio))
+            self._select(frame, key)
+
+    def _select(self, frame: _Frame, key: int) -> None:
+        """Selective recompute keeps a saved storage iff an expensive op in this module made it."""
+        index = frame.produced.get(key)
+        if index is None or index in frame.selected or not frame.ops[index].heavy:
+            return
+        frame.selected.add(index)
+        for ident, nbytes in frame.ops[index].outputs:  # SAC caches every output of the op
+            if ident not in frame.selected_storages:
+                frame.selected_storages.add(ident)
+                frame.profile.selective_bytes += nbytes
+
+    def _trial(self, t: torch.Tensor, key: int) -> dict[str, Any]:
+        known = self._trials.get(key)
+        if known is not None:
+            return known
+        from xirang_ds.plugins.activations.saved import storage_flat
+
+        flat, _ = storage_flat(t)
+        kinds = ("compress",) + (self.lossy_kinds if any(f.tolerant for f in self.stack) else ())
+        with torch.no_grad():
+            results = {kind: trial(kind, flat, self.storage, self.block_size, self.threshold, self.synchronize)
+                       for kind in kinds}
+        self._trials[key] = results
+        return results
+
+    # results -------------------------------------------------------------------------------------
+    def combined(self) -> dict[str, ModuleProfile]:
+        """Bytes of the last pass, times of the fastest pass, per module."""
+        if not self.passes:
+            return {}
+        last = self.passes[-1]
+        out = {}
+        for name, p in last.items():
+            runs = [run[name] for run in self.passes if name in run]
+            best = min(runs, key=lambda r: r.time_s)
+            q = ModuleProfile(**{**p.__dict__, "must_save": set(p.must_save)})
+            q.time_s, q.selective_time_s = best.time_s, best.selective_time_s
+            for kind in ("compress", "quantize", "sparsify"):
+                setattr(q, f"{kind}_time_s", min(getattr(r, f"{kind}_time_s") for r in runs))
+            out[name] = q
+        return out

@@ -1,0 +1,136 @@
+"""Recompute through ``torch.utils.checkpoint`` (non-reentrant), full or selective.
+
+Full recompute keeps only the module's inputs and runs its forward again when backward first needs
+one of its saved tensors. Selective recompute uses PyTorch's selective checkpoint contexts
+(``create_selective_checkpoint_contexts``): the outputs of expensive ops (matmuls, attention) are
+cached in forward and everything else (norms, activation functions, copies) is recomputed. With a
+profile, only the expensive outputs that backward actually saved are cached, by their index among
+the calls of the same op in the module's forward (the index SAC itself uses, so the profile and
+the policy agree); without one, every output of an expensive op is cached (torchtitan's rule).
+
+Tensors the recomputation creates are counted as activations (the tracker's activations scope),
+and the inputs the checkpoint keeps go through the saved-tensor hooks active around it, so an
+offload context around the checkpoint holds them in host memory (DeepSpeed's ``cpu_checkpointing``).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections import defaultdict
+from typing import Any, Callable, ContextManager, Iterator, Optional
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+HEAVY_OPS = frozenset({
+    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution", "aten::_scaled_mm",
+    "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_cudnn_attention",
+    "aten::_scaled_dot_product_fused_attention_overrideable", "aten::_flash_attention_forward",
+    "aten::_efficient_attention_forward",
+})
+"""Ops whose outputs selective recompute keeps: expensive per byte they produce."""
+
+_OP_KEYS: dict[Any, tuple[str, bool]] = {}
+
+
+def op_key(func: Any) -> tuple[str, bool]:
+    """``(name with overload, is_heavy)`` of an aten op (cached)."""
+    known = _OP_KEYS.get(func)
+    if known is None:
+        schema = getattr(func, "_schema", None)
+        base = schema.name if schema is not None else str(func)
+        known = (str(func), base in HEAVY_OPS)
+        _OP_KEYS[func] = known
+    return known
+
+
+class RecomputeScope:
+    """Entered around each recomputation: the tracker's activations scope, plus DeepSpeed's
+    ``synchronize_checkpoint_boundary`` (synchronize before and after) and ``profile`` (time it).
+
+    Args:
+        scope: factory of the tracker's activations scope.
+        synchronize: accelerator synchronize, or ``None``.
+        timings: list to append ``(module name, seconds)`` to, or ``None``.
+        name: the module's name for ``timings``.
+    """
+
+    def __init__(self, scope: Callable[[], ContextManager], synchronize: Optional[Callable[[], None]] = None,
+                 timings: Optional[list] = None, name: str = ""):
+        self.scope, self.synchronize, self.timings, self.name = scope, synchronize, timings, name
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        if self.synchronize is not None:
+            self.synchronize()
+        start = time.perf_counter()
+        try:
+            with self.scope():
+                yield
+        finally:
+            if self.synchronize is not None:
+                self.synchronize()
+            if self.timings is not None:
+                self.timings.append((self.name, time.perf_counter() - start))
+
+
+class _Both:
+    """Two context managers entered as one (SAC's recompute mode and our scope)."""
+
+    def __init__(self, first: ContextManager, second: ContextManager):
+        self.first, self.second = first, second
+
+    def __enter__(self) -> None:
+        self.first.__enter__()
+        try:
+            self.second.__enter__()
+        except BaseException:
+            self.first.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.second.__exit__(*exc)
+        finally:
+            self.first.__exit__(*exc)
+
+
+def full_context(recompute_scope: Callable[[], ContextManager]) -> Callable[[], tuple]:
+    """``context_fn`` of full recompute."""
+    return lambda: (contextlib.nullcontext(), recompute_scope())
+
+
+def selective_context(recompute_scope: Callable[[], ContextManager],
+                      must_save: Optional[frozenset]) -> Callable[[], tuple]:
+    """``context_fn`` of selective recompute.
+
+    Args:
+        must_save: ``{(op name, index)}`` to cache (from the profile), or ``None`` to cache every
+            output of an op in `HEAVY_OPS`.
+    """
+
+    def context_fn() -> tuple:
+        counter: dict[str, int] = defaultdict(int)
+
+        def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            name, heavy = op_key(func)
+            if must_save is None:
+                keep = heavy
+            else:
+                idx = counter[name]
+                counter[name] = idx + 1
+                keep = (name, idx) in must_save
+            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+        forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(policy)
+        return forward_ctx, _Both(recompute_ctx, recompute_scope())
+
+    return context_fn
+
+
+def run_checkpointed(original: Callable, args: tuple, kwargs: dict, context_fn: Callable[[], tuple]) -> Any:
+    """``original(*args, **kwargs)`` under non-reentrant checkpointing with ``context_fn``."""
+    fn = functools.partial(original, **kwargs) if kwargs else original
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, preserve_rng_state=True)

@@ -1,0 +1,250 @@
+"""Saved-tensor hooks for one module call: each saved storage is packed once, views rebuilt on unpack.
+
+Backward often saves several views of one storage (attention saves q, k and v, all views of the
+qkv projection's output). Packing works on storages, not tensors: the first view of a storage
+packs the whole storage through a `Handler` (a codec, the offloader, the profiler); later views of
+it only record their size, stride and offset, and unpack rebuilds each view with ``as_strided``
+over the one restored storage. The bytes freed are exactly the bytes the saved views kept alive,
+and the restored views have the original strides (so backward's kernels see what they saw).
+
+Composition (``saved_tensors_hooks`` applies only the innermost pair): at entry `PackContext`
+reads the pair active outside it. Inside a ``torch.utils.checkpoint`` region it stays out of the
+way (the checkpoint's hooks must see every saved tensor). Inside another `PackContext` (an
+enclosing module with its own option) it replaces that one: the innermost module's option wins,
+composed with whatever the enclosing one was composed with. Any other outer pair is composed: its
+pack runs first and ours packs what it returns when that is a tensor; unpack runs in reverse.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+
+from xirang_ds.plugins.activations.compat import HookPair, current_saved_tensors_hooks, is_checkpoint_hook
+
+_KEEP = object()
+
+
+class Handler(Protocol):
+    """What one option does with a saved storage."""
+
+    def begin_call(self) -> Any:
+        """Per-call state (an offload group), handed to `store`."""
+
+    def store(self, flat: torch.Tensor, call: Any) -> Any:
+        """Take the storage's bytes (``flat``: 1-D, its dtype); ``None`` keeps the tensor as is."""
+
+    def restore(self, holder: Any, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The flat tensor back on the device."""
+
+
+class StorageIds:
+    """Ids of live storages: a storage keeps its id while it lives; a new storage at a freed one's
+    address gets a new id (``_cdata`` alone is reused after a free)."""
+
+    def __init__(self) -> None:
+        self._ids: dict[int, int] = {}
+        self._finalizers: dict[int, Any] = {}
+        self._next = itertools.count()
+
+    def __call__(self, storage: torch.UntypedStorage) -> int:
+        key = storage._cdata
+        known = self._ids.get(key)
+        if known is not None:
+            return known
+        ident = self._ids[key] = next(self._next)
+        self._finalizers[key] = weakref.finalize(storage, StorageIds._forget, weakref.ref(self), key)
+        return ident
+
+    @staticmethod
+    def _forget(ref: "weakref.ref[StorageIds]", key: int) -> None:
+        self = ref()
+        if self is not None:
+            self._ids.pop(key, None)
+            self._finalizers.pop(key, None)
+
+    def clear(self) -> None:
+        for fin in self._finalizers.values():
+            fin.detach()
+        self._finalizers.clear()
+        self._ids.clear()
+
+
+class PackedStorage:
+    """A storage held by a handler; restored once and shared by all its views."""
+
+    __slots__ = ("holder", "handler", "dtype", "numel", "pending", "_flat", "_weak")
+
+    def __init__(self, holder: Any, handler: Handler, dtype: torch.dtype, numel: int):
+        self.holder, self.handler, self.dtype, self.numel = holder, handler, dtype, numel
+        self.pending = 0
+        self._flat: Optional[torch.Tensor] = None
+        self._weak: Optional[weakref.ref] = None
+
+    def materialize(self) -> torch.Tensor:
+        flat = self._flat
+        if flat is None and self._weak is not None:
+            flat = self._weak()  # a view unpacked again while the restored storage still lives
+        if flat is None:
+            flat = self.handler.restore(self.holder, self.dtype, self.numel)
+            self._weak = weakref.ref(flat)
+        self.pending -= 1
+        self._flat = flat if self.pending > 0 else None  # hold it only for views still to come
+        return flat
+
+
+class SavedView:
+    """What autograd holds instead of a saved tensor."""
+
+    __slots__ = ("packed", "size", "stride", "offset")
+
+    def __init__(self, packed: PackedStorage, size: torch.Size, stride: tuple, offset: int):
+        self.packed, self.size, self.stride, self.offset = packed, size, stride, offset
+
+
+class _Composed:
+    __slots__ = ("value", "ours")
+
+    def __init__(self, value: Any, ours: bool):
+        self.value, self.ours = value, ours
+
+
+class Eligibility:
+    """Which saved tensors a handler may take: plain strided tensors on the training device that
+    are not parameters or buffers and have at least ``min_bytes`` in their storage.
+
+    Args:
+        device_type: the training device type.
+        min_bytes: smaller storages stay as they are.
+    """
+
+    def __init__(self, device_type: str, min_bytes: int):
+        self.device_type = device_type
+        self.min_bytes = min_bytes
+        self.model_storages: frozenset[int] = frozenset()
+
+    def refresh(self, model: torch.nn.Module) -> None:
+        """Remember the storages of parameters and buffers (ZeRO's flat buffers included)."""
+        ptrs = set()
+        for t in list(model.parameters()) + list(model.buffers()):
+            if t.numel():
+                ptrs.add(t.untyped_storage().data_ptr())
+        self.model_storages = frozenset(ptrs)
+
+    def __call__(self, t: torch.Tensor) -> bool:
+        if type(t) is not torch.Tensor or t.layout != torch.strided or t.device.type != self.device_type:
+            return False
+        st = t.untyped_storage()
+        return st.nbytes() >= self.min_bytes and st.data_ptr() not in self.model_storages
+
+
+def _span_elements(t: torch.Tensor) -> int:
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
+
+
+def storage_flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A 1-D tensor of ``t``'s dtype over its whole storage, or over a compact copy of ``t`` when
+    ``t`` spans less than half of its storage (the second value says which)."""
+    st = t.untyped_storage()
+    el = t.element_size()
+    span = t.storage_offset() + _span_elements(t)
+    if st.nbytes() % el or 2 * span * el < st.nbytes():
+        return t.detach().reshape(-1), True
+    with torch.no_grad():
+        return t.new_empty(0).set_(st, 0, (st.nbytes() // el,), (1,)), False
+
+
+class PackContext:
+    """The saved-tensor hooks of one module call.
+
+    Args:
+        handler: what to do with eligible storages.
+        eligible: which tensors the handler may take.
+    """
+
+    def __init__(self, handler: Handler, eligible: Callable[[torch.Tensor], bool]):
+        self.handler = handler
+        self.eligible = eligible
+        self.call: Any = None
+        self.pushed = False
+        self._outer: Optional[HookPair] = None
+        self._ids = StorageIds()
+        self._seen: dict[tuple[int, torch.dtype], Any] = {}
+
+    def __enter__(self) -> "PackContext":
+        outer = current_saved_tensors_hooks()
+        if is_checkpoint_hook(outer):
+            return self
+        owner = getattr(outer[0], "__self__", None) if outer is not None else None
+        if isinstance(owner, PackContext):  # an enclosing module of ours: the innermost option wins
+            outer = owner._outer
+        self._outer = outer
+        self.call = self.handler.begin_call()
+        torch._C._autograd._push_saved_tensors_default_hooks(self._pack_hook, self._unpack_hook)
+        self.pushed = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.pushed:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            self.pushed = False
+        self._seen = {}
+        self._ids.clear()
+
+    # hooks ----------------------------------------------------------------------------------------
+    def _pack_hook(self, t: torch.Tensor) -> Any:
+        if self._outer is None:
+            return self.pack(t)
+        packed = self._outer[0](t)
+        if isinstance(packed, torch.Tensor):
+            return _Composed(self.pack(packed), True)
+        return _Composed(packed, False)
+
+    def _unpack_hook(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, _Composed):
+            value = unpack(packed.value) if packed.ours else packed.value
+            return self._outer[1](value)
+        return unpack(packed)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        """Pack one saved tensor (a view of a packed storage, or the tensor itself)."""
+        if not self.eligible(t):
+            return t.detach()
+        key = (self._ids(t.untyped_storage()), t.dtype)
+        packed = self._seen.get(key)
+        if packed is _KEEP:
+            return t.detach()
+        if packed is None:
+            flat, compact = storage_flat(t)
+            holder = self.handler.store(flat, self.call)
+            if holder is None:
+                if not compact:
+                    self._seen[key] = _KEEP
+                return t.detach()
+            packed = PackedStorage(holder, self.handler, flat.dtype, flat.numel())
+            if compact:  # this view alone was copied: it comes back contiguous
+                packed.pending += 1
+                return SavedView(packed, t.shape, _contiguous_strides(t.shape), 0)
+            self._seen[key] = packed
+        packed.pending += 1
+        return SavedView(packed, t.shape, t.stride(), t.storage_offset())
+
+
+def unpack(packed: Any) -> torch.Tensor:
+    """The tensor autograd saved, from what `PackContext.pack` returned."""
+    if isinstance(packed, torch.Tensor):
+        return packed
+    flat = packed.packed.materialize()
+    return torch.as_strided(flat, packed.size, packed.stride, packed.offset)
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))

@@ -1,0 +1,165 @@
+"""Where packed activations live: the lending seam for device bytes, and the host buffer pool.
+
+Device payloads (compressed or quantized saved tensors) are allocated through `PayloadStorage`.
+By default each is a plain ``torch.empty``; another plugin can lend memory it holds idle (the
+comm_buffers arena between reductions) by installing a `StorageProvider`:
+
+* ``provider.lease(nbytes, device)`` returns a `Lease` over ``nbytes`` of its memory, or ``None``
+  to decline (the payload then gets a plain allocation).
+* The payload calls ``lease.release()`` once it is decoded or freed; the provider's
+  ``on_release`` callback then gets its bytes back.
+* When the lender needs its memory earlier (a reduction is about to run), it calls
+  ``lease.evict()``: the payload's bytes move to host memory (counted as host tier) and the lease
+  is released at once. Payloads read their buffer through ``lease.buffer`` at decode time, so an
+  evicted payload decodes from its host copy.
+
+Offloaded tensors go to host buffers from `HostPool`: pinned through the accelerator where it
+pins, reused by size across steps, and created inside the tracker's host tier.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager, Optional, Protocol
+
+import torch
+
+
+class Lease:
+    """``nbytes`` of memory lent to one payload.
+
+    Args:
+        buffer: a 1-D ``uint8`` tensor of at least the requested size.
+        on_release: called once when the payload no longer needs the bytes (``None`` for plain
+            allocations, which are simply dropped).
+        host_tier: context under which an eviction creates its host copy.
+
+    Attributes:
+        buffer: where the payload's bytes are now (device, or host after `evict`).
+        evicted: True once the bytes were moved to host memory.
+    """
+
+    __slots__ = ("buffer", "_on_release", "_host_tier", "evicted", "lent", "__weakref__")
+
+    def __init__(self, buffer: torch.Tensor, on_release: Optional[Callable[[], None]] = None,
+                 host_tier: Optional[Callable[[], ContextManager]] = None):
+        self.buffer = buffer
+        self._on_release = on_release
+        self._host_tier = host_tier or contextlib.nullcontext
+        self.evicted = False
+        self.lent = on_release is not None
+
+    @property
+    def readable(self) -> bool:
+        """False once lent bytes went back to the lender without being evicted first."""
+        return self.evicted or not self.lent or self._on_release is not None
+
+    def release(self) -> None:
+        """Give the bytes back to the lender (idempotent)."""
+        callback, self._on_release = self._on_release, None
+        if callback is not None:
+            callback()
+
+    def evict(self) -> None:
+        """Move the bytes to host memory and release the lent memory now (called by the lender)."""
+        if self._on_release is None or self.evicted:
+            return
+        with self._host_tier():
+            host = torch.empty(self.buffer.numel(), dtype=torch.uint8, device="cpu")
+        host.copy_(self.buffer)
+        self.buffer = host
+        self.evicted = True
+        self.release()
+
+
+class StorageProvider(Protocol):
+    """Lends device memory to packed activations (see the module docstring)."""
+
+    def lease(self, nbytes: int, device: torch.device) -> Optional[Lease]:
+        """A lease over ``nbytes`` on ``device``, or ``None`` to decline."""
+
+
+class PayloadStorage:
+    """Allocates payload buffers: the installed provider first, then plain device memory.
+
+    Args:
+        host_tier: the tracker's host-tier context (evictions create host copies under it).
+    """
+
+    def __init__(self, host_tier: Optional[Callable[[], ContextManager]] = None):
+        self.provider: Optional[StorageProvider] = None
+        self.host_tier = host_tier or contextlib.nullcontext
+        self.leased_bytes = 0
+        """Bytes served by the provider so far (for reports and tests)."""
+
+    def allocate(self, nbytes: int, device: torch.device) -> Lease:
+        """A lease of ``nbytes`` (``uint8``) on ``device``."""
+        if self.provider is not None:
+            lease = self.provider.lease(nbytes, device)
+            if lease is not None:
+                if lease.buffer.numel() < nbytes or lease.buffer.dtype != torch.uint8:
+                    raise RuntimeError(f"storage provider {type(self.provider).__name__} returned a lease of "
+                                       f"{lease.buffer.numel()} {lease.buffer.dtype} elements for {nbytes} bytes; "
+                                       "a lease must be a uint8 buffer of at least the requested size")
+                lease._host_tier = self.host_tier
+                self.leased_bytes += nbytes
+                return lease
+        return Lease(torch.empty(nbytes, dtype=torch.uint8, device=device))
+
+
+class HostPool:
+    """Host buffers for offloaded tensors, reused by exact size (shapes repeat every step).
+
+    Args:
+        pin: pin buffers through the accelerator (page-locked memory for async copies).
+        host_tier: the tracker's host-tier context; buffers are created under it.
+    """
+
+    def __init__(self, pin: bool, host_tier: Optional[Callable[[], ContextManager]] = None):
+        self.pin = pin
+        self.host_tier = host_tier or contextlib.nullcontext
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._pending: list[tuple[torch.Tensor, object]] = []
+        self.allocated_bytes = 0
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        """A ``uint8`` host buffer of ``nbytes``."""
+        self._reap()
+        free = self._free.get(nbytes)
+        if free:
+            return free.pop()
+        self.allocated_bytes += nbytes
+        return self.allocate(nbytes)
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        """A new (pinned) host buffer outside the pool."""
+        with self.host_tier():
+            buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
+            if self.pin:
+                from deepspeed.accelerator import get_accelerator
+
+                buf = get_accelerator().pin_memory(buf)
+        return buf
+
+    def put(self, buf: torch.Tensor, event: object = None) -> None:
+        """Return a buffer; with ``event``, only once that copy event has completed."""
+        if event is not None:
+            self._pending.append((buf, event))
+        else:
+            self._free.setdefault(buf.numel(), []).append(buf)
+
+    def _reap(self) -> None:
+        if not self._pending:
+            return
+        still = []
+        for buf, event in self._pending:
+            if event.query():
+                self._free.setdefault(buf.numel(), []).append(buf)
+            else:
+                still.append((buf, event))
+        self._pending = still
+
+    def clear(self) -> None:
+        """Drop every pooled buffer (after `Offloader.synchronize`)."""
+        self._free.clear()
+        self._pending.clear()
+        self.allocated_bytes = 0

@@ -1,0 +1,172 @@
+"""One removable forward wrapper per module the plugin acts on, and what the wrappers share.
+
+The wrapper replaces ``module.forward`` on the instance (`xirang_ds.hooks.wrap_method`), so module
+names, ``state_dict`` keys and the module's own hooks stay as they are, and removing the handle
+restores the original forward. Each call runs the module's current option:
+
+* ``keep``: the plain forward (inside a module whose tensors are packed, a pass-through pack
+  context so this module's tensors stay as they are);
+* ``recompute`` / ``selective_recompute``: the forward under non-reentrant checkpointing;
+* ``compress`` / ``quantize`` / ``sparsify`` / ``offload``: the forward inside a `PackContext` with
+  that option's handler; offload also hooks the outputs' gradients to prefetch in backward;
+* ``recompute_offload``: the checkpointed forward inside the offload pack context, which then
+  holds the checkpoint's inputs in host memory.
+
+Options change at run time (after profiling, from the monitor) by setting `ModuleWrapper.option`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+
+from xirang_ds.hooks import wrap_method
+from xirang_ds.plugins.activations.handlers import CodecHandler, OffloadHandler
+from xirang_ds.plugins.activations.offload import Offloader
+from xirang_ds.plugins.activations.profile import Profiler
+from xirang_ds.plugins.activations.recompute import (
+    RecomputeScope,
+    full_context,
+    run_checkpointed,
+    selective_context,
+)
+from xirang_ds.plugins.activations.saved import Eligibility, PackContext
+from xirang_ds.plugins.activations.storage import PayloadStorage
+
+
+class _KeepHandler:
+    """Packs nothing: the pass-through context of a kept module inside a packing one."""
+
+    def begin_call(self) -> None:
+        return None
+
+
+def _never(t: torch.Tensor) -> bool:
+    return False
+
+
+class Runtime:
+    """Handlers, offloader, scopes and (while profiling) the profiler, shared by all wrappers.
+
+    Args:
+        device: the training device.
+        min_tensor_bytes, prefetch, block_size, threshold: from the section.
+        host_tier: the tracker's host-tier context factory.
+        scope: the tracker's activations-scope factory (recomputation, fetched bytes).
+        mark: gives a tensor the activations role (decoded tensors).
+        synchronize: accelerator synchronize around recomputations (DeepSpeed's
+            ``synchronize_checkpoint_boundary``), or ``None``.
+        timings: list collecting ``(module, seconds)`` per recomputation (DeepSpeed's ``profile``).
+    """
+
+    def __init__(self, device: torch.device, min_tensor_bytes: int, prefetch: int, block_size: int,
+                 threshold: float, host_tier: Callable[[], ContextManager], scope: Callable[[], ContextManager],
+                 mark: Optional[Callable[[torch.Tensor], None]] = None,
+                 synchronize: Optional[Callable[[], None]] = None, timings: Optional[list] = None):
+        self.device = device
+        self.scope = scope
+        self.synchronize = synchronize
+        self.timings = timings
+        self.eligible = Eligibility(device.type, min_tensor_bytes)
+        self.storage = PayloadStorage(host_tier)
+        self.offloader = Offloader(device, prefetch, host_tier, scope)
+        offload = OffloadHandler(self.offloader)
+        self.handlers: dict[str, Any] = {
+            "compress": CodecHandler("compress", self.storage, mark=mark),
+            "quantize": CodecHandler("quantize", self.storage, block_size=block_size, mark=mark),
+            "sparsify": CodecHandler("sparsify", self.storage, threshold=threshold, mark=mark),
+            "offload": offload,
+            "recompute_offload": offload,
+        }
+        self.keep_handler = _KeepHandler()
+        self.profiler: Optional[Profiler] = None
+
+    def recompute_scope(self, name: str) -> RecomputeScope:
+        """The context entered around each recomputation of module ``name``."""
+        return RecomputeScope(self.scope, self.synchronize, self.timings, name)
+
+
+class ModuleWrapper:
+    """The forward of one module under its current option.
+
+    Attributes:
+        name: full module name.
+        option: the option applied (``None``: plain forward).
+        passthrough: an ancestor packs its tensors, so ``keep`` must shield this module.
+        must_save: profile-selected ``(op, index)`` for selective recompute (``None``: all
+            expensive ops).
+    """
+
+    def __init__(self, name: str, module: torch.nn.Module, runtime: Runtime):
+        self.name = name
+        self.module = module
+        self.runtime = runtime
+        self.passthrough = False
+        self.must_save: Optional[frozenset] = None
+        self._option: Optional[str] = None
+        self._context_fn: Optional[Callable[[], tuple]] = None
+        self.handle = wrap_method(module, "forward", self.forward)
+
+    @property
+    def option(self) -> Optional[str]:
+        return self._option
+
+    def apply(self, option: Optional[str], must_save: Optional[frozenset] = None, passthrough: bool = False) -> None:
+        """Run the next calls under ``option`` (``None``: the plain forward)."""
+        self.must_save = must_save
+        self.passthrough = passthrough
+        self._option = option
+        scope = self.runtime.recompute_scope(self.name)
+        if option == "selective_recompute":
+            self._context_fn = selective_context(scope, must_save)
+        elif option in ("recompute", "recompute_offload"):
+            self._context_fn = full_context(scope)
+        else:
+            self._context_fn = None
+
+    def remove(self) -> None:
+        """Restore the module's own forward."""
+        self.handle.remove()
+
+    # --------------------------------------------------------------------------------------------
+    def forward(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward under its option (plain without grad, framed while profiling)."""
+        if not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        rt = self.runtime
+        if rt.profiler is not None and rt.profiler.stack:
+            with rt.profiler.frame(self.name, args, kwargs):
+                return original(*args, **kwargs)
+        option = self._option
+        if option is None or option == "keep":
+            if not self.passthrough:
+                return original(*args, **kwargs)
+            with PackContext(rt.keep_handler, _never):
+                return original(*args, **kwargs)
+        if option in ("recompute", "selective_recompute"):
+            return run_checkpointed(original, args, kwargs, self._context_fn)
+        with PackContext(rt.handlers[option], rt.eligible) as ctx:
+            if option == "recompute_offload":
+                out = run_checkpointed(original, args, kwargs, self._context_fn)
+            else:
+                out = original(*args, **kwargs)
+        if ctx.pushed and option in ("offload", "recompute_offload") and rt.offloader.stream is not None:
+            _hook_outputs(out, ctx.call, rt.offloader)
+        return out
+
+
+def _hook_outputs(out: Any, group: Any, offloader: Offloader) -> None:
+    """Prefetch when backward reaches this call: a hook on each output that requires grad."""
+    def reached(grad: torch.Tensor) -> None:
+        offloader.backward_reached(group)
+
+    stack = [out]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad:
+                value.register_hook(reached)
+        elif isinstance(value, (tuple, list)):
+            stack.extend(value)
+        elif isinstance(value, dict):
+            stack.extend(value.values())

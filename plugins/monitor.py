@@ -91,6 +91,11 @@ class MonitorPlugin(Plugin):
 
     # ----------------------------------------------------------------------------------------
     def attach(self, engine: Any) -> None:
+        wanted = [a for a in self.config.actions if a in ("raise_recompute", "raise_compression")]
+        if wanted and self.session.plugin("activations") is None:
+            raise XirangConfigError([("xirang.monitor.actions", f"{wanted[0]!r} changes the activation plan, and "
+                                                                "xirang.activations is not enabled; enable it or remove "
+                                                                "the action")])
         from deepspeed.accelerator import get_accelerator
 
         self.engine = engine
@@ -197,6 +202,13 @@ class MonitorPlugin(Plugin):
                       f"{micro // k} with the accumulation boundary held (global batch unchanged)",
                       logging.WARNING)
             return True
+        if action in ("raise_recompute", "raise_compression"):
+            activations = self.session.plugin("activations")
+            changed = activations.raise_recompute() if action == "raise_recompute" else activations.raise_compression()
+            self._log(f"step {step}: memory above act_at; " + (
+                f"{action}: the activation plan moved one more module off the device" if changed else
+                f"{action}: no module left to change (or the plan is not made yet)"), logging.WARNING)
+            return changed
         raise XirangConfigError([("xirang.monitor.actions", f"action {action!r} is not built yet")])
 
     def _log(self, message: str, level: int = logging.INFO) -> None:

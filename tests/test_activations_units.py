@@ -472,3 +472,18 @@ def test_measurement_configs_are_valid():
     for path in files:
         with open(path, encoding="utf-8") as f:
             assert load_config(json.load(f)).activations.enabled, path
+
+
+def test_tolerant_feed_forward_marks_each_blocks_mlp():
+    from xirang_ds.config.schema import ActivationsConfig
+    from xirang_ds.models import build_model, parse_model_spec
+    from xirang_ds.plugins.activations.selection import tolerant_names
+
+    model = build_model(parse_model_spec("gpt-tiny"))
+    names = tolerant_names(model, ActivationsConfig(enabled=True, tolerant=("feed_forward",)))
+    blocks = len(model.blocks)
+    assert {f"blocks.{i}.mlp" for i in range(blocks)} <= names
+    assert not any(n.startswith("blocks.0.attn") or n == "blocks.0" for n in names)
+    # a model without feed-forward children: nothing tolerant, and no error
+    plain = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2)]))
+    assert tolerant_names(plain, ActivationsConfig(enabled=True, tolerant=("feed_forward",))) == frozenset()

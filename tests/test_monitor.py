@@ -8,7 +8,7 @@ from tests.engine_runs import data_iter, ds_config
 from xirang_ds.launch import run_ranks
 
 
-def _run(rank, world, tmp, actions, stage, steps, hog_rank, dtype="bf16", split_from_start=False):
+def _run(rank, world, tmp, actions, stage, steps, hog_rank, dtype="bf16", split_from_start=False, activations=False):
     import torch
 
     import xirang_ds
@@ -23,6 +23,8 @@ def _run(rank, world, tmp, actions, stage, steps, hog_rank, dtype="bf16", split_
         model.blocks[0].register_forward_hook(hog)
     block = {"memory_budget": "300MB", "monitor": {"enabled": True, "warn_at": 0.5, "act_at": 0.9,
                                                    "actions": actions, "checkpoint_dir": os.path.join(tmp, "ckpt")}}
+    if activations:
+        block["activations"] = {"enabled": True}
     config = ds_config(stage=stage, dtype=dtype, micro=4, xirang=block,
                        csv_monitor={"enabled": True, "output_path": os.path.join(tmp, "csv"), "job_name": "j"})
     engine, *_ = xirang_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -37,8 +39,9 @@ def _run(rank, world, tmp, actions, stage, steps, hog_rank, dtype="bf16", split_
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+    plan = dict(engine.xirang.plugin("activations").plan) if activations else {}
     return {"history": monitor.history, "actions": monitor.actions_taken,
-            "pieces": monitor.splitter.pieces if monitor.splitter else 1, "losses": losses}
+            "pieces": monitor.splitter.pieces if monitor.splitter else 1, "losses": losses, "plan": plan}
 
 
 @pytest.mark.distributed
@@ -89,6 +92,20 @@ def test_halve_micro_batch_action_fires_on_all_ranks():
     assert [r["pieces"] for r in results] == [4, 4]  # halved at step 1 and again at step 2
     for r in results:
         assert [a["done"] for a in r["actions"]] == [True, True]
+
+
+@pytest.mark.distributed
+def test_raise_recompute_changes_the_activation_plan_on_all_ranks():
+    results = run_ranks(_run, 2, "/tmp", ["raise_recompute"], 2, 4, 0, "bf16", False, True)
+    plans = [r["plan"] for r in results]
+    assert plans[0] == plans[1] and any("recompute" in o for o in plans[0].values())
+    for r in results:
+        assert any(a["action"] == "raise_recompute" and a["done"] for a in r["actions"])
+
+
+def test_raise_actions_need_the_activations_plugin():
+    with pytest.raises(Exception, match="xirang.activations is not enabled"):
+        run_ranks(_run, 1, "/tmp", ["raise_compression"], 2, 1, -1)
 
 
 def test_budget_errors():

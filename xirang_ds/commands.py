@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 from xirang_ds.cli import UsageError, register_command
 
@@ -143,12 +144,11 @@ def _setup_tune(p: argparse.ArgumentParser) -> None:
 
 def _run_tune(args: argparse.Namespace) -> int:
     import json
-    import sys
 
     from xirang_ds.config.loader import BLOCK_KEY, read_ds_config, validate_block
     from xirang_ds.config.types import format_bytes, parse_byte_size
     from xirang_ds.models import parse_model_spec
-    from xirang_ds.tune import Progress, format_result, tune, winning_ds_config, write_json
+    from xirang_ds.tune import format_result, winning_ds_config, write_json
 
     parse_model_spec(args.model)
     ds_config = read_ds_config(args.ds_config)
@@ -168,12 +168,10 @@ def _run_tune(args: argparse.Namespace) -> int:
                          f"{args.ds_config}")
     if args.data and not os.path.isfile(args.data):
         raise UsageError(f"--data file not found: {args.data!r}")
-    result = tune(args.model, ds_config, budget, world_size=args.world_size,
-                  objective=args.objective or settings.objective,
-                  measure_top=args.measure_top or settings.measure_top,
-                  time_limit_s=args.time_limit or settings.time_limit_s, lossless_only=args.lossless,
-                  profile_steps=args.profile_steps, measure_steps=args.measure_steps, data=args.data,
-                  progress=Progress(None if args.quiet else sys.stderr))
+    try:
+        result = _tune(args, ds_config, budget, settings)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     print(format_result(result))
     if args.json:
         write_json(result, args.json)
@@ -185,6 +183,18 @@ def _run_tune(args: argparse.Namespace) -> int:
         json.dump(winning_ds_config(ds_config, result), f, indent=2)
     print(f"wrote {out} (winner {result.winner.name}, measured peak {format_bytes(result.winner.measured_peak)})")
     return 0
+
+
+def _tune(args: argparse.Namespace, ds_config: dict, budget: int, settings: Any) -> Any:
+    import sys
+
+    from xirang_ds.tune import Progress, tune
+
+    return tune(args.model, ds_config, budget, world_size=args.world_size,
+                objective=args.objective or settings.objective, measure_top=args.measure_top or settings.measure_top,
+                time_limit_s=args.time_limit or settings.time_limit_s, lossless_only=args.lossless,
+                profile_steps=args.profile_steps, measure_steps=args.measure_steps, data=args.data,
+                progress=Progress(None if args.quiet else sys.stderr))
 
 
 register_command("estimate", "predict a rank's peak memory and its breakdown before running", _setup_estimate,

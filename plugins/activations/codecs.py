@@ -311,17 +311,28 @@ def trial(kind: str, flat: torch.Tensor, storage: PayloadStorage, block_size: in
     seconds = time.perf_counter() - start
     nbytes = payload.nbytes
     error = 0.0
+    # the error check runs over chunks of whole blocks, so its fp32 temporaries stay a few MiB
+    # however large the tensor (they count in the profiling passes' peak)
+    step = max(block_size, (_CHECK_CHUNK // block_size) * block_size)
     if kind == "quantize":
-        bound = int8_bound(flat, block_size)
-        err = (out.float() - flat.float()).abs()
-        tol = bound + (flat.float().abs() + bound) * _rounding(flat.dtype)
-        error = float((err / tol.clamp_min(torch.finfo(torch.float32).tiny)).max()) if flat.numel() else 0.0
+        for start in range(0, flat.numel(), step):
+            a, b = flat[start:start + step], out[start:start + step]
+            bound = int8_bound(a, block_size)
+            tol = bound + (a.float().abs() + bound) * _rounding(flat.dtype)
+            err = (b.float() - a.float()).abs_().div_(tol.clamp_min_(torch.finfo(torch.float32).tiny))
+            error = max(error, float(err.max()))
     elif kind == "sparsify":
         cutoff = payload.meta["cutoff"]
-        err = float((out.float() - flat.float()).abs().max()) if flat.numel() else 0.0
+        err = 0.0
+        for start in range(0, flat.numel(), step):
+            err = max(err, float((out[start:start + step].float() - flat[start:start + step].float()).abs().max()))
         error = err / cutoff if cutoff > 0 else (0.0 if err == 0 else math.inf)
     del payload, out
     return Trial(nbytes, seconds, error)
+
+
+_CHECK_CHUNK = 1 << 18
+"""Elements per chunk of `trial`'s error check."""
 
 
 def _rounding(dtype: torch.dtype) -> float:

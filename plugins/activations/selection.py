@@ -101,7 +101,8 @@ def fixed_plan(model: nn.Module, config: ActivationsConfig, ds_config: dict, pro
                                       "remove it from one of the lists"))
                 continue
             plan[name], source[name] = option, key
-    matched = match(config.tolerant, names, f"{PATH}.tolerant", problems)
+    globs = [g for g in config.tolerant if g != FEED_FORWARD]
+    matched = match(globs, names, f"{PATH}.tolerant", problems) + feed_forward_modules(model, config)
     tolerant = {n for n in names if any(n == t or _inside(n, t) for t in matched)}
     for name, option in plan.items():
         if option in LOSSY_ACTIVATION_OPTIONS and name not in tolerant:
@@ -168,5 +169,25 @@ def tolerant_names(model: nn.Module, config: ActivationsConfig) -> frozenset:
     """Modules whose saved tensors may be stored lossily: those matched by ``tolerant`` and every
     module inside them (the globs were checked by `fixed_plan`)."""
     names = module_names(model)
-    matched = [n for n in names if any(glob_matches(g, n) for g in config.tolerant)]
+    matched = [n for n in names if any(glob_matches(g, n) for g in config.tolerant if g != FEED_FORWARD)]
+    matched += feed_forward_modules(model, config)
     return frozenset(n for n in names if any(n == t or _inside(n, t) for t in matched))
+
+
+FEED_FORWARD = "feed_forward"
+"""The ``tolerant`` entry that stands for every repeated block's feed-forward child (a child whose
+name contains ``mlp``, ``ffn`` or ``feed_forward``): the GELU/SiLU outputs and the matmul inputs
+inside it are what 8-bit activation storage is known to tolerate (ActNN, GACT). It matches nothing
+without error on a model that has no such child."""
+
+
+def feed_forward_modules(model: nn.Module, config: ActivationsConfig) -> list[str]:
+    if FEED_FORWARD not in config.tolerant:
+        return []
+    blocks = repeated_blocks(model)
+    out = []
+    for name, module in model.named_modules():
+        parent, _, child = name.rpartition(".")
+        if parent in blocks and any(k in child.lower() for k in ("mlp", "ffn", "feed_forward")):
+            out.append(name)
+    return out

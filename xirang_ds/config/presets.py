@@ -8,18 +8,40 @@ from __future__ import annotations
 
 import copy
 
-_COMMON = {
+_LOSSLESS_STORAGE = ("keep", "compress", "offload")
+_RECOMPUTE = ("recompute", "selective_recompute", "recompute_offload")
+_LOSSY = ("quantize", "sparsify")
+
+_CONSERVATIVE = {
+    # ZeRO bucket sizes from the model and the budget, one arena allocated once
     "comm_buffers": {"enabled": True, "arena": True, "adapt": True},
+    # the optimizer step in backward: gradients live a bucket at a time (bit-identical updates)
+    "grad_release": {"enabled": True},
+    # the planner keeps saved activations under what memory_budget leaves, storing them losslessly
+    # (narrower exact storage, or host memory) but never recomputing
+    "activations": {"enabled": True, "budget": "auto", "options": list(_LOSSLESS_STORAGE)},
     "monitor": {"enabled": True, "warn_at": 0.85, "act_at": 0.95, "actions": ["empty_cache"]},
 }
 
 PRESETS: dict[str, dict] = {
-    # Lossless options only.
-    "conservative": {**_COMMON},
-    # Adds lossy-but-safe options (int8 optimizer states with a schedule, planned recompute).
-    "balanced": {**_COMMON},
-    # Adds int4 states, lossy activation compression on tolerant tensors, offload.
-    "aggressive": {**_COMMON},
+    # Lossless options only: the numbers trained are those of plain DeepSpeed.
+    "conservative": _CONSERVATIVE,
+    # Adds int8 optimizer states from the first step (embeddings, norms and small tensors stay fp32;
+    # no fp32 warm-up: its states would set the run's peak, which is what a budget must hold) and
+    # recompute among the planner's options.
+    "balanced": {
+        **_CONSERVATIVE,
+        "optimizer_states": {"enabled": True, "schedule": [{"dtype": "int8"}]},
+        "activations": {"enabled": True, "budget": "auto", "options": list(_LOSSLESS_STORAGE + _RECOMPUTE)},
+    },
+    # Adds int4 optimizer states and lossy 8-bit / sparse storage of the feed-forward blocks' saved
+    # activations (bounded error, docs/activations.md); offload stays among the options.
+    "aggressive": {
+        **_CONSERVATIVE,
+        "optimizer_states": {"enabled": True, "schedule": [{"dtype": "int4"}]},
+        "activations": {"enabled": True, "budget": "auto", "options": list(_LOSSLESS_STORAGE + _RECOMPUTE + _LOSSY),
+                        "tolerant": ["feed_forward"]},
+    },
 }
 """Preset name → the block it expands to (without the ``preset`` key)."""
 

@@ -81,6 +81,32 @@ def _table(cls: type, prefix: str) -> list[str]:
     return out
 
 
+def _flatten(block: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in block.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _presets_table() -> list[str]:
+    """Each preset key by key (what it sets; every other key keeps its default)."""
+    from xirang_ds.config.presets import PRESETS
+
+    flat = {name: _flatten(block) for name, block in PRESETS.items()}
+    keys = list(dict.fromkeys(k for block in flat.values() for k in block))
+    lines = ["", "#### Presets", "",
+             "What `\"preset\"` sets, key by key (`-`: the key keeps its default); keys written next to the",
+             "preset override it. `xirang-ds validate CONFIG --show-resolved` prints the whole resolved block.", "",
+             "| key | " + " | ".join(f"`{n}`" for n in PRESETS) + " |", "|---" * (len(PRESETS) + 1) + "|"]
+    for key in keys:
+        cells = [f"`{json.dumps(flat[n][key])}`" if key in flat[n] else "-" for n in PRESETS]
+        lines.append(f"| `{key}` | " + " | ".join(cells) + " |")
+    return lines
+
+
 def render() -> str:
     """The reference as markdown: the top-level keys, then one table per section."""
     lines = [BEGIN, "", "Top-level keys of the `\"xirang\"` block:", ""]
@@ -92,6 +118,7 @@ def render() -> str:
         if f.init and f.name not in schema.SECTION_NAMES:
             lines.append(f"| `{f.name}` | {type_name(hints[f.name]).replace('|', chr(92) + '|')} | "
                          f"`{_default(f)}` | {docs.get(f.name, '')} |")
+    lines += _presets_table()
     for name in schema.SECTION_NAMES:
         cls = typing.get_type_hints(top)[name]
         lines += ["", f"#### `{name}`", "", (cls.__doc__ or "").strip(), ""]

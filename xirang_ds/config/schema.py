@@ -286,7 +286,9 @@ class ActivationsConfig(Section):
     offload: tuple[Glob, ...] = ()
     """Modules fixed to offload their saved tensors to host memory (async copies, prefetched in backward)."""
     tolerant: tuple[Glob, ...] = ()
-    """Modules whose saved tensors may be stored lossily (``quantize``, ``sparsify``)."""
+    """Modules whose saved tensors may be stored lossily (``quantize``, ``sparsify``): globs, or
+    ``"feed_forward"`` for every repeated block's MLP child (a name containing mlp, ffn or
+    feed_forward; none is not an error)."""
     quantize_block_size: Annotated[int, Range(32, 4096), MultipleOf(32)] = 64
     """Elements per fp32 scale of 8-bit storage; the error bound is max|block| / 254 per element."""
     sparsify_threshold: Annotated[float, Range(0.0, 1.0)] = 0.01

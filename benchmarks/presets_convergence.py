@@ -1,0 +1,95 @@
+"""Convergence of the three presets against plain DeepSpeed, on tinyshakespeare, for the bench GPT
+and a Llama-style decoder (RMSNorm, SwiGLU, rotary embeddings).
+
+Each model trains plain DeepSpeed (ZeRO-2 bf16, hand-tuned buckets) and then each preset with
+``memory_budget`` at the fraction of the plain run's measured peak the results table uses
+(conservative 0.75, balanced 0.5, aggressive 0.25), same data order and seed. The check is the
+relative difference of the final loss (mean of the last 10% of steps) against the issue's bounds:
+0.5% / 1% / 2%.
+
+    .venv/bin/python benchmarks/presets_convergence.py --steps 300 --world-size 2 \\
+        --data ../shared/data/tinyshakespeare.txt --json benchmarks/results/presets_convergence.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results_table import BASE, PRESET_BUDGETS, TUNED, _merge  # noqa: E402
+
+BOUNDS = {"conservative": 0.005, "balanced": 0.01, "aggressive": 0.02}
+
+
+def final(losses: list[float]) -> float:
+    tail = max(1, len(losses) // 10)
+    return sum(losses[-tail:]) / tail
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["gpt-small", "llama-small"])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--world-size", type=int, default=2, choices=(1, 2))
+    p.add_argument("--data", default=None)
+    p.add_argument("--json", default=None)
+    p.add_argument("--render", default=None, metavar="JSON")
+    args = p.parse_args()
+    if args.render:
+        with open(args.render, encoding="utf-8") as f:
+            data = json.load(f)
+    else:
+        from xirang_ds.bench import run_side
+
+        plain = _merge(BASE, TUNED)
+        data = {"command": " ".join(["python", "benchmarks/presets_convergence.py"] + sys.argv[1:]),
+                "steps": args.steps, "world_size": args.world_size, "rows": []}
+        for model in args.models:
+            print(f"{model}: plain DeepSpeed ...", file=sys.stderr, flush=True)
+            ref = run_side(model, plain, args.steps, args.world_size, args.data, 0, False)
+            data["rows"].append({"model": model, "config": "plain", "final_loss": final(ref.losses),
+                                 "peak_bytes": ref.peak_bytes, "losses": ref.losses})
+            for preset, fractions in PRESET_BUDGETS.items():
+                fraction = fractions[-1]  # the one each preset can meet
+                print(f"{model}: preset {preset} ...", file=sys.stderr, flush=True)
+                cfg = _merge(BASE, {"xirang": {"preset": preset, "memory_budget": int(fraction * ref.peak_bytes)}})
+                row = {"model": model, "config": preset, "budget_fraction": fraction}
+                try:
+                    side = run_side(model, cfg, args.steps, args.world_size, args.data, 0, True)
+                    row.update(final_loss=final(side.losses), peak_bytes=side.peak_bytes, losses=side.losses,
+                               summary=side.summary)
+                except Exception as e:
+                    row["error"] = " ".join(str(e).split())[-300:]
+                data["rows"].append(row)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(data, f, indent=1)
+    print(render(data))
+    return 0
+
+
+def render(data: dict) -> str:
+    lines = [f"{data['steps']} steps, {data['world_size']} rank(s); `{data['command']}`", "",
+             "| model | configuration | final loss | vs plain | bound | within | peak ratio |", "|---|---|---|---|---|---|---|"]
+    plain = {}
+    for r in data["rows"]:
+        if r["config"] == "plain":
+            plain[r["model"]] = r
+            lines.append(f"| {r['model']} | plain DeepSpeed | {r['final_loss']:.4f} | | | | 1.00 |")
+            continue
+        ref = plain[r["model"]]
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['config']} | fails: {r['error'][:100]} | | | | |")
+            continue
+        rel = r["final_loss"] / ref["final_loss"] - 1
+        bound = BOUNDS[r["config"]]
+        lines.append(f"| {r['model']} | {r['config']} (budget {r['budget_fraction']:g}x) | {r['final_loss']:.4f} | "
+                     f"{rel:+.2%} | {bound:.1%} | {'yes' if abs(rel) <= bound else 'no'} | "
+                     f"{r['peak_bytes'] / ref['peak_bytes']:.2f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -155,3 +155,13 @@ def test_step_time_is_a_line_in_the_micro_batch():
     assert _mb_scale(profiles, 2, 4, 64, 64) == pytest.approx(0.83 / 0.2)
     assert _mb_scale(profiles, 2, 4, 64, 34) == pytest.approx((0.2 + 0.63 / 2) / 0.2)
     assert _mb_scale({"zero2": {"step_time_s": 0.2}}, 2, 4, 4, 8) == 2.0  # one point: proportional
+
+
+def test_largest_micro_batch_grows_each_combination():
+    base_peak = estimate_spec("gpt-tiny", {**DS, "xirang": {"comm_buffers": {"enabled": True}}}, 1).predicted_peak_bytes
+    result = tune("gpt-tiny", DS, budget=4 * base_peak, world_size=1, objective="largest_micro_batch",
+                  runner=ScriptedRunner(1), lossless_only=True)
+    grown = [c for c in result.candidates if c.predicted_peak is not None and c.rejected is None]
+    assert grown and all(c.micro_batch > DS["train_micro_batch_size_per_gpu"] for c in grown)
+    assert all(c.predicted_peak <= result.budget for c in grown)
+    assert result.winner.micro_batch == max(c.micro_batch for c in grown if c.measured_peak)

@@ -241,12 +241,11 @@ def _estimate(model: str, cfg: dict, world_size: int, device: str) -> tuple[int,
     return est.predicted_peak_bytes, unmodelled
 
 
-def _grow_micro_batch(c: Candidate, model: str, world_size: int, device: str, budget: int,
-                      unmodelled_of: dict, max_doublings: int = 12) -> None:
-    """Double the candidate's micro-batch while the estimate fits (halve it while it does not)."""
+def _grow_micro_batch(c: Candidate, peak_at: Callable[[dict], int], budget: int, max_doublings: int = 12) -> None:
+    """Double the candidate's micro-batch while ``peak_at(ds_config)`` fits (halve it while it does not)."""
     def at(mb: int) -> tuple[dict, int]:
         cfg = _merge(c.ds_config, {"train_micro_batch_size_per_gpu": mb})
-        return cfg, _estimate(model, cfg, world_size, device)[0]
+        return cfg, peak_at(cfg)
 
     mb, peak = c.micro_batch, c.predicted_peak
     while peak > budget and mb > 1:
@@ -310,19 +309,22 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
             c.rejected = " ".join(str(e).split())[:300]
     progress.update(len(pool), len(pool), "estimate")
     live = [c for c in pool if c.rejected is None]
-    if grow:  # each combination at the largest power-of-two multiple of the micro-batch predicted to fit
-        for i, c in enumerate(live):
-            progress.update(i, len(live), "micro-batch", c.name)
-            _grow_micro_batch(c, model, world_size, device, budget, unmodelled_of)
-        progress.update(len(live), len(live), "micro-batch")
+    user_stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+    user_mb = int(ds_config.get("train_micro_batch_size_per_gpu", 1) or 1)
+    raw = lambda cfg: _estimate(model, cfg, world_size, device)[0]  # noqa: E731
+    far_mb = user_mb
+    if grow:  # the base's largest micro-batch: the second point of the step-time line
+        for c in live:
+            if not any(o.block for o in c.options) and _stage(c) == user_stage:
+                plain = Candidate(c.options, copy.deepcopy(c.ds_config), c.micro_batch, c.predicted_peak)
+                _grow_micro_batch(plain, raw, budget)
+                far_mb = plain.micro_batch
     seconds["estimate"] = time.perf_counter() - start
     if not live:
         raise ValueError("no candidate is valid for this ds_config: " + pool[0].rejected if pool else "empty space")
 
     # 2. profile the base at each stage and each option alone (at the user's stage and micro-batch)
     t0 = time.perf_counter()
-    user_stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
-    user_mb = int(ds_config.get("train_micro_batch_size_per_gpu", 1) or 1)
     profiles: dict[str, dict] = {}
     jobs: list[tuple[str, dict]] = []
     stages = sorted({_stage(c) for c in live})
@@ -330,8 +332,6 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
     for s in stages:
         jobs.append((f"zero{s}", _merge(base, {"zero_optimization": {"stage": s}})))
     # step time is a + b * micro-batch: a second point at the largest micro-batch the base fits
-    plain = [c for c in live if not any(o.block for o in c.options) and _stage(c) == user_stage]
-    far_mb = max((c.micro_batch for c in plain), default=user_mb)
     if grow and far_mb != user_mb:
         jobs.append((f"zero{user_stage}@mb{far_mb}", _merge(base, {"zero_optimization": {"stage": user_stage},
                                                                    "train_micro_batch_size_per_gpu": far_mb})))
@@ -363,8 +363,7 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
         if "step_time_s" not in profiles.get(stage_key, {}) or "step_time_s" not in ref:
             c.rejected = f"the base at {stage_key} failed to run: {profiles.get(stage_key, {}).get('error', '')}"
             continue
-        t = profiles[stage_key]["step_time_s"] * _mb_scale(profiles, user_stage, user_mb, far_mb, c.micro_batch)
-        peak = c.predicted_peak * calibration[stage_key]
+        time_ratio, peak_ratio = 1.0, calibration[stage_key]
         for o in c.options:
             if not o.block:
                 continue
@@ -372,12 +371,16 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
             if "step_time_s" not in prof:
                 c.rejected = f"{o.label} failed alone: {prof.get('error', 'not profiled')}"
                 break
-            t *= prof["step_time_s"] / ref["step_time_s"]
-            section = next(iter(o.block))
-            if section in unmodelled_of.get(id(c), []):
-                peak *= prof["peak_bytes"] / ref["peak_bytes"]
-        c.predicted_time_s = t
-        c.predicted_peak = int(peak)
+            time_ratio *= prof["step_time_s"] / ref["step_time_s"]
+            if next(iter(o.block)) in unmodelled_of.get(id(c), []):
+                peak_ratio *= prof["peak_bytes"] / ref["peak_bytes"]
+        if c.rejected is not None:
+            continue
+        c.predicted_peak = int(c.predicted_peak * peak_ratio)
+        if grow:  # each combination at the largest power-of-two multiple of the micro-batch predicted to fit
+            _grow_micro_batch(c, lambda cfg, r=peak_ratio: int(raw(cfg) * r), budget)
+        c.predicted_time_s = (profiles[stage_key]["step_time_s"] * time_ratio
+                              * _mb_scale(profiles, user_stage, user_mb, far_mb, c.micro_batch))
     fitting = [c for c in live if c.rejected is None and c.predicted_peak <= budget]
 
     def rank_key(c: Candidate) -> tuple:

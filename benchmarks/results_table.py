@@ -17,7 +17,6 @@ ranks, per model parameter (plain fp32 AdamW: 8).
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import platform
@@ -40,11 +39,7 @@ BASE = {
 TUNED = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 1e6, "allgather_bucket_size": 1e6}}
 
 
-def _merge(base: dict, over: dict) -> dict:
-    out = copy.deepcopy(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
-    return out
+from xirang_ds.config.loader import _merge  # noqa: E402  (nested dicts merged, everything else replaced)
 
 
 PRESET_BUDGETS = {"conservative": (0.75,), "balanced": (0.5,), "aggressive": (0.25, 0.5)}
@@ -163,14 +158,9 @@ def render(data: dict) -> str:
 
 
 def write_readme(table: str, path: str) -> None:
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{path} has no {BEGIN} ... {END} markers")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(head + BEGIN + "\n" + table + "\n" + END + tail)
+    from xirang_ds.config.reference import replace_marked
+
+    replace_marked(path, BEGIN, END, BEGIN + "\n" + table + "\n" + END)
 
 
 def main() -> int:

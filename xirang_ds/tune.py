@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from xirang_ds.config.loader import BLOCK_KEY
+from xirang_ds.config.loader import _merge  # a deep merge: nested dicts merged, everything else replaced
 from xirang_ds.config.types import format_bytes
 
 SEARCHED = ("optimizer_states", "grad_release", "precision", "activations")
@@ -78,16 +79,6 @@ class Candidate:
                 "measured_peak_bytes": self.measured_peak, "measured_step_time_s": self.measured_time_s,
                 "measured_final_loss": self.measured_loss, "error": self.error,
                 "block": self.ds_config.get(BLOCK_KEY, {})}
-
-
-def _merge(base: dict, over: dict) -> dict:
-    out = copy.deepcopy(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
 
 
 def built_sections() -> set[str]:

@@ -127,21 +127,31 @@ def render() -> str:
     return "\n".join(lines)
 
 
-def update(path: str, check: bool = False) -> bool:
-    """Rewrite the marked part of ``path``; with ``check``, only report whether it is stale."""
+def replace_marked(path: str, begin: str, end: str, content: str, check: bool = False) -> bool:
+    """Put ``content`` (which starts with ``begin`` and ends with ``end``) in place of the part of
+    ``path`` between the markers; with ``check``, only report whether that part differs.
+
+    Returns:
+        Whether the file's marked part differed from ``content``.
+    """
     with open(path, encoding="utf-8") as f:
         text = f.read()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{path} has no config-reference markers")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    new = head + render() + tail
+    if begin not in text or end not in text:
+        raise SystemExit(f"{path} has no {begin} ... {end} markers")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    new = head + content + tail
     if new == text:
         return False
     if not check:
         with open(path, "w", encoding="utf-8") as f:
             f.write(new)
     return True
+
+
+def update(path: str, check: bool = False) -> bool:
+    """Rewrite the marked part of ``path``; with ``check``, only report whether it is stale."""
+    return replace_marked(path, BEGIN, END, render(), check)
 
 
 def main(argv=None) -> int:

@@ -2,7 +2,7 @@
 
 **The rule** (`auto_bucket_numel`). A ring reduce-scatter of ``n`` elements of ``b`` bytes over ``p``
 ranks costs about ``(p-1)*alpha + (p-1)/p * n*b/beta`` (latency ``alpha``, bandwidth ``beta``). At
-``n*b = 9*p*alpha*beta`` the fixed cost is 10% of the transfer, so the bucket runs at >= 90% of link
+``n*b = 9*p*alpha*beta`` the fixed cost is 1/9 of the transfer (10% of the total), so the bucket runs at >= 90% of link
 bandwidth; larger buckets only add memory (``p`` is capped at 8: larger groups use trees). The bucket is then held to at least the largest parameter (a gradient never straddles
 reductions), at most ``max_fraction_of_budget`` of the memory budget over all its buffers (2 with
 ``overlap_comm``), and at most the model (beyond that there is nothing left to overlap with).

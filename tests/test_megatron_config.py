@@ -233,3 +233,11 @@ def test_seams_for_plugins_on_megatron_layers(megatron_cases):
     assert c["plain_is_grad"]  # without Megatron's DDP the gradient is param.grad
     assert c["ddp_grad_dropped"] and c["ddp_is_main_grad"]  # under it, param.main_grad; param.grad is None
     assert c["same_values"]
+
+
+def test_preset_leaves_off_what_megatron_cannot_run_but_not_what_the_user_names(tmp_path):
+    resolved = xm.validate_for_megatron({"preset": "balanced"})
+    assert resolved.comm_buffers.enabled and resolved.monitor.enabled
+    assert not resolved.grad_release.enabled and not resolved.optimizer_states.enabled
+    with pytest.raises(XirangConfigError, match="xirang.grad_release.enabled: the grad_release plugin does not run"):
+        xm.validate_for_megatron({"preset": "balanced", "grad_release": {"enabled": True}})

@@ -36,7 +36,11 @@ def main() -> int:
     p.add_argument("--data", default=None)
     p.add_argument("--json", default=None)
     p.add_argument("--render", default=None, metavar="JSON")
+    p.add_argument("--redo", nargs="*", default=None, metavar="MODEL:PRESET",
+                   help="rerun only these rows of --json (its plain run's peak sets the budget) and rewrite it")
     args = p.parse_args()
+    if args.redo:
+        return redo(args)
     if args.render:
         with open(args.render, encoding="utf-8") as f:
             data = json.load(f)
@@ -66,6 +70,33 @@ def main() -> int:
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump(data, f, indent=1)
+    print(render(data))
+    return 0
+
+
+def redo(args: argparse.Namespace) -> int:
+    """Rerun some preset rows of an earlier run in place (same steps, ranks and data)."""
+    from xirang_ds.bench import run_side
+
+    with open(args.json, encoding="utf-8") as f:
+        data = json.load(f)
+    for item in args.redo:
+        model, preset = item.split(":")
+        ref = next(r for r in data["rows"] if r["model"] == model and r["config"] == "plain")
+        index = next(i for i, r in enumerate(data["rows"]) if r["model"] == model and r["config"] == preset)
+        fraction = PRESET_BUDGETS[preset][-1]
+        cfg = _merge(BASE, {"xirang": {"preset": preset, "memory_budget": int(fraction * ref["peak_bytes"])}})
+        row = {"model": model, "config": preset, "budget_fraction": fraction, "redone": True}
+        try:
+            side = run_side(model, cfg, data["steps"], data["world_size"], args.data, 0, True)
+            row.update(final_loss=final(side.losses), peak_bytes=side.peak_bytes, losses=side.losses,
+                       summary=side.summary)
+        except Exception as e:
+            row["error"] = " ".join(str(e).split())[-300:]
+        data["rows"][index] = row
+    data["command"] += " && python benchmarks/presets_convergence.py " + " ".join(sys.argv[1:])
+    with open(args.json, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
     print(render(data))
     return 0
 

@@ -42,12 +42,13 @@ TUNED = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 1e6, "allgather
 from xirang_ds.config.loader import _merge  # noqa: E402  (nested dicts merged, everything else replaced)
 
 
-PRESET_BUDGETS = {"conservative": (0.75,), "balanced": (0.5,), "aggressive": (0.25, 0.5)}
+PRESET_BUDGETS = {"conservative": (0.75,), "balanced": (0.5,), "aggressive": (0.25, 0.6)}
 """Each preset row runs with ``memory_budget`` at these fractions of the hand-tuned baseline's measured
 peak (the targets: balanced <= 0.5x, aggressive <= 0.25x). On gpt-small at ZeRO-2 over 2 ranks the
 16-bit parameters and the fp32 master shard alone are 0.30x and aggressive's profiling passes need
-0.47x besides saved activations, so 0.25x is refused with the budget error and 0.5x shows what
-aggressive reaches; the planner plans activations under the budget."""
+0.47x besides saved activations (plus 4 MiB that any plan keeps), so 0.25x is refused with the
+budget error and 0.6x shows what aggressive reaches; the planner plans activations under the
+budget."""
 
 
 def rows() -> list[dict]:

@@ -91,11 +91,6 @@ class MonitorPlugin(Plugin):
 
     # ----------------------------------------------------------------------------------------
     def attach(self, engine: Any) -> None:
-        wanted = [a for a in self.config.actions if a in ("raise_recompute", "raise_compression")]
-        if wanted and self.session.plugin("activations") is None:
-            raise XirangConfigError([("xirang.monitor.actions", f"{wanted[0]!r} changes the activation plan, and "
-                                                                "xirang.activations is not enabled; enable it or remove "
-                                                                "the action")])
         from deepspeed.accelerator import get_accelerator
 
         self.engine = engine

@@ -10,7 +10,9 @@ The search has three stages, each cheaper in count than the one before:
    alone on the base. They calibrate the estimate (measured / predicted of the base, per stage),
    price each option's step time as a ratio to the base, and give the memory ratio of an option
    whose plugin does not model itself in the estimator. The cost model of a candidate is then
-   ``peak = estimate × calibration`` and ``time = base time × Π option time ratios``.
+   ``peak = estimate × calibration`` (× those memory ratios) and ``time = base time × Π option
+   time ratios``, the base time a line in the micro-batch through two profiled points. With
+   ``largest_micro_batch`` each combination's micro-batch then doubles while this model fits.
 3. **Measure** the ``measure_top`` best predicted candidates that fit for real; the winner is the
    fastest measured one (per sample, for ``largest_micro_batch`` the largest micro-batch first)
    whose measured peak fits. Its block is written into a copy of the user's ds_config.
@@ -47,10 +49,6 @@ class Option:
     block: dict = field(default_factory=dict)  # sections laid over the candidate's block
     ds: dict = field(default_factory=dict)  # keys laid over the ds_config (ZeRO stage, micro-batch)
     lossy: bool = False
-
-    @property
-    def is_default(self) -> bool:
-        return not self.block and not self.ds
 
 
 @dataclass

@@ -2,9 +2,10 @@
 
 **The rule** (`auto_bucket_numel`). A ring reduce-scatter of ``n`` elements of ``b`` bytes over ``p``
 ranks costs about ``(p-1)*alpha + (p-1)/p * n*b/beta`` (latency ``alpha``, bandwidth ``beta``). At
-``n*b = 9*p*alpha*beta`` the fixed cost is 1/9 of the transfer (10% of the total), so the bucket runs at >= 90% of link
-bandwidth; larger buckets only add memory (``p`` is capped at 8: larger groups use trees). The bucket is then held to at least the largest parameter (a gradient never straddles
-reductions), at most ``max_fraction_of_budget`` of the memory budget over all its buffers (2 with
+``n*b = 9*p*alpha*beta`` the fixed cost is 1/9 of the transfer (10% of the total), so the bucket
+runs at >= 90% of link bandwidth; larger buckets only add memory (``p`` is capped at 8: larger
+groups use trees). The bucket is then held to at least the largest parameter (a gradient never
+straddles reductions), at most ``max_fraction_of_budget`` of the memory budget over all its buffers (2 with
 ``overlap_comm``), and at most the model (beyond that there is nothing left to overlap with).
 ``alpha``/``beta`` default by backend: NCCL 30 us / 100 GB/s, gloo 50 us / 2 GB/s; override with
 ``collective_latency_us`` / ``collective_bandwidth_gbps``.

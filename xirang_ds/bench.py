@@ -6,8 +6,9 @@ mix. Memory: every storage is tracked from the end of ``initialize`` over all st
 tracker; on CUDA the allocator's ``max_memory_allocated`` is the peak and the tracker gives the
 categories); the peak is the worst rank's. Besides the breakdown at the overall peak, each
 category's own highest (``category_peaks``: activations peak at the end of forward even when the
-overall peak is in the optimizer step) is reported, worst rank per category. Time: the median step time after the first step, with
-the tracker on for both sides. Loss: the mean over ranks of the last steps' losses.
+overall peak is in the optimizer step) is reported, worst rank per category. Time: the median step
+time after the first step, with the tracker on for both sides. Loss: the mean over ranks of the
+last steps' losses. ``peer`` runs a tool users pick today on the plain side (`PEERS`).
 """
 from __future__ import annotations
 

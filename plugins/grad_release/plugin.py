@@ -202,8 +202,6 @@ class GradReleasePlugin(Plugin):
             cats[GRADIENTS] = accum
             cats["comm_buffers"] = 0
             if name == "backward":
-                # early in backward the activations are all there and little is held; at its end
-                # the activations are gone and the held shard is whole
                 # early in backward the activations are all there and the first bucket fills; at
                 # its end the activations are gone, buckets are in flight and updating, and the
                 # held shard (if any) is whole

@@ -13,6 +13,7 @@ For fp32 the chunk is a view of the state itself, so the update runs in place an
 """
 from __future__ import annotations
 
+import abc
 import math
 from typing import Optional
 
@@ -33,7 +34,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 Buffers = dict[str, torch.Tensor]
 
 
-class StateFormat:
+class StateFormat(abc.ABC):
     """Base of the storage formats. Subclasses set `name`, `bits` and the methods below.
 
     Attributes:
@@ -44,14 +45,15 @@ class StateFormat:
     name: str = ""
     block_size: int = 1
 
+    @abc.abstractmethod
     def zeros(self, moment: str, numel: int, device: torch.device) -> Buffers:
         """Zero-valued buffers for ``numel`` elements of ``moment``, keyed by state key."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def decode(self, moment: str, buffers: Buffers, start: int, end: int) -> torch.Tensor:
         """Elements ``[start, end)`` as fp32 (a view for fp32, else a new tensor)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def encode(self, moment: str, values: torch.Tensor, buffers: Buffers, start: int,
                generator: Optional[torch.Generator] = None) -> None:
         """Store fp32 ``values`` as elements ``[start, start + len)``; ``values`` may be consumed.
@@ -59,7 +61,6 @@ class StateFormat:
         Args:
             generator: draws for stochastic rounding; ``None`` rounds to nearest.
         """
-        raise NotImplementedError
 
     def keys(self, moment: str) -> tuple[str, ...]:
         """State keys this format stores for ``moment``."""

@@ -13,6 +13,7 @@ numbers and strings), so it travels in checkpoints with the states.
 """
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -36,16 +37,17 @@ class Measurement:
     update_error: Optional[float] = None
 
 
-class Policy:
-    """Chooses a tensor's storage format; subclasses implement the three methods."""
+class Policy(abc.ABC):
+    """Chooses a tensor's storage format: subclasses implement `initial` and `target`, and may
+    measure through `wants_measurement` / `observe`."""
 
+    @abc.abstractmethod
     def initial(self) -> str:
         """Format of a tensor's states before its first update."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def target(self, state: dict, step: int) -> str:
         """Format to store the states in after update number ``step`` (1-based)."""
-        raise NotImplementedError
 
     def wants_measurement(self, state: dict, step: int) -> bool:
         """Whether update ``step`` should measure norms and error for `observe`."""

@@ -7,7 +7,7 @@ runs, answers exactly those ``aten.empty`` calls (the bucket's element count and
 with views of the arena, in order: slot 0, then slot 1 with ``overlap_comm``. Any other allocation
 passes through untouched, so the mechanism does not depend on the body of ``setup_buckets``; the
 version guard is that `serve` counts a miss when no bucket was taken from the arena, and the tests
-assert there is none.
+check that no miss happens.
 """
 from __future__ import annotations
 

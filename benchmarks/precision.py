@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from xirang_ds.bench import optimizer_step
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATA = os.path.abspath(os.path.join(HERE, "..", "..", "shared", "data", "tinyshakespeare.txt"))
 PRECISION = {"precision": {"enabled": True}}
@@ -112,17 +114,7 @@ def loss_rank(rank: int, world: int, model_text: str, config: dict, steps: int, 
     engine, *_ = init(model=model, model_parameters=model.parameters(), config=config)
     data = batches(load_tokens(DATA), engine.train_micro_batch_size_per_gpu(), spec.seq, seed=0, vocab=spec.vocab,
                    rank=rank, world_size=world)
-    losses = []
-    for _ in range(steps):
-        total = 0.0
-        for _ in range(engine.gradient_accumulation_steps()):
-            x, y = next(data)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.item()
-        losses.append(total / engine.gradient_accumulation_steps())
-    return losses
+    return [optimizer_step(engine, data) for _ in range(steps)]
 
 
 def run_loss(steps: int) -> dict:

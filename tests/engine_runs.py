@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 import torch
 
+from xirang_ds.bench import optimizer_step
 from xirang_ds.data import batches, load_tokens
 from xirang_ds.models import BUILTIN_SPECS, build_model
 
@@ -58,20 +59,10 @@ def train(rank: int, world: int, config: dict, steps: int, model_name: str = "gp
     engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=config)
     if load_dir is not None:
         engine.load_checkpoint(load_dir)
-    gas = engine.gradient_accumulation_steps()
     data = data_iter(engine.train_micro_batch_size_per_gpu(), spec.seq, rank, world, seed)
     for _ in range(skip_batches):
         next(data)
-    losses = []
-    for _ in range(steps):
-        step_losses = []
-        for _ in range(gas):
-            x, y = next(data)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            step_losses.append(loss.item())
-        losses.append(sum(step_losses) / gas)
+    losses = [optimizer_step(engine, data) for _ in range(steps)]
     if save_dir is not None:
         engine.save_checkpoint(save_dir)
     session = getattr(engine, "xirang", None)

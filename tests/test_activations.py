@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.engine_runs import data_iter, ds_config
+from xirang_ds.bench import optimizer_step
 from xirang_ds.launch import run_ranks
 
 # every lossless option on some module of gpt-tiny
@@ -41,14 +42,7 @@ def _train(rank, world, config, steps, model="gpt-tiny", track=False, engine_hoo
         next(data)
     losses = []
     for step in range(steps):
-        total = 0.0
-        for _ in range(engine.gradient_accumulation_steps()):
-            x, y = next(data)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.item()
-        losses.append(total / engine.gradient_accumulation_steps())
+        losses.append(optimizer_step(engine, data))
         if engine_hook is not None:
             engine_hook(engine, step)
     if save_dir is not None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.engine_runs import data_iter, ds_config
+from xirang_ds.bench import optimizer_step
 from xirang_ds.launch import run_ranks
 
 FP32 = {"optimizer_states": {"enabled": True, "schedule": [{"dtype": "fp32"}]}}
@@ -16,17 +17,7 @@ INT8_AFTER_2 = {"optimizer_states": {"enabled": True, "stochastic_rounding": Tru
 
 
 def _steps(engine, data, steps):
-    losses = []
-    for _ in range(steps):
-        total = 0.0
-        for _ in range(engine.gradient_accumulation_steps()):
-            x, y = (t.to(engine.device) for t in next(data))
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.item()
-        losses.append(total / engine.gradient_accumulation_steps())
-    return losses
+    return [optimizer_step(engine, data) for _ in range(steps)]
 
 
 def _reference_engine(config):

@@ -7,6 +7,7 @@ import torch
 
 from tests import engine_runs
 from tests.engine_runs import ds_config
+from xirang_ds.bench import optimizer_step
 from xirang_ds.launch import run_ranks
 
 PRECISION = {"precision": {"enabled": True, "weight_copies": "on_demand"}}
@@ -14,17 +15,7 @@ PRECISION = {"precision": {"enabled": True, "weight_copies": "on_demand"}}
 
 def _steps(engine, data, steps):
     """``steps`` optimizer steps; the mean loss of each step's micro-batches."""
-    losses = []
-    for _ in range(steps):
-        micro = []
-        for _ in range(engine.gradient_accumulation_steps()):
-            x, y = next(data)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            micro.append(loss.item())
-        losses.append(sum(micro) / len(micro))
-    return losses
+    return [optimizer_step(engine, data) for _ in range(steps)]
 
 
 def _numerics(rank, world, stage, copies):

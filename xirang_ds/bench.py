@@ -50,6 +50,24 @@ def _final_loss(losses: list[float]) -> float:
     return sum(losses[-tail:]) / tail
 
 
+def optimizer_step(engine, data) -> float:
+    """One optimizer step of a DeepSpeed engine: ``gradient_accumulation_steps`` micro-steps of
+    ``engine(x, y)``, ``engine.backward``, ``engine.step`` over ``(input_ids, labels)`` from ``data``.
+
+    Returns:
+        The mean of the micro-steps' losses.
+    """
+    gas = engine.gradient_accumulation_steps()
+    total = 0.0
+    for _ in range(gas):
+        x, y = (t.to(engine.device) for t in next(data))
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        total += float(loss.detach())
+    return total / gas
+
+
 def _client_optimizer(factory: str):
     def make(model, ds_config: dict):
         params = dict((ds_config.get("optimizer") or {}).get("params") or {})
@@ -145,23 +163,16 @@ def bench_rank(rank: int, world: int, model_text: str, ds_config: dict, steps: i
     window = tracker.open_window()
     data = batches(tokens, engine.train_micro_batch_size_per_gpu(), seq, seed=seed, vocab=vocab, rank=rank,
                    world_size=world)
-    gas = engine.gradient_accumulation_steps()
     losses, times = [], []
     for _ in range(steps):
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        total = 0.0
-        for _ in range(gas):
-            x, y = (t.to(engine.device) for t in next(data))
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            total += float(loss.detach())
+        loss = optimizer_step(engine, data)
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        losses.append(total / gas)
+        losses.append(loss)
     report = window.report()
     out = {
         "peak_bytes": report.peak_bytes, "peak_by_category": report.by_category, "peak_phase": report.phase,
@@ -268,4 +279,4 @@ def write_json(result: dict, path: str) -> None:
         json.dump(result, f, indent=2)
 
 
-__all__ = ["run_bench", "run_side", "format_result", "write_json", "bench_rank", "SideResult", "PEERS"]
+__all__ = ["optimizer_step", "run_bench", "run_side", "format_result", "write_json", "bench_rank", "SideResult", "PEERS"]

@@ -19,7 +19,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from results_table import BASE, TUNED, _merge  # noqa: E402
+from results_table import BASE, TUNED, _merge, short_error  # noqa: E402
 
 ROWS = [
     ("DeepSpeed, default buckets", BASE, False, None),
@@ -51,10 +51,7 @@ def fits(layers: int, row: tuple, args: argparse.Namespace, budget: int, log: li
         ok = side.peak_bytes <= budget
         log.append({"layers": layers, "peak_bytes": side.peak_bytes, "fits": ok})
     except Exception as e:
-        text = " ".join(str(e).split())
-        cut = text.rfind("Error: ")
-        log.append({"layers": layers, "error": text[text.rfind(" ", 0, cut) + 1:][:200] if cut > 0 else text[-200:],
-                    "fits": False})
+        log.append({"layers": layers, "error": short_error(e), "fits": False})
         ok = False
     print(f"  {name}: {layers} layers -> {'fits' if ok else 'no'}", file=sys.stderr, flush=True)
     return ok

@@ -18,7 +18,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from results_table import BASE, PRESET_BUDGETS, TUNED, _merge  # noqa: E402
+from results_table import BASE, PRESET_BUDGETS, TUNED, _merge, short_error  # noqa: E402
 
 BOUNDS = {"conservative": 0.005, "balanced": 0.01, "aggressive": 0.02}
 
@@ -65,7 +65,7 @@ def main() -> int:
                     row.update(final_loss=final(side.losses), peak_bytes=side.peak_bytes, losses=side.losses,
                                summary=side.summary)
                 except Exception as e:
-                    row["error"] = " ".join(str(e).split())[-300:]
+                    row["error"] = short_error(e)
                 data["rows"].append(row)
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
@@ -92,7 +92,7 @@ def redo(args: argparse.Namespace) -> int:
             row.update(final_loss=final(side.losses), peak_bytes=side.peak_bytes, losses=side.losses,
                        summary=side.summary)
         except Exception as e:
-            row["error"] = " ".join(str(e).split())[-300:]
+            row["error"] = short_error(e)
         data["rows"][index] = row
     data["command"] += " && python benchmarks/presets_convergence.py " + " ".join(sys.argv[1:])
     with open(args.json, "w", encoding="utf-8") as f:

@@ -51,9 +51,16 @@ budget error and 0.6x shows what aggressive reaches; the planner plans activatio
 budget."""
 
 
+def short_error(e: Exception) -> str:
+    """The last ``SomeError: message`` of a failed run's text (run_ranks joins the ranks' tracebacks)."""
+    text = " ".join(str(e).split())
+    cut = max(text.rfind("Error: "), text.rfind("Exception: "))
+    return (text[text.rfind(" ", 0, cut) + 1:] if cut > 0 else text)[:300]
+
+
 def rows() -> list[dict]:
     """(name, group, ds_config, xirang?, peer) for every row, baselines first."""
-    from xirang_ds.tune import built_sections
+    from xirang_ds.registry import built_sections
 
     built = built_sections()
     tuned = _merge(BASE, TUNED)
@@ -108,9 +115,7 @@ def run(args: argparse.Namespace) -> dict:
                             row.get("peer"))
             entry["result"] = side.as_dict()
         except Exception as e:  # a row that cannot run says why in the table
-            text = " ".join(str(e).split())
-            cut = max(text.rfind("Error: "), text.rfind("Exception: "))
-            entry["error"] = (text[text.rfind(" ", 0, cut) + 1:] if cut > 0 else text)[:300]
+            entry["error"] = short_error(e)
         entry["wall_s"] = time.perf_counter() - t0
         results.append(entry)
     return {

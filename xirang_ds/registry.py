@@ -235,6 +235,19 @@ def plugin_for(config: Section) -> Optional[type[Plugin]]:
     return _REGISTRY.by_type.get(type(config))
 
 
+def plugin_class(section: str) -> Optional[type[Plugin]]:
+    """The plugin class that handles the section named ``section``, or ``None`` if none is built."""
+    _load_builtins()
+    config_type = _REGISTRY.by_section.get(section)
+    return _REGISTRY.by_type.get(config_type) if config_type is not None else None
+
+
+def built_sections() -> set[str]:
+    """Names of the sections whose plugin is built (built-in or registered)."""
+    _load_builtins()
+    return {name for name in _REGISTRY.by_section if plugin_class(name) is not None}
+
+
 def extension_sections() -> dict[str, type]:
     """Sections contributed by third-party plugins: key → config dataclass."""
     _load_builtins()

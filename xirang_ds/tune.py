@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 from xirang_ds.config.loader import BLOCK_KEY
 from xirang_ds.config.loader import _merge  # a deep merge: nested dicts merged, everything else replaced
 from xirang_ds.config.types import format_bytes
+from xirang_ds.registry import built_sections
 
 SEARCHED = ("optimizer_states", "grad_release", "precision", "activations")
 """Sections whose options the tuner chooses (comm_buffers is always on in its adaptive mode)."""
@@ -77,14 +78,6 @@ class Candidate:
                 "measured_peak_bytes": self.measured_peak, "measured_step_time_s": self.measured_time_s,
                 "measured_final_loss": self.measured_loss, "error": self.error,
                 "block": self.ds_config.get(BLOCK_KEY, {})}
-
-
-def built_sections() -> set[str]:
-    """Sections of the block whose plugin is built (the tuner searches only those)."""
-    from xirang_ds import registry
-
-    registry._load_builtins()
-    return set(registry._REGISTRY.by_section)
 
 
 def search_space(ds_config: dict, world_size: int, lossless_only: bool = False,
@@ -452,4 +445,4 @@ def write_json(result: TuneResult, path: str) -> None:
 
 
 __all__ = ["Option", "Candidate", "TuneResult", "Progress", "search_space", "tune", "winning_ds_config",
-           "format_result", "built_sections"]
+           "format_result"]

@@ -61,12 +61,10 @@ def validate_for_megatron(block: Any) -> Any:
     from xirang_ds.config.presets import PRESETS
 
     if isinstance(block, dict) and block.get("preset") in PRESETS:
-        registry._load_builtins()
         block = dict(block)
         left_off = []
         for name, section in PRESETS[block["preset"]].items():
-            config_type = registry._REGISTRY.by_section.get(name)
-            cls = registry._REGISTRY.by_type.get(config_type)
+            cls = registry.plugin_class(name)
             if name not in block and isinstance(section, dict) and section.get("enabled") and cls is not None \
                     and FRAMEWORK not in cls.frameworks:
                 block[name] = {"enabled": False}

@@ -19,19 +19,19 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from results_table import BASE, TUNED, _merge, short_error  # noqa: E402
+from results_table import BASE, TUNED, deep_merge, short_error  # noqa: E402
 
 ROWS = [
     ("DeepSpeed, default buckets", BASE, False, None),
-    ("DeepSpeed, hand-tuned buckets", _merge(BASE, TUNED), False, None),
-    ("optimizer_states int8", _merge(BASE, {**TUNED, "xirang": {"optimizer_states": {
+    ("DeepSpeed, hand-tuned buckets", deep_merge(BASE, TUNED), False, None),
+    ("optimizer_states int8", deep_merge(BASE, {**TUNED, "xirang": {"optimizer_states": {
         "enabled": True, "schedule": [{"dtype": "int8"}]}}}), True, None),
-    ("grad_release", _merge(BASE, {**TUNED, "xirang": {"grad_release": {"enabled": True}}}), True, None),
-    ("preset conservative", _merge(BASE, {"xirang": {"preset": "conservative"}}), True, None),
-    ("preset balanced", _merge(BASE, {"xirang": {"preset": "balanced"}}), True, None),
-    ("preset aggressive", _merge(BASE, {"xirang": {"preset": "aggressive"}}), True, None),
-    ("bitsandbytes AdamW8bit", _merge(BASE, TUNED), False, "bnb_adamw8bit"),
-    ("torch.utils.checkpoint, every block", _merge(BASE, TUNED), False, "torch_checkpoint"),
+    ("grad_release", deep_merge(BASE, {**TUNED, "xirang": {"grad_release": {"enabled": True}}}), True, None),
+    ("preset conservative", deep_merge(BASE, {"xirang": {"preset": "conservative"}}), True, None),
+    ("preset balanced", deep_merge(BASE, {"xirang": {"preset": "balanced"}}), True, None),
+    ("preset aggressive", deep_merge(BASE, {"xirang": {"preset": "aggressive"}}), True, None),
+    ("bitsandbytes AdamW8bit", deep_merge(BASE, TUNED), False, "bnb_adamw8bit"),
+    ("torch.utils.checkpoint, every block", deep_merge(BASE, TUNED), False, "torch_checkpoint"),
 ]
 
 

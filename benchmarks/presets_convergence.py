@@ -18,7 +18,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from results_table import BASE, PRESET_BUDGETS, TUNED, _merge, short_error  # noqa: E402
+from results_table import BASE, PRESET_BUDGETS, TUNED, deep_merge, short_error  # noqa: E402
 
 BOUNDS = {"conservative": 0.005, "balanced": 0.01, "aggressive": 0.02}
 
@@ -47,7 +47,7 @@ def main() -> int:
     else:
         from xirang_ds.bench import run_side
 
-        plain = _merge(BASE, TUNED)
+        plain = deep_merge(BASE, TUNED)
         data = {"command": " ".join(["python", "benchmarks/presets_convergence.py"] + sys.argv[1:]),
                 "steps": args.steps, "world_size": args.world_size, "rows": []}
         for model in args.models:
@@ -58,7 +58,7 @@ def main() -> int:
             for preset, fractions in PRESET_BUDGETS.items():
                 fraction = fractions[-1]  # the one each preset can meet
                 print(f"{model}: preset {preset} ...", file=sys.stderr, flush=True)
-                cfg = _merge(BASE, {"xirang": {"preset": preset, "memory_budget": int(fraction * ref.peak_bytes)}})
+                cfg = deep_merge(BASE, {"xirang": {"preset": preset, "memory_budget": int(fraction * ref.peak_bytes)}})
                 row = {"model": model, "config": preset, "budget_fraction": fraction}
                 try:
                     side = run_side(model, cfg, args.steps, args.world_size, args.data, 0, True)
@@ -85,7 +85,7 @@ def redo(args: argparse.Namespace) -> int:
         ref = next(r for r in data["rows"] if r["model"] == model and r["config"] == "plain")
         index = next(i for i, r in enumerate(data["rows"]) if r["model"] == model and r["config"] == preset)
         fraction = PRESET_BUDGETS[preset][-1]
-        cfg = _merge(BASE, {"xirang": {"preset": preset, "memory_budget": int(fraction * ref["peak_bytes"])}})
+        cfg = deep_merge(BASE, {"xirang": {"preset": preset, "memory_budget": int(fraction * ref["peak_bytes"])}})
         row = {"model": model, "config": preset, "budget_fraction": fraction, "redone": True}
         try:
             side = run_side(model, cfg, data["steps"], data["world_size"], args.data, 0, True)

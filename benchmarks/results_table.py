@@ -39,7 +39,7 @@ BASE = {
 TUNED = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 1e6, "allgather_bucket_size": 1e6}}
 
 
-from xirang_ds.config.loader import _merge  # noqa: E402  (nested dicts merged, everything else replaced)
+from xirang_ds.config.loader import deep_merge  # noqa: E402
 
 
 PRESET_BUDGETS = {"conservative": (0.75,), "balanced": (0.5,), "aggressive": (0.25, 0.6)}
@@ -63,7 +63,7 @@ def rows() -> list[dict]:
     from xirang_ds.registry import built_sections
 
     built = built_sections()
-    tuned = _merge(BASE, TUNED)
+    tuned = deep_merge(BASE, TUNED)
     out = [
         dict(name="DeepSpeed, default buckets", group="baseline", ds=BASE, xirang=False),
         dict(name="DeepSpeed, hand-tuned buckets", group="baseline", ds=tuned, xirang=False),
@@ -78,10 +78,10 @@ def rows() -> list[dict]:
     ]
     for name, block, ds in plugin_rows:
         if next(iter(block)) in built:
-            out.append(dict(name=name, group="plugin alone", ds=_merge(ds, {"xirang": block}), xirang=True))
+            out.append(dict(name=name, group="plugin alone", ds=deep_merge(ds, {"xirang": block}), xirang=True))
     for preset, fractions in PRESET_BUDGETS.items():
         for fraction in fractions:
-            out.append(dict(name=f"preset {preset}", group="preset", ds=_merge(BASE, {"xirang": {"preset": preset}}),
+            out.append(dict(name=f"preset {preset}", group="preset", ds=deep_merge(BASE, {"xirang": {"preset": preset}}),
                             xirang=True, budget_fraction=fraction))
     for peer, name in (("torchao_adamw8bit", "torchao AdamW8bit"), ("torchao_adamw4bit", "torchao AdamW4bit"),
                        ("bnb_adamw8bit", "bitsandbytes AdamW8bit"),
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> dict:
                        None)
             if ref is None:
                 raise SystemExit("preset rows need the hand-tuned baseline row (do not leave it out with --only)")
-            row["ds"] = _merge(row["ds"], {"xirang": {"memory_budget": int(row["budget_fraction"] * ref["peak_bytes"])}})
+            row["ds"] = deep_merge(row["ds"], {"xirang": {"memory_budget": int(row["budget_fraction"] * ref["peak_bytes"])}})
             entry["name"] = f"{row['name']} (memory_budget {row['budget_fraction']:g}x)"
         entry["ds_config"] = row["ds"]
         try:

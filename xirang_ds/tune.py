@@ -32,8 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from xirang_ds.config.loader import BLOCK_KEY
-from xirang_ds.config.loader import _merge  # a deep merge: nested dicts merged, everything else replaced
+from xirang_ds.config.loader import BLOCK_KEY, deep_merge
 from xirang_ds.config.types import format_bytes
 from xirang_ds.registry import built_sections
 
@@ -127,7 +126,7 @@ def base_config(ds_config: dict, budget: int) -> dict:
     for name in SEARCHED + ("autotune", "monitor", "profiler"):
         block.pop(name, None)
     if "comm_buffers" in built_sections():
-        block["comm_buffers"] = _merge({"enabled": True}, block.get("comm_buffers", {}) or {})
+        block["comm_buffers"] = deep_merge({"enabled": True}, block.get("comm_buffers", {}) or {})
     block["memory_budget"] = int(budget)
     out[BLOCK_KEY] = block
     return out
@@ -139,8 +138,8 @@ def candidates(ds_config: dict, dims: list[list[Option]]) -> list[Candidate]:
     for combo in itertools.product(*dims):
         cfg = copy.deepcopy(base)
         for o in combo:
-            cfg = _merge(cfg, o.ds)
-            cfg[BLOCK_KEY] = _merge(cfg.get(BLOCK_KEY, {}), o.block)
+            cfg = deep_merge(cfg, o.ds)
+            cfg[BLOCK_KEY] = deep_merge(cfg.get(BLOCK_KEY, {}), o.block)
         out.append(Candidate(tuple(combo), cfg, int(cfg.get("train_micro_batch_size_per_gpu", 1))))
     return out
 
@@ -226,7 +225,7 @@ def _estimate(model: str, cfg: dict, world_size: int, device: str) -> tuple[int,
 def _grow_micro_batch(c: Candidate, peak_at: Callable[[dict], int], budget: int, max_doublings: int = 12) -> None:
     """Double the candidate's micro-batch while ``peak_at(ds_config)`` fits (halve it while it does not)."""
     def at(mb: int) -> tuple[dict, int]:
-        cfg = _merge(c.ds_config, {"train_micro_batch_size_per_gpu": mb})
+        cfg = deep_merge(c.ds_config, {"train_micro_batch_size_per_gpu": mb})
         return cfg, peak_at(cfg)
 
     mb, peak = c.micro_batch, c.predicted_peak
@@ -312,15 +311,15 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
     stages = sorted({_stage(c) for c in live})
     base = base_config(user, budget)
     for s in stages:
-        jobs.append((f"zero{s}", _merge(base, {"zero_optimization": {"stage": s}})))
+        jobs.append((f"zero{s}", deep_merge(base, {"zero_optimization": {"stage": s}})))
     # step time is a + b * micro-batch: a second point at the largest micro-batch the base fits
     if grow and far_mb != user_mb:
-        jobs.append((f"zero{user_stage}@mb{far_mb}", _merge(base, {"zero_optimization": {"stage": user_stage},
+        jobs.append((f"zero{user_stage}@mb{far_mb}", deep_merge(base, {"zero_optimization": {"stage": user_stage},
                                                                    "train_micro_batch_size_per_gpu": far_mb})))
     singles = sorted({o.label: o for c in live for o in c.options if o.block}.values(), key=lambda o: o.label)
     for o in singles:
-        cfg = _merge(base, {"zero_optimization": {"stage": user_stage}})
-        cfg[BLOCK_KEY] = _merge(cfg[BLOCK_KEY], o.block)
+        cfg = deep_merge(base, {"zero_optimization": {"stage": user_stage}})
+        cfg[BLOCK_KEY] = deep_merge(cfg[BLOCK_KEY], o.block)
         jobs.append((o.label, cfg))
     for i, (label, cfg) in enumerate(jobs):
         progress.update(i, len(jobs), "profile", label)

@@ -87,14 +87,16 @@ def resolve_block(block: Any) -> dict:
         raise XirangConfigError([(f"{BLOCK_KEY}.preset", f"must be one of {', '.join(map(repr, PRESETS))}; "
                                                          f"got {describe_value(preset)}"
                                                          f"{suggest(str(preset), PRESETS)}")])
-    return _merge(expand_preset(preset), block)
+    return deep_merge(expand_preset(preset), block)
 
 
-def _merge(base: dict, over: dict) -> dict:
+def deep_merge(base: dict, over: dict) -> dict:
+    """A copy of ``base`` with ``over`` laid on it: nested dicts merged key by key, anything else
+    replaced (how a user's keys override a preset's)."""
     out = copy.deepcopy(base)
     for key, value in over.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
+            out[key] = deep_merge(out[key], value)
         else:
             out[key] = copy.deepcopy(value)
     return out

@@ -28,6 +28,15 @@ sets how reductions overlap backward, not memory: the arena and adapting do not 
 and reused every backward (`xirang_ds.memory.arena`), instead of DeepSpeed's ``torch.empty`` per
 backward; the arena is resized only when the bucket size adapts. ZeRO 3 already keeps its bucket
 from init.
+
+**Lending** (``lend_to_activations``, ZeRO 1/2). Between the end of one backward's reductions and the
+first gradient hook of the next, the arena holds nothing: `xirang_ds.memory.arena.ArenaLender`
+lends it to the activations plugin, whose packing options (compress / quantize / sparsify) store
+their payloads there, and park tensors no encoding shrinks there as they are. Leases stack from
+the end of the arena gradients reach last; before each gradient copy into the bucket, any lease in
+the bytes it writes moves to host memory. The lent bytes are inside the arena's one allocation,
+so the tracker counts them once (as comm_buffers); the plugin reports bytes lent and evicted per
+step.
 """
 from __future__ import annotations
 
@@ -102,6 +111,9 @@ class CommBuffersPlugin(Plugin):
         self.server = None
         self.reductions = 0
         self._window = None
+        self.lender = None
+        self.storage_provider = None
+        """Memory lent to the activations plugin (`ArenaLender`), found by it at its attach."""
 
     # ds_config --------------------------------------------------------------------------------
     def prepare_ds_config(self, ds_config: dict) -> None:
@@ -124,6 +136,8 @@ class CommBuffersPlugin(Plugin):
         self.floor = min(largest, n)
         self.cap = max(n, int(self.config.max_fraction_of_budget * budget / (elem * buffers)))
         self.elem_bytes, self.buffers, self.total = elem, buffers, total
+        if self.config.lend_to_activations:
+            self._check_lending(stage, zero)
         if self.config.reduce_bucket_size != "auto" and int(self.config.reduce_bucket_size) < largest:
             raise XirangConfigError([("xirang.comm_buffers.reduce_bucket_size",
                                       f"{int(self.config.reduce_bucket_size):,} elements is smaller than the largest "
@@ -145,6 +159,21 @@ class CommBuffersPlugin(Plugin):
             self._log(f"{key}: {value:,} elements = {format_bytes(value * elem)} per buffer "
                       f"({'auto: ' + why if requested == 'auto' else 'from xirang.comm_buffers'}; "
                       f"DeepSpeed's default is {DEEPSPEED_DEFAULT_BUCKET:,})")
+
+    @staticmethod
+    def _check_lending(stage: int, zero: dict) -> None:
+        problems = []
+        if stage not in (1, 2):
+            problems.append(("xirang.comm_buffers.lend_to_activations",
+                             f"needs the reduction arena of ZeRO stage 1 or 2, but zero_optimization.stage is "
+                             f"{stage} ({'no reduction buckets' if stage == 0 else 'ZeRO 3 keeps its own buckets'}); "
+                             "set lend_to_activations to false or use stage 1 or 2"))
+        if zero.get("contiguous_gradients") in (False, "false"):
+            problems.append(("xirang.comm_buffers.lend_to_activations",
+                             "needs zero_optimization.contiguous_gradients (the arena is the contiguous "
+                             "bucket), which is false; remove that key or set lend_to_activations to false"))
+        if problems:
+            raise XirangConfigError(problems)
 
     def prepare_ddp_config(self, ddp_config: Any) -> None:
         """Size Megatron DDP's ``bucket_size`` with the rule of the module docstring.
@@ -239,12 +268,24 @@ class CommBuffersPlugin(Plugin):
             self.arena = Arena(size, slots, opt._gradient_reduction_buffer_dtype(), engine.device)
             self._mark_arena()
             self.server = self.keep(ArenaServer(opt, self.arena))
+            if self.config.lend_to_activations:
+                self._start_lending(opt)
         if slots is not None and hasattr(opt, "reduce_ipg_grads"):
             self.keep(wrap_method(opt, "reduce_ipg_grads", self._count))
-        if self.config.adapt and slots is not None:
+        if (self.config.adapt or self.lender is not None) and slots is not None:
             self.keep(wrap_method(engine, "step", self._step))
             if engine.device.type == "cpu":
                 self._window = self.session.track_memory().open_window()
+
+    def _start_lending(self, opt: Any) -> None:
+        from xirang_ds.memory.arena import ArenaLender
+
+        if len(getattr(opt, "ipg_buckets", {}) or {}) != 1:
+            self._log(f"lend_to_activations: not lending ({len(opt.ipg_buckets)} communication dtypes, so the "
+                      "arena holds one bucket per dtype; lending handles one)")
+            return
+        self.lender = self.storage_provider = self.keep(ArenaLender(opt, self.arena))
+        self._log(f"lending the arena ({format_bytes(self.arena.nbytes)}) to saved activations between reductions")
 
     def _mark_arena(self) -> None:
         tracker = self.session._tracker
@@ -262,6 +303,10 @@ class CommBuffersPlugin(Plugin):
             parts.append("Megatron DDP buckets are views of its persistent grad buffer (no arena, no resizing)")
         if self.arena is not None:
             parts.append(f"arena {format_bytes(self.arena.nbytes)} ({self.arena.slots} slot(s), allocated once)")
+        if self.lender is not None:
+            st = self.lender.stats
+            parts.append(f"lent to activations: {format_bytes(st.lent_bytes)} in {st.leases} lease(s), "
+                         f"high-water {format_bytes(st.high_water)}, {format_bytes(st.evicted_bytes)} moved to host")
         return ", ".join(parts) or "no trainable parameters"
 
     # adapting -------------------------------------------------------------------------------------
@@ -269,7 +314,9 @@ class CommBuffersPlugin(Plugin):
         before = self.engine.global_steps
         result = original(*args, **kwargs)
         if self.engine.global_steps != before:
-            if self.engine.global_steps % self.config.adapt_every_steps == 0:
+            if self.lender is not None:
+                self.lender.stats.end_step(self.engine.global_steps)
+            if self.config.adapt and self.engine.global_steps % self.config.adapt_every_steps == 0:
                 self.adapt()
             self.reductions = 0
         return result
@@ -315,11 +362,16 @@ class CommBuffersPlugin(Plugin):
         if self.arena is not None:
             from xirang_ds.memory.arena import Arena
 
-            self.arena = Arena(new, self.arena.slots, self.arena.dtype, self.arena.device)
-            self.server.replace(self.arena)
-            self._mark_arena()
+            self._replace_arena(Arena(new, self.arena.slots, self.arena.dtype, self.arena.device))
         self._log(f"step {change['step']}: reduce_bucket_size {size:,} -> {new:,} elements ({reason})")
         return change
+
+    def _replace_arena(self, arena: Any) -> None:
+        self.arena = arena
+        self.server.replace(arena)
+        if self.lender is not None:
+            self.lender.replace(arena)
+        self._mark_arena()
 
     def _log(self, message: str) -> None:
         if int(os.environ.get("RANK", "0")) == 0:
@@ -338,9 +390,7 @@ class CommBuffersPlugin(Plugin):
             if self.arena is not None:
                 from xirang_ds.memory.arena import Arena
 
-                self.arena = Arena(int(size), self.arena.slots, self.arena.dtype, self.arena.device)
-                self.server.replace(self.arena)
-                self._mark_arena()
+                self._replace_arena(Arena(int(size), self.arena.slots, self.arena.dtype, self.arena.device))
         self.changes = list(state.get("changes", []))
 
     def adjust_estimate(self, phases: dict, shape: Any, numels: list) -> Optional[dict]:

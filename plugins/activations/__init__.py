@@ -130,6 +130,9 @@ class ActivationsPlugin(Plugin):
         for name in list(self._fixed) + [c for c in self._candidates if c not in self._fixed]:
             self.wrappers[name] = ModuleWrapper(name, modules[name], self.runtime)
         self.keep(wrap_method(model, "forward", self._root_forward))
+        lenders = [p.storage_provider for p in self.session.plugins if getattr(p, "storage_provider", None)]
+        if lenders:
+            self.set_storage_provider(lenders[0])  # e.g. the comm_buffers arena between reductions
         if self._ds_settings.get("profile"):
             self.keep(wrap_method(engine, "step", self._step))
         free = [c for c in self._candidates if c not in self._fixed and not any(
@@ -151,6 +154,7 @@ class ActivationsPlugin(Plugin):
         if self.runtime is not None:
             self.runtime.offloader.synchronize()
             self.runtime.profiler = None
+            self.runtime.storage.provider = None
         super().remove()
 
     def describe(self) -> str:

@@ -53,7 +53,8 @@ class Payload:
     """An encoded flat tensor in one leased buffer.
 
     Attributes:
-        kind: the encoding (``narrow``, ``zero_mask``, ``bits``, ``int8``, ``sparse``).
+        kind: the encoding (``narrow``, ``zero_mask``, ``bits``, ``int8``, ``sparse``; ``raw``: the
+            bytes unchanged, only ever in lent memory).
         dtype, numel: of the tensor it decodes to.
         nbytes: bytes of the encoding (the lease may be larger).
         lease: where the bytes are; read at decode time so an evicted payload still decodes.
@@ -266,9 +267,29 @@ def encode_sparse(flat: torch.Tensor, storage: PayloadStorage, threshold: float)
     return payload
 
 
+# ------------------------------------------------------------------------------------------------
+# raw (lent memory only)
+
+
+def park_raw(flat: torch.Tensor, storage: PayloadStorage) -> Optional[Payload]:
+    """The bytes of ``flat`` as they are, in memory a provider lends (``None`` when none is lent:
+    a plain copy would only add bytes)."""
+    n = flat.numel() * flat.element_size()
+    lease = storage.lend(n, flat.device)
+    if lease is None:
+        return None
+    payload = Payload("raw", flat.dtype, flat.numel(), n, lease, {"bytes": _Part(torch.uint8, 0, n)}, flat.device)
+    payload.part("bytes").copy_(flat.reshape(-1).view(torch.uint8))
+    return payload
+
+
+def _decode_raw(p: Payload) -> torch.Tensor:
+    return p.part("bytes").clone().view(p.dtype)  # a copy: the lent bytes go back right after
+
+
 _DECODERS: dict[str, Callable[[Payload], torch.Tensor]] = {
     "narrow": _decode_narrow, "zero_mask": _decode_mask, "bits": _decode_bits, "int8": _decode_int8,
-    "sparse": _decode_mask,
+    "sparse": _decode_mask, "raw": _decode_raw,
 }
 
 

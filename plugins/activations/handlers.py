@@ -5,13 +5,16 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from xirang_ds.plugins.activations.codecs import Payload, encode_int8, encode_lossless, encode_sparse
+from xirang_ds.plugins.activations.codecs import Payload, encode_int8, encode_lossless, encode_sparse, park_raw
 from xirang_ds.plugins.activations.offload import HostCopy, OffloadGroup, Offloader
-from xirang_ds.plugins.activations.storage import PayloadStorage
+from xirang_ds.plugins.activations.storage import PayloadStorage, checksum
 
 
 class CodecHandler:
     """Encodes saved storages into device payloads (lossless, int8 or sparse).
+
+    Where a provider lends memory (the comm_buffers arena between reductions), a storage no
+    encoding shrinks is still moved there as it is (``raw``): its own allocation is freed.
 
     Args:
         kind: ``compress`` (lossless), ``quantize`` (int8 blocks) or ``sparsify`` (threshold).
@@ -47,14 +50,22 @@ class CodecHandler:
                 payload = encode_int8(flat, self.storage, self.block_size)
             else:
                 payload = encode_sparse(flat, self.storage, self.threshold)
+            if payload is None:
+                payload = park_raw(flat, self.storage)
         if payload is not None:
             self.stored_bytes += flat.numel() * flat.element_size()
             self.encoded_bytes += payload.nbytes
+            if self.storage.verify and payload.lease.lent:
+                payload.meta["checksum"] = checksum(payload.lease.buffer[:payload.nbytes])
         return payload
 
     def restore(self, payload: Payload, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """Decode (counted as activations) and hand lent bytes back."""
         with torch.no_grad():
+            expected = payload.meta.get("checksum")
+            if expected is not None and checksum(payload.lease.buffer[:payload.nbytes]) != expected:
+                raise RuntimeError(f"xirang activations: a {payload.kind} payload of {payload.nbytes} bytes in lent "
+                                   "memory changed between store and decode (overwritten by its lender)")
             flat = payload.decode()
         if self.mark is not None:
             self.mark(flat)

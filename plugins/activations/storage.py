@@ -90,20 +90,37 @@ class PayloadStorage:
         self.host_tier = host_tier or contextlib.nullcontext
         self.leased_bytes = 0
         """Bytes served by the provider so far (for reports and tests)."""
+        self.verify = False
+        """Checksum lent payloads at store and check them at decode (tests; see `checksum`)."""
 
     def allocate(self, nbytes: int, device: torch.device) -> Lease:
         """A lease of ``nbytes`` (``uint8``) on ``device``."""
-        if self.provider is not None:
-            lease = self.provider.lease(nbytes, device)
-            if lease is not None:
-                if lease.buffer.numel() < nbytes or lease.buffer.dtype != torch.uint8:
-                    raise RuntimeError(f"storage provider {type(self.provider).__name__} returned a lease of "
-                                       f"{lease.buffer.numel()} {lease.buffer.dtype} elements for {nbytes} bytes; "
-                                       "a lease must be a uint8 buffer of at least the requested size")
-                lease._host_tier = self.host_tier
-                self.leased_bytes += nbytes
-                return lease
+        lease = self.lend(nbytes, device)
+        if lease is not None:
+            return lease
         return Lease(torch.empty(nbytes, dtype=torch.uint8, device=device))
+
+    def lend(self, nbytes: int, device: torch.device) -> Optional[Lease]:
+        """A lease from the provider only (``None`` when there is none or it declines)."""
+        if self.provider is None:
+            return None
+        lease = self.provider.lease(nbytes, device)
+        if lease is None:
+            return None
+        if lease.buffer.numel() < nbytes or lease.buffer.dtype != torch.uint8:
+            raise RuntimeError(f"storage provider {type(self.provider).__name__} returned a lease of "
+                               f"{lease.buffer.numel()} {lease.buffer.dtype} elements for {nbytes} bytes; "
+                               "a lease must be a uint8 buffer of at least the requested size")
+        lease._host_tier = self.host_tier
+        self.leased_bytes += nbytes
+        return lease
+
+
+def checksum(data: torch.Tensor) -> int:
+    """A position-weighted sum of ``data``'s bytes (a changed or moved byte changes it)."""
+    b = data.reshape(-1).view(torch.uint8).to(torch.int64)
+    weights = torch.arange(b.numel(), dtype=torch.int64, device=b.device) % 65521 + 1
+    return int((b * weights).sum())
 
 
 class HostPool:

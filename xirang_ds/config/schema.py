@@ -347,11 +347,15 @@ class CommBuffersConfig(Section):
     arena: bool = True
     """Serve ZeRO-1/2 reduction buckets from one allocation made once, instead of one per backward."""
     lend_to_activations: bool = False
-    """Park saved activations in the arena while it is idle between reductions."""
+    """Lend the arena to the activations plugin while no reduction uses it (forward): tensors of
+    modules under ``compress`` / ``quantize`` / ``sparsify`` are stored there, encoded or as they
+    are, instead of in memory of their own; a lease a gradient copy is about to overwrite moves to
+    host memory first. Needs ``arena`` and ZeRO 1 or 2."""
 
     def check(self) -> Issues:
-        if self.lend_to_activations:
-            return [("lend_to_activations", "is not built yet in this version; set it to false")]
+        if self.lend_to_activations and not self.arena:
+            return [("lend_to_activations", "lends the arena, but arena is false; set arena to true or "
+                                            "lend_to_activations to false")]
         return []
 
 
@@ -487,6 +491,18 @@ class XirangConfig:
                 if action in self.monitor.actions and not self.activations.enabled:
                     issues.append(("monitor.actions", f"{action!r} acts through the activations plugin; "
                                                       "enable xirang.activations or remove the action"))
+        if self.comm_buffers.enabled and self.comm_buffers.lend_to_activations:
+            a = self.activations
+            packing = ("compress", "quantize", "sparsify")
+            if not a.enabled:
+                issues.append(("comm_buffers.lend_to_activations", "lends the arena to the activations plugin, which "
+                                                                   "is off; enable xirang.activations or set it to "
+                                                                   "false"))
+            elif not any(getattr(a, o) for o in packing) and not (a.planner and set(a.options) & set(packing)):
+                issues.append(("comm_buffers.lend_to_activations",
+                               "has nothing to hold: only modules under compress, quantize or sparsify store "
+                               "their tensors in lent memory, and xirang.activations uses none of them; add "
+                               "\"compress\" to activations.options (or a compress list), or set it to false"))
         return issues
 
 

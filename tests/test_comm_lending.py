@@ -87,9 +87,9 @@ def test_lent_activations_are_never_overwritten(stage, overlap):
         assert o["losses"] == p["losses"]
         assert all(a.equal(b) for a, b in zip(o["params"], p["params"]))
         st = o["stats"]
-        # the first pass observes; every later step lends, and the layout needs no eviction
-        assert st["steps"][0]["lent_bytes"] >= 0 and all(s["lent_bytes"] > 0 for s in st["steps"][1:]), st
-        assert st["evicted_bytes"] == 0
+        # every step lends; after the observed first pass, the layout needs no eviction
+        assert all(s["lent_bytes"] > 0 for s in st["steps"]), st
+        assert all(s["evicted_bytes"] == 0 for s in st["steps"][1:]), st
         assert 0 < st["high_water"] <= o["arena_bytes"]
         assert "lent to activations" in o["summary"]
 
@@ -104,7 +104,7 @@ def test_the_guard_evicts_what_a_bad_layout_puts_in_the_way(overlap):
     for o, p in zip(ours, plain):
         assert o["losses"] == p["losses"]
         assert all(a.equal(b) for a, b in zip(o["params"], p["params"]))
-        assert o["stats"]["evicted_bytes"] > 0
+        assert sum(s["evicted_bytes"] for s in o["stats"]["steps"][1:]) > 0
 
 
 @pytest.mark.distributed
@@ -156,3 +156,16 @@ def _stage(rank, world, stage):
 def test_lending_at_zero_0_and_3_is_refused():
     assert "zero_optimization.stage is 0 (no reduction buckets)" in run_ranks(_stage, 1, 0)[0]
     assert "ZeRO 3 keeps its own buckets" in run_ranks(_stage, 1, 3)[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True])
+def test_lending_on_cuda(overlap):
+    """On CUDA (1 rank): the reduction stream of overlap_comm, device-to-host evictions of a bad
+    layout, verified payloads, identical results."""
+    for naive in (False, True):
+        ours = run_ranks(functools.partial(_run, naive=naive), 1, 2, overlap, True)
+        plain = run_ranks(_run, 1, 2, overlap, False)
+        assert ours[0]["losses"] == plain[0]["losses"]
+        assert all(a.equal(b) for a, b in zip(ours[0]["params"], plain[0]["params"]))
+        assert (sum(s["evicted_bytes"] for s in ours[0]["stats"]["steps"][1:]) > 0) == naive

@@ -37,6 +37,9 @@ class SideResult:
     losses: list[float] = field(default_factory=list)
     step_times_s: list[float] = field(default_factory=list)
     per_rank_peak_bytes: list[int] = field(default_factory=list)
+    lent_activation_bytes_per_step: Optional[list[int]] = None
+    """comm_buffers.lend_to_activations: bytes of saved activations held in the arena, per step (rank 0)."""
+    evicted_bytes_per_step: Optional[list[int]] = None
     allocator_peak_bytes: Optional[int] = None
     summary: str = ""
     category_peaks: dict[str, int] = field(default_factory=dict)
@@ -181,6 +184,10 @@ def bench_rank(rank: int, world: int, model_text: str, ds_config: dict, steps: i
         "summary": session.summary() if session is not None else "",
         "category_peaks": window.category_peaks(),
     }
+    lender = getattr(session.plugin("comm_buffers"), "lender", None) if session is not None else None
+    if lender is not None:
+        out["lent_activation_bytes_per_step"] = [s["lent_bytes"] for s in lender.stats.steps]
+        out["evicted_bytes_per_step"] = [s["evicted_bytes"] for s in lender.stats.steps]
     window.close()
     if watch is not None:
         watch.remove()
@@ -203,7 +210,9 @@ def combine(per_rank: list[dict]) -> SideResult:
         phase_peaks=worst["phase_peaks"],
         losses=losses, step_times_s=times, per_rank_peak_bytes=[r["peak_bytes"] for r in per_rank],
         allocator_peak_bytes=worst["allocator_peak_bytes"], summary=per_rank[0]["summary"],
-        category_peaks={c: max(r["category_peaks"].get(c, 0) for r in per_rank) for c in CATEGORIES})
+        category_peaks={c: max(r["category_peaks"].get(c, 0) for r in per_rank) for c in CATEGORIES},
+        lent_activation_bytes_per_step=per_rank[0].get("lent_activation_bytes_per_step"),
+        evicted_bytes_per_step=per_rank[0].get("evicted_bytes_per_step"))
 
 
 def strip_block(ds_config: dict) -> dict:

@@ -38,12 +38,16 @@ class Lease:
         evicted: True once the bytes were moved to host memory.
     """
 
-    __slots__ = ("buffer", "_on_release", "_host_tier", "evicted", "lent", "__weakref__")
+    __slots__ = ("buffer", "_on_release", "_on_done", "_host_tier", "evicted", "lent", "__weakref__")
 
     def __init__(self, buffer: torch.Tensor, on_release: Optional[Callable[[], None]] = None,
-                 host_tier: Optional[Callable[[], ContextManager]] = None):
+                 host_tier: Optional[Callable[[], ContextManager]] = None,
+                 on_done: Optional[Callable[[], None]] = None):
         self.buffer = buffer
         self._on_release = on_release
+        self._on_done = on_done
+        """Called once when the payload is decoded or freed, even after an eviction (the lender
+        learns when each request is consumed)."""
         self._host_tier = host_tier or contextlib.nullcontext
         self.evicted = False
         self.lent = on_release is not None
@@ -54,13 +58,15 @@ class Lease:
         return self.evicted or not self.lent or self._on_release is not None
 
     def release(self) -> None:
-        """Give the bytes back to the lender (idempotent)."""
-        callback, self._on_release = self._on_release, None
-        if callback is not None:
-            callback()
+        """The payload is done with the bytes: give them back to the lender (idempotent)."""
+        for name in ("_on_release", "_on_done"):
+            callback = getattr(self, name)
+            setattr(self, name, None)
+            if callback is not None:
+                callback()
 
     def evict(self) -> None:
-        """Move the bytes to host memory and release the lent memory now (called by the lender)."""
+        """Move the bytes to host memory and give the lent memory back now (called by the lender)."""
         if self._on_release is None or self.evicted:
             return
         with self._host_tier():
@@ -68,7 +74,8 @@ class Lease:
         host.copy_(self.buffer)
         self.buffer = host
         self.evicted = True
-        self.release()
+        callback, self._on_release = self._on_release, None
+        callback()
 
 
 class StorageProvider(Protocol):

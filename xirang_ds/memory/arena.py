@@ -144,9 +144,10 @@ class ArenaLender:
 
     **Where: a layout from one observed pass.** Gradients fill the arena in *write order* (slot 0
     from offset 0 up, then slot 1 with ``overlap_comm``), starting with the last layers'; backward
-    consumes the last layers' activations first. The first pass after (re)start only observes: each
-    request gets plain memory, and when it is consumed the lender records the *write frontier*
-    (the highest arena byte any gradient copy of this backward has reached). The layout then
+    consumes the last layers' activations first. The first pass after (re)start observes: requests
+    are stacked downwards from the end of the arena (what does not fit gets plain memory), and when
+    each is consumed the lender records the *write frontier* (the highest arena byte any gradient
+    copy of this backward has reached; an evicted request reports at its decode). The layout then
     places requests in the order they were consumed, each at the lowest free offset at or above
     its frontier: every lent activation is consumed before a gradient can reach it. Requests that
     do not fit are declined (plain memory). From the next forward, request ``i`` of a pass gets its
@@ -176,6 +177,7 @@ class ArenaLender:
         self.bytes = arena.buffer.view(torch.uint8)
         self.slot_bytes = arena.slot_numel * arena.buffer.element_size()
         self.live: list[list] = []  # [start, end, lease or None once released, byte view]
+        self.top = self.bytes.numel()  # lowest live start (the observed pass stacks downwards)
         self.plan: Optional[list[Optional[int]]] = None  # offset per request of a pass (None: declined)
         self._observed: list[list] = []  # [size, frontier at consumption or None, release order]
         self._released = 0
@@ -201,19 +203,26 @@ class ArenaLender:
                 self.plan = self._layout()
         size = -(-int(nbytes) // LEASE_ALIGN) * LEASE_ALIGN
         index, self._index = self._index, self._index + 1
-        if self.plan is None:  # observing: plain memory, the frontier is recorded at consumption
+        observer = None
+        if self.plan is None:
+            # observing: stacked from the top (the guard evicts what gradients reach); every request,
+            # lent or not, reports when it is consumed
             record = [size, None, None]
             self._observed.append(record)
-            return Lease(torch.empty(size, dtype=torch.uint8, device=self.arena.device),
-                         on_release=lambda: self._observe(record))
-        start = self.plan[index] if index < len(self.plan) else None
-        if start is None or self._planned_size[index] != size or any(
-                e[2] is not None and e[0] < start + size and start < e[1] for e in self.live):
-            self.stats.declined_bytes += size
-            return None
+            observer = lambda: self._observe(record)  # noqa: E731
+            start = (self.top - size) // LEASE_ALIGN * LEASE_ALIGN
+            if start < 0:
+                return Lease(torch.empty(size, dtype=torch.uint8, device=self.arena.device), on_done=observer)
+        else:
+            start = self.plan[index] if index < len(self.plan) else None
+            if start is None or self._planned_size[index] != size or any(
+                    e[2] is not None and e[0] < start + size and start < e[1] for e in self.live):
+                self.stats.declined_bytes += size
+                return None
         entry = [start, start + size, None, self.bytes]
         self.live.append(entry)
-        lease = Lease(self.bytes.narrow(0, start, size), on_release=lambda: self._release(entry))
+        self.top = min(self.top, start)
+        lease = Lease(self.bytes.narrow(0, start, size), on_release=lambda: self._release(entry), on_done=observer)
         entry[2] = lease
         self.stats.leases += 1
         self.stats.lent_bytes += size
@@ -249,6 +258,7 @@ class ArenaLender:
         if self.verify:
             entry[3][entry[0]:entry[1]].fill_(0xFF)  # poison: a read of a returned lease shows
         self.live = [e for e in self.live if e[2] is not None]
+        self.top = min((e[0] for e in self.live), default=self.bytes.numel())
 
     # the write guard ------------------------------------------------------------------------
     def write_range(self, param: torch.Tensor) -> Optional[tuple[int, int]]:

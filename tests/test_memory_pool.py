@@ -222,14 +222,14 @@ def _on_off(rank, world):
     out = {}
     for stage in (0, 2):
         block = {"activations": COMPRESS, "optimizer_states": INT8}
-        off = _train(rank, world, ds_config(stage=stage, gas=2, xirang=block), 4)
+        off = _train(rank, world, ds_config(stage=stage, gas=2, xirang=block), 4, track=True)
         on = _train(rank, world, ds_config(stage=stage, gas=2, xirang={**block, "memory_pool": {"enabled": True}}),
                     4, track=True)
         fixed = _train(rank, world, ds_config(stage=stage, gas=2, xirang={
             **block, "memory_pool": {"enabled": True, "size": "4MiB"}}), 4)
         out[stage] = {"auto_same": _same(off, on), "fixed_same": _same(off, fixed), "auto": on["stats"],
                       "auto_history": on["history"], "fixed": fixed["stats"], "fixed_history": fixed["history"],
-                      "peak": on["peak"], "by_category": on["by_category"]}
+                      "peak": on["peak"], "by_category": on["by_category"], "off_by_category": off["by_category"]}
     return out
 
 
@@ -250,6 +250,9 @@ def test_pool_on_and_off_train_bit_identically_with_stable_counts_two_ranks():
             # the reservation is counted once and the categories add up to the peak
             assert r["by_category"][MEMORY_POOL] == r["auto"]["reserved_bytes"]
             assert sum(r["by_category"][c] for c in DEVICE_CATEGORIES) == r["peak"]
+            # the int8 buffers moved into the pool: no plain copy stays alive beside them
+            moved = r["off_by_category"]["optimizer_states"] - r["by_category"]["optimizer_states"]
+            assert 0.9 * r["auto"]["persistent_bytes"] <= moved <= r["auto"]["persistent_bytes"], (moved, r["auto"])
 
 
 def _round_trip(rank, world, tmp):
@@ -333,3 +336,25 @@ def test_optimizer_states_live_in_the_pool_train_identically_and_save_compact_co
             assert torch.equal(saved[0]["exp_avg_codes"], codes)
         results.append(model.weight.detach().clone())
     assert torch.equal(results[0], results[1])
+
+
+@pytest.mark.gpu
+def test_cuda_reservation_and_fallbacks_come_from_a_torch_mempool():
+    """On CUDA the reservation and the fallbacks live in the pool's own ``torch.cuda.MemPool``
+    (where torch has one), so the default pool's segments see neither."""
+    if getattr(torch.cuda, "MemPool", None) is None:
+        pytest.skip("this torch has no torch.cuda.MemPool")
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(device)
+    pool = MemoryPool(device, size=8 << 20, use_torch_mempool=True)
+    assert pool.mempool is not None and pool.stats()["torch_mempool"]
+    assert pool.mempool_bytes() >= 8 << 20
+    assert torch.cuda.memory_allocated(device) - before == 8 << 20
+    held = pool.allocate(8 << 20)  # fills the pool
+    extra = pool.allocate(1 << 20)  # a fallback, inside the MemPool
+    assert not pool.owns(extra) and pool.stats()["fallbacks"] == 1
+    assert pool.mempool_bytes() >= (8 << 20) + (1 << 20)
+    plain = MemoryPool(device, size=1 << 20, use_torch_mempool=False)
+    assert plain.mempool is None and plain.stats()["torch_mempool_bytes"] is None
+    del held, extra

@@ -266,7 +266,8 @@ class DynamicAdamW(torch.optim.Optimizer):
 
     def rehome_states(self) -> int:
         """Move quantized state buffers that lie outside `state_pool` into it (after the pool's
-        reservation, and after a checkpoint load made plain copies). Returns the bytes moved."""
+        reservation, and after a checkpoint load made plain copies). Returns the bytes moved; views
+        others keep of the old buffers (DeepSpeed's state links) must be rebuilt by the caller."""
         pool = self.state_pool
         moved = 0
         if pool is None or getattr(pool, "warmup", False):  # nothing reserved yet: stay where they are
@@ -357,7 +358,6 @@ class DynamicAdamW(torch.optim.Optimizer):
             gen = torch.Generator(device=key)
             gen.set_state(value)
             self._generators[key] = gen
-        self.rehome_states()
 
 
 def _check_hyper(lr: float, betas: tuple, eps: float, weight_decay: float) -> None:

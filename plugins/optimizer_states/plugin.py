@@ -123,9 +123,17 @@ class OptimizerStatesPlugin(Plugin):
         self.optimizer.state_pool = pool
         self.session.plugin("memory_pool").add_client("optimizer_states", persistent_bytes=total, largest_bytes=largest)
         if pool.warmup:
-            pool.on_reserved.append(lambda _: self.optimizer.rehome_states())
+            pool.on_reserved.append(lambda _: self._rehome())
         else:  # DeepSpeed's wrappers may have made the states at initialize, before the pool existed
-            self.optimizer.rehome_states()
+            self._rehome()
+
+    def _rehome(self) -> None:
+        """Move plain quantized buffers into the pool and rebuild DeepSpeed's views of the states
+        (the views would otherwise keep the plain buffers alive)."""
+        from xirang_ds.plugins.optimizer_states.deepspeed_compat import relink_state_views
+
+        if self.optimizer is not None and self.optimizer.rehome_states() and self.engine is not None:
+            relink_state_views(self.engine)
 
     def remove(self) -> None:
         """Hand the engine a ``torch.optim`` Adam/AdamW with the states decoded to fp32."""
@@ -205,6 +213,7 @@ class OptimizerStatesPlugin(Plugin):
     def load_state_dict(self, state: dict) -> None:
         from xirang_ds.plugins.optimizer_states.optimizer import config_to_dict
 
+        self._rehome()  # the loaded states are plain copies
         self.loaded_config = state.get("config")
         if self.loaded_config is not None and self.loaded_config != config_to_dict(self.config):
             if self.engine is not None and self.engine.global_rank == 0:

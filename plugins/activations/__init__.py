@@ -151,7 +151,12 @@ class ActivationsPlugin(Plugin):
         pool = self.session.pool()
         if pool is None:
             return
-        self.runtime.storage.allocator = lambda nbytes, device: pool.allocate(nbytes, what="activations payload")
+        def allocate(nbytes: int, device: torch.device) -> torch.Tensor:
+            if device.type != pool.device.type:
+                return torch.empty(nbytes, dtype=torch.uint8, device=device)
+            return pool.allocate(nbytes, what="activations payload")
+
+        self.runtime.storage.allocator = allocate
         self.session.plugin("memory_pool").add_client("activations", ready=lambda: self.state != "profiling")
 
     def remove(self) -> None:

@@ -90,9 +90,14 @@ class MemoryPoolPlugin(Plugin):
     def _on_reserved(self, pool: MemoryPool) -> None:
         if pool.buffer is not None and self.session._tracker is not None:
             self.session.tracker.mark([pool.buffer], MEMORY_POOL)
-        if getattr(self._engine, "global_rank", 0) == 0:
+        if getattr(self._engine, "global_rank", 0) != 0:
+            return
+        if pool.size:
             logger.info("xirang memory_pool: reserved %s on %s%s", format_bytes(pool.size), pool.device,
                         " (torch.cuda.MemPool)" if pool.mempool is not None else "")
+        else:
+            logger.info("xirang memory_pool: the warm-up made no pooled request; nothing reserved (later "
+                        "requests are plain allocations, counted as fallbacks)")
 
     def _step(self, original: Any, *args: Any, **kwargs: Any) -> Any:
         engine = self._engine

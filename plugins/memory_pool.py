@@ -88,8 +88,9 @@ class MemoryPoolPlugin(Plugin):
         return [(MEMORY_POOL, [buf] if buf is not None else [])]
 
     def _on_reserved(self, pool: MemoryPool) -> None:
-        if pool.buffer is not None and self.session._tracker is not None:
-            self.session.tracker.mark([pool.buffer], MEMORY_POOL)
+        tracker = self.session.tracker
+        if pool.buffer is not None and tracker.active:  # else the role provider marks it when tracking starts
+            tracker.mark([pool.buffer], MEMORY_POOL)
         if getattr(self._engine, "global_rank", 0) != 0:
             return
         if pool.size:

@@ -17,7 +17,7 @@ def test_bench_json_interface(tmp_path, corpus_path):
     for side in ("baseline", "xirang"):
         assert {"peak_bytes", "peak_by_category", "peak_phase", "step_time_median_s", "final_loss"} <= set(result[side])
         assert set(result[side]["peak_by_category"]) == {"parameters", "gradients", "optimizer_states", "activations",
-                                                         "comm_buffers", "temporaries", "host"}
+                                                         "comm_buffers", "memory_pool", "temporaries", "host"}
     assert {"peak_ratio", "step_time_ratio", "loss_delta"} <= set(result)
     # the monitor only observes: same memory, same loss
     assert result["peak_ratio"] == 1.0 and result["loss_delta"] == 0.0

@@ -11,10 +11,10 @@ built-in order is documented in the README:
 
     10 comm_buffers   (ds_config edits come first: bucket sizes)
     20 precision      (module casts and op lists, before anything reads dtypes)
+    25 memory_pool    (the pool its clients below find through ``session.pool()``)
     30 activations    (saved-tensor hooks and recompute wrappers on the model)
     40 optimizer_states (the basic optimizer)
     50 grad_release   (hooks on parameters, needs the final optimizer)
-    60 memory_pool
     80 profiler       (observes everything above)
     90 monitor        (acts on what the tracker sees)
     100 autotune
@@ -169,6 +169,7 @@ BUILTIN_PLUGIN_MODULES = (
     "xirang_ds.plugins.activations",
     "xirang_ds.plugins.comm_buffers",
     "xirang_ds.plugins.grad_release",
+    "xirang_ds.plugins.memory_pool",
     "xirang_ds.plugins.monitor",
     "xirang_ds.plugins.optimizer_states.plugin",
     "xirang_ds.plugins.precision",

@@ -71,6 +71,12 @@ class Session:
         """The attached plugin of a section, or ``None``."""
         return next((p for p in self.plugins if p.section == section), None)
 
+    def pool(self) -> Any:
+        """The `xirang_ds.memory.pool.MemoryPool` plugins allocate from, or ``None`` (the
+        ``memory_pool`` section is off, or not attached yet: call it from ``attach`` or later)."""
+        plugin = self.plugin("memory_pool")
+        return getattr(plugin, "pool", None)
+
     @property
     def tracker(self):
         """The memory tracker shared by all plugins (created on first use)."""

@@ -17,7 +17,8 @@ Lifecycle:
 
 Run-time seams for other plugins: `ActivationsPlugin.raise_recompute` and
 `ActivationsPlugin.raise_compression` (the monitor's actions), and `set_storage_provider` (memory
-lent to compressed activations; see `storage.py`).
+lent to compressed activations; see `storage.py`). With the ``memory_pool`` section on, payloads
+no provider lends are blocks of ``session.pool()``.
 """
 from __future__ import annotations
 
@@ -145,6 +146,21 @@ class ActivationsPlugin(Plugin):
             self._apply({name: option for name, option in self._fixed.items()})
             self.state = "planned"
             self._log_plan()
+        self._use_pool()
+
+    def _use_pool(self) -> None:
+        """Payloads no provider lends come from the memory pool when the section is on (transient
+        blocks); the pool measures them only once the plan is in force."""
+        pool = self.session.pool()
+        if pool is None:
+            return
+        def allocate(nbytes: int, device: torch.device) -> torch.Tensor:
+            if device.type != pool.device.type:
+                return torch.empty(nbytes, dtype=torch.uint8, device=device)
+            return pool.allocate(nbytes, what="activations payload")
+
+        self.runtime.storage.allocator = allocate
+        self.session.plugin("memory_pool").add_client("activations", ready=lambda: self.state != "profiling")
 
     def remove(self) -> None:
         for wrapper in self.wrappers.values():

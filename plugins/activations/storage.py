@@ -1,8 +1,10 @@
 """Where packed activations live: the lending seam for device bytes, and the host buffer pool.
 
 Device payloads (compressed or quantized saved tensors) are allocated through `PayloadStorage`.
-By default each is a plain ``torch.empty``; another plugin can lend memory it holds idle (the
-comm_buffers arena between reductions) by installing a `StorageProvider`:
+By default each is a plain ``torch.empty``, or a block of the memory pool when one is installed as
+``PayloadStorage.allocator`` (the ``memory_pool`` plugin; the block is free again when the payload
+dies, exactly when the plain allocation would be). Another plugin can lend memory it holds idle
+(the comm_buffers arena between reductions) by installing a `StorageProvider`, asked first:
 
 * ``provider.lease(nbytes, device)`` returns a `Lease` over ``nbytes`` of its memory, or ``None``
   to decline (the payload then gets a plain allocation).
@@ -94,6 +96,9 @@ class PayloadStorage:
 
     def __init__(self, host_tier: Optional[Callable[[], ContextManager]] = None):
         self.provider: Optional[StorageProvider] = None
+        self.allocator: Optional[Callable[[int, torch.device], torch.Tensor]] = None
+        """Makes the payloads no provider lends: ``allocator(nbytes, device)`` returns a ``uint8``
+        tensor of ``nbytes`` whose memory is reused once the tensor dies (``None``: ``torch.empty``)."""
         self.host_tier = host_tier or contextlib.nullcontext
         self.leased_bytes = 0
         """Bytes served by the provider so far (for reports and tests)."""
@@ -105,6 +110,8 @@ class PayloadStorage:
         lease = self.lend(nbytes, device)
         if lease is not None:
             return lease
+        if self.allocator is not None:
+            return Lease(self.allocator(nbytes, device))
         return Lease(torch.empty(nbytes, dtype=torch.uint8, device=device))
 
     def lend(self, nbytes: int, device: torch.device) -> Optional[Lease]:

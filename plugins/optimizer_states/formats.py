@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -32,6 +32,14 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 """State keys of Adam's moments, as ``torch.optim.AdamW`` names them."""
 
 Buffers = dict[str, torch.Tensor]
+Empty = Callable[[int, torch.dtype, torch.device], torch.Tensor]
+"""``empty(numel, dtype, device)``: where quantized buffers are allocated (the memory pool)."""
+
+
+def _empty(empty: Optional[Empty], numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if empty is None or device.type == "meta":
+        return torch.empty(numel, dtype=dtype, device=device)
+    return empty(numel, dtype, device)
 
 
 class StateFormat(abc.ABC):
@@ -46,8 +54,9 @@ class StateFormat(abc.ABC):
     block_size: int = 1
 
     @abc.abstractmethod
-    def zeros(self, moment: str, numel: int, device: torch.device) -> Buffers:
-        """Zero-valued buffers for ``numel`` elements of ``moment``, keyed by state key."""
+    def zeros(self, moment: str, numel: int, device: torch.device, empty: Optional[Empty] = None) -> Buffers:
+        """Zero-valued buffers for ``numel`` elements of ``moment``, keyed by state key (quantized
+        formats allocate them through ``empty`` when given)."""
 
     @abc.abstractmethod
     def decode(self, moment: str, buffers: Buffers, start: int, end: int) -> torch.Tensor:
@@ -77,7 +86,7 @@ class Fp32Format(StateFormat):
 
     name = "fp32"
 
-    def zeros(self, moment: str, numel: int, device: torch.device) -> Buffers:
+    def zeros(self, moment: str, numel: int, device: torch.device, empty: Optional[Empty] = None) -> Buffers:
         return {moment: torch.zeros(numel, dtype=torch.float32, device=device)}
 
     def decode(self, moment: str, buffers: Buffers, start: int, end: int) -> torch.Tensor:
@@ -95,7 +104,7 @@ class Bf16Format(StateFormat):
 
     name = "bf16"
 
-    def zeros(self, moment: str, numel: int, device: torch.device) -> Buffers:
+    def zeros(self, moment: str, numel: int, device: torch.device, empty: Optional[Empty] = None) -> Buffers:
         return {moment: torch.zeros(numel, dtype=torch.bfloat16, device=device)}
 
     def decode(self, moment: str, buffers: Buffers, start: int, end: int) -> torch.Tensor:
@@ -143,15 +152,13 @@ class BlockQuantFormat(StateFormat):
     def keys(self, moment: str) -> tuple[str, ...]:
         return (f"{moment}_codes", f"{moment}_scales")
 
-    def zeros(self, moment: str, numel: int, device: torch.device) -> Buffers:
+    def zeros(self, moment: str, numel: int, device: torch.device, empty: Optional[Empty] = None) -> Buffers:
         blocks = math.ceil(numel / self.block_size)
         signed = self.maps[moment].signed and self.bits == 8
-        codes = torch.zeros(blocks * self.block_size * self.bits // 8,
-                            dtype=torch.int8 if signed else torch.uint8, device=device)
-        if self.bits == 4 and self.maps[moment].signed:
-            codes.fill_(0x88)  # code 0 is stored as 8 in each nibble
+        codes = _empty(empty, blocks * self.block_size * self.bits // 8, torch.int8 if signed else torch.uint8, device)
+        codes.fill_(0x88 if self.bits == 4 and self.maps[moment].signed else 0)  # 4 bits: code 0 is stored as 8
         codes_key, scales_key = self.keys(moment)
-        return {codes_key: codes, scales_key: torch.zeros(blocks, dtype=torch.float32, device=device)}
+        return {codes_key: codes, scales_key: _empty(empty, blocks, torch.float32, device).zero_()}
 
     def decode(self, moment: str, buffers: Buffers, start: int, end: int) -> torch.Tensor:
         codes_key, scales_key = self.keys(moment)

@@ -120,6 +120,9 @@ class DynamicAdamW(torch.optim.Optimizer):
             OrderedDict()  # weak-referencable, as RemovableHandle needs
         self.format_changes: list[tuple[int, str, str, int]] = []
         """Every format change: ``(step, from, to, numel)``, in order."""
+        self.state_pool: Any = None
+        """Where int8/int4 codes and scales are allocated: a `xirang_ds.memory.pool.MemoryPool`
+        (anything with ``allocate(nbytes, dtype, persistent=True)`` and ``owns(t)``), or ``None``."""
 
     # queries ------------------------------------------------------------------------------------
     def state_format(self, param: torch.Tensor) -> str:
@@ -184,7 +187,8 @@ class DynamicAdamW(torch.optim.Optimizer):
         src = self._format(old_name, state.get("block_size", 0))
         dst = self._format(new_name)  # the same object when neither format nor block size changes
         buffers = {k: state[k] for m in MOMENTS for k in src.keys(m)}
-        out = buffers if dst is src else {k: v for m in MOMENTS for k, v in dst.zeros(m, p.numel(), p.device).items()}
+        out = buffers if dst is src else {k: v for m in MOMENTS
+                                          for k, v in dst.zeros(m, p.numel(), p.device, self._empty()).items()}
         measure = not pinned and self.policy.wants_measurement(state, step)
         stats = self._run_chunks(p, buffers, out, src, dst, step, hyper, measure, self._rounding(p, step))
         if dst is not src:
@@ -249,9 +253,34 @@ class DynamicAdamW(torch.optim.Optimizer):
         fmt = self._format(name)
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
         for m in MOMENTS:
-            state.update(fmt.zeros(m, p.numel(), p.device))
+            state.update(fmt.zeros(m, p.numel(), p.device, self._empty()))
         state["format"] = STATE_DTYPE_ORDER.index(name)
         state["block_size"] = fmt.block_size
+
+    def _empty(self) -> Optional[Callable[[int, torch.dtype, torch.device], torch.Tensor]]:
+        pool = self.state_pool
+        if pool is None:
+            return None
+        return lambda numel, dtype, device: pool.allocate(numel * dtype.itemsize, dtype, persistent=True,
+                                                          what="optimizer_states")
+
+    def rehome_states(self) -> int:
+        """Move quantized state buffers that lie outside `state_pool` into it (after the pool's
+        reservation, and after a checkpoint load made plain copies). Returns the bytes moved; views
+        others keep of the old buffers (DeepSpeed's state links) must be rebuilt by the caller."""
+        pool = self.state_pool
+        moved = 0
+        if pool is None or getattr(pool, "warmup", False):  # nothing reserved yet: stay where they are
+            return 0
+        for state in self.state.values():
+            for key, t in list(state.items()):
+                if key.endswith(("_codes", "_scales")) and isinstance(t, torch.Tensor) and not pool.owns(t):
+                    block = pool.allocate(t.numel() * t.element_size(), t.dtype, persistent=True,
+                                          what="optimizer_states")
+                    if pool.owns(block):  # state buffers are 1-D; keep the pool's own tensor (its block's life)
+                        state[key] = block.copy_(t.reshape(-1))
+                        moved += block.numel() * block.element_size()
+        return moved
 
     def _format(self, name: str, block_size: int = 0) -> StateFormat:
         if not block_size:
@@ -285,6 +314,10 @@ class DynamicAdamW(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """``torch.optim`` state dict plus the format version and the rounding generators."""
         out = super().state_dict()
+        pool = self.state_pool
+        if pool is not None:  # a view of the pool would save the whole reservation: save a compact copy
+            out["state"] = {i: {k: (v.clone() if isinstance(v, torch.Tensor) and pool.owns(v) else v)
+                                for k, v in st.items()} for i, st in out["state"].items()}
         out[STATE_DICT_KEY] = {"version": STATE_DICT_VERSION,
                                "generators": {k: g.get_state() for k, g in self._generators.items()}}
         return out

@@ -107,14 +107,39 @@ class OptimizerStatesPlugin(Plugin):
                                f"(basic optimizer: {type(getattr(engine, 'basic_optimizer', None)).__name__})")
         self.optimizer = engine.basic_optimizer
         self.keep(self.optimizer.register_format_change_hook(lambda opt, p, old, new: relink_state_views(engine)))
+        self._use_pool()
         if engine.global_rank == 0:
             kept = len(self.keep_reasons)
             logger.info("xirang optimizer_states: %s replaced by DynamicAdamW; %d parameter(s) keep fp32 states",
                         self.source, kept)
 
+    def _use_pool(self) -> None:
+        """int8/int4 codes and scales come from the memory pool when the section is on (persistent
+        blocks); the pool is told the most bytes they hold at once and the largest buffer."""
+        pool = self.session.pool()
+        if pool is None:
+            return
+        total, largest = quantized_demand(self.optimizer)
+        self.optimizer.state_pool = pool
+        self.session.plugin("memory_pool").add_client("optimizer_states", persistent_bytes=total, largest_bytes=largest)
+        if pool.warmup:
+            pool.on_reserved.append(lambda _: self._rehome())
+        else:  # DeepSpeed's wrappers may have made the states at initialize, before the pool existed
+            self._rehome()
+
+    def _rehome(self) -> None:
+        """Move plain quantized buffers into the pool and rebuild DeepSpeed's views of the states
+        (the views would otherwise keep the plain buffers alive)."""
+        from xirang_ds.plugins.optimizer_states.deepspeed_compat import relink_state_views
+
+        if self.optimizer is not None and self.optimizer.rehome_states() and self.engine is not None:
+            relink_state_views(self.engine)
+
     def remove(self) -> None:
         """Hand the engine a ``torch.optim`` Adam/AdamW with the states decoded to fp32."""
         super().remove()
+        if self.optimizer is not None:
+            self.optimizer.state_pool = None
         if self.engine is None or self.optimizer is None:
             return
         from xirang_ds.plugins.optimizer_states.deepspeed_compat import swap_basic_optimizer
@@ -188,8 +213,48 @@ class OptimizerStatesPlugin(Plugin):
     def load_state_dict(self, state: dict) -> None:
         from xirang_ds.plugins.optimizer_states.optimizer import config_to_dict
 
+        self._rehome()  # the loaded states are plain copies
         self.loaded_config = state.get("config")
         if self.loaded_config is not None and self.loaded_config != config_to_dict(self.config):
             if self.engine is not None and self.engine.global_rank == 0:
                 logger.info("xirang optimizer_states: the checkpoint's states were made with other settings; "
                             "each tensor is converted to the format the current settings pick at its next step")
+
+
+def quantized_formats(config: OptimizerStatesConfig) -> list[str]:
+    """The int8/int4 formats the policy can put a tensor in."""
+    from xirang_ds.config.schema import STATE_DTYPE_ORDER
+
+    if config.policy == "steps":
+        names = [e.dtype for e in config.schedule]
+    else:
+        order = STATE_DTYPE_ORDER
+        names = list(order[order.index(config.stability.start):order.index(config.stability.lowest) + 1])
+    return [n for n in dict.fromkeys(names) if n.startswith("int")]
+
+
+def quantized_demand(optimizer: Any) -> tuple[int, int]:
+    """``(bytes, largest)``: the most pool bytes the optimizer's int8/int4 buffers hold at once (the
+    largest format's total, plus one tensor of another format while it converts) and its largest
+    single buffer, each rounded up to the pool's alignment."""
+    from xirang_ds.memory.pool import align_up
+    from xirang_ds.plugins.optimizer_states.formats import MOMENTS
+
+    totals, per_tensor, largest = [], [], 0
+    for name in quantized_formats(optimizer.config):
+        fmt = optimizer._format(name)
+        total = biggest = 0
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if optimizer._pinned(p, group):
+                    continue
+                sizes = [align_up(t.numel() * t.element_size()) for m in MOMENTS
+                         for t in fmt.zeros(m, p.numel(), torch.device("meta")).values()]
+                total += sum(sizes)
+                biggest = max(biggest, sum(sizes))
+                largest = max([largest] + sizes)
+        totals.append(total)
+        per_tensor.append(biggest)
+    if not totals:
+        return 0, 0
+    return max(totals) + (max(per_tensor) if len(totals) > 1 else 0), largest

@@ -27,7 +27,7 @@ FORMAT = "xirang-timeline"
 VERSION = 1
 COLORS = {
     "parameters": "#4e79a7", "gradients": "#f28e2b", "optimizer_states": "#e15759", "activations": "#76b7b2",
-    "comm_buffers": "#edc948", "temporaries": "#b07aa1", "host": "#9c9c9c",
+    "comm_buffers": "#edc948", "memory_pool": "#ff9da7", "temporaries": "#b07aa1", "host": "#9c9c9c",
 }
 
 

@@ -18,10 +18,16 @@ from xirang_ds.launch import run_ranks
 PLAN = {"enabled": True, "planner": False, "compress": ["blocks.*"]}
 
 
-def _block(lend: bool, bucket="auto") -> dict:
-    return {"comm_buffers": {"enabled": True, "adapt": False, "lend_to_activations": lend,
-                             "reduce_bucket_size": bucket},
-            "activations": dict(PLAN)}
+QUANTIZED = {"enabled": True, "planner": False, "quantize": ["blocks.*"], "tolerant": ["blocks.*"]}
+
+
+def _block(lend: bool, bucket="auto", plan=None, pool=False) -> dict:
+    block = {"comm_buffers": {"enabled": True, "adapt": False, "lend_to_activations": lend,
+                              "reduce_bucket_size": bucket},
+             "activations": dict(plan or PLAN)}
+    if pool:
+        block["memory_pool"] = {"enabled": True}
+    return block
 
 
 def _naive_layout(lender):
@@ -38,13 +44,13 @@ def _naive_layout(lender):
 
 
 def _run(rank, world, stage, overlap, lend, gas=2, steps=3, bucket="auto", guard=True, naive=False,
-         save_dir=None, load_dir=None):
+         save_dir=None, load_dir=None, plan=None, pool=False):
     import xirang_ds
     from xirang_ds.models import BUILTIN_SPECS, build_model
 
     spec = BUILTIN_SPECS["gpt-tiny"]
     model = build_model(spec)
-    config = ds_config(stage=stage, dtype="bf16", micro=4, gas=gas, xirang=_block(lend, bucket))
+    config = ds_config(stage=stage, dtype="bf16", micro=4, gas=gas, xirang=_block(lend, bucket, plan, pool))
     config["zero_optimization"].update(overlap_comm=overlap)
     for key in ("reduce_bucket_size", "allgather_bucket_size"):
         config["zero_optimization"].pop(key)
@@ -68,6 +74,8 @@ def _run(rank, world, stage, overlap, lend, gas=2, steps=3, bucket="auto", guard
         engine.save_checkpoint(save_dir)
     params = [p.detach().float().clone() for p in engine.module.parameters()]
     out = {"losses": losses, "params": params, "summary": session.summary()}
+    if session.pool() is not None:
+        out["pool"] = session.pool().stats()
     if lender is not None:
         out["stats"] = lender.stats.as_dict()
         out["arena_bytes"] = lender.arena.nbytes
@@ -113,6 +121,19 @@ def test_the_check_catches_an_overwrite_without_the_guard():
     payloads, and the verification stops the run (so the tests above can fail)."""
     with pytest.raises(Exception, match="changed between store and decode|overwritten"):
         run_ranks(functools.partial(_run, guard=False, naive=True, steps=2), 2, 2, False, True)
+
+
+@pytest.mark.distributed
+def test_lending_beside_the_memory_pool():
+    """int8 payloads: the arena lends what fits, the pool serves the rest; results identical to the
+    same plan with neither."""
+    ours = run_ranks(functools.partial(_run, plan=QUANTIZED, pool=True), 2, 2, True, True)
+    plain = run_ranks(functools.partial(_run, plan=QUANTIZED), 2, 2, True, False)
+    for o, p in zip(ours, plain):
+        assert o["losses"] == p["losses"]
+        assert all(a.equal(b) for a, b in zip(o["params"], p["params"]))
+        assert all(s["lent_bytes"] > 0 for s in o["stats"]["steps"])
+        assert o["pool"]["pooled_allocations"] > 0, o["pool"]
 
 
 @pytest.mark.distributed

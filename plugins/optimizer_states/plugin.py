@@ -119,6 +119,11 @@ class OptimizerStatesPlugin(Plugin):
         pool = self.session.pool()
         if pool is None:
             return
+        if self.session.plugin("grad_release") is not None:
+            # grad_release steps its own copy of this optimizer over its shards (clone_optimizer), so
+            # these states are never made here: reserving for them would only hold idle bytes
+            logger.info("xirang optimizer_states: grad_release holds the optimizer states; they are not pooled")
+            return
         total, largest = quantized_demand(self.optimizer)
         self.optimizer.state_pool = pool
         self.session.plugin("memory_pool").add_client("optimizer_states", persistent_bytes=total, largest_bytes=largest)

@@ -20,6 +20,9 @@ _CONSERVATIVE = {
     # the planner keeps saved activations under what memory_budget leaves, storing them losslessly
     # (narrower exact storage, or host memory) but never recomputing
     "activations": {"enabled": True, "budget": "auto", "options": list(_LOSSLESS_STORAGE)},
+    # one reservation for the encoded activations (and int8/int4 states where no grad_release holds
+    # them), sized from the first steady step and reused at the same addresses every step
+    "memory_pool": {"enabled": True, "size": "auto"},
     "monitor": {"enabled": True, "warn_at": 0.85, "act_at": 0.95, "actions": ["empty_cache"]},
 }
 

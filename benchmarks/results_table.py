@@ -75,6 +75,12 @@ def rows() -> list[dict]:
         ("grad_release", {"grad_release": {"enabled": True}}, tuned),
         ("precision", {"precision": {"enabled": True}}, tuned),
         ("activations (planner, budget 25%)", {"activations": {"enabled": True, "budget_fraction": 0.25}}, tuned),
+        ("comm_buffers lending to activations (every block compress)",
+         {"comm_buffers": {"enabled": True, "lend_to_activations": True},
+          "activations": {"enabled": True, "planner": False, "compress": ["blocks.*"]}}, BASE),
+        ("memory_pool (with int8 optimizer states)",
+         {"memory_pool": {"enabled": True}, "optimizer_states": {"enabled": True, "schedule": [{"dtype": "int8"}]}},
+         tuned),
     ]
     for name, block, ds in plugin_rows:
         if next(iter(block)) in built:

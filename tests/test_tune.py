@@ -165,3 +165,45 @@ def test_largest_micro_batch_grows_each_combination():
     assert grown and all(c.micro_batch > DS["train_micro_batch_size_per_gpu"] for c in grown)
     assert all(c.predicted_peak <= result.budget for c in grown)
     assert result.winner.micro_batch == max(c.micro_batch for c in grown if c.measured_peak)
+
+
+def test_planned_peak_keeps_activations_under_what_the_budget_leaves():
+    from xirang_ds.tune import planned_peak
+
+    phases = {"backward": (40, 60), "optimizer_step": (45, 0)}  # (besides activations, activations)
+    figures = {"keep_bytes": 60, "least_bytes": 10, "least_added_s": 0.5}
+    assert planned_peak(phases, figures, 1.0, 200, 1.0) == (100, 0.0)  # room: everything kept
+    # the planner leaves room for the largest non-activation phase (45): 25 of 60 kept
+    assert planned_peak(phases, figures, 1.0, 70, 1.0) == (65, pytest.approx(0.7))
+    assert planned_peak(phases, figures, 1.0, 50, 1.0) == (55, 1.0)  # even the least plan does not fit 50
+    assert planned_peak(phases, figures, 2.0, 200, 1.0) == (160, 0.0)  # figures scale with the micro-batch
+    assert planned_peak(phases, figures, 1.0, 200, 2.0) == (140, 0.0)  # measured / estimated besides activations
+
+
+class PlannerRunner(ScriptedRunner):
+    """As ScriptedRunner; the activations option's run reports what its planner can reach (the
+    estimator's activation bytes kept, a tenth of them at least)."""
+
+    def __call__(self, cfg: dict, steps: int):
+        out = super().__call__(cfg, steps)
+        if "activations" in labels(cfg):
+            est = estimate_spec("gpt-tiny", cfg, self.world)
+            keep = est.phases[est.peak_phase]["activations"]
+            out.activation_figures = {"keep_bytes": keep, "least_bytes": keep // 10, "least_added_s": 0.01}
+            budget = cfg["xirang"]["memory_budget"]
+            out.peak_bytes = min(out.peak_bytes, max(budget, out.peak_bytes - keep + keep // 10))
+        return out
+
+
+def test_largest_micro_batch_uses_the_planner_reach():
+    """With the planner's figures, the activations option grows past the micro-batch where keeping
+    every activation stops fitting, and its predicted time carries the planned added seconds."""
+    base_peak = estimate_spec("gpt-tiny", {**DS, "xirang": {"comm_buffers": {"enabled": True}}}, 1).predicted_peak_bytes
+    result = tune("gpt-tiny", DS, budget=3 * base_peak, world_size=1, objective="largest_micro_batch",
+                  runner=PlannerRunner(1), lossless_only=True)
+    live = [c for c in result.candidates if c.rejected is None and c.predicted_peak is not None]
+    with_planner = [c for c in live if "act_lossless" in c.name]
+    without = [c for c in live if "act_lossless" not in c.name]
+    assert max(c.micro_batch for c in with_planner) > max(c.micro_batch for c in without)
+    assert all(c.predicted_peak <= result.budget for c in live)
+    assert "activation_figures" in result.profiles["act_lossless"]

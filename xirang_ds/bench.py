@@ -40,6 +40,8 @@ class SideResult:
     lent_activation_bytes_per_step: Optional[list[int]] = None
     """comm_buffers.lend_to_activations: bytes of saved activations held in the arena, per step (rank 0)."""
     evicted_bytes_per_step: Optional[list[int]] = None
+    activation_figures: Optional[dict] = None
+    """The activation planner's reach on this run (rank 0; `ActivationsPlugin._figures`)."""
     allocator_peak_bytes: Optional[int] = None
     summary: str = ""
     category_peaks: dict[str, int] = field(default_factory=dict)
@@ -184,6 +186,9 @@ def bench_rank(rank: int, world: int, model_text: str, ds_config: dict, steps: i
         "summary": session.summary() if session is not None else "",
         "category_peaks": window.category_peaks(),
     }
+    planner = session.plugin("activations") if session is not None else None
+    if planner is not None and planner.figures is not None:
+        out["activation_figures"] = planner.figures
     lender = getattr(session.plugin("comm_buffers"), "lender", None) if session is not None else None
     if lender is not None:
         out["lent_activation_bytes_per_step"] = [s["lent_bytes"] for s in lender.stats.steps]
@@ -212,7 +217,8 @@ def combine(per_rank: list[dict]) -> SideResult:
         allocator_peak_bytes=worst["allocator_peak_bytes"], summary=per_rank[0]["summary"],
         category_peaks={c: max(r["category_peaks"].get(c, 0) for r in per_rank) for c in CATEGORIES},
         lent_activation_bytes_per_step=per_rank[0].get("lent_activation_bytes_per_step"),
-        evicted_bytes_per_step=per_rank[0].get("evicted_bytes_per_step"))
+        evicted_bytes_per_step=per_rank[0].get("evicted_bytes_per_step"),
+        activation_figures=per_rank[0].get("activation_figures"))
 
 
 def strip_block(ds_config: dict) -> dict:

@@ -255,6 +255,45 @@ def _mb_scale(profiles: dict, stage: int, mb0: int, mb1: int, mb: int) -> float:
     return mb / mb0
 
 
+def _micro_batch(cfg: dict) -> int:
+    return int(cfg.get("train_micro_batch_size_per_gpu", 1) or 1)
+
+
+def planned_peak(phases: dict[str, tuple[int, int]], figures: dict, scale: float, budget: int,
+                 other_ratio: float) -> tuple[int, float]:
+    """The step peak with the activation planner under ``budget``, and how far its plan goes.
+
+    Args:
+        phases: the estimator's ``{phase: (bytes besides saved activations, saved activations)}``
+            at this micro-batch (every activation kept: the estimator does not model the planner).
+        figures: the planner's reach measured at the profiled micro-batch (`ActivationsPlugin._figures`):
+            saved bytes with everything kept and the least any plan needs; both scale with the
+            micro-batch (``scale``).
+        other_ratio: measured over estimated bytes besides activations (the planner measures them
+            in its profiling passes).
+
+    The planner keeps activations under ``budget`` minus the largest non-activation bytes, down to
+    its least. Returns ``(peak, fraction)``: ``fraction`` 0 keeps everything, 1 is the least plan.
+    A plan that cannot fit shows as a peak above the budget (other + least).
+    """
+    other = {ph: n * other_ratio for ph, (n, _) in phases.items()}
+    most = max(other.values())
+    beside = max((other[ph] for ph, (_, a) in phases.items() if a > 0), default=most)
+    keep = figures["keep_bytes"] * scale
+    least = figures["least_bytes"] * scale
+    activations = max(least, min(keep, budget - most))
+    fraction = 0.0 if keep <= least else (keep - activations) / (keep - least)
+    return int(max(most + least, beside + activations, most)), fraction
+
+
+def _phases(model: str, cfg: dict, world_size: int, device: str) -> dict[str, tuple[int, int]]:
+    from xirang_ds.memory.categories import ACTIVATIONS
+    from xirang_ds.memory.estimator import estimate_spec
+
+    est = estimate_spec(model, cfg, world_size, device)
+    return {ph: (cats["total"] - cats.get(ACTIVATIONS, 0), cats.get(ACTIVATIONS, 0)) for ph, cats in est.phases.items()}
+
+
 def _stage(c: Candidate) -> int:
     return int((c.ds_config.get("zero_optimization") or {}).get("stage", 0))
 
@@ -331,6 +370,8 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
             est, _ = _estimate(model, cfg, world_size, device)
             profiles[label] = {"peak_bytes": side.peak_bytes, "step_time_s": side.step_time_median_s,
                                "final_loss": side.final_loss, "predicted_peak_bytes": est}
+            if getattr(side, "activation_figures", None):
+                profiles[label]["activation_figures"] = side.activation_figures
         except Exception as e:  # a failing option costs only itself
             profiles[label] = {"error": " ".join(str(e).split())[-300:]}
     progress.update(len(jobs), len(jobs), "profile")
@@ -345,6 +386,7 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
             c.rejected = f"the base at {stage_key} failed to run: {profiles.get(stage_key, {}).get('error', '')}"
             continue
         time_ratio, peak_ratio = 1.0, calibration[stage_key]
+        figures = None
         for o in c.options:
             if not o.block:
                 continue
@@ -353,15 +395,34 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
                 c.rejected = f"{o.label} failed alone: {prof.get('error', 'not profiled')}"
                 break
             time_ratio *= prof["step_time_s"] / ref["step_time_s"]
-            if next(iter(o.block)) in unmodelled_of.get(id(c), []):
+            if "activation_figures" in prof and grow:
+                figures = prof["activation_figures"]  # the planner is modelled below, not by a ratio
+            elif next(iter(o.block)) in unmodelled_of.get(id(c), []):
                 peak_ratio *= prof["peak_bytes"] / ref["peak_bytes"]
         if c.rejected is not None:
             continue
         c.predicted_peak = int(c.predicted_peak * peak_ratio)
+        added_s = 0.0
         if grow:  # each combination at the largest power-of-two multiple of the micro-batch predicted to fit
-            _grow_micro_batch(c, lambda cfg, r=peak_ratio: int(raw(cfg) * r), budget)
+            if figures is not None:
+                measured_other = figures.get("other_peak_bytes")
+                at_user = _phases(model, c.ds_config, world_size, device)
+                other_ratio = (measured_other / max(n for n, _ in at_user.values()) if measured_other
+                               else calibration[stage_key])
+
+                def planned(cfg, f=figures, r=other_ratio):
+                    return planned_peak(_phases(model, cfg, world_size, device), f, _micro_batch(cfg) / user_mb,
+                                        budget, r)
+
+                c.predicted_peak = planned(c.ds_config)[0]
+                _grow_micro_batch(c, lambda cfg: planned(cfg)[0], budget)
+                passes = int(c.ds_config.get("gradient_accumulation_steps", 1) or 1)
+                added_s = (planned(c.ds_config)[1] * figures["least_added_s"] * (c.micro_batch / user_mb)
+                           * passes)
+            else:
+                _grow_micro_batch(c, lambda cfg, r=peak_ratio: int(raw(cfg) * r), budget)
         c.predicted_time_s = (profiles[stage_key]["step_time_s"] * time_ratio
-                              * _mb_scale(profiles, user_stage, user_mb, far_mb, c.micro_batch))
+                              * _mb_scale(profiles, user_stage, user_mb, far_mb, c.micro_batch)) + added_s
     fitting = [c for c in live if c.rejected is None and c.predicted_peak <= budget]
 
     def rank_key(c: Candidate) -> tuple:
@@ -375,7 +436,9 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
     # 3. measure the best few for real
     t0 = time.perf_counter()
     chosen = fitting[:measure_top]
-    for i, c in enumerate(chosen):
+    i = 0
+    while i < len(chosen):
+        c = chosen[i]
         progress.update(i, len(chosen), "measure", c.name)
         if time.perf_counter() - start > time_limit_s:
             notes.append(f"time limit reached; {c.name} and later not measured")
@@ -386,6 +449,13 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
                                                                    side.final_loss)
         except Exception as e:
             c.error = " ".join(str(e).split())[-300:]
+        i += 1
+        if i == len(chosen) == measure_top and not any(
+                m.measured_peak is not None and m.measured_peak <= budget for m in chosen):
+            chosen = fitting[:2 * measure_top]  # none of the best fits for real: measure the next few once
+            if len(chosen) > i:
+                notes.append(f"none of the {measure_top} best predicted candidates fit when measured; measured "
+                             f"the next {len(chosen) - i}")
     progress.update(len(chosen), len(chosen), "measure")
     seconds["measure"] = time.perf_counter() - t0
     seconds["total"] = time.perf_counter() - start

@@ -33,7 +33,7 @@ from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import ACTIVATIONS
-from xirang_ds.plugins.activations.planner import Choice, estimate_peak, format_plan
+from xirang_ds.plugins.activations.planner import Choice, estimate_peak, format_plan, least_budget, plan
 from xirang_ds.plugins.activations.planning import (
     OtherPeak,
     agree,
@@ -73,6 +73,8 @@ class ActivationsPlugin(Plugin):
         self.choices: dict[str, Choice] = {}
         self.profiles: dict[str, ModuleProfile] = {}
         self.budget_bytes: Optional[int] = None
+        self.figures: Optional[dict] = None
+        """Set after planning: see `_figures`."""
         self.outside_bytes = 0
         self.planned_peaks: Optional[tuple[int, int]] = None
         """Planned saved-activation bytes: (end of forward, worst point of backward)."""
@@ -309,10 +311,21 @@ class ActivationsPlugin(Plugin):
                                           self._bandwidth, streams, self.config.offload_prefetch)
         self.outside_bytes = before + after
         self.choices = choose(roots, self.budget_bytes, before, after)
+        self.figures = self._figures(roots, before, after, other)
         self.planned_peaks = estimate_peak(roots, self.choices, before, after)
         self._apply({name: c.option for name, c in self.choices.items()})
         self.state = "planned"
         self._log_plan()
+
+    def _figures(self, roots: list, before: int, after: int, other: Optional[int]) -> dict:
+        """What the planner can reach on this model, per pass, for cost models (the tuner): the saved
+        bytes with every candidate kept, the least any plan needs and the seconds that plan adds,
+        the seconds the chosen plan adds, and the measured peak besides activations."""
+        least = least_budget(roots, before, after)
+        return {"keep_bytes": self.profiles[ROOT].keep_bytes, "least_bytes": least,
+                "least_added_s": sum(c.added_s for c in plan(roots, least, before, after).values()),
+                "plan_added_s": sum(c.added_s for c in self.choices.values()),
+                "budget_bytes": self.budget_bytes, "other_peak_bytes": other}
 
     # applying -------------------------------------------------------------------------------------
     def _apply(self, plan: dict[str, str]) -> None:

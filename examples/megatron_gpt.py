@@ -47,6 +47,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--num-attention-heads", type=int, default=4)
     p.add_argument("--ffn-hidden-size", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout")
     p.add_argument("--overlap-grad-reduce", action="store_true", help="Megatron DDP's bucketed overlap")
     p.add_argument("--ddp-bucket-size", type=int, default=None, help="DistributedDataParallelConfig.bucket_size")
     p.add_argument("--data", default=None, help="text file (default: tinyshakespeare if present, else the "
@@ -75,7 +76,7 @@ def build(opts: argparse.Namespace, tp_size: int) -> tuple[Any, Any, Any]:
     config = TransformerConfig(
         num_layers=opts.num_layers, hidden_size=opts.hidden_size, num_attention_heads=opts.num_attention_heads,
         ffn_hidden_size=opts.ffn_hidden_size, tensor_model_parallel_size=tp_size, use_cpu_initialization=True,
-        hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
+        hidden_dropout=opts.dropout, attention_dropout=opts.dropout, gradient_accumulation_fusion=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, apply_rope_fusion=False)  # the fused kernels need Apex or TE
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=256,

@@ -321,3 +321,76 @@ def _two_steps(model: Any, optimizer: Any) -> list[float]:
         optimizer.step()
         losses.append(float(loss))
     return losses
+
+
+ACTIVATION_PLANS = {
+    "keep": {"planner": False, "keep": ["decoder.layers.*"]},
+    "recompute": {"planner": False, "recompute": ["decoder.layers.*"]},
+    "compress": {"planner": False, "compress": ["decoder.layers.*"]},
+    "offload": {"planner": False, "offload": ["decoder.layers.*"]},
+    "planner": {"budget_fraction": 0.5, "options": ["keep", "recompute", "compress", "offload"]},
+}
+"""The lossless activation plans `tp2_activations` runs (the ``"activations"`` section of each)."""
+
+
+def tp2_activations(rank: int, world: int, tmp: str, steps: int, plans: dict[str, dict]) -> dict:
+    """TP=2 on 2 ranks with dropout on: plain Megatron, then each activations plan; and full recompute
+    with Megatron's RNG tracker left alone in recomputation (the control that shows the restore matters)."""
+    import torch
+
+    from xirang_ds.integration import megatron_compat
+
+    ex = example()
+    created = ex.setup(rank, world, 2)
+
+    def plan_of(model: Any, optimizer: Any, session: Any) -> dict:
+        plugin = session.plugin("activations")
+        arena = megatron_compat.global_memory_buffer_tensors()
+        return {"plan": dict(plugin.plan), "state": plugin.state, "candidates": list(plugin._candidates),
+                "layers": [name for name, _ in megatron_compat.transformer_layers(megatron_compat.unwrap(model))],
+                "arena_view_packable": [plugin.runtime.eligible(t.view(-1)[: t.numel() // 2]) for t in arena],
+                "plain_tensor_packable": plugin.runtime.eligible(torch.ones(4096))}
+
+    try:
+        common = ["--steps", str(steps), "--overlap-grad-reduce", "--dropout", "0.1"]
+        out = {"plain": ex.train(ex.parse_args(common))}
+        for name, section in plans.items():
+            block = {"monitor": {"enabled": True}, "activations": {"enabled": True, **section}}
+            config = write_block(os.path.join(tmp, f"{name}{rank}.json"), block)
+            out[name] = ex.train(ex.parse_args(common + ["--xirang-config", config]), plan_of)
+        get, set_ = megatron_compat.rng_tracker_states, megatron_compat.set_rng_tracker_states
+        megatron_compat.rng_tracker_states, megatron_compat.set_rng_tracker_states = dict, lambda states: None
+        try:
+            config = write_block(os.path.join(tmp, f"norng{rank}.json"),
+                                 {"monitor": {"enabled": True}, "activations": {"enabled": True,
+                                                                                **plans["recompute"]}})
+            out["recompute_without_tracker"] = ex.train(ex.parse_args(common + ["--xirang-config", config]))
+        finally:
+            megatron_compat.rng_tracker_states, megatron_compat.set_rng_tracker_states = get, set_
+        out["removal"] = activations_removal(ex, write_block(os.path.join(tmp, f"removal{rank}.json"), {
+            "activations": {"enabled": True, **plans["recompute"]}}))
+        out["bad_glob"] = config_error(ex, {"activations": {"enabled": True, "planner": False,
+                                                            "recompute": ["decoder.layer.*"]}}, tmp)
+        return out
+    finally:
+        ex.teardown(created)
+
+
+def activations_removal(ex: Any, config: str) -> dict:
+    """Build with an activations plan, remove the session: which forwards are still replaced."""
+    model, optimizer, session = ex.build(ex.parse_args(["--xirang-config", config]), 2)
+    replaced_before = sorted(n for n, m in model.named_modules() if "forward" in vars(m))
+    session.remove()
+    return {"before": replaced_before, "after": sorted(n for n, m in model.named_modules() if "forward" in vars(m))}
+
+
+def config_error(ex: Any, block: dict, tmp: str) -> str:
+    """The XirangConfigError building with ``block`` gives (``""`` when it builds)."""
+    from xirang_ds.config.validate import XirangConfigError
+
+    config = write_block(os.path.join(tmp, f"error{len(os.listdir(tmp))}.json"), block)
+    try:
+        ex.build(ex.parse_args(["--xirang-config", config]), 2)[2].remove()
+    except XirangConfigError as e:
+        return str(e)
+    return ""

@@ -328,6 +328,7 @@ ACTIVATION_PLANS = {
     "recompute": {"planner": False, "recompute": ["decoder.layers.*"]},
     "compress": {"planner": False, "compress": ["decoder.layers.*"]},
     "offload": {"planner": False, "offload": ["decoder.layers.*"]},
+    "recompute_offload": {"planner": False, "recompute_offload": ["decoder.layers.*"]},
     "planner": {"budget_fraction": 0.5, "options": ["keep", "recompute", "compress", "offload"]},
 }
 """The lossless activation plans `tp2_activations` runs (the ``"activations"`` section of each)."""
@@ -371,6 +372,8 @@ def tp2_activations(rank: int, world: int, tmp: str, steps: int, plans: dict[str
             "activations": {"enabled": True, **plans["recompute"]}}))
         out["bad_glob"] = config_error(ex, {"activations": {"enabled": True, "planner": False,
                                                             "recompute": ["decoder.layer.*"]}}, tmp)
+        out["selective"] = config_error(ex, {"activations": {"enabled": True, "planner": False,
+                                                             "selective_recompute": ["decoder.layers.0"]}}, tmp)
         return out
     finally:
         ex.teardown(created)

@@ -1,7 +1,7 @@
 """The activations plugin under Megatron-core: GPTModel (local spec) at tensor-parallel size 2 over gloo,
 dropout 0.1, 2 micro-batches per step, 3 steps, through ``examples/megatron_gpt.py``.
 
-* Every lossless plan (keep, recompute, compress, offload, and the planner choosing among them under
+* Every lossless plan (keep, recompute, compress, offload, recompute_offload, and the planner choosing among them under
   half the kept bytes) gives losses bit-identical to plain Megatron on both ranks.
 * Recomputation restores Megatron's RNG tracker: without that restore the same run's losses move.
 * Activation bytes per rank (the tracker's activations role at the step peak) drop.
@@ -17,7 +17,7 @@ from xirang_ds.launch import run_ranks
 pytest.importorskip("megatron.core")
 
 STEPS = 3
-LOSSLESS = ("keep", "recompute", "compress", "offload", "planner")
+LOSSLESS = ("keep", "recompute", "compress", "offload", "recompute_offload", "planner")
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +56,8 @@ def test_activation_bytes_per_rank_drop(runs):
         assert _activations(r["recompute"]) < 0.6 * plain
         assert _activations(r["offload"]) < 0.1 * plain
         assert r["offload"]["memory"]["peak_by_category"]["host"] > 0.8 * plain
+        assert _activations(r["recompute_offload"]) < 0.6 * plain
+        assert r["recompute_offload"]["memory"]["peak_by_category"]["host"] > 0  # the layers' inputs
         assert _activations(r["planner"]) < 0.6 * plain  # budget_fraction 0.5, measured at the peak
         for name in ("recompute", "offload", "planner"):
             assert r[name]["memory"]["peak_bytes"] < r["plain"]["memory"]["peak_bytes"], name
@@ -83,12 +85,15 @@ def test_global_memory_buffer_views_are_never_packed(runs):
 
 
 @pytest.mark.distributed
-def test_remove_restores_forwards_and_bad_glob_names_key_value_and_fix(runs):
+def test_remove_restores_forwards_and_bad_input_names_key_value_and_fix(runs):
     for r in runs:
         assert r["removal"]["before"] == ["module", "module.decoder.layers.0", "module.decoder.layers.1"]
         assert r["removal"]["after"] == []
         assert ("xirang.activations.recompute[0]: 'decoder.layer.*' matches no module of the model; module names "
                 "look like") in r["bad_glob"]
+        assert ("xirang.activations.selective_recompute: 'decoder.layers.0': selective recompute is not supported "
+                "under Megatron-core") in r["selective"]
+        assert "use recompute" in r["selective"]
 
 
 @pytest.mark.parametrize("restore", [True, False])

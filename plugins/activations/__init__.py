@@ -120,15 +120,22 @@ class ActivationsPlugin(Plugin):
                                                     problems)
         self.options = self.config.options
         zero = self.session.ds_config.get("zero_optimization") or {}
-        if isinstance(zero, dict) and zero.get("stage") == 3:
+        without_selective = None
+        if megatron:
+            # local attention masks the baddbmm output in place (transformer/utils.py
+            # attention_mask_func: masked_fill_), and torch refuses a mutated selective-checkpoint cache.
+            without_selective = ("under Megatron-core (local attention masks the cached attention scores in "
+                                 "place, which selective checkpointing refuses)")
+        elif isinstance(zero, dict) and zero.get("stage") == 3:
             # ZeRO-3's own linear function and selective checkpointing's op cache do not give
             # bit-identical gradients (measured); full recompute, compress and offload do.
+            without_selective = "with ZeRO stage 3 (its gradients are not bit-identical there)"
+        if without_selective is not None:
             self.options = tuple(o for o in self.options if o != "selective_recompute")
             for name, option in self._fixed.items():
                 if option == "selective_recompute":
                     problems.append((f"{PATH}.selective_recompute", f"{name!r}: selective recompute is not supported "
-                                                                    "with ZeRO stage 3 (its gradients are not "
-                                                                    "bit-identical there); use recompute"))
+                                                                    f"{without_selective}; use recompute"))
         if problems:
             raise XirangConfigError(problems)
         self._tolerant = tolerant_names(model, self.config)

@@ -106,50 +106,17 @@ def train(opts: argparse.Namespace, inspect: Optional[Callable[[Any, Any, Any], 
             removed; its dict joins the results (the tests count storages independently with it).
     """
     from megatron.core import parallel_state
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from xirang_ds.data import batches, find_default_corpus, load_tokens
-
-    tokens = load_tokens(opts.data or find_default_corpus())  # host data, loaded before any tracking
-    model, optimizer, session = build(opts, parallel_state.get_tensor_model_parallel_world_size())
-    config = model.config
-    config.finalize_model_grads_func = finalize_model_grads
-    if opts.overlap_grad_reduce:
-        config.no_sync_func = model.no_sync
+    model, optimizer, session, data = build_loop(opts)
     tracker, watch, run = _tracker(session, model, optimizer)
-    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    data = batches(tokens, opts.micro_batch_size, opts.seq_length, seed=opts.seed, rank=dp_rank,
-                   world_size=dp_size)
-    device = next(model.parameters()).device
-    seq = opts.seq_length
-    position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(opts.micro_batch_size, seq)
-    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), 1).view(1, 1, seq, seq)
-
-    def forward_step(data_iterator: Any, chunk: Any) -> tuple[torch.Tensor, Any]:
-        inputs, labels = (t.to(device) for t in next(data_iterator))
-        output = chunk(inputs, position_ids, mask, labels=labels)  # per-token loss [b, s]
-
-        def loss_func(out: torch.Tensor) -> tuple[torch.Tensor, dict]:
-            loss = out.float().mean()
-            return loss, {"lm loss": loss.detach()}
-
-        return output, loss_func
-
-    forward_backward = get_forward_backward_func()
+    run_step = step_function(opts, model, optimizer, data)
     losses, times, window = [], [], None
     for step in range(opts.steps):
         if step == opts.steps - 1 and tracker is not None:
             window = tracker.open_window()
         start = time.perf_counter()
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        micro = forward_backward(forward_step_func=forward_step, data_iterator=data, model=[model],
-                                 num_microbatches=opts.num_microbatches, seq_length=seq,
-                                 micro_batch_size=opts.micro_batch_size, forward_only=False)
-        optimizer.step()
+        losses.append(run_step())
         times.append(time.perf_counter() - start)
-        losses.append(sum(float(m["lm loss"]) for m in micro) / len(micro))
     result = {"losses": losses, "median_step_s": sorted(times)[len(times) // 2],
               "rank": torch.distributed.get_rank(), "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
               "plugins": [p.section for p in session.plugins] if session else [],
@@ -169,6 +136,63 @@ def train(opts: argparse.Namespace, inspect: Optional[Callable[[Any, Any, Any], 
         run.remove()
         tracker.stop()
     return result
+
+
+def build_loop(opts: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
+    """`build`, Megatron's schedule hooks on the model config, and this rank's batches.
+
+    Returns:
+        ``(model, optimizer, session, data)``; ``data`` yields ``(inputs, labels)`` micro-batches.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+
+    from xirang_ds.data import batches, find_default_corpus, load_tokens
+
+    tokens = load_tokens(opts.data or find_default_corpus())  # host data, loaded before any tracking
+    model, optimizer, session = build(opts, parallel_state.get_tensor_model_parallel_world_size())
+    config = model.config
+    config.finalize_model_grads_func = finalize_model_grads
+    if opts.overlap_grad_reduce:
+        config.no_sync_func = model.no_sync
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    data = batches(tokens, opts.micro_batch_size, opts.seq_length, seed=opts.seed, rank=dp_rank,
+                   world_size=dp_size)
+    return model, optimizer, session, data
+
+
+def step_function(opts: argparse.Namespace, model: Any, optimizer: Any, data: Any) -> Callable[[], float]:
+    """One optimizer step per call over ``data`` (``opts.num_microbatches`` micro-batches through
+    Megatron's ``get_forward_backward_func``); each call returns the step's mean loss."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    device = next(model.parameters()).device
+    seq = opts.seq_length
+    position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(opts.micro_batch_size, seq)
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), 1).view(1, 1, seq, seq)
+
+    def forward_step(data_iterator: Any, chunk: Any) -> tuple[torch.Tensor, Any]:
+        inputs, labels = (t.to(device) for t in next(data_iterator))
+        output = chunk(inputs, position_ids, mask, labels=labels)  # per-token loss [b, s]
+
+        def loss_func(out: torch.Tensor) -> tuple[torch.Tensor, dict]:
+            loss = out.float().mean()
+            return loss, {"lm loss": loss.detach()}
+
+        return output, loss_func
+
+    forward_backward = get_forward_backward_func()
+
+    def run_step() -> float:
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        micro = forward_backward(forward_step_func=forward_step, data_iterator=data, model=[model],
+                                 num_microbatches=opts.num_microbatches, seq_length=seq,
+                                 micro_batch_size=opts.micro_batch_size, forward_only=False)
+        optimizer.step()
+        return sum(float(m["lm loss"]) for m in micro) / len(micro)
+
+    return run_step
 
 
 def _tracker(session: Any, model: Any, optimizer: Any) -> tuple[Any, Any, Any]:

@@ -107,8 +107,9 @@ def train(opts: argparse.Namespace, inspect: Optional[Callable[[Any, Any, Any], 
     """
     from megatron.core import parallel_state
 
-    model, optimizer, session, data = build_loop(opts)
+    model, optimizer, session, make_data = build_loop(opts)
     tracker, watch, run = _tracker(session, model, optimizer)
+    data = make_data()
     run_step = step_function(opts, model, optimizer, data)
     losses, times, window = [], [], None
     for step in range(opts.steps):
@@ -138,11 +139,12 @@ def train(opts: argparse.Namespace, inspect: Optional[Callable[[Any, Any, Any], 
     return result
 
 
-def build_loop(opts: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
+def build_loop(opts: argparse.Namespace) -> tuple[Any, Any, Any, Callable[[], Any]]:
     """`build`, Megatron's schedule hooks on the model config, and this rank's batches.
 
     Returns:
-        ``(model, optimizer, session, data)``; ``data`` yields ``(inputs, labels)`` micro-batches.
+        ``(model, optimizer, session, make_data)``; ``make_data()`` returns an iterator of
+        ``(inputs, labels)`` micro-batches, from the first.
     """
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
@@ -156,9 +158,12 @@ def build_loop(opts: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     if opts.overlap_grad_reduce:
         config.no_sync_func = model.no_sync
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    data = batches(tokens, opts.micro_batch_size, opts.seq_length, seed=opts.seed, rank=dp_rank,
-                   world_size=dp_size)
-    return model, optimizer, session, data
+
+    def make_data() -> Any:
+        return batches(tokens, opts.micro_batch_size, opts.seq_length, seed=opts.seed, rank=dp_rank,
+                       world_size=dp_size)
+
+    return model, optimizer, session, make_data
 
 
 def step_function(opts: argparse.Namespace, model: Any, optimizer: Any, data: Any) -> Callable[[], float]:

@@ -458,8 +458,8 @@ def states_resume(ex: Any, opts: Any, before: int, after: int) -> dict:
     fresh build loads both and trains the same ``after`` steps on the same batches."""
     import copy
 
-    model, optimizer, session, data = ex.build_loop(opts)
-    run_step = ex.step_function(opts, model, optimizer, data)
+    model, optimizer, session, make_data = ex.build_loop(opts)
+    run_step = ex.step_function(opts, model, optimizer, make_data())
     for _ in range(before):
         run_step()
     saved_model = copy.deepcopy(model.module.state_dict())
@@ -467,7 +467,8 @@ def states_resume(ex: Any, opts: Any, before: int, after: int) -> dict:
     continued = [run_step() for _ in range(after)]
     formats = session.plugin("optimizer_states").optimizer.format_numel()
     session.remove()
-    model, optimizer, session, data = ex.build_loop(opts)
+    model, optimizer, session, make_data = ex.build_loop(opts)
+    data = make_data()
     for _ in range(before * opts.num_microbatches):
         next(data)
     model.module.load_state_dict(saved_model)
@@ -482,16 +483,22 @@ def states_resume(ex: Any, opts: Any, before: int, after: int) -> dict:
 
 def states_removal(ex: Any, opts: Any, steps: int) -> dict:
     """Train ``steps`` with the plugin, remove it, train ``steps`` more; and plain Megatron for 2 x ``steps``."""
-    model, optimizer, session, data = ex.build_loop(opts)
-    run_step = ex.step_function(opts, model, optimizer, data)
+    model, optimizer, session, make_data = ex.build_loop(opts)
+    run_step = ex.step_function(opts, model, optimizer, make_data())
     losses = [run_step() for _ in range(steps)]
     from xirang_ds.integration.megatron_compat import inner_optimizers
 
     during = [type(o).__name__ for o in inner_optimizers(optimizer)]
+    try:
+        optimizer.sharded_state_dict({})
+        sharded = ""
+    except RuntimeError as e:
+        sharded = str(e)
     session.remove()
     after = [type(o).__name__ for o in inner_optimizers(optimizer)]
     losses += [run_step() for _ in range(steps)]
     plain_opts = ex.parse_args([])
-    model, optimizer, _, data = ex.build_loop(plain_opts)
-    run_step = ex.step_function(plain_opts, model, optimizer, data)
-    return {"losses": losses, "plain": [run_step() for _ in range(2 * steps)], "during": during, "after": after}
+    model, optimizer, _, make_data = ex.build_loop(plain_opts)
+    run_step = ex.step_function(plain_opts, model, optimizer, make_data())
+    return {"losses": losses, "plain": [run_step() for _ in range(2 * steps)], "during": during, "after": after,
+            "sharded": sharded, "sharded_after_removal": "sharded_state_dict" in vars(optimizer.chained_optimizers[0])}

@@ -7,7 +7,8 @@ gloo, Megatron's DDP and its FP32Optimizer around torch.optim.AdamW, through ``e
   per quantized element; parameters replicated on the TP group stay bit-identical on both ranks.
 * Megatron's optimizer ``state_dict`` / ``load_state_dict`` round trip resumes bit for bit (int8 codes,
   a format change and stochastic rounding included); removal hands Megatron a torch AdamW that continues
-  exactly like plain Megatron; a bad glob names key, value and fix.
+  exactly like plain Megatron; Megatron's distributed checkpoint is refused with the fix; a bad glob
+  names key, value and fix.
 """
 import pytest
 
@@ -75,6 +76,8 @@ def test_remove_hands_back_adamw_and_bad_glob_names_key_value_and_fix(runs):
         removal = r["removal"]
         assert removal["during"] == ["DynamicAdamW"] and removal["after"] == ["AdamW"]
         assert removal["losses"] == removal["plain"]
+        assert "--ckpt-format torch_dist) needs every optimizer state shaped like its parameter" in removal["sharded"]
+        assert "save with --ckpt-format torch" in removal["sharded"] and not removal["sharded_after_removal"]
         assert ("xirang.optimizer_states.keep_fp32[0]: 'decoder.layer.*' matches no parameter name (globs match "
                 "whole names, e.g. embedding.word_embeddings.weight") in r["bad_glob"]
         assert "fix the pattern or remove it" in r["bad_glob"]

@@ -13,6 +13,11 @@ Read in megatron-core 0.16.1 (``megatron/core/optimizer/``):
 * Each member's ``state_dict``/``load_state_dict`` are the inner optimizer's (``FP32Optimizer``
   L998-L1011): codes, scales, formats and the rounding generator travel in Megatron's checkpoint as
   `DynamicAdamW.state_dict` writes them.
+* Megatron's distributed checkpoints (``sharded_state_dict``, Megatron-LM ``--ckpt-format torch_dist``)
+  map every state tensor onto the parameter's shape and fill empty states with fp32 zeros through
+  ``init_state_fn`` before loading; quantized codes do not have the parameter's shape, so that path is
+  refused with the fix (``--ckpt-format torch``, which saves through ``state_dict``) rather than
+  writing a checkpoint that cannot be read.
 * Tensor parallelism: every rank steps its own shard. A parameter replicated on the tensor-parallel
   group (norms, row-parallel biases, position embeddings: ``tensor_model_parallel`` unset) must stay
   bit-identical on every rank of the group, so its states stay fp32, and so does the vocab-parallel
@@ -26,6 +31,7 @@ import torch
 
 from xirang_ds.config.schema import OptimizerStatesConfig
 from xirang_ds.config.validate import XirangConfigError
+from xirang_ds.hooks import wrap_method
 from xirang_ds.plugins.optimizer_states.build import _client_kind, _group_decoupled, settings_from_client
 from xirang_ds.plugins.optimizer_states.optimizer import DynamicAdamW, config_to_dict
 
@@ -49,12 +55,15 @@ def megatron_keep_reasons(model: torch.nn.Module, config: OptimizerStatesConfig)
     return reasons
 
 
-def replace_inner(optimizer: Any, config: OptimizerStatesConfig, kept: dict[int, str]
-                  ) -> list[tuple[Any, torch.optim.Optimizer, DynamicAdamW]]:
+Replaced = tuple[Any, torch.optim.Optimizer, DynamicAdamW, Any]
+"""``(member, original torch optimizer, replacement, handle of the sharded_state_dict guard)``."""
+
+
+def replace_inner(optimizer: Any, config: OptimizerStatesConfig, kept: dict[int, str]) -> list[Replaced]:
     """Put a `DynamicAdamW` in place of each member's ``torch.optim`` Adam/AdamW.
 
     Returns:
-        ``(member, original, replacement)`` per member, for `restore_inner`.
+        One `Replaced` per member, for `restore_inner`.
 
     Raises:
         XirangConfigError: a member's optimizer is not Adam/AdamW (Megatron's ``--optimizer sgd``),
@@ -93,8 +102,15 @@ def replace_inner(optimizer: Any, config: OptimizerStatesConfig, kept: dict[int,
             if state:
                 new.state[p] = dict(state)  # torch.optim.Adam(W) states are this optimizer's fp32 format
         member.optimizer = new
-        out.append((member, inner, new))
+        out.append((member, inner, new, wrap_method(member, "sharded_state_dict", _refuse_sharded)))
     return out
+
+
+def _refuse_sharded(original: Any, *args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("xirang optimizer_states: Megatron's distributed checkpoint (sharded_state_dict, Megatron-LM "
+                       "--ckpt-format torch_dist) needs every optimizer state shaped like its parameter, and the "
+                       "quantized states are not; save with --ckpt-format torch (optimizer.state_dict(), which "
+                       "carries them), or set xirang.optimizer_states.enabled to false")
 
 
 def kept_steps(member: Any, kept: dict[int, str]) -> list[torch.Tensor]:
@@ -109,10 +125,11 @@ def kept_steps(member: Any, kept: dict[int, str]) -> list[torch.Tensor]:
     return out
 
 
-def restore_inner(replaced: list[tuple[Any, torch.optim.Optimizer, DynamicAdamW]]) -> None:
+def restore_inner(replaced: list[Replaced]) -> None:
     """Give each member its ``torch.optim`` object back, holding the states decoded to fp32."""
     from xirang_ds.plugins.optimizer_states.export import to_torch_optimizer
 
-    for member, original, new in replaced:
+    for member, original, new, handle in replaced:
+        handle.remove()
         if member.optimizer is new:
             member.optimizer = to_torch_optimizer(new, into=original)

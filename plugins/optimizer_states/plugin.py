@@ -90,9 +90,9 @@ class OptimizerStatesPlugin(Plugin):
             from xirang_ds.plugins.optimizer_states.megatron_compat import replace_inner
 
             self._replaced = replace_inner(optimizer, self.config, self._kept_ids)
-            self.optimizers = [new for _, _, new in self._replaced]
+            self.optimizers = [new for _, _, new, _ in self._replaced]
             self.optimizer = self.optimizers[0] if self.optimizers else None
-            self.source = f"Megatron's {', '.join(sorted({type(old).__name__ for _, old, _ in self._replaced}))}"
+            self.source = f"Megatron's {', '.join(sorted({type(old).__name__ for _, old, _, _ in self._replaced}))}"
             return optimizer
         if isinstance(optimizer, OptimizerSpec):
             self.source = f"ds_config optimizer {optimizer.type}"

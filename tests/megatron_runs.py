@@ -502,3 +502,39 @@ def states_removal(ex: Any, opts: Any, steps: int) -> dict:
     run_step = ex.step_function(plain_opts, model, optimizer, make_data())
     return {"losses": losses, "plain": [run_step() for _ in range(2 * steps)], "during": during, "after": after,
             "sharded": sharded, "sharded_after_removal": "sharded_state_dict" in vars(optimizer.chained_optimizers[0])}
+
+
+def tp2_precision(rank: int, world: int, tmp: str, steps: int) -> dict:
+    """TP=2 on 2 ranks: plain fp32 Megatron, then xirang.precision (bf16, on-demand weight copies);
+    removal; the settings refused under Megatron."""
+    from xirang_ds.integration import megatron as xm
+
+    ex = example()
+    created = ex.setup(rank, world, 2)
+
+    def rules(model: Any, optimizer: Any, session: Any) -> dict:
+        plugin = session.plugin("precision")
+        return {"megatron_layers": list(plugin.rules.megatron_layers), "dtype": str(plugin.plan.dtype),
+                "param_dtypes": sorted({str(p.dtype) for p in model.parameters()})}
+
+    try:
+        common = ["--steps", str(steps), "--overlap-grad-reduce"]
+        out = {"plain": ex.train(ex.parse_args(common))}
+        config = write_block(os.path.join(tmp, f"precision{rank}.json"), {"precision": {"enabled": True}})
+        out["bf16"] = ex.train(ex.parse_args(common + ["--xirang-config", config]), rules)
+        model, optimizer, session = ex.build(ex.parse_args(["--xirang-config", config]), 2)
+        wrapped = sorted(n for n, m in model.named_modules() if vars(m).keys() & {"forward", "compute_language_model_loss"})
+        session.remove()
+        out["removal"] = {"before": wrapped, "after": sorted(
+            n for n, m in model.named_modules() if vars(m).keys() & {"forward", "compute_language_model_loss"})}
+        refused = {}
+        for key, value in (("dtype", "fp16"), ("weight_copies", "persistent")):
+            try:
+                xm.build_session({"xirang": {"precision": {"enabled": True, key: value}}})
+                refused[key] = ""
+            except Exception as e:  # XirangConfigError
+                refused[key] = str(e)
+        out["refused"] = refused
+        return out
+    finally:
+        ex.teardown(created)

@@ -35,7 +35,12 @@ UPSTREAM_NAMES: dict[str, tuple[str, ...]] = {
         "def get_tensor_model_parallel_world_size", "def get_tensor_model_parallel_group",
         "def get_data_parallel_group"),
     "megatron/core/utils.py": ("class GlobalMemoryBuffer", "self.buffer = {}"),
-    "megatron/core/optimizer/optimizer.py": ("self.chained_optimizers",),
+    "megatron/core/optimizer/optimizer.py": (
+        "self.chained_optimizers", "self.float16_groups", "self.fp32_from_float16_groups", "def sharded_state_dict",
+        "def load_state_dict"),
+    # optimizer_states refuses the distributed optimizer; precision keeps the LM loss in fp32
+    "megatron/core/optimizer/distrib_optimizer.py": ("class DistributedOptimizer",),
+    "megatron/core/models/common/language_module/language_module.py": ("def compute_language_model_loss(self, labels",),
     "megatron/core/optimizer/optimizer_config.py": (
         "use_precision_aware_optimizer:", "exp_avg_dtype:", "exp_avg_sq_dtype:", "optimizer_cpu_offload:"),
     "megatron/core/transformer/transformer_config.py": (

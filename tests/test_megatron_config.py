@@ -242,3 +242,19 @@ def test_preset_leaves_off_what_megatron_cannot_run_but_not_what_the_user_names(
     assert not resolved.grad_release.enabled
     with pytest.raises(XirangConfigError, match="xirang.grad_release.enabled: the grad_release plugin does not run"):
         xm.validate_for_megatron({"preset": "balanced", "grad_release": {"enabled": True}})
+
+
+def test_optimizer_states_refuse_megatron_lm_distributed_checkpoints():
+    from xirang_ds.config.loader import validate_block
+    from xirang_ds.integration.megatron_conflicts import check_args
+
+    states = validate_block({"optimizer_states": {"enabled": True}})
+    issues = check_args(states, argparse.Namespace(save="/ckpt", ckpt_format="torch_dist"))
+    assert issues == [("xirang.optimizer_states.enabled",
+                       "Megatron-LM would save a distributed checkpoint (--ckpt-format torch_dist), which maps every "
+                       "optimizer state onto its parameter's shape, and quantized states are not shaped so; use "
+                       "--ckpt-format torch (Megatron's optimizer state_dict carries them), or set "
+                       "xirang.optimizer_states.enabled to false")]
+    assert check_args(states, argparse.Namespace(save="/ckpt", ckpt_format="torch")) == []
+    assert check_args(states, argparse.Namespace(save=None, ckpt_format="torch_dist")) == []  # nothing saved
+    assert check_args(validate_block({}), argparse.Namespace(save="/ckpt", ckpt_format="torch_dist")) == []

@@ -47,6 +47,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--num-attention-heads", type=int, default=4)
     p.add_argument("--ffn-hidden-size", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout")
     p.add_argument("--overlap-grad-reduce", action="store_true", help="Megatron DDP's bucketed overlap")
     p.add_argument("--ddp-bucket-size", type=int, default=None, help="DistributedDataParallelConfig.bucket_size")
     p.add_argument("--data", default=None, help="text file (default: tinyshakespeare if present, else the "
@@ -75,7 +76,7 @@ def build(opts: argparse.Namespace, tp_size: int) -> tuple[Any, Any, Any]:
     config = TransformerConfig(
         num_layers=opts.num_layers, hidden_size=opts.hidden_size, num_attention_heads=opts.num_attention_heads,
         ffn_hidden_size=opts.ffn_hidden_size, tensor_model_parallel_size=tp_size, use_cpu_initialization=True,
-        hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
+        hidden_dropout=opts.dropout, attention_dropout=opts.dropout, gradient_accumulation_fusion=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, apply_rope_fusion=False)  # the fused kernels need Apex or TE
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=256,
@@ -105,50 +106,18 @@ def train(opts: argparse.Namespace, inspect: Optional[Callable[[Any, Any, Any], 
             removed; its dict joins the results (the tests count storages independently with it).
     """
     from megatron.core import parallel_state
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from xirang_ds.data import batches, find_default_corpus, load_tokens
-
-    tokens = load_tokens(opts.data or find_default_corpus())  # host data, loaded before any tracking
-    model, optimizer, session = build(opts, parallel_state.get_tensor_model_parallel_world_size())
-    config = model.config
-    config.finalize_model_grads_func = finalize_model_grads
-    if opts.overlap_grad_reduce:
-        config.no_sync_func = model.no_sync
+    model, optimizer, session, make_data = build_loop(opts)
     tracker, watch, run = _tracker(session, model, optimizer)
-    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    data = batches(tokens, opts.micro_batch_size, opts.seq_length, seed=opts.seed, rank=dp_rank,
-                   world_size=dp_size)
-    device = next(model.parameters()).device
-    seq = opts.seq_length
-    position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(opts.micro_batch_size, seq)
-    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), 1).view(1, 1, seq, seq)
-
-    def forward_step(data_iterator: Any, chunk: Any) -> tuple[torch.Tensor, Any]:
-        inputs, labels = (t.to(device) for t in next(data_iterator))
-        output = chunk(inputs, position_ids, mask, labels=labels)  # per-token loss [b, s]
-
-        def loss_func(out: torch.Tensor) -> tuple[torch.Tensor, dict]:
-            loss = out.float().mean()
-            return loss, {"lm loss": loss.detach()}
-
-        return output, loss_func
-
-    forward_backward = get_forward_backward_func()
+    data = make_data()
+    run_step = step_function(opts, model, optimizer, data)
     losses, times, window = [], [], None
     for step in range(opts.steps):
         if step == opts.steps - 1 and tracker is not None:
             window = tracker.open_window()
         start = time.perf_counter()
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        micro = forward_backward(forward_step_func=forward_step, data_iterator=data, model=[model],
-                                 num_microbatches=opts.num_microbatches, seq_length=seq,
-                                 micro_batch_size=opts.micro_batch_size, forward_only=False)
-        optimizer.step()
+        losses.append(run_step())
         times.append(time.perf_counter() - start)
-        losses.append(sum(float(m["lm loss"]) for m in micro) / len(micro))
     result = {"losses": losses, "median_step_s": sorted(times)[len(times) // 2],
               "rank": torch.distributed.get_rank(), "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
               "plugins": [p.section for p in session.plugins] if session else [],
@@ -168,6 +137,67 @@ def train(opts: argparse.Namespace, inspect: Optional[Callable[[Any, Any, Any], 
         run.remove()
         tracker.stop()
     return result
+
+
+def build_loop(opts: argparse.Namespace) -> tuple[Any, Any, Any, Callable[[], Any]]:
+    """`build`, Megatron's schedule hooks on the model config, and this rank's batches.
+
+    Returns:
+        ``(model, optimizer, session, make_data)``; ``make_data()`` returns an iterator of
+        ``(inputs, labels)`` micro-batches, from the first.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+
+    from xirang_ds.data import batches, find_default_corpus, load_tokens
+
+    tokens = load_tokens(opts.data or find_default_corpus())  # host data, loaded before any tracking
+    model, optimizer, session = build(opts, parallel_state.get_tensor_model_parallel_world_size())
+    config = model.config
+    config.finalize_model_grads_func = finalize_model_grads
+    if opts.overlap_grad_reduce:
+        config.no_sync_func = model.no_sync
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+    def make_data() -> Any:
+        return batches(tokens, opts.micro_batch_size, opts.seq_length, seed=opts.seed, rank=dp_rank,
+                       world_size=dp_size)
+
+    return model, optimizer, session, make_data
+
+
+def step_function(opts: argparse.Namespace, model: Any, optimizer: Any, data: Any) -> Callable[[], float]:
+    """One optimizer step per call over ``data`` (``opts.num_microbatches`` micro-batches through
+    Megatron's ``get_forward_backward_func``); each call returns the step's mean loss."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    device = next(model.parameters()).device
+    seq = opts.seq_length
+    position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(opts.micro_batch_size, seq)
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), 1).view(1, 1, seq, seq)
+
+    def forward_step(data_iterator: Any, chunk: Any) -> tuple[torch.Tensor, Any]:
+        inputs, labels = (t.to(device) for t in next(data_iterator))
+        output = chunk(inputs, position_ids, mask, labels=labels)  # per-token loss [b, s]
+
+        def loss_func(out: torch.Tensor) -> tuple[torch.Tensor, dict]:
+            loss = out.float().mean()
+            return loss, {"lm loss": loss.detach()}
+
+        return output, loss_func
+
+    forward_backward = get_forward_backward_func()
+
+    def run_step() -> float:
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        micro = forward_backward(forward_step_func=forward_step, data_iterator=data, model=[model],
+                                 num_microbatches=opts.num_microbatches, seq_length=seq,
+                                 micro_batch_size=opts.micro_batch_size, forward_only=False)
+        optimizer.step()
+        return sum(float(m["lm loss"]) for m in micro) / len(micro)
+
+    return run_step
 
 
 def _tracker(session: Any, model: Any, optimizer: Any) -> tuple[Any, Any, Any]:

@@ -321,3 +321,220 @@ def _two_steps(model: Any, optimizer: Any) -> list[float]:
         optimizer.step()
         losses.append(float(loss))
     return losses
+
+
+ACTIVATION_PLANS = {
+    "keep": {"planner": False, "keep": ["decoder.layers.*"]},
+    "recompute": {"planner": False, "recompute": ["decoder.layers.*"]},
+    "compress": {"planner": False, "compress": ["decoder.layers.*"]},
+    "offload": {"planner": False, "offload": ["decoder.layers.*"]},
+    "recompute_offload": {"planner": False, "recompute_offload": ["decoder.layers.*"]},
+    "planner": {"budget_fraction": 0.5, "options": ["keep", "recompute", "compress", "offload"]},
+}
+"""The lossless activation plans `tp2_activations` runs (the ``"activations"`` section of each)."""
+
+
+def tp2_activations(rank: int, world: int, tmp: str, steps: int, plans: dict[str, dict]) -> dict:
+    """TP=2 on 2 ranks with dropout on: plain Megatron, then each activations plan; and full recompute
+    with Megatron's RNG tracker left alone in recomputation (the control that shows the restore matters)."""
+    import torch
+
+    from xirang_ds.integration import megatron_compat
+
+    ex = example()
+    created = ex.setup(rank, world, 2)
+
+    def plan_of(model: Any, optimizer: Any, session: Any) -> dict:
+        plugin = session.plugin("activations")
+        arena = megatron_compat.global_memory_buffer_tensors()
+        return {"plan": dict(plugin.plan), "state": plugin.state, "candidates": list(plugin._candidates),
+                "layers": [name for name, _ in megatron_compat.transformer_layers(megatron_compat.unwrap(model))],
+                "arena_view_packable": [plugin.runtime.eligible(t.view(-1)[: t.numel() // 2]) for t in arena],
+                "plain_tensor_packable": plugin.runtime.eligible(torch.ones(4096))}
+
+    try:
+        common = ["--steps", str(steps), "--overlap-grad-reduce", "--dropout", "0.1"]
+        out = {"plain": ex.train(ex.parse_args(common))}
+        for name, section in plans.items():
+            block = {"monitor": {"enabled": True}, "activations": {"enabled": True, **section}}
+            config = write_block(os.path.join(tmp, f"{name}{rank}.json"), block)
+            out[name] = ex.train(ex.parse_args(common + ["--xirang-config", config]), plan_of)
+        get, set_ = megatron_compat.rng_tracker_states, megatron_compat.set_rng_tracker_states
+        megatron_compat.rng_tracker_states, megatron_compat.set_rng_tracker_states = dict, lambda states: None
+        try:
+            config = write_block(os.path.join(tmp, f"norng{rank}.json"),
+                                 {"monitor": {"enabled": True}, "activations": {"enabled": True,
+                                                                                **plans["recompute"]}})
+            out["recompute_without_tracker"] = ex.train(ex.parse_args(common + ["--xirang-config", config]))
+        finally:
+            megatron_compat.rng_tracker_states, megatron_compat.set_rng_tracker_states = get, set_
+        out["removal"] = activations_removal(ex, write_block(os.path.join(tmp, f"removal{rank}.json"), {
+            "activations": {"enabled": True, **plans["recompute"]}}))
+        out["bad_glob"] = config_error(ex, {"activations": {"enabled": True, "planner": False,
+                                                            "recompute": ["decoder.layer.*"]}}, tmp)
+        out["selective"] = config_error(ex, {"activations": {"enabled": True, "planner": False,
+                                                             "selective_recompute": ["decoder.layers.0"]}}, tmp)
+        return out
+    finally:
+        ex.teardown(created)
+
+
+def activations_removal(ex: Any, config: str) -> dict:
+    """Build with an activations plan, remove the session: which forwards are still replaced."""
+    model, optimizer, session = ex.build(ex.parse_args(["--xirang-config", config]), 2)
+    replaced_before = sorted(n for n, m in model.named_modules() if "forward" in vars(m))
+    session.remove()
+    return {"before": replaced_before, "after": sorted(n for n, m in model.named_modules() if "forward" in vars(m))}
+
+
+def config_error(ex: Any, block: dict, tmp: str) -> str:
+    """The XirangConfigError building with ``block`` gives (``""`` when it builds)."""
+    from xirang_ds.config.validate import XirangConfigError
+
+    config = write_block(os.path.join(tmp, f"error{len(os.listdir(tmp))}.json"), block)
+    try:
+        ex.build(ex.parse_args(["--xirang-config", config]), 2)[2].remove()
+    except XirangConfigError as e:
+        return str(e)
+    return ""
+
+
+STATE_SCHEDULES = {
+    "fp32": {"schedule": [{"dtype": "fp32"}]},
+    "int8": {"schedule": [{"dtype": "int8"}]},
+    "int4": {"schedule": [{"dtype": "int4"}]},
+}
+"""The optimizer_states sections `tp2_optimizer_states` runs."""
+
+
+def _states_inspect(model: Any, optimizer: Any, session: Any) -> dict:
+    """Per-rank figures of a run with optimizer_states: formats, bytes, replicated parameters' values."""
+    import zlib
+
+    from xirang_ds.integration.megatron_compat import inner_optimizers, unwrap
+
+    out: dict = {"inner": [type(o).__name__ for o in inner_optimizers(optimizer)],
+                 "replicated": {n: zlib.crc32(p.detach().numpy().tobytes()) for n, p in unwrap(model).named_parameters()
+                                if not getattr(p, "tensor_model_parallel", False)}}
+    plugin = session.plugin("optimizer_states") if session else None
+    if plugin is not None:
+        opts = plugin.optimizers
+        quantized = [(o, p) for o in opts for p, s in o.state.items() if s and o.state_format(p) != "fp32"]
+        out.update(formats=[o.format_numel() for o in opts], held=sum(o.state_nbytes() for o in opts),
+                   quantized_numel=sum(p.numel() for _, p in quantized),
+                   quantized_bytes=sum(o.state_nbytes(p) for o, p in quantized),
+                   kept=dict(plugin.keep_reasons))
+    return out
+
+
+def tp2_optimizer_states(rank: int, world: int, tmp: str, steps: int, schedules: dict[str, dict]) -> dict:
+    """TP=2 on 2 ranks: plain Megatron, then each optimizer_states schedule; a checkpoint round trip
+    through Megatron's optimizer state_dict; removal mid-run; bad input."""
+    ex = example()
+    created = ex.setup(rank, world, 2)
+    try:
+        common = ["--steps", str(steps), "--overlap-grad-reduce"]
+        out = {"plain": ex.train(ex.parse_args(common), _states_inspect)}
+        for name, section in schedules.items():
+            config = write_block(os.path.join(tmp, f"{name}{rank}.json"),
+                                 {"optimizer_states": {"enabled": True, **section}})
+            out[name] = ex.train(ex.parse_args(common + ["--xirang-config", config]), _states_inspect)
+        config = write_block(os.path.join(tmp, f"resume{rank}.json"), {"optimizer_states": {
+            "enabled": True, "stochastic_rounding": True, "schedule": [{"dtype": "fp32", "until_step": 2},
+                                                                       {"dtype": "int8"}]}})
+        out["resume"] = states_resume(ex, ex.parse_args(["--xirang-config", config]), 3, 2)
+        config = write_block(os.path.join(tmp, f"removal{rank}.json"),
+                             {"optimizer_states": {"enabled": True, **schedules["fp32"]}})
+        out["removal"] = states_removal(ex, ex.parse_args(["--xirang-config", config]), 2)
+        out["bad_glob"] = config_error(ex, {"optimizer_states": {"enabled": True, "keep_fp32": ["decoder.layer.*"]}},
+                                       tmp)
+        return out
+    finally:
+        ex.teardown(created)
+
+
+def states_resume(ex: Any, opts: Any, before: int, after: int) -> dict:
+    """Train ``before`` steps, save model and Megatron optimizer state dicts, train ``after`` more; then a
+    fresh build loads both and trains the same ``after`` steps on the same batches."""
+    import copy
+
+    model, optimizer, session, make_data = ex.build_loop(opts)
+    run_step = ex.step_function(opts, model, optimizer, make_data())
+    for _ in range(before):
+        run_step()
+    saved_model = copy.deepcopy(model.module.state_dict())
+    saved_optimizer = copy.deepcopy(optimizer.state_dict())
+    continued = [run_step() for _ in range(after)]
+    formats = session.plugin("optimizer_states").optimizer.format_numel()
+    session.remove()
+    model, optimizer, session, make_data = ex.build_loop(opts)
+    data = make_data()
+    for _ in range(before * opts.num_microbatches):
+        next(data)
+    model.module.load_state_dict(saved_model)
+    optimizer.load_state_dict(saved_optimizer)
+    run_step = ex.step_function(opts, model, optimizer, data)
+    resumed = [run_step() for _ in range(after)]
+    session.remove()
+    codes = sorted({str(t.dtype) for st in saved_optimizer["state"].values() for k, t in st.items()
+                    if k.endswith("_codes")})
+    return {"continued": continued, "resumed": resumed, "formats": formats, "saved_codes": codes}
+
+
+def states_removal(ex: Any, opts: Any, steps: int) -> dict:
+    """Train ``steps`` with the plugin, remove it, train ``steps`` more; and plain Megatron for 2 x ``steps``."""
+    model, optimizer, session, make_data = ex.build_loop(opts)
+    run_step = ex.step_function(opts, model, optimizer, make_data())
+    losses = [run_step() for _ in range(steps)]
+    from xirang_ds.integration.megatron_compat import inner_optimizers
+
+    during = [type(o).__name__ for o in inner_optimizers(optimizer)]
+    try:
+        optimizer.sharded_state_dict({})
+        sharded = ""
+    except RuntimeError as e:
+        sharded = str(e)
+    session.remove()
+    after = [type(o).__name__ for o in inner_optimizers(optimizer)]
+    losses += [run_step() for _ in range(steps)]
+    plain_opts = ex.parse_args([])
+    model, optimizer, _, make_data = ex.build_loop(plain_opts)
+    run_step = ex.step_function(plain_opts, model, optimizer, make_data())
+    return {"losses": losses, "plain": [run_step() for _ in range(2 * steps)], "during": during, "after": after,
+            "sharded": sharded, "sharded_after_removal": "sharded_state_dict" in vars(optimizer.chained_optimizers[0])}
+
+
+def tp2_precision(rank: int, world: int, tmp: str, steps: int) -> dict:
+    """TP=2 on 2 ranks: plain fp32 Megatron, then xirang.precision (bf16, on-demand weight copies);
+    removal; the settings refused under Megatron."""
+    from xirang_ds.integration import megatron as xm
+
+    ex = example()
+    created = ex.setup(rank, world, 2)
+
+    def rules(model: Any, optimizer: Any, session: Any) -> dict:
+        plugin = session.plugin("precision")
+        return {"megatron_layers": list(plugin.rules.megatron_layers), "dtype": str(plugin.plan.dtype),
+                "param_dtypes": sorted({str(p.dtype) for p in model.parameters()})}
+
+    try:
+        common = ["--steps", str(steps), "--overlap-grad-reduce"]
+        out = {"plain": ex.train(ex.parse_args(common))}
+        config = write_block(os.path.join(tmp, f"precision{rank}.json"), {"precision": {"enabled": True}})
+        out["bf16"] = ex.train(ex.parse_args(common + ["--xirang-config", config]), rules)
+        model, optimizer, session = ex.build(ex.parse_args(["--xirang-config", config]), 2)
+        wrapped = sorted(n for n, m in model.named_modules() if vars(m).keys() & {"forward", "compute_language_model_loss"})
+        session.remove()
+        out["removal"] = {"before": wrapped, "after": sorted(
+            n for n, m in model.named_modules() if vars(m).keys() & {"forward", "compute_language_model_loss"})}
+        refused = {}
+        for key, value in (("dtype", "fp16"), ("weight_copies", "persistent")):
+            try:
+                xm.build_session({"xirang": {"precision": {"enabled": True, key: value}}})
+                refused[key] = ""
+            except Exception as e:  # XirangConfigError
+                refused[key] = str(e)
+        out["refused"] = refused
+        return out
+    finally:
+        ex.teardown(created)

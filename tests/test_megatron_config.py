@@ -50,8 +50,8 @@ def test_flag_accepts_the_deepspeed_demo_config():
                              "checkpoint_dir": "x"}}},
      "xirang.monitor.actions: 'halve_micro_batch' is not available with Megatron-core (allowed there: "
      "'empty_cache')"),
-    ({"xirang": {"optimizer_states": {"enabled": True}}}, "xirang.optimizer_states.enabled: the "
-                                                         "optimizer_states plugin does not run under megatron yet"),
+    ({"xirang": {"grad_release": {"enabled": True}}}, "xirang.grad_release.enabled: the "
+                                                     "grad_release plugin does not run under megatron yet"),
     ({"train_micro_batch_size_per_gpu": 8}, 'has no "xirang" block; add one'),
     ("{not json", "JSON syntax error at line 1"),
 ])
@@ -238,6 +238,23 @@ def test_seams_for_plugins_on_megatron_layers(megatron_cases):
 def test_preset_leaves_off_what_megatron_cannot_run_but_not_what_the_user_names(tmp_path):
     resolved = xm.validate_for_megatron({"preset": "balanced"})
     assert resolved.comm_buffers.enabled and resolved.monitor.enabled
-    assert not resolved.grad_release.enabled and not resolved.optimizer_states.enabled
+    assert resolved.activations.enabled and resolved.optimizer_states.enabled  # both run under Megatron
+    assert not resolved.grad_release.enabled
     with pytest.raises(XirangConfigError, match="xirang.grad_release.enabled: the grad_release plugin does not run"):
         xm.validate_for_megatron({"preset": "balanced", "grad_release": {"enabled": True}})
+
+
+def test_optimizer_states_refuse_megatron_lm_distributed_checkpoints():
+    from xirang_ds.config.loader import validate_block
+    from xirang_ds.integration.megatron_conflicts import check_args
+
+    states = validate_block({"optimizer_states": {"enabled": True}})
+    issues = check_args(states, argparse.Namespace(save="/ckpt", ckpt_format="torch_dist"))
+    assert issues == [("xirang.optimizer_states.enabled",
+                       "Megatron-LM would save a distributed checkpoint (--ckpt-format torch_dist), which maps every "
+                       "optimizer state onto its parameter's shape, and quantized states are not shaped so; use "
+                       "--ckpt-format torch (Megatron's optimizer state_dict carries them), or set "
+                       "xirang.optimizer_states.enabled to false")]
+    assert check_args(states, argparse.Namespace(save="/ckpt", ckpt_format="torch")) == []
+    assert check_args(states, argparse.Namespace(save=None, ckpt_format="torch_dist")) == []  # nothing saved
+    assert check_args(validate_block({}), argparse.Namespace(save="/ckpt", ckpt_format="torch_dist")) == []

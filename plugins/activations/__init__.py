@@ -15,6 +15,14 @@ Lifecycle:
 4. ``state_dict`` carries the plan, so a resumed run skips profiling and uses the same plan.
 5. ``remove``: every wrapper goes; the model runs as without the plugin.
 
+Under Megatron-core (docs/megatron.md) the plugin attaches to the integration's ``MegatronRun``:
+``auto`` candidates are the ``TransformerLayer``s and their children; the profiles are agreed and
+the plan checked over the tensor- and data-parallel groups (a recomputed layer re-issues its
+tensor-parallel all-reduce, so every rank must recompute the same modules); a recomputation restores
+Megatron's RNG tracker states along with torch's; views of Megatron's ``GlobalMemoryBuffer`` are
+never packed; ds_config's ``activation_checkpointing`` does not apply (Megatron's own recompute flags
+are refused next to the plugin by ``integration/megatron_conflicts.py``).
+
 Run-time seams for other plugins: `ActivationsPlugin.raise_recompute` and
 `ActivationsPlugin.raise_compression` (the monitor's actions), and `set_storage_provider` (memory
 lent to compressed activations; see `storage.py`). With the ``memory_pool`` section on, payloads
@@ -38,6 +46,7 @@ from xirang_ds.plugins.activations.planning import (
     OtherPeak,
     agree,
     build_tree,
+    check_agreed,
     check_memory_budget,
     choose,
     escalation,
@@ -67,6 +76,8 @@ class ActivationsPlugin(Plugin):
         plan_text: the plan table logged on rank 0.
     """
 
+    frameworks = ("deepspeed", "megatron")
+
     def __init__(self, config: ActivationsConfig, session: Any):
         super().__init__(config, session)
         self.plan: dict[str, str] = {}
@@ -90,25 +101,44 @@ class ActivationsPlugin(Plugin):
         self._passes = 0
         self._other_peak: Optional[OtherPeak] = None
         self._engine: Any = None
+        self._model: Any = None
+        """The model the names refer to (under Megatron the chunk inside DDP / Float16Module)."""
+        self._groups: tuple = (None,)
+        """Process groups the profiles and the plan are agreed over."""
         self._bandwidth: Optional[float] = None
         self.options: tuple[str, ...] = config.options
 
     # seams ----------------------------------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module) -> None:
         problems: list[tuple[str, str]] = []
-        self._candidates = find_candidates(model, self.config, problems) if self.config.planner else []
-        self._fixed, self._ds_settings = fixed_plan(model, self.config, self.session.ds_config, problems)
+        megatron = self.session.framework == "megatron"
+        blocks = None
+        if megatron:
+            from xirang_ds.integration.megatron_compat import transformer_layers
+
+            blocks = [name for name, _ in transformer_layers(model)]
+        self._candidates = find_candidates(model, self.config, problems, blocks) if self.config.planner else []
+        # under Megatron the file's DeepSpeed keys (activation_checkpointing) do not apply
+        self._fixed, self._ds_settings = fixed_plan(model, self.config, {} if megatron else self.session.ds_config,
+                                                    problems)
         self.options = self.config.options
         zero = self.session.ds_config.get("zero_optimization") or {}
-        if isinstance(zero, dict) and zero.get("stage") == 3:
+        without_selective = None
+        if megatron:
+            # local attention masks the baddbmm output in place (transformer/utils.py
+            # attention_mask_func: masked_fill_), and torch refuses a mutated selective-checkpoint cache.
+            without_selective = ("under Megatron-core (local attention masks the cached attention scores in "
+                                 "place, which selective checkpointing refuses)")
+        elif isinstance(zero, dict) and zero.get("stage") == 3:
             # ZeRO-3's own linear function and selective checkpointing's op cache do not give
             # bit-identical gradients (measured); full recompute, compress and offload do.
+            without_selective = "with ZeRO stage 3 (its gradients are not bit-identical there)"
+        if without_selective is not None:
             self.options = tuple(o for o in self.options if o != "selective_recompute")
             for name, option in self._fixed.items():
                 if option == "selective_recompute":
                     problems.append((f"{PATH}.selective_recompute", f"{name!r}: selective recompute is not supported "
-                                                                    "with ZeRO stage 3 (its gradients are not "
-                                                                    "bit-identical there); use recompute"))
+                                                                    f"{without_selective}; use recompute"))
         if problems:
             raise XirangConfigError(problems)
         self._tolerant = tolerant_names(model, self.config)
@@ -119,14 +149,22 @@ class ActivationsPlugin(Plugin):
         self._engine = engine
         acc = get_accelerator()
         tracker = self.session.tracker
+        rng = arenas = None
+        self._model = engine.module
+        if self.session.framework == "megatron":
+            from xirang_ds.integration import megatron_compat as mc
+
+            self._model = mc.unwrap(engine.module)
+            self._groups = tuple(mc.agreement_groups())
+            rng, arenas = (mc.rng_tracker_states, mc.set_rng_tracker_states), mc.global_memory_buffer_tensors
         self.runtime = Runtime(
             torch.device(engine.device), self.config.min_tensor_bytes, self.config.offload_prefetch,
             self.config.quantize_block_size, self.config.sparsify_threshold, tracker.host_tier,
             lambda: tracker.scope(ACTIVATIONS),
             mark=lambda t: tracker.mark([t], ACTIVATIONS) if tracker.active else None,
             synchronize=acc.synchronize if self._ds_settings.get("synchronize") else None,
-            timings=self.recompute_timings if self._ds_settings.get("profile") else None)
-        model = engine.module
+            timings=self.recompute_timings if self._ds_settings.get("profile") else None, rng=rng, arenas=arenas)
+        model = self._model
         check_memory_budget(self.session.config.memory_budget, engine)
         self.runtime.eligible.refresh(model)
         modules = dict(model.named_modules())
@@ -146,6 +184,7 @@ class ActivationsPlugin(Plugin):
                                else self.runtime.offloader.measure_bandwidth())
         else:
             self._apply({name: option for name, option in self._fixed.items()})
+            check_agreed(self.plan, self.runtime.device, self._groups)
             self.state = "planned"
             self._log_plan()
         self._use_pool()
@@ -199,7 +238,7 @@ class ActivationsPlugin(Plugin):
         plan = state.get("plan") or {}
         if not plan:
             return
-        unknown = [n for n in plan if n not in self.wrappers and n not in dict(self._engine.module.named_modules())]
+        unknown = [n for n in plan if n not in self.wrappers and n not in dict(self._model.named_modules())]
         if unknown:
             raise XirangConfigError([(PATH, f"the checkpoint's activation plan names modules this model does not "
                                             f"have ({', '.join(unknown[:4])}); load it into the same model")])
@@ -212,7 +251,7 @@ class ActivationsPlugin(Plugin):
         self.planned_peaks = tuple(peaks) if peaks else None
         self._close_other_peak()
         self.runtime.profiler = None
-        modules = dict(self._engine.module.named_modules())
+        modules = dict(self._model.named_modules())
         for name in plan:
             if name not in self.wrappers:
                 self.wrappers[name] = ModuleWrapper(name, modules[name], self.runtime)
@@ -263,7 +302,7 @@ class ActivationsPlugin(Plugin):
         rt = self.runtime
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
-        rt.eligible.refresh(self._engine.module)
+        rt.eligible.refresh(self._model)
         rt.offloader.end_forward()
         if self.state == "profiling":
             if self._passes == self.config.profile_steps:
@@ -301,7 +340,7 @@ class ActivationsPlugin(Plugin):
         rt.offloader.synchronize()
         rt.offloader.pool.clear()  # profiling offloaded everything; the plan's own buffers pool anew
         other = self._close_other_peak()
-        extra = agree(profiles, [-self._bandwidth, float(other or 0)], rt.device)
+        extra = agree(profiles, [-self._bandwidth, float(other or 0)], rt.device, self._groups)
         self._bandwidth, other = -extra[0], (int(extra[1]) if other is not None else None)
         self.profiles = profiles
         self.budget_bytes = resolve_budget(self.config, self.session.config.memory_budget,
@@ -314,6 +353,7 @@ class ActivationsPlugin(Plugin):
         self.figures = self._figures(roots, before, after, other)
         self.planned_peaks = estimate_peak(roots, self.choices, before, after)
         self._apply({name: c.option for name, c in self.choices.items()})
+        check_agreed(self.plan, rt.device, self._groups)
         self.state = "planned"
         self._log_plan()
 

@@ -2,7 +2,8 @@
 modules is priced, and the budget is resolved."""
 from __future__ import annotations
 
-from typing import Any, Optional
+import zlib
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -18,17 +19,23 @@ _FIELDS = ("calls", "before_bytes", "saved_bytes", "largest_bytes", "small_bytes
 PATH = "xirang.activations"
 
 
-def agree(profiles: dict[str, ModuleProfile], extras: list[float], device: torch.device) -> list[float]:
+def agree(profiles: dict[str, ModuleProfile], extras: list[float], device: torch.device,
+          groups: Sequence[Any] = (None,)) -> list[float]:
     """Make every rank hold the same profiles: the maximum of every figure over ranks (one
-    ``all_reduce``), so all ranks plan alike. ``extras`` are reduced with them and returned."""
-    import deepspeed.comm as dist
+    ``all_reduce`` per group in ``groups``; ``None`` is the default group), so all ranks plan alike.
+    ``extras`` are reduced with them and returned.
+
+    ``torch.distributed`` directly: under DeepSpeed ``deepspeed.comm`` runs on the same process group,
+    and under Megatron it is not initialised at all."""
+    import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return extras
     names = sorted(profiles)
     values = [float(getattr(profiles[n], f)) for n in names for f in _FIELDS] + [float(x) for x in extras]
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    for group in groups:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     out = t.tolist()
     i = 0
     for n in names:
@@ -37,6 +44,30 @@ def agree(profiles: dict[str, ModuleProfile], extras: list[float], device: torch
             setattr(profiles[n], f, int(value) if isinstance(getattr(profiles[n], f), int) else value)
             i += 1
     return out[i:]
+
+
+def check_agreed(plan_: dict[str, str], device: torch.device,
+                 groups: Sequence[Any] = (None,)) -> None:
+    """Fail on every rank at once when the ranks of ``groups`` hold different plans.
+
+    Recomputing a module re-issues its collectives (a row-parallel layer's all-reduce), so ranks
+    with different plans would wait on each other forever in backward. The plans come from agreed
+    profiles and are equal by construction; this check makes that a tested fact, not an assumption.
+
+    Raises:
+        RuntimeError: naming this rank's plan.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    digest = float(zlib.crc32(repr(sorted(plan_.items())).encode()))
+    spread = torch.tensor([digest, -digest], dtype=torch.float64, device=device)
+    for group in groups:
+        dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=group)
+    if spread[0] != -spread[1]:  # the largest digest differs from the smallest
+        raise RuntimeError(f"xirang activations: ranks planned differently (this rank: {plan_}); recomputation "
+                           "would deadlock on the tensor-parallel collectives")
 
 
 def _inside(name: str, ancestor: str) -> bool:
@@ -129,7 +160,7 @@ def check_memory_budget(requested: object, engine: Any) -> None:
         return
     from xirang_ds.memory.engine_roles import model_state_bytes
 
-    held = model_state_bytes(engine)
+    held = engine.model_state_bytes() if hasattr(engine, "model_state_bytes") else model_state_bytes(engine)
     if int(requested) < held:
         raise XirangConfigError([("xirang.memory_budget",
                                   f"{format_bytes(int(requested))} is below what this rank's model states already "
@@ -144,7 +175,7 @@ class OtherPeak:
 
     Args:
         session: the xirang session (its tracker).
-        engine: the DeepSpeed engine (roles for a private tracker).
+        engine: the DeepSpeed engine or Megatron's ``MegatronRun`` (roles for a private tracker).
     """
 
     def __init__(self, session: Any, engine: Any):
@@ -153,11 +184,14 @@ class OtherPeak:
         tracker = session.tracker
         if torch.device(engine.device).type == "cpu":
             if not tracker.active:
-                from xirang_ds.memory.engine_roles import watch_engine
                 from xirang_ds.memory.tracker import MemoryTracker
 
+                if session.framework == "megatron":
+                    from xirang_ds.integration.megatron_run import watch_run as watch
+                else:
+                    from xirang_ds.memory.engine_roles import watch_engine as watch
                 tracker = MemoryTracker()
-                self._watch = (tracker, watch_engine(tracker, engine))
+                self._watch = (tracker, watch(tracker, engine))
                 tracker.start()
             self._window = tracker.open_window()
 

@@ -130,7 +130,61 @@ def selective_context(recompute_scope: Callable[[], ContextManager],
     return context_fn
 
 
-def run_checkpointed(original: Callable, args: tuple, kwargs: dict, context_fn: Callable[[], tuple]) -> Any:
-    """``original(*args, **kwargs)`` under non-reentrant checkpointing with ``context_fn``."""
-    fn = functools.partial(original, **kwargs) if kwargs else original
+RngStates = tuple[Callable[[], Any], Callable[[Any], None]]
+"""``(get, set)`` of generator states the framework keeps outside torch's own (Megatron's RNG tracker)."""
+
+
+def run_checkpointed(original: Callable, args: tuple, kwargs: dict, context_fn: Callable[[], tuple],
+                     rng: Optional[RngStates] = None) -> Any:
+    """``original(*args, **kwargs)`` under non-reentrant checkpointing with ``context_fn``.
+
+    ``preserve_rng_state`` restores torch's generators for the recomputation. ``rng`` adds the
+    framework's own: their states at this forward are put back for the recomputation and the states
+    of that moment restored after it, as ``megatron.core.tensor_parallel.checkpoint`` does for its
+    RNG tracker (random.py ``CheckpointFunction``), so dropout inside tensor-parallel regions draws
+    the same masks and the run's later draws are not shifted.
+
+    Tensor keyword arguments are passed to the checkpoint positionally: it saves positional inputs
+    through the saved-tensor hooks active around it (an offload context then holds them in host
+    memory) and only closes over keyword ones. Megatron's ``TransformerBlock`` calls each layer with
+    keywords only (``hidden_states=``, ``attention_mask=``).
+    """
+    fn, args = _tensors_positional(original, args, kwargs)
+    if rng is not None:
+        fn = _with_forward_states(fn, *rng)
     return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, preserve_rng_state=True)
+
+
+def _tensors_positional(original: Callable, args: tuple, kwargs: dict) -> tuple[Callable, tuple]:
+    """``(fn, args)`` with ``fn(*args)`` calling ``original(*args, **kwargs)``, where the tensors among
+    ``kwargs`` are moved to the end of ``args``."""
+    keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    others = {k: v for k, v in kwargs.items() if k not in keys}
+    if not keys:
+        return (functools.partial(original, **others) if others else original), args
+    count = len(args)
+
+    def fn(*values: Any) -> Any:
+        return original(*values[:count], **others, **dict(zip(keys, values[count:])))
+
+    return fn, args + tuple(kwargs[k] for k in keys)
+
+
+def _with_forward_states(fn: Callable, get: Callable[[], Any], set_: Callable[[Any], None]) -> Callable:
+    """``fn`` whose calls after the first (recomputations) run with the states ``get`` returned at the first."""
+    forward_states = get()
+    calls = 0
+
+    def run(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return fn(*args)
+        now = get()
+        set_(forward_states)
+        try:
+            return fn(*args)
+        finally:
+            set_(now)
+
+    return run

@@ -113,16 +113,26 @@ class _Composed:
 
 class Eligibility:
     """Which saved tensors a handler may take: plain strided tensors on the training device that
-    are not parameters or buffers and have at least ``min_bytes`` in their storage.
+    are not parameters, buffers or views of a persistent arena, and have at least ``min_bytes`` in
+    their storage.
+
+    A persistent arena (Megatron's ``GlobalMemoryBuffer``) hands the same storage to one layer after
+    another: packing works per storage (one pack serves every later view of it), so a view of such a
+    storage must never be packed, or a later layer's view would be restored with an earlier layer's
+    bytes. It stays with autograd, exactly as without the plugin.
 
     Args:
         device_type: the training device type.
         min_bytes: smaller storages stay as they are.
+        arenas: returns the tensors of persistent arenas now (asked at every check, since an arena
+            grows during the first forward); ``None``: none.
     """
 
-    def __init__(self, device_type: str, min_bytes: int):
+    def __init__(self, device_type: str, min_bytes: int,
+                 arenas: Optional[Callable[[], list[torch.Tensor]]] = None):
         self.device_type = device_type
         self.min_bytes = min_bytes
+        self.arenas = arenas
         self.model_storages: frozenset[int] = frozenset()
 
     def refresh(self, model: torch.nn.Module) -> None:
@@ -137,7 +147,9 @@ class Eligibility:
         if type(t) is not torch.Tensor or t.layout != torch.strided or t.device.type != self.device_type:
             return False
         st = t.untyped_storage()
-        return st.nbytes() >= self.min_bytes and st.data_ptr() not in self.model_storages
+        if st.nbytes() < self.min_bytes or st.data_ptr() in self.model_storages:
+            return False
+        return self.arenas is None or all(a.untyped_storage().data_ptr() != st.data_ptr() for a in self.arenas())
 
 
 def _span_elements(t: torch.Tensor) -> int:

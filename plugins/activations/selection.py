@@ -10,7 +10,7 @@ subtrees: ``"recompute": ["blocks.*"]`` fixes each block, and what is inside a b
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Union
+from typing import Iterable, Optional, Union
 
 import torch.nn as nn
 
@@ -64,12 +64,14 @@ def outermost(names: list[str]) -> list[str]:
     return [n for n in names if not any(_inside(n, other) for other in names)]
 
 
-def find_candidates(model: nn.Module, config: ActivationsConfig, problems: Problems) -> list[str]:
-    """Modules the planner chooses for."""
+def find_candidates(model: nn.Module, config: ActivationsConfig, problems: Problems,
+                    blocks: Optional[list[str]] = None) -> list[str]:
+    """Modules the planner chooses for: ``auto`` = the repeated blocks (``blocks``, default
+    `repeated_blocks`) and their children."""
     names = module_names(model)
     if config.candidates != "auto":
         return match(config.candidates, names, f"{PATH}.candidates", problems)
-    blocks = repeated_blocks(model)
+    blocks = repeated_blocks(model) if blocks is None else blocks
     out = []
     for block in blocks:
         out.append(block)

@@ -26,6 +26,7 @@ from xirang_ds.plugins.activations.offload import Offloader
 from xirang_ds.plugins.activations.profile import Profiler
 from xirang_ds.plugins.activations.recompute import (
     RecomputeScope,
+    RngStates,
     full_context,
     run_checkpointed,
     selective_context,
@@ -57,17 +58,22 @@ class Runtime:
         synchronize: accelerator synchronize around recomputations (DeepSpeed's
             ``synchronize_checkpoint_boundary``), or ``None``.
         timings: list collecting ``(module, seconds)`` per recomputation (DeepSpeed's ``profile``).
+        rng: the framework's own generator states a recomputation restores (Megatron's RNG tracker),
+            or ``None``.
+        arenas: tensors of persistent arenas whose views are never packed (`Eligibility`), or ``None``.
     """
 
     def __init__(self, device: torch.device, min_tensor_bytes: int, prefetch: int, block_size: int,
                  threshold: float, host_tier: Callable[[], ContextManager], scope: Callable[[], ContextManager],
                  mark: Optional[Callable[[torch.Tensor], None]] = None,
-                 synchronize: Optional[Callable[[], None]] = None, timings: Optional[list] = None):
+                 synchronize: Optional[Callable[[], None]] = None, timings: Optional[list] = None,
+                 rng: Optional[RngStates] = None, arenas: Optional[Callable[[], list[torch.Tensor]]] = None):
         self.device = device
+        self.rng = rng
         self.scope = scope
         self.synchronize = synchronize
         self.timings = timings
-        self.eligible = Eligibility(device.type, min_tensor_bytes)
+        self.eligible = Eligibility(device.type, min_tensor_bytes, arenas)
         self.storage = PayloadStorage(host_tier)
         self.offloader = Offloader(device, prefetch, host_tier, scope)
         offload = OffloadHandler(self.offloader)
@@ -144,10 +150,10 @@ class ModuleWrapper:
             with PackContext(rt.keep_handler, _never):
                 return original(*args, **kwargs)
         if option in ("recompute", "selective_recompute"):
-            return run_checkpointed(original, args, kwargs, self._context_fn)
+            return run_checkpointed(original, args, kwargs, self._context_fn, rt.rng)
         with PackContext(rt.handlers[option], rt.eligible) as ctx:
             if option == "recompute_offload":
-                out = run_checkpointed(original, args, kwargs, self._context_fn)
+                out = run_checkpointed(original, args, kwargs, self._context_fn, rt.rng)
             else:
                 out = original(*args, **kwargs)
         if ctx.pushed and option in ("offload", "recompute_offload") and rt.offloader.stream is not None:

@@ -85,6 +85,9 @@ class DynamicAdamW(torch.optim.Optimizer):
         states: the ``optimizer_states`` section, as plain data or the dataclass.
         keep_fp32: keep every tensor of the group in fp32 (set per group by the plugin for
             embeddings, norms, small tensors and ``keep_fp32`` globs).
+        keep_fp32_params: parameters kept in fp32 one by one, where the groups are not the
+            plugin's to split (Megatron's groups are matched by their keys when a checkpoint loads,
+            so two halves of one group would collide).
 
     Raises:
         ValueError: a hyperparameter out of range.
@@ -105,7 +108,7 @@ class DynamicAdamW(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, adam_w_mode: bool = True,
                  maximize: bool = False, bias_correction: bool = True, states: Any = None,
-                 keep_fp32: bool = False):
+                 keep_fp32: bool = False, keep_fp32_params: Iterable[torch.Tensor] = ()):
         _check_hyper(lr, betas, eps, weight_decay)
         config = config_from_dict(states)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adam_w_mode=adam_w_mode,
@@ -113,6 +116,7 @@ class DynamicAdamW(torch.optim.Optimizer):
                         keep_fp32=keep_fp32)
         super().__init__(params, defaults)
         self.config = config
+        self._kept_ids = frozenset(id(p) for p in keep_fp32_params)
         self.policy: Policy = make_policy(config)
         self._formats: dict[tuple[str, int], StateFormat] = {}
         self._generators: dict[str, torch.Generator] = {}
@@ -293,7 +297,7 @@ class DynamicAdamW(torch.optim.Optimizer):
         return fmt
 
     def _pinned(self, p: torch.Tensor, group: Optional[dict]) -> bool:
-        return bool(group and group.get("keep_fp32")) or p.numel() < self.config.min_numel
+        return bool(group and group.get("keep_fp32")) or p.numel() < self.config.min_numel or id(p) in self._kept_ids
 
     def _group_of(self, p: torch.Tensor) -> Optional[dict]:
         return next((g for g in self.param_groups if any(q is p for q in g["params"])), None)

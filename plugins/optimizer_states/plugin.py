@@ -9,6 +9,11 @@ client's own object when there was one) holding the states decoded to fp32.
 
 The states themselves travel in DeepSpeed's checkpoints through the optimizer's ``state_dict``
 (per rank under ZeRO); the plugin's own ``state_dict`` records the settings they were made with.
+
+Under Megatron-core ``prepare_optimizer`` receives Megatron's optimizer and replaces the
+``torch.optim`` object inside each member, over the same param groups (`megatron_compat`); Megatron's
+own ``state_dict``/``load_state_dict`` then carry the states, and ``remove`` hands each member a
+``torch.optim`` object again.
 """
 from __future__ import annotations
 
@@ -35,9 +40,15 @@ class OptimizerStatesPlugin(Plugin):
         keep_reasons: why each kept parameter (by name) keeps fp32 states.
     """
 
+    frameworks = ("deepspeed", "megatron")
+
     def __init__(self, config: OptimizerStatesConfig, session):
         super().__init__(config, session)
         self.optimizer = None
+        self.optimizers: list[Any] = []
+        """Every `DynamicAdamW` built (one per member of Megatron's optimizer; else the one)."""
+        self._kept_ids: dict[int, str] = {}
+        self._replaced: list = []
         self.original: Optional[torch.optim.Optimizer] = None
         self.source = ""
         self.model: Optional[torch.nn.Module] = None
@@ -61,7 +72,12 @@ class OptimizerStatesPlugin(Plugin):
 
         self.model = model
         by_id = keep_reasons(model, self.config)  # a keep_fp32 glob matching nothing fails here
-        self.keep_reasons = {name: by_id[id(p)] for name, p in model.named_parameters() if id(p) in by_id}
+        if self.session.framework == "megatron":
+            from xirang_ds.plugins.optimizer_states.megatron_compat import megatron_keep_reasons
+
+            by_id = {**megatron_keep_reasons(model, self.config), **by_id}
+        self._kept_ids.update(by_id)  # every chunk's (Megatron calls this once per chunk)
+        self.keep_reasons.update({name: by_id[id(p)] for name, p in model.named_parameters() if id(p) in by_id})
 
     def prepare_optimizer(self, optimizer: Any) -> Any:
         from xirang_ds.plugins.optimizer_states import build
@@ -70,6 +86,14 @@ class OptimizerStatesPlugin(Plugin):
             raise XirangConfigError([("xirang.optimizer_states.enabled",
                                       "there is no optimizer to replace: add an \"optimizer\" block of type AdamW "
                                       "or Adam to ds_config, or pass a torch.optim.AdamW to initialize")])
+        if self.session.framework == "megatron":
+            from xirang_ds.plugins.optimizer_states.megatron_compat import replace_inner
+
+            self._replaced = replace_inner(optimizer, self.config, self._kept_ids)
+            self.optimizers = [new for _, _, new, _ in self._replaced]
+            self.optimizer = self.optimizers[0] if self.optimizers else None
+            self.source = f"Megatron's {', '.join(sorted({type(old).__name__ for _, old, _, _ in self._replaced}))}"
+            return optimizer
         if isinstance(optimizer, OptimizerSpec):
             self.source = f"ds_config optimizer {optimizer.type}"
             make = build.from_spec(optimizer.type, optimizer.params, self.config, self.model)
@@ -78,6 +102,7 @@ class OptimizerStatesPlugin(Plugin):
             self.source = f"client {type(optimizer).__name__}"
             self.original = optimizer
             self.optimizer = build.from_client(optimizer, self.config, self.model)
+            self.optimizers = [self.optimizer]
             return self.optimizer
         if callable(optimizer):  # a client callable: build theirs, then replace it
             self.source = "client callable"
@@ -92,6 +117,7 @@ class OptimizerStatesPlugin(Plugin):
     def _capture(self, make: Any) -> Any:
         def built(params: Any) -> Any:
             self.optimizer = make(params)
+            self.optimizers = [self.optimizer]
             return self.optimizer
 
         built.__name__ = built.__qualname__ = "DynamicAdamW"
@@ -102,10 +128,17 @@ class OptimizerStatesPlugin(Plugin):
         from xirang_ds.plugins.optimizer_states.optimizer import DynamicAdamW
 
         self.engine = engine
+        if self.session.framework == "megatron":
+            if engine.global_rank == 0:
+                logger.info("xirang optimizer_states: %s replaced by DynamicAdamW in %d member(s) of Megatron's "
+                            "optimizer; %d parameter(s) keep fp32 states", self.source, len(self._replaced),
+                            len(self.keep_reasons))
+            return
         if not isinstance(getattr(engine, "basic_optimizer", None), DynamicAdamW):
             raise RuntimeError("xirang optimizer_states: DeepSpeed did not take the optimizer this plugin built "
                                f"(basic optimizer: {type(getattr(engine, 'basic_optimizer', None)).__name__})")
         self.optimizer = engine.basic_optimizer
+        self.optimizers = [self.optimizer]
         self.keep(self.optimizer.register_format_change_hook(lambda opt, p, old, new: relink_state_views(engine)))
         self._use_pool()
         if engine.global_rank == 0:
@@ -145,6 +178,13 @@ class OptimizerStatesPlugin(Plugin):
         super().remove()
         if self.optimizer is not None:
             self.optimizer.state_pool = None
+        if self._replaced:
+            from xirang_ds.plugins.optimizer_states.megatron_compat import restore_inner
+
+            restore_inner(self._replaced)
+            self._replaced = []
+            self.engine = None
+            return
         if self.engine is None or self.optimizer is None:
             return
         from xirang_ds.plugins.optimizer_states.deepspeed_compat import swap_basic_optimizer
@@ -201,14 +241,17 @@ class OptimizerStatesPlugin(Plugin):
 
     # reporting and checkpoints ----------------------------------------------------------------
     def describe(self) -> str:
-        opt = self.optimizer
-        if opt is None:
+        if not self.optimizers:
             return "not built"
-        numel = opt.format_numel()
+        numel: dict[str, int] = {}
+        for opt in self.optimizers:
+            for k, v in opt.format_numel().items():
+                numel[k] = numel.get(k, 0) + v
         formats = (", ".join(f"{k} {v:,} elements" for k, v in numel.items()) if numel else
-                   f"created at the first step, starting in {opt.policy.initial()}")
+                   f"created at the first step, starting in {self.optimizers[0].policy.initial()}")
+        held = sum(opt.state_nbytes() for opt in self.optimizers)
         return (f"DynamicAdamW ({self.config.policy} policy) from {self.source}; states: {formats}; "
-                f"{format_bytes(opt.state_nbytes())} on this rank; {len(self.keep_reasons)} parameter(s) kept fp32")
+                f"{format_bytes(held)} on this rank; {len(self.keep_reasons)} parameter(s) kept fp32")
 
     def state_dict(self) -> dict:
         from xirang_ds.plugins.optimizer_states.optimizer import config_to_dict

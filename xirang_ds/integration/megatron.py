@@ -317,12 +317,20 @@ def prepare_optimizer(optimizer: Any, model: Sequence[Any], get_args: Optional[A
 
     Returns:
         The optimizer Megatron-LM should use from here on.
+
+    Raises:
+        XirangConfigError: a Megatron-LM argument clashes with the block (`megatron_conflicts.check_args`).
     """
     session = session_of(model)
     if session is None or optimizer is None:
         return optimizer
     margs = (get_args or _megatron_lm_args)()
     from xirang_ds.integration.megatron_compat import num_microbatches
+    from xirang_ds.integration.megatron_conflicts import check_args
+
+    problems = check_args(session.config, margs)
+    if problems:
+        raise XirangConfigError(problems)
 
     return attach(session, model, optimizer, micro_batch_size=getattr(margs, "micro_batch_size", None),
                   num_microbatches=num_microbatches())

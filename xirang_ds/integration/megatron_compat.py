@@ -32,9 +32,15 @@ UPSTREAM_NAMES: dict[str, tuple[str, ...]] = {
     # the persistent model-parallel arena (sequence-parallel all-gathers, attention workspace)
     "megatron/core/parallel_state.py": (
         "_GLOBAL_MEMORY_BUFFER = None", "def model_parallel_is_initialized", "def get_data_parallel_world_size",
-        "def get_tensor_model_parallel_world_size"),
+        "def get_tensor_model_parallel_world_size", "def get_tensor_model_parallel_group",
+        "def get_data_parallel_group"),
     "megatron/core/utils.py": ("class GlobalMemoryBuffer", "self.buffer = {}"),
-    "megatron/core/optimizer/optimizer.py": ("self.chained_optimizers",),
+    "megatron/core/optimizer/optimizer.py": (
+        "self.chained_optimizers", "self.float16_groups", "self.fp32_from_float16_groups", "def sharded_state_dict",
+        "def load_state_dict"),
+    # optimizer_states refuses the distributed optimizer; precision keeps the LM loss in fp32
+    "megatron/core/optimizer/distrib_optimizer.py": ("class DistributedOptimizer",),
+    "megatron/core/models/common/language_module/language_module.py": ("def compute_language_model_loss(self, labels",),
     "megatron/core/optimizer/optimizer_config.py": (
         "use_precision_aware_optimizer:", "exp_avg_dtype:", "exp_avg_sq_dtype:", "optimizer_cpu_offload:"),
     "megatron/core/transformer/transformer_config.py": (
@@ -51,6 +57,8 @@ UPSTREAM_NAMES: dict[str, tuple[str, ...]] = {
     "megatron/core/tensor_parallel/layers.py": (
         "class ColumnParallelLinear", "class RowParallelLinear", "class VocabParallelEmbedding",
         "ctx.save_for_backward(input, weight)", "weight.main_grad", "grad_added_to_main_grad"),
+    # the dropout generators of tensor-parallel regions, which a recomputation must restore
+    "megatron/core/tensor_parallel/random.py": ("def get_cuda_rng_tracker", "def get_states", "def set_states"),
 }
 """File → substrings that must be in it (read at every tag of `CHECKED_RANGE` by the tests)."""
 
@@ -142,6 +150,34 @@ def global_memory_buffer_tensors() -> list[torch.Tensor]:
     return [t for t in getattr(buffer, "buffer", {}).values() if isinstance(t, torch.Tensor)]
 
 
+def rng_tracker_states() -> dict[str, torch.Tensor]:
+    """A copy of Megatron's RNG tracker states (random.py L203 ``get_states``): the generators the
+    dropouts of tensor-parallel regions fork into (``get_cuda_rng_tracker().fork()``)."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return dict(get_cuda_rng_tracker().get_states())
+
+
+def set_rng_tracker_states(states: dict[str, torch.Tensor]) -> None:
+    """Put ``states`` back into Megatron's RNG tracker (random.py L211 ``set_states``). The tracker keeps
+    the dict it is given and ``fork`` writes into it, so it gets a copy and ``states`` stays as it is."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    get_cuda_rng_tracker().set_states(dict(states))
+
+
+def agreement_groups() -> list[Any]:
+    """The process groups a per-rank decision must be agreed over: the tensor-parallel group (its
+    ranks issue the same collectives inside each layer) and the data-parallel group (its ranks run
+    the same micro-batch schedule); ``[None]`` (the default group) when Megatron's state is not set up.
+    Ranks of other pipeline stages hold other layers and are left out."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return [None]
+    return [parallel_state.get_tensor_model_parallel_group(), parallel_state.get_data_parallel_group()]
+
+
 def inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     """The ``torch.optim`` objects inside a Megatron optimizer: ``ChainedOptimizer.chained_optimizers``
     (optimizer.py L1104), each a ``MegatronOptimizer`` whose ``.optimizer`` is the torch one."""
@@ -216,4 +252,5 @@ def num_microbatches() -> int | None:
 __all__ = ["CHECKED_RANGE", "OFFLOAD_MODULES", "RECOMPUTE_MODULES", "TESTED_VERSION", "UPSTREAM_NAMES",
            "buffer_tensors", "check_version", "global_memory_buffer_tensors", "grad_buffers", "gradient",
            "inner_optimizers", "is_megatron_optimizer", "megatron_version", "num_microbatches", "optimizer_configs",
-           "parallel_layers", "transformer_layers", "unwrap"]
+           "parallel_layers", "rng_tracker_states", "set_rng_tracker_states", "agreement_groups",
+           "transformer_layers", "unwrap"]

@@ -197,5 +197,19 @@ def check_optimizer(config: XirangConfig, optimizer: Any) -> Issues:
     return issues
 
 
-__all__ = ["activation_targets", "check_model", "check_optimizer", "describe", "megatron_offloaded",
+def check_args(config: XirangConfig, args: Any) -> Issues:
+    """Megatron-LM arguments that clash with the block (``prepare_optimizer`` reads them): with
+    ``--save``, a distributed checkpoint format (``--ckpt-format torch_dist``, Megatron-LM's default)
+    maps every optimizer state onto its parameter's shape, which quantized states do not have."""
+    fmt = getattr(args, "ckpt_format", "torch")
+    if config.optimizer_states.enabled and getattr(args, "save", None) and fmt != "torch":
+        return [("xirang.optimizer_states.enabled",
+                 f"Megatron-LM would save a distributed checkpoint (--ckpt-format {fmt}), which maps every optimizer "
+                 "state onto its parameter's shape, and quantized states are not shaped so; use "
+                 "--ckpt-format torch (Megatron's optimizer state_dict carries them), or set "
+                 "xirang.optimizer_states.enabled to false")]
+    return []
+
+
+__all__ = ["activation_targets", "check_args", "check_model", "check_optimizer", "describe", "megatron_offloaded",
            "megatron_recomputed", "setting"]

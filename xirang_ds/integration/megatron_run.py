@@ -113,6 +113,19 @@ class MegatronRun:
         ddp_config = getattr(self.module, "ddp_config", None)
         return 1 if getattr(ddp_config, "use_distributed_optimizer", False) else 0
 
+    def model_state_bytes(self) -> int:
+        """Device bytes the model states hold now, each storage once: the allocator's figure on
+        accelerators; on CPU the chunks' parameters, DDP's grad (and param) buffers, the optimizer's
+        masters and states (what ``memory_budget`` must leave room for)."""
+        if self.device.type != "cpu":
+            return int(torch.cuda.memory_allocated(self.device))
+        grads, params = buffer_tensors(self.model_chunks)
+        tensors = [p for chunk in self.model_chunks for p in chunk.parameters()] + grads + params
+        for opt in self.basic_optimizers:
+            tensors += [p for g in opt.param_groups for p in g["params"]] + optimizer_state_tensors(opt)
+        seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.numel()}
+        return sum(seen.values())
+
     def remove(self) -> None:
         """Stop routing ``optimizer.step`` through the run."""
         self._handle.remove()

@@ -1,0 +1,135 @@
+"""`DynamicAdamW` inside Megatron-core's optimizer: the seams of docs/megatron.md, in one place.
+
+Read in megatron-core 0.16.1 (``megatron/core/optimizer/``):
+
+* ``get_megatron_optimizer`` returns a ``ChainedOptimizer`` whose members (``FP32Optimizer``,
+  ``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer``) each hold the ``torch.optim`` Adam or
+  AdamW as ``.optimizer`` (``xirang_ds.integration.megatron_compat.inner_optimizers``). That object is
+  replaced by a `DynamicAdamW` over the very same param-group dicts: Megatron's LR scheduler writes
+  ``lr``/``weight_decay`` into them, and ``load_state_dict`` matches saved groups to them by
+  ``wd_mult``/``lr_mult``/``is_expert_parallel``/``is_decoupled_lr`` (optimizer.py L383
+  ``_filter_and_reorder_param_groups``), so the groups are neither split nor copied: fp32-kept
+  parameters are named one by one (``keep_fp32_params``).
+* Each member's ``state_dict``/``load_state_dict`` are the inner optimizer's (``FP32Optimizer``
+  L998-L1011): codes, scales, formats and the rounding generator travel in Megatron's checkpoint as
+  `DynamicAdamW.state_dict` writes them.
+* Megatron's distributed checkpoints (``sharded_state_dict``, Megatron-LM ``--ckpt-format torch_dist``)
+  map every state tensor onto the parameter's shape and fill empty states with fp32 zeros through
+  ``init_state_fn`` before loading; quantized codes do not have the parameter's shape, so that path is
+  refused with the fix (``--ckpt-format torch``, which saves through ``state_dict``) rather than
+  writing a checkpoint that cannot be read.
+* Tensor parallelism: every rank steps its own shard. A parameter replicated on the tensor-parallel
+  group (norms, row-parallel biases, position embeddings: ``tensor_model_parallel`` unset) must stay
+  bit-identical on every rank of the group, so its states stay fp32, and so does the vocab-parallel
+  embedding's shard (found by module type) under ``keep_fp32_embeddings_and_norms``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from xirang_ds.config.schema import OptimizerStatesConfig
+from xirang_ds.config.validate import XirangConfigError
+from xirang_ds.hooks import wrap_method
+from xirang_ds.plugins.optimizer_states.build import _client_kind, _group_decoupled, settings_from_client
+from xirang_ds.plugins.optimizer_states.optimizer import DynamicAdamW, config_to_dict
+
+SECTION = "xirang.optimizer_states"
+
+
+def megatron_keep_reasons(model: torch.nn.Module, config: OptimizerStatesConfig) -> dict[int, str]:
+    """Reasons to keep fp32 states that only Megatron's layers give (by parameter ``id``): replicated
+    on the tensor-parallel group, or the vocab-parallel embedding's shard."""
+    from xirang_ds.integration.megatron_compat import parallel_layers
+
+    reasons: dict[int, str] = {}
+    if config.keep_fp32_embeddings_and_norms:
+        for name, module, kind in parallel_layers(model):
+            if kind == "vocab":
+                for p in module.parameters(recurse=False):
+                    reasons[id(p)] = f"embedding (VocabParallelEmbedding {name})"
+    for name, p in model.named_parameters():
+        if not getattr(p, "tensor_model_parallel", False):
+            reasons.setdefault(id(p), "replicated on the tensor-parallel group (kept bit-identical across its ranks)")
+    return reasons
+
+
+Replaced = tuple[Any, torch.optim.Optimizer, DynamicAdamW, Any]
+"""``(member, original torch optimizer, replacement, handle of the sharded_state_dict guard)``."""
+
+
+def replace_inner(optimizer: Any, config: OptimizerStatesConfig, kept: dict[int, str]) -> list[Replaced]:
+    """Put a `DynamicAdamW` in place of each member's ``torch.optim`` Adam/AdamW.
+
+    Returns:
+        One `Replaced` per member, for `restore_inner`.
+
+    Raises:
+        XirangConfigError: a member's optimizer is not Adam/AdamW (Megatron's ``--optimizer sgd``),
+            or uses amsgrad; nothing is replaced then.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    members = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    problems = []
+    for i, member in enumerate(members):
+        inner = getattr(member, "optimizer", None)
+        if isinstance(member, DistributedOptimizer):
+            problems.append((f"{SECTION}.enabled",
+                             "Megatron's distributed optimizer (--use-distributed-optimizer) steps 1-D shards of its "
+                             "buckets whose boundaries do not follow tensors; optimizer_states does not handle those "
+                             "shards yet. Drop --use-distributed-optimizer or set "
+                             f"{SECTION}.enabled to false"))
+        elif _client_kind(inner) is None:
+            problems.append((f"{SECTION}.enabled",
+                             f"member {i} of Megatron's optimizer ({type(member).__name__}) steps "
+                             f"{type(inner).__module__}.{type(inner).__name__}; optimizer_states replaces Adam and "
+                             "AdamW only (Megatron-LM --optimizer adam); use it, or set "
+                             f"{SECTION}.enabled to false"))
+    if problems:
+        raise XirangConfigError(problems)
+    out = []
+    for member in members:
+        inner = member.optimizer
+        settings = settings_from_client(inner)
+        kind = _client_kind(inner)
+        for group in inner.param_groups:
+            group["adam_w_mode"] = _group_decoupled(kind, group, settings.adam_w_mode)
+        new = DynamicAdamW(inner.param_groups, **settings.as_kwargs(), states=config_to_dict(config),
+                           keep_fp32_params=kept_steps(member, kept))
+        for p, state in inner.state.items():
+            if state:
+                new.state[p] = dict(state)  # torch.optim.Adam(W) states are this optimizer's fp32 format
+        member.optimizer = new
+        out.append((member, inner, new, wrap_method(member, "sharded_state_dict", _refuse_sharded)))
+    return out
+
+
+def _refuse_sharded(original: Any, *args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("xirang optimizer_states: Megatron's distributed checkpoint (sharded_state_dict, Megatron-LM "
+                       "--ckpt-format torch_dist) needs every optimizer state shaped like its parameter, and the "
+                       "quantized states are not; save with --ckpt-format torch (optimizer.state_dict(), which "
+                       "carries them), or set xirang.optimizer_states.enabled to false")
+
+
+def kept_steps(member: Any, kept: dict[int, str]) -> list[torch.Tensor]:
+    """The tensors ``member`` steps for the model parameters in ``kept``: the parameters themselves
+    (``FP32Optimizer``), or with ``--bf16``/``--fp16`` their fp32 masters (``Float16OptimizerWithFloat16Params``
+    pairs ``float16_groups`` with ``fp32_from_float16_groups``, optimizer.py L657-L705; not run here, CUDA-only)."""
+    steps = [p for g in member.optimizer.param_groups for p in g["params"]]
+    out = [p for p in steps if id(p) in kept]
+    for models, masters in zip(getattr(member, "float16_groups", None) or [],
+                               getattr(member, "fp32_from_float16_groups", None) or []):
+        out.extend(master for model, master in zip(models, masters) if id(model) in kept)
+    return out
+
+
+def restore_inner(replaced: list[Replaced]) -> None:
+    """Give each member its ``torch.optim`` object back, holding the states decoded to fp32."""
+    from xirang_ds.plugins.optimizer_states.export import to_torch_optimizer
+
+    for member, original, new, handle in replaced:
+        handle.remove()
+        if member.optimizer is new:
+            member.optimizer = to_torch_optimizer(new, into=original)

@@ -12,7 +12,8 @@ prints the Markdown table; ``--readme`` also replaces the table between the READ
 Ratios are against the hand-tuned baseline (plain DeepSpeed ZeRO-2 bf16 with 1e6-element buckets,
 what a user who read DeepSpeed issue 3338 writes); the default-bucket baseline's own ratio shows what
 DeepSpeed's defaults cost. State bytes per parameter: optimizer-state bytes at the peak summed over
-ranks, per model parameter (plain fp32 AdamW: 8).
+ranks, per model parameter (plain fp32 AdamW: 8); in the memory_pool row the states live in the
+pool's reservation, so its bytes count there.
 """
 from __future__ import annotations
 
@@ -156,7 +157,11 @@ def render(data: dict) -> str:
         if res is None:
             lines.append(f"| {r['name']} | {r['group']} | fails: {r.get('error', '')[:160]} | | | | |")
             continue
-        states = res["peak_by_category"].get("optimizer_states", 0) * world / params
+        held = res["peak_by_category"].get("optimizer_states", 0)
+        block = (r.get("ds_config") or {}).get("xirang", {})
+        if "memory_pool" in block and "activations" not in block:
+            held += res["peak_by_category"].get("memory_pool", 0)  # the pool holds only the states here
+        states = held * world / params
         if ref:
             ratio = f"{res['peak_bytes'] / ref['peak_bytes']:.2f}"
             time_ratio = f"{res['step_time_median_s'] / ref['step_time_median_s']:.2f}"

@@ -168,30 +168,33 @@ def test_largest_micro_batch_grows_each_combination():
 
 
 def test_planned_peak_keeps_activations_under_what_the_budget_leaves():
-    from xirang_ds.tune import planned_peak
+    from xirang_ds.tune import planned_peak, planner_line
 
-    phases = {"backward": (40, 60), "optimizer_step": (45, 0)}  # (besides activations, activations)
-    figures = {"keep_bytes": 60, "least_bytes": 10, "least_added_s": 0.5}
-    assert planned_peak(phases, figures, 1.0, 200, 1.0) == (100, 0.0)  # room: everything kept
-    # the planner leaves room for the largest non-activation phase (45): 25 of 60 kept
-    assert planned_peak(phases, figures, 1.0, 70, 1.0) == (65, pytest.approx(0.7))
-    assert planned_peak(phases, figures, 1.0, 50, 1.0) == (55, 1.0)  # even the least plan does not fit 50
-    assert planned_peak(phases, figures, 2.0, 200, 1.0) == (160, 0.0)  # figures scale with the micro-batch
-    assert planned_peak(phases, figures, 1.0, 200, 2.0) == (140, 0.0)  # measured / estimated besides activations
+    assert planned_peak(40, 60, 10, 200) == (100, 0.0)  # room: everything kept
+    assert planned_peak(40, 60, 10, 70) == (70, pytest.approx(0.6))  # 30 of 60 kept
+    assert planned_peak(40, 60, 10, 45) == (50, 1.0)  # even the least plan does not fit 45
+    # two profiled points: a line in the micro-batch; one point: other fixed, activations proportional
+    profiles = {"act": {"activation_figures": {"other_peak_bytes": 100, "keep_bytes": 40, "least_bytes": 4}},
+                "act@mb16": {"activation_figures": {"other_peak_bytes": 220, "keep_bytes": 160, "least_bytes": 16}}}
+    assert planner_line(profiles, "act", 4, 16)(28) == pytest.approx((340, 280, 28))
+    assert planner_line({"act": profiles["act"]}, "act", 4, 16)(8) == pytest.approx((100, 80, 8))
+    assert planner_line({"act": {"activation_figures": {"other_peak_bytes": None}}}, "act", 4, 16) is None
 
 
 class PlannerRunner(ScriptedRunner):
-    """As ScriptedRunner; the activations option's run reports what its planner can reach (the
-    estimator's activation bytes kept, a tenth of them at least)."""
+    """As ScriptedRunner; the activations option's run reports what its planner can reach: the
+    estimator's saved bytes kept, a tenth of them at least, and the rest of the estimate besides."""
 
     def __call__(self, cfg: dict, steps: int):
         out = super().__call__(cfg, steps)
         if "activations" in labels(cfg):
             est = estimate_spec("gpt-tiny", cfg, self.world)
             keep = est.phases[est.peak_phase]["activations"]
-            out.activation_figures = {"keep_bytes": keep, "least_bytes": keep // 10, "least_added_s": 0.01}
+            other = max(p["total"] - p["activations"] for p in est.phases.values())
+            out.activation_figures = {"keep_bytes": keep, "least_bytes": keep // 10, "least_added_s": 0.01,
+                                      "other_peak_bytes": other}
             budget = cfg["xirang"]["memory_budget"]
-            out.peak_bytes = min(out.peak_bytes, max(budget, out.peak_bytes - keep + keep // 10))
+            out.peak_bytes = min(out.peak_bytes, max(budget, other + keep // 10))
         return out
 
 
@@ -207,3 +210,4 @@ def test_largest_micro_batch_uses_the_planner_reach():
     assert max(c.micro_batch for c in with_planner) > max(c.micro_batch for c in without)
     assert all(c.predicted_peak <= result.budget for c in live)
     assert "activation_figures" in result.profiles["act_lossless"]
+    assert any(k.startswith("act_lossless@mb") for k in result.profiles)  # the second point

@@ -259,39 +259,35 @@ def _micro_batch(cfg: dict) -> int:
     return int(cfg.get("train_micro_batch_size_per_gpu", 1) or 1)
 
 
-def planned_peak(phases: dict[str, tuple[int, int]], figures: dict, scale: float, budget: int,
-                 other_ratio: float) -> tuple[int, float]:
+def planned_peak(other: float, keep: float, least: float, budget: int) -> tuple[int, float]:
     """The step peak with the activation planner under ``budget``, and how far its plan goes.
 
-    Args:
-        phases: the estimator's ``{phase: (bytes besides saved activations, saved activations)}``
-            at this micro-batch (every activation kept: the estimator does not model the planner).
-        figures: the planner's reach measured at the profiled micro-batch (`ActivationsPlugin._figures`):
-            saved bytes with everything kept and the least any plan needs; both scale with the
-            micro-batch (``scale``).
-        other_ratio: measured over estimated bytes besides activations (the planner measures them
-            in its profiling passes).
-
-    The planner keeps activations under ``budget`` minus the largest non-activation bytes, down to
-    its least. Returns ``(peak, fraction)``: ``fraction`` 0 keeps everything, 1 is the least plan.
-    A plan that cannot fit shows as a peak above the budget (other + least).
+    The planner (``budget: auto``) keeps saved activations under ``budget`` minus what the rank
+    needs besides them (``other``), down to the least any plan needs; ``keep``: saved bytes with
+    every module kept. Returns ``(peak, fraction)``: ``fraction`` 0 keeps everything, 1 is the
+    least plan; a budget the least plan does not fit shows as a peak above it.
     """
-    other = {ph: n * other_ratio for ph, (n, _) in phases.items()}
-    most = max(other.values())
-    beside = max((other[ph] for ph, (_, a) in phases.items() if a > 0), default=most)
-    keep = figures["keep_bytes"] * scale
-    least = figures["least_bytes"] * scale
-    activations = max(least, min(keep, budget - most))
+    activations = max(least, min(keep, budget - other))
     fraction = 0.0 if keep <= least else (keep - activations) / (keep - least)
-    return int(max(most + least, beside + activations, most)), fraction
+    return int(other + activations), fraction
 
 
-def _phases(model: str, cfg: dict, world_size: int, device: str) -> dict[str, tuple[int, int]]:
-    from xirang_ds.memory.categories import ACTIVATIONS
-    from xirang_ds.memory.estimator import estimate_spec
-
-    est = estimate_spec(model, cfg, world_size, device)
-    return {ph: (cats["total"] - cats.get(ACTIVATIONS, 0), cats.get(ACTIVATIONS, 0)) for ph, cats in est.phases.items()}
+def planner_line(profiles: dict, label: str, mb0: int, mb1: int) -> Optional[Callable[[int], tuple[float, float, float]]]:
+    """``mb -> (other, keep, least)`` from the planner's figures at one or two profiled micro-batches:
+    the line through both points, or proportional to the micro-batch from one (``other`` then
+    stays as measured: it is mostly model states)."""
+    f0 = profiles.get(label, {}).get("activation_figures")
+    if not f0 or f0.get("other_peak_bytes") is None:
+        return None
+    f1 = profiles.get(f"{label}@mb{mb1}", {}).get("activation_figures")
+    keys = ("other_peak_bytes", "keep_bytes", "least_bytes")
+    if f1 and f1.get("other_peak_bytes") is not None and mb1 != mb0:
+        def at(mb: int) -> tuple[float, float, float]:
+            return tuple(f0[k] + (f1[k] - f0[k]) * (mb - mb0) / (mb1 - mb0) for k in keys)  # type: ignore
+    else:
+        def at(mb: int) -> tuple[float, float, float]:
+            return f0["other_peak_bytes"], f0["keep_bytes"] * mb / mb0, f0["least_bytes"] * mb / mb0
+    return at
 
 
 def _stage(c: Candidate) -> int:
@@ -360,6 +356,9 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
         cfg = deep_merge(base, {"zero_optimization": {"stage": user_stage}})
         cfg[BLOCK_KEY] = deep_merge(cfg[BLOCK_KEY], o.block)
         jobs.append((o.label, cfg))
+        if grow and far_mb != user_mb and "activations" in o.block:
+            # the planner's needs besides activations grow with the micro-batch: a second point
+            jobs.append((f"{o.label}@mb{far_mb}", deep_merge(cfg, {"train_micro_batch_size_per_gpu": far_mb})))
     for i, (label, cfg) in enumerate(jobs):
         progress.update(i, len(jobs), "profile", label)
         if time.perf_counter() - start > time_limit_s:
@@ -396,7 +395,7 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
                 break
             time_ratio *= prof["step_time_s"] / ref["step_time_s"]
             if "activation_figures" in prof and grow:
-                figures = prof["activation_figures"]  # the planner is modelled below, not by a ratio
+                figures = o.label  # the planner is modelled below from its figures, not by a ratio
             elif next(iter(o.block)) in unmodelled_of.get(id(c), []):
                 peak_ratio *= prof["peak_bytes"] / ref["peak_bytes"]
         if c.rejected is not None:
@@ -404,21 +403,22 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
         c.predicted_peak = int(c.predicted_peak * peak_ratio)
         added_s = 0.0
         if grow:  # each combination at the largest power-of-two multiple of the micro-batch predicted to fit
-            if figures is not None:
-                measured_other = figures.get("other_peak_bytes")
-                at_user = _phases(model, c.ds_config, world_size, device)
-                other_ratio = (measured_other / max(n for n, _ in at_user.values()) if measured_other
-                               else calibration[stage_key])
+            line = planner_line(profiles, figures, user_mb, far_mb) if figures is not None else None
+            if line is not None:
+                # the other options' effect on what the rank needs besides activations: the estimate of
+                # this combination over the planner's own run, times the profiled ratios of options
+                # the estimator does not model, applied to the planner's measured figure
+                rest = (c.predicted_peak / profiles[figures]["predicted_peak_bytes"]) / calibration[stage_key]
 
-                def planned(cfg, f=figures, r=other_ratio):
-                    return planned_peak(_phases(model, cfg, world_size, device), f, _micro_batch(cfg) / user_mb,
-                                        budget, r)
+                def planned(cfg, line=line, rest=rest):
+                    other, keep, least = line(_micro_batch(cfg))
+                    return planned_peak(other * rest, keep, least, budget)
 
                 c.predicted_peak = planned(c.ds_config)[0]
                 _grow_micro_batch(c, lambda cfg: planned(cfg)[0], budget)
                 passes = int(c.ds_config.get("gradient_accumulation_steps", 1) or 1)
-                added_s = (planned(c.ds_config)[1] * figures["least_added_s"] * (c.micro_batch / user_mb)
-                           * passes)
+                least_s = profiles[figures]["activation_figures"]["least_added_s"]
+                added_s = planned(c.ds_config)[1] * least_s * (c.micro_batch / user_mb) * passes
             else:
                 _grow_micro_batch(c, lambda cfg, r=peak_ratio: int(raw(cfg) * r), budget)
         c.predicted_time_s = (profiles[stage_key]["step_time_s"] * time_ratio

@@ -417,7 +417,7 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
                 c.predicted_peak = planned(c.ds_config)[0]
                 _grow_micro_batch(c, lambda cfg: planned(cfg)[0], budget)
                 passes = int(c.ds_config.get("gradient_accumulation_steps", 1) or 1)
-                least_s = profiles[figures]["activation_figures"]["least_added_s"]
+                least_s = profiles[figures]["activation_figures"]["least_added_s"] or 0.0
                 added_s = planned(c.ds_config)[1] * least_s * (c.micro_batch / user_mb) * passes
             else:
                 _grow_micro_batch(c, lambda cfg, r=peak_ratio: int(raw(cfg) * r), budget)

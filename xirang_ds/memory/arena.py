@@ -187,10 +187,13 @@ class ArenaLender:
 
     @property
     def in_use(self) -> int:
+        """Arena bytes lent out now."""
         return sum(e[1] - e[0] for e in self.live if e[2] is not None)
 
     # StorageProvider ------------------------------------------------------------------------
     def lease(self, nbytes: int, device: torch.device):
+        """A `Lease` of arena bytes, ``None`` to decline; in the observed pass a request that does not
+        fit gets a plain buffer that still reports when it is consumed."""
         from xirang_ds.plugins.activations.storage import Lease
 
         if getattr(self.optimizer, "ready_for_gradients", False) or device.type != self.arena.device.type:

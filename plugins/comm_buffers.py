@@ -32,9 +32,10 @@ from init.
 **Lending** (``lend_to_activations``, ZeRO 1/2). Between the end of one backward's reductions and the
 first gradient hook of the next, the arena holds nothing: `xirang_ds.memory.arena.ArenaLender`
 lends it to the activations plugin, whose packing options (compress / quantize / sparsify) store
-their payloads there, and park tensors no encoding shrinks there as they are. Leases stack from
-the end of the arena gradients reach last; before each gradient copy into the bucket, any lease in
-the bytes it writes moves to host memory. The lent bytes are inside the arena's one allocation,
+their payloads there, and park tensors no encoding shrinks there as they are. The layout comes
+from one observed pass: each request sits above the bytes gradients have reached when backward
+consumes it; before each gradient copy into the bucket, any lease in the bytes it writes moves to
+host memory (the safety net). The lent bytes are inside the arena's one allocation,
 so the tracker counts them once (as comm_buffers); the plugin reports bytes lent and evicted per
 step.
 """

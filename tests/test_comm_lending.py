@@ -157,6 +157,8 @@ def test_lending_needs_the_arena_and_a_packing_option():
     with pytest.raises(XirangConfigError, match="nothing to hold.*compress"):
         load_config({"xirang": {"comm_buffers": {"enabled": True, "lend_to_activations": True},
                                 "activations": {"enabled": True, "planner": False, "recompute": ["blocks.*"]}}})
+    with pytest.raises(XirangConfigError, match="grad_release is on"):
+        load_config({"xirang": {**_block(True), "grad_release": {"enabled": True}}})
     load_config({"xirang": _block(True)})
 
 

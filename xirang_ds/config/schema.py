@@ -504,6 +504,11 @@ class XirangConfig:
         if self.comm_buffers.enabled and self.comm_buffers.lend_to_activations:
             a = self.activations
             packing = ("compress", "quantize", "sparsify")
+            if self.grad_release.enabled:
+                issues.append(("comm_buffers.lend_to_activations", "lends DeepSpeed's ZeRO reduction arena, but "
+                                                                   "grad_release is on and reduces in its own "
+                                                                   "buckets (there is no arena); turn one of them "
+                                                                   "off"))
             if not a.enabled:
                 issues.append(("comm_buffers.lend_to_activations", "lends the arena to the activations plugin, which "
                                                                    "is off; enable xirang.activations or set it to "

@@ -50,8 +50,7 @@ def test_recompute_restores_megatron_rng_tracker(runs):
 def test_activation_bytes_per_rank_drop(runs):
     for r in runs:
         plain = _activations(r["plain"])
-        assert _activations(r["keep"]) == plain
-        assert r["keep"]["memory"]["peak_bytes"] == r["plain"]["memory"]["peak_bytes"]
+        megatron_runs.assert_same_memory(r["keep"]["memory"], r["plain"]["memory"])
         assert _activations(r["compress"]) < plain
         assert _activations(r["recompute"]) < 0.6 * plain
         assert _activations(r["offload"]) < 0.1 * plain

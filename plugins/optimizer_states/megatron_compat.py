@@ -71,7 +71,9 @@ def replace_inner(optimizer: Any, config: OptimizerStatesConfig, kept: dict[int,
     """
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    members = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    from xirang_ds.integration.megatron_compat import optimizer_members
+
+    members = optimizer_members(optimizer)
     problems = []
     for i, member in enumerate(members):
         inner = getattr(member, "optimizer", None)

@@ -178,24 +178,21 @@ def agreement_groups() -> list[Any]:
     return [parallel_state.get_tensor_model_parallel_group(), parallel_state.get_data_parallel_group()]
 
 
+def optimizer_members(optimizer: Any) -> list[Any]:
+    """The ``MegatronOptimizer``s of a Megatron optimizer: ``ChainedOptimizer.chained_optimizers``
+    (optimizer.py L1104), or the optimizer itself."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
 def inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
-    """The ``torch.optim`` objects inside a Megatron optimizer: ``ChainedOptimizer.chained_optimizers``
-    (optimizer.py L1104), each a ``MegatronOptimizer`` whose ``.optimizer`` is the torch one."""
-    members = getattr(optimizer, "chained_optimizers", None)
-    if members is None:
-        members = [optimizer]
-    out = []
-    for member in members:
-        inner = getattr(member, "optimizer", None)
-        if isinstance(inner, torch.optim.Optimizer):
-            out.append(inner)
-    return out
+    """The ``torch.optim`` objects inside a Megatron optimizer (each member's ``.optimizer``)."""
+    inner = (getattr(m, "optimizer", None) for m in optimizer_members(optimizer))
+    return [o for o in inner if isinstance(o, torch.optim.Optimizer)]
 
 
 def optimizer_configs(optimizer: Any) -> list[Any]:
     """The ``OptimizerConfig`` of each member of a Megatron optimizer (``MegatronOptimizer.config``)."""
-    members = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    return [m.config for m in members if getattr(m, "config", None) is not None]
+    return [m.config for m in optimizer_members(optimizer) if getattr(m, "config", None) is not None]
 
 
 def is_megatron_optimizer(optimizer: Any) -> bool:

@@ -62,7 +62,7 @@ def main(argv=None) -> int:
         for name, (config, xirang) in ROWS.items():
             result = run_side(args.model, config, args.steps, world, args.data, 0, xirang).as_dict()
             out["runs"][f"{name}_w{world}"] = {"config": config, **result}
-            lent = result.get("lent_activation_bytes_per_step")
+            lent = result["plugin_figures"].get("comm_buffers", {}).get("lent_bytes_per_step")
             print(f"{name:14s} w{world}: peak {result['peak_bytes']:>14,}  comm_buffers "
                   f"{result['peak_by_category'].get('comm_buffers', 0):>13,}  activations "
                   f"{result['peak_by_category'].get('activations', 0):>12,}  step {result['step_time_median_s']:.3f} s"

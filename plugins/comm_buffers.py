@@ -378,6 +378,14 @@ class CommBuffersPlugin(Plugin):
         if int(os.environ.get("RANK", "0")) == 0:
             logger.info("comm_buffers: %s", message)
 
+    def figures(self) -> dict:
+        """With lending: bytes of saved activations lent and evicted, per optimizer step."""
+        if self.lender is None:
+            return {}
+        steps = self.lender.stats.steps
+        return {"lent_bytes_per_step": [s["lent_bytes"] for s in steps],
+                "evicted_bytes_per_step": [s["evicted_bytes"] for s in steps]}
+
     def state_dict(self) -> dict:
         opt = getattr(getattr(self, "engine", None), "optimizer", None)
         return {"reduce_bucket_size": int(opt.reduce_bucket_size) if hasattr(opt, "reduce_bucket_size") else None,

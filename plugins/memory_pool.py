@@ -130,6 +130,10 @@ class MemoryPoolPlugin(Plugin):
                 f"({format_bytes(s['persistent_bytes'])} persistent), high-water {format_bytes(s['high_water_bytes'])}; "
                 f"{s['pooled_allocations']} pooled, {s['fallbacks']} fallback allocation(s)")
 
+    def figures(self) -> dict:
+        """The pool's `MemoryPool.stats` (reserved, in use, high-water, pooled and fallback counts)."""
+        return self.pool.stats() if self.pool is not None else {}
+
     def state_dict(self) -> dict:
         """The reserved size, so a resumed ``auto`` run reserves at once instead of measuring again."""
         return {"reserved_bytes": self.pool.size if self.pool is not None and not self.pool.warmup else None}

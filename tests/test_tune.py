@@ -191,8 +191,8 @@ class PlannerRunner(ScriptedRunner):
             est = estimate_spec("gpt-tiny", cfg, self.world)
             keep = est.phases[est.peak_phase]["activations"]
             other = max(p["total"] - p["activations"] for p in est.phases.values())
-            out.activation_figures = {"keep_bytes": keep, "least_bytes": keep // 10, "least_added_s": 0.01,
-                                      "other_peak_bytes": other}
+            out.plugin_figures = {"activations": {"keep_bytes": keep, "least_bytes": keep // 10,
+                                                  "least_added_s": 0.01, "other_peak_bytes": other}}
             budget = cfg["xirang"]["memory_budget"]
             out.peak_bytes = min(out.peak_bytes, max(budget, other + keep // 10))
         return out

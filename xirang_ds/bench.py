@@ -37,11 +37,9 @@ class SideResult:
     losses: list[float] = field(default_factory=list)
     step_times_s: list[float] = field(default_factory=list)
     per_rank_peak_bytes: list[int] = field(default_factory=list)
-    lent_activation_bytes_per_step: Optional[list[int]] = None
-    """comm_buffers.lend_to_activations: bytes of saved activations held in the arena, per step (rank 0)."""
-    evicted_bytes_per_step: Optional[list[int]] = None
-    activation_figures: Optional[dict] = None
-    """The activation planner's reach on this run (rank 0; `ActivationsPlugin._figures`)."""
+    plugin_figures: dict[str, dict] = field(default_factory=dict)
+    """What each plugin measured (`Session.figures`, rank 0): e.g. the activation planner's reach,
+    the bytes comm_buffers lent to activations per step."""
     allocator_peak_bytes: Optional[int] = None
     summary: str = ""
     category_peaks: dict[str, int] = field(default_factory=dict)
@@ -186,13 +184,7 @@ def bench_rank(rank: int, world: int, model_text: str, ds_config: dict, steps: i
         "summary": session.summary() if session is not None else "",
         "category_peaks": window.category_peaks(),
     }
-    planner = session.plugin("activations") if session is not None else None
-    if planner is not None and planner.figures is not None:
-        out["activation_figures"] = planner.figures
-    lender = getattr(session.plugin("comm_buffers"), "lender", None) if session is not None else None
-    if lender is not None:
-        out["lent_activation_bytes_per_step"] = [s["lent_bytes"] for s in lender.stats.steps]
-        out["evicted_bytes_per_step"] = [s["evicted_bytes"] for s in lender.stats.steps]
+    out["plugin_figures"] = session.figures() if session is not None else {}
     window.close()
     if watch is not None:
         watch.remove()
@@ -216,9 +208,7 @@ def combine(per_rank: list[dict]) -> SideResult:
         losses=losses, step_times_s=times, per_rank_peak_bytes=[r["peak_bytes"] for r in per_rank],
         allocator_peak_bytes=worst["allocator_peak_bytes"], summary=per_rank[0]["summary"],
         category_peaks={c: max(r["category_peaks"].get(c, 0) for r in per_rank) for c in CATEGORIES},
-        lent_activation_bytes_per_step=per_rank[0].get("lent_activation_bytes_per_step"),
-        evicted_bytes_per_step=per_rank[0].get("evicted_bytes_per_step"),
-        activation_figures=per_rank[0].get("activation_figures"))
+        plugin_figures=per_rank[0].get("plugin_figures", {}))
 
 
 def strip_block(ds_config: dict) -> dict:

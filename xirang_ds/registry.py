@@ -115,6 +115,11 @@ class Plugin:
         """Plugin state for checkpoints (plain data)."""
         return {}
 
+    def figures(self) -> dict:
+        """What the plugin measured in this run, as plain data for benchmarks and cost models
+        (``xirang-ds bench`` JSON, the tuner); ``{}`` when there is nothing to report."""
+        return {}
+
     def adjust_estimate(self, phases: dict, shape: Any, numels: list) -> Optional[dict]:
         """Change the estimator's prediction for what this plugin does before anything runs.
 

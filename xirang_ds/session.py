@@ -198,6 +198,10 @@ class Session:
             self.load_state_dict(client_state.pop(CHECKPOINT_KEY))
         return load_path, client_state
 
+    def figures(self) -> dict[str, dict]:
+        """Each plugin's `Plugin.figures`, by section (plugins with nothing to report left out)."""
+        return {p.section: f for p in self.plugins if (f := p.figures())}
+
     def summary(self) -> str:
         """One line per plugin saying what it does in this run."""
         lines = [f"xirang: {len(self.plugins)} plugin(s): " + ", ".join(p.section for p in self.plugins)]

@@ -369,8 +369,9 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
             est, _ = _estimate(model, cfg, world_size, device)
             profiles[label] = {"peak_bytes": side.peak_bytes, "step_time_s": side.step_time_median_s,
                                "final_loss": side.final_loss, "predicted_peak_bytes": est}
-            if getattr(side, "activation_figures", None):
-                profiles[label]["activation_figures"] = side.activation_figures
+            reach = (getattr(side, "plugin_figures", None) or {}).get("activations")
+            if reach:
+                profiles[label]["activation_figures"] = reach
         except Exception as e:  # a failing option costs only itself
             profiles[label] = {"error": " ".join(str(e).split())[-300:]}
     progress.update(len(jobs), len(jobs), "profile")

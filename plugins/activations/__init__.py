@@ -84,8 +84,8 @@ class ActivationsPlugin(Plugin):
         self.choices: dict[str, Choice] = {}
         self.profiles: dict[str, ModuleProfile] = {}
         self.budget_bytes: Optional[int] = None
-        self.figures: Optional[dict] = None
-        """Set after planning: see `_figures`."""
+        self.reach: Optional[dict] = None
+        """Set after planning: see `_reach`."""
         self.outside_bytes = 0
         self.planned_peaks: Optional[tuple[int, int]] = None
         """Planned saved-activation bytes: (end of forward, worst point of backward)."""
@@ -350,14 +350,18 @@ class ActivationsPlugin(Plugin):
                                           self._bandwidth, streams, self.config.offload_prefetch)
         self.outside_bytes = before + after
         self.choices = choose(roots, self.budget_bytes, before, after)
-        self.figures = self._figures(roots, before, after, other)
+        self.reach = self._reach(roots, before, after, other)
         self.planned_peaks = estimate_peak(roots, self.choices, before, after)
         self._apply({name: c.option for name, c in self.choices.items()})
         check_agreed(self.plan, rt.device, self._groups)
         self.state = "planned"
         self._log_plan()
 
-    def _figures(self, roots: list, before: int, after: int, other: Optional[int]) -> dict:
+    def figures(self) -> dict:
+        """The planner's reach once it planned (`_reach`); ``{}`` before, or with a fixed plan."""
+        return dict(self.reach) if self.reach else {}
+
+    def _reach(self, roots: list, before: int, after: int, other: Optional[int]) -> dict:
         """What the planner can reach on this model, per pass, for cost models (the tuner): the saved
         bytes with every candidate kept, the least any plan needs and the seconds that plan adds,
         the seconds the chosen plan adds, and the measured peak besides activations."""

@@ -386,7 +386,7 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
             c.rejected = f"the base at {stage_key} failed to run: {profiles.get(stage_key, {}).get('error', '')}"
             continue
         time_ratio, peak_ratio = 1.0, calibration[stage_key]
-        figures = None
+        planner = None
         for o in c.options:
             if not o.block:
                 continue
@@ -396,7 +396,7 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
                 break
             time_ratio *= prof["step_time_s"] / ref["step_time_s"]
             if "activation_figures" in prof and grow:
-                figures = o.label  # the planner is modelled below from its figures, not by a ratio
+                planner = o.label  # the planner is modelled below from its figures, not by a ratio
             elif next(iter(o.block)) in unmodelled_of.get(id(c), []):
                 peak_ratio *= prof["peak_bytes"] / ref["peak_bytes"]
         if c.rejected is not None:
@@ -404,12 +404,12 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
         c.predicted_peak = int(c.predicted_peak * peak_ratio)
         added_s = 0.0
         if grow:  # each combination at the largest power-of-two multiple of the micro-batch predicted to fit
-            line = planner_line(profiles, figures, user_mb, far_mb) if figures is not None else None
+            line = planner_line(profiles, planner, user_mb, far_mb) if planner is not None else None
             if line is not None:
                 # the other options' effect on what the rank needs besides activations: the estimate of
                 # this combination over the planner's own run, times the profiled ratios of options
                 # the estimator does not model, applied to the planner's measured figure
-                rest = (c.predicted_peak / profiles[figures]["predicted_peak_bytes"]) / calibration[stage_key]
+                rest = (c.predicted_peak / profiles[planner]["predicted_peak_bytes"]) / calibration[stage_key]
 
                 def planned(cfg, line=line, rest=rest):
                     other, keep, least = line(_micro_batch(cfg))
@@ -418,7 +418,7 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
                 c.predicted_peak = planned(c.ds_config)[0]
                 _grow_micro_batch(c, lambda cfg: planned(cfg)[0], budget)
                 passes = int(c.ds_config.get("gradient_accumulation_steps", 1) or 1)
-                least_s = profiles[figures]["activation_figures"]["least_added_s"] or 0.0
+                least_s = profiles[planner]["activation_figures"]["least_added_s"] or 0.0
                 added_s = planned(c.ds_config)[1] * least_s * (c.micro_batch / user_mb) * passes
             else:
                 _grow_micro_batch(c, lambda cfg, r=peak_ratio: int(raw(cfg) * r), budget)

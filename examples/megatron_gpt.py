@@ -125,6 +125,7 @@ def train(opts: argparse.Namespace, inspect: Optional[Callable[[Any, Any, Any], 
     if window is not None:
         report = window.report(top=5)
         result["memory"] = report.as_dict()
+        result["memory"]["category_peaks"] = window.category_peaks()  # each role's own highest
         window.close()
     if inspect is not None:
         result.update(inspect(model, optimizer, session))

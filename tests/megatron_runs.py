@@ -29,18 +29,20 @@ def example() -> Any:
 
 MODEL_STATE_ROLES = ("parameters", "gradients", "optimizer_states", "comm_buffers")
 TIMING_SLACK_BYTES = 64 * 1024
-"""How far activations and temporaries at the step peak move between two identical Megatron runs on
-gloo: the moment of the peak inside backward shifts with the asynchronous TP/DP collectives (512,
-1,024 and 65,536 bytes seen in single runs out of several)."""
+"""How far activations and temporaries move between two identical Megatron runs on gloo: the step
+peak's moment shifts with the asynchronous TP/DP collectives (512, 1,024 and 65,536 bytes seen at
+the peak in single runs out of several), and even the activations role's own highest moved by
+1,024 bytes in one run."""
 
 
 def assert_same_memory(got: dict, want: dict) -> None:
-    """Two runs' tracker figures at the peak: model states, gradients and buffers to the byte, the
-    rest and the peak within `TIMING_SLACK_BYTES`."""
-    a, b = got["peak_by_category"], want["peak_by_category"]
-    assert {k: a.get(k) for k in MODEL_STATE_ROLES} == {k: b.get(k) for k in MODEL_STATE_ROLES}
-    for key in set(a) | set(b):
-        assert abs(a.get(key, 0) - b.get(key, 0)) <= TIMING_SLACK_BYTES, (key, a, b)
+    """Two runs' tracker figures: model states, gradients and buffers to the byte, at the step peak
+    and as each role's own highest; activations, temporaries and the peak within `TIMING_SLACK_BYTES`."""
+    for mix in ("peak_by_category", "category_peaks"):
+        x, y = got[mix], want[mix]
+        assert {k: x.get(k) for k in MODEL_STATE_ROLES} == {k: y.get(k) for k in MODEL_STATE_ROLES}, (mix, x, y)
+        for key in set(x) | set(y):
+            assert abs(x.get(key, 0) - y.get(key, 0)) <= TIMING_SLACK_BYTES, (mix, key, x, y)
     assert abs(got["peak_bytes"] - want["peak_bytes"]) <= TIMING_SLACK_BYTES, (got["peak_bytes"], want["peak_bytes"])
 
 

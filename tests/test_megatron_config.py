@@ -50,8 +50,10 @@ def test_flag_accepts_the_deepspeed_demo_config():
                              "checkpoint_dir": "x"}}},
      "xirang.monitor.actions: 'halve_micro_batch' is not available with Megatron-core (allowed there: "
      "'empty_cache')"),
-    ({"xirang": {"grad_release": {"enabled": True}}}, "xirang.grad_release.enabled: the "
-                                                     "grad_release plugin does not run under megatron yet"),
+    ({"xirang": {"memory_pool": {"enabled": True}}}, "xirang.memory_pool.enabled: the "
+                                                    "memory_pool plugin does not run under megatron yet"),
+    ({"xirang": {"grad_release": {"enabled": True, "exact_method": "two_pass"}}},
+     "xirang.grad_release.exact_method: xirang.grad_release.exact_method = \"two_pass\" runs backward twice"),
     ({"train_micro_batch_size_per_gpu": 8}, 'has no "xirang" block; add one'),
     ("{not json", "JSON syntax error at line 1"),
 ])
@@ -239,9 +241,11 @@ def test_preset_leaves_off_what_megatron_cannot_run_but_not_what_the_user_names(
     resolved = xm.validate_for_megatron({"preset": "balanced"})
     assert resolved.comm_buffers.enabled and resolved.monitor.enabled
     assert resolved.activations.enabled and resolved.optimizer_states.enabled  # both run under Megatron
-    assert not resolved.grad_release.enabled
-    with pytest.raises(XirangConfigError, match="xirang.grad_release.enabled: the grad_release plugin does not run"):
-        xm.validate_for_megatron({"preset": "balanced", "grad_release": {"enabled": True}})
+    assert not resolved.grad_release.enabled and not resolved.memory_pool.enabled
+    named = xm.validate_for_megatron({"preset": "balanced", "grad_release": {"enabled": True}})
+    assert named.grad_release.enabled  # runs under Megatron when named (settings checked at attach)
+    with pytest.raises(XirangConfigError, match="xirang.memory_pool.enabled: the memory_pool plugin does not run"):
+        xm.validate_for_megatron({"preset": "balanced", "memory_pool": {"enabled": True}})
 
 
 def test_optimizer_states_refuse_megatron_lm_distributed_checkpoints():
@@ -258,3 +262,8 @@ def test_optimizer_states_refuse_megatron_lm_distributed_checkpoints():
     assert check_args(states, argparse.Namespace(save="/ckpt", ckpt_format="torch")) == []
     assert check_args(states, argparse.Namespace(save=None, ckpt_format="torch_dist")) == []  # nothing saved
     assert check_args(validate_block({}), argparse.Namespace(save="/ckpt", ckpt_format="torch_dist")) == []
+    released = validate_block({"grad_release": {"enabled": True}})
+    issues = check_args(released, argparse.Namespace(save="/ckpt", ckpt_format="torch_dist"))
+    assert [field for field, _ in issues] == ["xirang.grad_release.enabled"]
+    assert "use --ckpt-format torch, or set xirang.grad_release.enabled to false" in issues[0][1]
+    assert check_args(released, argparse.Namespace(save="/ckpt", ckpt_format="torch")) == []

@@ -83,6 +83,10 @@ class Plugin:
     frameworks: ClassVar[tuple[str, ...]] = ("deepspeed",)
     """Training frameworks the plugin attaches to: ``"deepspeed"``, ``"megatron"``. A plugin lists
     ``"megatron"`` once it handles Megatron-core's seams (docs/megatron.md)."""
+    preset_frameworks: ClassVar[Optional[tuple[str, ...]]] = None
+    """Frameworks where a preset turns the plugin on (None: all of `frameworks`). A plugin whose
+    requirements on a framework's settings a preset cannot check in advance leaves that framework
+    out: there it runs only when the user names it."""
 
     def __init__(self, config: Section, session: "Session"):
         self.config = config

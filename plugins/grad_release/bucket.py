@@ -74,6 +74,9 @@ class Bucket:
     Attributes:
         grad: after ``finalize``, the step's gradient shard (``grad * grad_scale`` is the average).
         steps_applied: optimizer steps this bucket has applied.
+        norm_counted: per parameter, whether its gradient enters this rank's sum of squares (None:
+            all). Under Megatron a parameter replicated on the tensor-parallel group counts on its
+            first rank only, as ``clip_grads.get_grad_norm_fp32`` counts it.
     """
 
     def __init__(self, index: int, params: Sequence[torch.nn.Parameter], names: Sequence[str],
@@ -97,6 +100,7 @@ class Bucket:
         self.group_sources: list[int] = []
         self.steps_applied = 0
         self.acc: Optional[torch.Tensor] = None
+        self.norm_counted: Optional[list[bool]] = None
         self._reset_step_buffers()
         self.build_masters()
 
@@ -139,7 +143,12 @@ class Bucket:
         if not by_group:
             return None  # this rank holds no element of this bucket (tiny parameters, many ranks)
         groups = [{"params": by_group[i], **hyperparameters(self.basic.param_groups[i])} for i in self.group_sources]
-        return clone_optimizer(self.basic, groups)
+        overrides = {}
+        keeps = getattr(self.basic, "keeps_fp32", None)  # optimizer_states' DynamicAdamW under Megatron
+        if keeps is not None:
+            overrides["keep_fp32_params"] = [view for piece, view in zip(self.pieces, self.views)
+                                             if keeps(self.params[piece.index])]
+        return clone_optimizer(self.basic, groups, **overrides)
 
     # gradients in ----------------------------------------------------------------------------
     def _reset_step_buffers(self) -> None:
@@ -242,8 +251,15 @@ class Bucket:
 
     def sumsq(self) -> torch.Tensor:
         """Squared L2 norm of the step's gradient shard (float64 scalar; nan/inf if non-finite)."""
-        norm = torch.linalg.vector_norm(self.grad, dtype=torch.float32).double() * self.grad_scale
-        return norm * norm
+        if self.norm_counted is None or all(self.norm_counted):
+            norm = torch.linalg.vector_norm(self.grad, dtype=torch.float32).double() * self.grad_scale
+            return norm * norm
+        total = torch.zeros((), dtype=torch.float64, device=self.grad.device)
+        for piece in self.pieces:
+            if self.norm_counted[piece.index]:
+                part = self.grad[piece.offset:piece.offset + piece.numel]
+                total += (torch.linalg.vector_norm(part, dtype=torch.float32).double() * self.grad_scale) ** 2
+        return total
 
     def peek_sumsq(self) -> torch.Tensor:
         """Norm pass: the squared norm the step's gradient will have, leaving the accumulator as it is."""

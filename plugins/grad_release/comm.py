@@ -1,5 +1,5 @@
 """The data-parallel collectives of grad_release, through ``deepspeed.comm`` so DeepSpeed's comms
-logger sees them. A single rank (or a replicated bucket's gather) needs no collective: the
+logger sees them (under Megatron, where ``deepspeed.comm`` is not initialised, ``torch.distributed``). A single rank (or a replicated bucket's gather) needs no collective: the
 methods then return ``None`` instead of a work handle.
 """
 from __future__ import annotations
@@ -13,16 +13,18 @@ class DataParallelComm:
     """Collectives over one data-parallel process group.
 
     Args:
-        group: the process group (DeepSpeed's ``seq_data_parallel_group``, what ZeRO reduces over);
-            ``None`` with a single process.
+        group: the process group (DeepSpeed's ``seq_data_parallel_group``, what ZeRO reduces over;
+            Megatron's data- or tensor-parallel group); ``None`` with a single process.
+        dist: the collectives module: ``deepspeed.comm`` (default) or ``torch.distributed``.
 
     Attributes:
         world: ranks in the group.
         rank: this process's rank in the group.
     """
 
-    def __init__(self, group: Any) -> None:
-        import deepspeed.comm as dist
+    def __init__(self, group: Any, dist: Any = None) -> None:
+        if dist is None:
+            import deepspeed.comm as dist
 
         self.dist = dist
         self.group = group

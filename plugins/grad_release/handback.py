@@ -17,9 +17,12 @@ from xirang_ds.plugins.grad_release.bucket import Bucket
 from xirang_ds.plugins.grad_release.comm import wait
 
 
-def hand_back(buckets: list[Bucket], optimizer: torch.optim.Optimizer) -> None:
-    """Put every bucket's optimizer state, whole, into ``optimizer.state`` (collective when sharded)."""
+def hand_back(buckets: list[Bucket]) -> None:
+    """Put every bucket's optimizer state, whole, into the state of the optimizer it was cloned from
+    (``bucket.basic``: DeepSpeed's basic optimizer, or under Megatron the torch optimizer inside
+    Megatron's); collective when sharded."""
     for bucket in buckets:
+        optimizer = bucket.basic
         for param, state in _full_states(bucket).items():
             optimizer.state[param] = {k: (v.to(param.dtype) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
                                       for k, v in state.items()}
@@ -61,8 +64,6 @@ def _full_states(bucket: Bucket) -> dict[torch.Tensor, dict[str, Any]]:
 
 def _agree(bucket: Bucket, local: dict[int, dict]) -> tuple[list[str], dict[str, Any]]:
     """The element-shaped state keys and the scalar states, the same on every rank."""
-    import deepspeed.comm as dist
-
     mine_keys: set[str] = set()
     mine_scalars: dict[str, Any] = {}
     for state in local.values():
@@ -72,7 +73,7 @@ def _agree(bucket: Bucket, local: dict[int, dict]) -> tuple[list[str], dict[str,
             elif key not in mine_scalars:
                 mine_scalars[key] = value.clone() if isinstance(value, torch.Tensor) else value
     gathered: list[Optional[tuple]] = [None] * bucket.comm.world
-    dist.all_gather_object(gathered, (sorted(mine_keys), mine_scalars), group=bucket.comm.group)
+    bucket.comm.dist.all_gather_object(gathered, (sorted(mine_keys), mine_scalars), group=bucket.comm.group)
     keys: set[str] = set()
     scalars: dict[str, Any] = {}
     for their_keys, their_scalars in gathered:

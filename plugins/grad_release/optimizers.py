@@ -75,19 +75,21 @@ def optimizer_problems(optimizer: Any, sharded: bool, zero_stage: int) -> list[s
     return []
 
 
-def clone_optimizer(optimizer: torch.optim.Optimizer, param_groups: Sequence[dict]) -> torch.optim.Optimizer:
+def clone_optimizer(optimizer: torch.optim.Optimizer, param_groups: Sequence[dict],
+                    **overrides: Any) -> torch.optim.Optimizer:
     """An optimizer of the same class and settings over other tensors.
 
     ``type(opt)(param_groups, **opt.defaults)``, restricted to the keyword arguments the class's
     constructor accepts (torch's AdamW keeps ``decoupled_weight_decay`` in ``defaults`` but does
     not take it), plus the arguments some classes keep as attributes (`EXTRA_INIT_ATTRIBUTES`).
-    Every group carries all its hyperparameters, so nothing falls back to a default.
+    Every group carries all its hyperparameters, so nothing falls back to a default. ``overrides``
+    are further constructor arguments (those the class does not take are dropped).
 
     Raises:
         TypeError: the class cannot be built this way.
     """
     cls = type(optimizer)
-    kwargs = dict(optimizer.defaults)
+    kwargs = {**optimizer.defaults, **overrides}
     params = inspect.signature(cls.__init__).parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         kwargs = {k: v for k, v in kwargs.items() if k in params}

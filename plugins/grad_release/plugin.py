@@ -21,7 +21,7 @@ import inspect
 import logging
 import math
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -38,12 +38,21 @@ logger = logging.getLogger("xirang_ds")
 class GradReleasePlugin(Plugin):
     """Optimizer step fused into backward, with data parallel, accumulation, clipping and fp16.
 
+    Under Megatron-core it replaces DDP's gradient buffer and Megatron's optimizer step
+    (`megatron.py` has the design; `_attach_megatron`).
+
     Attributes:
         setup: what the user's ds_config asked for (`ds_config.TrainingSetup`).
         buckets: this rank's buckets in launch order (after ``attach``).
         pipeline: the per-backward machinery (`pipeline.ReleasePipeline`).
         policy: passes, multipliers, loss scale and step outcomes (`policy.ReleasePolicy`).
     """
+
+    frameworks = ("deepspeed", "megatron")
+    preset_frameworks = ("deepspeed",)
+    """Under Megatron it needs Megatron's fp32 optimizer, no gradient-accumulation fusion (Megatron-LM's
+    GPU default), no sequence or pipeline parallelism: settings a preset cannot see, so it runs there
+    only when the block names it."""
 
     def __init__(self, config: GradReleaseConfig, session: Any) -> None:
         super().__init__(config, session)
@@ -54,7 +63,18 @@ class GradReleasePlugin(Plugin):
         self.pipeline: Any = None
         self.policy: Any = None
         self.bucket_numel = 0
+        self.freed_bytes = 0  # Megatron: bytes of DDP's gradient buffer freed
         self._applied_at_micro_step: Optional[int] = None
+        self._micro = 0  # Megatron: backwards since the last optimizer step
+
+    @classmethod
+    def check_framework(cls, config: GradReleaseConfig, framework: str) -> list[tuple[str, str]]:
+        problems = super().check_framework(config, framework)
+        if framework == "megatron" and config.exact_method == "two_pass":
+            problems.append(("exact_method", "xirang.grad_release.exact_method = \"two_pass\" runs backward twice, "
+                                             "and under Megatron backward is Megatron's schedule's; allowed there: "
+                                             "\"hold\". Fix: set exact_method to \"hold\""))
+        return problems
 
     # seams before DeepSpeed -----------------------------------------------------------------
     def prepare_ds_config(self, ds_config: dict) -> None:
@@ -66,6 +86,8 @@ class GradReleasePlugin(Plugin):
     def prepare_model(self, model: Any) -> None:
         from xirang_ds.plugins.grad_release.ds_config import cast_model
 
+        if self.setup is None:
+            return  # Megatron: its own modules decide the dtype (only fp32 is taken over, see attach)
         cast_model(model, self.setup.param_dtype)
 
     def prepare_optimizer(self, optimizer: Any) -> Any:
@@ -77,6 +99,9 @@ class GradReleasePlugin(Plugin):
 
     # attach ------------------------------------------------------------------------------------
     def attach(self, engine: Any) -> None:
+        if self.session.framework == "megatron":
+            self._attach_megatron(engine)
+            return
         from xirang_ds.plugins.grad_release.comm import DataParallelComm
         from xirang_ds.plugins.grad_release.ds_config import make_loss_scaler
         from xirang_ds.plugins.grad_release.pipeline import ReleasePipeline
@@ -106,6 +131,128 @@ class GradReleasePlugin(Plugin):
         self.keep(CallbackHandle(lambda: setattr(engine, "enable_backward_allreduce", previous)))
         self.keep(self.session.add_memory_roles(self._memory_roles))
 
+    def _attach_megatron(self, run: Any) -> None:
+        """Take over Megatron DDP's gradient path and Megatron's optimizer step (`megatron.py`)."""
+        from megatron.core import parallel_state
+
+        from xirang_ds.integration.megatron_compat import optimizer_configs, unwrap
+        from xirang_ds.plugins.grad_release.comm import DataParallelComm
+        from xirang_ds.plugins.grad_release.ds_config import TrainingSetup
+        from xirang_ds.plugins.grad_release.megatron import DdpTakeover, norm_counted, problems
+        from xirang_ds.plugins.grad_release.pipeline import ReleasePipeline
+        from xirang_ds.plugins.grad_release.policy import ReleasePolicy
+
+        self.engine = run
+        clip_grads = [float(c.clip_grad) for c in optimizer_configs(run.optimizer)]
+        issues = problems(self.config, run, clip_grads)
+        if issues:
+            raise XirangConfigError(issues)
+        self.setup = TrainingSetup(zero_stage=0, param_dtype=torch.float32,
+                                   gradient_clipping=clip_grads[0] if clip_grads else 0.0,
+                                   comm_dtype=torch.float32, fp16=None,
+                                   skip_nonfinite=self.config.nonfinite == "skip_step")
+        self.comm = DataParallelComm(parallel_state.get_data_parallel_group(), dist=torch.distributed)
+        tp_comm = DataParallelComm(parallel_state.get_tensor_model_parallel_group(), dist=torch.distributed)
+        model = unwrap(run.module)
+        self.buckets = self._plan_buckets(model, list(run.basic_optimizers), sharded=False)
+        tp_rank = tp_comm.rank
+        for bucket in self.buckets:
+            bucket.norm_counted = [norm_counted(p, tp_rank) for p in bucket.params]
+        total = sum(p.numel() for b in self.buckets for p in b.params)
+        self.policy = ReleasePolicy(self.comm, False, self.setup.gradient_clipping, self.config.clipping,
+                                    self.config.exact_method, self.setup.skip_nonfinite, None, total,
+                                    norm_comms=[tp_comm])
+        tracker = self.session.tracker
+        self.pipeline = ReleasePipeline(self.buckets, self.config.overlap_comm,
+                                        on_grad_seen=lambda g: tracker.mark(g, GRADIENTS) if tracker.active else None)
+        for bucket in self.buckets:
+            for param in bucket.params:
+                self.keep(param.register_post_accumulate_grad_hook(self._on_megatron_grad))
+        if hasattr(run.module, "param_to_bucket_group"):  # Megatron DDP
+            self.freed_bytes = self.keep(DdpTakeover(run.module)).freed_bytes
+        run.applied_update = self._megatron_update
+        self.keep(CallbackHandle(lambda: setattr(run, "applied_update", None)))
+        self.keep(wrap_method(run.optimizer, "state_dict", self._megatron_state_dict))
+        self.keep(wrap_method(run.optimizer, "load_state_dict", self._megatron_load_state_dict))
+        self.keep(wrap_method(run.optimizer, "sharded_state_dict", self._megatron_sharded_state_dict))
+        self.keep(self.session.add_memory_roles(self._memory_roles))
+
+    # Megatron: backward and step ----------------------------------------------------------------
+    def _on_megatron_grad(self, param: torch.Tensor) -> None:
+        if self.pipeline.kind is None:
+            self._begin_megatron_backward()
+        self.pipeline.on_grad(param)
+
+    def _begin_megatron_backward(self) -> None:
+        from xirang_ds.plugins.grad_release.megatron import queue_end_of_backward
+        from xirang_ds.plugins.grad_release.pipeline import Pass
+
+        expected = int(self.engine.gradient_accumulation_steps())
+        micro = self._micro + 1
+        if micro > expected:
+            raise RuntimeError(f"xirang.grad_release: backward number {micro} since the last optimizer.step(), but a "
+                               f"step has {expected} micro-batch(es) (Megatron's num_microbatches) and the update was "
+                               "applied in the last one. Call optimizer.step() after each forward_backward_func, or "
+                               "pass attach(num_microbatches=...) the number the schedule runs")
+        kind = self.policy.passes(micro == expected)[0]
+        self.pipeline.begin(kind, self.policy.rule() if kind in (Pass.FUSED, Pass.UPDATE) else None)
+        queue_end_of_backward(self._end_megatron_backward)
+
+    def _end_megatron_backward(self) -> None:
+        kind = self.pipeline.kind
+        try:
+            sumsq = self.pipeline.finish()
+        except BaseException:
+            self.pipeline.abort()
+            raise
+        self._micro += 1
+        self._after_pass(kind, sumsq)
+
+    def _megatron_update(self) -> tuple[bool, Optional[float], None]:
+        """``optimizer.step()`` after the update was applied in backward: Megatron's return value."""
+        expected = int(self.engine.gradient_accumulation_steps())
+        micro, self._micro = self._micro, 0
+        if micro != expected:
+            self.pipeline.discard_all()
+            raise RuntimeError(f"xirang.grad_release: optimizer.step() after {micro} backward pass(es), but a step "
+                               f"has {expected} micro-batch(es) (Megatron's num_microbatches); the update is applied in "
+                               f"backward number {expected}, so this step's gradients were dropped. Pass "
+                               "attach(num_microbatches=...) the number the schedule runs")
+        outcome, self.policy.outcome = self.policy.outcome, None
+        if outcome is None:
+            return True, None, None
+        return not outcome.skipped, outcome.grad_norm, None
+
+    # Megatron: checkpoints ------------------------------------------------------------------------
+    def _megatron_state_dict(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        """Megatron's optimizer state dict holding the buckets' states, as its own step would hold them."""
+        from xirang_ds.plugins.grad_release.megatron import StateLoan
+
+        loan = StateLoan(self.buckets)
+        loan.lend()
+        try:
+            state = original(*args, **kwargs)
+        finally:
+            loan.clear()
+        return state
+
+    def _megatron_load_state_dict(self, original: Any, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        """Megatron loads the states into its torch optimizers; they move into the buckets (a checkpoint of
+        plain Megatron, or one saved with grad_release: the same layout)."""
+        from xirang_ds.plugins.grad_release.megatron import StateLoan
+
+        self.pipeline.discard_all()
+        result = original(state_dict, *args, **kwargs)
+        for bucket in self.buckets:
+            bucket.build_masters()  # fresh optimizers; a parameter without a saved state starts fresh
+        StateLoan(self.buckets).take_back()
+        return result
+
+    def _megatron_sharded_state_dict(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("xirang.grad_release: Megatron's distributed checkpoint (sharded_state_dict; Megatron-LM "
+                           "--ckpt-format torch_dist) is not supported under grad_release. Fix: save with "
+                           "--ckpt-format torch (optimizer.state_dict()), which carries grad_release's states")
+
     def _check_engine(self, engine: Any) -> None:
         from xirang_ds.plugins.grad_release.compat import protocol_holds
 
@@ -126,16 +273,21 @@ class GradReleasePlugin(Plugin):
             raise XirangConfigError(problems)
 
     def _build_buckets(self, engine: Any, sharded: bool) -> list[Any]:
+        return self._plan_buckets(engine.module, [engine.basic_optimizer], sharded)
+
+    def _plan_buckets(self, module: torch.nn.Module, optimizers: list[Any], sharded: bool) -> list[Any]:
+        """Buckets over ``module``'s trainable parameters in reverse registration order, each within one
+        dtype and one of ``optimizers`` (cloned for the bucket; Megatron has one per param-group kind)."""
         from xirang_ds.plugins.grad_release.bucket import Bucket
         from xirang_ds.plugins.grad_release.layout import BucketLayout, auto_bucket_numel, plan_buckets
         from xirang_ds.plugins.grad_release.optimizers import optimizer_problems
 
-        basic = engine.basic_optimizer
-        problems = optimizer_problems(basic, sharded, self.setup.zero_stage)
+        problems = [p for basic in optimizers for p in optimizer_problems(basic, sharded, self.setup.zero_stage)]
         if problems:
-            raise XirangConfigError([("", f"xirang.grad_release: {p}") for p in problems])
-        group_of = {p: gi for gi, g in enumerate(basic.param_groups) for p in g["params"]}
-        order = [(n, p) for n, p in reversed(list(engine.module.named_parameters())) if p.requires_grad]
+            raise XirangConfigError([("", f"xirang.grad_release: {p}") for p in dict.fromkeys(problems)])
+        group_of = {p: (basic, gi) for basic in optimizers for gi, g in enumerate(basic.param_groups)
+                    for p in g["params"]}
+        order = [(n, p) for n, p in reversed(list(module.named_parameters())) if p.requires_grad]
         missing = [n for n, p in order if p not in group_of]
         if missing:
             raise XirangConfigError([("", f"xirang.grad_release: parameter {missing[0]} requires grad but is in no "
@@ -151,12 +303,14 @@ class GradReleasePlugin(Plugin):
         world = self.comm.world if sharded else 1
         tracker = self.session.tracker
         buckets: list[Any] = []
-        for run in _dtype_runs(order):
+        for run in _dtype_runs(order, lambda p: group_of[p][0]):
+            basic = group_of[run[0][1]][0]
             for indices in plan_buckets([p.numel() for _, p in run], self.bucket_numel):
                 chosen = [run[i] for i in indices]
                 params = [p for _, p in chosen]
                 try:
-                    buckets.append(Bucket(len(buckets), params, [n for n, _ in chosen], [group_of[p] for p in params],
+                    buckets.append(Bucket(len(buckets), params, [n for n, _ in chosen],
+                                          [group_of[p][1] for p in params],
                                           BucketLayout.build([p.numel() for p in params], world), self.comm, basic,
                                           self.setup.comm_dtype, tracker.scope))
                 except TypeError as e:
@@ -219,6 +373,12 @@ class GradReleasePlugin(Plugin):
         return out
 
     def describe(self) -> str:
+        if self.session.framework == "megatron":
+            clip = (f"clipping {self.setup.gradient_clipping} ({self.config.clipping}, norm over the tensor-parallel "
+                    "group)" if self.setup.gradient_clipping > 0 else "no clipping")
+            return (f"step in backward instead of Megatron DDP's gradient buffer ({self.freed_bytes:,} bytes freed) "
+                    f"and optimizer step, over {self.comm.world} data-parallel rank(s): {len(self.buckets)} buckets of "
+                    f"<= {self.bucket_numel:,} elements, optimizer states replicated, {clip}")
         stage = self.setup.zero_stage
         shards = f"sharded 1/{self.comm.world}" if self.policy.sharded else "replicated"
         clip = (f"clipping {self.setup.gradient_clipping} ({self.config.clipping}"
@@ -378,7 +538,11 @@ class GradReleasePlugin(Plugin):
             from xirang_ds.plugins.grad_release.handback import hand_back
 
             self.pipeline.discard_all()
-            hand_back(self.buckets, self.engine.basic_optimizer)
+            hand_back(self.buckets)
+            if self.session.framework == "megatron":
+                self.buckets = []
+                super().remove()  # DDP gets its gradient buffer back; Megatron's optimizer steps again
+                return
             restore_gradient_clipping(self.engine, self.setup.gradient_clipping)
             if self.setup.param_dtype != torch.float32 and self.engine.global_rank == 0:
                 logger.warning("xirang grad_release removed: the engine continues without fp32 master weights "
@@ -388,11 +552,13 @@ class GradReleasePlugin(Plugin):
         super().remove()
 
 
-def _dtype_runs(order: list[tuple[str, torch.nn.Parameter]]) -> list[list[tuple[str, torch.nn.Parameter]]]:
-    """Consecutive parameters of one dtype (a bucket holds a single dtype)."""
+def _dtype_runs(order: list[tuple[str, torch.nn.Parameter]],
+                owner: Callable[[torch.nn.Parameter], Any] = lambda p: None) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    """Consecutive parameters of one dtype and one ``owner`` (a bucket holds a single dtype and is
+    stepped by a clone of one optimizer)."""
     runs: list[list[tuple[str, torch.nn.Parameter]]] = []
     for name, param in order:
-        if runs and runs[-1][-1][1].dtype == param.dtype:
+        if runs and runs[-1][-1][1].dtype == param.dtype and owner(runs[-1][-1][1]) is owner(param):
             runs[-1].append((name, param))
         else:
             runs.append([(name, param)])

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -63,6 +63,8 @@ class ReleasePolicy:
         skip_nonfinite: skip steps with non-finite gradients (else raise).
         loss_scaler: DeepSpeed's loss scaler for fp16, else None.
         total_numel: trainable elements (per-layer shares).
+        norm_comms: further groups the global norm's sum of squares is summed over (Megatron's
+            tensor-parallel group, whose ranks hold different shards of each split weight).
 
     Attributes:
         previous_norm: the last step's global gradient norm (``previous_step`` clipping).
@@ -70,7 +72,8 @@ class ReleasePolicy:
     """
 
     def __init__(self, comm: DataParallelComm, sharded: bool, max_norm: float, clipping: str, exact_method: str,
-                 skip_nonfinite: bool, loss_scaler: Any = None, total_numel: int = 1):
+                 skip_nonfinite: bool, loss_scaler: Any = None, total_numel: int = 1,
+                 norm_comms: Sequence[DataParallelComm] = ()):
         self.comm = comm
         self.sharded = sharded
         self.max_norm = float(max_norm)
@@ -79,6 +82,7 @@ class ReleasePolicy:
         self.skip_nonfinite = skip_nonfinite
         self.loss_scaler = loss_scaler
         self.total_numel = max(1, total_numel)
+        self.norm_comms = [c for c in norm_comms if c.world > 1]
         self.previous_norm: Optional[float] = None
         self.known_norm: Optional[float] = None
         self.outcome: Optional[StepOutcome] = None
@@ -130,12 +134,15 @@ class ReleasePolicy:
 
     # results ------------------------------------------------------------------------------------
     def global_norm(self, local_sumsq: Optional[torch.Tensor]) -> float:
-        """The unscaled global gradient norm from this rank's sum of squares (one collective when sharded)."""
+        """The unscaled global gradient norm from this rank's sum of squares (one collective per group
+        whose ranks hold different gradients: data parallel when sharded, then `norm_comms`)."""
         if local_sumsq is None:
             return 0.0
         total = local_sumsq.detach().clone()
         if self.sharded:
             self.comm.all_reduce(total, async_op=False)
+        for comm in self.norm_comms:
+            comm.all_reduce(total, async_op=False)
         return math.sqrt(float(total)) / self.loss_scale if math.isfinite(float(total)) else float(total)
 
     def finish_step(self, norm: float, applied: bool) -> StepOutcome:

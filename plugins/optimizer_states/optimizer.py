@@ -296,6 +296,11 @@ class DynamicAdamW(torch.optim.Optimizer):
             self._formats[key] = fmt
         return fmt
 
+    def keeps_fp32(self, p: torch.Tensor) -> bool:
+        """True if ``p`` is one of the parameters kept in fp32 one by one (``keep_fp32_params``); a
+        copy of this optimizer over views of the parameters (grad_release's buckets) pins their views."""
+        return id(p) in self._kept_ids
+
     def _pinned(self, p: torch.Tensor, group: Optional[dict]) -> bool:
         return bool(group and group.get("keep_fp32")) or p.numel() < self.config.min_numel or id(p) in self._kept_ids
 

@@ -66,11 +66,12 @@ def validate_for_megatron(block: Any) -> Any:
         for name, section in PRESETS[block["preset"]].items():
             cls = registry.plugin_class(name)
             if name not in block and isinstance(section, dict) and section.get("enabled") and cls is not None \
-                    and FRAMEWORK not in cls.frameworks:
+                    and FRAMEWORK not in (cls.preset_frameworks or cls.frameworks):
                 block[name] = {"enabled": False}
                 left_off.append(name)
         if left_off and _rank() == 0:
-            logger.info("xirang: preset %r under Megatron: %s do not run under Megatron yet and are left off",
+            logger.info("xirang: preset %r under Megatron: %s are left off (not run under Megatron yet, or only "
+                        "when named: docs/megatron.md)",
                         block["preset"], ", ".join(left_off))
     config = validate_block(block)
     problems = check_framework(config, FRAMEWORK)

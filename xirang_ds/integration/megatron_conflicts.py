@@ -200,15 +200,22 @@ def check_optimizer(config: XirangConfig, optimizer: Any) -> Issues:
 def check_args(config: XirangConfig, args: Any) -> Issues:
     """Megatron-LM arguments that clash with the block (``prepare_optimizer`` reads them): with
     ``--save``, a distributed checkpoint format (``--ckpt-format torch_dist``, Megatron-LM's default)
-    maps every optimizer state onto its parameter's shape, which quantized states do not have."""
+    maps every optimizer state onto its parameter's shape, which quantized states do not have, and
+    grad_release's states are not wired into Megatron's ``sharded_state_dict``."""
     fmt = getattr(args, "ckpt_format", "torch")
+    issues: Issues = []
+    if config.grad_release.enabled and getattr(args, "save", None) and fmt != "torch":
+        issues.append(("xirang.grad_release.enabled",
+                       f"Megatron-LM would save a distributed checkpoint (--ckpt-format {fmt}), and grad_release "
+                       "carries its optimizer states in Megatron's optimizer state_dict only; use --ckpt-format "
+                       "torch, or set xirang.grad_release.enabled to false"))
     if config.optimizer_states.enabled and getattr(args, "save", None) and fmt != "torch":
-        return [("xirang.optimizer_states.enabled",
-                 f"Megatron-LM would save a distributed checkpoint (--ckpt-format {fmt}), which maps every optimizer "
-                 "state onto its parameter's shape, and quantized states are not shaped so; use "
-                 "--ckpt-format torch (Megatron's optimizer state_dict carries them), or set "
-                 "xirang.optimizer_states.enabled to false")]
-    return []
+        issues.append(("xirang.optimizer_states.enabled",
+                       f"Megatron-LM would save a distributed checkpoint (--ckpt-format {fmt}), which maps every "
+                       "optimizer state onto its parameter's shape, and quantized states are not shaped so; use "
+                       "--ckpt-format torch (Megatron's optimizer state_dict carries them), or set "
+                       "xirang.optimizer_states.enabled to false"))
+    return issues
 
 
 __all__ = ["activation_targets", "check_args", "check_model", "check_optimizer", "describe", "megatron_offloaded",

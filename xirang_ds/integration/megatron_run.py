@@ -57,6 +57,9 @@ class MegatronRun:
         global_steps: optimizer steps taken since attach (skipped fp16 steps count, as in DeepSpeed).
         global_rank, world_size: of the default process group.
         dp_world_size, tp_world_size: Megatron's data- and tensor-parallel sizes.
+        applied_update: set by a plugin that applies the update itself during backward
+            (grad_release): `step` returns what it returns (Megatron's ``(update_successful,
+            grad_norm, num_zeros_in_grad)``) instead of calling Megatron's optimizer step.
     """
 
     def __init__(self, model_chunks: Sequence[torch.nn.Module], optimizer: Any,
@@ -74,6 +77,7 @@ class MegatronRun:
         self.device = first.device if first is not None else torch.device("cpu")
         self._micro_batch_size = micro_batch_size
         self._num_microbatches = num_microbatches
+        self.applied_update: Optional[Callable[[], Any]] = None
         self._handle = wrap_method(optimizer, "step", self._route)
         self._inner_step: Callable[..., Any] = self._handle.original
 
@@ -97,7 +101,10 @@ class MegatronRun:
         Returns:
             What the optimizer's ``step`` returns (``(update_successful, grad_norm, num_zeros)``).
         """
-        result = self._inner_step(*args, **kwargs)
+        if self.applied_update is not None:
+            result = self.applied_update()
+        else:
+            result = self._inner_step(*args, **kwargs)
         self.global_steps += 1
         return result
 

@@ -1,0 +1,206 @@
+"""grad_release under Megatron-core: the update applied during backward instead of Megatron's DDP
+gradient buffer and optimizer step.
+
+Megatron's DDP allocates every ``param.main_grad`` once, as views of one persistent fp32 buffer per
+dtype, and its optimizer steps after the whole backward. grad_release takes that path over at
+``attach`` (`DdpTakeover`): DDP's gradient hooks are disarmed (its ``param_to_bucket_group`` is
+emptied, which its hook checks first), the buffer's storage is freed (``resize_(0)``, as DDP's own
+``offload_grad_buffers`` does: every view stays a tensor object, none is read while freed), and the
+DDP methods that would touch it (``zero_grad_buffer``, ``start_grad_sync``, ``finish_grad_sync``,
+``scale_gradients``) become no-ops. Gradients then go through grad_release's buckets, reduced over
+Megatron's data-parallel group, and the run's ``step`` returns the outcome of the update already
+applied (`MegatronRun.applied_update`) instead of calling Megatron's optimizer step.
+
+What differs from the DeepSpeed path (`plugin.py`):
+
+* **Backward is Megatron's.** The schedule calls ``torch.autograd.backward`` itself, so a backward's
+  start is its first gradient (a post-accumulate-grad hook) and its end a callback queued on
+  autograd's engine from there. Which micro-batch is the last comes from counting backwards against
+  Megatron's number of micro-batches (its calculator, or ``attach(num_microbatches=...)``); a step
+  with a different count is an error.
+* **States replicated over data parallel**, as Megatron's non-distributed optimizer keeps them:
+  Megatron-LM's ``--ckpt-format torch`` checkpoint is written by data-parallel rank 0 only, so each
+  rank keeps every state (ZeRO stage 0 semantics: the gradient is reduced whole, each rank applies
+  it). Gradients are never whole with one micro-batch per step; with several, the step's sum is
+  kept in fp32 between micro-batches, as in Megatron's buffer.
+* **Global norm over tensor parallel.** Each TP rank holds another shard of each split weight: its
+  sum of squares counts its shards and, on TP rank 0 only, the parameters replicated on the TP group
+  (``param_is_not_tensor_parallel_duplicate``), summed over the TP group, as Megatron's
+  ``clip_grads.get_grad_norm_fp32`` does. The limit is ``OptimizerConfig.clip_grad``.
+* **Checkpoints.** Megatron's ``optimizer.state_dict()`` holds the buckets' states in Megatron's own
+  layout (the states are lent to its torch optimizer for the call), so the file loads with or
+  without xirang; ``load_state_dict`` moves them back into the buckets.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+from xirang_ds.hooks import wrap_method
+
+logger = logging.getLogger("xirang_ds")
+
+DISARMED_DDP_METHODS = ("zero_grad_buffer", "start_grad_sync", "finish_grad_sync", "scale_gradients")
+"""Megatron DDP methods that read or write the gradient buffer (distributed_data_parallel.py)."""
+
+
+def problems(config: Any, run: Any, clip_grads: list[float]) -> list[tuple[str, str]]:
+    """What in this Megatron run grad_release cannot take over, each with its fix.
+
+    Args:
+        config: the grad_release section.
+        run: the `MegatronRun`.
+        clip_grads: each optimizer member's ``OptimizerConfig.clip_grad``.
+    """
+    from megatron.core import parallel_state
+
+    from xirang_ds.integration.megatron_compat import optimizer_members, unwrap
+
+    out: list[tuple[str, str]] = []
+
+    def refuse(setting: str, why: str, fix: str) -> None:
+        out.append(("", f"xirang.grad_release cannot run with Megatron's {setting}: {why}. Fix: {fix}"))
+
+    if len(run.model_chunks) > 1:
+        refuse("virtual pipeline (several model chunks per rank)", "the chunks' backwards interleave with "
+               "pipeline communication", "run grad_release with --pipeline-model-parallel-size 1")
+    if parallel_state.model_parallel_is_initialized() and \
+            parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        refuse("pipeline parallelism (--pipeline-model-parallel-size "
+               f"{parallel_state.get_pipeline_model_parallel_world_size()})",
+               "finalize_model_grads reduces the tied embedding gradients across stages after backward, so those "
+               "parameters cannot be updated during it", "set xirang.grad_release.enabled false for pipeline runs")
+    ddp_config = getattr(run.module, "ddp_config", None)
+    if getattr(ddp_config, "use_distributed_optimizer", False):
+        refuse("distributed optimizer (--use-distributed-optimizer)", "it steps 1-D ranges of DDP's buffer "
+               "that grad_release frees", "drop --use-distributed-optimizer (or disable xirang.grad_release)")
+    if getattr(ddp_config, "delay_wgrad_compute", False):
+        refuse("delayed weight-gradient computation (--delay-wgrad-compute)", "its gradients arrive outside "
+               "backward", "drop --delay-wgrad-compute")
+    model_config = getattr(unwrap(run.module), "config", None)
+    for field, flag, why, fix in (
+            ("sequence_parallel", "--sequence-parallel", "the layernorm gradients are all-reduced over the "
+             "tensor-parallel group after backward (finalize_model_grads)", "drop --sequence-parallel"),
+            ("gradient_accumulation_fusion", "--gradient-accumulation-fusion, Megatron-LM's default", "backward "
+             "writes weight gradients into param.main_grad, the buffer grad_release frees",
+             "add --no-gradient-accumulation-fusion"),
+            ("calculate_per_token_loss", "--calculate-per-token-loss", "gradients are divided by the token count "
+             "after backward", "drop --calculate-per-token-loss")):
+        if getattr(model_config, field, False):
+            refuse(f"{field} ({flag})", why, f"{fix} (or disable xirang.grad_release)")
+    for member in optimizer_members(run.optimizer):
+        kind = type(member).__name__
+        if kind != "FP32Optimizer":
+            refuse(f"{kind}", "grad_release under Megatron steps fp32 parameters (Megatron's FP32Optimizer); "
+                   "the --bf16/--fp16 optimizers keep fp32 masters of 16-bit weights, which is not built here",
+                   "train in fp32 weights (bf16 compute: xirang.precision) or disable xirang.grad_release")
+    experts = [n for n, p in unwrap(run.module).named_parameters() if not getattr(p, "allreduce", True)]
+    if experts:
+        refuse(f"expert parallelism ({experts[0]} and {len(experts) - 1} more)", "expert gradients reduce over "
+               "the expert-data-parallel group", "disable xirang.grad_release for MoE models")
+    if len(set(clip_grads)) > 1:
+        refuse(f"clip_grad {sorted(set(clip_grads))} (one per optimizer group)", "grad_release clips with one "
+               "global norm", "use one --clip-grad")
+    tp = run.tp_world_size
+    if tp > 1 and config.clipping == "per_layer" and any(c > 0 for c in clip_grads):
+        out.append(("clipping", f"xirang.grad_release.clipping = \"per_layer\" under tensor parallelism "
+                                f"(size {tp}) would clip each rank's shard of a split weight by its own norm; "
+                                "allowed here: \"exact\" or \"previous_step\". Fix: set clipping to \"exact\""))
+    if run.gradient_accumulation_steps() is None:
+        refuse("number of micro-batches (unknown)", "grad_release applies the update in the last micro-batch's "
+               "backward", "pass num_microbatches= to xirang_ds.integration.megatron.attach (Megatron-LM: "
+               "its calculator provides it)")
+    return out
+
+
+class DdpTakeover:
+    """Megatron DDP with its gradient buffer freed and its gradient path disarmed; `remove` restores it.
+
+    Args:
+        ddp: a ``megatron.core.distributed.DistributedDataParallel`` chunk.
+
+    Attributes:
+        freed_bytes: bytes of gradient buffer storage freed.
+    """
+
+    def __init__(self, ddp: Any) -> None:
+        self.ddp = ddp
+        self._buckets = ddp.param_to_bucket_group
+        ddp.param_to_bucket_group = {}  # DDP's backward hook does nothing for a parameter not in it
+        self._storages: list[tuple[Any, int]] = []
+        for buffer in list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", [])):
+            storage = buffer.grad_data.untyped_storage()
+            if storage.nbytes():
+                self._storages.append((storage, storage.nbytes()))
+                storage.resize_(0)
+        self.freed_bytes = sum(n for _, n in self._storages)
+        self._handles = [wrap_method(ddp, name, _disarmed) for name in DISARMED_DDP_METHODS if hasattr(ddp, name)]
+
+    def remove(self) -> None:
+        """Give DDP its buffer back (zeroed), its hooks' buckets and its methods."""
+        for handle in reversed(self._handles):
+            handle.remove()
+        self._handles = []
+        for storage, nbytes in self._storages:
+            storage.resize_(nbytes)
+        self._storages = []
+        for buffer in list(self.ddp.buffers) + list(getattr(self.ddp, "expert_parallel_buffers", [])):
+            buffer.grad_data.zero_()
+        self.ddp.param_to_bucket_group = self._buckets
+
+
+def _disarmed(original: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """DDP's buffer is freed: grad_release reduced and applied every gradient during backward."""
+    return None
+
+
+def norm_counted(param: torch.Tensor, tp_rank: int) -> bool:
+    """Whether ``param``'s gradient enters this rank's sum of squares: a tensor-parallel shard always,
+    a parameter replicated on the TP group on its first rank only (``param_is_not_tensor_parallel_duplicate``)."""
+    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+class StateLoan:
+    """Lend the buckets' optimizer states to Megatron's torch optimizers (keyed by the model parameters,
+    as Megatron's own step would hold them) for a ``state_dict`` call, and take states loaded there back.
+
+    Buckets under Megatron are not sharded (one rank holds each parameter whole), and their
+    parameters are fp32, so each bucket view is the parameter's own storage and a state moves by
+    reference.
+    """
+
+    def __init__(self, buckets: list[Any]) -> None:
+        self.pairs: list[tuple[Any, torch.Tensor, torch.Tensor]] = []  # (bucket, view, param)
+        for bucket in buckets:
+            for piece, view in zip(bucket.pieces, bucket.views):
+                self.pairs.append((bucket, view, bucket.params[piece.index]))
+
+    def lend(self) -> None:
+        for bucket, view, param in self.pairs:
+            state = bucket.optimizer.state.get(view) if bucket.optimizer is not None else None
+            if state:
+                bucket.basic.state[param] = state
+
+    def take_back(self) -> int:
+        """Move the torch optimizers' states of the buckets' parameters into the buckets; how many moved."""
+        moved = 0
+        for bucket, view, param in self.pairs:
+            state = bucket.basic.state.pop(param, None)
+            if state and bucket.optimizer is not None:
+                bucket.optimizer.state[view] = state
+                moved += 1
+        return moved
+
+    def clear(self) -> None:
+        for bucket, _, param in self.pairs:
+            bucket.basic.state.pop(param, None)
+
+
+def queue_end_of_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the backward in progress finishes (from inside one of its hooks)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+__all__ = ["DISARMED_DDP_METHODS", "DdpTakeover", "StateLoan", "norm_counted", "problems", "queue_end_of_backward"]

@@ -275,15 +275,29 @@ def case_comm_buffers_errors(ex: Any, tmp: str) -> dict:
     }
 
 
-def case_megatron_lm_glue(ex: Any, tmp: str, flags: list, block: dict | None = None) -> dict:
+def case_megatron_lm_glue(ex: Any, tmp: str, flags: list, block: dict | None = None,
+                          global_batch_size: int | None = None) -> dict:
     """Megatron-LM's order of calls with the glue the patch inserts: parse arguments with the
     ``extra_args_provider``, build through the wrapped model provider, let ``get_model``'s bucket
     logic read ``args``, wrap DDP, build the optimizer, call ``prepare_optimizer``, train two steps.
+    With ``global_batch_size``, Megatron's micro-batch calculator is initialised first, as
+    Megatron-LM's ``initialize_megatron`` does.
 
     The argument names ``get_model`` reads (``ddp_bucket_size``, ``overlap_grad_reduce``, ...) are
     Megatron-LM's (training.py core_v0.16.1 L1290-1322); its parser is not importable on CPU, so the
     few arguments it would supply are declared here.
     """
+    from megatron.core import num_microbatches_calculator as calculator
+
+    if global_batch_size is not None:
+        calculator.init_num_microbatches_calculator(0, None, global_batch_size, 2, 1)
+    try:
+        return _glue(tmp, flags, block)
+    finally:
+        calculator.destroy_num_microbatches_calculator()
+
+
+def _glue(tmp: str, flags: list, block: dict | None) -> dict:
     import argparse
 
     from megatron.core.distributed import DistributedDataParallel

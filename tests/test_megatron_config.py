@@ -160,6 +160,8 @@ def megatron_cases(tmp_path_factory):
         "megatron_lm_glue": {"flags": ["--overlap-grad-reduce", "--micro-batch-size", "2"], "block": glue},
         "megatron_lm_glue:plain": {"flags": ["--overlap-grad-reduce", "--ddp-bucket-size", "4096"]},
         "megatron_lm_glue:kept": {"flags": ["--overlap-grad-reduce", "--ddp-bucket-size", "4096"], "block": glue},
+        "megatron_lm_glue:released": {"flags": ["--overlap-grad-reduce", "--micro-batch-size", "2"],
+                                      "block": {"grad_release": {"enabled": True}}, "global_batch_size": 2},
     }
     return run_ranks(megatron_runs.single_rank, 1, tmp, cases)[0]
 
@@ -219,6 +221,9 @@ def test_megatron_lm_glue_in_megatron_lm_order(megatron_cases):
     assert not plain["session"] and plain["bucket_from_args"] == 4096
     assert kept["session"] and kept["bucket_from_args"] == 4096  # the user's --ddp-bucket-size wins
     assert glue["losses"] == plain["losses"] == kept["losses"]
+    released = megatron_cases["megatron_lm_glue:released"]  # micro-batches from Megatron's calculator
+    assert released["plugins"] == ["grad_release"] and released["global_steps"] == 2
+    assert released["losses"] == plain["losses"]
 
 
 @pytest.mark.distributed

@@ -157,15 +157,17 @@ class GradReleaseConfig(Section):
     """Gradient elements per reduction bucket; ``auto`` = 1/16 of the trainable elements, kept
     between 2**16 and 2**25. A parameter larger than the bucket gets a bucket of its own."""
     clipping: Literal["exact", "previous_step", "per_layer"] = "exact"
-    """How ds_config's ``gradient_clipping`` is honoured: ``exact`` (this step's global norm, known
-    before any update through ``exact_method``), ``previous_step`` (the coefficient of the previous
-    step's global norm; the first step is exact) or ``per_layer`` (each parameter tensor clipped to
-    its share of the limit, ``gradient_clipping * sqrt(numel / total numel)``)."""
+    """How ds_config's ``gradient_clipping`` (Megatron: ``OptimizerConfig.clip_grad``) is honoured:
+    ``exact`` (this step's global norm, known before any update through ``exact_method``),
+    ``previous_step`` (the coefficient of the previous step's global norm; the first step is exact)
+    or ``per_layer`` (each parameter tensor clipped to its share of the limit, ``gradient_clipping *
+    sqrt(numel / total numel)``; not under tensor parallelism)."""
     exact_method: Literal["hold", "two_pass"] = "hold"
     """How the global norm (exact clipping) and a non-finite gradient (fp16 overflow) are known
     before any update: ``hold`` keeps each bucket's reduced gradient shard until backward ends
     (this rank's shard of all gradients), ``two_pass`` runs backward twice, the first pass for the
-    norm only (about one bucket of gradients; one more backward of time)."""
+    norm only (about one bucket of gradients; one more backward of time; not under Megatron, whose
+    schedule runs backward)."""
     nonfinite: Literal["auto", "raise", "skip_step"] = "auto"
     """A non-finite gradient: ``skip_step`` skips the step on every rank with no parameter updated
     (a global pass every step, see ``exact_method``); ``raise`` stops every rank with an error

@@ -127,6 +127,10 @@ def tp2_grad_release(rank: int, world: int, tmp: str, steps: int) -> dict:
         res["resume_states"] = resume(ex, common, both, steps, plain=False)
         res["removal"] = removal(ex, common, gr, steps)
         res["miscount"] = miscount(ex, common, gr)
+        skip = write_block(os.path.join(tmp, f"skip{rank}.json"),
+                           {"grad_release": {"enabled": True, "nonfinite": "skip_step"}})
+        res["nonfinite_skip"] = nonfinite(ex, common, skip)
+        res["nonfinite_raise"] = nonfinite(ex, common, gr)
         return res
     finally:
         ex.teardown(created)
@@ -183,6 +187,31 @@ def removal(ex: Any, common: list[str], config: str, steps: int) -> dict:
              "wrapped": sorted(vars(model).keys() & {"zero_grad_buffer", "finish_grad_sync", "start_grad_sync"})}
     model, optimizer, _, run_step = loop(ex, common, steps)
     return {"losses": losses, "plain": [run_step() for _ in range(2 * steps)], "during": during, "after": after}
+
+
+def nonfinite(ex: Any, common: list[str], config: str) -> dict:
+    """One step, then the final layernorm's weight set to nan (on both TP ranks: it is replicated) and
+    one more step: Megatron's step result, and whether any other parameter changed."""
+    model, optimizer, session, run_step = loop(ex, common + ["--xirang-config", config], 2)
+    run_step()
+    poisoned = dict(model.named_parameters())["module.decoder.final_layernorm.weight"]
+    with torch.no_grad():
+        poisoned.fill_(float("nan"))
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p is not poisoned}
+    results = []
+    inner = optimizer.step
+    optimizer.step = lambda *a: results.append(inner(*a)) or results[-1]
+    out: dict[str, Any] = {}
+    try:
+        run_step()
+    except RuntimeError as e:
+        out["error"] = str(e)
+    out["result"] = [str(x) for x in results[0]] if results else None
+    out["changed"] = sorted(n for n, p in model.named_parameters()
+                            if p is not poisoned and not torch.equal(p.detach(), before[n]))
+    out["global_steps"] = session.engine.global_steps
+    session.remove()
+    return out
 
 
 def miscount(ex: Any, common: list[str], config: str) -> str:

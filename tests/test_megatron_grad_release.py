@@ -11,6 +11,8 @@ Megatron's DDP and FP32Optimizer around torch.optim.AdamW.
 * Megatron's ``optimizer.state_dict()`` round trip resumes bit for bit, and the same dict loads into
   plain Megatron with the same result; ``session.remove()`` gives DDP its buffer and hooks back and
   training continues exactly like plain Megatron.
+* A non-finite gradient: ``nonfinite: skip_step`` returns Megatron's ``(False, nan, None)`` with no
+  parameter changed; the default stops every rank saying the update was applied.
 * Refusals name Megatron's setting and the fix; a wrong micro-batch count stops at ``optimizer.step()``.
 """
 import pytest
@@ -114,6 +116,16 @@ def test_tp2_wrong_micro_batch_count_stops_at_step(tp2):
         message = r["miscount"]
         assert "optimizer.step() after 2 backward pass(es), but a step has 3 micro-batch(es)" in message
         assert "attach(num_microbatches=...)" in message
+
+
+@pytest.mark.distributed
+def test_tp2_nonfinite_gradients_skip_or_stop(tp2):
+    for r in tp2:
+        skip = r["nonfinite_skip"]  # Megatron's step result for a skipped step: no parameter changed
+        assert skip == {"result": ["False", "nan", "None"], "changed": [], "global_steps": 2}
+        stop = r["nonfinite_raise"]  # default: every rank stops, saying the update was applied
+        assert "non-finite gradient at step 2 (global norm nan)" in stop["error"]
+        assert "every bucket was applied as it was reduced" in stop["error"] and "\"skip_step\"" in stop["error"]
 
 
 @pytest.mark.distributed

@@ -25,7 +25,10 @@ UPSTREAM_NAMES: dict[str, tuple[str, ...]] = {
     # DDP's contiguous grad (and, with the distributed optimizer, param) buffers, and its backward
     # hook, which folds param.grad into param.main_grad
     "megatron/core/distributed/distributed_data_parallel.py": (
-        "self.buffers", "self.expert_parallel_buffers", "param.main_grad.add_(param.grad.data)"),
+        "self.buffers", "self.expert_parallel_buffers", "param.main_grad.add_(param.grad.data)",
+        # grad_release disarms the hook (it checks this dict first) and the methods touching the buffer
+        "if param in self.param_to_bucket_group:", "def zero_grad_buffer(self)", "def start_grad_sync(self",
+        "def finish_grad_sync(self", "def scale_gradients(self"),
     "megatron/core/distributed/param_and_grad_buffer.py": ("self.grad_data", "self.param_data"),
     "megatron/core/distributed/distributed_data_parallel_config.py": (
         "bucket_size:", "overlap_grad_reduce:", "grad_reduce_in_fp32:"),
@@ -33,20 +36,22 @@ UPSTREAM_NAMES: dict[str, tuple[str, ...]] = {
     "megatron/core/parallel_state.py": (
         "_GLOBAL_MEMORY_BUFFER = None", "def model_parallel_is_initialized", "def get_data_parallel_world_size",
         "def get_tensor_model_parallel_world_size", "def get_tensor_model_parallel_group",
-        "def get_data_parallel_group"),
+        "def get_data_parallel_group", "def get_pipeline_model_parallel_world_size"),
     "megatron/core/utils.py": ("class GlobalMemoryBuffer", "self.buffer = {}"),
     "megatron/core/optimizer/optimizer.py": (
         "self.chained_optimizers", "self.float16_groups", "self.fp32_from_float16_groups", "def sharded_state_dict",
-        "def load_state_dict"),
+        "def load_state_dict", "class FP32Optimizer"),
     # optimizer_states refuses the distributed optimizer; precision keeps the LM loss in fp32
     "megatron/core/optimizer/distrib_optimizer.py": ("class DistributedOptimizer",),
     "megatron/core/models/common/language_module/language_module.py": ("def compute_language_model_loss(self, labels",),
     "megatron/core/optimizer/optimizer_config.py": (
-        "use_precision_aware_optimizer:", "exp_avg_dtype:", "exp_avg_sq_dtype:", "optimizer_cpu_offload:"),
+        "use_precision_aware_optimizer:", "exp_avg_dtype:", "exp_avg_sq_dtype:", "optimizer_cpu_offload:",
+        "clip_grad:"),
     "megatron/core/transformer/transformer_config.py": (
         "recompute_granularity:", "recompute_method:", "recompute_num_layers:", "recompute_modules:",
         "distribute_saved_activations:"),
-    "megatron/core/model_parallel_config.py": ("cpu_offloading:", "cpu_offloading_num_layers:", "bf16:", "fp16:"),
+    "megatron/core/model_parallel_config.py": ("cpu_offloading:", "cpu_offloading_num_layers:", "bf16:", "fp16:",
+                                               "sequence_parallel:", "gradient_accumulation_fusion:"),
     "megatron/core/transformer/transformer_layer.py": (
         "class TransformerLayer(", "self.self_attention", "self.input_layernorm", "self.pre_mlp_layernorm",
         "self.mlp"),

@@ -48,8 +48,8 @@ class MegatronRun:
         optimizer: Megatron's optimizer (``get_megatron_optimizer``): a ``ChainedOptimizer`` or one
             ``MegatronOptimizer``.
         micro_batch_size: samples per micro-batch, for reports (Megatron-LM: ``args.micro_batch_size``).
-        num_microbatches: micro-batches per optimizer step, for reports; default: Megatron's calculator
-            when it is initialised.
+        num_microbatches: micro-batches per optimizer step (reports; grad_release finds the last one
+            by it) when Megatron's calculator is not initialised; the calculator wins when it is.
 
     Attributes:
         module: the first chunk (the root whose forward hooks mark phases).
@@ -113,7 +113,10 @@ class MegatronRun:
         return self._micro_batch_size
 
     def gradient_accumulation_steps(self) -> Optional[int]:
-        return self._num_microbatches if self._num_microbatches is not None else num_microbatches()
+        """Micro-batches per step: Megatron's calculator when it is initialised (it follows
+        ``--rampup-batch-size``), else the number given to the run."""
+        live = num_microbatches()
+        return live if live is not None else self._num_microbatches
 
     def zero_optimization_stage(self) -> int:
         """1 with Megatron's distributed optimizer (states sharded over data parallel), else 0."""

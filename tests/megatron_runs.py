@@ -362,6 +362,7 @@ ACTIVATION_PLANS = {
     "compress": {"planner": False, "compress": ["decoder.layers.*"]},
     "offload": {"planner": False, "offload": ["decoder.layers.*"]},
     "recompute_offload": {"planner": False, "recompute_offload": ["decoder.layers.*"]},
+    "recompute_distributed": {"planner": False, "recompute": ["decoder.layers.*"], "distribute_saved_inputs": True},
     "planner": {"budget_fraction": 0.5, "options": ["keep", "recompute", "compress", "offload"]},
 }
 """The lossless activation plans `tp2_activations` runs (the ``"activations"`` section of each)."""
@@ -380,7 +381,9 @@ def tp2_activations(rank: int, world: int, tmp: str, steps: int, plans: dict[str
     def plan_of(model: Any, optimizer: Any, session: Any) -> dict:
         plugin = session.plugin("activations")
         arena = megatron_compat.global_memory_buffer_tensors()
+        distribute = plugin.runtime.distribute
         return {"plan": dict(plugin.plan), "state": plugin.state, "candidates": list(plugin._candidates),
+                "sharded_bytes": distribute.sharded_bytes if distribute is not None else 0,
                 "layers": [name for name, _ in megatron_compat.transformer_layers(megatron_compat.unwrap(model))],
                 "arena_view_packable": [plugin.runtime.eligible(t.view(-1)[: t.numel() // 2]) for t in arena],
                 "plain_tensor_packable": plugin.runtime.eligible(torch.ones(4096))}
@@ -407,9 +410,29 @@ def tp2_activations(rank: int, world: int, tmp: str, steps: int, plans: dict[str
                                                             "recompute": ["decoder.layer.*"]}}, tmp)
         out["selective"] = config_error(ex, {"activations": {"enabled": True, "planner": False,
                                                              "selective_recompute": ["decoder.layers.0"]}}, tmp)
+        out["distribute_with_sp"] = distribute_with_sequence_parallel()
         return out
     finally:
         ex.teardown(created)
+
+
+def distribute_with_sequence_parallel() -> str:
+    """``distribute_saved_inputs`` on a model whose config has sequence parallelism: the message."""
+    from xirang_ds.config.validate import XirangConfigError
+    from xirang_ds.integration import megatron as xm
+
+    session = xm.build_session({"xirang": {"activations": {"enabled": True, "planner": False,
+                                                           "recompute": ["decoder.layers.*"],
+                                                           "distribute_saved_inputs": True}}})
+    model = gpt(num_layers=2)
+    model.config.sequence_parallel = True  # its layers' inputs are split over TP, not replicated
+    try:
+        xm.prepare_model(session, model)
+        return ""
+    except XirangConfigError as e:
+        return str(e)
+    finally:
+        session.remove()
 
 
 def activations_removal(ex: Any, config: str) -> dict:

@@ -16,8 +16,9 @@ import os
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 from xirang_ds.config.schema import XirangConfig
+from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import CallbackHandle, wrap_method
-from xirang_ds.registry import Plugin, plugins_for
+from xirang_ds.registry import Plugin, check_framework, plugins_for
 
 if TYPE_CHECKING:  # pragma: no cover
     from xirang_ds.memory.engine_roles import TrainingWatch
@@ -51,6 +52,9 @@ class Session:
                  framework: str = "deepspeed"):
         if framework not in FRAMEWORKS:
             raise ValueError(f"framework must be one of {FRAMEWORKS}; got {framework!r}")
+        problems = check_framework(config, framework)
+        if problems:
+            raise XirangConfigError(problems)
         self.framework = framework
         self.config = config
         self.ds_config = ds_config

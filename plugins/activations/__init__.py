@@ -78,6 +78,15 @@ class ActivationsPlugin(Plugin):
 
     frameworks = ("deepspeed", "megatron")
 
+    @classmethod
+    def check_framework(cls, config: ActivationsConfig, framework: str) -> list[tuple[str, str]]:
+        problems = super().check_framework(config, framework)
+        if framework == "deepspeed" and config.distribute_saved_inputs:
+            problems.append(("distribute_saved_inputs", "true under DeepSpeed, which has no tensor-parallel group "
+                                                        "to distribute over (it is Megatron-core's "
+                                                        "distribute_saved_activations). Fix: set it to false"))
+        return problems
+
     def __init__(self, config: ActivationsConfig, session: Any):
         super().__init__(config, session)
         self.plan: dict[str, str] = {}
@@ -107,6 +116,8 @@ class ActivationsPlugin(Plugin):
         """Process groups the profiles and the plan are agreed over."""
         self._bandwidth: Optional[float] = None
         self.options: tuple[str, ...] = config.options
+        self._replicated_inputs: frozenset = frozenset()
+        """Under Megatron: modules whose inputs are identical on every tensor-parallel rank."""
 
     # seams ----------------------------------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module) -> None:
@@ -114,9 +125,17 @@ class ActivationsPlugin(Plugin):
         megatron = self.session.framework == "megatron"
         blocks = None
         if megatron:
-            from xirang_ds.integration.megatron_compat import transformer_layers
+            from xirang_ds.integration.megatron_compat import REPLICATED_INPUT_CHILDREN, transformer_layers
 
             blocks = [name for name, _ in transformer_layers(model)]
+            self._replicated_inputs = frozenset(
+                blocks + [f"{b}.{child}" for b in blocks for child in REPLICATED_INPUT_CHILDREN])
+            if self.config.distribute_saved_inputs and getattr(getattr(model, "config", None), "sequence_parallel",
+                                                               False):
+                problems.append((f"{PATH}.distribute_saved_inputs",
+                                 "true with Megatron's sequence parallelism (--sequence-parallel): the layers' inputs "
+                                 "are already split over the tensor-parallel group, not identical on its ranks. Fix: "
+                                 "set distribute_saved_inputs to false"))
         self._candidates = find_candidates(model, self.config, problems, blocks) if self.config.planner else []
         # under Megatron the file's DeepSpeed keys (activation_checkpointing) do not apply
         self._fixed, self._ds_settings = fixed_plan(model, self.config, {} if megatron else self.session.ds_config,
@@ -149,7 +168,7 @@ class ActivationsPlugin(Plugin):
         self._engine = engine
         acc = get_accelerator()
         tracker = self.session.tracker
-        rng = arenas = None
+        rng = arenas = distribute = None
         self._model = engine.module
         if self.session.framework == "megatron":
             from xirang_ds.integration import megatron_compat as mc
@@ -157,19 +176,28 @@ class ActivationsPlugin(Plugin):
             self._model = mc.unwrap(engine.module)
             self._groups = tuple(mc.agreement_groups())
             rng, arenas = (mc.rng_tracker_states, mc.set_rng_tracker_states), mc.global_memory_buffer_tensors
+            if self.config.distribute_saved_inputs and engine.tp_world_size > 1:
+                from megatron.core import parallel_state
+
+                from xirang_ds.plugins.activations.handlers import ShardHandler
+
+                distribute = ShardHandler(parallel_state.get_tensor_model_parallel_group(),
+                                          lambda: tracker.scope(ACTIVATIONS))
         self.runtime = Runtime(
             torch.device(engine.device), self.config.min_tensor_bytes, self.config.offload_prefetch,
             self.config.quantize_block_size, self.config.sparsify_threshold, tracker.host_tier,
             lambda: tracker.scope(ACTIVATIONS),
             mark=lambda t: tracker.mark([t], ACTIVATIONS) if tracker.active else None,
             synchronize=acc.synchronize if self._ds_settings.get("synchronize") else None,
-            timings=self.recompute_timings if self._ds_settings.get("profile") else None, rng=rng, arenas=arenas)
+            timings=self.recompute_timings if self._ds_settings.get("profile") else None, rng=rng, arenas=arenas,
+            distribute=distribute)
         model = self._model
         check_memory_budget(self.session.config.memory_budget, engine)
         self.runtime.eligible.refresh(model)
         modules = dict(model.named_modules())
         for name in list(self._fixed) + [c for c in self._candidates if c not in self._fixed]:
             self.wrappers[name] = ModuleWrapper(name, modules[name], self.runtime)
+            self.wrappers[name].distributable = name in self._replicated_inputs
         self.keep(wrap_method(model, "forward", self._root_forward))
         lenders = [p.storage_provider for p in self.session.plugins if getattr(p, "storage_provider", None)]
         if lenders:

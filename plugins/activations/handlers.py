@@ -90,3 +90,52 @@ class OffloadHandler:
     def restore(self, copy: HostCopy, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """The bytes back on the device (prefetched or fetched now), as ``dtype``."""
         return self.offloader.fetch(copy).view(dtype)
+
+
+class ShardHandler:
+    """Stores a saved storage that is identical on every rank of a group (the tensor-parallel group)
+    as this rank's 1/world of its bytes; restoring all-gathers the bytes over the group.
+
+    Megatron's ``distribute_saved_activations`` does this for the inputs of a recomputed layer; every
+    rank of the group must restore the same storages in the same order (the ranks run the same plan
+    and the same graph). A storage whose size does not divide by the group size is kept as it is.
+
+    Args:
+        group: the process group the storage is replicated over.
+        scope: the tracker's activations-scope factory (the gathered bytes in backward).
+    """
+
+    def __init__(self, group: Any, scope: Callable[[], Any]):
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.scope = scope
+        self.sharded_bytes = 0
+        """Bytes of the storages stored as shards so far (the full sizes)."""
+
+    def begin_call(self) -> None:
+        return None
+
+    def store(self, flat: torch.Tensor, call: Any) -> Optional[list[torch.Tensor]]:
+        """This rank's part of the storage's bytes, in a box that `restore` empties (the shard is
+        freed once the whole is gathered, not when the last view is unpacked)."""
+        raw = flat.view(torch.uint8)
+        if raw.numel() % self.world:
+            return None
+        part = raw.numel() // self.world
+        self.sharded_bytes += raw.numel()
+        return [raw[self.rank * part:(self.rank + 1) * part].clone()]
+
+    def restore(self, box: list[torch.Tensor], dtype: torch.dtype, numel: int) -> torch.Tensor:
+        shard = box.pop()
+        part = shard.numel()
+        with self.scope():
+            full = torch.empty(part * self.world, dtype=torch.uint8, device=shard.device)
+        mine = full[self.rank * part:(self.rank + 1) * part]
+        mine.copy_(shard)
+        del shard  # gathered in place (this rank's part is already where it belongs)
+        self.dist.all_gather_into_tensor(full, mine, group=self.group)
+        return full.view(dtype)

@@ -10,7 +10,10 @@ restores the original forward. Each call runs the module's current option:
 * ``compress`` / ``quantize`` / ``sparsify`` / ``offload``: the forward inside a `PackContext` with
   that option's handler; offload also hooks the outputs' gradients to prefetch in backward;
 * ``recompute_offload``: the checkpointed forward inside the offload pack context, which then
-  holds the checkpoint's inputs in host memory.
+  holds the checkpoint's inputs in host memory;
+* ``recompute`` on a module whose inputs are identical on every tensor-parallel rank, with
+  ``distribute_saved_inputs``: the checkpointed forward inside a `ShardHandler` pack context, which
+  holds 1/tp of the checkpoint's inputs per rank and all-gathers them when backward recomputes.
 
 Options change at run time (after profiling, from the monitor) by setting `ModuleWrapper.option`.
 """
@@ -60,6 +63,8 @@ class Runtime:
         timings: list collecting ``(module, seconds)`` per recomputation (DeepSpeed's ``profile``).
         rng: the framework's own generator states a recomputation restores (Megatron's RNG tracker),
             or ``None``.
+        distribute: the handler that shards recomputed modules' inputs over the tensor-parallel group
+            (`ShardHandler`), or ``None``.
         arenas: tensors of persistent arenas whose views are never packed (`Eligibility`), or ``None``.
     """
 
@@ -67,8 +72,10 @@ class Runtime:
                  threshold: float, host_tier: Callable[[], ContextManager], scope: Callable[[], ContextManager],
                  mark: Optional[Callable[[torch.Tensor], None]] = None,
                  synchronize: Optional[Callable[[], None]] = None, timings: Optional[list] = None,
-                 rng: Optional[RngStates] = None, arenas: Optional[Callable[[], list[torch.Tensor]]] = None):
+                 rng: Optional[RngStates] = None, arenas: Optional[Callable[[], list[torch.Tensor]]] = None,
+                 distribute: Optional[Any] = None):
         self.device = device
+        self.distribute = distribute
         self.rng = rng
         self.scope = scope
         self.synchronize = synchronize
@@ -101,6 +108,8 @@ class ModuleWrapper:
         passthrough: an ancestor packs its tensors, so ``keep`` must shield this module.
         must_save: profile-selected ``(op, index)`` for selective recompute (``None``: all
             expensive ops).
+        distributable: the module's inputs are identical on every tensor-parallel rank, so under
+            ``recompute`` they may be held as shards (when the runtime has a ``distribute`` handler).
     """
 
     def __init__(self, name: str, module: torch.nn.Module, runtime: Runtime):
@@ -108,6 +117,7 @@ class ModuleWrapper:
         self.module = module
         self.runtime = runtime
         self.passthrough = False
+        self.distributable = False
         self.must_save: Optional[frozenset] = None
         self._option: Optional[str] = None
         self._context_fn: Optional[Callable[[], tuple]] = None
@@ -149,6 +159,9 @@ class ModuleWrapper:
                 return original(*args, **kwargs)
             with PackContext(rt.keep_handler, _never):
                 return original(*args, **kwargs)
+        if option == "recompute" and self.distributable and rt.distribute is not None:
+            with PackContext(rt.distribute, rt.eligible):
+                return run_checkpointed(original, args, kwargs, self._context_fn, rt.rng)
         if option in ("recompute", "selective_recompute"):
             return run_checkpointed(original, args, kwargs, self._context_fn, rt.rng)
         with PackContext(rt.handlers[option], rt.eligible) as ctx:

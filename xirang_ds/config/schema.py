@@ -304,6 +304,11 @@ class ActivationsConfig(Section):
     """How many offloaded modules ahead backward prefetches (on a side stream; CPU copies on demand)."""
     host_bandwidth_gbps: Union[Literal["auto"], Annotated[float, Range(0.0, low_exclusive=True)]] = "auto"
     """Device-host copy bandwidth that prices offload, in GB/s; ``auto`` measures it."""
+    distribute_saved_inputs: bool = False
+    """Megatron-core at tensor-parallel size > 1: a ``recompute`` module whose inputs are identical on
+    every TP rank (a ``TransformerLayer`` and its ``self_attention``, ``mlp`` and norms) keeps 1/tp
+    of them per rank and all-gathers them over the TP group when backward recomputes it (Megatron's
+    ``distribute_saved_activations``). Not under DeepSpeed or with sequence parallelism."""
     honour_deepspeed_checkpointing: bool = True
     """Apply ds_config's ``activation_checkpointing`` section through this plugin (recompute of the
     repeated blocks; DeepSpeed alone ignores it unless model code calls its API)."""

@@ -233,6 +233,11 @@ def gradient(param: torch.Tensor) -> torch.Tensor | None:
     return main_grad if isinstance(main_grad, torch.Tensor) else param.grad
 
 
+REPLICATED_INPUT_CHILDREN = ("input_layernorm", "self_attention", "pre_mlp_layernorm", "mlp")
+"""Children of a ``TransformerLayer`` whose input is identical on every tensor-parallel rank without
+sequence parallelism, like the layer's own (a norm's input or output; transformer_layer.py)."""
+
+
 def transformer_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """``(name, layer)`` of every ``TransformerLayer`` in ``model``, in order (names local to the chunk:
     ``decoder.layers.0``)."""
@@ -251,7 +256,7 @@ def num_microbatches() -> int | None:
         return None
 
 
-__all__ = ["CHECKED_RANGE", "OFFLOAD_MODULES", "RECOMPUTE_MODULES", "TESTED_VERSION", "UPSTREAM_NAMES",
+__all__ = ["CHECKED_RANGE", "OFFLOAD_MODULES", "RECOMPUTE_MODULES", "REPLICATED_INPUT_CHILDREN", "TESTED_VERSION", "UPSTREAM_NAMES",
            "buffer_tensors", "check_version", "global_memory_buffer_tensors", "grad_buffers", "gradient",
            "inner_optimizers", "is_megatron_optimizer", "megatron_version", "num_microbatches", "optimizer_configs",
            "parallel_layers", "rng_tracker_states", "set_rng_tracker_states", "agreement_groups",

@@ -38,12 +38,18 @@ logger = logging.getLogger("xirang_ds")
 
 @register_plugin(MemoryPoolConfig, section="memory_pool", order=25)
 class MemoryPoolPlugin(Plugin):
-    """Owns the `MemoryPool` of the run (see the module docstring).
+    """Owns the `MemoryPool` of the run (see the module docstring). Under Megatron-core it attaches to
+    the integration's ``MegatronRun`` the same way (its ``step`` is Megatron's ``optimizer.step()``).
 
     Attributes:
         pool: the pool once attached, else ``None``.
         declared_bytes: persistent bytes clients said they will hold at once.
     """
+
+    frameworks = ("deepspeed", "megatron")
+    preset_frameworks = ("deepspeed",)
+    """Presets leave it off under Megatron: its benefit is the CUDA allocator's fragmentation, not
+    measured there (no GPU); on CPU it only holds its region all step. Named in the block it runs."""
 
     def __init__(self, config: MemoryPoolConfig, session: Any):
         super().__init__(config, session)

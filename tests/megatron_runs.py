@@ -594,3 +594,26 @@ def tp2_precision(rank: int, world: int, tmp: str, steps: int) -> dict:
         return out
     finally:
         ex.teardown(created)
+
+
+def tp2_memory_pool(rank: int, world: int, tmp: str, steps: int) -> dict:
+    """TP=2 on 2 ranks: int8 optimizer states and compressed layer activations, without and with
+    memory_pool (``size: auto``); the pool's figures."""
+    ex = example()
+    created = ex.setup(rank, world, 2)
+
+    def pool_figures(model: Any, optimizer: Any, session: Any) -> dict:
+        plugin = session.plugin("memory_pool")
+        return {"pool": plugin.figures() if plugin is not None else None}
+
+    try:
+        block = {"optimizer_states": {"enabled": True, "schedule": [{"dtype": "int8"}]},
+                 "activations": {"enabled": True, "planner": False, "compress": ["decoder.layers.*"]}}
+        common = ["--steps", str(steps), "--overlap-grad-reduce"]
+        out = {}
+        for name, extra in (("without", {}), ("with", {"memory_pool": {"enabled": True}})):
+            config = write_block(os.path.join(tmp, f"pool_{name}{rank}.json"), {**block, **extra})
+            out[name] = ex.train(ex.parse_args(common + ["--xirang-config", config]), pool_figures)
+        return out
+    finally:
+        ex.teardown(created)

@@ -50,8 +50,6 @@ def test_flag_accepts_the_deepspeed_demo_config():
                              "checkpoint_dir": "x"}}},
      "xirang.monitor.actions: 'halve_micro_batch' is not available with Megatron-core (allowed there: "
      "'empty_cache')"),
-    ({"xirang": {"memory_pool": {"enabled": True}}}, "xirang.memory_pool.enabled: the "
-                                                    "memory_pool plugin does not run under megatron yet"),
     ({"xirang": {"grad_release": {"enabled": True, "exact_method": "two_pass"}}},
      "xirang.grad_release.exact_method: xirang.grad_release.exact_method = \"two_pass\" runs backward twice"),
     ({"train_micro_batch_size_per_gpu": 8}, 'has no "xirang" block; add one'),
@@ -247,10 +245,9 @@ def test_preset_leaves_off_what_megatron_cannot_run_but_not_what_the_user_names(
     assert resolved.comm_buffers.enabled and resolved.monitor.enabled
     assert resolved.activations.enabled and resolved.optimizer_states.enabled  # both run under Megatron
     assert not resolved.grad_release.enabled and not resolved.memory_pool.enabled
-    named = xm.validate_for_megatron({"preset": "balanced", "grad_release": {"enabled": True}})
-    assert named.grad_release.enabled  # runs under Megatron when named (settings checked at attach)
-    with pytest.raises(XirangConfigError, match="xirang.memory_pool.enabled: the memory_pool plugin does not run"):
-        xm.validate_for_megatron({"preset": "balanced", "memory_pool": {"enabled": True}})
+    named = xm.validate_for_megatron({"preset": "balanced", "grad_release": {"enabled": True},
+                                      "memory_pool": {"enabled": True}})
+    assert named.grad_release.enabled and named.memory_pool.enabled  # run under Megatron when named
 
 
 def test_optimizer_states_refuse_megatron_lm_distributed_checkpoints():

@@ -129,6 +129,7 @@ class OptimizerStatesPlugin(Plugin):
 
         self.engine = engine
         if self.session.framework == "megatron":
+            self._use_pool()
             if engine.global_rank == 0:
                 logger.info("xirang optimizer_states: %s replaced by DynamicAdamW in %d member(s) of Megatron's "
                             "optimizer; %d parameter(s) keep fp32 states", self.source, len(self._replaced),
@@ -157,9 +158,12 @@ class OptimizerStatesPlugin(Plugin):
             # these states are never made here: reserving for them would only hold idle bytes
             logger.info("xirang optimizer_states: grad_release holds the optimizer states; they are not pooled")
             return
-        total, largest = quantized_demand(self.optimizer)
-        self.optimizer.state_pool = pool
-        self.session.plugin("memory_pool").add_client("optimizer_states", persistent_bytes=total, largest_bytes=largest)
+        demands = [quantized_demand(opt) for opt in self.optimizers]  # Megatron: one per member
+        for opt in self.optimizers:
+            opt.state_pool = pool
+        self.session.plugin("memory_pool").add_client("optimizer_states",
+                                                      persistent_bytes=sum(total for total, _ in demands),
+                                                      largest_bytes=max((big for _, big in demands), default=0))
         if pool.warmup:
             pool.on_reserved.append(lambda _: self._rehome())
         else:  # DeepSpeed's wrappers may have made the states at initialize, before the pool existed
@@ -167,17 +171,18 @@ class OptimizerStatesPlugin(Plugin):
 
     def _rehome(self) -> None:
         """Move plain quantized buffers into the pool and rebuild DeepSpeed's views of the states
-        (the views would otherwise keep the plain buffers alive)."""
+        (the views would otherwise keep the plain buffers alive; Megatron's optimizers hold none)."""
         from xirang_ds.plugins.optimizer_states.deepspeed_compat import relink_state_views
 
-        if self.optimizer is not None and self.optimizer.rehome_states() and self.engine is not None:
+        moved = [opt.rehome_states() for opt in self.optimizers]
+        if any(moved) and self.engine is not None and self.session.framework == "deepspeed":
             relink_state_views(self.engine)
 
     def remove(self) -> None:
         """Hand the engine a ``torch.optim`` Adam/AdamW with the states decoded to fp32."""
         super().remove()
-        if self.optimizer is not None:
-            self.optimizer.state_pool = None
+        for opt in self.optimizers:
+            opt.state_pool = None
         if self._replaced:
             from xirang_ds.plugins.optimizer_states.megatron_compat import restore_inner
 

@@ -1,6 +1,7 @@
 """The data-parallel collectives of grad_release, through ``deepspeed.comm`` so DeepSpeed's comms
-logger sees them (under Megatron, where ``deepspeed.comm`` is not initialised, ``torch.distributed``). A single rank (or a replicated bucket's gather) needs no collective: the
-methods then return ``None`` instead of a work handle.
+logger sees them (under Megatron, where ``deepspeed.comm`` is not initialised, ``torch.distributed``).
+A single rank (or a replicated bucket's gather) needs no collective: the methods then return
+``None`` instead of a work handle.
 """
 from __future__ import annotations
 

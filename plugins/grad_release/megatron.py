@@ -33,14 +33,11 @@ What differs from the DeepSpeed path (`plugin.py`):
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable
 
 import torch
 
 from xirang_ds.hooks import wrap_method
-
-logger = logging.getLogger("xirang_ds")
 
 DISARMED_DDP_METHODS = ("zero_grad_buffer", "start_grad_sync", "finish_grad_sync", "scale_gradients")
 """Megatron DDP methods that read or write the gradient buffer (distributed_data_parallel.py)."""

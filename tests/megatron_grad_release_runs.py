@@ -275,6 +275,21 @@ def refusals(rank: int, world: int, tmp: str) -> dict:
         attempt("per_token_loss", transformer(calculate_per_token_loss=True))
         attempt("unknown_microbatches", lambda model: None, num_microbatches=None)
         attempt("accepted", lambda model: None)
+
+        # settings that only matter at TP > 1, checked on this rank's real objects as if TP were 2
+        from xirang_ds.integration.megatron_run import MegatronRun
+        from xirang_ds.plugins.grad_release.megatron import problems
+
+        section = xm.build_session(block).config.grad_release
+        model, optimizer, _ = ex.build(ex.parse_args([]), 1)
+        run = MegatronRun([model], optimizer, num_microbatches=2)
+        run.tp_world_size = 2
+        model.module.config.qk_layernorm = True
+        out["qk_layernorm"] = " | ".join(m for _, m in problems(section, run, [0.0]))
+        model.module.config.qk_layernorm = False
+        next(model.module.parameters()).average_gradients_across_tp_domain = True
+        out["tp_averaged"] = " | ".join(m for _, m in problems(section, run, [0.0]))
+        run.remove()
         try:
             xm.build_session({"xirang": {"grad_release": {"enabled": True, "exact_method": "two_pass"}}})
             out["two_pass"] = ""

@@ -150,4 +150,7 @@ def test_megatron_settings_refused_with_the_fix(tmp_path):
     assert "Fix: add --no-gradient-accumulation-fusion" in out["gradient_accumulation_fusion"]
     assert "Fix: drop --calculate-per-token-loss" in out["per_token_loss"]
     assert "pass num_microbatches= to xirang_ds.integration.megatron.attach" in out["unknown_microbatches"]
+    assert "qk_layernorm (--qk-layernorm) at tensor-parallel size > 1" in out["qk_layernorm"]
+    assert "Fix: drop --qk-layernorm" in out["qk_layernorm"]
+    assert "parameters averaged over the tensor-parallel group (embedding.word_embeddings.weight" in out["tp_averaged"]
     assert "xirang.grad_release.exact_method" in out["two_pass"] and "set exact_method to \"hold\"" in out["two_pass"]

@@ -93,6 +93,16 @@ def problems(config: Any, run: Any, clip_grads: list[float]) -> list[tuple[str, 
             refuse(f"{kind}", "grad_release under Megatron steps fp32 parameters (Megatron's FP32Optimizer); "
                    "the --bf16/--fp16 optimizers keep fp32 masters of 16-bit weights, which is not built here",
                    "train in fp32 weights (bf16 compute: xirang.precision) or disable xirang.grad_release")
+    if run.tp_world_size > 1 and getattr(model_config, "qk_layernorm", False):
+        refuse("qk_layernorm (--qk-layernorm) at tensor-parallel size > 1", "each rank normalises its own heads, "
+               "so finalize_model_grads sums the q/k layernorm gradients over the TP group after backward",
+               "drop --qk-layernorm or disable xirang.grad_release")
+    averaged = [n for n, p in unwrap(run.module).named_parameters()
+                if getattr(p, "average_gradients_across_tp_domain", False)]
+    if run.tp_world_size > 1 and averaged:
+        refuse(f"parameters averaged over the tensor-parallel group ({averaged[0]} and {len(averaged) - 1} more)",
+               "finalize_model_grads averages their gradients over the TP group after backward",
+               "disable xirang.grad_release for this model")
     experts = [n for n, p in unwrap(run.module).named_parameters() if not getattr(p, "allreduce", True)]
     if experts:
         refuse(f"expert parallelism ({experts[0]} and {len(experts) - 1} more)", "expert gradients reduce over "

@@ -3,9 +3,10 @@ and without xirang.grad_release, in one process per rank (module-level functions
 ``xirang_ds.launch.run_ranks``)."""
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -24,21 +25,25 @@ def digest(model: Any) -> str:
 
 
 def loop(ex: Any, argv: list[str], steps: int, before_step: Callable[[Any, Any], None] = None,
-         skip: int = 0) -> tuple[Any, Any, Any, Callable[[], float]]:
+         skip: int = 0, results: Optional[list] = None) -> tuple[Any, Any, Any, Callable[[], float]]:
     """Build the example's model, optimizer and session, and a step function over its data (the
     first ``skip`` steps' micro-batches dropped); ``before_step(model, optimizer)`` runs before each
-    ``optimizer.step()``."""
+    ``optimizer.step()``, and ``results`` collects what each returns."""
     opts = ex.parse_args(argv)
     model, optimizer, session, make_data = ex.build_loop(opts)
     data = make_data()
     for _ in range(skip * opts.num_microbatches):
         next(data)
-    if before_step is not None:
+    if before_step is not None or results is not None:
         inner = optimizer.step
 
         def step(*args: Any, **kwargs: Any) -> Any:
-            before_step(model, optimizer)
-            return inner(*args, **kwargs)
+            if before_step is not None:
+                before_step(model, optimizer)
+            result = inner(*args, **kwargs)
+            if results is not None:
+                results.append(result)
+            return result
 
         optimizer.step = step
     return model, optimizer, session, ex.step_function(opts, model, optimizer, data)
@@ -105,15 +110,9 @@ def tp2_grad_release(rank: int, world: int, tmp: str, steps: int) -> dict:
         model, optimizer, _, run_step = loop(ex, common + ["--clip-grad", "0"], steps, megatron_clip(CLIP, norms))
         res["clip_reference"] = {"losses": [run_step() for _ in range(steps)], "norms": norms}
         for name, config in (("clip_exact", gr), ("clip_previous", previous)):
-            model, optimizer, session, run_step = loop(ex, common + clip + ["--xirang-config", config], steps)
-            results = []
-            inner = optimizer.step
-
-            def step(*args: Any, _inner: Any = inner, _out: list = results) -> Any:
-                _out.append(_inner(*args))
-                return _out[-1]
-
-            optimizer.step = step
+            results: list = []
+            model, optimizer, session, run_step = loop(ex, common + clip + ["--xirang-config", config], steps,
+                                                       results=results)
             losses = [run_step() for _ in range(steps)]
             res[name] = {"losses": losses, "norms": [r[1] for r in results], "success": [r[0] for r in results]}
             session.remove()
@@ -143,8 +142,8 @@ def resume(ex: Any, common: list[str], config: str, steps: int, plain: bool = Tr
     model, optimizer, session, run_step = loop(ex, with_gr, steps)
     for _ in range(steps):
         run_step()
-    saved_model = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-    saved = _copy(optimizer.state_dict())  # torch returns the live state tensors
+    saved_model = copy.deepcopy(model.module.state_dict())
+    saved = copy.deepcopy(optimizer.state_dict())  # torch returns the live state tensors
     keys = sorted(saved["state"][0]) if saved.get("state") else []
     saved_bytes = sum(t.numel() * t.element_size() for st in saved.get("state", {}).values()
                       for t in st.values() if isinstance(t, torch.Tensor))
@@ -153,20 +152,12 @@ def resume(ex: Any, common: list[str], config: str, steps: int, plain: bool = Tr
     out = {"continued": continued, "state_keys": keys, "states": len(saved.get("state", {})), "bytes": saved_bytes}
     for name, argv in (("resumed", with_gr), ("resumed_plain", common))[:2 if plain else 1]:
         model, optimizer, session, run_step = loop(ex, argv, steps, skip=steps)
-        model.load_state_dict(saved_model, strict=False)
-        optimizer.load_state_dict(_copy(saved))  # loading may keep references too
+        model.module.load_state_dict(saved_model)
+        optimizer.load_state_dict(copy.deepcopy(saved))  # loading may keep references too
         out[name] = [run_step() for _ in range(steps)]
         if session is not None:
             session.remove()
     return out
-
-
-def _copy(state: Any) -> Any:
-    if isinstance(state, dict):
-        return {k: _copy(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [_copy(v) for v in state]
-    return state.clone() if isinstance(state, torch.Tensor) else state
 
 
 def removal(ex: Any, common: list[str], config: str, steps: int) -> dict:
@@ -192,15 +183,14 @@ def removal(ex: Any, common: list[str], config: str, steps: int) -> dict:
 def nonfinite(ex: Any, common: list[str], config: str) -> dict:
     """One step, then the final layernorm's weight set to nan (on both TP ranks: it is replicated) and
     one more step: Megatron's step result, and whether any other parameter changed."""
-    model, optimizer, session, run_step = loop(ex, common + ["--xirang-config", config], 2)
+    results: list = []
+    model, optimizer, session, run_step = loop(ex, common + ["--xirang-config", config], 2, results=results)
     run_step()
+    results.clear()
     poisoned = dict(model.named_parameters())["module.decoder.final_layernorm.weight"]
     with torch.no_grad():
         poisoned.fill_(float("nan"))
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p is not poisoned}
-    results = []
-    inner = optimizer.step
-    optimizer.step = lambda *a: results.append(inner(*a)) or results[-1]
     out: dict[str, Any] = {}
     try:
         run_step()

@@ -203,13 +203,15 @@ def check_args(config: XirangConfig, args: Any) -> Issues:
     maps every optimizer state onto its parameter's shape, which quantized states do not have, and
     grad_release's states are not wired into Megatron's ``sharded_state_dict``."""
     fmt = getattr(args, "ckpt_format", "torch")
+    if not getattr(args, "save", None) or fmt == "torch":
+        return []
     issues: Issues = []
-    if config.grad_release.enabled and getattr(args, "save", None) and fmt != "torch":
+    if config.grad_release.enabled:
         issues.append(("xirang.grad_release.enabled",
                        f"Megatron-LM would save a distributed checkpoint (--ckpt-format {fmt}), and grad_release "
                        "carries its optimizer states in Megatron's optimizer state_dict only; use --ckpt-format "
                        "torch, or set xirang.grad_release.enabled to false"))
-    if config.optimizer_states.enabled and getattr(args, "save", None) and fmt != "torch":
+    if config.optimizer_states.enabled:
         issues.append(("xirang.optimizer_states.enabled",
                        f"Megatron-LM would save a distributed checkpoint (--ckpt-format {fmt}), which maps every "
                        "optimizer state onto its parameter's shape, and quantized states are not shaped so; use "

@@ -275,8 +275,7 @@ class CommBuffersPlugin(Plugin):
             self.keep(wrap_method(opt, "reduce_ipg_grads", self._count))
         if (self.config.adapt or self.lender is not None) and slots is not None:
             self.keep(wrap_method(engine, "step", self._step))
-            if engine.device.type == "cpu":
-                self._window = self.session.track_memory().open_window()
+            self._window = self.session.open_peak_window()
 
     def _start_lending(self, opt: Any) -> None:
         from xirang_ds.memory.arena import ArenaLender
@@ -323,13 +322,11 @@ class CommBuffersPlugin(Plugin):
         return result
 
     def _peak(self) -> int:
-        if self._window is not None:
-            peak = self._window.peak_bytes
-            self._window.reset()
-            return peak
-        from deepspeed.accelerator import get_accelerator
-
-        return int(get_accelerator().max_memory_allocated())
+        if self._window is None:  # adapt() called by hand before any step opened one
+            self._window = self.session.open_peak_window()
+        peak = self._window.peak_bytes  # since the previous decision, not an all-time peak
+        self._window.reset()
+        return peak
 
     def adapt(self) -> Optional[dict]:
         """One adaptation decision (all ranks decide alike: the inputs are agreed by all_reduce)."""

@@ -1,7 +1,9 @@
 """Live memory monitor: watch the step peak against the budget, warn, then act before an OOM.
 
 Every ``every_steps`` optimizer steps each rank measures its peak device bytes since the last check
-(CUDA: the caching allocator's ``max_memory_allocated``; CPU: the live-storage tracker) and all
+(CUDA: the caching allocator's ``max_memory_allocated`` through a window of its one owner,
+`xirang_ds.memory.device_peak`, so the bench's own reading is not reset; CPU: the live-storage
+tracker) and all
 ranks take the maximum fraction of the budget through one ``all_reduce``. Every rank therefore sees
 the same figure and takes the same decision, so no rank acts alone and none waits in a collective
 the others skip (the ``checkpoint`` action is itself collective).
@@ -97,11 +99,9 @@ class MonitorPlugin(Plugin):
         self.accel = get_accelerator()
         self.on_cpu = self.accel.device_name() == "cpu"
         tracker = self.session.track_memory() if self.on_cpu else None
-        self.window = tracker.open_window() if tracker is not None else None
+        self.window = self.session.open_peak_window()
         state_bytes = tracker.live_bytes if tracker is not None else int(self.accel.memory_allocated())
         self.budget = resolve_budget(self.session.config.memory_budget, self.accel.total_memory(), state_bytes)
-        if not self.on_cpu:
-            self.accel.reset_peak_memory_stats()
         if "halve_micro_batch" in self.config.actions:
             from xirang_ds.microbatch import MicroBatchSplitter
 
@@ -125,13 +125,10 @@ class MonitorPlugin(Plugin):
 
     def measure(self) -> int:
         """This rank's peak device bytes since the previous measurement (then restart the window)."""
-        if self.window is not None:
+        if self.on_cpu:
             self.last_report = self.window.report()
-            peak = self.window.peak_bytes
-            self.window.reset()
-        else:
-            peak = int(self.accel.max_memory_allocated())
-            self.accel.reset_peak_memory_stats()
+        peak = self.window.peak_bytes
+        self.window.reset()  # this window only: the bench's and comm_buffers' keep their peaks
         return peak
 
     def agree(self, fraction: float) -> float:

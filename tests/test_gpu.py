@@ -40,3 +40,22 @@ def test_bench_reports_allocator_peak_on_cuda():
     (r,) = run_ranks(bench_rank, 1, "gpt-tiny", ds_config(stage=2, xirang={"monitor": {"enabled": True}}), 3, None,
                      0, True)
     assert r["allocator_peak_bytes"] >= r["peak_bytes"] > 0
+
+
+@pytest.mark.gpu
+def test_device_peak_windows_keep_their_peaks_on_cuda():
+    from xirang_ds.memory.device_peak import device_peak
+
+    torch.cuda.synchronize()
+    owner = device_peak()
+    run = owner.open()
+    base = torch.cuda.memory_allocated()
+    step = owner.open()
+    spike = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    del spike
+    assert step.peak_bytes >= base + (64 << 20)
+    step.reset()  # as the monitor does after each step
+    assert step.peak_bytes < base + (64 << 20)
+    assert run.peak_bytes >= base + (64 << 20)  # the bench's window still sees the spike
+    step.close()
+    run.close()

@@ -160,9 +160,12 @@ def bench_rank(rank: int, world: int, model_text: str, ds_config: dict, steps: i
     if peer is not None and peer.startswith("torchao"):
         _untracked_step(optimizer, tracker)
     cuda = torch.cuda.is_available() and engine.device.type == "cuda"
+    device_window = None
     if cuda:
+        from xirang_ds.memory.device_peak import device_peak
+
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        device_window = device_peak().open()  # the monitor's window resets only itself
     window = tracker.open_window()
     data = batches(tokens, engine.train_micro_batch_size_per_gpu(), seq, seed=seed, vocab=vocab, rank=rank,
                    world_size=world)
@@ -180,12 +183,14 @@ def bench_rank(rank: int, world: int, model_text: str, ds_config: dict, steps: i
     out = {
         "peak_bytes": report.peak_bytes, "peak_by_category": report.by_category, "peak_phase": report.phase,
         "phase_peaks": report.phase_peaks, "losses": losses, "step_times_s": times,
-        "allocator_peak_bytes": int(torch.cuda.max_memory_allocated()) if cuda else None,
+        "allocator_peak_bytes": device_window.peak_bytes if device_window is not None else None,
         "summary": session.summary() if session is not None else "",
         "category_peaks": window.category_peaks(),
     }
     out["plugin_figures"] = session.figures() if session is not None else {}
     window.close()
+    if device_window is not None:
+        device_window.close()
     if watch is not None:
         watch.remove()
         tracker.stop()

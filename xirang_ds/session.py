@@ -106,6 +106,29 @@ class Session:
             self.tracker.start()
         return self.tracker
 
+    def open_peak_window(self) -> Any:
+        """A window on this rank's device peak for one reader (the monitor, comm_buffers, the bench):
+        the live-storage tracker's window on CPU (exact bytes, with a breakdown), the allocator's
+        counter through its one owner elsewhere (`xirang_ds.memory.device_peak`). A reader resets
+        only its own window, never what another reads. Closed when the session is removed.
+
+        Returns:
+            An object with ``peak_bytes``, ``reset()`` and ``close()``; on CPU a
+            `xirang_ds.memory.tracker.Window` (also ``report()``).
+        """
+        import torch
+
+        if self.engine is None:
+            raise RuntimeError("open_peak_window() needs the engine; call it from Plugin.attach")
+        if torch.device(self.engine.device).type == "cpu":
+            window = self.track_memory().open_window()
+        else:
+            from xirang_ds.memory.device_peak import device_peak
+
+            window = device_peak().open()
+        self._handles.append(CallbackHandle(window.close))
+        return window
+
     def keep(self, handle: Any) -> Any:
         """Keep a removable handle (anything with ``.remove()``) that `remove` undoes after the plugins."""
         self._handles.append(handle)

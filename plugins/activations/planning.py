@@ -170,8 +170,8 @@ def check_memory_budget(requested: object, engine: Any) -> None:
 
 class OtherPeak:
     """The device peak of the profiling passes, when the budget is ``auto``: the session's tracker
-    if it runs, else (CPU) a private tracker for the passes only, else (accelerators) the
-    allocator's ``max_memory_allocated``.
+    if it runs, else (CPU) a private tracker for the passes only, else (accelerators) a window on
+    the allocator's ``max_memory_allocated`` opened now (`xirang_ds.memory.device_peak`).
 
     Args:
         session: the xirang session (its tracker).
@@ -194,12 +194,14 @@ class OtherPeak:
                 self._watch = (tracker, watch(tracker, engine))
                 tracker.start()
             self._window = tracker.open_window()
+        else:
+            from xirang_ds.memory.device_peak import device_peak
+
+            self._window = device_peak().open()
 
     def stop(self) -> int:
         """The peak since construction; stops a private tracker."""
-        from deepspeed.accelerator import get_accelerator
-
-        peak = self._window.peak_bytes if self._window is not None else int(get_accelerator().max_memory_allocated())
+        peak = self._window.peak_bytes
         self.close()
         return peak
 

@@ -6,6 +6,7 @@ clear message and exits with status 2; nothing from deep inside DeepSpeed reache
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from typing import Callable, Optional
@@ -18,14 +19,20 @@ class UsageError(Exception):
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from xirang_ds.config import load_config, to_dict
+    from xirang_ds.config import BLOCK_KEY, read_ds_config, to_dict
+    from xirang_ds.config.fit import fit_block
 
-    config = load_config(args.config)
-    if config is None:
+    ds_config = read_ds_config(args.config)
+    if BLOCK_KEY not in ds_config:
         print(f"{args.config}: no \"xirang\" block; the run is plain DeepSpeed")
         return 0
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's import-time log lines stay off stdout (JSON)
+        fitted = fit_block(ds_config[BLOCK_KEY], ds_config)
+    config = fitted.config
     enabled = ", ".join(config.enabled_sections()) or "none"
     print(f"{args.config}: valid; preset {config.preset or 'none'}; enabled sections: {enabled}")
+    for line in fitted.lines():
+        print(f"  {line}")
     if args.show_resolved:
         print(json.dumps({"xirang": to_dict(config)}, indent=2))
     return 0

@@ -157,6 +157,18 @@ class Plugin:
         return [("enabled", f"the {cls.section} plugin does not run under {framework} yet (it supports "
                             f"{', '.join(cls.frameworks)}); set it to false for {framework} runs")]
 
+    @classmethod
+    def check_ds_config(cls, config: Section, ds_config: dict) -> list[tuple[str, str]]:
+        """Problems running this plugin, configured as ``config``, with the user's ds_config (read
+        before any plugin edits it). A preset leaves a plugin with problems out and says why; a
+        section the user wrote is refused with them (`xirang_ds.config.fit`).
+
+        Returns:
+            ``[(path, message)]``, each message naming the key, its value, what is allowed and the
+            fix (``" Fix: ..."``, dropped where a preset leaves the plugin out); empty when it can run.
+        """
+        return []
+
     # helpers --------------------------------------------------------------------------------
     def keep(self, handle: Any) -> Any:
         """Keep a removable handle (anything with ``.remove()``) for `remove`."""

@@ -21,6 +21,7 @@ from xirang_ds.hooks import CallbackHandle, wrap_method
 from xirang_ds.registry import Plugin, check_framework, plugins_for
 
 if TYPE_CHECKING:  # pragma: no cover
+    from xirang_ds.config.fit import LeftOut
     from xirang_ds.memory.engine_roles import TrainingWatch
     from xirang_ds.memory.tracker import MemoryTracker
 
@@ -49,7 +50,7 @@ class Session:
     """
 
     def __init__(self, config: XirangConfig, ds_config: dict, world_size: Optional[int] = None,
-                 framework: str = "deepspeed"):
+                 framework: str = "deepspeed", left_out: Iterable["LeftOut"] = ()):
         if framework not in FRAMEWORKS:
             raise ValueError(f"framework must be one of {FRAMEWORKS}; got {framework!r}")
         problems = check_framework(config, framework)
@@ -61,6 +62,8 @@ class Session:
         self.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
         """Ranks of the run (the estimator sets it; at initialize it comes from the launcher)."""
         self.plugins: list[Plugin] = [cls(section, self) for cls, section in plugins_for(config)]
+        self.left_out: tuple["LeftOut", ...] = tuple(left_out)
+        """Sections the preset turned on that this run's ds_config leaves out (`xirang_ds.config.fit`)."""
         self.engine: Any = None
         self.model: Any = None
         self._tracker = None
@@ -236,4 +239,5 @@ class Session:
             describe = getattr(p, "describe", None)
             if describe is not None:
                 lines.append(f"  {p.section}: {describe()}")
+        lines += [f"  {item.line(self.config.preset)}" for item in self.left_out]
         return "\n".join(lines)

@@ -76,6 +76,16 @@ class GradReleasePlugin(Plugin):
                                              "\"hold\". Fix: set exact_method to \"hold\""))
         return problems
 
+    @classmethod
+    def check_ds_config(cls, config: GradReleaseConfig, ds_config: dict) -> list[tuple[str, str]]:
+        from xirang_ds.plugins.grad_release.ds_config import read_setup
+
+        try:
+            read_setup(ds_config, config)
+        except XirangConfigError as e:
+            return list(e.problems)
+        return []
+
     # seams before DeepSpeed -----------------------------------------------------------------
     def prepare_ds_config(self, ds_config: dict) -> None:
         from xirang_ds.plugins.grad_release.ds_config import hand_over, read_setup

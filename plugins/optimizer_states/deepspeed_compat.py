@@ -26,9 +26,16 @@ def check_ds_config(ds_config: dict) -> None:
     """Refuse ds_config settings this plugin cannot work with, before DeepSpeed starts.
 
     Raises:
-        XirangConfigError: optimizer offload (DeepSpeed then steps its own CPU Adam on host
-            memory).
+        XirangConfigError: every problem of `ds_config_problems`.
     """
+    problems = ds_config_problems(ds_config)
+    if problems:
+        raise XirangConfigError(problems)
+
+
+def ds_config_problems(ds_config: dict) -> list[tuple[str, str]]:
+    """The ds_config settings this plugin cannot work with: optimizer offload (DeepSpeed then steps
+    its own CPU Adam on host memory)."""
     zero = ds_config.get("zero_optimization") or {}
     problems = []
     offload = zero.get("offload_optimizer") or {}
@@ -36,9 +43,8 @@ def check_ds_config(ds_config: dict) -> None:
         problems.append((f"{SECTION}.enabled",
                          f"zero_optimization.offload_optimizer.device is {offload.get('device')!r}: DeepSpeed then "
                          f"keeps the optimizer states in host memory and steps its own CPU Adam, so there are no "
-                         f"device states to shrink; remove offload_optimizer or disable optimizer_states"))
-    if problems:
-        raise XirangConfigError(problems)
+                         f"device states to shrink. Fix: remove offload_optimizer or disable optimizer_states"))
+    return problems
 
 
 def relink_state_views(engine: Any) -> None:

@@ -56,6 +56,12 @@ class OptimizerStatesPlugin(Plugin):
         self.engine = None
         self.loaded_config: Optional[dict] = None
 
+    @classmethod
+    def check_ds_config(cls, config: OptimizerStatesConfig, ds_config: dict) -> list[tuple[str, str]]:
+        from xirang_ds.plugins.optimizer_states.deepspeed_compat import ds_config_problems
+
+        return ds_config_problems(ds_config)
+
     # seams ------------------------------------------------------------------------------------
     def prepare_ds_config(self, ds_config: dict) -> None:
         from xirang_ds.plugins.optimizer_states.deepspeed_compat import check_ds_config

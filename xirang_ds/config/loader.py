@@ -75,18 +75,30 @@ def read_ds_config(ds_config: DsConfig) -> dict:
     return data
 
 
-def resolve_block(block: Any) -> dict:
-    """The block with its preset expanded and the user's keys laid over it (not yet validated)."""
+def resolve_block(block: Any, problems: Optional[list[tuple[str, str]]] = None) -> dict:
+    """The block with its preset expanded and the user's keys laid over it (not yet validated).
+
+    Args:
+        problems: where an unknown preset is reported; the block is then returned without a preset
+            so the rest of it is still checked (every problem at once). Without it, an unknown preset
+            raises.
+
+    Raises:
+        XirangConfigError: the block is not an object, or (without ``problems``) names no preset.
+    """
     if not isinstance(block, dict):
         raise XirangConfigError([(BLOCK_KEY, f'must be an object such as {{"preset": "balanced"}}; '
                                              f"got {describe_value(block)}")])
     preset = block.get("preset")
     if preset is None:
         return copy.deepcopy(block)
-    if preset not in PRESETS:
-        raise XirangConfigError([(f"{BLOCK_KEY}.preset", f"must be one of {', '.join(map(repr, PRESETS))}; "
-                                                         f"got {describe_value(preset)}"
-                                                         f"{suggest(str(preset), PRESETS)}")])
+    if not isinstance(preset, str) or preset not in PRESETS:
+        problem = (f"{BLOCK_KEY}.preset", f"must be one of {', '.join(map(repr, PRESETS))}; "
+                                          f"got {describe_value(preset)}{suggest(str(preset), PRESETS)}")
+        if problems is None:
+            raise XirangConfigError([problem])
+        problems.append(problem)
+        return {k: copy.deepcopy(v) for k, v in block.items() if k != "preset"}
     return deep_merge(expand_preset(preset), block)
 
 
@@ -110,10 +122,10 @@ def validate_block(block: Any) -> XirangConfig:
     """
     from xirang_ds import registry
 
-    resolved = resolve_block(block)
+    problems: list[tuple[str, str]] = []
+    resolved = resolve_block(block, problems)
     extensions = registry.extension_sections()
     builtin = {k: v for k, v in resolved.items() if k not in extensions}
-    problems: list[tuple[str, str]] = []
     config = convert_section(builtin, XirangConfig, BLOCK_KEY, problems)
     # third-party sections come from entry points; validate them with their own type
     ext_values = {}

@@ -15,7 +15,8 @@ from typing import Any, Optional
 import deepspeed
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
-from xirang_ds.config.loader import BLOCK_KEY, read_ds_config, validate_block
+from xirang_ds.config.fit import fit_block
+from xirang_ds.config.loader import BLOCK_KEY, read_ds_config
 from xirang_ds.registry import OptimizerSpec
 from xirang_ds.session import Session
 
@@ -77,10 +78,10 @@ def initialize(
             return _call_with_dict(passthrough, from_args)
         return _ORIGINAL_INITIALIZE(**passthrough)
 
-    xcfg = validate_block(ds_config[BLOCK_KEY])
+    fitted = fit_block(ds_config[BLOCK_KEY], ds_config)
     if model is None:
         return _ORIGINAL_INITIALIZE(**passthrough)  # DeepSpeed's own error for a missing model
-    session = Session(xcfg, ds_config)
+    session = Session(fitted.config, ds_config, left_out=fitted.left_out)
     session.model = model
     session.prepare_ds_config()
     session.prepare_model(model)

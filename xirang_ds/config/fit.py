@@ -1,0 +1,86 @@
+"""The block against the run's ds_config: a preset adapts, a section the user wrote clashes.
+
+A preset is a proposal: a plugin it turns on that cannot run with the user's ds_config (grad_release
+at ZeRO-3, optimizer_states under optimizer offload, ...) is left out, with one line saying why, in
+the session summary and in ``xirang-ds validate --show-resolved``. A section the user wrote in the
+block (any key of it) is a request: if it cannot run there, that is an error, and every such problem
+is reported at once. Each plugin says what it cannot run with through `Plugin.check_ds_config`,
+read on the user's ds_config before any plugin edits it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from xirang_ds.config.loader import validate_block
+from xirang_ds.config.schema import XirangConfig
+from xirang_ds.config.validate import XirangConfigError
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    """A section a preset turned on and the run leaves out.
+
+    Attributes:
+        section: the section's key (``"grad_release"``).
+        reason: why it cannot run with this ds_config, in the plugin's words.
+    """
+
+    section: str
+    reason: str
+
+    def line(self, preset: Optional[str]) -> str:
+        return f"{self.section}: left out of preset {preset!r}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class FittedBlock:
+    """The validated block as this run uses it, and what its preset had to leave out."""
+
+    config: XirangConfig
+    left_out: tuple[LeftOut, ...] = ()
+
+    def lines(self) -> list[str]:
+        return [item.line(self.config.preset) for item in self.left_out]
+
+
+def _reason(section: str, message: str) -> str:
+    """A plugin's problem message without its fix (the user did not write the section) and without
+    the section's name (the line starts with it)."""
+    message = message.split(" Fix: ")[0].rstrip(".")
+    prefix = f"xirang.{section} "
+    return message[len(prefix):] if message.startswith(prefix) else message
+
+
+def fit_block(block: Any, ds_config: dict) -> FittedBlock:
+    """Validate ``block`` and fit it to ``ds_config`` (the user's, before any plugin edits it).
+
+    Raises:
+        XirangConfigError: the block is invalid, or a section the user wrote cannot run with this
+            ds_config (every problem at once, each naming the key, the value, what is allowed and
+            the fix).
+    """
+    from xirang_ds.registry import plugin_for
+
+    config = validate_block(block)
+    explicit = {key for key in block if key != "preset"} if config.preset is not None else set(block)
+    problems: list[tuple[str, str]] = []
+    left_out: list[LeftOut] = []
+    for name, section in config.enabled_sections().items():
+        cls = plugin_for(section)
+        found = cls.check_ds_config(section, ds_config) if cls is not None else []
+        if not found:
+            continue
+        if name in explicit:
+            problems.extend(found)
+        else:
+            left_out.append(LeftOut(name, "; ".join(_reason(name, message) for _, message in found)))
+    if problems:
+        raise XirangConfigError(problems)
+    if left_out:
+        block = {**block, **{item.section: {"enabled": False} for item in left_out}}
+        config = validate_block(block)
+    return FittedBlock(config, tuple(left_out))
+
+
+__all__ = ["FittedBlock", "LeftOut", "fit_block"]

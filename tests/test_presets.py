@@ -50,7 +50,8 @@ def _train(rank, world, cfg, steps):
     out = {"losses": losses}
     if session is not None:
         out.update(plugins=[p.section for p in session.plugins], left_out=[i.section for i in session.left_out],
-                   summary=session.summary())
+                   summary=session.summary(), engine_stage=engine.zero_optimization_stage(),
+                   requested_stage=session.requested_ds_config["zero_optimization"]["stage"])
         session.remove()
     return out
 
@@ -86,6 +87,12 @@ def test_every_preset_runs_and_says_what_it_left_out(runs, name, preset):
         assert rank[name, preset]["losses"] == pytest.approx(rank[name, "plain"]["losses"], rel=tolerance)
 
 
+def test_the_session_keeps_the_requested_ds_config_under_grad_release(runs):
+    run = runs[0]["zero1 fp32, accumulation 4, clipping", "conservative"]
+    assert "grad_release" in run["plugins"]
+    assert (run["engine_stage"], run["requested_stage"]) == (0, 1)  # DeepSpeed runs at 0; docs/grad_release.md
+
+
 def test_a_section_the_user_wrote_clashes_with_every_problem_at_once():
     cfg = _config("zero2 bf16, offload_optimizer")
     cfg["zero_optimization"]["stage"] = 3
@@ -113,3 +120,149 @@ def test_validate_show_resolved_prints_the_left_out_lines(tmp_path, capsys):
     resolved = json.loads(out[out.index("{"):])
     assert resolved["xirang"]["grad_release"]["enabled"] is False
     assert resolved["xirang"]["activations"]["enabled"] is True
+
+
+# models of any structure ------------------------------------------------------------------------
+class SequentialCNN(__import__("torch").nn.Sequential):
+    """What the deepspeed launcher's CIFAR example trains: a Sequential, no ModuleList."""
+
+    def __init__(self):
+        import torch.nn as nn
+
+        super().__init__(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(16 * 8 * 8, 10))
+
+
+def _encoder():
+    import torch.nn as nn
+
+    class TiedEncoder(nn.Module):
+        """nn.TransformerEncoder between an embedding and a head tied to it."""
+
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(100, 64)
+            layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True, dropout=0.0)
+            self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+            self.head = nn.Linear(64, 100, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, x):
+            return self.head(self.enc(self.emb(x)))
+
+    return TiedEncoder()
+
+
+def _called_twice():
+    import torch.nn as nn
+
+    class CalledTwice(nn.Module):
+        """One submodule applied twice per forward, under a wrapper attribute (no container at all)."""
+
+        def __init__(self):
+            super().__init__()
+            self.inp, self.out = nn.Linear(32, 64), nn.Linear(64, 10)
+            self.shared = nn.Sequential(nn.Linear(64, 64), nn.GELU())
+
+        def forward(self, x):
+            return self.out(self.shared(self.shared(self.inp(x))))
+
+    return CalledTwice()
+
+
+def _model(kind):
+    import torch
+
+    torch.manual_seed(0)
+    if kind == "sequential_cnn":
+        return SequentialCNN(), lambda g: torch.randn(4, 3, 8, 8, generator=g)
+    if kind == "tied_encoder":
+        return _encoder(), lambda g: torch.randint(0, 100, (4, 16), generator=g)
+    model = _called_twice()
+    if kind == "compiled_before_initialize":
+        model = torch.compile(model)
+    return model, lambda g: torch.randn(4, 32, generator=g)
+
+
+MODELS = ("sequential_cnn", "tied_encoder", "called_twice", "compiled_before_initialize",
+          "engine_compile_after_initialize")
+
+
+def _train_model(rank, kind, preset, steps=2):
+    import deepspeed
+    import torch
+
+    import xirang_ds
+
+    model, make = _model(kind)
+    cfg = ds_config(stage=2, dtype="fp32", micro=4, xirang=None if preset is None else {"preset": preset})
+    init = xirang_ds.initialize if preset is not None else deepspeed.initialize
+    engine, *_ = init(model=model, model_parameters=model.parameters(), config=cfg)
+    if kind == "engine_compile_after_initialize":
+        engine.compile()
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(steps):
+        loss = engine(make(g)).float().square().mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    session = getattr(engine, "xirang", None)
+    plugins = [p.section for p in session.plugins] if session is not None else []
+    if session is not None:
+        session.remove()
+    return {"losses": losses, "plugins": plugins}
+
+
+def models_matrix(rank, world):
+    return {(kind, preset): _train_model(rank, kind, preset) for kind in MODELS for preset in (None, *PRESETS)}
+
+
+@pytest.fixture(scope="module")
+def model_runs():
+    return run_ranks(models_matrix, 2)
+
+
+@pytest.mark.parametrize("kind", MODELS)
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_every_preset_runs_on_models_of_any_structure(model_runs, kind, preset):
+    for rank in model_runs:
+        run = rank[kind, preset]
+        assert "activations" in run["plugins"]  # candidates found by structure, not refused
+        assert all(math.isfinite(x) for x in run["losses"])
+        # the eager plain run: under the live-storage tracker (the presets' monitor) Dynamo runs the model
+        # uncompiled, so a compiled model's numbers are the eager ones (README: torch.compile)
+        eager = rank["called_twice" if "compile" in kind else kind, None]["losses"]
+        assert run["losses"] == pytest.approx(eager, rel=1e-3 if preset == "conservative" else 2e-2)
+
+
+def test_auto_candidates_follow_the_structure():
+    import torch
+    import torch.nn as nn
+
+    from xirang_ds.plugins.activations.selection import repeated_blocks
+
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
+
+        def forward(self, x):
+            return x + self.body(x)
+
+    class ResNetLike(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Conv2d(3, 8, 3, padding=1)
+            self.layer1 = nn.Sequential(Residual(), Residual())
+            self.layer2 = nn.Sequential(Residual(), Residual())
+            self.fc = nn.Linear(8, 10)
+
+    assert repeated_blocks(SequentialCNN()) == ["0", "1", "2", "3", "4", "5"]
+    assert repeated_blocks(ResNetLike()) == ["layer1.0", "layer1.1", "layer2.0", "layer2.1"]
+    assert repeated_blocks(_encoder()) == ["enc.layers.0", "enc.layers.1"]  # ModuleLists come first
+    flat = nn.Module()
+    flat.inner = nn.Module()  # a wrapper with one child is passed through
+    flat.inner.a, flat.inner.b = nn.Linear(2, 2), nn.Linear(2, 2)
+    assert repeated_blocks(flat) == ["inner.a", "inner.b"]
+    assert repeated_blocks(torch.compile(flat)) == ["_orig_mod.inner.a", "_orig_mod.inner.b"]

@@ -11,6 +11,7 @@ step counter) in its place, with the `TrainingWatch` that suits it; ``framework`
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
@@ -59,6 +60,10 @@ class Session:
         self.framework = framework
         self.config = config
         self.ds_config = ds_config
+        self.requested_ds_config = copy.deepcopy(ds_config)
+        """The ds_config as the user wrote it, before any plugin edited the copy DeepSpeed receives (under
+        grad_release DeepSpeed runs at stage 0 without bf16/fp16 or clipping: its engine's
+        ``zero_optimization_stage()`` and the like describe that copy, docs/grad_release.md)."""
         self.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
         """Ranks of the run (the estimator sets it; at initialize it comes from the launcher)."""
         self.plugins: list[Plugin] = [cls(section, self) for cls, section in plugins_for(config)]

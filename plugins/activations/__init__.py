@@ -40,6 +40,7 @@ from xirang_ds.config.schema import LOSSY_ACTIVATION_OPTIONS, ActivationsConfig
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
+from xirang_ds.integration.torch_compat import uncompiled
 from xirang_ds.memory.categories import ACTIVATIONS
 from xirang_ds.plugins.activations.planner import BudgetError, Choice, estimate_peak, format_plan, least_budget, plan
 from xirang_ds.plugins.activations.planning import (
@@ -169,7 +170,7 @@ class ActivationsPlugin(Plugin):
         acc = get_accelerator()
         tracker = self.session.tracker
         rng = arenas = distribute = None
-        self._model = engine.module
+        self._model = uncompiled(engine.module)  # the names prepare_model planned for
         if self.session.framework == "megatron":
             from xirang_ds.integration import megatron_compat as mc
 

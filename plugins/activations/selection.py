@@ -30,11 +30,35 @@ def module_names(model: nn.Module) -> list[str]:
 
 
 def repeated_blocks(model: nn.Module) -> list[str]:
-    """Children of every ``nn.ModuleList`` that is not itself inside such a child."""
+    """The model's blocks, found by structure, in this order of preference:
+
+    1. the children of every ``nn.ModuleList`` not inside another such child (a decoder's layers,
+       ``nn.TransformerEncoder.layers``, wherever they sit);
+    2. else the children of every ``nn.Sequential`` likewise (a Sequential CNN, the stages and
+       residual blocks of a ResNet-like model, a model that is itself a Sequential);
+    3. else the children of the outermost module with more than one child, passing through
+       wrappers with one (``torch.compile``'s ``_orig_mod``, a model that holds its network in one
+       attribute).
+    """
+    for container in (nn.ModuleList, nn.Sequential):
+        blocks = _container_children(model, container)
+        if blocks:
+            return blocks
+    name, module = "", model
+    children = list(module.named_children())
+    while len(children) == 1:
+        child, module = children[0]
+        name = f"{name}.{child}" if name else child
+        children = list(module.named_children())
+    return [f"{name}.{child}" if name else child for child, _ in children]
+
+
+def _container_children(model: nn.Module, container: type) -> list[str]:
     blocks: list[str] = []
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and not any(_inside(name, b) for b in blocks):
-            blocks.extend(f"{name}.{child}" if name else child for child, _ in module.named_children())
+        if isinstance(module, container):
+            if not any(name == b or _inside(name, b) for b in blocks):
+                blocks.extend(f"{name}.{child}" if name else child for child, _ in module.named_children())
     return blocks
 
 
@@ -77,10 +101,10 @@ def find_candidates(model: nn.Module, config: ActivationsConfig, problems: Probl
         out.append(block)
         out.extend(n for n in names if _inside(n, block) and "." not in n[len(block) + 1:])
     if not blocks and config.planner:
-        problems.append((f"{PATH}.candidates", "\"auto\" finds the children of nn.ModuleList containers and this "
-                                               "model has none; list the modules to plan for as globs, e.g. "
-                                               f"[{', '.join(repr(n) for n in names[:2])}], or set "
-                                               "planner to false to apply only the fixed lists"))
+        problems.append((f"{PATH}.candidates", "\"auto\" plans for the model's blocks (children of its "
+                                               "nn.ModuleList or nn.Sequential containers, else of its outermost "
+                                               "module with several children) and this model has no submodule; "
+                                               "set planner to false to apply only the fixed lists"))
     return out
 
 
@@ -126,7 +150,7 @@ def _apply_deepspeed_section(model: nn.Module, section: dict, plan: dict[str, st
                              problems: Problems) -> dict:
     """Map DeepSpeed's keys (deepspeed/runtime/activation_checkpointing/config.py) onto options.
 
-    * the section's presence: full recompute of the repeated blocks (children of nn.ModuleList);
+    * the section's presence: full recompute of the model's blocks (`repeated_blocks`);
     * ``cpu_checkpointing``: their kept inputs go to host memory (``recompute_offload``);
     * ``number_checkpoints``: only the first N blocks are recomputed;
     * ``synchronize_checkpoint_boundary``: synchronize the accelerator around each recomputation;
@@ -147,7 +171,7 @@ def _apply_deepspeed_section(model: nn.Module, section: dict, plan: dict[str, st
     blocks = repeated_blocks(model)
     if not blocks:
         problems.append((key, "ds_config has an activation_checkpointing section, but the model has no "
-                              "nn.ModuleList of blocks to recompute; list modules in xirang.activations.recompute "
+                              "submodule to recompute; list modules in xirang.activations.recompute "
                               "or set xirang.activations.honour_deepspeed_checkpointing to false"))
         return {}
     count: Union[int, None] = section.get("number_checkpoints")

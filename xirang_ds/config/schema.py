@@ -263,8 +263,9 @@ class ActivationsConfig(Section):
     planner: bool = True
     """Profile the first passes, then choose an option for every candidate not fixed by hand."""
     candidates: Union[Literal["auto"], tuple[Glob, ...]] = "auto"
-    """Modules the planner chooses for (globs on full module names); ``auto`` = the children of every
-    ``nn.ModuleList`` (the repeated blocks) and their direct children."""
+    """Modules the planner chooses for (globs on full module names); ``auto`` = the model's blocks and
+    their direct children: the children of every ``nn.ModuleList``, else of every ``nn.Sequential``,
+    else of the outermost module with several children (``torch.compile``'s wrapper passed through)."""
     options: tuple[ActivationOption, ...] = ACTIVATION_OPTIONS
     """Options the planner may choose; ``quantize`` and ``sparsify`` only for modules in ``tolerant``."""
     keep: tuple[Glob, ...] = ()

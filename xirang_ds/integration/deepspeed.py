@@ -17,6 +17,7 @@ from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
 from xirang_ds.config.fit import fit_block
 from xirang_ds.config.loader import BLOCK_KEY, read_ds_config
+from xirang_ds.integration.torch_compat import uncompiled
 from xirang_ds.registry import OptimizerSpec
 from xirang_ds.session import Session
 
@@ -82,9 +83,9 @@ def initialize(
     if model is None:
         return _ORIGINAL_INITIALIZE(**passthrough)  # DeepSpeed's own error for a missing model
     session = Session(fitted.config, ds_config, left_out=fitted.left_out)
-    session.model = model
+    session.model = uncompiled(model)  # a model compiled before initialize: plugins attach to its modules inside
     session.prepare_ds_config()
-    session.prepare_model(model)
+    session.prepare_model(session.model)
 
     # The basic optimizer: the client's, or the ds_config block as a spec a plugin may replace.
     client = optimizer

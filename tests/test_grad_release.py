@@ -106,7 +106,7 @@ def _bf16(rank, world):
     config = ds_config(stage=2, dtype="bf16", micro=2, gas=2, clip=0.05)
     plain, _ = _train(rank, world, config, 3, use_xirang=False)
     out = {"plain_losses": plain["losses"]}
-    for name, keys in {"hold": {}, "two_pass": {"exact_method": "two_pass"},
+    for name, keys in {"host": {}, "hold": {"exact_method": "hold"}, "two_pass": {"exact_method": "two_pass"},
                        "no_overlap": {"overlap_comm": False}}.items():
         ours, _ = _train(rank, world, {**config, "xirang": _block(**keys)}, 3)
         out[name] = {"diff": _max_diff(plain["params"], ours["params"]), "losses": ours["losses"],
@@ -247,7 +247,7 @@ def _errors(rank, world):
 
 
 # memory --------------------------------------------------------------------------------------------------
-def _memory(rank, world, use_xirang):
+def _memory(rank, world, use_xirang, clip=0.0, exact_method="host"):
     """bf16 ZeRO-2, same bucket size on both sides; the third step measured with the live-storage tracker."""
     import deepspeed
 
@@ -256,10 +256,10 @@ def _memory(rank, world, use_xirang):
     from xirang_ds.memory.tracker import MemoryTracker
     from xirang_ds.models import BUILTIN_SPECS, build_model
 
-    config = ds_config(stage=2, dtype="bf16", micro=1, gas=1, clip=0.0, bucket=MEMORY_BUCKET)
-    config["gradient_clipping"] = 0.0
+    config = ds_config(stage=2, dtype="bf16", micro=1, gas=1, clip=clip, bucket=MEMORY_BUCKET)
+    config["gradient_clipping"] = clip
     if use_xirang:
-        config["xirang"] = _block(bucket_size_numel=MEMORY_BUCKET)
+        config["xirang"] = _block(bucket_size_numel=MEMORY_BUCKET, exact_method=exact_method)
     model = build_model(BUILTIN_SPECS["gpt-tiny"], seed=0)
     numel = sum(p.numel() for p in model.parameters())
     engine, *_ = (xirang_ds.initialize if use_xirang else deepspeed.initialize)(
@@ -279,7 +279,8 @@ def _memory(rank, world, use_xirang):
         engine.step()
     report = window.report()
     out = {"numel": numel, "grad_max": window.most_at_once()["gradients"], "at_peak": report.by_category,
-           "peak": report.peak_bytes, "phase": report.phase}
+           "peak": report.peak_bytes, "phase": report.phase, "host_max": window.category_peaks()["host"],
+           "params": _flat(engine)}
     window.close()
     if watch is not None:
         watch.remove()
@@ -294,10 +295,12 @@ def _two_rank_scenarios(rank, world, ckpt_dir):
     """Everything that runs on 2 ranks, in one process pair (a process start costs more than a run)."""
     return {"numerics": _numerics(rank, world), "bf16": _bf16(rank, world),
             "approximations": _approximations(rank, world),
-            "fp16": {m: _fp16_overflow(rank, world, m) for m in ("hold", "two_pass")},
+            "fp16": {m: _fp16_overflow(rank, world, m) for m in ("host", "hold", "two_pass")},
             "ckpt_full": _ckpt(rank, world, 4), "ckpt_saved": _ckpt(rank, world, 2, ckpt_dir),
             "removal": _removal(rank, world), "errors": _errors(rank, world),
-            "memory": {"plain": _memory(rank, world, False), "ours": _memory(rank, world, True)}}
+            "memory": {"plain": _memory(rank, world, False), "ours": _memory(rank, world, True)},
+            "memory_clipped": {"plain": _memory(rank, world, False, clip=1.0),
+                               **{m: _memory(rank, world, True, clip=1.0, exact_method=m) for m in ("host", "hold")}}}
 
 
 @pytest.fixture(scope="module")
@@ -340,11 +343,12 @@ def test_bf16_matches_plain_deepspeed_2_ranks(two_ranks):
     rounding of DeepSpeed, and the two exact methods give the same numbers."""
     for rank_results in two_ranks["ranks"]:
         r = rank_results["bf16"]
-        for exact in ("hold", "two_pass", "no_overlap"):
+        for exact in ("host", "hold", "two_pass", "no_overlap"):
             assert r[exact]["diff"] <= 2 ** -8, (exact, r[exact]["diff"])  # one bf16 ulp of weights below 2
             assert r[exact]["counters"], exact
             assert max(abs(a - b) for a, b in zip(r[exact]["losses"], r["plain_losses"])) < 2e-3
         assert torch.equal(r["hold"]["params"], r["two_pass"]["params"])
+        assert torch.equal(r["host"]["params"], r["hold"]["params"])  # the shards' trip to the host is exact
 
 
 @pytest.mark.distributed
@@ -358,7 +362,7 @@ def test_clipping_approximations_stay_near_exact(two_ranks):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("method", ["hold", "two_pass"])
+@pytest.mark.parametrize("method", ["host", "hold", "two_pass"])
 def test_fp16_overflow_late_in_backward_updates_no_layer(method, two_ranks):
     """Rank 1's gradient of embed.weight, in the last bucket of backward, overflows in step 2: no
     parameter of any layer changes on any rank, the loss scale halves, the step and the scheduler are
@@ -438,4 +442,20 @@ def test_gradient_memory_falls_to_about_one_bucket(two_ranks):
         # temporaries); grad_release has no such moment and peaks at the start of backward instead
         assert plain["phase"] == "optimizer_step" and ours["phase"] == "backward"
         assert ours["peak"] < 0.9 * plain["peak"]
+
+
+@pytest.mark.distributed
+def test_exact_clipping_keeps_gradients_to_a_few_buckets(two_ranks):
+    """gradient_clipping 1.0 (DeepSpeed's default), exact clipping: ``host`` keeps the reduced shards in
+    host memory until the norm is known, so the device's gradients stay at a few buckets as without
+    clipping (at most 0.25x plain ZeRO-2's), where ``hold`` keeps this rank's whole shard; both give
+    the same parameters, and the host holds that shard."""
+    for rank_results in two_ranks["ranks"]:
+        r = rank_results["memory_clipped"]
+        plain, host, hold = r["plain"], r["host"], r["hold"]
+        assert host["grad_max"] <= 0.25 * plain["grad_max"], (host["grad_max"], plain["grad_max"])
+        assert hold["grad_max"] - host["grad_max"] >= host["numel"] // 2  # hold: this rank's bf16 shard more
+        assert torch.equal(host["params"], hold["params"])
+        assert host["host_max"] >= 2 * (host["numel"] // 2) and hold["host_max"] == 0
+        assert host["peak"] <= hold["peak"]
 

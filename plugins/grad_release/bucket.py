@@ -70,6 +70,7 @@ class Bucket:
             copied from it before every step).
         comm_dtype: dtype gradients are reduced in.
         scope: tracker scope for the bucket's transient buffers (`no_scope` without a tracker).
+        host_scope: where the bucket's host buffer is made (the tracker's host tier; `stash`).
 
     Attributes:
         grad: after ``finalize``, the step's gradient shard (``grad * grad_scale`` is the average).
@@ -81,7 +82,8 @@ class Bucket:
 
     def __init__(self, index: int, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  sources: Sequence[int], layout: BucketLayout, comm: DataParallelComm,
-                 basic_optimizer: torch.optim.Optimizer, comm_dtype: torch.dtype, scope: Scope = no_scope):
+                 basic_optimizer: torch.optim.Optimizer, comm_dtype: torch.dtype, scope: Scope = no_scope,
+                 host_scope: Callable[[], ContextManager] = contextlib.nullcontext):
         self.index = index
         self.params = list(params)
         self.names = list(names)
@@ -91,6 +93,8 @@ class Bucket:
         self.basic = basic_optimizer
         self.comm_dtype = comm_dtype
         self.scope = scope
+        self.host_scope = host_scope
+        self._host: Optional[torch.Tensor] = None  # where `stash` keeps the gradient shard, reused every step
         self.sharded = layout.world > 1
         self.dtype = self.params[0].dtype
         self.pieces: list[Piece] = [p for p in layout.pieces(comm.rank if self.sharded else 0) if p.numel > 0]
@@ -272,6 +276,34 @@ class Bucket:
             norm = torch.linalg.vector_norm(self.reduced, dtype=torch.float32).double() / self.comm.world
         self.reduced = None
         return norm * norm
+
+    def stash(self) -> None:
+        """Hold the step's gradient shard in (pinned) host memory until the update needs it: the
+        device keeps only the buckets in flight while backward goes on. The copy is queued on the
+        current stream (no host sync); the device shard is freed once the tensor is dropped, which the
+        caching allocator orders after the copy on that stream."""
+        grad = self.grad
+        host = self._host
+        if host is None or host.shape != grad.shape or host.dtype != grad.dtype:
+            with self.host_scope():
+                host = torch.empty(grad.shape, dtype=grad.dtype, device="cpu")
+                if grad.device.type != "cpu":
+                    from deepspeed.accelerator import get_accelerator
+
+                    host = get_accelerator().pin_memory(host)
+            self._host = host
+        host.copy_(grad, non_blocking=True)
+        self.grad = host
+
+    def unstash(self) -> None:
+        """Bring a stashed gradient shard back to the device (just before its update)."""
+        host = self.grad
+        if host is None or host is not self._host:
+            return
+        with self.scope(GRADIENTS):
+            grad = torch.empty(host.shape, dtype=host.dtype, device=self.params[0].device)
+        grad.copy_(host, non_blocking=True)
+        self.grad = grad
 
     def param_sumsq(self) -> torch.Tensor:
         """Squared norm of each parameter's part of the step's gradient shard (float64 vector)."""

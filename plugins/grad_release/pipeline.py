@@ -26,7 +26,8 @@ class Pass(enum.Enum):
     FUSED = "fused"
     """Last micro-step: apply each bucket as soon as it is reduced."""
     HOLD = "hold"
-    """Last micro-step: keep each reduced shard; `ReleasePipeline.apply_all` applies them after."""
+    """Last micro-step: keep each reduced shard (on the device, or stashed in host memory);
+    `ReleasePipeline.apply_all` applies them after."""
     NORM = "norm"
     """First of two passes: the gradient's norm only; nothing is kept."""
     UPDATE = "update"
@@ -44,6 +45,8 @@ class ReleasePipeline:
         buckets: in launch order.
         overlap: keep one reduction (and one all-gather) in flight while backward continues.
         on_grad_seen: called with each gradient before it is taken (the tracker marks it).
+        stash_held: in a HOLD pass, keep each reduced shard in host memory (`Bucket.stash`) rather than
+            on the device, and bring it back bucket by bucket in `apply_all`.
 
     Attributes:
         kind: the pass in progress (None between backwards).
@@ -51,8 +54,9 @@ class ReleasePipeline:
     """
 
     def __init__(self, buckets: Sequence[Bucket], overlap: bool = True,
-                 on_grad_seen: Optional[Callable[[torch.Tensor], None]] = None):
+                 on_grad_seen: Optional[Callable[[torch.Tensor], None]] = None, stash_held: bool = False):
         self.buckets = list(buckets)
+        self.stash_held = stash_held
         self.max_in_flight = 1 if overlap else 0
         self.on_grad_seen = on_grad_seen
         self.slots: dict[torch.Tensor, tuple[int, int]] = {}
@@ -122,6 +126,7 @@ class ReleasePipeline:
     def apply_all(self, rule: Rule) -> None:
         """After a HOLD pass: apply every bucket in order, gathers overlapped with the next update."""
         for b, bucket in enumerate(self.buckets):
+            bucket.unstash()
             bucket.apply(rule(bucket))
             self.gathering.append(b)
             self._finish_gathers(self.max_in_flight)
@@ -164,7 +169,10 @@ class ReleasePipeline:
         else:
             bucket.finalize()
             self.bucket_sumsq[b] = bucket.sumsq()
-            if kind is not Pass.HOLD:
+            if kind is Pass.HOLD:
+                if self.stash_held:
+                    bucket.stash()
+            else:
                 bucket.apply(self.rule(bucket) if self.rule is not None else 1.0)
                 self.gathering.append(b)
                 self._finish_gathers(self.max_in_flight)

@@ -128,6 +128,7 @@ class GradReleasePlugin(Plugin):
                                     make_loss_scaler(self.setup), total)
         tracker = self.session.tracker
         self.pipeline = ReleasePipeline(self.buckets, self.config.overlap_comm,
+                                        stash_held=self.config.exact_method == "host",
                                         on_grad_seen=lambda g: tracker.mark(g, GRADIENTS) if tracker.active else None)
         for bucket in self.buckets:
             for param in bucket.params:
@@ -174,6 +175,7 @@ class GradReleasePlugin(Plugin):
                                     norm_comms=[tp_comm])
         tracker = self.session.tracker
         self.pipeline = ReleasePipeline(self.buckets, self.config.overlap_comm,
+                                        stash_held=self.config.exact_method == "host",
                                         on_grad_seen=lambda g: tracker.mark(g, GRADIENTS) if tracker.active else None)
         for bucket in self.buckets:
             for param in bucket.params:
@@ -322,7 +324,7 @@ class GradReleasePlugin(Plugin):
                     buckets.append(Bucket(len(buckets), params, [n for n, _ in chosen],
                                           [group_of[p][1] for p in params],
                                           BucketLayout.build([p.numel() for p in params], world), self.comm, basic,
-                                          self.setup.comm_dtype, tracker.scope))
+                                          self.setup.comm_dtype, tracker.scope, tracker.host_tier))
                 except TypeError as e:
                     raise XirangConfigError([("", f"xirang.grad_release: the optimizer {type(basic).__name__} cannot "
                                                   f"be rebuilt as type(opt)(param_groups, **opt.defaults) for each "
@@ -353,7 +355,7 @@ class GradReleasePlugin(Plugin):
             states = phases["forward"].get(OPTIMIZER_STATES, states)  # that plugin's own model (it runs first)
         clipping = self.setup.gradient_clipping if self.setup is not None else 0.0
         fp16 = self.setup is not None and self.setup.fp16 is not None
-        holds = (clipping > 0 and self.config.clipping == "exact" and self.config.exact_method == "hold") or fp16
+        holds = self.config.exact_method == "hold" and (clipping > 0 and self.config.clipping == "exact" or fp16)
         accum = 4 * part if shape.grad_accum > 1 else 0
         in_flight = (2 if self.config.overlap_comm else 1) * lp * bucket
         shard = math.ceil(bucket / world)

@@ -266,3 +266,12 @@ def test_auto_candidates_follow_the_structure():
     flat.inner.a, flat.inner.b = nn.Linear(2, 2), nn.Linear(2, 2)
     assert repeated_blocks(flat) == ["inner.a", "inner.b"]
     assert repeated_blocks(torch.compile(flat)) == ["_orig_mod.inner.a", "_orig_mod.inner.b"]
+
+
+def test_the_estimate_fits_the_preset_as_initialize_does():
+    from xirang_ds.memory.estimator import estimate_spec
+
+    est = estimate_spec("gpt-tiny", _config("zero3 bf16, accumulation 4, clipping", {"preset": "balanced"}))
+    assert est.predicted_peak_bytes > 0
+    assert any(note.startswith("grad_release: left out of preset 'balanced': cannot run with "
+                               "zero_optimization.stage = 3") for note in est.notes)

@@ -27,14 +27,15 @@ def _setup_bench(p: argparse.ArgumentParser) -> None:
 
 def _run_bench(args: argparse.Namespace) -> int:
     from xirang_ds.bench import format_result, run_bench, write_json
-    from xirang_ds.config.loader import BLOCK_KEY, read_ds_config, validate_block
+    from xirang_ds.config.fit import fit_block
+    from xirang_ds.config.loader import BLOCK_KEY, read_ds_config
     from xirang_ds.models import parse_model_spec
 
     parse_model_spec(args.model)  # fail fast on a bad spec
     ds_config = read_ds_config(args.ds_config)
     if BLOCK_KEY not in ds_config:
         raise UsageError(f"{args.ds_config} has no \"xirang\" block: nothing to compare")
-    validate_block(ds_config[BLOCK_KEY])
+    fit_block(ds_config[BLOCK_KEY], ds_config)  # every clash with the ds_config before any rank starts
     if args.steps < 2:
         raise UsageError("--steps must be at least 2 (the first step is not timed)")
     if args.data and not os.path.isfile(args.data):
@@ -93,14 +94,15 @@ def _run_estimate(args: argparse.Namespace) -> int:
 
     import torch
 
-    from xirang_ds.config.loader import BLOCK_KEY, read_ds_config, validate_block
+    from xirang_ds.config.fit import fit_block
+    from xirang_ds.config.loader import BLOCK_KEY, read_ds_config
     from xirang_ds.memory.estimator import estimate_spec, format_estimate, recalibrate
     from xirang_ds.models import parse_model_spec
 
     parse_model_spec(args.model)
     ds_config = read_ds_config(args.ds_config)
     if BLOCK_KEY in ds_config:
-        validate_block(ds_config[BLOCK_KEY])
+        fit_block(ds_config[BLOCK_KEY], ds_config)
     if args.world_size < 1:
         raise UsageError(f"--world-size must be >= 1; got {args.world_size}")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

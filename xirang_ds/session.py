@@ -244,5 +244,9 @@ class Session:
             describe = getattr(p, "describe", None)
             if describe is not None:
                 lines.append(f"  {p.section}: {describe()}")
-        lines += [f"  {item.line(self.config.preset)}" for item in self.left_out]
+        lines += [f"  {line}" for line in self.summary_left_out()]
         return "\n".join(lines)
+
+    def summary_left_out(self) -> list[str]:
+        """One line per section the preset turned on and this run leaves out, saying why."""
+        return [item.line(self.config.preset) for item in self.left_out]

@@ -354,6 +354,8 @@ def estimate_run(build: Callable[[], torch.nn.Module], ds_config: dict, seq: int
         if shape.stage == 3:
             step = _add(step, _cat(comm_buffers=lp * shape.reduce_bucket))
     phases = {"forward": fwd, "backward": bwd, "optimizer_step": step}
+    if session is not None:
+        notes += session.summary_left_out()
     phases = _apply_plugins(session, phases, shape, numels, notes)
     totals = {k: sum(v[c] for c in CATEGORIES if c != "host") for k, v in phases.items()}
     peak_phase = max(totals, key=totals.__getitem__)
@@ -367,12 +369,14 @@ def _session_for(build: Callable[[], torch.nn.Module], ds_config: dict, world_si
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from xirang_ds.config.loader import BLOCK_KEY, validate_block
+    from xirang_ds.config.fit import fit_block
+    from xirang_ds.config.loader import BLOCK_KEY
     from xirang_ds.session import Session
 
     if BLOCK_KEY not in ds_config:
         return None
-    session = Session(validate_block(ds_config[BLOCK_KEY]), copy.deepcopy(ds_config), world_size=world_size)
+    fitted = fit_block(ds_config[BLOCK_KEY], ds_config)  # what initialize would run (a preset fits the ds_config)
+    session = Session(fitted.config, copy.deepcopy(ds_config), world_size=world_size, left_out=fitted.left_out)
     with FakeTensorMode():
         session.model = build()
         session.prepare_ds_config()

@@ -16,15 +16,20 @@ interleave them, and a payload dies with its autograd node, not at its decode), 
 vary with the data (lossless encodings); a best-fit list with coalescing serves any order, and the
 same sequence of requests lands on the same addresses every step, so counts are stable.
 
-A block is the tensor `allocate` returns: it is free again when that tensor object is collected
-(a ``weakref.finalize``; frees are queued and applied at the next call, so a collection inside
-an allocation never edits the free list under it). Views made from it must not outlive it.
+A block is the tensor `allocate` returns, with a storage of its own over the reservation's bytes
+(`block_storage`): it is free again when that storage dies, which is when the block and every view,
+``detach()`` or alias of it are gone (a ``weakref.finalize`` on the storage; frees are queued and
+applied at the next call, so a collection inside an allocation never edits the free list under it).
+The finalizer holds the reservation, so a block outlives `close` safely. On CUDA each free records
+an event on the current stream, and a range freed on one stream is handed to another only after
+that stream waits for the event; a block used on a side stream stays with its own stream's order
+as the caching allocator's blocks do (``record_stream`` semantics are not tracked).
 
 When no free range fits, the request gets a plain allocation and is counted as a fallback: the
-pool never fails a request. On CUDA, with ``use_torch_mempool`` and a torch that has
-``torch.cuda.MemPool``, the reservation and the fallbacks are made inside
-``torch.cuda.use_mem_pool``, so they come from a private pool of the caching allocator and do not
-fragment the segments the rest of training uses.
+pool never fails a request. Fallbacks come from the ordinary caching allocator, where the rest of
+training can reuse their memory. On CUDA, with ``use_torch_mempool`` and a torch that has
+``torch.cuda.MemPool``, the reservation is made inside ``torch.cuda.use_mem_pool``, so it comes from
+a private pool of the caching allocator and does not fragment the segments the rest of training uses.
 """
 from __future__ import annotations
 
@@ -51,6 +56,16 @@ HISTORY_STEPS = 256
 def align_up(nbytes: int, alignment: int = ALIGNMENT) -> int:
     """``nbytes`` rounded up to a multiple of ``alignment``."""
     return -(-int(nbytes) // alignment) * alignment
+
+
+def block_storage(base: torch.Tensor, offset: int, nbytes: int) -> torch.UntypedStorage:
+    """A storage of its own over ``nbytes`` of ``base``'s bytes from ``offset``, owning nothing: a
+    block's life is then its storage's (views and aliases keep it), not the Python tensor's.
+
+    ``torch._C._construct_storage_from_data_pointer`` (torch/csrc/Module.cpp, present in torch 2.4 to
+    2.13; tests/test_memory_pool.py fails when a torch release drops it).
+    """
+    return torch._C._construct_storage_from_data_pointer(base.data_ptr() + offset, base.device, nbytes)
 
 
 def torch_mempool(device: torch.device) -> Optional[Any]:
@@ -113,6 +128,7 @@ class MemoryPool:
         self._live: dict[int, tuple[int, bool]] = {}  # offset -> (nbytes, persistent)
         self._generation = 0
         self._pending: deque = deque()  # frees queued by finalizers
+        self._free_events: dict[Any, Any] = {}  # CUDA: stream -> event recorded at its latest free
         self._lock = threading.RLock()
         self.in_use_bytes = 0
         self.persistent_bytes = 0
@@ -178,7 +194,8 @@ class MemoryPool:
         buf = self.buffer
         if buf is None or t.device != buf.device:
             return False
-        return t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+        start = buf.data_ptr()
+        return start <= t.untyped_storage().data_ptr() < start + buf.numel()
 
     # ----------------------------------------------------------------------------------------
     def allocate(self, nbytes: int, dtype: torch.dtype = torch.uint8, persistent: bool = False,
@@ -228,14 +245,46 @@ class MemoryPool:
             self.high_water_bytes = max(self.high_water_bytes, self.in_use_bytes)
             self.pooled += 1
             self._step_pooled += 1
-            block = self.buffer.narrow(0, offset, nbytes).view(dtype)
-            weakref.finalize(block, self._pending.append, (self._generation, offset))
-            return block
+            return self._block(offset, nbytes, dtype)
+
+    def _block(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        from xirang_ds.memory.tracker import SUBALLOCATIONS
+
+        buffer = self.buffer
+        stream = self._order_after_other_streams()
+        storage = block_storage(buffer, offset, nbytes)
+        block = torch.empty(0, dtype=dtype, device=self.device).set_(storage, 0, (nbytes // dtype.itemsize,))
+        key = storage._cdata
+        SUBALLOCATIONS[key] = buffer.untyped_storage()
+        # the finalizer's arguments hold the reservation: a block outliving close() keeps its bytes
+        weakref.finalize(block.untyped_storage(), self._on_block_freed, key, self._generation, offset, stream, buffer)
+        return block
+
+    def _on_block_freed(self, key: int, generation: int, offset: int, stream: Any, buffer: torch.Tensor) -> None:
+        from xirang_ds.memory.tracker import SUBALLOCATIONS
+
+        SUBALLOCATIONS.pop(key, None)
+        if stream is not None:  # work queued on the block's stream may still read it: later users wait
+            event = torch.cuda.Event()
+            event.record(stream)
+            self._free_events[stream] = event
+        self._pending.append((generation, offset))
+
+    def _order_after_other_streams(self) -> Any:
+        """CUDA: make the current stream wait for the latest free on every other stream (a GPU-side
+        wait, no host sync) and return it; None elsewhere."""
+        if self.device.type != "cuda":
+            return None
+        stream = torch.cuda.current_stream(self.device)
+        for other, event in list(self._free_events.items()):
+            if other != stream:
+                stream.wait_event(event)
+        return stream
 
     def _plain(self, nbytes: int, dtype: torch.dtype, persistent: bool, counted: bool,
                measure: int = 0) -> torch.Tensor:
-        with self.allocation_context():
-            t = torch.empty(nbytes // dtype.itemsize, dtype=dtype, device=self.device)
+        # from the ordinary caching allocator (not the reservation's MemPool): training can reuse it
+        t = torch.empty(nbytes // dtype.itemsize, dtype=dtype, device=self.device)
         if measure:
             if persistent:
                 self.plain_persistent_bytes += measure

@@ -108,9 +108,17 @@ class PeakReport:
 
 def _storage_of(t: torch.Tensor):
     try:
-        return t.untyped_storage()
+        st = t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # sparse, meta-only or functional wrappers
         return None
+    owner = SUBALLOCATIONS.get(st._cdata)
+    return owner if owner is not None else st
+
+
+SUBALLOCATIONS: dict[int, Any] = {}
+"""Storages that alias bytes another storage owns (a memory-pool block inside its reservation), by
+``_cdata``, to that owner's storage: the tracker counts and marks the owner, so the bytes count once.
+The pool adds a block when it hands it out and drops it when the block's storage dies."""
 
 
 _ALIASING: dict[Any, bool] = {}

@@ -487,3 +487,53 @@ def test_tolerant_feed_forward_marks_each_blocks_mlp():
     # a model without feed-forward children: nothing tolerant, and no error
     plain = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2)]))
     assert tolerant_names(plain, ActivationsConfig(enabled=True, tolerant=("feed_forward",))) == frozenset()
+
+
+# the host buffers of offload -------------------------------------------------------------------
+def test_host_buffers_are_reused_by_size_class_whatever_the_length():
+    """Variable sequence lengths: sizes that differ step to step share size-class buffers, so the
+    host bytes held stop growing (with exact sizes every new length was a new pinned buffer)."""
+    from xirang_ds.plugins.activations.storage import HostPool, host_size_class
+
+    assert [host_size_class(n) for n in (1, 4096, 4097, 5000, 5121, 8192, 9000)] == [
+        4096, 4096, 5120, 5120, 6144, 8192, 10240]
+    assert all(n <= host_size_class(n) <= max(4096, n * 1.25) for n in range(1, 200_000, 997))
+    pool = HostPool(pin=False)
+    for length in range(1000, 1400, 7):  # 58 different lengths, one tensor in use at a time
+        buf = pool.get(length * 64)
+        assert buf.numel() == length * 64
+        pool.put(buf)
+    assert pool.allocated_bytes <= 2 * host_size_class(1400 * 64)  # a few classes, not 58 buffers
+    assert pool.in_use_bytes == 0
+
+
+def test_host_buffers_trim_to_the_budget_and_refuse_what_cannot_fit():
+    from xirang_ds.plugins.activations.storage import HostPool
+
+    pool = HostPool(pin=False, budget_bytes=64 * 1024)
+    held = [pool.get(16 * 1024) for _ in range(3)]
+    assert pool.allocated_bytes == 48 * 1024
+    for buf in held:
+        pool.put(buf)  # cached: the budget still holds them
+    assert pool.allocated_bytes == 48 * 1024
+    big = pool.get(40 * 1024)  # a new class: the oldest cached buffers are dropped to make room
+    assert big is not None and pool.allocated_bytes <= 64 * 1024 and pool.trimmed_bytes >= 16 * 1024
+    assert pool.get(32 * 1024) is None  # 40 KiB in use + 32 KiB > 64 KiB: refused, nothing allocated
+    assert (pool.refused, pool.refused_bytes) == (1, 32 * 1024)
+    assert pool.allocated_bytes <= 64 * 1024
+
+
+def test_offload_past_the_host_budget_keeps_the_bytes_on_the_device():
+    import torch
+
+    from xirang_ds.plugins.activations.offload import Offloader
+
+    off = Offloader(torch.device("cpu"), host_budget_bytes=8192)
+    first = torch.arange(2048, dtype=torch.float32)  # 8 KiB: fits
+    second = torch.arange(1024, dtype=torch.float32)
+    a = off.to_host(first.view(torch.uint8))
+    b = off.to_host(second.view(torch.uint8))  # the budget is full: stays where it is
+    assert a.host is not None and b.host is None and off.kept_on_device_bytes == 4096
+    assert torch.equal(off.fetch(b).view(torch.float32), second)
+    assert torch.equal(off.fetch(a).view(torch.float32), first)
+    assert off.pool.in_use_bytes == 0

@@ -184,6 +184,7 @@ class ActivationsPlugin(Plugin):
 
                 distribute = ShardHandler(parallel_state.get_tensor_model_parallel_group(),
                                           lambda: tracker.scope(ACTIVATIONS))
+        host_budget = self.session.config.host_memory_budget
         self.runtime = Runtime(
             torch.device(engine.device), self.config.min_tensor_bytes, self.config.offload_prefetch,
             self.config.quantize_block_size, self.config.sparsify_threshold, tracker.host_tier,
@@ -191,7 +192,7 @@ class ActivationsPlugin(Plugin):
             mark=lambda t: tracker.mark([t], ACTIVATIONS) if tracker.active else None,
             synchronize=acc.synchronize if self._ds_settings.get("synchronize") else None,
             timings=self.recompute_timings if self._ds_settings.get("profile") else None, rng=rng, arenas=arenas,
-            distribute=distribute)
+            distribute=distribute, host_budget_bytes=None if host_budget == "auto" else int(host_budget))
         model = self._model
         check_memory_budget(self.session.config.memory_budget, engine)
         self.runtime.eligible.refresh(model)
@@ -387,8 +388,15 @@ class ActivationsPlugin(Plugin):
         self._log_plan()
 
     def figures(self) -> dict:
-        """The planner's reach once it planned (`_reach`); ``{}`` before, or with a fixed plan."""
-        return dict(self.reach) if self.reach else {}
+        """The planner's reach once it planned (`_reach`), and the offload host buffers (held bytes,
+        most in use at once, bytes trimmed, bytes the host budget kept on the device)."""
+        out = dict(self.reach) if self.reach else {}
+        if self.runtime is not None:
+            pool, offloader = self.runtime.offloader.pool, self.runtime.offloader
+            out["host_buffers"] = {"held_bytes": pool.allocated_bytes, "high_water_bytes": pool.high_water_bytes,
+                                   "trimmed_bytes": pool.trimmed_bytes,
+                                   "kept_on_device_bytes": offloader.kept_on_device_bytes}
+        return out
 
     def _reach(self, roots: list, before: int, after: int, other: Optional[int]) -> dict:
         """What the planner can reach on this model, per pass, for cost models (the tuner): the saved

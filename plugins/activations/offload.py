@@ -58,11 +58,13 @@ class Offloader:
         prefetch: how many offloaded groups ahead backward prefetches (streams only).
         host_tier: the tracker's host-tier context.
         scope: context for tensors brought back to the device (the tracker's activations scope).
+        host_budget_bytes: the most host bytes the offload buffers may hold (``xirang.host_memory_budget``);
+            a storage that does not fit stays on the device.
     """
 
     def __init__(self, device: torch.device, prefetch: int = 1,
                  host_tier: Optional[Callable[[], ContextManager]] = None,
-                 scope: Optional[Callable[[], ContextManager]] = None):
+                 scope: Optional[Callable[[], ContextManager]] = None, host_budget_bytes: Optional[int] = None):
         from deepspeed.accelerator import get_accelerator
 
         self.acc = get_accelerator()
@@ -71,10 +73,12 @@ class Offloader:
         self.scope = scope or contextlib.nullcontext
         on_accelerator = device.type != "cpu" and self.acc.Stream is not None
         self.stream = self.acc.Stream() if on_accelerator else None
-        self.pool = HostPool(pin=on_accelerator, host_tier=host_tier)
+        self.pool = HostPool(pin=on_accelerator, host_tier=host_tier, budget_bytes=host_budget_bytes)
         self.last_group: Optional[OffloadGroup] = None
         self.offloaded_bytes = 0
         self.fetched_bytes = 0
+        self.kept_on_device_bytes = 0
+        """Bytes the host budget refused, kept on the device instead (`HostPool.refused`)."""
 
     # ---------------------------------------------------------------------------------------------
     def begin_group(self) -> OffloadGroup:
@@ -87,6 +91,11 @@ class Offloader:
         """Start copying the bytes of ``flat`` (a 1-D ``uint8`` view of a storage) to host memory."""
         nbytes = flat.numel()
         host = self.pool.get(nbytes)
+        if host is None:  # the host-memory budget is full: these bytes stay on the device
+            copy = HostCopy(None, nbytes, flat.device, None)
+            copy.dev = flat
+            self.kept_on_device_bytes += nbytes
+            return copy
         event = None
         if self.stream is not None:
             self.stream.wait_stream(self.acc.current_stream())
@@ -130,7 +139,7 @@ class Offloader:
             raise RuntimeError("xirang activations: an offloaded tensor was unpacked twice after its bytes "
                                "were handed back; backward with retain_graph=True over offloaded modules "
                                "is not supported")
-        if self.stream is not None:
+        if self.stream is not None and copy.h2d is not None:  # None: kept on the device (host budget)
             current = self.acc.current_stream()
             current.wait_event(copy.h2d)
             dev.record_stream(current)

@@ -137,29 +137,76 @@ def checksum(data: torch.Tensor) -> int:
     return int((b * weights).sum())
 
 
+MIN_HOST_CLASS_BYTES = 4096
+"""The smallest host buffer (a page)."""
+
+
+def host_size_class(nbytes: int) -> int:
+    """``nbytes`` rounded up to a size class: a page at least, else the next of 1, 1.25, 1.5, 1.75 and
+    2 times a power of two (at most 25% more than asked), so tensors whose sizes vary step to step
+    (variable sequence lengths) share buffers."""
+    nbytes = max(int(nbytes), MIN_HOST_CLASS_BYTES)
+    step = 1 << max(nbytes.bit_length() - 3, 0)  # a quarter of the power of two at or below nbytes
+    return -(-nbytes // step) * step
+
+
 class HostPool:
-    """Host buffers for offloaded tensors, reused by exact size (shapes repeat every step).
+    """Host buffers for offloaded tensors, reused by size class and trimmed.
+
+    A buffer comes back to the cache when its copy to the device has completed (its event). The
+    cache never holds more than the most bytes ever in use at once, nor, with ``budget_bytes``, more
+    than the budget leaves beside the buffers in use; the oldest cached buffers go first. With a
+    budget, a request that cannot fit even after the cache is emptied gets ``None``: the caller keeps
+    the tensor where it is (counted in ``refused`` / ``refused_bytes``).
 
     Args:
         pin: pin buffers through the accelerator (page-locked memory for async copies).
         host_tier: the tracker's host-tier context; buffers are created under it.
+        budget_bytes: the most host bytes the pool may hold (``None``: no cap).
+
+    Attributes:
+        allocated_bytes: host bytes the pool holds now (in use, in flight and cached).
+        in_use_bytes: bytes of buffers handed out and not yet returned (or returned, copy in flight).
+        high_water_bytes: the most ``in_use_bytes`` seen.
     """
 
-    def __init__(self, pin: bool, host_tier: Optional[Callable[[], ContextManager]] = None):
+    def __init__(self, pin: bool, host_tier: Optional[Callable[[], ContextManager]] = None,
+                 budget_bytes: Optional[int] = None):
         self.pin = pin
         self.host_tier = host_tier or contextlib.nullcontext
-        self._free: dict[int, list[torch.Tensor]] = {}
+        self.budget_bytes = budget_bytes
+        self._cached: list[torch.Tensor] = []  # oldest first
         self._pending: list[tuple[torch.Tensor, object]] = []
+        self._out: set[int] = set()  # ids of the buffers handed out (alive while out)
         self.allocated_bytes = 0
+        self.in_use_bytes = 0
+        self.high_water_bytes = 0
+        self.refused = 0
+        self.refused_bytes = 0
+        self.trimmed_bytes = 0
 
-    def get(self, nbytes: int) -> torch.Tensor:
-        """A ``uint8`` host buffer of ``nbytes``."""
+    def get(self, nbytes: int) -> Optional[torch.Tensor]:
+        """A ``uint8`` host buffer of ``nbytes`` (a view of a size-class buffer), or ``None`` when the
+        budget cannot hold it."""
         self._reap()
-        free = self._free.get(nbytes)
-        if free:
-            return free.pop()
-        self.allocated_bytes += nbytes
-        return self.allocate(nbytes)
+        size = host_size_class(nbytes)
+        for i in range(len(self._cached) - 1, -1, -1):  # the most recently returned buffer of the class
+            if self._cached[i].numel() == size:
+                buf = self._cached.pop(i)
+                break
+        else:
+            if self.budget_bytes is not None:
+                if self.in_use_bytes + size > self.budget_bytes:
+                    self.refused += 1
+                    self.refused_bytes += nbytes
+                    return None
+                self._trim(self.budget_bytes - self.in_use_bytes - size)
+            buf = self.allocate(size)
+            self.allocated_bytes += size
+        self.in_use_bytes += size
+        self.high_water_bytes = max(self.high_water_bytes, self.in_use_bytes)
+        self._out.add(id(buf))
+        return buf[:nbytes]
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         """A new (pinned) host buffer outside the pool."""
@@ -172,25 +219,48 @@ class HostPool:
         return buf
 
     def put(self, buf: torch.Tensor, event: object = None) -> None:
-        """Return a buffer; with ``event``, only once that copy event has completed."""
+        """Return a buffer from `get`; with ``event``, reusable only once that copy has completed."""
+        base = buf._base if buf._base is not None else buf
+        if id(base) not in self._out:
+            return  # handed out before a `clear`: not the pool's any more
+        self._out.discard(id(base))
         if event is not None:
-            self._pending.append((buf, event))
+            self._pending.append((base, event))
         else:
-            self._free.setdefault(buf.numel(), []).append(buf)
+            self._cache(base)
+
+    def _cache(self, base: torch.Tensor) -> None:
+        self.in_use_bytes -= base.numel()
+        self._cached.append(base)
+        limit = self.high_water_bytes - self.in_use_bytes
+        if self.budget_bytes is not None:
+            limit = min(limit, self.budget_bytes - self.in_use_bytes)
+        self._trim(limit)
+
+    def _trim(self, limit: int) -> None:
+        """Drop the oldest cached buffers until the cache holds at most ``limit`` bytes."""
+        cached = sum(b.numel() for b in self._cached)
+        while self._cached and cached > limit:
+            dropped = self._cached.pop(0)
+            cached -= dropped.numel()
+            self.allocated_bytes -= dropped.numel()
+            self.trimmed_bytes += dropped.numel()
 
     def _reap(self) -> None:
         if not self._pending:
             return
         still = []
-        for buf, event in self._pending:
+        for base, event in self._pending:
             if event.query():
-                self._free.setdefault(buf.numel(), []).append(buf)
+                self._cache(base)
             else:
-                still.append((buf, event))
+                still.append((base, event))
         self._pending = still
 
     def clear(self) -> None:
         """Drop every pooled buffer (after `Offloader.synchronize`)."""
-        self._free.clear()
+        self._cached.clear()
         self._pending.clear()
+        self._out.clear()
         self.allocated_bytes = 0
+        self.in_use_bytes = 0

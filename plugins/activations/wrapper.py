@@ -66,6 +66,7 @@ class Runtime:
         distribute: the handler that shards recomputed modules' inputs over the tensor-parallel group
             (`ShardHandler`), or ``None``.
         arenas: tensors of persistent arenas whose views are never packed (`Eligibility`), or ``None``.
+        host_budget_bytes: the cap on offload host buffers (``xirang.host_memory_budget``), or ``None``.
     """
 
     def __init__(self, device: torch.device, min_tensor_bytes: int, prefetch: int, block_size: int,
@@ -73,7 +74,7 @@ class Runtime:
                  mark: Optional[Callable[[torch.Tensor], None]] = None,
                  synchronize: Optional[Callable[[], None]] = None, timings: Optional[list] = None,
                  rng: Optional[RngStates] = None, arenas: Optional[Callable[[], list[torch.Tensor]]] = None,
-                 distribute: Optional[Any] = None):
+                 distribute: Optional[Any] = None, host_budget_bytes: Optional[int] = None):
         self.device = device
         self.distribute = distribute
         self.rng = rng
@@ -82,7 +83,7 @@ class Runtime:
         self.timings = timings
         self.eligible = Eligibility(device.type, min_tensor_bytes, arenas)
         self.storage = PayloadStorage(host_tier)
-        self.offloader = Offloader(device, prefetch, host_tier, scope)
+        self.offloader = Offloader(device, prefetch, host_tier, scope, host_budget_bytes)
         offload = OffloadHandler(self.offloader)
         self.handlers: dict[str, Any] = {
             "compress": CodecHandler("compress", self.storage, mark=mark),

@@ -473,6 +473,11 @@ class XirangConfig:
     """Start from a preset; keys written next to it override the preset's key by key."""
     memory_budget: AutoBytes = "auto"
     """Per-rank device memory the run may use; ``auto`` = the device's capacity."""
+    host_memory_budget: AutoBytes = "auto"
+    """Per-rank host bytes the activation offload buffers may hold (pinned on accelerators); a saved
+    tensor that would not fit stays on the device (counted in the activations figures). ``auto`` = no
+    cap: buffers are reused by size class and the cache never holds more than the most in use at
+    once."""
     optimizer_states: OptimizerStatesConfig = field(default_factory=OptimizerStatesConfig)
     """Dynamic-precision optimizer states."""
     grad_release: GradReleaseConfig = field(default_factory=GradReleaseConfig)

@@ -284,6 +284,12 @@ class CommBuffersPlugin(Plugin):
             self._log(f"lend_to_activations: not lending ({len(opt.ipg_buckets)} communication dtypes, so the "
                       "arena holds one bucket per dtype; lending handles one)")
             return
+        from xirang_ds.memory.arena import reductions_ordered
+
+        unsafe = reductions_ordered() if getattr(opt, "reduction_stream", None) is not None else None
+        if unsafe is not None:
+            self._log(f"lend_to_activations: not lending ({unsafe})")
+            return
         self.lender = self.storage_provider = self.keep(ArenaLender(opt, self.arena))
         self._log(f"lending the arena ({format_bytes(self.arena.nbytes)}) to saved activations between reductions")
 

@@ -98,6 +98,24 @@ class ArenaServer:
         self._handle.remove()
 
 
+def reductions_ordered() -> Optional[str]:
+    """None when the installed DeepSpeed reduces ZeRO-1/2 buckets on ``reduction_stream`` under
+    ``overlap_comm`` (what `ArenaLender` orders its leases after), else the reason lending is unsafe."""
+    import inspect
+
+    try:
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+        source = inspect.getsource(DeepSpeedZeroOptimizer.average_tensor)
+        init = inspect.getsource(DeepSpeedZeroOptimizer.__init__)
+    except (ImportError, AttributeError, OSError, TypeError) as e:
+        return f"cannot read DeepSpeed's ZeRO-1/2 reduction ({type(e).__name__}: {e})"
+    if "self.reduction_stream = " not in init or "stream = self.reduction_stream" not in source:
+        return ("the installed DeepSpeed no longer reduces buckets on DeepSpeedZeroOptimizer.reduction_stream "
+                "(stage_1_and_2.py average_tensor), which lending orders its leases after")
+    return None
+
+
 def bucket_slots(optimizer: Any) -> Optional[int]:
     """Buffers ZeRO-1/2 allocate per backward: 2 with ``overlap_comm``, else 1; None if not ZeRO-1/2."""
     if not hasattr(optimizer, "setup_buckets") or not hasattr(optimizer, "ipg_buckets"):
@@ -153,6 +171,15 @@ class ArenaLender:
     do not fit are declined (plain memory). From the next forward, request ``i`` of a pass gets its
     planned region if its size matches.
 
+    **Ordered after the reductions (accelerators).** With ``overlap_comm`` DeepSpeed reduces the
+    bucket on its ``reduction_stream`` (``stage_1_and_2.py`` ``average_tensor``). The first lease of
+    each forward makes the current stream wait for that stream (a GPU-side wait, no host sync), so
+    no lent region is written while a reduction may still read the arena, whether or not DeepSpeed
+    synchronizes the device in its epilogue (0.19.8 does, ``independent_gradient_partition_epilogue``,
+    on devices that do not resolve data dependencies). `reductions_ordered` says whether the
+    installed DeepSpeed still keeps its reductions on that stream; lending is refused with that reason
+    when it does not (``tests/test_comm_lending.py`` reads DeepSpeed's source).
+
     **Never overwritten.** Whatever the plan, before DeepSpeed copies a gradient into the bucket
     (``reduce_independent_p_g_buckets_and_remove_grads``), the lender computes the byte range the
     copy will write (after a flush and the slot swap of ``overlap_comm``, as DeepSpeed does) and
@@ -184,6 +211,16 @@ class ArenaLender:
         self._index = 0
         self._frontier = 0
         self._in_backward = False
+        self._ordered = False
+
+    def _order_after_reductions(self) -> None:
+        """Make the current stream wait for DeepSpeed's reduction stream (None on CPU: nothing to do)."""
+        stream = getattr(self.optimizer, "reduction_stream", None)
+        if stream is not None:
+            from deepspeed.accelerator import get_accelerator
+
+            get_accelerator().current_stream().wait_stream(stream)
+        self._ordered = True
 
     @property
     def in_use(self) -> int:
@@ -198,7 +235,9 @@ class ArenaLender:
 
         if getattr(self.optimizer, "ready_for_gradients", False) or device.type != self.arena.device.type:
             return None
-        if self._in_backward:  # the first request after a backward starts a new pass
+        if self._in_backward or not self._ordered:  # the first request after a backward starts a new pass
+            self._order_after_reductions()
+        if self._in_backward:
             self._in_backward = False
             self._frontier = 0
             self._index = 0
@@ -284,6 +323,7 @@ class ArenaLender:
     def _before_write(self, original, param, *args: Any, **kwargs: Any) -> Any:
         span = self.write_range(param)
         self._in_backward = True
+        self._ordered = False
         if span is not None:
             self._frontier = max(self._frontier, span[1])
             if self.live:

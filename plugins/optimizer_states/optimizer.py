@@ -215,7 +215,8 @@ class DynamicAdamW(torch.optim.Optimizer):
         flat_g = _flat(p.grad)
         n = flat_p.numel()
         chunk = _lcm(self.config.chunk_numel, src.block_size, dst.block_size)
-        sums = [0.0, 0.0, 0.0, 0.0]  # |m|^2, |v|^2, |du|^2, |u|^2
+        # |m|^2, |v|^2, |du|^2, |u|^2 summed on the device: one host sync per tensor and measurement, not four per chunk
+        sums = torch.zeros(4, dtype=torch.float64, device=flat_p.device) if measure else None
         quantized = dst.name.startswith("int")
         for start in range(0, n, chunk):
             end = min(n, start + chunk)
@@ -227,8 +228,8 @@ class DynamicAdamW(torch.optim.Optimizer):
             if p32.data_ptr() != flat_p[start:end].data_ptr():
                 flat_p[start:end].copy_(p32)
             if measure:
-                sums[0] += float(m.double().square().sum())
-                sums[1] += float(v.double().square().sum())
+                sums[0] += m.double().square().sum()
+                sums[1] += v.double().square().sum()
                 reference = (m.clone(), v.clone()) if quantized else None
             dst.encode("exp_avg", m, dst_buf, start, generator)
             dst.encode("exp_avg_sq", v, dst_buf, start, generator)
@@ -238,6 +239,7 @@ class DynamicAdamW(torch.optim.Optimizer):
                 sums[3] += u
         if not measure:
             return None
+        sums = sums.tolist()  # the stability policy decides on the host
         error = math.sqrt(sums[2] / sums[3]) if quantized and sums[3] > 0 else (0.0 if quantized else None)
         # bias-corrected, so a stationary gradient reads as settled while v is still warming up
         bc1, bc2 = (1 - hyper.beta1 ** step, 1 - hyper.beta2 ** step) if hyper.bias_correction else (1.0, 1.0)
@@ -410,9 +412,10 @@ def _lcm(*values: int) -> int:
 
 
 def _update_error(reference: tuple[torch.Tensor, torch.Tensor], fmt: StateFormat, buffers: dict, start: int,
-                  end: int, eps: float) -> tuple[float, float]:
-    """Squared norms of (stored direction - true direction) and of the true direction."""
+                  end: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Squared norms of (stored direction - true direction) and of the true direction (float64
+    device scalars: no host sync)."""
     m, v = reference
     true = m / (v.sqrt_() + eps)
     stored = fmt.decode("exp_avg", buffers, start, end) / (fmt.decode("exp_avg_sq", buffers, start, end).sqrt_() + eps)
-    return float(stored.sub_(true).double().square().sum()), float(true.double().square().sum())
+    return stored.sub_(true).double().square().sum(), true.double().square().sum()

@@ -1,0 +1,108 @@
+"""Each preset at ZeRO-2 and ZeRO-3 against plain DeepSpeed at the same stage (the results table's
+ds_config: bf16, clipping 1.0, hand-tuned 1e6-element buckets, micro-batch 8), every side in fresh
+processes: the worst rank's peak, the median step time and the final loss, with what each preset
+left out at that stage (grad_release cannot run at ZeRO-3, so the presets there run without it).
+
+    .venv/bin/python benchmarks/presets_zero.py --model gpt-small --steps 10 --world-size 2 \\
+        --data ../shared/data/tinyshakespeare.txt --json benchmarks/results/presets_zero.json
+
+``--render JSON`` prints the Markdown table of a saved run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results_table import BASE, TUNED, deep_merge, short_error  # noqa: E402
+
+PRESETS = ("conservative", "balanced", "aggressive")
+STAGES = (2, 3)
+
+
+def stage_config(stage: int) -> dict:
+    config = deep_merge(BASE, TUNED)
+    config["zero_optimization"] = {**config["zero_optimization"], "stage": stage}
+    if stage == 3:  # ZeRO-3's own buckets at the same size
+        config["zero_optimization"].update(stage3_prefetch_bucket_size=1e6, stage3_param_persistence_threshold=0)
+    return config
+
+
+def left_out(summary: str) -> list[str]:
+    return [line.strip().split(":")[0] for line in summary.splitlines() if ": left out of preset " in line]
+
+
+def run(args: argparse.Namespace) -> dict:
+    from xirang_ds.bench import run_side
+
+    data = {"command": " ".join(["python", "benchmarks/presets_zero.py"] + sys.argv[1:]), "model": args.model,
+            "steps": args.steps, "world_size": args.world_size, "rows": []}
+    for stage in STAGES:
+        base = stage_config(stage)
+        print(f"ZeRO-{stage}: plain DeepSpeed ...", file=sys.stderr, flush=True)
+        plain = run_side(args.model, base, args.steps, args.world_size, args.data, 0, False)
+        data["rows"].append({"stage": stage, "config": "plain", "peak_bytes": plain.peak_bytes,
+                             "step_time_s": plain.step_time_median_s, "final_loss": plain.final_loss,
+                             "peak_phase": plain.peak_phase})
+        for preset in PRESETS:
+            print(f"ZeRO-{stage}: preset {preset} ...", file=sys.stderr, flush=True)
+            row = {"stage": stage, "config": preset}
+            try:
+                ours = run_side(args.model, {**base, "xirang": {"preset": preset}}, args.steps, args.world_size,
+                                args.data, 0, True)
+            except Exception as e:  # recorded in the table, the next row still runs
+                row["error"] = short_error(e)
+            else:
+                row.update(peak_bytes=ours.peak_bytes, step_time_s=ours.step_time_median_s,
+                           final_loss=ours.final_loss, peak_phase=ours.peak_phase,
+                           peak_ratio=ours.peak_bytes / plain.peak_bytes,
+                           step_time_ratio=ours.step_time_median_s / plain.step_time_median_s,
+                           loss_delta=ours.final_loss - plain.final_loss, left_out=left_out(ours.summary))
+            data["rows"].append(row)
+    return data
+
+
+def render(data: dict) -> str:
+    mib = 2 ** 20
+    lines = [f"`{data['model']}`, {data['world_size']} rank(s) over gloo on CPU, bf16, clipping 1.0, 1e6-element "
+             f"buckets, micro-batch 8, {data['steps']} steps, no memory_budget; made by `{data['command']}`.", "",
+             "| ZeRO | configuration | peak (worst rank) | peak ratio | step time ratio | final loss (Δ) | left out |",
+             "|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['stage']} | {r['config']} | error: {r['error']} | | | | |")
+        elif r["config"] == "plain":
+            lines.append(f"| {r['stage']} | plain DeepSpeed | {r['peak_bytes'] / mib:.2f} MiB | 1.00 | 1.00 | "
+                         f"{r['final_loss']:.4f} | |")
+        else:
+            lines.append(f"| {r['stage']} | preset {r['config']} | {r['peak_bytes'] / mib:.2f} MiB | "
+                         f"{r['peak_ratio']:.2f} | {r['step_time_ratio']:.2f} | {r['final_loss']:.4f} "
+                         f"({r['loss_delta']:+.4f}) | {', '.join(r['left_out']) or '-'} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="gpt-small")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--world-size", type=int, default=2, choices=(1, 2))
+    p.add_argument("--data", default=None)
+    p.add_argument("--json", default=None)
+    p.add_argument("--render", default=None, metavar="JSON")
+    args = p.parse_args()
+    if args.render:
+        with open(args.render, encoding="utf-8") as f:
+            data = json.load(f)
+    else:
+        data = run(args)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(data, f, indent=2)
+    print(render(data))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

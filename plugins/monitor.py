@@ -3,17 +3,22 @@
 Every ``every_steps`` optimizer steps each rank measures its peak device bytes since the last check
 (CUDA: the caching allocator's ``max_memory_allocated`` through a window of its one owner,
 `xirang_ds.memory.device_peak`, so the bench's own reading is not reset; CPU: the live-storage
-tracker) and all
-ranks take the maximum fraction of the budget through one ``all_reduce``. Every rank therefore sees
+tracker) and all ranks take the maximum fraction of the budget through one ``all_reduce``. Every rank therefore sees
 the same figure and takes the same decision, so no rank acts alone and none waits in a collective
 the others skip (the ``checkpoint`` action is itself collective).
 
-Actions at ``act_at``, in the order listed:
+Actions at ``act_at``, in the order listed, by *episode*: an episode starts at the first check at
+``act_at`` and ends at the first check below ``warn_at`` (hysteresis between the two thresholds).
 
-* ``empty_cache``: ``gc.collect()`` and the accelerator's ``empty_cache()``.
-* ``checkpoint``: ``engine.save_checkpoint(checkpoint_dir, tag="xirang-step<N>")`` (loadable).
+* ``empty_cache``: ``gc.collect()`` and the accelerator's ``empty_cache()``; once per episode.
+* ``checkpoint``: ``engine.save_checkpoint(checkpoint_dir, tag="xirang-step<N>")`` (loadable); once
+  per episode, when the threshold is first crossed.
 * ``halve_micro_batch``: run each micro-batch as twice as many pieces inside ``engine.forward``
-  (`xirang_ds.microbatch`), so the global batch and the gradient stay the same.
+  (`xirang_ds.microbatch`), so the global batch and the gradient stay the same; again at each check
+  of the episode still at ``act_at``. With ``restore_after_steps`` N, N checks in a row below
+  ``warn_at`` double the pieces back one level, until the micro-batch is whole.
+* ``raise_recompute`` / ``raise_compression``: the activation plan moves one more module off the
+  device at each check at ``act_at``.
 
 Each warning and action is logged once on rank 0 when it happens and sent to DeepSpeed's monitor
 (tensorboard / csv / wandb) as an event; per-step memory figures go there too.
@@ -35,6 +40,9 @@ from xirang_ds.registry import Plugin, register_plugin
 logger = logging.getLogger("xirang_ds")
 
 EVENT_PREFIX = "xirang/monitor"
+ONCE_PER_EPISODE = ("empty_cache", "checkpoint")
+"""Actions that run when an episode starts only: repeating them while memory stays high writes a
+checkpoint every step, and freeing caches cannot lower a peak the allocator already measured."""
 
 
 def resolve_budget(requested: Any, device_total: int, model_state_bytes: int) -> int:
@@ -90,6 +98,10 @@ class MonitorPlugin(Plugin):
         """The tracker's report of the last checked window (CPU only)."""
         self.window = None
         self._last_step = None
+        self.episode: int = 0
+        """Episodes so far (a run of checks from the first at ``act_at`` until one below ``warn_at``)."""
+        self._in_episode = False
+        self._quiet_checks = 0
 
     # ----------------------------------------------------------------------------------------
     def attach(self, engine: Any) -> None:
@@ -158,17 +170,46 @@ class MonitorPlugin(Plugin):
             self._log(f"step {step}: memory at {fraction:.1%} of the budget {format_bytes(self.budget)} "
                       f"(warn_at {self.config.warn_at:.0%})", logging.WARNING)
             events.append((f"{EVENT_PREFIX}/warning", fraction, step))
+        starts = level == "act" and not self._in_episode
+        if starts:
+            self._in_episode = True
+            self.episode += 1
+        elif self._in_episode and level == "ok":  # below warn_at: the episode is over
+            self._in_episode = False
+            self._log(f"step {step}: memory back below warn_at ({fraction:.1%}); episode {self.episode} ended")
         if level == "act":
             for action in self.config.actions:
+                if action in ONCE_PER_EPISODE and not starts:
+                    continue
                 done = self._run(action, step)
-                self.actions_taken.append({"step": step, "action": action, "fraction": fraction, "done": done})
+                self.actions_taken.append({"step": step, "action": action, "fraction": fraction, "done": done,
+                                           "episode": self.episode})
                 self.session.record_event("monitor_action", step=step, action=action, done=done)
                 events.append((f"{EVENT_PREFIX}/action/{action}", 1.0 if done else 0.0, step))
+        self._quiet_checks = self._quiet_checks + 1 if level == "ok" else 0
+        if self._restore_due():
+            events.append(self._restore(step))
         self.level = level
         self._emit(events)
         return level
 
     # actions ----------------------------------------------------------------------------------
+    def _restore_due(self) -> bool:
+        after = self.config.restore_after_steps
+        return bool(after and self.splitter is not None and self.splitter.pieces > 1 and self._quiet_checks >= after)
+
+    def _restore(self, step: int) -> tuple:
+        """Double the micro-batch's pieces back one level (every rank: the inputs were agreed)."""
+        self.splitter.pieces //= 2
+        self._quiet_checks = 0
+        micro = self.engine.train_micro_batch_size_per_gpu()
+        self._log(f"step {step}: {self.config.restore_after_steps} quiet check(s); micro-batch {micro} now runs as "
+                  f"{self.splitter.pieces} piece(s) of {micro // self.splitter.pieces}")
+        self.actions_taken.append({"step": step, "action": "restore_micro_batch", "fraction": None, "done": True,
+                                   "episode": self.episode})
+        self.session.record_event("monitor_action", step=step, action="restore_micro_batch", done=True)
+        return (f"{EVENT_PREFIX}/action/restore_micro_batch", 1.0, step)
+
     def _run(self, action: str, step: int) -> bool:
         if action == "empty_cache":
             gc.collect()
@@ -214,12 +255,16 @@ class MonitorPlugin(Plugin):
 
     # ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"pieces": self.splitter.pieces if self.splitter else 1, "level": self.level}
+        return {"pieces": self.splitter.pieces if self.splitter else 1, "level": self.level,
+                "episode": self.episode, "in_episode": self._in_episode, "quiet_checks": self._quiet_checks}
 
     def load_state_dict(self, state: dict) -> None:
         if self.splitter is not None:
             self.splitter.pieces = int(state.get("pieces", 1))
         self.level = state.get("level", "ok")
+        self.episode = int(state.get("episode", 0))
+        self._in_episode = bool(state.get("in_episode", False))
+        self._quiet_checks = int(state.get("quiet_checks", 0))
 
 
 __all__ = ["MonitorPlugin", "resolve_budget"]

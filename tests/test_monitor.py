@@ -8,7 +8,8 @@ from tests.engine_runs import data_iter, ds_config
 from xirang_ds.launch import run_ranks
 
 
-def _run(rank, world, tmp, actions, stage, steps, hog_rank, dtype="bf16", split_from_start=False, activations=False):
+def _run(rank, world, tmp, actions, stage, steps, hog_rank, dtype="bf16", split_from_start=False, activations=False,
+         hog_steps=None, restore_after=0):
     import torch
 
     import xirang_ds
@@ -16,13 +17,16 @@ def _run(rank, world, tmp, actions, stage, steps, hog_rank, dtype="bf16", split_
 
     spec = BUILTIN_SPECS["gpt-tiny"]
     model = build_model(spec)
-    if rank == hog_rank:  # this rank alone needs 400 MB more in every forward
+    now = {"step": 0}
+    if rank == hog_rank:  # this rank alone needs 400 MB more in every forward (of the steps in hog_steps)
         def hog(module, args, output):
-            torch.empty(100_000_000).fill_(0)
+            if hog_steps is None or now["step"] in hog_steps:
+                torch.empty(100_000_000).fill_(0)
 
         model.blocks[0].register_forward_hook(hog)
     block = {"memory_budget": "300MB", "monitor": {"enabled": True, "warn_at": 0.5, "act_at": 0.9,
-                                                   "actions": actions, "checkpoint_dir": os.path.join(tmp, "ckpt")}}
+                                                   "actions": actions, "checkpoint_dir": os.path.join(tmp, "ckpt"),
+                                                   "restore_after_steps": restore_after}}
     if activations:
         block["activations"] = {"enabled": True, "budget": "200MB"}  # the hog is not an activation
     config = ds_config(stage=stage, dtype=dtype, micro=4, xirang=block,
@@ -33,7 +37,8 @@ def _run(rank, world, tmp, actions, stage, steps, hog_rank, dtype="bf16", split_
         monitor.splitter.pieces = 2
     data = data_iter(4, spec.seq, rank, world)
     losses = []
-    for _ in range(steps):
+    for i in range(steps):
+        now["step"] = i + 1
         x, y = next(data)
         loss = engine(x, y)
         engine.backward(loss)
@@ -41,19 +46,26 @@ def _run(rank, world, tmp, actions, stage, steps, hog_rank, dtype="bf16", split_
         losses.append(loss.item())
     plan = dict(engine.xirang.plugin("activations").plan) if activations else {}
     return {"history": monitor.history, "actions": monitor.actions_taken,
-            "pieces": monitor.splitter.pieces if monitor.splitter else 1, "losses": losses, "plan": plan}
+            "pieces": monitor.splitter.pieces if monitor.splitter else 1, "losses": losses, "plan": plan,
+            "episodes": monitor.episode}
 
 
 @pytest.mark.distributed
-def test_one_rank_over_threshold_both_act(tmp_path):
-    results = run_ranks(_run, 2, str(tmp_path), ["empty_cache", "checkpoint"], 2, 2, 1)
+def test_one_rank_over_threshold_both_act_once_per_episode(tmp_path):
+    """Rank 1 is over act_at in steps 1, 2 and 4: every rank acts; the checkpoint is written when the
+    threshold is first crossed (step 1), not again while memory stays high (step 2), and again when a
+    new episode starts after a check below warn_at (step 3)."""
+    results = run_ranks(_run, 2, str(tmp_path), ["empty_cache", "checkpoint"], 2, 4, 1, "bf16", False, False,
+                        (1, 2, 4))
     r0, r1 = results
     assert r1["history"][0]["fraction"] > 0.9 > r0["history"][0]["fraction"]  # only rank 1 is over
     for r in results:
-        assert [h["level"] for h in r["history"]] == ["act", "act"]
-        assert [(a["step"], a["action"]) for a in r["actions"]] == [
-            (1, "empty_cache"), (1, "checkpoint"), (2, "empty_cache"), (2, "checkpoint")]
-    assert {"latest", "xirang-step1", "xirang-step2"} <= set(os.listdir(tmp_path / "ckpt"))
+        assert [h["level"] for h in r["history"]] == ["act", "act", "ok", "act"]
+        assert [(a["step"], a["action"], a["episode"]) for a in r["actions"]] == [
+            (1, "empty_cache", 1), (1, "checkpoint", 1), (4, "empty_cache", 2), (4, "checkpoint", 2)]
+        assert r["episodes"] == 2
+    saved = set(os.listdir(tmp_path / "ckpt"))
+    assert {"latest", "xirang-step1", "xirang-step4"} <= saved and "xirang-step2" not in saved
     # the events reached DeepSpeed's csv monitor (rank 0 writes)
     csv_files = [f for _, _, fs in os.walk(tmp_path / "csv") for f in fs]
     assert any("budget_fraction" in f for f in csv_files) and any("checkpoint" in f for f in csv_files)
@@ -66,8 +78,8 @@ def _load(rank, world, tmp):
     model = build_model(BUILTIN_SPECS["gpt-tiny"], seed=1)
     config = ds_config(stage=2, xirang={"monitor": {"enabled": True}})
     engine, *_ = xirang_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
-    path, _ = engine.load_checkpoint(os.path.join(tmp, "ckpt"), tag="xirang-step2")
-    return path is not None and engine.global_steps == 2
+    path, _ = engine.load_checkpoint(os.path.join(tmp, "ckpt"), tag="xirang-step1")  # the episode's one
+    return path is not None and engine.global_steps == 1
 
 
 @pytest.mark.distributed
@@ -87,11 +99,15 @@ def test_halve_micro_batch_keeps_the_gradient():
 
 
 @pytest.mark.distributed
-def test_halve_micro_batch_action_fires_on_all_ranks():
-    results = run_ranks(_run, 2, "/tmp", ["halve_micro_batch"], 2, 2, 0)
-    assert [r["pieces"] for r in results] == [4, 4]  # halved at step 1 and again at step 2
+def test_halve_micro_batch_action_fires_on_all_ranks_and_restores_after_quiet_steps():
+    """Over act_at in steps 1 and 2: halved at each (4 pieces); quiet in steps 3-6 with
+    restore_after_steps 2: back one level after step 4 and whole again after step 6."""
+    results = run_ranks(_run, 2, "/tmp", ["halve_micro_batch"], 2, 6, 0, "bf16", False, False, (1, 2), 2)
     for r in results:
-        assert [a["done"] for a in r["actions"]] == [True, True]
+        assert [(a["step"], a["action"]) for a in r["actions"]] == [
+            (1, "halve_micro_batch"), (2, "halve_micro_batch"), (4, "restore_micro_batch"),
+            (6, "restore_micro_batch")]
+        assert r["pieces"] == 1 and all(a["done"] for a in r["actions"])
 
 
 @pytest.mark.distributed

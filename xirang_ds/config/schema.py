@@ -406,7 +406,13 @@ class MonitorConfig(Section):
     act_at: Fraction = 0.95
     """Fraction of the memory budget at which the ``actions`` run."""
     actions: tuple[MonitorAction, ...] = ("empty_cache",)
-    """What to do at ``act_at``, in order; all ranks agree through one collective."""
+    """What to do at ``act_at``, in order; all ranks agree through one collective. An *episode* starts
+    when a check first reaches ``act_at`` and ends at the first check below ``warn_at`` (hysteresis):
+    ``empty_cache`` and ``checkpoint`` run once per episode, ``halve_micro_batch``,
+    ``raise_recompute`` and ``raise_compression`` at every check of it that is still at ``act_at``."""
+    restore_after_steps: NonNegativeInt = 0
+    """``halve_micro_batch``: after this many consecutive checks below ``warn_at`` the micro-batch
+    doubles back one level (until it is whole again); 0 = keep it halved."""
     checkpoint_dir: Optional[str] = None
     """Where the ``checkpoint`` action saves; required when that action is listed."""
     every_steps: PositiveInt = 1

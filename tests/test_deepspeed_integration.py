@@ -140,4 +140,6 @@ def test_checkpoint_round_trip_carries_plugin_state(tmp_path):
     for f, r in zip(full, resumed):
         assert r["losses"] == f["losses"][2:]
         assert r["global_steps"] == 4
-        assert r["session_state"]["monitor"] == {"pieces": 1, "level": "ok"}
+        assert r["session_state"]["monitor"] == f["session_state"]["monitor"]  # episode state resumed too
+        assert r["session_state"]["monitor"] == {"pieces": 1, "level": "ok", "episode": 0, "in_episode": False,
+                                                 "quiet_checks": 4}

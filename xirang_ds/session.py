@@ -37,6 +37,19 @@ WatchFactory = Callable[..., "TrainingWatch"]
 CHECKPOINT_KEY = "xirang"
 """Key of the plugins' state inside DeepSpeed's ``client_state``."""
 
+MARKER = "xirang_block.json"
+"""Written by rank 0 into each checkpoint's tag folder: the xirang_ds version and the sections that
+ran, so a resume can tell a plain DeepSpeed checkpoint (no marker) from one whose optimizer states
+another block owns."""
+
+OPTIMIZER_STATE_OWNERS = {
+    "grad_release": "its fp32 masters and optimizer states are in the checkpoint's xirang_grad_release/ folder, "
+                    "not in DeepSpeed's ZeRO files",
+    "optimizer_states": "its optimizer states are DynamicAdamW's (int8/int4 codes, its own param groups), "
+                        "not torch AdamW's",
+}
+"""Sections whose optimizer state DeepSpeed's own loader cannot exchange with a run without them."""
+
 
 class Session:
     """The plugins of one run and what they share.
@@ -225,13 +238,72 @@ class Session:
     def _save_checkpoint(self, original, save_dir, tag=None, client_state=None, *args, **kwargs):
         client_state = dict(client_state or {})
         client_state[CHECKPOINT_KEY] = self.state_dict()
+        if self.engine.global_rank == 0:
+            import json
+
+            from xirang_ds import __version__
+
+            tag_dir = os.path.join(save_dir, str(tag) if tag is not None else f"global_step{self.engine.global_steps}")
+            os.makedirs(tag_dir, exist_ok=True)
+            with open(os.path.join(tag_dir, MARKER), "w", encoding="utf-8") as f:
+                json.dump({"xirang_ds": __version__, "preset": self.config.preset,
+                           "sections": [p.section for p in self.plugins]}, f, indent=2)
         return original(save_dir, tag, client_state, *args, **kwargs)
 
     def _load_checkpoint(self, original, *args, **kwargs):
+        self._check_resume(*args, **kwargs)
         load_path, client_state = original(*args, **kwargs)
         if client_state and CHECKPOINT_KEY in client_state:
             self.load_state_dict(client_state.pop(CHECKPOINT_KEY))
         return load_path, client_state
+
+    def _check_resume(self, *args: Any, **kwargs: Any) -> None:
+        """Refuse, before DeepSpeed reads anything, a load of optimizer states that another block owns.
+
+        Raises:
+            XirangConfigError: with the section, what the checkpoint holds and the fix.
+        """
+        import inspect
+        import json
+
+        bound = inspect.signature(type(self.engine).load_checkpoint).bind(self.engine, *args, **kwargs)
+        bound.apply_defaults()
+        options = bound.arguments
+        if not options["load_optimizer_states"] or options["load_module_only"]:
+            return
+        load_dir, tag = options["load_dir"], options["tag"]
+        if tag is None:
+            latest = os.path.join(load_dir, "latest")
+            if not os.path.isfile(latest):
+                return  # DeepSpeed's own message for a folder without a checkpoint
+            with open(latest, encoding="utf-8") as f:
+                tag = f.read().strip()
+        tag_dir = os.path.join(load_dir, str(tag))
+        if not os.path.isdir(tag_dir):
+            return
+        marker = os.path.join(tag_dir, MARKER)
+        saved: set[str] = set()
+        if os.path.isfile(marker):
+            with open(marker, encoding="utf-8") as f:
+                saved = set(json.load(f).get("sections", []))
+        elif os.path.isdir(os.path.join(tag_dir, "xirang_grad_release")):
+            saved = {"grad_release"}  # written before the marker existed
+        current = {p.section for p in self.plugins}
+        problems = []
+        for section, holds in OPTIMIZER_STATE_OWNERS.items():
+            if (section in saved) == (section in current):
+                continue
+            written = ("with xirang." + section) if section in saved else (
+                "without xirang." + section + (" (by plain DeepSpeed)" if not os.path.isfile(marker) else ""))
+            why = holds if section in saved else (f"this run's {section} cannot take over DeepSpeed's optimizer "
+                                                  "state yet")
+            problems.append((f"xirang.{section}", f"{tag_dir} was written {written}, and this run "
+                             f"{'has it off' if section in saved else 'has it on'}: {why}. Fix: "
+                             "engine.load_checkpoint(..., load_optimizer_states=False) loads the weights, the LR "
+                             "schedule and the step counters and restarts the optimizer's moments from the "
+                             f"loaded weights; or resume with xirang.{section} as it was written"))
+        if problems:
+            raise XirangConfigError(problems, title="cannot resume from this checkpoint")
 
     def figures(self) -> dict[str, dict]:
         """Each plugin's `Plugin.figures`, by section (plugins with nothing to report left out)."""

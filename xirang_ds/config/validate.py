@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal, Optional, Union, get_args, get_origin
 
 from xirang_ds.config.types import AUTO, ByteSize, parse_byte_size
 
@@ -33,10 +33,12 @@ class XirangConfigError(ValueError):
           xirang.monitor.warn_at: must be between 0 and 1; got 1.5
     """
 
-    def __init__(self, problems: Problems):
+    def __init__(self, problems: Problems, title: Optional[str] = None):
         self.problems = list(problems)
         count = len(self.problems)
-        if all(not path for path, _ in self.problems):
+        if title is not None:
+            lines = [f"{title} ({count} problem{'s' if count != 1 else ''}):"]
+        elif all(not path for path, _ in self.problems):
             lines = ["cannot use this ds_config:"]
         else:
             lines = [f'invalid "xirang" block ({count} problem{"s" if count != 1 else ""}):']

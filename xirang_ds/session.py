@@ -238,17 +238,25 @@ class Session:
     def _save_checkpoint(self, original, save_dir, tag=None, client_state=None, *args, **kwargs):
         client_state = dict(client_state or {})
         client_state[CHECKPOINT_KEY] = self.state_dict()
-        if self.engine.global_rank == 0:
-            import json
-
-            from xirang_ds import __version__
-
-            tag_dir = os.path.join(save_dir, str(tag) if tag is not None else f"global_step{self.engine.global_steps}")
-            os.makedirs(tag_dir, exist_ok=True)
-            with open(os.path.join(tag_dir, MARKER), "w", encoding="utf-8") as f:
-                json.dump({"xirang_ds": __version__, "preset": self.config.preset,
-                           "sections": [p.section for p in self.plugins]}, f, indent=2)
+        if int(getattr(self.engine, "local_rank", self.engine.global_rank)) == 0:
+            self._write_marker(os.path.join(save_dir, str(tag) if tag is not None
+                                            else f"global_step{self.engine.global_steps}"))
         return original(save_dir, tag, client_state, *args, **kwargs)
+
+    def _write_marker(self, tag_dir: str) -> None:
+        """`MARKER` in ``tag_dir``, by the first rank of every node (each node reads its own copy when
+        checkpoints are node-local), written to a temporary name and renamed (atomic where shared)."""
+        import json
+
+        from xirang_ds import __version__
+
+        os.makedirs(tag_dir, exist_ok=True)
+        path = os.path.join(tag_dir, MARKER)
+        temporary = f"{path}.{os.getpid()}"
+        with open(temporary, "w", encoding="utf-8") as f:
+            json.dump({"xirang_ds": __version__, "preset": self.config.preset,
+                       "sections": [p.section for p in self.plugins]}, f, indent=2)
+        os.replace(temporary, path)
 
     def _load_checkpoint(self, original, *args, **kwargs):
         self._check_resume(*args, **kwargs)

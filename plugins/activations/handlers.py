@@ -63,6 +63,8 @@ class CodecHandler:
         """Decode (counted as activations) and hand lent bytes back."""
         with torch.no_grad():
             expected = payload.meta.get("checksum")
+            if expected is not None:
+                payload.lease.host_ready()
             if expected is not None and checksum(payload.lease.buffer[:payload.nbytes]) != expected:
                 raise RuntimeError(f"xirang activations: a {payload.kind} payload of {payload.nbytes} bytes in lent "
                                    "memory changed between store and decode (overwritten by its lender)")

@@ -21,7 +21,7 @@ pins, reused by size across steps, and created inside the tracker's host tier.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Optional, Protocol
+from typing import Any, Callable, ContextManager, Optional, Protocol
 
 import torch
 
@@ -40,7 +40,7 @@ class Lease:
         evicted: True once the bytes were moved to host memory.
     """
 
-    __slots__ = ("buffer", "_on_release", "_on_done", "_host_tier", "evicted", "lent", "__weakref__")
+    __slots__ = ("buffer", "_on_release", "_on_done", "_host_tier", "evicted", "lent", "_copied", "__weakref__")
 
     def __init__(self, buffer: torch.Tensor, on_release: Optional[Callable[[], None]] = None,
                  host_tier: Optional[Callable[[], ContextManager]] = None,
@@ -53,11 +53,18 @@ class Lease:
         self._host_tier = host_tier or contextlib.nullcontext
         self.evicted = False
         self.lent = on_release is not None
+        self._copied: Any = None  # accelerators: the event of an eviction's copy to the host
 
     @property
     def readable(self) -> bool:
         """False once lent bytes went back to the lender without being evicted first."""
         return self.evicted or not self.lent or self._on_release is not None
+
+    def host_ready(self) -> None:
+        """Wait until an eviction's copy has landed, before the host reads the bytes itself."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
 
     def release(self) -> None:
         """The payload is done with the bytes: give them back to the lender (idempotent)."""
@@ -68,12 +75,25 @@ class Lease:
                 callback()
 
     def evict(self) -> None:
-        """Move the bytes to host memory and give the lent memory back now (called by the lender)."""
+        """Move the bytes to host memory and give the lent memory back now (called by the lender).
+
+        On an accelerator the copy goes into pinned memory, queued on the current stream (no host
+        sync): whatever reuses the lent bytes on that stream runs after it, a decode copies back on it,
+        and a host-side read waits for it (`host_ready`)."""
         if self._on_release is None or self.evicted:
             return
+        on_device = self.buffer.device.type != "cpu"
         with self._host_tier():
             host = torch.empty(self.buffer.numel(), dtype=torch.uint8, device="cpu")
-        host.copy_(self.buffer)
+            if on_device:
+                from deepspeed.accelerator import get_accelerator
+
+                accelerator = get_accelerator()
+                host = accelerator.pin_memory(host)
+        host.copy_(self.buffer, non_blocking=on_device)
+        if on_device:
+            self._copied = accelerator.Event()
+            self._copied.record()
         self.buffer = host
         self.evicted = True
         callback, self._on_release = self._on_release, None

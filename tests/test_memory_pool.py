@@ -408,3 +408,25 @@ def test_a_block_freed_on_a_side_stream_is_reused_after_that_streams_work():
     torch.cuda.synchronize()
     assert torch.all(reused == 2)
 
+
+@pytest.mark.gpu
+def test_a_block_recorded_on_a_side_stream_waits_for_it():
+    """Handed out on the default stream, written late on a side stream (declared with record_stream),
+    freed, handed out again on the default stream: the new owner's write lands after the side's."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    pool = MemoryPool(device, size=1 << 20)
+    side = torch.cuda.Stream(device)
+    block = pool.allocate(1 << 20)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)
+        block.fill_(1)
+    pool.record_stream(block, side)
+    del block
+    gc.collect()
+    reused = pool.allocate(1 << 20)
+    assert pool.owns(reused)
+    reused.fill_(2)
+    torch.cuda.synchronize()
+    assert torch.all(reused == 2)
+

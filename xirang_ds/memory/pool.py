@@ -21,9 +21,8 @@ A block is the tensor `allocate` returns, with a storage of its own over the res
 ``detach()`` or alias of it are gone (a ``weakref.finalize`` on the storage; frees are queued and
 applied at the next call, so a collection inside an allocation never edits the free list under it).
 The finalizer holds the reservation, so a block outlives `close` safely. On CUDA each free records
-an event on the current stream, and a range freed on one stream is handed to another only after
-that stream waits for the event; a block used on a side stream stays with its own stream's order
-as the caching allocator's blocks do (``record_stream`` semantics are not tracked).
+an event on the block's stream (and on every stream `record_stream` named for it), and a request
+on another stream waits for those events before it gets any block.
 
 When no free range fits, the request gets a plain allocation and is counted as a fallback: the
 pool never fails a request. Fallbacks come from the ordinary caching allocator, where the rest of
@@ -129,6 +128,7 @@ class MemoryPool:
         self._generation = 0
         self._pending: deque = deque()  # frees queued by finalizers
         self._free_events: dict[Any, Any] = {}  # CUDA: stream -> event recorded at its latest free
+        self._block_streams: dict[int, set] = {}  # CUDA: block storage -> other streams that used it
         self._lock = threading.RLock()
         self.in_use_bytes = 0
         self.persistent_bytes = 0
@@ -260,14 +260,22 @@ class MemoryPool:
         weakref.finalize(block.untyped_storage(), self._on_block_freed, key, self._generation, offset, stream, buffer)
         return block
 
+    def record_stream(self, block: torch.Tensor, stream: Any) -> None:
+        """``block`` (from `allocate`) is also used on ``stream``: its free then records an event there
+        too, and later requests on other streams wait for it (as ``Tensor.record_stream`` does for
+        the caching allocator's blocks)."""
+        if stream is not None and self.device.type == "cuda":
+            self._block_streams.setdefault(block.untyped_storage()._cdata, set()).add(stream)
+
     def _on_block_freed(self, key: int, generation: int, offset: int, stream: Any, buffer: torch.Tensor) -> None:
         from xirang_ds.memory.tracker import SUBALLOCATIONS
 
         SUBALLOCATIONS.pop(key, None)
-        if stream is not None:  # work queued on the block's stream may still read it: later users wait
+        streams = self._block_streams.pop(key, set()) | ({stream} if stream is not None else set())
+        for used in streams:  # work queued there may still read the block: later users wait for it
             event = torch.cuda.Event()
-            event.record(stream)
-            self._free_events[stream] = event
+            event.record(used)
+            self._free_events[used] = event
         self._pending.append((generation, offset))
 
     def _order_after_other_streams(self) -> Any:

@@ -104,12 +104,23 @@ class TrainingWatch:
             # mark them when backward returns, while they are alive.
             self._handles.append(wrap_method(engine, "backward", self._after_backward))
             self._handles.append(wrap_method(engine, "step", self._after_step))
+            if _zero_stage(engine) == 3:
+                # ZeRO-3 gathers each module's parameters in its forward pre-hook; this hook runs after
+                # DeepSpeed's (registered later), while they are gathered: they are parameters, not
+                # activations, even where autograd keeps them until backward
+                for module in model.modules():
+                    if any(True for _ in module.parameters(recurse=False)):
+                        self._handles.append(module.register_forward_pre_hook(self._gathered))
 
     # hooks --------------------------------------------------------------------------------
     def _forward_pre(self, module, args) -> None:
         if self.tracker.phase != "forward":
             self.tracker.set_phase("forward")
             self._comm_scanned = False
+
+    def _gathered(self, module, args) -> None:
+        if self.tracker.active:
+            self.tracker.mark([p.data for p in module.parameters(recurse=False) if p.data.numel()], PARAMETERS)
 
     def _forward_post(self, module, args, output) -> None:
         self.tracker.set_phase("backward")
@@ -170,6 +181,14 @@ class TrainingWatch:
     def remove(self) -> None:
         while self._handles:
             self._handles.pop().remove()
+
+
+def _zero_stage(engine: Any) -> int:
+    stage = getattr(engine, "zero_optimization_stage", None)
+    try:
+        return int(stage()) if callable(stage) else 0
+    except Exception:  # not a DeepSpeed engine (Megatron's run, a stand-in)
+        return 0
 
 
 def watch_engine(tracker: MemoryTracker, engine: Any,

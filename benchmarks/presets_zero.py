@@ -11,12 +11,11 @@ left out at that stage (grad_release cannot run at ZeRO-3, so the presets there 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from results_table import BASE, TUNED, deep_merge, short_error  # noqa: E402
+from results_table import BASE, TUNED, deep_merge, load_or_run, short_error  # noqa: E402
 
 PRESETS = ("conservative", "balanced", "aggressive")
 STAGES = (2, 3)
@@ -91,16 +90,7 @@ def main() -> int:
     p.add_argument("--data", default=None)
     p.add_argument("--json", default=None)
     p.add_argument("--render", default=None, metavar="JSON")
-    args = p.parse_args()
-    if args.render:
-        with open(args.render, encoding="utf-8") as f:
-            data = json.load(f)
-    else:
-        data = run(args)
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(data, f, indent=2)
-    print(render(data))
+    print(render(load_or_run(p.parse_args(), run)))
     return 0
 
 

@@ -59,6 +59,19 @@ def short_error(e: Exception) -> str:
     return (text[text.rfind(" ", 0, cut) + 1:] if cut > 0 else text)[:300]
 
 
+def load_or_run(args: argparse.Namespace, run_fn, indent: int = 2) -> dict:
+    """The data of ``--render JSON``, or a fresh ``run_fn(args)`` written to ``--json`` when given
+    (every benchmark script's main)."""
+    if args.render:
+        with open(args.render, encoding="utf-8") as f:
+            return json.load(f)
+    data = run_fn(args)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=indent)
+    return data
+
+
 def rows() -> list[dict]:
     """(name, group, ds_config, xirang?, peer) for every row, baselines first."""
     from xirang_ds.registry import built_sections
@@ -192,14 +205,7 @@ def main() -> int:
     p.add_argument("--render", default=None, metavar="JSON", help="render an earlier run instead of running")
     p.add_argument("--readme", action="store_true", help="replace the README's table")
     args = p.parse_args()
-    if args.render:
-        with open(args.render, encoding="utf-8") as f:
-            data = json.load(f)
-    else:
-        data = run(args)
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(data, f, indent=1)
+    data = load_or_run(args, run, indent=1)
     table = render(data)
     print(table)
     if args.readme:

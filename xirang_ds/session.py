@@ -51,6 +51,16 @@ OPTIMIZER_STATE_OWNERS = {
 """Sections whose optimizer state DeepSpeed's own loader cannot exchange with a run without them."""
 
 
+def load_checkpoint_options(engine: Any, *args: Any, **kwargs: Any) -> dict:
+    """The arguments of a call ``engine.load_checkpoint(*args, **kwargs)`` by name, DeepSpeed's
+    defaults filled in (``load_dir``, ``tag``, ``load_optimizer_states``, ``load_module_only``, ...)."""
+    import inspect
+
+    bound = inspect.signature(type(engine).load_checkpoint).bind(engine, *args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
 class Session:
     """The plugins of one run and what they share.
 
@@ -271,12 +281,9 @@ class Session:
         Raises:
             XirangConfigError: with the section, what the checkpoint holds and the fix.
         """
-        import inspect
         import json
 
-        bound = inspect.signature(type(self.engine).load_checkpoint).bind(self.engine, *args, **kwargs)
-        bound.apply_defaults()
-        options = bound.arguments
+        options = load_checkpoint_options(self.engine, *args, **kwargs)
         if not options["load_optimizer_states"] or options["load_module_only"]:
             return
         load_dir, tag = options["load_dir"], options["tag"]

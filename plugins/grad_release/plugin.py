@@ -17,7 +17,6 @@ meaning for everything around the update: it advances ``global_steps``, ``global
 """
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import os
@@ -528,14 +527,14 @@ class GradReleasePlugin(Plugin):
     def _load_checkpoint(self, original: Any, *args: Any, **kwargs: Any) -> Any:
         """DeepSpeed loads weights, hyperparameters and counters; then this rank's file, unless told not to."""
         from xirang_ds.plugins.grad_release.checkpoint import load_rank_state
+        from xirang_ds.session import load_checkpoint_options
 
-        bound = inspect.signature(type(self.engine).load_checkpoint).bind(self.engine, *args, **kwargs)
-        bound.apply_defaults()
+        options = load_checkpoint_options(self.engine, *args, **kwargs)
         self.pipeline.discard_all()
         load_path, client_state = original(*args, **kwargs)
         if load_path is None:
             return load_path, client_state
-        if not bound.arguments["load_optimizer_states"] or bound.arguments["load_module_only"]:
+        if not options["load_optimizer_states"] or options["load_module_only"]:
             for bucket in self.buckets:
                 bucket.build_masters()  # fresh optimizer states from the loaded weights
         else:

@@ -176,7 +176,9 @@ def _single(rank, world):
     for block, steps, stage in (({"activations": {"enabled": True, "offload": ["blocks.*.mlpp"]}}, 0, 0),
                                 ({"memory_budget": "1MB", "activations": {"enabled": True}}, 0, 0),
                                 ({"activations": {"enabled": True, "budget": "1KB", "profile_steps": 1}}, 2, 0),
-                                ({"activations": {"enabled": True, "selective_recompute": ["blocks.0"]}}, 0, 3)):
+                                ({"activations": {"enabled": True, "selective_recompute": ["blocks.0"]}}, 0, 3),
+                                ({"activations": {"enabled": True, "planner": False, "chunk": ["blocks.0"]}}, 0, 0),
+                                ({"activations": {"enabled": True, "chunk": ["lm_head"]}}, 0, 3)):
         net = build_model(BUILTIN_SPECS["gpt-tiny"])
         try:
             engine, *_ = xirang_ds.initialize(model=net, model_parameters=net.parameters(),
@@ -216,7 +218,9 @@ def test_single_rank_behaviours():
     assert out["acted_same"]
     assert out["removed"] == []
 
-    glob, budget, tiny, zero3 = out["errors"]
+    glob, budget, tiny, zero3, not_a_head, head_zero3 = out["errors"]
+    assert "xirang.activations.chunk: 'blocks.0' is a Block; chunk applies to an output head" in not_a_head
+    assert "'lm_head': the chunked head is not supported with ZeRO stage 3" in head_zero3
     assert "selective recompute is not supported with ZeRO stage 3" in zero3
     assert "xirang.activations.offload[0]: 'blocks.*.mlpp' matches no module" in glob
     assert "xirang.memory_budget: 976.56 KiB is below" in budget
@@ -252,3 +256,59 @@ def test_lossless_plans_compose_with_grad_release_and_optimizer_states():
             assert plan == {"blocks.0": "compress", "blocks.1": "recompute"}, name
             assert both == alone, name
             assert same, name
+
+
+HEAD_MODEL = "gpt:layers=2,hidden=64,heads=4,seq=64,vocab=2048"  # logits (fp32) of a micro-batch: 2 MiB
+
+
+def _chunked_head(rank, world, tmp):
+    config = lambda block: ds_config(stage=2, gas=2, xirang=block)  # noqa: E731
+    out = {"plain": _train(rank, world, ds_config(stage=2, gas=2), 3, HEAD_MODEL)}
+    # one slice of every token: the same kernels on the same rows, so bit-identical to plain DeepSpeed
+    out["one_slice"] = _train(rank, world, config({"activations": {
+        "enabled": True, "planner": False, "chunk": ["lm_head"], "chunk_tokens": 10**6}}), 3, HEAD_MODEL)
+    peaks = {}
+
+    def measure(engine, step, key):  # the planned steps only (profiling offloads everything)
+        if step == 0:
+            peaks[key] = engine.xirang.track_memory().open_window()
+        elif step == 2:
+            peaks[key] = peaks[key].category_peaks()["activations"]
+    out["kept"] = _train(rank, world, config({"activations": {"enabled": True, "planner": False, "keep": ["blocks.*"]}}),
+                         3, HEAD_MODEL, engine_hook=lambda e, s: measure(e, s, "kept"))
+    # the planner under a budget the blocks alone cannot meet: the head takes chunk
+    block = {"activations": {"enabled": True, "budget_fraction": 0.35, "profile_steps": 1}}
+
+    def save_at_2(engine, step):
+        measure(engine, step, "planned")
+        if step == 1:
+            engine.save_checkpoint(tmp)
+    out["planned"] = _train(rank, world, config(block), 4, HEAD_MODEL, engine_hook=save_at_2)
+    out["resumed"] = _train(rank, world, config(block), 2, HEAD_MODEL, load_dir=tmp, skip=4)
+    out["peaks"] = peaks
+    return out
+
+
+@pytest.mark.distributed
+def test_chunked_head_and_loss_on_engines_two_ranks_grad_accumulation(tmp_path):
+    """The output head is a planner candidate: a budget that the blocks cannot meet makes it chunk, the
+    tracker's activation peak falls by about the whole logits and stays within the plan, losses stay
+    within bf16 rounding of plain DeepSpeed (bit-identical with one slice), and a checkpoint resumes
+    with the same plan and identical losses."""
+    r0, r1 = run_ranks(_chunked_head, 2, str(tmp_path), threads=1)
+    for out in (r0, r1):
+        plain, planned = out["plain"], out["planned"]
+        assert _same(plain, out["one_slice"])
+        assert out["one_slice"]["plan"] == {"lm_head": "chunk"}
+        assert planned["plan"]["lm_head"] == "chunk"
+        head = planned["profiles"]["lm_head"]
+        assert head["chunk_calls"] == 1 and head["chunk_bytes"] < head["saved_bytes"] / 20  # its input, not its logits
+        for a, b in zip(plain["losses"], planned["losses"]):
+            assert abs(a - b) <= 1e-4 * abs(a), (plain["losses"], planned["losses"])
+        logits = 4 * 64 * 2048 * 4  # one micro-batch's fp32 logits, what cross_entropy saves whole
+        assert out["peaks"]["planned"] <= out["peaks"]["kept"] - logits // 2, out["peaks"]
+        assert out["peaks"]["planned"] <= 1.05 * planned["planned"], (out["peaks"], planned["planned"])
+        resumed = out["resumed"]
+        assert resumed["state_after_load"] == "planned" and resumed["plan"] == planned["plan"]
+    assert r0["planned"]["plan"] == r1["planned"]["plan"]
+    assert r0["resumed"]["losses"] == r0["planned"]["losses"][2:]

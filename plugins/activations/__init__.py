@@ -43,6 +43,7 @@ from xirang_ds.hooks import wrap_method
 from xirang_ds.integration.torch_compat import uncompiled
 from xirang_ds.memory.categories import ACTIVATIONS
 from xirang_ds.plugins.activations.planner import BudgetError, Choice, estimate_peak, format_plan, least_budget, plan
+from xirang_ds.plugins.activations.head_loss import CHUNK, is_head
 from xirang_ds.plugins.activations.planning import (
     OtherPeak,
     agree,
@@ -106,6 +107,8 @@ class ActivationsPlugin(Plugin):
         self.recompute_timings: list = []
         self._candidates: list[str] = []
         self._fixed: dict[str, str] = {}
+        self._heads: frozenset = frozenset()
+        """Output heads (`head_loss`): deferred while profiling and under chunk."""
         self._ds_settings: dict = {}
         self._tolerant: frozenset = frozenset()
         self._passes = 0
@@ -137,12 +140,36 @@ class ActivationsPlugin(Plugin):
                                  "true with Megatron's sequence parallelism (--sequence-parallel): the layers' inputs "
                                  "are already split over the tensor-parallel group, not identical on its ranks. Fix: "
                                  "set distribute_saved_inputs to false"))
-        self._candidates = find_candidates(model, self.config, problems, blocks) if self.config.planner else []
+        zero = self.session.ds_config.get("zero_optimization") or {}
+        zero3 = isinstance(zero, dict) and zero.get("stage") == 3
+        without_chunk = None
+        if megatron:
+            without_chunk = "under Megatron-core (its output layer and vocab-parallel cross-entropy are its own)"
+        elif zero3:
+            without_chunk = ("with ZeRO stage 3 (it releases the head's gathered weight when the head's forward "
+                             "returns, before the loss needs it)")
+        heads = CHUNK in self.config.options and without_chunk is None
+        self._candidates = (find_candidates(model, self.config, problems, blocks, heads=heads)
+                            if self.config.planner else [])
         # under Megatron the file's DeepSpeed keys (activation_checkpointing) do not apply
         self._fixed, self._ds_settings = fixed_plan(model, self.config, {} if megatron else self.session.ds_config,
                                                     problems)
         self.options = self.config.options
-        zero = self.session.ds_config.get("zero_optimization") or {}
+        modules = dict(model.named_modules())
+        for name, option in self._fixed.items():
+            if option != CHUNK:
+                continue
+            if not isinstance(modules[name], torch.nn.Linear):
+                problems.append((f"{PATH}.chunk", f"{name!r} is a {type(modules[name]).__name__}; chunk applies to an "
+                                                  "output head, an nn.Linear whose output feeds cross_entropy (such "
+                                                  "as lm_head); remove it from the list"))
+            elif without_chunk is not None:
+                problems.append((f"{PATH}.chunk", f"{name!r}: the chunked head is not supported {without_chunk}; "
+                                                  "remove it from the list"))
+        if without_chunk is None:
+            fixed_heads = [n for n, o in self._fixed.items() if o == CHUNK]
+            planned = [n for n in self._candidates if is_head(modules[n])] if CHUNK in self.config.options else []
+            self._heads = frozenset(fixed_heads + planned)
         without_selective = None
         if megatron:
             # local attention masks the baddbmm output in place (transformer/utils.py
@@ -200,6 +227,9 @@ class ActivationsPlugin(Plugin):
         for name in list(self._fixed) + [c for c in self._candidates if c not in self._fixed]:
             self.wrappers[name] = ModuleWrapper(name, modules[name], self.runtime)
             self.wrappers[name].distributable = name in self._replicated_inputs
+            self.wrappers[name].head = name in self._heads
+            self.wrappers[name].chunk_tokens = (None if self.config.chunk_tokens == "auto"
+                                                else int(self.config.chunk_tokens))
         self.keep(wrap_method(model, "forward", self._root_forward))
         lenders = [p.storage_provider for p in self.session.plugins if getattr(p, "storage_provider", None)]
         if lenders:
@@ -355,10 +385,13 @@ class ActivationsPlugin(Plugin):
                                self.config.quantize_block_size, self.config.sparsify_threshold, sync)
         if self.config.budget_fraction is None and self.config.budget == "auto":
             self._other_peak = OtherPeak(self.session, self._engine)
+            rt.head_stretch = self._other_peak.exclude
 
     def _close_other_peak(self) -> Optional[int]:
         peak = self._other_peak.stop() if self._other_peak is not None else None
         self._other_peak = None
+        if self.runtime is not None:
+            self.runtime.head_stretch = None
         return peak
 
     def _finish_profiling(self) -> None:
@@ -410,9 +443,13 @@ class ActivationsPlugin(Plugin):
                 break
             except BudgetError:
                 continue
+        heads = {n: {"option": self.plan.get(n, "keep"), "keep_bytes": self.profiles[n].keep_bytes,
+                     "chunk_bytes": self.profiles[n].chunk_bytes}
+                 for n in sorted(self._heads) if n in self.profiles and self.profiles[n].chunk_calls}
         return {"keep_bytes": self.profiles[ROOT].keep_bytes, "least_bytes": least, "least_added_s": least_added,
                 "plan_added_s": sum(c.added_s for c in self.choices.values()),
-                "budget_bytes": self.budget_bytes, "other_peak_bytes": other}
+                "budget_bytes": self.budget_bytes, "other_peak_bytes": other,
+                "outside_bytes": before + after, "heads": heads}
 
     # applying -------------------------------------------------------------------------------------
     def _apply(self, plan: dict[str, str]) -> None:

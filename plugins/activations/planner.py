@@ -105,6 +105,8 @@ def option_costs(p: ModuleProfile, options: tuple[str, ...], tolerant: bool, ban
     """
     calls = max(p.calls, 1)
     out = []
+    if p.chunk_calls:  # an output head: its profile holds the loss too, which only chunk changes
+        options = tuple(o for o in options if o in ("keep", "chunk"))
 
     def offload_s(nbytes: int) -> float:
         t = transfer_s(nbytes, bandwidth_bps)
@@ -121,7 +123,7 @@ def option_costs(p: ModuleProfile, options: tuple[str, ...], tolerant: bool, ban
         if option in ("quantize", "sparsify") and not tolerant:
             continue
         if option == "keep":
-            out.append(Choice("keep", p.keep_bytes, 0.0, 0))
+            out.append(Choice("keep", p.keep_bytes, 0.0, p.keep_transient_bytes))
         elif option == "recompute":
             out.append(Choice(option, p.input_bytes, p.time_s + calls * RECOMPUTE_OVERHEAD_S,
                               max(0, p.keep_bytes - p.input_bytes)))
@@ -132,6 +134,10 @@ def option_costs(p: ModuleProfile, options: tuple[str, ...], tolerant: bool, ban
         elif option == "recompute_offload":
             out.append(Choice(option, 0, p.time_s + calls * RECOMPUTE_OVERHEAD_S + offload_s(p.input_bytes),
                               p.keep_bytes))
+        elif option == "chunk":
+            if p.chunk_calls:  # the logits made again slice by slice in backward: the head's forward again
+                out.append(Choice(option, p.chunk_bytes, p.time_s + calls * RECOMPUTE_OVERHEAD_S,
+                                  p.chunk_transient_bytes))
         elif option == "offload":
             out.append(Choice(option, p.small_bytes, offload_s(p.saved_bytes), fetched))
         else:  # compress, quantize, sparsify: decoded on demand, next to the payload

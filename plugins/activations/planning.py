@@ -15,7 +15,8 @@ from xirang_ds.plugins.activations.profile import ROOT, ModuleProfile
 
 _FIELDS = ("calls", "before_bytes", "saved_bytes", "largest_bytes", "small_bytes", "input_bytes", "time_s", "selective_bytes", "selective_time_s",
            "compress_bytes", "compress_time_s", "quantize_bytes", "quantize_time_s", "quantize_error",
-           "sparsify_bytes", "sparsify_time_s", "sparsify_error")
+           "sparsify_bytes", "sparsify_time_s", "sparsify_error", "chunk_calls", "chunk_bytes", "chunk_transient_bytes",
+           "keep_transient_bytes")
 PATH = "xirang.activations"
 
 
@@ -181,6 +182,7 @@ class OtherPeak:
     def __init__(self, session: Any, engine: Any):
         self._watch: Any = None
         self._window: Any = None
+        self._peak = 0
         tracker = session.tracker
         if torch.device(engine.device).type == "cpu":
             if not tracker.active:
@@ -200,10 +202,21 @@ class OtherPeak:
             self._window = device_peak().open()
 
     def stop(self) -> int:
-        """The peak since construction; stops a private tracker."""
-        peak = self._window.peak_bytes
+        """The peak since construction, less the stretches `exclude` left out; stops a private tracker."""
+        peak = max(self._peak, self._window.peak_bytes) if self._window is not None else self._peak
         self.close()
         return peak
+
+    def exclude(self, begin: bool) -> None:
+        """Begin or end a stretch the peak leaves out: an output head's whole loss, in forward and in
+        backward, which the planner prices itself (the transient of the head's keep choice), so that
+        a chunked head is not also charged the whole logits here. Sound: what is live when the stretch
+        begins is within the peak kept so far, and the peak restarts from what is live when it ends."""
+        if self._window is None:
+            return
+        if begin:
+            self._peak = max(self._peak, self._window.peak_bytes)
+        self._window.reset()
 
     def close(self) -> None:
         if self._window is not None:

@@ -60,6 +60,12 @@ class ModuleProfile:
         quantize_error, sparsify_error: worst measured error as a fraction of the stated bound.
         order: position of the module's first call in forward (the planner's sequence).
         before_bytes: (root only) bytes saved before the first candidate ran.
+        chunk_calls: (output heads) calls whose logits reached ``cross_entropy`` (`head_loss`); the
+            profile then covers the head and its loss.
+        chunk_bytes: bytes the chunked head and loss keep (the head's input and the targets).
+        chunk_transient_bytes: the most a slice holds while its backward runs.
+        keep_transient_bytes: (output heads) the most the whole head and loss hold besides what they
+            save: the logits in forward, their gradient in backward.
     """
 
     name: str
@@ -82,6 +88,10 @@ class ModuleProfile:
     sparsify_time_s: float = 0.0
     sparsify_error: float = 0.0
     before_bytes: int = 0
+    chunk_calls: int = 0
+    chunk_bytes: int = 0
+    chunk_transient_bytes: int = 0
+    keep_transient_bytes: int = 0
 
     @property
     def keep_bytes(self) -> int:

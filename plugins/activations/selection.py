@@ -89,9 +89,12 @@ def outermost(names: list[str]) -> list[str]:
 
 
 def find_candidates(model: nn.Module, config: ActivationsConfig, problems: Problems,
-                    blocks: Optional[list[str]] = None) -> list[str]:
+                    blocks: Optional[list[str]] = None, heads: bool = False) -> list[str]:
     """Modules the planner chooses for: ``auto`` = the repeated blocks (``blocks``, default
-    `repeated_blocks`) and their children."""
+    `repeated_blocks`) and their children, and with ``heads`` the output heads outside them
+    (`head_loss.head_modules`)."""
+    from xirang_ds.plugins.activations.head_loss import head_modules
+
     names = module_names(model)
     if config.candidates != "auto":
         return match(config.candidates, names, f"{PATH}.candidates", problems)
@@ -100,6 +103,8 @@ def find_candidates(model: nn.Module, config: ActivationsConfig, problems: Probl
     for block in blocks:
         out.append(block)
         out.extend(n for n in names if _inside(n, block) and "." not in n[len(block) + 1:])
+    if heads and blocks:
+        out.extend(h for h in head_modules(model, blocks) if h not in out)
     if not blocks and config.planner:
         problems.append((f"{PATH}.candidates", "\"auto\" plans for the model's blocks (children of its "
                                                "nn.ModuleList or nn.Sequential containers, else of its outermost "

@@ -11,6 +11,9 @@ restores the original forward. Each call runs the module's current option:
   that option's handler; offload also hooks the outputs' gradients to prefetch in backward;
 * ``recompute_offload``: the checkpointed forward inside the offload pack context, which then
   holds the checkpoint's inputs in host memory;
+* ``chunk`` (output heads, and every head while profiling): the head returns `DeferredLogits` and
+  ``cross_entropy`` on them runs chunked (`head_loss`); while profiling it runs whole inside the
+  head's frame, so the head's profile holds its loss;
 * ``recompute`` on a module whose inputs are identical on every tensor-parallel rank, with
   ``distribute_saved_inputs``: the checkpointed forward inside a `ShardHandler` pack context, which
   holds 1/tp of the checkpoint's inputs per rank and all-gathers them when backward recomputes.
@@ -24,6 +27,7 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 
 from xirang_ds.hooks import wrap_method
+from xirang_ds.plugins.activations import head_loss
 from xirang_ds.plugins.activations.handlers import CodecHandler, OffloadHandler
 from xirang_ds.plugins.activations.offload import Offloader
 from xirang_ds.plugins.activations.profile import Profiler
@@ -94,6 +98,9 @@ class Runtime:
         }
         self.keep_handler = _KeepHandler()
         self.profiler: Optional[Profiler] = None
+        self.head_stretch: Optional[Callable[[bool], None]] = None
+        """While profiling with an ``auto`` budget: told when an output head's whole loss begins
+        (``True``) and ends (``False``), in forward and in backward (`planning.OtherPeak.exclude`)."""
 
     def recompute_scope(self, name: str) -> RecomputeScope:
         """The context entered around each recomputation of module ``name``."""
@@ -111,6 +118,9 @@ class ModuleWrapper:
             expensive ops).
         distributable: the module's inputs are identical on every tensor-parallel rank, so under
             ``recompute`` they may be held as shards (when the runtime has a ``distribute`` handler).
+        head: an output head (`head_loss.is_head`): its calls are deferred while profiling and under
+            ``chunk``.
+        chunk_tokens: rows per slice under ``chunk`` (``None``: `head_loss.auto_tokens`).
     """
 
     def __init__(self, name: str, module: torch.nn.Module, runtime: Runtime):
@@ -119,6 +129,8 @@ class ModuleWrapper:
         self.runtime = runtime
         self.passthrough = False
         self.distributable = False
+        self.head = False
+        self.chunk_tokens: Optional[int] = None
         self.must_save: Optional[frozenset] = None
         self._option: Optional[str] = None
         self._context_fn: Optional[Callable[[], tuple]] = None
@@ -151,7 +163,13 @@ class ModuleWrapper:
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
         rt = self.runtime
-        if rt.profiler is not None and rt.profiler.stack:
+        profiling = rt.profiler is not None and bool(rt.profiler.stack)
+        if self.head and (profiling or self._option == head_loss.CHUNK) and not torch.compiler.is_compiling():
+            deferred = head_loss.defer(self.module, args, kwargs, self._cross_entropy,
+                                       lambda call: self._whole(original, call))
+            if deferred is not None:
+                return deferred
+        if profiling:
             with rt.profiler.frame(self.name, args, kwargs):
                 return original(*args, **kwargs)
         option = self._option
@@ -173,6 +191,51 @@ class ModuleWrapper:
         if ctx.pushed and option in ("offload", "recompute_offload") and rt.offloader.stream is not None:
             _hook_outputs(out, ctx.call, rt.offloader)
         return out
+
+
+    # output heads ------------------------------------------------------------------------------
+    def _whole(self, original: Callable, call: "head_loss.HeadCall") -> torch.Tensor:
+        """The head's own forward on its input, when its logits are needed whole (while profiling, in
+        the head's frame unless the loss's frame is already open)."""
+        profiler = self.runtime.profiler
+        if profiler is None or not profiler.stack or profiler.stack[-1].profile.name == self.name:
+            return original(call.hidden)
+        with profiler.frame(self.name, (call.hidden,), {}):
+            return original(call.hidden)
+
+    def _cross_entropy(self, logits: "head_loss.DeferredLogits", target: torch.Tensor, ignore_index: int,
+                       reduction: str) -> Optional[torch.Tensor]:
+        """``cross_entropy`` on this head's deferred logits: chunked under ``chunk``; while profiling
+        whole, inside the head's frame, with what the chunk would keep and hold recorded."""
+        call = logits.call
+        profiler = self.runtime.profiler
+        if profiler is not None and profiler.stack:
+            told = self.runtime.head_stretch
+            if told is not None:
+                told(True)
+            with profiler.frame(self.name, (call.hidden,), {}):
+                whole = logits.whole("cross_entropy")
+                loss = torch.nn.functional.cross_entropy(whole, target, ignore_index=ignore_index,
+                                                         reduction=reduction)
+            p = profiler.passes[-1][self.name]
+            rows = min(self.chunk_tokens or head_loss.auto_tokens(call.weight), logits.shape[0])
+            z, y = logits.element_size(), call.weight.element_size()
+            p.chunk_calls += 1
+            p.chunk_bytes += logits.tokens.untyped_storage().nbytes() + target.untyped_storage().nbytes()
+            p.chunk_transient_bytes = max(p.chunk_transient_bytes, rows * logits.shape[1] * max(3 * z, z + 2 * y))
+            # beyond what it saves, the whole head and loss hold the logits in the head's dtype and the
+            # loss's in forward, and two of the loss's dtype in backward (the logits' gradient)
+            p.keep_transient_bytes = max(p.keep_transient_bytes, logits.numel() * max(2 * z, z + y))
+            if told is not None:
+                told(False)
+                if loss.requires_grad and call.hidden.requires_grad:
+                    loss.register_hook(lambda grad: told(True))
+                    call.hidden.register_hook(lambda grad: told(False))
+            return loss
+        if self._option != head_loss.CHUNK:
+            return None
+        return head_loss.chunked_cross_entropy(logits.tokens, call.weight, call.bias, target, logits.casts,
+                                               ignore_index, reduction, self.chunk_tokens, self.runtime.scope)
 
 
 def _hook_outputs(out: Any, group: Any, offloader: Offloader) -> None:

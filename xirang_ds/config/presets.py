@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 
-_LOSSLESS_STORAGE = ("keep", "compress", "offload")
+_LOSSLESS_STORAGE = ("keep", "compress", "offload", "chunk")
 _RECOMPUTE = ("recompute", "selective_recompute", "recompute_offload")
 _LOSSY = ("quantize", "sparsify")
 
@@ -18,7 +18,9 @@ _CONSERVATIVE = {
     # the optimizer step in backward: gradients live a bucket at a time (bit-identical updates)
     "grad_release": {"enabled": True},
     # the planner keeps saved activations under what memory_budget leaves, storing them losslessly
-    # (narrower exact storage, or host memory) but never recomputing
+    # (narrower exact storage, or host memory) and recomputing nothing but the output head's logits,
+    # a slice of tokens at a time (chunk: the loss is bit-identical, the head's weight gradient
+    # exact to bf16 rounding)
     "activations": {"enabled": True, "budget": "auto", "options": list(_LOSSLESS_STORAGE)},
     # one reservation for the encoded activations (and int8/int4 states where no grad_release holds
     # them), sized from the first steady step and reused at the same addresses every step

@@ -239,9 +239,9 @@ class PrecisionConfig(Section):
 
 
 ActivationOption = Literal["keep", "recompute", "selective_recompute", "recompute_offload", "compress",
-                           "quantize", "sparsify", "offload"]
+                           "quantize", "sparsify", "offload", "chunk"]
 ACTIVATION_OPTIONS = ("keep", "recompute", "selective_recompute", "recompute_offload", "compress", "quantize",
-                      "sparsify", "offload")
+                      "sparsify", "offload", "chunk")
 """What can happen to the tensors a module saves for backward; each is also the key of a fixed plan."""
 LOSSY_ACTIVATION_OPTIONS = ("quantize", "sparsify")
 """Options whose decoded tensors differ from the saved ones: only for modules listed in ``tolerant``."""
@@ -267,7 +267,9 @@ class ActivationsConfig(Section):
     candidates: Union[Literal["auto"], tuple[Glob, ...]] = "auto"
     """Modules the planner chooses for (globs on full module names); ``auto`` = the model's blocks and
     their direct children: the children of every ``nn.ModuleList``, else of every ``nn.Sequential``,
-    else of the outermost module with several children (``torch.compile``'s wrapper passed through)."""
+    else of the outermost module with several children (``torch.compile``'s wrapper passed through);
+    with ``chunk`` among the options, also every ``nn.Linear`` outside the blocks at least as wide out
+    as in (the output head: ``chunk`` applies where profiling sees its output reach ``cross_entropy``)."""
     options: tuple[ActivationOption, ...] = ACTIVATION_OPTIONS
     """Options the planner may choose; ``quantize`` and ``sparsify`` only for modules in ``tolerant``."""
     keep: tuple[Glob, ...] = ()
@@ -290,6 +292,13 @@ class ActivationsConfig(Section):
     must also match ``tolerant``."""
     offload: tuple[Glob, ...] = ()
     """Modules fixed to offload their saved tensors to host memory (async copies, prefetched in backward)."""
+    chunk: tuple[Glob, ...] = ()
+    """Output heads (``nn.Linear`` modules whose output feeds ``cross_entropy``) fixed to the chunked
+    head and loss: the logits are made and consumed ``chunk_tokens`` rows at a time in forward and
+    again in backward, never held whole; only the head's input is kept (docs/activations.md)."""
+    chunk_tokens: AutoInt = "auto"
+    """Rows (tokens) per slice of a chunked head; ``auto`` = a slice whose fp32 logits are as large as
+    the head's weight (hidden / 2 rows for a bf16 head)."""
     tolerant: tuple[Glob, ...] = ()
     """Modules whose saved tensors may be stored lossily (``quantize``, ``sparsify``): globs, or
     ``"feed_forward"`` for every repeated block's MLP child (a name containing mlp, ffn or

@@ -54,6 +54,7 @@ def _train(rank, world, config, steps, model="gpt-tiny", track=False, engine_hoo
                    profiles={n: p.as_dict() for n, p in plugin.profiles.items()})
     if window is not None:
         out["peaks"] = window.category_peaks()
+        out["peak_bytes"] = window.peak_bytes
         window.close()
     if session is not None:
         session.remove()
@@ -286,6 +287,19 @@ def _chunked_head(rank, world, tmp):
     out["planned"] = _train(rank, world, config(block), 4, HEAD_MODEL, engine_hook=save_at_2)
     out["resumed"] = _train(rank, world, config(block), 2, HEAD_MODEL, load_dir=tmp, skip=4)
     out["peaks"] = peaks
+    # a memory_budget the whole logits do not fit beside the rest: the profiling pass chunks the head
+    # too (the smallest slice), so the run stays within the budget from its first step
+    from xirang_ds.plugins.activations import head_loss
+
+    calls = []
+    original = head_loss.chunked_cross_entropy
+    head_loss.chunked_cross_entropy = lambda *a, **k: calls.append(a[7]) or original(*a, **k)
+    try:
+        out["tight"] = _train(rank, world, config({"memory_budget": "7MB", "activations": {
+            "enabled": True, "profile_steps": 1}}), 3, HEAD_MODEL, engine_hook=lambda e, s: measure(e, s, "tight"))
+    finally:
+        head_loss.chunked_cross_entropy = original
+    out["tight_rows"] = calls
     return out
 
 
@@ -310,5 +324,11 @@ def test_chunked_head_and_loss_on_engines_two_ranks_grad_accumulation(tmp_path):
         assert out["peaks"]["planned"] <= 1.05 * planned["planned"], (out["peaks"], planned["planned"])
         resumed = out["resumed"]
         assert resumed["state_after_load"] == "planned" and resumed["plan"] == planned["plan"]
+        tight = out["tight"]
+        assert tight["plan"]["lm_head"] == "chunk"
+        rows = out["tight_rows"]  # one per micro-batch: the profiling pass with the smallest slice, then the plan's
+        assert len(rows) == 6 and rows[0] == 16 and all(r > 16 for r in rows[1:]), rows
+        # the planner's model of the head's slices is within a few percent of what the tracker sees
+        assert out["peaks"]["tight"] <= 1.03 * tight["budget"], (out["peaks"]["tight"], tight["budget"])
     assert r0["planned"]["plan"] == r1["planned"]["plan"]
     assert r0["resumed"]["losses"] == r0["planned"]["losses"][2:]

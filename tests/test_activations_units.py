@@ -537,3 +537,29 @@ def test_offload_past_the_host_budget_keeps_the_bytes_on_the_device():
     assert torch.equal(off.fetch(b).view(torch.float32), second)
     assert torch.equal(off.fetch(a).view(torch.float32), first)
     assert off.pool.in_use_bytes == 0
+
+
+def test_head_choices_and_candidates():
+    """An output head's profile offers keep (with the whole logits as its transient) and chunk at
+    halving slice sizes; the planner takes the largest slice that fits; auto candidates add the head."""
+    from xirang_ds.plugins.activations.planner import option_costs
+    from xirang_ds.plugins.activations.profile import ModuleProfile
+
+    head = ModuleProfile("lm_head", calls=1, saved_bytes=40_000_000, input_bytes=400_000, time_s=0.01,
+                         chunk_calls=1, chunk_bytes=402_000, chunk_tokens=512, chunk_rows=384,
+                         chunk_row_bytes=12 * 10_000, keep_transient_bytes=80_000_000)
+    choices = option_costs(head, ("keep", "compress", "offload", "chunk"), False, 1e10, False)
+    assert [c.option for c in choices] == ["keep"] + ["chunk"] * 5  # the loss is in its profile: no other option
+    assert choices[0].transient_bytes == 80_000_000
+    assert [c.rows for c in choices[1:]] == [384, 192, 96, 48, 24]
+    assert all(c.device_bytes == 402_000 for c in choices[1:])
+    node = Node("lm_head", choices, head.keep_bytes, order=0)
+    chosen = plan([node], 402_000 + 100 * 12 * 10_000)  # room for a slice of 100 rows in backward
+    assert chosen["lm_head"].rows == 96
+    fixed = ModuleProfile(**{**head.__dict__, "chunk_fixed": 1})
+    assert [c.rows for c in option_costs(fixed, ("chunk",), False, 1e10, False)] == [384]
+    assert option_costs(ModuleProfile("x", calls=1, saved_bytes=10), ("chunk",), False, 1e10, False) == []
+
+    model = build_model(BUILTIN_SPECS["gpt-tiny"])
+    with_heads = find_candidates(model, ActivationsConfig(enabled=True), [], heads=True)
+    assert with_heads[-1] == "lm_head" and "lm_head" not in find_candidates(model, ActivationsConfig(enabled=True), [])

@@ -229,7 +229,7 @@ class ActivationsPlugin(Plugin):
             self.wrappers[name].distributable = name in self._replicated_inputs
             self.wrappers[name].head = name in self._heads
             self.wrappers[name].chunk_tokens = (None if self.config.chunk_tokens == "auto"
-                                                else int(self.config.chunk_tokens))
+                                                else int(self.config.chunk_tokens))  # profiled with it
         self.keep(wrap_method(model, "forward", self._root_forward))
         lenders = [p.storage_provider for p in self.session.plugins if getattr(p, "storage_provider", None)]
         if lenders:
@@ -290,7 +290,8 @@ class ActivationsPlugin(Plugin):
     # checkpoints ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"plan": dict(self.plan), "budget_bytes": self.budget_bytes, "bandwidth_bps": self._bandwidth,
-                "choices": {n: [c.option, c.device_bytes, c.added_s] for n, c in self.choices.items()},
+                "choices": {n: [c.option, c.device_bytes, c.added_s, c.transient_bytes, c.rows]
+                            for n, c in self.choices.items()},
                 "outside_bytes": self.outside_bytes, "planned_peaks": self.planned_peaks,
                 "profiles": {n: p.as_dict() for n, p in self.profiles.items()}}
 
@@ -386,12 +387,16 @@ class ActivationsPlugin(Plugin):
         if self.config.budget_fraction is None and self.config.budget == "auto":
             self._other_peak = OtherPeak(self.session, self._engine)
             rt.head_stretch = self._other_peak.exclude
+            budget = self.session.config.memory_budget
+            total = int(get_accelerator().total_memory()) if budget == "auto" else int(budget)
+            other = self._other_peak
+            rt.head_room = lambda: total - other.live_bytes()
 
     def _close_other_peak(self) -> Optional[int]:
         peak = self._other_peak.stop() if self._other_peak is not None else None
         self._other_peak = None
         if self.runtime is not None:
-            self.runtime.head_stretch = None
+            self.runtime.head_stretch = self.runtime.head_room = None
         return peak
 
     def _finish_profiling(self) -> None:
@@ -443,7 +448,9 @@ class ActivationsPlugin(Plugin):
                 break
             except BudgetError:
                 continue
-        heads = {n: {"option": self.plan.get(n, "keep"), "keep_bytes": self.profiles[n].keep_bytes,
+        heads = {n: {"option": self.choices[n].option if n in self.choices else "keep",
+                     "rows": self.choices[n].rows if n in self.choices else 0,
+                     "keep_bytes": self.profiles[n].keep_bytes,
                      "chunk_bytes": self.profiles[n].chunk_bytes}
                  for n in sorted(self._heads) if n in self.profiles and self.profiles[n].chunk_calls}
         return {"keep_bytes": self.profiles[ROOT].keep_bytes, "least_bytes": least, "least_added_s": least_added,
@@ -455,8 +462,11 @@ class ActivationsPlugin(Plugin):
     def _apply(self, plan: dict[str, str]) -> None:
         """Put ``plan`` in force from the next forward."""
         self.plan = dict(plan)
+        configured = None if self.config.chunk_tokens == "auto" else int(self.config.chunk_tokens)
         for name, wrapper in self.wrappers.items():
             option = plan.get(name)
+            choice = self.choices.get(name)
+            wrapper.chunk_tokens = choice.rows if option == CHUNK and choice and choice.rows else configured
             hooked_above = any(name.startswith(o + ".") and plan[o] in HOOKED_OPTIONS for o in plan)
             p = self.profiles.get(name)
             must_save = frozenset(p.must_save) if p is not None and p.calls else None

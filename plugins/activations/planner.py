@@ -64,6 +64,8 @@ class Choice:
     device_bytes: int
     added_s: float
     transient_bytes: int = 0
+    rows: int = 0
+    """``chunk``: rows (tokens) per slice."""
 
 
 @dataclass
@@ -135,9 +137,12 @@ def option_costs(p: ModuleProfile, options: tuple[str, ...], tolerant: bool, ban
             out.append(Choice(option, 0, p.time_s + calls * RECOMPUTE_OVERHEAD_S + offload_s(p.input_bytes),
                               p.keep_bytes))
         elif option == "chunk":
-            if p.chunk_calls:  # the logits made again slice by slice in backward: the head's forward again
-                out.append(Choice(option, p.chunk_bytes, p.time_s + calls * RECOMPUTE_OVERHEAD_S,
-                                  p.chunk_transient_bytes))
+            # the logits made again slice by slice in backward (the head's forward again); smaller
+            # slices hold less while their backward runs and cost a slice's overhead more each
+            for rows in chunk_rows(p) if p.chunk_calls else ():
+                slices = calls * math.ceil(p.chunk_tokens / rows)
+                out.append(Choice(option, p.chunk_bytes, p.time_s + slices * RECOMPUTE_OVERHEAD_S,
+                                  rows * p.chunk_row_bytes, rows))
         elif option == "offload":
             out.append(Choice(option, p.small_bytes, offload_s(p.saved_bytes), fetched))
         else:  # compress, quantize, sparsify: decoded on demand, next to the payload
@@ -146,6 +151,15 @@ def option_costs(p: ModuleProfile, options: tuple[str, ...], tolerant: bool, ban
             out.append(Choice(option, p.small_bytes + nbytes, getattr(p, f"{option}_time_s") + penalty,
                               on_demand))
     return out
+
+
+def chunk_rows(p: ModuleProfile, smallest: int = 16, count: int = 8) -> list[int]:
+    """Slice sizes a chunked head may take: the largest (`ModuleProfile.chunk_rows`), then halved
+    down to ``smallest`` rows, at most ``count`` of them; only the largest when fixed."""
+    rows = [max(1, min(p.chunk_rows, p.chunk_tokens))]
+    while not p.chunk_fixed and len(rows) < count and rows[-1] // 2 >= smallest:
+        rows.append(rows[-1] // 2)
+    return rows
 
 
 # ------------------------------------------------------------------------------------------------
@@ -330,7 +344,8 @@ def format_plan(choices: dict[str, Choice], profiles: dict[str, ModuleProfile], 
         c = choices[name]
         p = profiles.get(name)
         keep = p.keep_bytes if p is not None else 0
-        rows.append((name, c.option, format_bytes(keep), format_bytes(c.device_bytes),
+        option = f"{c.option} ({c.rows} rows)" if c.rows else c.option
+        rows.append((name, option, format_bytes(keep), format_bytes(c.device_bytes),
                      format_bytes(c.device_bytes + c.transient_bytes), f"{c.added_s * 1e3:.2f} ms"))
         total_keep += keep
         total_kept += c.device_bytes

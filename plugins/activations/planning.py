@@ -15,8 +15,8 @@ from xirang_ds.plugins.activations.profile import ROOT, ModuleProfile
 
 _FIELDS = ("calls", "before_bytes", "saved_bytes", "largest_bytes", "small_bytes", "input_bytes", "time_s", "selective_bytes", "selective_time_s",
            "compress_bytes", "compress_time_s", "quantize_bytes", "quantize_time_s", "quantize_error",
-           "sparsify_bytes", "sparsify_time_s", "sparsify_error", "chunk_calls", "chunk_bytes", "chunk_transient_bytes",
-           "keep_transient_bytes")
+           "sparsify_bytes", "sparsify_time_s", "sparsify_error", "chunk_calls", "chunk_bytes", "chunk_tokens",
+           "chunk_rows", "chunk_fixed", "chunk_row_bytes", "keep_transient_bytes")
 PATH = "xirang.activations"
 
 
@@ -206,6 +206,10 @@ class OtherPeak:
         peak = max(self._peak, self._window.peak_bytes) if self._window is not None else self._peak
         self.close()
         return peak
+
+    def live_bytes(self) -> int:
+        """Device bytes live now (0 once stopped)."""
+        return self._window.live_bytes if self._window is not None else 0
 
     def exclude(self, begin: bool) -> None:
         """Begin or end a stretch the peak leaves out: an output head's whole loss, in forward and in

@@ -63,7 +63,10 @@ class ModuleProfile:
         chunk_calls: (output heads) calls whose logits reached ``cross_entropy`` (`head_loss`); the
             profile then covers the head and its loss.
         chunk_bytes: bytes the chunked head and loss keep (the head's input and the targets).
-        chunk_transient_bytes: the most a slice holds while its backward runs.
+        chunk_tokens: rows (tokens) of one call's logits.
+        chunk_rows: the largest slice the planner may choose (``chunk_tokens`` of the section, or
+            `head_loss.auto_tokens`), and the only one when ``chunk_fixed``.
+        chunk_row_bytes: what one row of a slice holds while its backward runs.
         keep_transient_bytes: (output heads) the most the whole head and loss hold besides what they
             save: the logits in forward, their gradient in backward.
     """
@@ -90,7 +93,10 @@ class ModuleProfile:
     before_bytes: int = 0
     chunk_calls: int = 0
     chunk_bytes: int = 0
-    chunk_transient_bytes: int = 0
+    chunk_tokens: int = 0
+    chunk_rows: int = 0
+    chunk_fixed: int = 0
+    chunk_row_bytes: int = 0
     keep_transient_bytes: int = 0
 
     @property

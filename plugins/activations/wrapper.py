@@ -30,7 +30,8 @@ from xirang_ds.hooks import wrap_method
 from xirang_ds.plugins.activations import head_loss
 from xirang_ds.plugins.activations.handlers import CodecHandler, OffloadHandler
 from xirang_ds.plugins.activations.offload import Offloader
-from xirang_ds.plugins.activations.profile import Profiler
+from xirang_ds.plugins.activations.planner import chunk_rows
+from xirang_ds.plugins.activations.profile import ModuleProfile, Profiler
 from xirang_ds.plugins.activations.recompute import (
     RecomputeScope,
     RngStates,
@@ -101,6 +102,9 @@ class Runtime:
         self.head_stretch: Optional[Callable[[bool], None]] = None
         """While profiling with an ``auto`` budget: told when an output head's whole loss begins
         (``True``) and ends (``False``), in forward and in backward (`planning.OtherPeak.exclude`)."""
+        self.head_room: Optional[Callable[[], int]] = None
+        """While profiling with an ``auto`` budget: device bytes the memory budget leaves now; a head
+        whose whole logits would not fit there is profiled chunked (`ModuleWrapper._cross_entropy`)."""
 
     def recompute_scope(self, name: str) -> RecomputeScope:
         """The context entered around each recomputation of module ``name``."""
@@ -120,7 +124,8 @@ class ModuleWrapper:
             ``recompute`` they may be held as shards (when the runtime has a ``distribute`` handler).
         head: an output head (`head_loss.is_head`): its calls are deferred while profiling and under
             ``chunk``.
-        chunk_tokens: rows per slice under ``chunk`` (``None``: `head_loss.auto_tokens`).
+        chunk_tokens: rows per slice under ``chunk``: the section's ``chunk_tokens``, or the slice the
+            planner chose (``None``: `head_loss.auto_tokens`).
     """
 
     def __init__(self, name: str, module: torch.nn.Module, runtime: Runtime):
@@ -210,22 +215,40 @@ class ModuleWrapper:
         call = logits.call
         profiler = self.runtime.profiler
         if profiler is not None and profiler.stack:
-            told = self.runtime.head_stretch
-            if told is not None:
-                told(True)
-            with profiler.frame(self.name, (call.hidden,), {}):
-                whole = logits.whole("cross_entropy")
-                loss = torch.nn.functional.cross_entropy(whole, target, ignore_index=ignore_index,
-                                                         reduction=reduction)
-            p = profiler.passes[-1][self.name]
-            rows = min(self.chunk_tokens or head_loss.auto_tokens(call.weight), logits.shape[0])
+            told, room = self.runtime.head_stretch, self.runtime.head_room
+            p = profiler.passes[-1].get(self.name)
+            if p is None:
+                p = profiler.passes[-1][self.name] = ModuleProfile(self.name, order=len(profiler.passes[-1]))
             z, y = logits.element_size(), call.weight.element_size()
             p.chunk_calls += 1
             p.chunk_bytes += logits.tokens.untyped_storage().nbytes() + target.untyped_storage().nbytes()
-            p.chunk_transient_bytes = max(p.chunk_transient_bytes, rows * logits.shape[1] * max(3 * z, z + 2 * y))
+            p.chunk_tokens = max(p.chunk_tokens, logits.shape[0])
+            p.chunk_rows = self.chunk_tokens or head_loss.auto_tokens(call.weight)
+            p.chunk_fixed = int(self.chunk_tokens is not None)
+            # a slice's backward holds three rows of the loss's dtype (log-probabilities, their
+            # gradient, the logits'), or one and the gradient in the head's dtype twice
+            p.chunk_row_bytes = max(p.chunk_row_bytes, logits.shape[1] * max(3 * z, z + 2 * y))
             # beyond what it saves, the whole head and loss hold the logits in the head's dtype and the
             # loss's in forward, and two of the loss's dtype in backward (the logits' gradient)
             p.keep_transient_bytes = max(p.keep_transient_bytes, logits.numel() * max(2 * z, z + y))
+            whole_bytes = logits.numel() * z + p.keep_transient_bytes
+            if told is not None:
+                told(True)
+            with profiler.frame(self.name, (call.hidden,), {}):
+                if room is not None and whole_bytes > room():
+                    # the whole logits would not fit what the budget leaves: profile it chunked (the
+                    # smallest slice) and count what the whole loss would save, its log-probabilities
+                    loss = head_loss.chunked_cross_entropy(logits.tokens, call.weight, call.bias, target,
+                                                           logits.casts, ignore_index, reduction,
+                                                           chunk_rows(p)[-1], self.runtime.scope)
+                    for frame in profiler.stack:  # the head's frame and every one around it (the model's)
+                        frame.profile.saved_bytes += logits.numel() * z
+                        frame.profile.largest_bytes = max(frame.profile.largest_bytes, logits.numel() * z)
+                        frame.profile.compress_bytes += logits.numel() * z
+                else:
+                    whole = logits.whole("cross_entropy")
+                    loss = torch.nn.functional.cross_entropy(whole, target, ignore_index=ignore_index,
+                                                             reduction=reduction)
             if told is not None:
                 told(False)
                 if loss.requires_grad and call.hidden.requires_grad:

@@ -43,6 +43,11 @@ class DevicePeakWindow:
     def peak_bytes(self) -> int:
         return max(self._folded, int(self._owner.counter.max_memory_allocated()))
 
+    @property
+    def live_bytes(self) -> int:
+        """Bytes allocated now."""
+        return int(self._owner.counter.memory_allocated())
+
     def reset(self) -> None:
         """Restart this window from what is allocated now; other windows keep their peaks."""
         self._owner._restart(self)

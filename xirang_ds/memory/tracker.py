@@ -510,6 +510,11 @@ class Window:
         self.tracker = tracker
         self.reset()
 
+    @property
+    def live_bytes(self) -> int:
+        """Bytes the tracker counts live now."""
+        return self.tracker.live_bytes
+
     def reset(self) -> None:
         t = self.tracker
         with t._lock:

@@ -78,7 +78,7 @@ def test_a_misspelt_preset_hides_no_other_problem():
         ("xirang.optimizer_statez", "unknown key; did you mean 'optimizer_states'? (allowed: activations, autotune, "
                                     "comm_buffers, grad_release, host_memory_budget, memory_budget, memory_pool, monitor, "
                                     "optimizer_states, precision, preset, profiler)"),
-        ("xirang.preset", "must be one of 'conservative', 'balanced', 'aggressive'; got 'balancd'; "
+        ("xirang.preset", "must be one of 'conservative', 'balanced', 'aggressive', 'auto'; got 'balancd'; "
                           "did you mean 'balanced'?"),
     ]
 

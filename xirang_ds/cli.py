@@ -26,11 +26,20 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     if BLOCK_KEY not in ds_config:
         print(f"{args.config}: no \"xirang\" block; the run is plain DeepSpeed")
         return 0
+    choice = None
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's import-time log lines stay off stdout (JSON)
+        if args.model is not None:
+            from xirang_ds.config.auto import choose_for_spec
+
+            if args.world_size < 1:
+                raise UsageError(f"--world-size must be >= 1; got {args.world_size}")
+            ds_config, choice = choose_for_spec(ds_config, args.model, args.world_size)
         fitted = fit_block(ds_config[BLOCK_KEY], ds_config)
     config = fitted.config
     enabled = ", ".join(config.enabled_sections()) or "none"
     print(f"{args.config}: valid; preset {config.preset or 'none'}; enabled sections: {enabled}")
+    if choice:
+        print(f"  {choice}")
     for line in fitted.lines():
         print(f"  {line}")
     if args.show_resolved:
@@ -52,6 +61,10 @@ def _setup_validate(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="ds_config file (JSON or YAML) with a \"xirang\" block")
     p.add_argument("--show-resolved", action="store_true",
                    help="print the block with its preset expanded and every default filled in")
+    p.add_argument("--model", default=None,
+                   help="resolve \"preset\": \"auto\" for this model (gpt-small | gpt:layers=..,hidden=.. | "
+                        "package.module:factory; built on the meta device)")
+    p.add_argument("--world-size", type=int, default=1, help="ranks, for --model (default 1)")
 
 
 register_command("validate", "check a ds_config's \"xirang\" block", _setup_validate, _cmd_validate)

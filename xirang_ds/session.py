@@ -90,6 +90,8 @@ class Session:
         self.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
         """Ranks of the run (the estimator sets it; at initialize it comes from the launcher)."""
         self.plugins: list[Plugin] = [cls(section, self) for cls, section in plugins_for(config)]
+        self.preset_choice: Optional[str] = None
+        """With ``"preset": "auto"``: which preset it took and why (`xirang_ds.config.auto`)."""
         self.left_out: tuple["LeftOut", ...] = tuple(left_out)
         """Sections the preset turned on that this run's ds_config leaves out (`xirang_ds.config.fit`)."""
         self.engine: Any = None
@@ -327,6 +329,8 @@ class Session:
     def summary(self) -> str:
         """One line per plugin saying what it does in this run."""
         lines = [f"xirang: {len(self.plugins)} plugin(s): " + ", ".join(p.section for p in self.plugins)]
+        if self.preset_choice:
+            lines.append(f"  {self.preset_choice}")
         for p in self.plugins:
             describe = getattr(p, "describe", None)
             if describe is not None:

@@ -485,7 +485,10 @@ class XirangConfig:
     """The whole ``"xirang"`` block of a ds_config."""
 
     preset: Optional[PresetName] = None
-    """Start from a preset; keys written next to it override the preset's key by key."""
+    """Start from a preset; keys written next to it override the preset's key by key. ``"auto"``
+    takes the least aggressive preset whose estimated model states fit ``memory_budget``, among those
+    the block's ``"sensitivity"`` allows (``lossless``: conservative; ``normal``, the default: up to
+    balanced; ``tolerant``: up to aggressive), and says which in the session summary."""
     memory_budget: AutoBytes = "auto"
     """Per-rank device memory the run may use; ``auto`` = the device's capacity."""
     host_memory_budget: AutoBytes = "auto"

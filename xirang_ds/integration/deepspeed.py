@@ -15,6 +15,7 @@ from typing import Any, Optional
 import deepspeed
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
+from xirang_ds.config.auto import choose_preset
 from xirang_ds.config.fit import fit_block
 from xirang_ds.config.loader import BLOCK_KEY, read_ds_config
 from xirang_ds.integration.torch_compat import uncompiled
@@ -79,10 +80,14 @@ def initialize(
             return _call_with_dict(passthrough, from_args)
         return _ORIGINAL_INITIALIZE(**passthrough)
 
-    fitted = fit_block(ds_config[BLOCK_KEY], ds_config)
     if model is None:
+        fit_block(ds_config[BLOCK_KEY], ds_config)  # the block's own problems first
         return _ORIGINAL_INITIALIZE(**passthrough)  # DeepSpeed's own error for a missing model
+    ds_config[BLOCK_KEY], preset_choice = choose_preset(ds_config[BLOCK_KEY], ds_config, uncompiled(model),
+                                                        world_size=_world_size())
+    fitted = fit_block(ds_config[BLOCK_KEY], ds_config)
     session = Session(fitted.config, ds_config, left_out=fitted.left_out)
+    session.preset_choice = preset_choice
     session.model = uncompiled(model)  # a model compiled before initialize: plugins attach to its modules inside
     session.prepare_ds_config()
     session.prepare_model(session.model)
@@ -101,6 +106,15 @@ def initialize(
     if engine.global_rank == 0:
         logger.info(session.summary())
     return engine, opt, loader, sched
+
+
+def _world_size() -> int:
+    """Ranks of the run as the launcher states it (DeepSpeed's process group is not up yet)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _call_with_dict(kwargs: dict, from_args: bool):

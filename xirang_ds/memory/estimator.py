@@ -20,6 +20,7 @@ measured `PeakReport` with the estimate and returns per-category correction fact
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -306,6 +307,39 @@ def estimate_run(build: Callable[[], torch.nn.Module], ds_config: dict, seq: int
     ``initialize`` (bucket sizes), then adjust the phases (`Plugin.adjust_estimate`).
     """
     session = _session_for(build, ds_config, world_size)
+    shape = _plugin_shape(session, ds_config, world_size, device)
+    if shape.stage not in (0, 1, 2, 3):
+        raise EstimateError(f"zero_optimization.stage must be 0-3; got {shape.stage}")
+    return _estimate(session, shape, trace_model(build, shape, seq, vocab))
+
+
+def estimate_states(model: torch.nn.Module, ds_config: dict, world_size: int = 1, device: str = "cpu") -> Estimate:
+    """`estimate_run` without activations: model states, gradients, buffers and the optimizer step
+    of ``model`` (its parameters' sizes only: it may live on the meta device), for what no forward
+    can be traced for (``"preset": "auto"`` at initialize, which has the model but not its inputs).
+
+    The trace is replaced by what backward leaves without activations: every gradient at ZeRO 0/1,
+    the reduced partition and the reduction buckets at ZeRO 2 (`_EngineEmulation`).
+    """
+    session = _session_for(lambda: model, ds_config, world_size, fake=False)
+    shape = _plugin_shape(session, ds_config, world_size, device)
+    if shape.stage not in (0, 1, 2, 3):
+        raise EstimateError(f"zero_optimization.stage must be 0-3; got {shape.stage}")
+    numels = [p.numel() for p in model.parameters() if p.requires_grad]
+    total, n = sum(numels), shape.world_size
+    part = int(math.ceil(total / (2 * n)) * 2 * n) // n
+    backward = _cat()
+    if shape.stage in (0, 1):
+        backward = _cat(gradients=shape.lp_bytes * total)
+    elif shape.stage == 2:
+        buffers = (2 if shape.overlap_comm else 1) if shape.contiguous_gradients else 0
+        backward = _cat(gradients=shape.lp_bytes * part, comm_buffers=buffers * shape.reduce_bucket * shape.lp_bytes)
+    trace = Trace(forward_peak=0, activations=0, backward_peak=sum(backward.values()), backward_by_category=backward,
+                  forward_by_category=_cat(), inputs=0, param_numels=numels)
+    return _estimate(session, shape, trace)
+
+
+def _plugin_shape(session: Any, ds_config: dict, world_size: int, device: str) -> "RunShape":
     shape = RunShape.from_ds_config(ds_config, world_size, device)
     if session is not None:
         # Buckets as the plugins sized them; stage, precision and the optimizer as the user asked
@@ -314,9 +348,11 @@ def estimate_run(build: Callable[[], torch.nn.Module], ds_config: dict, seq: int
         edited = RunShape.from_ds_config(session.ds_config, world_size, device)
         shape = dataclasses.replace(shape, reduce_bucket=edited.reduce_bucket, allgather_bucket=edited.allgather_bucket,
                                     prefetch_bucket=edited.prefetch_bucket, overlap_comm=edited.overlap_comm)
-    if shape.stage not in (0, 1, 2, 3):
-        raise EstimateError(f"zero_optimization.stage must be 0-3; got {shape.stage}")
-    trace = trace_model(build, shape, seq, vocab)
+    return shape
+
+
+def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
+    """The phases from a trace (or what stands for one), the step, and the plugins' adjustments."""
     numels = trace.param_numels
     total = sum(numels)
     n, lp = shape.world_size, shape.lp_bytes
@@ -363,8 +399,9 @@ def estimate_run(build: Callable[[], torch.nn.Module], ds_config: dict, seq: int
                     phases={k: {**v, "total": totals[k]} for k, v in phases.items()}, notes=notes)
 
 
-def _session_for(build: Callable[[], torch.nn.Module], ds_config: dict, world_size: int) -> Any:
-    """A session over a fake copy of the model whose plugins have edited a copy of the ds_config."""
+def _session_for(build: Callable[[], torch.nn.Module], ds_config: dict, world_size: int, fake: bool = True) -> Any:
+    """A session over a fake copy of the model (``fake``; else over ``build()`` itself) whose plugins
+    have edited a copy of the ds_config."""
     import copy
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -377,7 +414,7 @@ def _session_for(build: Callable[[], torch.nn.Module], ds_config: dict, world_si
         return None
     fitted = fit_block(ds_config[BLOCK_KEY], ds_config)  # what initialize would run (a preset fits the ds_config)
     session = Session(fitted.config, copy.deepcopy(ds_config), world_size=world_size, left_out=fitted.left_out)
-    with FakeTensorMode():
+    with FakeTensorMode() if fake else contextlib.nullcontext():
         session.model = build()
         session.prepare_ds_config()
     return session
@@ -417,9 +454,12 @@ def korthikanti_activations(layers: int, seq: int, batch: int, hidden: int, head
 
 
 def estimate_spec(model: Union[str, Any], ds_config: dict, world_size: int = 1, device: str = "cpu") -> Estimate:
-    """`estimate_run` for a ``--model`` spec (built-in name, ``gpt:...`` or ``module:factory``)."""
+    """`estimate_run` for a ``--model`` spec (built-in name, ``gpt:...`` or ``module:factory``);
+    ``"preset": "auto"`` is resolved first (`xirang_ds.config.auto`), its choice a note."""
+    from xirang_ds.config.auto import choose_for_spec
     from xirang_ds.models import ModelSpec, build_model, parse_model_spec
 
+    ds_config, choice = choose_for_spec(ds_config, model, world_size, device)
     spec = parse_model_spec(model) if isinstance(model, str) else model
     if isinstance(spec, ModelSpec):
         build = lambda: build_model(spec)  # noqa: E731
@@ -430,6 +470,8 @@ def estimate_spec(model: Union[str, Any], ds_config: dict, world_size: int = 1, 
         seq = int(getattr(probe, "seq", 128))
         vocab = 256
     est = estimate_run(build, ds_config, seq, vocab, world_size, device)
+    if choice:
+        est.notes.append(choice)
     if isinstance(spec, ModelSpec):
         shape = RunShape.from_ds_config(ds_config, world_size, device)
         est.korthikanti_activations = korthikanti_activations(spec.layers, spec.seq, shape.micro_batch,

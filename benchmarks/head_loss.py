@@ -11,6 +11,11 @@ the last steps.
     .venv/bin/python benchmarks/head_loss.py --steps 6 --world-size 2 \\
         --data ../shared/data/tinyshakespeare.txt --json benchmarks/results/head_loss.json
 
+The same for HF's ``LlamaForCausalLM`` (vocab 32,000, hidden 512, 8 layers; its own ``loss_function``):
+
+    .venv/bin/python benchmarks/head_loss.py --model benchmarks.hf_llama:llama_32k --steps 6 --world-size 2 \\
+        --data ../shared/data/tinyshakespeare.txt --json benchmarks/results/head_loss_llama.json
+
 ``--render JSON`` prints the Markdown table of a saved run.
 """
 from __future__ import annotations
@@ -21,6 +26,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks.hf_llama for --model
 from results_table import BASE, TUNED, deep_merge, load_or_run, short_error  # noqa: E402
 
 MODEL = "gpt:layers=12,hidden=768,heads=12,seq=256,vocab=50304"

@@ -27,6 +27,10 @@ shortest path over positions with state ``K`` in bytes, rounded *up* to ``budget
 plan found always fits): dynamic programming, exact for the model up to that rounding, and fast
 (positions x options x resolution). A test checks it against brute force.
 
+An output head (`head_loss`) profiled with its loss has two kinds of choice: ``keep``, whose
+transient is the whole logits (in forward and their gradient in backward), and ``chunk`` at the
+largest slice and its halvings, which keep the head's input and hold one slice in backward.
+
 Offload is priced by a bandwidth model: each direction moves the module's bytes at the device-host
 bandwidth. With a copy stream (accelerators) a direction costs only what its copy takes beyond the
 compute it overlaps (the module's forward for the copy out, its backward, taken as twice the

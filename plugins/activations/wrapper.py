@@ -197,7 +197,6 @@ class ModuleWrapper:
             _hook_outputs(out, ctx.call, rt.offloader)
         return out
 
-
     # output heads ------------------------------------------------------------------------------
     def _whole(self, original: Callable, call: "head_loss.HeadCall") -> torch.Tensor:
         """The head's own forward on its input, when its logits are needed whole (while profiling, in
@@ -211,54 +210,62 @@ class ModuleWrapper:
     def _cross_entropy(self, logits: "head_loss.DeferredLogits", target: torch.Tensor, ignore_index: int,
                        reduction: str) -> Optional[torch.Tensor]:
         """``cross_entropy`` on this head's deferred logits: chunked under ``chunk``; while profiling
-        whole, inside the head's frame, with what the chunk would keep and hold recorded."""
+        as `_profile_cross_entropy` runs it; otherwise ``None`` (computed whole)."""
         call = logits.call
         profiler = self.runtime.profiler
         if profiler is not None and profiler.stack:
-            told, room = self.runtime.head_stretch, self.runtime.head_room
-            p = profiler.passes[-1].get(self.name)
-            if p is None:
-                p = profiler.passes[-1][self.name] = ModuleProfile(self.name, order=len(profiler.passes[-1]))
-            z, y = logits.element_size(), call.weight.element_size()
-            p.chunk_calls += 1
-            p.chunk_bytes += logits.tokens.untyped_storage().nbytes() + target.untyped_storage().nbytes()
-            p.chunk_tokens = max(p.chunk_tokens, logits.shape[0])
-            p.chunk_rows = self.chunk_tokens or head_loss.auto_tokens(call.weight)
-            p.chunk_fixed = int(self.chunk_tokens is not None)
-            # a slice's backward holds three rows of the loss's dtype (log-probabilities, their
-            # gradient, the logits'), or one and the gradient in the head's dtype twice
-            p.chunk_row_bytes = max(p.chunk_row_bytes, logits.shape[1] * max(3 * z, z + 2 * y))
-            # beyond what it saves, the whole head and loss hold the logits in the head's dtype and the
-            # loss's in forward, and two of the loss's dtype in backward (the logits' gradient)
-            p.keep_transient_bytes = max(p.keep_transient_bytes, logits.numel() * max(2 * z, z + y))
-            whole_bytes = logits.numel() * z + p.keep_transient_bytes
-            if told is not None:
-                told(True)
-            with profiler.frame(self.name, (call.hidden,), {}):
-                if room is not None and whole_bytes > room():
-                    # the whole logits would not fit what the budget leaves: profile it chunked (the
-                    # smallest slice) and count what the whole loss would save, its log-probabilities
-                    loss = head_loss.chunked_cross_entropy(logits.tokens, call.weight, call.bias, target,
-                                                           logits.casts, ignore_index, reduction,
-                                                           chunk_rows(p)[-1], self.runtime.scope)
-                    for frame in profiler.stack:  # the head's frame and every one around it (the model's)
-                        frame.profile.saved_bytes += logits.numel() * z
-                        frame.profile.largest_bytes = max(frame.profile.largest_bytes, logits.numel() * z)
-                        frame.profile.compress_bytes += logits.numel() * z
-                else:
-                    whole = logits.whole("cross_entropy")
-                    loss = torch.nn.functional.cross_entropy(whole, target, ignore_index=ignore_index,
-                                                             reduction=reduction)
-            if told is not None:
-                told(False)
-                if loss.requires_grad and call.hidden.requires_grad:
-                    loss.register_hook(lambda grad: told(True))
-                    call.hidden.register_hook(lambda grad: told(False))
-            return loss
+            return self._profile_cross_entropy(profiler, logits, target, ignore_index, reduction)
         if self._option != head_loss.CHUNK:
             return None
         return head_loss.chunked_cross_entropy(logits.tokens, call.weight, call.bias, target, logits.casts,
                                                ignore_index, reduction, self.chunk_tokens, self.runtime.scope)
+
+    def _profile_cross_entropy(self, profiler: Profiler, logits: "head_loss.DeferredLogits", target: torch.Tensor,
+                               ignore_index: int, reduction: str) -> torch.Tensor:
+        """The head and its loss inside the head's frame, whole (or chunked where the whole logits
+        would not fit what the budget leaves), with what the chunk would keep and hold recorded, and
+        the stretch told to the budget's peak (`Runtime.head_stretch`) in forward and in backward."""
+        call = logits.call
+        told, room = self.runtime.head_stretch, self.runtime.head_room
+        p = profiler.passes[-1].get(self.name)
+        if p is None:
+            p = profiler.passes[-1][self.name] = ModuleProfile(self.name, order=len(profiler.passes[-1]))
+        z, y = logits.element_size(), call.weight.element_size()
+        p.chunk_calls += 1
+        p.chunk_bytes += logits.tokens.untyped_storage().nbytes() + target.untyped_storage().nbytes()
+        p.chunk_tokens = max(p.chunk_tokens, logits.shape[0])
+        p.chunk_rows = self.chunk_tokens or head_loss.auto_tokens(call.weight)
+        p.chunk_fixed = int(self.chunk_tokens is not None)
+        # a slice's backward holds three rows of the loss's dtype (log-probabilities, their
+        # gradient, the logits'), or one and the gradient in the head's dtype twice
+        p.chunk_row_bytes = max(p.chunk_row_bytes, logits.shape[1] * max(3 * z, z + 2 * y))
+        # beyond what it saves, the whole head and loss hold the logits in the head's dtype and the
+        # loss's in forward, and two of the loss's dtype in backward (the logits' gradient)
+        p.keep_transient_bytes = max(p.keep_transient_bytes, logits.numel() * max(2 * z, z + y))
+        whole_bytes = logits.numel() * z + p.keep_transient_bytes
+        if told is not None:
+            told(True)
+        with profiler.frame(self.name, (call.hidden,), {}):
+            if room is not None and whole_bytes > room():
+                # the whole logits would not fit what the budget leaves: profile it chunked (the
+                # smallest slice) and count what the whole loss would save, its log-probabilities
+                loss = head_loss.chunked_cross_entropy(logits.tokens, call.weight, call.bias, target,
+                                                       logits.casts, ignore_index, reduction,
+                                                       chunk_rows(p)[-1], self.runtime.scope)
+                for frame in profiler.stack:  # the head's frame and every one around it (the model's)
+                    frame.profile.saved_bytes += logits.numel() * z
+                    frame.profile.largest_bytes = max(frame.profile.largest_bytes, logits.numel() * z)
+                    frame.profile.compress_bytes += logits.numel() * z
+            else:
+                whole = logits.whole("cross_entropy")
+                loss = torch.nn.functional.cross_entropy(whole, target, ignore_index=ignore_index,
+                                                         reduction=reduction)
+        if told is not None:
+            told(False)
+            if loss.requires_grad and call.hidden.requires_grad:
+                loss.register_hook(lambda grad: told(True))
+                call.hidden.register_hook(lambda grad: told(False))
+        return loss
 
 
 def _hook_outputs(out: Any, group: Any, offloader: Offloader) -> None:

@@ -440,3 +440,70 @@ def test_bf16_stochastic_rounding_is_unbiased():
     decoded = fmt.decode("exp_avg", buffers, 0, 100_000)
     assert set(decoded.unique().tolist()) == {1.0, 1.0 + 2 ** -7}
     assert abs(decoded.mean().item() - value) < 2e-5
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_second_moment_never_decodes_to_zero_in_a_block_with_one_large_entry(dtype, monkeypatch):
+    """A block whose maximum is one large old gradient (a spike at step 0) and whose other entries get
+    small steady gradients later: their second moment sits far below the block's maximum. A code
+    that decodes it to zero leaves each step's v at (1 - beta2) g^2 alone, and the step grows to
+    sqrt(bias correction) / sqrt(1 - beta2) x lr (15x by step 300 with version 1's int8 map, and on).
+    Both low-bit formats keep every step within 10x lr; fp32 states take about 1.4x here."""
+    import xirang_ds.plugins.optimizer_states.formats as formats
+    from xirang_ds.plugins.optimizer_states.qmaps import SECOND_MOMENT_8BIT, SECOND_MOMENT_8BIT_V1
+
+    lr = 1e-3
+
+    def worst_step(states):
+        p = torch.nn.Parameter(torch.zeros(256))  # one block at either width
+        opt = DynamicAdamW([p], lr=lr, weight_decay=0.0, states=states)
+        worst = 0.0
+        for s in range(300):
+            p.grad = torch.zeros(256)
+            if s == 0:
+                p.grad[0] = 1.0
+            if s >= 30:
+                p.grad[1:] = 2.5e-6
+            before = p.detach().clone()
+            opt.step()
+            worst = max(worst, ((p.detach() - before)[1:].abs().max() / lr).item())
+        return worst
+
+    low_bit = {"schedule": [{"dtype": dtype}], "min_numel": 0, "chunk_numel": 4096}
+    assert worst_step(FP32_ONLY) < 1.5
+    assert worst_step(low_bit) <= 10.0
+    if dtype == "int8":  # the same run with version 1's map (a zero code) fails the bound
+        monkeypatch.setattr(formats, "SECOND_MOMENT_8BIT", SECOND_MOMENT_8BIT_V1)
+        assert worst_step(low_bit) > 10.0
+    tiny = torch.tensor([1e-12])
+    assert SECOND_MOMENT_8BIT_V1.decode(SECOND_MOMENT_8BIT_V1.encode(tiny.clone())).item() == 0.0
+    assert SECOND_MOMENT_8BIT.decode(SECOND_MOMENT_8BIT.encode(tiny.clone())).item() > 0.0
+
+
+def test_version_1_int8_states_load_re_encoded():
+    """A checkpoint saved before the zero code went: its second moments are decoded with the old map
+    and encoded with today's (within one code step of the old values)."""
+    from xirang_ds.plugins.optimizer_states.qmaps import SECOND_MOMENT_8BIT, SECOND_MOMENT_8BIT_V1
+
+    model = mlp()
+    opt = DynamicAdamW(model.parameters(), lr=1e-3, states={"schedule": [{"dtype": "int8"}], "min_numel": 0,
+                                                          "chunk_numel": 4096})
+    for _ in range(3):
+        model(torch.randn(4, 48)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    saved = copy.deepcopy(opt.state_dict())
+    first = next(iter(saved["state"]))
+    today = saved["state"][first]["exp_avg_sq_codes"].clone()
+    values = SECOND_MOMENT_8BIT.decode(today)
+    old_codes = SECOND_MOMENT_8BIT_V1.encode(values.clone()).to(torch.uint8)  # as version 1 would have stored them
+    saved["state"][first]["exp_avg_sq_codes"] = old_codes
+    saved["xirang_optimizer_states"]["version"] = 1
+    fresh = DynamicAdamW(mlp().parameters(), lr=1e-3, states={"schedule": [{"dtype": "int8"}], "min_numel": 0,
+                                                             "chunk_numel": 4096})
+    fresh.load_state_dict(saved)
+    loaded = fresh.state[fresh.param_groups[0]["params"][0]]["exp_avg_sq_codes"]
+    assert (loaded.int() - today.int()).abs().max() <= 1
+    saved["xirang_optimizer_states"]["version"] = 7
+    with pytest.raises(StateLoadError, match="version 7"):
+        fresh.load_state_dict(saved)

@@ -36,7 +36,9 @@ from xirang_ds.plugins.optimizer_states.update import AdamHyper, adam_chunk_
 
 STATE_DICT_KEY = "xirang_optimizer_states"
 """Extra key of `DynamicAdamW.state_dict`: format version and the stochastic-rounding generator."""
-STATE_DICT_VERSION = 1
+STATE_DICT_VERSION = 2
+"""2: the int8 second moment has no zero code (`qmaps.SECOND_MOMENT_8BIT`); version 1 states load
+and are re-encoded (`_reencode_v1`)."""
 
 
 class StateLoadError(ValueError):
@@ -344,7 +346,7 @@ class DynamicAdamW(torch.optim.Optimizer):
                 (saved under ZeRO with another data-parallel world size), or another format version.
         """
         extra = state_dict.get(STATE_DICT_KEY, {})
-        if extra and extra.get("version") != STATE_DICT_VERSION:
+        if extra and extra.get("version") not in (1, STATE_DICT_VERSION):
             raise StateLoadError(f"optimizer states saved with format version {extra.get('version')}; "
                                  f"this xirang_ds reads version {STATE_DICT_VERSION}")
         saved = state_dict["state"]
@@ -365,10 +367,26 @@ class DynamicAdamW(torch.optim.Optimizer):
                 original = saved.get(i, {}).get(k)
                 if isinstance(t, torch.Tensor) and k != "step" and t.dtype != original.dtype:
                     st[k] = original.to(device=p.device)  # torch casts floating states to the param's dtype
+        if extra and extra.get("version") == 1:
+            for st in self.state.values():
+                _reencode_v1(st)
         for key, value in extra.get("generators", {}).items():
             gen = torch.Generator(device=key)
             gen.set_state(value)
             self._generators[key] = gen
+
+
+def _reencode_v1(state: dict) -> None:
+    """An int8 state saved with version 1's second-moment map, re-encoded in today's: each value
+    decoded with the old map and rounded to the nearest code of the new one (the block scales stay)."""
+    from xirang_ds.plugins.optimizer_states.qmaps import SECOND_MOMENT_8BIT, SECOND_MOMENT_8BIT_V1
+
+    codes = state.get("exp_avg_sq_codes")
+    if codes is None or format_of(state) != "int8":
+        return
+    values = SECOND_MOMENT_8BIT_V1.decode(codes)
+    new = SECOND_MOMENT_8BIT.encode(values)
+    codes.copy_(new.to(codes.dtype))
 
 
 def _check_hyper(lr: float, betas: tuple, eps: float, weight_decay: float) -> None:

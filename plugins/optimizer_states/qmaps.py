@@ -8,8 +8,14 @@ search. The maps here are companding curves computed with a square root and a mu
 * first moment (signed): ``t = sign(q) * (|q| / L) ** 2``. Codes are dense near zero, like the
   dynamic map's exponent, so small momenta in a block with one large entry keep their sign and
   size (8-bit: ``L = 127``, smallest step 6e-5 of the block maximum; 4-bit: ``L = 7``).
-* second moment, 8-bit: ``v = (q / 255) ** 4``: a square-root curve on ``sqrt(v)``, the quantity
-  Adam divides by; it spans ten decades below the block maximum.
+* second moment, 8-bit: ``v = ((q + 1) / 256) ** 4``: a square-root curve on ``sqrt(v)``, the
+  quantity Adam divides by, spanning ten decades below the block maximum, and without a zero code
+  (the smallest value is 2.3e-10 of the block maximum). With a zero code (``(q / 255) ** 4``, the
+  map of state-dict version 1) an entry at or below 1.5e-11 of its block's maximum decoded to 0, and
+  its update became ``m / eps``: in a block with one noisy large entry and small steady gradients
+  elsewhere, steps far above lr (15x in the test, growing with the step count). Without it, an entry
+  below the smallest value reads that value, never zero: its step can only shrink, and rounding
+  between the lowest codes moves it by at most the square root of their ratio.
 * second moment, 4-bit: ``sqrt(v) = (q + 1) / 16``: linear in ``sqrt(v)`` and without a zero code.
   Li et al. 2023 (section 4) show that a zero code for the second moment sends updates of the
   entries rounded to it to ``m / eps``; excluding zero fixes that, and working on ``sqrt(v)``
@@ -17,8 +23,8 @@ search. The maps here are companding curves computed with a square root and a mu
 
 Measured on the moments of a small GPT trained on tinyshakespeare
 (``benchmarks/optimizer_states_maps.py``), the relative error of the Adam update ``m / sqrt(v)``
-from decoded states is 1.0-1.2% with the 8-bit maps here against 1.6-1.9% with bitsandbytes'
-dynamic maps, and 16-20% at 4 bits against 27-35% with Li et al.'s maps (as torchao ships them).
+from decoded states is 1.0-1.2% with the 8-bit maps here (the same without the zero code) against
+1.6-1.9% with bitsandbytes' dynamic maps, and 16-20% at 4 bits against 27-35% with Li et al.'s maps (as torchao ships them).
 That is one round trip; over training, round to nearest also drops changes smaller than half a
 code step, which matters at 4 bits (see docs/optimizer_states.md).
 
@@ -130,7 +136,10 @@ class CompandingMap:
 
 
 FIRST_MOMENT_8BIT = CompandingMap(levels=127, power=2, signed=True)
-SECOND_MOMENT_8BIT = CompandingMap(levels=255, power=4, signed=False)
+SECOND_MOMENT_8BIT = CompandingMap(levels=256, power=4, signed=False, offset=1)
 FIRST_MOMENT_4BIT = CompandingMap(levels=7, power=2, signed=True)
 SECOND_MOMENT_4BIT = CompandingMap(levels=16, power=2, signed=False, offset=1)
 """The maps of the int8 and int4 formats, by moment."""
+SECOND_MOMENT_8BIT_V1 = CompandingMap(levels=255, power=4, signed=False)
+"""The int8 second moment's map in state-dict version 1 (with a zero code): read when such states
+are loaded, and re-encoded in `SECOND_MOMENT_8BIT`."""

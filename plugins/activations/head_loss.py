@@ -22,8 +22,9 @@ weight's dtype: exact to bf16 rounding, bit-identical with one slice).
 
 Not applied (the logits are computed whole, as without the plugin): under autocast, with a
 ``weight`` or ``label_smoothing`` in ``cross_entropy``, with class-probability targets, at ZeRO
-stage 3 (the head's weight is released when its forward returns) and under torch.compile (the
-planner leaves heads out there).
+stage 3 (the head's weight is released when its forward returns; the plugin leaves heads out there)
+and inside a region torch.compile traces (the head runs its plain forward, so profiling finds no
+chunkable call and the planner keeps it).
 """
 from __future__ import annotations
 

@@ -91,19 +91,18 @@ def resolve_block(block: Any, problems: Optional[list[tuple[str, str]]] = None) 
                                              f"got {describe_value(block)}")])
     preset = block.get("preset")
     local: list[tuple[str, str]] = []
-    if "sensitivity" in block:
-        local.append((f"{BLOCK_KEY}.sensitivity", f"applies only with \"preset\": \"auto\" (it bounds the presets auto "
-                                                  f"may take); got preset {describe_value(preset)}. Fix: remove it, or "
-                                                  "set preset to \"auto\""))
-        block = {k: v for k, v in block.items() if k != "sensitivity"}
-    if preset == "auto":
+    if preset == "auto":  # resolved where the model is known (`xirang_ds.config.auto`)
         local.append((f"{BLOCK_KEY}.preset", "\"auto\" is chosen from the model's parameters against memory_budget, "
                                              "and this path has no model. Fix: use xirang_ds.initialize (or "
                                              "patch_deepspeed), pass --model to xirang-ds validate / estimate, or "
                                              "name a preset (conservative, balanced, aggressive)"))
-        local = local[1:] if len(local) == 2 else local  # sensitivity belongs to auto: one problem only
-        block = {k: v for k, v in block.items() if k != "preset"}
+        block = {k: v for k, v in block.items() if k not in ("preset", "sensitivity")}
         preset = None
+    elif "sensitivity" in block:
+        local.append((f"{BLOCK_KEY}.sensitivity", f"applies only with \"preset\": \"auto\" (it bounds the presets auto "
+                                                  f"may take); got preset {describe_value(preset)}. Fix: remove it, or "
+                                                  "set preset to \"auto\""))
+        block = {k: v for k, v in block.items() if k != "sensitivity"}
     if local:
         if problems is None:
             raise XirangConfigError(local)

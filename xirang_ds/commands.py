@@ -94,9 +94,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
 
     import torch
 
-    from xirang_ds.config.auto import choose_for_spec
-    from xirang_ds.config.fit import fit_block
-    from xirang_ds.config.loader import BLOCK_KEY, read_ds_config
+    from xirang_ds.config.loader import read_ds_config
     from xirang_ds.memory.estimator import estimate_spec, format_estimate, recalibrate
     from xirang_ds.models import parse_model_spec
 
@@ -105,12 +103,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
     if args.world_size < 1:
         raise UsageError(f"--world-size must be >= 1; got {args.world_size}")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    ds_config, choice = choose_for_spec(ds_config, args.model, args.world_size, device)
-    if BLOCK_KEY in ds_config:
-        fit_block(ds_config[BLOCK_KEY], ds_config)
-    est = estimate_spec(args.model, ds_config, args.world_size, device)
-    if choice:
-        est.notes.append(choice)
+    est = estimate_spec(args.model, ds_config, args.world_size, device)  # resolves "preset": "auto", checks the block
     out = est.as_dict()
     print(format_estimate(est))
     if args.calibrate:

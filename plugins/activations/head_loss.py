@@ -46,7 +46,7 @@ _METADATA = {torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tenso
              torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement,
              torch.Tensor.ndimension, torch.Tensor.element_size, torch.Tensor.is_floating_point,
              torch.Tensor.__len__, torch.Tensor.get_device}
-"""Functions answered from the placeholder's metadata (no logits needed)."""
+"""Functions answered from the deferred logits' own shape, dtype and device (no logits needed)."""
 _CASTS = {torch.Tensor.float: torch.float32, torch.Tensor.double: torch.float64, torch.Tensor.half: torch.float16,
           torch.Tensor.bfloat16: torch.bfloat16}
 _RESHAPES = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten, torch.flatten}
@@ -97,9 +97,9 @@ class DeferredLogits(torch.Tensor):
 
     Attributes:
         call: the `HeadCall`.
-        parent, op: the placeholder this one came from and ``(func, args, kwargs)`` that made it
+        parent, op: the deferred logits these came from and ``(func, args, kwargs)`` that made it
             (replayed when the logits are needed whole); ``None`` for the head's own output.
-        tokens: the head's input laid out like this placeholder's token dims (``[*tokens, hidden]``),
+        tokens: the head's input laid out like these logits' token dims (``[*tokens, hidden]``),
             or ``None`` when an op made it no longer token-wise (only materializing is left).
         casts: dtypes the logits were cast through after the head, in order.
     """
@@ -127,7 +127,7 @@ class DeferredLogits(torch.Tensor):
             return func(base, *args, **kwargs)
 
     def _derive(self, func: Any, args: tuple, kwargs: dict) -> Optional["DeferredLogits"]:
-        """A placeholder for ``func(self, *args, **kwargs)`` if it keeps the logits token-wise."""
+        """Deferred logits for ``func(self, *args, **kwargs)`` if it keeps the logits token-wise."""
         if self.tokens is None or self.call.logits is not None:
             return None
         vocab = self.shape[-1]

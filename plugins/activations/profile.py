@@ -238,10 +238,7 @@ class Profiler:
         if not self.stack:  # a forward outside a pass (no grad, or evaluation)
             yield
             return
-        current = self.passes[-1]
-        profile = current.get(name)
-        if profile is None:
-            profile = current[name] = ModuleProfile(name, order=len(current))
+        profile = self.profile(name)
         frame = _Frame(profile, name in self.tolerant)
         for value in list(args) + list(kwargs.values()):
             if isinstance(value, torch.Tensor) and self.eligible(value):
@@ -256,6 +253,13 @@ class Profiler:
         finally:
             self.stack.pop()
             frame.close()
+
+    def profile(self, name: str) -> ModuleProfile:
+        """Module ``name``'s profile in the current pass (made at its first call: its order)."""
+        current = self.passes[-1]
+        if name not in current:
+            current[name] = ModuleProfile(name, order=len(current))
+        return current[name]
 
     # recording -----------------------------------------------------------------------------------
     def record_op(self, func: Any, out: Any, seconds: float) -> None:

@@ -31,7 +31,7 @@ from xirang_ds.plugins.activations import head_loss
 from xirang_ds.plugins.activations.handlers import CodecHandler, OffloadHandler
 from xirang_ds.plugins.activations.offload import Offloader
 from xirang_ds.plugins.activations.planner import chunk_rows
-from xirang_ds.plugins.activations.profile import ModuleProfile, Profiler
+from xirang_ds.plugins.activations.profile import Profiler
 from xirang_ds.plugins.activations.recompute import (
     RecomputeScope,
     RngStates,
@@ -227,9 +227,7 @@ class ModuleWrapper:
         the stretch told to the budget's peak (`Runtime.head_stretch`) in forward and in backward."""
         call = logits.call
         told, room = self.runtime.head_stretch, self.runtime.head_room
-        p = profiler.passes[-1].get(self.name)
-        if p is None:
-            p = profiler.passes[-1][self.name] = ModuleProfile(self.name, order=len(profiler.passes[-1]))
+        p = profiler.profile(self.name)
         z, y = logits.element_size(), call.weight.element_size()
         p.chunk_calls += 1
         p.chunk_bytes += logits.tokens.untyped_storage().nbytes() + target.untyped_storage().nbytes()

@@ -1,8 +1,11 @@
-"""Resuming across the block's life: a checkpoint whose optimizer state another block owns (plain
-DeepSpeed's ZeRO files under grad_release or optimizer_states, grad_release's own folder in a run
-without it) is refused before DeepSpeed reads anything, naming the section, what the checkpoint
-holds and the fix; ``load_optimizer_states=False`` resumes weights, LR schedule and counters."""
+"""Resuming across the block's life (docs/checkpoints.md): a checkpoint whose optimizer state another
+owner wrote (plain DeepSpeed's ZeRO files under grad_release or optimizer_states, grad_release's
+shards in a run without it, another layout) is taken over through whole per-parameter states, with
+the LR schedule and counters; lossless sections continue bit for bit where the run they replace
+would have gone. What cannot be taken over is refused before anything is modified, with the fix."""
+import copy
 import os
+import shutil
 
 import pytest
 
@@ -10,9 +13,12 @@ from tests.engine_runs import data_iter, ds_config
 from xirang_ds.launch import run_ranks
 
 GRAD_RELEASE = {"grad_release": {"enabled": True}}
+OPTIMIZER_STATES = {"optimizer_states": {"enabled": True}}
+INT8 = {"optimizer_states": {"enabled": True, "schedule": [{"dtype": "int8"}]}}
+SCHEDULER = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 10}}
 
 
-def _engine(block):
+def _engine(block, stage=2):
     import deepspeed
 
     import xirang_ds
@@ -21,7 +27,8 @@ def _engine(block):
     model = build_model(BUILTIN_SPECS["gpt-tiny"], seed=0)
     init = xirang_ds.initialize if block is not None else deepspeed.initialize
     engine, *_ = init(model=model, model_parameters=model.parameters(),
-                      config=ds_config(stage=2, dtype="bf16", micro=2, xirang=block))
+                      config=ds_config(stage=stage, dtype="bf16", micro=2, xirang=block, gradient_clipping=0.0,
+                                       scheduler=copy.deepcopy(SCHEDULER)))
     return engine
 
 
@@ -34,68 +41,136 @@ def _steps(engine, rank, world, skip, count):
     return [optimizer_step(engine, data) for _ in range(count)]
 
 
-def _load_error(block, path, **kwargs):
-    from xirang_ds.config.validate import XirangConfigError
+def _run(block, rank, world, save_dir, count, stage=2):
+    """``count`` steps from scratch, saved after the second."""
+    engine = _engine(block, stage)
+    losses = _steps(engine, rank, world, 0, 2)
+    engine.save_checkpoint(save_dir)
+    return losses + _steps(engine, rank, world, 2, count - 2)
 
-    engine = _engine(block)
-    try:
-        engine.load_checkpoint(path, **kwargs)
-    except XirangConfigError as e:
-        return str(e)
-    return None
+
+def _resume(block, rank, world, load_dir, count, stage=2):
+    engine = _engine(block, stage)
+    engine.load_checkpoint(load_dir)
+    return {"losses": _steps(engine, rank, world, 2, count), "steps": engine.global_steps,
+            "lr": engine.get_lr()[0], "events": [e["kind"] for e in engine.xirang.events]}
 
 
 def scenarios(rank, world, tmp):
-    plain_dir, ours_dir = os.path.join(tmp, "plain"), os.path.join(tmp, "grad_release")
-    out = {}
-    engine = _engine(None)
-    out["plain"] = _steps(engine, rank, world, 0, 2)
-    engine.save_checkpoint(plain_dir)
-    out["plain"] += _steps(engine, rank, world, 2, 2)
-    out["plain_into_balanced"] = _load_error({"preset": "balanced"}, plain_dir)
-    engine = _engine({"preset": "balanced"})
-    engine.load_checkpoint(plain_dir, load_optimizer_states=False)
-    out["warm_start"] = {"steps": engine.global_steps, "losses": _steps(engine, rank, world, 2, 2)}
-    engine = _engine(GRAD_RELEASE)
-    out["ours"] = _steps(engine, rank, world, 0, 2)
-    engine.save_checkpoint(ours_dir)
-    out["ours"] += _steps(engine, rank, world, 2, 2)
-    out["marker"] = sorted(os.listdir(os.path.join(ours_dir, "global_step2")))
-    out["ours_into_int8"] = _load_error({"optimizer_states": {"enabled": True}}, ours_dir)
-    engine = _engine(GRAD_RELEASE)
-    assert _load_error(GRAD_RELEASE, ours_dir) is None
-    engine.load_checkpoint(ours_dir)
-    out["resumed"] = _steps(engine, rank, world, 2, 2)
+    import torch
+
+    from xirang_ds.config.validate import XirangConfigError
+
+    plain, ours, broken = (os.path.join(tmp, n) for n in ("plain", "grad_release", "broken"))
+    out = {"plain": _run(None, rank, world, plain, 5), "ours": _run(GRAD_RELEASE, rank, world, ours, 4)}
+    out["plain_into_grad_release"] = _resume(GRAD_RELEASE, rank, world, plain, 2)
+    out["plain_into_optimizer_states"] = _resume(OPTIMIZER_STATES, rank, world, plain, 2)
+    out["plain_into_balanced"] = _resume({"preset": "balanced"}, rank, world, plain, 3)
+    out["ours_into_optimizer_states"] = _resume(OPTIMIZER_STATES, rank, world, ours, 2)
+    out["ours_into_a_block_without_owners"] = _resume({"monitor": {"enabled": True}}, rank, world, ours, 2)
+    out["ours_into_ours"] = _resume(GRAD_RELEASE, rank, world, ours, 2)
+    out["int8"] = _run(INT8, rank, world, os.path.join(tmp, "int8"), 4)
+    out["int8_into_a_block_without_owners"] = _resume({"monitor": {"enabled": True}}, rank, world,
+                                                      os.path.join(tmp, "int8"), 2)
+    out["balanced"] = _run({"preset": "balanced"}, rank, world, os.path.join(tmp, "balanced"), 4)
+    out["balanced_into_grad_release"] = _resume(GRAD_RELEASE, rank, world, os.path.join(tmp, "balanced"), 2)
+    out["plain_zero3"] = _run(None, rank, world, os.path.join(tmp, "plain3"), 4, stage=3)
+    out["plain_zero3_into_balanced"] = _resume({"preset": "balanced"}, rank, world, os.path.join(tmp, "plain3"), 2,
+                                               stage=3)
+    if rank == 0:
+        shutil.copytree(ours, broken)
+        os.remove(os.path.join(broken, "global_step2", "xirang_grad_release", "rank00001.pt"))
+    torch.distributed.barrier()
+    engine = _engine(OPTIMIZER_STATES)
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    try:
+        engine.load_checkpoint(broken)
+        out["refused"] = None
+    except XirangConfigError as e:
+        out["refused"] = str(e)
+    out["untouched"] = all(torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
+    out["untouched_steps"] = engine.global_steps
     return out
+
+
+def other_world(rank, world, tmp):
+    """The 2-rank grad_release checkpoint resumed on one rank: every moment element is the saved one."""
+    import torch
+
+    from xirang_ds.plugins.grad_release.checkpoint import read_param_states
+
+    engine = _engine(GRAD_RELEASE)
+    engine.load_checkpoint(os.path.join(tmp, "grad_release"))
+    saved = read_param_states(os.path.join(tmp, "grad_release", "global_step2"))
+    plugin = engine.xirang.plugin("grad_release")
+    same = []
+    for bucket in plugin.buckets:
+        for piece, view in zip(bucket.pieces, bucket.views):
+            name = bucket.names[piece.index]
+            state = bucket.optimizer.state[view]
+            same.append(torch.equal(state["exp_avg_sq"].reshape(-1), saved.params[name].exp_avg_sq.reshape(-1))
+                        and torch.equal(view.reshape(-1), saved.params[name].master.reshape(-1)))
+    return {"same": all(same), "checked": len(same), "steps": engine.global_steps,
+            "losses": _steps(engine, rank, world, 2, 2)}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return run_ranks(scenarios, 2, str(tmp_path_factory.mktemp("resume")))
+    tmp = str(tmp_path_factory.mktemp("resume"))
+    results = run_ranks(scenarios, 2, tmp)
+    results[0]["other_world"] = run_ranks(other_world, 1, tmp)[0]
+    return results
 
 
 @pytest.mark.distributed
-def test_a_plain_checkpoint_into_a_preset_is_refused_with_the_fix(runs):
+def test_a_plain_checkpoint_is_taken_over_by_grad_release_and_optimizer_states_bit_for_bit(runs):
     for r in runs:
-        text = r["plain_into_balanced"]
-        assert text.startswith("cannot resume from this checkpoint (2 problems):")
-        assert "xirang.grad_release: " in text and "xirang.optimizer_states: " in text
-        assert "was written without xirang.grad_release (by plain DeepSpeed), and this run has it on" in text
-        assert "Fix: engine.load_checkpoint(..., load_optimizer_states=False)" in text
+        for name in ("plain_into_grad_release", "plain_into_optimizer_states"):
+            assert r[name]["losses"] == r["plain"][2:4], name
+            assert r[name]["steps"] == 4
+            assert r[name]["events"] == ["optimizer_state_taken_over"]
+        # mid-warmup: a schedule restarted at step 0, or a learning rate not taken over, would change step 4's loss
+        assert 0 < r["plain_into_grad_release"]["lr"] == r["plain_into_optimizer_states"]["lr"] < 1e-3
 
 
 @pytest.mark.distributed
-def test_a_warm_start_keeps_the_counters_and_the_weights(runs):
+def test_a_plain_checkpoint_into_a_preset_continues_on_the_plain_trajectory(runs):
     for r in runs:
-        assert r["warm_start"]["steps"] == 2
-        assert r["warm_start"]["losses"][0] == pytest.approx(r["plain"][2], rel=1e-6)  # the weights loaded
+        got = r["plain_into_balanced"]["losses"]
+        assert got[:2] == r["plain"][2:4]  # the update at step 3 used the taken-over fp32 moments
+        assert got[2] == pytest.approx(r["plain"][4], rel=2e-3) and got[2] != r["plain"][4]  # int8 from then on
+        zero3 = r["plain_zero3_into_balanced"]
+        assert zero3["losses"] == r["plain_zero3"][2:4] and zero3["steps"] == 4
 
 
 @pytest.mark.distributed
-def test_grad_release_state_is_refused_by_a_run_without_it_and_resumes_identically_with_it(runs):
+def test_grad_release_shards_are_taken_over_by_runs_without_grad_release(runs):
     for r in runs:
-        assert "xirang_block.json" in r["marker"] and "xirang_grad_release" in r["marker"]
-        text = r["ours_into_int8"]
-        assert "xirang.grad_release: " in text and "was written with xirang.grad_release, and this run has it off" in text
-        assert "xirang_grad_release/ folder" in text
-        assert r["resumed"] == r["ours"][2:]
+        assert r["ours_into_optimizer_states"]["losses"] == r["ours"][2:]
+        assert r["ours_into_a_block_without_owners"]["losses"] == r["ours"][2:]
+        assert r["ours_into_ours"]["losses"] == r["ours"][2:] and r["ours_into_ours"]["events"] == []
+
+
+@pytest.mark.distributed
+def test_int8_states_are_decoded_for_an_owner_that_keeps_fp32(runs):
+    for r in runs:
+        # the next update decodes the same codes into the same fp32 moments: step 4's loss agrees
+        assert r["int8_into_a_block_without_owners"]["losses"] == r["int8"][2:]
+        assert r["balanced_into_grad_release"]["losses"] == r["balanced"][2:]
+
+
+@pytest.mark.distributed
+def test_a_grad_release_checkpoint_resumes_at_another_world_size(runs):
+    other = runs[0]["other_world"]
+    assert other["same"] and other["checked"] >= 29 and other["steps"] == 2
+    assert all(l == l for l in other["losses"])
+
+
+@pytest.mark.distributed
+def test_what_cannot_be_taken_over_is_refused_before_anything_changes(runs):
+    for r in runs:
+        text = r["refused"]
+        assert text.startswith("cannot resume from this checkpoint")
+        assert "written by xirang sections grad_release" in text and "this run's sections (optimizer_states)" in text
+        assert "rank00001.pt" in text and "Fix: engine.load_checkpoint(..., load_optimizer_states=False)" in text
+        assert r["untouched"] and r["untouched_steps"] == 0

@@ -22,6 +22,7 @@ from xirang_ds.hooks import CallbackHandle, wrap_method
 from xirang_ds.registry import Plugin, check_framework, plugins_for
 
 if TYPE_CHECKING:  # pragma: no cover
+    from xirang_ds.checkpoints.param_states import ParamStates
     from xirang_ds.config.fit import LeftOut
     from xirang_ds.memory.engine_roles import TrainingWatch
     from xirang_ds.memory.tracker import MemoryTracker
@@ -42,13 +43,11 @@ MARKER = "xirang_block.json"
 ran, so a resume can tell a plain DeepSpeed checkpoint (no marker) from one whose optimizer states
 another block owns."""
 
-OPTIMIZER_STATE_OWNERS = {
-    "grad_release": "its fp32 masters and optimizer states are in the checkpoint's xirang_grad_release/ folder, "
-                    "not in DeepSpeed's ZeRO files",
-    "optimizer_states": "its optimizer states are DynamicAdamW's (int8/int4 codes, its own param groups), "
-                        "not torch AdamW's",
-}
-"""Sections whose optimizer state DeepSpeed's own loader cannot exchange with a run without them."""
+OPTIMIZER_STATE_OWNERS = ("grad_release", "optimizer_states")
+"""Sections that change who holds the optimizer state, or its layout: grad_release holds fp32 masters and
+states in its own shards (the checkpoint's xirang_grad_release/ folder), optimizer_states holds
+DynamicAdamW's codes over its own param groups. A resume whose checkpoint differs from the run in these
+is a take-over (`Session._load_checkpoint`)."""
 
 
 def load_checkpoint_options(engine: Any, *args: Any, **kwargs: Any) -> dict:
@@ -220,9 +219,10 @@ class Session:
         engine.xirang = self
         if self.framework == "deepspeed":  # Megatron saves its own checkpoints (docs/megatron.md)
             self._handles.append(wrap_method(engine, "save_checkpoint", self._save_checkpoint))
-            self._handles.append(wrap_method(engine, "load_checkpoint", self._load_checkpoint))
         for p in self.plugins:
             p.attach(engine)
+        if self.framework == "deepspeed":  # outermost: it decides how the plugins' wrappers load
+            self._handles.append(wrap_method(engine, "load_checkpoint", self._load_checkpoint))
 
     def remove(self) -> None:
         """Detach every plugin (reverse order) and the checkpoint wrappers."""
@@ -271,33 +271,46 @@ class Session:
         os.replace(temporary, path)
 
     def _load_checkpoint(self, original, *args, **kwargs):
-        self._check_resume(*args, **kwargs)
-        load_path, client_state = original(*args, **kwargs)
+        """DeepSpeed's load; when the checkpoint's optimizer state belongs to another owner (plain
+        DeepSpeed's ZeRO files under grad_release, grad_release's shards without it, torch AdamW's
+        states under optimizer_states and back, another grad_release layout), DeepSpeed loads all but
+        the optimizer state and this run's owner takes it over from the whole per-parameter states
+        (docs/checkpoints.md)."""
+        options = load_checkpoint_options(self.engine, *args, **kwargs)
+        foreign = self._foreign_optimizer_state(options)
+        if foreign is None:
+            load_path, client_state = original(*args, **kwargs)
+        else:
+            states = self._read_states(*foreign)  # before anything is modified: a refusal leaves the run as it was
+            call = {k: v for k, v in options.items() if k != "self"}
+            load_path, client_state = original(**{**call, "load_optimizer_states": False})
+            if load_path is not None:
+                self._take_over(states)
+                self.record_event("optimizer_state_taken_over", source=states.source, params=len(states.params))
+                if int(getattr(self.engine, "global_rank", 0)) == 0:
+                    logger.info("xirang: optimizer state taken over from %s (%d parameters)", states.source,
+                                len(states.params))
         if client_state and CHECKPOINT_KEY in client_state:
             self.load_state_dict(client_state.pop(CHECKPOINT_KEY))
         return load_path, client_state
 
-    def _check_resume(self, *args: Any, **kwargs: Any) -> None:
-        """Refuse, before DeepSpeed reads anything, a load of optimizer states that another block owns.
-
-        Raises:
-            XirangConfigError: with the section, what the checkpoint holds and the fix.
-        """
+    def _foreign_optimizer_state(self, options: dict) -> Optional[tuple[str, set[str]]]:
+        """``(tag folder, sections that wrote it)`` when the optimizer state of the checkpoint
+        DeepSpeed is about to load is not this run's owner's own, else ``None``."""
         import json
 
-        options = load_checkpoint_options(self.engine, *args, **kwargs)
         if not options["load_optimizer_states"] or options["load_module_only"]:
-            return
+            return None
         load_dir, tag = options["load_dir"], options["tag"]
         if tag is None:
             latest = os.path.join(load_dir, "latest")
             if not os.path.isfile(latest):
-                return  # DeepSpeed's own message for a folder without a checkpoint
+                return None  # DeepSpeed's own message for a folder without a checkpoint
             with open(latest, encoding="utf-8") as f:
                 tag = f.read().strip()
         tag_dir = os.path.join(load_dir, str(tag))
         if not os.path.isdir(tag_dir):
-            return
+            return None
         marker = os.path.join(tag_dir, MARKER)
         saved: set[str] = set()
         if os.path.isfile(marker):
@@ -306,21 +319,58 @@ class Session:
         elif os.path.isdir(os.path.join(tag_dir, "xirang_grad_release")):
             saved = {"grad_release"}  # written before the marker existed
         current = {p.section for p in self.plugins}
-        problems = []
-        for section, holds in OPTIMIZER_STATE_OWNERS.items():
-            if (section in saved) == (section in current):
-                continue
-            written = ("with xirang." + section) if section in saved else (
-                "without xirang." + section + (" (by plain DeepSpeed)" if not os.path.isfile(marker) else ""))
-            why = holds if section in saved else (f"this run's {section} cannot take over DeepSpeed's optimizer "
-                                                  "state yet")
-            problems.append((f"xirang.{section}", f"{tag_dir} was written {written}, and this run "
-                             f"{'has it off' if section in saved else 'has it on'}: {why}. Fix: "
-                             "engine.load_checkpoint(..., load_optimizer_states=False) loads the weights, the LR "
-                             "schedule and the step counters and restarts the optimizer's moments from the "
-                             f"loaded weights; or resume with xirang.{section} as it was written"))
-        if problems:
-            raise XirangConfigError(problems, title="cannot resume from this checkpoint")
+        owners = set(OPTIMIZER_STATE_OWNERS)
+        if saved & owners != current & owners:
+            return tag_dir, saved
+        grad_release = self.plugin("grad_release")
+        if grad_release is not None and grad_release.layout_differs(tag_dir):
+            return tag_dir, saved
+        return None
+
+    def _read_states(self, tag_dir: str, saved: set[str]) -> "ParamStates":
+        """The checkpoint's optimizer state per parameter.
+
+        Raises:
+            XirangConfigError: it cannot be read, or lacks parameters this run trains; the message names
+                the checkpoint's block, this run's and the fix.
+        """
+        from xirang_ds.checkpoints.deepspeed_files import CheckpointReadError, read_deepspeed_states
+        from xirang_ds.checkpoints.param_states import missing
+        from xirang_ds.plugins.grad_release.checkpoint import read_param_states
+
+        trainable = [(n, p) for n, p in self.engine.module.named_parameters() if p.requires_grad]
+        written = ("xirang sections " + ", ".join(sorted(saved))) if saved else "plain DeepSpeed"
+        running = ", ".join(p.section for p in self.plugins)
+        fix = ("Fix: engine.load_checkpoint(..., load_optimizer_states=False) loads the weights, the LR schedule and "
+               "the step counters and restarts the optimizer's moments from the loaded weights; or resume with the "
+               "block the checkpoint was written with")
+        try:
+            if "grad_release" in saved:
+                states = read_param_states(tag_dir)
+            else:
+                states = read_deepspeed_states(tag_dir, [n for n, _ in trainable], {n: p.shape for n, p in trainable})
+        except (CheckpointReadError, FileNotFoundError, ValueError, KeyError) as e:
+            raise XirangConfigError([("checkpoint", f"{tag_dir} (written by {written}) cannot be taken over by this "
+                                      f"run's sections ({running}): {e}. {fix}")],
+                                    title="cannot resume from this checkpoint") from None
+        absent = [n for n, _ in trainable if n not in states.params]
+        if absent:
+            raise XirangConfigError([("checkpoint", f"{tag_dir} (written by {written}) has no optimizer state for "
+                                      f"{len(absent)} parameter(s) this run trains ({', '.join(absent[:3])}"
+                                      f"{', ...' if len(absent) > 3 else ''}). {fix}")],
+                                    title="cannot resume from this checkpoint")
+        del missing
+        return states
+
+    def _take_over(self, states: "ParamStates") -> None:
+        """Put the whole per-parameter states into whichever optimizer steps this run."""
+        from xirang_ds.checkpoints.deepspeed_slots import load_engine_states
+
+        grad_release = self.plugin("grad_release")
+        if grad_release is not None:
+            grad_release.take_over(states)
+        else:
+            load_engine_states(self.engine, states)
 
     def figures(self) -> dict[str, dict]:
         """Each plugin's `Plugin.figures`, by section (plugins with nothing to report left out)."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -29,6 +29,9 @@ from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import CallbackHandle, wrap_method
 from xirang_ds.memory.categories import GRADIENTS, OPTIMIZER_STATES, PARAMETERS
 from xirang_ds.registry import Plugin, register_plugin
+
+if TYPE_CHECKING:  # pragma: no cover
+    from xirang_ds.checkpoints.param_states import ParamStates
 
 logger = logging.getLogger("xirang_ds")
 
@@ -540,6 +543,38 @@ class GradReleasePlugin(Plugin):
         else:
             load_rank_state(os.path.dirname(load_path), self.comm.rank, self._layout(), self.policy, self.buckets)
         return load_path, client_state
+
+    def layout_differs(self, tag_dir: str) -> bool:
+        """True if the tag holds grad_release shards of another layout (world size, stage, buckets)."""
+        from xirang_ds.plugins.grad_release.checkpoint import load_shard, mismatch, shard_path
+
+        path = shard_path(tag_dir, self.comm.rank)
+        if not os.path.isfile(path):
+            return True
+        return bool(mismatch(load_shard(path), self._layout()))
+
+    def take_over(self, states: "ParamStates") -> None:
+        """Continue from another owner's optimizer state (plain DeepSpeed's ZeRO files, or this
+        plugin's with another layout or optimizer): every bucket's masters and optimizer states are
+        cut from the whole per-parameter states, and the fp16 loss scale is taken over."""
+        from xirang_ds.checkpoints.param_states import Fragment, Slot, load_slots, set_hyperparameters
+
+        # the buckets' optimizers copy these before every step; an LR scheduler drives them
+        set_hyperparameters(self.engine.optimizer, {p: n for n, p in self.engine.module.named_parameters()}, states)
+        for bucket in self.buckets:
+            if bucket.optimizer is None:
+                continue
+            slots = [Slot(view, [Fragment(bucket.names[piece.index], piece.start, piece.numel, 0)])
+                     for piece, view in zip(bucket.pieces, bucket.views)]
+            load_slots(bucket.optimizer, slots, states)
+            steps = [states.params[bucket.names[piece.index]].step for piece in bucket.pieces]
+            bucket.steps_applied = max(steps, default=0)
+            if bucket.master is not None:
+                with torch.no_grad():
+                    for piece, view in zip(bucket.pieces, bucket.views):
+                        bucket._param_slice(piece).reshape(-1).copy_(view.reshape(-1))
+        if states.loss_scale and self.policy.loss_scaler is not None:
+            self.policy.load_state_dict({"previous_norm": None, "loss_scaler": states.loss_scale})
 
     # removal ------------------------------------------------------------------------------------
     def remove(self) -> None:

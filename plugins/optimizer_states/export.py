@@ -23,6 +23,14 @@ def decode_state(state: dict, param: torch.Tensor) -> dict:
     return out
 
 
+def torch_layout(state: Optional[dict], numel: int) -> dict:
+    """A saved state of ``numel`` elements in ``torch.optim`` layout: DynamicAdamW's (its ``format``
+    key) decoded to fp32, flat; another optimizer's as it is; ``{}`` for none."""
+    if not state:
+        return {}
+    return decode_state(state, torch.empty(numel, device="meta")) if "format" in state else state
+
+
 def to_torch_optimizer(opt: DynamicAdamW, into: Optional[torch.optim.Optimizer] = None) -> torch.optim.Optimizer:
     """A ``torch.optim`` Adam/AdamW continuing where ``opt`` is: same param-group dicts (so learning
     rate schedulers holding either keep working), states decoded to fp32.
@@ -63,4 +71,4 @@ def checkpoint_to_torch(optimizer_state_dict: dict, params: list[torch.Tensor]) 
     return out
 
 
-__all__ = ["decode_state", "to_torch_optimizer", "checkpoint_to_torch"]
+__all__ = ["decode_state", "to_torch_optimizer", "checkpoint_to_torch", "torch_layout"]

@@ -1,0 +1,228 @@
+"""Plain DeepSpeed's checkpoint files read into `ParamStates` (read in deepspeed 0.19.8).
+
+What each layout holds, in the tag folder:
+
+* ZeRO 1/2 (any dtype): one ``[bf16_]zero_pp_rank_<R>_mp_rank_00_optim_states.pt`` per rank, whose
+  ``optimizer_state_dict`` has per param group the rank's flat fp32 partition
+  (``single_partition_of_fp32_groups``), the basic optimizer's state over it (``base_optimizer_state``)
+  and where each parameter's fragment starts in it (``param_slice_mappings``, name → numel, start);
+  fragments of one parameter follow each other in rank order.
+* ZeRO 3: the same files with ``fp32_flat_groups`` and ``optimizer_state_dict``; each parameter is cut
+  into ``ceil(numel / world)`` elements per rank, in the order of ``param_shapes`` in each rank's
+  ``zero_pp_rank_<R>_mp_rank_00_model_states.pt`` (what ``zero_to_fp32.py`` reads).
+* Stage 0: ``mp_rank_00_model_states.pt``'s ``optimizer``: the torch optimizer's state dict (fp32), or
+  DeepSpeed's fp16/bf16 wrapper's (``optimizer_state_dict`` and the fp32 masters ``fp32_groups``),
+  indexed by position in the param groups; the names come from the run's own parameter order.
+
+Every rank reads every rank's file, as DeepSpeed's own elastic loading does; the files are
+memory-mapped, so only the tensors used are read.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+from typing import Any, Optional, Sequence
+
+import torch
+
+from xirang_ds.checkpoints.param_states import ParamState, ParamStates, hyperparameters
+
+MODEL_STATES = "mp_rank_00_model_states.pt"
+_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+
+
+class CheckpointReadError(ValueError):
+    """The tag folder holds no optimizer state this reader understands; the message says what it holds."""
+
+
+def _load(path: str) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except RuntimeError:  # saved in torch's legacy (non-zip) format: no memory map
+        return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def optim_files(tag_dir: str) -> list[str]:
+    """The ZeRO optimizer files of a tag folder, in rank order (empty: stage 0 or none)."""
+    found = []
+    for path in glob.glob(os.path.join(tag_dir, "*zero_pp_rank_*_optim_states.pt")):
+        match = _OPTIM.match(os.path.basename(path))
+        if match:
+            found.append((int(match.group(2)), path))
+    return [p for _, p in sorted(found)]
+
+
+def has_deepspeed_optimizer_state(tag_dir: str) -> bool:
+    """True if the folder holds DeepSpeed's own optimizer state (ZeRO files, or a stage-0 optimizer
+    inside the model-states file)."""
+    if optim_files(tag_dir):
+        return True
+    path = os.path.join(tag_dir, MODEL_STATES)
+    return os.path.isfile(path) and _load(path).get("optimizer") is not None
+
+
+def read_deepspeed_states(tag_dir: str, names: Sequence[str], shapes: dict[str, torch.Size]) -> ParamStates:
+    """The optimizer state of a plain DeepSpeed checkpoint, per parameter.
+
+    Args:
+        tag_dir: ``<save_dir>/<tag>``.
+        names: this run's trainable parameters in ``model.parameters()`` order (stage 0 indexes its
+            state by position).
+        shapes: their shapes.
+
+    Raises:
+        CheckpointReadError: no optimizer state, a stage-0 state whose parameters do not line up with
+            this run's, or an optimizer without Adam's moments.
+    """
+    files = optim_files(tag_dir)
+    if files:
+        first = _load(files[0])
+        stage = int(first["optimizer_state_dict"]["zero_stage"])
+        dtype = _dtype(first.get("ds_config"))
+        if stage == 3:
+            return _read_zero3(tag_dir, files, dtype)
+        return _read_zero12(files, stage, dtype, shapes)
+    path = os.path.join(tag_dir, MODEL_STATES)
+    if not os.path.isfile(path):
+        raise CheckpointReadError(f"{tag_dir} has neither {MODEL_STATES} nor ZeRO optimizer files")
+    saved = _load(path).get("optimizer")
+    if saved is None:
+        raise CheckpointReadError(f"{tag_dir} was saved without optimizer state ({MODEL_STATES} has none)")
+    return _read_stage0(saved, names, shapes, _dtype(_load(path).get("ds_config")))
+
+
+def _dtype(ds_config: Optional[dict]) -> str:
+    """The training dtype a ds_config names (``"?"`` when the file does not carry its ds_config)."""
+    if not isinstance(ds_config, dict):
+        return "?"
+    for key in ("bf16", "fp16"):
+        if (ds_config.get(key) or {}).get("enabled"):
+            return key
+    return "fp32"
+
+
+def _loss_scale(osd: dict) -> Optional[dict]:
+    """A ZeRO file's dynamic loss scaler, as the attributes grad_release's policy restores."""
+    scaler = osd.get("loss_scaler")
+    if scaler is None or not osd.get("dynamic_loss_scale"):
+        return None
+    return {k: getattr(scaler, k) for k in ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+            if hasattr(scaler, k)}
+
+
+def _group_states(base: Any) -> tuple[list[dict], list[dict]]:
+    """``(per-group state, per-group hyperparameters)`` of a ZeRO file's basic-optimizer state: a torch
+    state dict (one flat tensor per group) or DeepSpeed's elastic list of per-group states."""
+    if isinstance(base, dict):
+        states = [base["state"].get(i, {}) for i in range(len(base["param_groups"]))]
+        return states, [hyperparameters(g) for g in base["param_groups"]]
+    return list(base), [{} for _ in base]
+
+
+def _moments(state: dict, where: str, numel: int) -> dict:
+    """``state`` in ``torch.optim`` layout: DynamicAdamW's codes (a run with optimizer_states) decoded to
+    fp32 over ``numel`` elements."""
+    from xirang_ds.plugins.optimizer_states.export import torch_layout
+
+    state = torch_layout(state, numel)
+    if "exp_avg" not in state or "exp_avg_sq" not in state:
+        raise CheckpointReadError(f"{where}: the optimizer state has {sorted(state)}; only Adam/AdamW states "
+                                  "(exp_avg, exp_avg_sq) can move to another optimizer")
+    return state
+
+
+def _read_zero12(files: list[str], stage: int, dtype: str, shapes: dict[str, torch.Size]) -> ParamStates:
+    pieces: dict[str, dict[str, list[torch.Tensor]]] = {}
+    groups_of: dict[str, int] = {}
+    steps: dict[int, int] = {}
+    hyper: list[dict] = []
+    loss_scale = None
+    for rank, path in enumerate(files):
+        osd = _load(path)["optimizer_state_dict"]
+        states, hyper = _group_states(osd["base_optimizer_state"])
+        loss_scale = _loss_scale(osd)
+        for g, (state, mapping) in enumerate(zip(states, osd["param_slice_mappings"])):
+            if not mapping:
+                continue
+            single = osd["single_partition_of_fp32_groups"][g]
+            state = _moments(state, path, single.numel() + osd["group_paddings"][g])
+            steps[g] = int(state.get("step", osd.get("base_optimizer_state_step", 0)))
+            flats = {"master": single, "exp_avg": state["exp_avg"],
+                     "exp_avg_sq": state["exp_avg_sq"]}
+            for name, address in mapping.items():
+                groups_of[name] = g
+                entry = pieces.setdefault(name, {k: [] for k in flats})
+                for key, flat in flats.items():
+                    entry[key].append(flat.narrow(0, address.start, address.numel))
+    params = {}
+    for name, entry in pieces.items():
+        whole = {k: torch.cat(v).float() for k, v in entry.items()}
+        shape = shapes.get(name, torch.Size([whole["master"].numel()]))
+        params[name] = ParamState(master=whole["master"].view(shape), exp_avg=whole["exp_avg"].view(shape),
+                                  exp_avg_sq=whole["exp_avg_sq"].view(shape), step=steps[groups_of[name]],
+                                  group=groups_of[name])
+    return ParamStates(f"DeepSpeed ZeRO-{stage} ({dtype})", params, hyper, loss_scale)
+
+
+def _read_zero3(tag_dir: str, files: list[str], dtype: str) -> ParamStates:
+    world = len(files)
+    model_states = os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    if not os.path.isfile(model_states):
+        raise CheckpointReadError(f"{tag_dir}: ZeRO-3 optimizer files without {os.path.basename(model_states)}")
+    param_shapes = _load(model_states)["param_shapes"]
+    osds = [_load(p)["optimizer_state_dict"] for p in files]
+    states_hyper = [_group_states(o["optimizer_state_dict"]) for o in osds]
+    hyper = states_hyper[0][1]
+    params = {}
+    for g, group_shapes in enumerate(param_shapes):
+        flats = []
+        for rank, osd in enumerate(osds):
+            state = _moments(states_hyper[rank][0][g], files[rank], osd["fp32_flat_groups"][g].numel())
+            flats.append({"master": osd["fp32_flat_groups"][g], "exp_avg": state["exp_avg"],
+                          "exp_avg_sq": state["exp_avg_sq"]})
+        step = int(states_hyper[0][0][g].get("step", 0))
+        offset = 0
+        for name, shape in group_shapes.items():
+            numel = shape.numel()
+            part = -(-numel // world)
+            whole = {k: torch.cat([f[k].narrow(0, offset, part) for f in flats])[:numel].float().view(shape)
+                     for k in flats[0]}
+            params[name] = ParamState(step=step, group=g, **whole)
+            offset += part
+    return ParamStates(f"DeepSpeed ZeRO-3 ({dtype})", params, hyper, _loss_scale(osds[0]))
+
+
+def _read_stage0(saved: dict, names: Sequence[str], shapes: dict[str, torch.Size], dtype: str) -> ParamStates:
+    wrapped = "optimizer_state_dict" in saved  # DeepSpeed's fp16/bf16 optimizer at stage 0
+    torch_sd = saved["optimizer_state_dict"] if wrapped else saved
+    ids = [i for g in torch_sd["param_groups"] for i in g["params"]]
+    group_of = {i: g for g, group in enumerate(torch_sd["param_groups"]) for i in group["params"]}
+    if len(ids) != len(names):
+        raise CheckpointReadError(f"the stage-0 optimizer state covers {len(ids)} parameters and this model has "
+                                  f"{len(names)} trainable ones")
+    masters = [t for group in saved.get("fp32_groups", []) for t in group] if wrapped else []
+    params = {}
+    for position, (i, name) in enumerate(zip(ids, names)):
+        state = torch_sd["state"].get(i)
+        if not state:
+            continue
+        shape = shapes[name]
+        state = _moments(state, f"parameter {position} ({name})", shape.numel())
+        if state["exp_avg"].numel() != shape.numel():
+            raise CheckpointReadError(f"the stage-0 optimizer state of parameter {position} has "
+                                      f"{state['exp_avg'].numel()} elements and this run's {name} has {shape.numel()} "
+                                      "(the checkpoint's parameter order is not this model's)")
+        master = masters[position].float().view(shape) if masters else None
+        params[name] = ParamState(master=master, exp_avg=state["exp_avg"].float().view(shape),
+                                  exp_avg_sq=state["exp_avg_sq"].float().view(shape), step=int(state["step"]),
+                                  group=group_of[i])
+    scale = None
+    if wrapped and saved.get("dynamic_loss_scale"):
+        scale = {k: saved[k] for k in ("cur_scale", "cur_iter", "last_overflow_iter") if k in saved}
+    return ParamStates(f"DeepSpeed stage 0 ({dtype})", params, [hyperparameters(g) for g in torch_sd["param_groups"]],
+                       scale)
+
+
+__all__ = ["CheckpointReadError", "MODEL_STATES", "has_deepspeed_optimizer_state", "optim_files",
+           "read_deepspeed_states"]

@@ -52,8 +52,9 @@ def _run(block, rank, world, save_dir, count, stage=2):
 def _resume(block, rank, world, load_dir, count, stage=2):
     engine = _engine(block, stage)
     engine.load_checkpoint(load_dir)
+    session = getattr(engine, "xirang", None)
     return {"losses": _steps(engine, rank, world, 2, count), "steps": engine.global_steps,
-            "lr": engine.get_lr()[0], "events": [e["kind"] for e in engine.xirang.events]}
+            "lr": engine.get_lr()[0], "events": [e["kind"] for e in session.events] if session else []}
 
 
 def scenarios(rank, world, tmp):
@@ -74,6 +75,18 @@ def scenarios(rank, world, tmp):
                                                       os.path.join(tmp, "int8"), 2)
     out["balanced"] = _run({"preset": "balanced"}, rank, world, os.path.join(tmp, "balanced"), 4)
     out["balanced_into_grad_release"] = _resume(GRAD_RELEASE, rank, world, os.path.join(tmp, "balanced"), 2)
+    out["ours_into_plain_deepspeed"] = _resume(None, rank, world, ours, 2)
+    out["balanced_into_plain_deepspeed"] = _resume(None, rank, world, os.path.join(tmp, "balanced"), 2)
+    out["files"] = sorted(os.listdir(os.path.join(ours, "global_step2"))) + sorted(os.listdir(ours))
+    if rank == 0:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        from xirang_ds.plugins.grad_release.checkpoint import read_param_states
+
+        weights = get_fp32_state_dict_from_zero_checkpoint(ours)
+        masters = read_param_states(os.path.join(ours, "global_step2"))
+        out["zero_to_fp32"] = {"count": len(weights), "equal": all(
+            torch.equal(weights[n].reshape(-1), masters.params[n].master.reshape(-1)) for n in masters.params)}
     out["plain_zero3"] = _run(None, rank, world, os.path.join(tmp, "plain3"), 4, stage=3)
     out["plain_zero3_into_balanced"] = _resume({"preset": "balanced"}, rank, world, os.path.join(tmp, "plain3"), 2,
                                                stage=3)
@@ -157,6 +170,17 @@ def test_int8_states_are_decoded_for_an_owner_that_keeps_fp32(runs):
         # the next update decodes the same codes into the same fp32 moments: step 4's loss agrees
         assert r["int8_into_a_block_without_owners"]["losses"] == r["int8"][2:]
         assert r["balanced_into_grad_release"]["losses"] == r["balanced"][2:]
+
+
+@pytest.mark.distributed
+def test_plain_deepspeed_and_zero_to_fp32_read_a_grad_release_checkpoint(runs):
+    for r in runs:
+        assert {"bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                "xirang_grad_release", "zero_to_fp32.py", "latest"} <= set(r["files"])
+        assert r["ours_into_plain_deepspeed"]["losses"] == r["ours"][2:]  # grad_release is ZeRO-2's arithmetic
+        assert r["ours_into_plain_deepspeed"]["steps"] == 4
+        assert r["balanced_into_plain_deepspeed"]["losses"] == r["balanced"][2:]  # int8 decoded, as its next step did
+    assert runs[0]["zero_to_fp32"] == {"count": 29, "equal": True}
 
 
 @pytest.mark.distributed

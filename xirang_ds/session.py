@@ -38,11 +38,6 @@ WatchFactory = Callable[..., "TrainingWatch"]
 CHECKPOINT_KEY = "xirang"
 """Key of the plugins' state inside DeepSpeed's ``client_state``."""
 
-MARKER = "xirang_block.json"
-"""Written by rank 0 into each checkpoint's tag folder: the xirang_ds version and the sections that
-ran, so a resume can tell a plain DeepSpeed checkpoint (no marker) from one whose optimizer states
-another block owns."""
-
 OPTIMIZER_STATE_OWNERS = ("grad_release", "optimizer_states")
 """Sections that change who holds the optimizer state, or its layout: grad_release holds fp32 masters and
 states in its own shards (the checkpoint's xirang_grad_release/ folder), optimizer_states holds
@@ -248,27 +243,32 @@ class Session:
                 p.load_state_dict(state[p.section])
 
     def _save_checkpoint(self, original, save_dir, tag=None, client_state=None, *args, **kwargs):
+        from xirang_ds import __version__
+        from xirang_ds.checkpoints.tags import write_marker
+
         client_state = dict(client_state or {})
         client_state[CHECKPOINT_KEY] = self.state_dict()
+        tag_dir = os.path.join(save_dir, str(tag) if tag is not None else f"global_step{self.engine.global_steps}")
         if int(getattr(self.engine, "local_rank", self.engine.global_rank)) == 0:
-            self._write_marker(os.path.join(save_dir, str(tag) if tag is not None
-                                            else f"global_step{self.engine.global_steps}"))
-        return original(save_dir, tag, client_state, *args, **kwargs)
+            # by the first rank of every node: each node reads its own copy when checkpoints are node-local
+            write_marker(tag_dir, {"xirang_ds": __version__, "preset": self.config.preset,
+                                   "sections": [p.section for p in self.plugins]})
+        result = original(save_dir, tag, client_state, *args, **kwargs)
+        self._write_deepspeed_files(save_dir, os.path.basename(tag_dir))
+        return result
 
-    def _write_marker(self, tag_dir: str) -> None:
-        """`MARKER` in ``tag_dir``, by the first rank of every node (each node reads its own copy when
-        checkpoints are node-local), written to a temporary name and renamed (atomic where shared)."""
-        import json
+    def _write_deepspeed_files(self, save_dir: str, tag: str) -> None:
+        """`xirang_ds.checkpoints.tags.export_deepspeed_files` for this rank's partition, when grad_release
+        holds the optimizer state of a ZeRO-1/2 run (``deepspeed_files``)."""
+        from xirang_ds.checkpoints.tags import export_deepspeed_files
 
-        from xirang_ds import __version__
+        grad_release = self.plugin("grad_release")
+        if not self.config.deepspeed_files or grad_release is None or grad_release.setup.zero_stage not in (1, 2):
+            return
+        import deepspeed.comm as dist
 
-        os.makedirs(tag_dir, exist_ok=True)
-        path = os.path.join(tag_dir, MARKER)
-        temporary = f"{path}.{os.getpid()}"
-        with open(temporary, "w", encoding="utf-8") as f:
-            json.dump({"xirang_ds": __version__, "preset": self.config.preset,
-                       "sections": [p.section for p in self.plugins]}, f, indent=2)
-        os.replace(temporary, path)
+        export_deepspeed_files(save_dir, tag, ranks=[grad_release.comm.rank], ds_config=self.requested_ds_config)
+        dist.barrier()  # every rank's file is written before anyone reads the checkpoint
 
     def _load_checkpoint(self, original, *args, **kwargs):
         """DeepSpeed's load; when the checkpoint's optimizer state belongs to another owner (plain
@@ -294,61 +294,44 @@ class Session:
             self.load_state_dict(client_state.pop(CHECKPOINT_KEY))
         return load_path, client_state
 
-    def _foreign_optimizer_state(self, options: dict) -> Optional[tuple[str, set[str]]]:
-        """``(tag folder, sections that wrote it)`` when the optimizer state of the checkpoint
-        DeepSpeed is about to load is not this run's owner's own, else ``None``."""
-        import json
+    def _foreign_optimizer_state(self, options: dict) -> Optional[tuple[str, dict]]:
+        """``(tag folder, its marker)`` when the optimizer state of the checkpoint DeepSpeed is about to
+        load is not this run's owner's own, else ``None``."""
+        from xirang_ds.checkpoints.tags import read_marker, resolve_tag, state_owners
 
         if not options["load_optimizer_states"] or options["load_module_only"]:
             return None
-        load_dir, tag = options["load_dir"], options["tag"]
-        if tag is None:
-            latest = os.path.join(load_dir, "latest")
-            if not os.path.isfile(latest):
-                return None  # DeepSpeed's own message for a folder without a checkpoint
-            with open(latest, encoding="utf-8") as f:
-                tag = f.read().strip()
-        tag_dir = os.path.join(load_dir, str(tag))
-        if not os.path.isdir(tag_dir):
-            return None
-        marker = os.path.join(tag_dir, MARKER)
-        saved: set[str] = set()
-        if os.path.isfile(marker):
-            with open(marker, encoding="utf-8") as f:
-                saved = set(json.load(f).get("sections", []))
-        elif os.path.isdir(os.path.join(tag_dir, "xirang_grad_release")):
-            saved = {"grad_release"}  # written before the marker existed
-        current = {p.section for p in self.plugins}
-        owners = set(OPTIMIZER_STATE_OWNERS)
-        if saved & owners != current & owners:
-            return tag_dir, saved
+        tag_dir = resolve_tag(options["load_dir"], options["tag"])
+        if tag_dir is None:
+            return None  # DeepSpeed's own message for a folder without a checkpoint
+        marker = read_marker(tag_dir)
+        current = {p.section for p in self.plugins} & set(OPTIMIZER_STATE_OWNERS)
+        if state_owners(marker) != current:
+            return tag_dir, marker
         grad_release = self.plugin("grad_release")
         if grad_release is not None and grad_release.layout_differs(tag_dir):
-            return tag_dir, saved
+            return tag_dir, marker
         return None
 
-    def _read_states(self, tag_dir: str, saved: set[str]) -> "ParamStates":
+    def _read_states(self, tag_dir: str, marker: dict) -> "ParamStates":
         """The checkpoint's optimizer state per parameter.
 
         Raises:
             XirangConfigError: it cannot be read, or lacks parameters this run trains; the message names
                 the checkpoint's block, this run's and the fix.
         """
-        from xirang_ds.checkpoints.deepspeed_files import CheckpointReadError, read_deepspeed_states
-        from xirang_ds.checkpoints.param_states import missing
-        from xirang_ds.plugins.grad_release.checkpoint import read_param_states
+        from xirang_ds.checkpoints.deepspeed_files import CheckpointReadError
+        from xirang_ds.checkpoints.tags import read_states
 
         trainable = [(n, p) for n, p in self.engine.module.named_parameters() if p.requires_grad]
-        written = ("xirang sections " + ", ".join(sorted(saved))) if saved else "plain DeepSpeed"
+        saved = marker.get("sections", [])
+        written = ("xirang sections " + ", ".join(saved)) if saved else "plain DeepSpeed"
         running = ", ".join(p.section for p in self.plugins)
         fix = ("Fix: engine.load_checkpoint(..., load_optimizer_states=False) loads the weights, the LR schedule and "
                "the step counters and restarts the optimizer's moments from the loaded weights; or resume with the "
                "block the checkpoint was written with")
         try:
-            if "grad_release" in saved:
-                states = read_param_states(tag_dir)
-            else:
-                states = read_deepspeed_states(tag_dir, [n for n, _ in trainable], {n: p.shape for n, p in trainable})
+            states = read_states(tag_dir, marker, [n for n, _ in trainable], {n: p.shape for n, p in trainable})
         except (CheckpointReadError, FileNotFoundError, ValueError, KeyError) as e:
             raise XirangConfigError([("checkpoint", f"{tag_dir} (written by {written}) cannot be taken over by this "
                                       f"run's sections ({running}): {e}. {fix}")],
@@ -359,7 +342,6 @@ class Session:
                                       f"{len(absent)} parameter(s) this run trains ({', '.join(absent[:3])}"
                                       f"{', ...' if len(absent) > 3 else ''}). {fix}")],
                                     title="cannot resume from this checkpoint")
-        del missing
         return states
 
     def _take_over(self, states: "ParamStates") -> None:

@@ -34,8 +34,9 @@ def save_shard(path: str, payload: dict) -> None:
     os.replace(tmp, path)
 
 
-def load_shard(path: str) -> dict:
-    """Read one rank's file.
+def load_shard(path: str, mmap: bool = False) -> dict:
+    """Read one rank's file (``mmap``: memory-mapped, for reading slices of it; the tensors are then
+    backed by the file, not by allocations of their own).
 
     Raises:
         FileNotFoundError: the checkpoint has no grad_release file for this rank.
@@ -43,7 +44,7 @@ def load_shard(path: str) -> dict:
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(path)
-    payload = torch.load(path, map_location="cpu", weights_only=False)
+    payload = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     if payload.get("format") != FORMAT:
         raise ValueError(f"{path} has grad_release checkpoint format {payload.get('format')}; this version reads "
                          f"format {FORMAT}")
@@ -90,26 +91,27 @@ def load_rank_state(tag_dir: str, rank: int, layout: dict, policy: Any, buckets:
 
 
 def read_param_states(tag_dir: str) -> "ParamStates":
-    """Every rank's file of a checkpoint tag read into whole per-parameter states (flat), for a run
-    that resumes without grad_release or with another optimizer.
+    """Every rank's file of a checkpoint tag as whole per-parameter states (flat), for a run that
+    resumes without grad_release or with another optimizer or layout, and for writing DeepSpeed's
+    own files. The files are memory-mapped and each parameter is assembled when it is asked for
+    (`LazyParams`), so a reader holds one whole parameter at a time.
 
     Raises:
         FileNotFoundError: a rank's file is missing.
         ValueError: a file of another format, or one that does not say which param group each
             parameter's slice is in while its optimizer has several.
     """
-    from xirang_ds.checkpoints.param_states import ParamState, ParamStates, hyperparameters
+    from xirang_ds.checkpoints.param_states import LazyParams, ParamState, ParamStates, hyperparameters
     from xirang_ds.plugins.grad_release.layout import BucketLayout
-    from xirang_ds.plugins.optimizer_states.export import torch_layout
 
-    first = load_shard(shard_path(tag_dir, 0))
-    files = [first] + [load_shard(shard_path(tag_dir, r)) for r in range(1, int(first["world"]))]
-    whole: dict[str, dict] = {}
+    first = load_shard(shard_path(tag_dir, 0), mmap=True)
+    files = [first] + [load_shard(shard_path(tag_dir, r), mmap=True) for r in range(1, int(first["world"]))]
+    index: dict[str, list[tuple]] = {}  # name → (numel, group, [(file, bucket, piece, state id)])
     groups: dict[int, dict] = {}
     for b, fingerprint in enumerate(first["buckets"]):
         layout = BucketLayout.build(fingerprint["numels"], fingerprint["world"])
         for saved in files:
-            state, opt = saved["bucket_states"][b], saved["bucket_states"][b]["optimizer"]
+            opt = saved["bucket_states"][b]["optimizer"]
             if opt is None:
                 continue  # this rank held no element of the bucket
             pieces = [p for p in layout.pieces(saved["rank"] if layout.world > 1 else 0) if p.numel > 0]
@@ -122,32 +124,47 @@ def read_param_states(tag_dir: str) -> "ParamStates":
                      for piece in pieces if sources[piece.index] == src]
             ids = [(i, k) for k, g in enumerate(opt["param_groups"]) for i in g["params"]]
             for (piece, src), (i, k) in zip(order, ids):
-                name, numel = fingerprint["names"][piece.index], fingerprint["numels"][piece.index]
-                entry = whole.setdefault(name, {"master": None, "exp_avg": torch.zeros(numel),
-                                                "exp_avg_sq": torch.zeros(numel), "step": 0, "group": src})
-                torch_state = torch_layout(opt["state"].get(i), piece.numel)
-                if not torch_state:
-                    continue
+                name = fingerprint["names"][piece.index]
+                entry = index.setdefault(name, (fingerprint["numels"][piece.index], src, []))
+                entry[2].append((saved, b, piece, i))
                 groups.setdefault(src, hyperparameters(opt["param_groups"][k]))
-                span = slice(piece.start, piece.start + piece.numel)
-                for m in ("exp_avg", "exp_avg_sq"):
-                    entry[m][span].copy_(torch_state[m].reshape(-1))
-                entry["step"] = int(torch_state["step"])
-                if state["master"] is not None:
-                    if entry["master"] is None:
-                        entry["master"] = torch.zeros(numel)
-                    entry["master"][span].copy_(state["master"][piece.offset:piece.offset + piece.numel])
-    params = {name: ParamState(master=e["master"], exp_avg=e["exp_avg"], exp_avg_sq=e["exp_avg_sq"], step=e["step"],
-                               group=e["group"]) for name, e in whole.items()}
     # the buckets copied their hyperparameters before the last step; DeepSpeed's file has the basic
-    # optimizer's groups as the LR scheduler left them for the next one
+    # optimizer's groups as the LR scheduler left them for the next one. optimizer_states' DynamicAdamW
+    # splits the user's groups and marks each half with xirang_group: states are grouped by the user's.
+    origins: dict[int, int] = {}
     model_states = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
     if os.path.isfile(model_states):
         basic = torch.load(model_states, map_location="cpu", weights_only=False, mmap=True).get("optimizer") or {}
-        for g, group in enumerate(basic.get("param_groups", [])):
-            groups[g] = hyperparameters(group)
-    return ParamStates(f"xirang grad_release (ZeRO-{first['zero_stage']}, {first['world']} rank(s))", params,
-                       [groups.get(g, {}) for g in range(max(groups, default=-1) + 1)],
+        saved_groups = basic.get("param_groups", [])
+        origins = {g: int(group.get("xirang_group", g)) for g, group in enumerate(saved_groups)}
+        groups = {}
+        for g, group in enumerate(saved_groups):
+            groups.setdefault(origins[g], hyperparameters(group))
+
+    def build(name: str) -> ParamState:
+        from xirang_ds.plugins.optimizer_states.export import torch_layout
+
+        numel, source, pieces = index[name]
+        group = origins.get(source, source)
+        out = {"master": None, "exp_avg": torch.zeros(numel), "exp_avg_sq": torch.zeros(numel)}
+        step = 0
+        for saved, b, piece, i in pieces:
+            bucket_state = saved["bucket_states"][b]
+            state = torch_layout(bucket_state["optimizer"]["state"].get(i), piece.numel)
+            if not state:
+                continue
+            span = slice(piece.start, piece.start + piece.numel)
+            for m in ("exp_avg", "exp_avg_sq"):
+                out[m][span].copy_(state[m].reshape(-1))
+            step = int(state["step"])
+            if bucket_state["master"] is not None:
+                if out["master"] is None:
+                    out["master"] = torch.zeros(numel)
+                out["master"][span].copy_(bucket_state["master"][piece.offset:piece.offset + piece.numel])
+        return ParamState(step=step, group=group, **out)
+
+    return ParamStates(f"xirang grad_release (ZeRO-{first['zero_stage']}, {first['world']} rank(s))",
+                       LazyParams(index, build), [groups.get(g, {}) for g in range(max(groups, default=-1) + 1)],
                        (first.get("policy") or {}).get("loss_scaler"))
 
 

@@ -551,7 +551,7 @@ class GradReleasePlugin(Plugin):
         path = shard_path(tag_dir, self.comm.rank)
         if not os.path.isfile(path):
             return True
-        return bool(mismatch(load_shard(path), self._layout()))
+        return bool(mismatch(load_shard(path, mmap=True), self._layout()))
 
     def take_over(self, states: "ParamStates") -> None:
         """Continue from another owner's optimizer state (plain DeepSpeed's ZeRO files, or this

@@ -95,11 +95,14 @@ def keep_reasons(model: torch.nn.Module, config: OptimizerStatesConfig) -> dict[
 
 
 def split_groups(groups: list[dict], reasons: dict[int, str]) -> list[dict]:
-    """Each group as up to two groups with the same settings: policy-driven, then kept fp32."""
+    """Each group as up to two groups with the same settings: policy-driven, then kept fp32; each
+    says which group it came from (``xirang_group``: a checkpoint read without the plugin rebuilds the
+    user's groups from it, `xirang_ds.checkpoints`)."""
     out = []
-    for group in groups:
+    for index, group in enumerate(groups):
         params = list(group["params"])
         rest = {k: v for k, v in group.items() if k != "params"}
+        rest.setdefault("xirang_group", index)
         free = [p for p in params if id(p) not in reasons]
         kept = [p for p in params if id(p) in reasons]
         if free:

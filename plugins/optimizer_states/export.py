@@ -23,6 +23,16 @@ def decode_state(state: dict, param: torch.Tensor) -> dict:
     return out
 
 
+def moment_range(state: dict, moment: str, start: int, end: int) -> torch.Tensor:
+    """Elements ``[start, end)`` of a saved state's moment as fp32, from DynamicAdamW's codes (only the
+    blocks they touch are decoded) or from a ``torch.optim`` state's flat tensor."""
+    if "format" not in state:
+        return state[moment].reshape(-1)[start:end].float()
+    size = state.get("block_size") or 0
+    fmt = make_format(format_of(state), int8_block_size=size or 256, int4_block_size=size or 128)
+    return fmt.decode(moment, {k: state[k] for k in fmt.keys(moment)}, start, end).clone()
+
+
 def torch_layout(state: Optional[dict], numel: int) -> dict:
     """A saved state of ``numel`` elements in ``torch.optim`` layout: DynamicAdamW's (its ``format``
     key) decoded to fp32, flat; another optimizer's as it is; ``{}`` for none."""
@@ -71,4 +81,4 @@ def checkpoint_to_torch(optimizer_state_dict: dict, params: list[torch.Tensor]) 
     return out
 
 
-__all__ = ["decode_state", "to_torch_optimizer", "checkpoint_to_torch", "torch_layout"]
+__all__ = ["checkpoint_to_torch", "decode_state", "moment_range", "to_torch_optimizer", "torch_layout"]

@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from xirang_ds.checkpoints.param_states import ParamState, ParamStates, hyperparameters
+from xirang_ds.checkpoints.param_states import LazyParams, ParamState, ParamStates, hyperparameters
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
@@ -111,13 +111,20 @@ def _loss_scale(osd: dict) -> Optional[dict]:
             if hasattr(scaler, k)}
 
 
-def _group_states(base: Any) -> tuple[list[dict], list[dict]]:
-    """``(per-group state, per-group hyperparameters)`` of a ZeRO file's basic-optimizer state: a torch
-    state dict (one flat tensor per group) or DeepSpeed's elastic list of per-group states."""
-    if isinstance(base, dict):
-        states = [base["state"].get(i, {}) for i in range(len(base["param_groups"]))]
-        return states, [hyperparameters(g) for g in base["param_groups"]]
-    return list(base), [{} for _ in base]
+def _group_states(base: Any) -> tuple[list[dict], list[int], list[dict]]:
+    """``(per-group state, the user's group each came from, the user's groups' hyperparameters)`` of a
+    ZeRO file's basic-optimizer state: a torch state dict (one flat tensor per group) or DeepSpeed's
+    elastic list of per-group states. optimizer_states splits the user's groups and marks each half
+    with ``xirang_group``."""
+    if not isinstance(base, dict):
+        return list(base), list(range(len(base))), [{} for _ in base]
+    groups = base["param_groups"]
+    states = [base["state"].get(g["params"][0], {}) if g["params"] else {} for g in groups]
+    origins = [int(g.get("xirang_group", i)) for i, g in enumerate(groups)]
+    hyper: dict[int, dict] = {}
+    for origin, group in zip(origins, groups):
+        hyper.setdefault(origin, hyperparameters(group))
+    return states, origins, [hyper.get(i, {}) for i in range(max(origins, default=-1) + 1)]
 
 
 def _moments(state: dict, where: str, numel: int) -> dict:
@@ -133,64 +140,85 @@ def _moments(state: dict, where: str, numel: int) -> dict:
 
 
 def _read_zero12(files: list[str], stage: int, dtype: str, shapes: dict[str, torch.Size]) -> ParamStates:
-    pieces: dict[str, dict[str, list[torch.Tensor]]] = {}
-    groups_of: dict[str, int] = {}
+    """Each parameter assembled, when asked for, from its fragments in rank order (`LazyParams`)."""
+    from xirang_ds.plugins.optimizer_states.export import moment_range
+
+    index: dict[str, tuple[int, list]] = {}  # name → (group, [(file, group index, address)])
     steps: dict[int, int] = {}
     hyper: list[dict] = []
     loss_scale = None
-    for rank, path in enumerate(files):
+    for path in files:
         osd = _load(path)["optimizer_state_dict"]
-        states, hyper = _group_states(osd["base_optimizer_state"])
+        states, origins, hyper = _group_states(osd["base_optimizer_state"])
         loss_scale = _loss_scale(osd)
         for g, (state, mapping) in enumerate(zip(states, osd["param_slice_mappings"])):
             if not mapping:
                 continue
-            single = osd["single_partition_of_fp32_groups"][g]
-            state = _moments(state, path, single.numel() + osd["group_paddings"][g])
-            steps[g] = int(state.get("step", osd.get("base_optimizer_state_step", 0)))
-            flats = {"master": single, "exp_avg": state["exp_avg"],
-                     "exp_avg_sq": state["exp_avg_sq"]}
+            _check_moments(state, path)
+            steps[origins[g]] = int(state.get("step", osd.get("base_optimizer_state_step", 0)))
             for name, address in mapping.items():
-                groups_of[name] = g
-                entry = pieces.setdefault(name, {k: [] for k in flats})
-                for key, flat in flats.items():
-                    entry[key].append(flat.narrow(0, address.start, address.numel))
-    params = {}
-    for name, entry in pieces.items():
-        whole = {k: torch.cat(v).float() for k, v in entry.items()}
-        shape = shapes.get(name, torch.Size([whole["master"].numel()]))
-        params[name] = ParamState(master=whole["master"].view(shape), exp_avg=whole["exp_avg"].view(shape),
-                                  exp_avg_sq=whole["exp_avg_sq"].view(shape), step=steps[groups_of[name]],
-                                  group=groups_of[name])
-    return ParamStates(f"DeepSpeed ZeRO-{stage} ({dtype})", params, hyper, loss_scale)
+                index.setdefault(name, (origins[g], []))[1].append((osd, g, state, address))
+
+    def build(name: str) -> ParamState:
+        group, fragments = index[name]
+        parts: dict[str, list[torch.Tensor]] = {"master": [], "exp_avg": [], "exp_avg_sq": []}
+        for osd, g, state, address in fragments:
+            a, b = address.start, address.start + address.numel
+            parts["master"].append(osd["single_partition_of_fp32_groups"][g][a:b].float())
+            for m in ("exp_avg", "exp_avg_sq"):
+                parts[m].append(moment_range(state, m, a, b))
+        numel = sum(t.numel() for t in parts["master"])
+        shape = shapes.get(name, torch.Size([numel]))
+        whole = {k: torch.cat(v).view(shape) for k, v in parts.items()}
+        return ParamState(step=steps[group], group=group, **whole)
+
+    return ParamStates(f"DeepSpeed ZeRO-{stage} ({dtype})", LazyParams(index, build), hyper, loss_scale)
+
+
+def _check_moments(state: dict, where: str) -> None:
+    if "format" not in state and ("exp_avg" not in state or "exp_avg_sq" not in state):
+        raise CheckpointReadError(f"{where}: the optimizer state has {sorted(state)}; only Adam/AdamW states "
+                                  "(exp_avg, exp_avg_sq) can move to another optimizer")
 
 
 def _read_zero3(tag_dir: str, files: list[str], dtype: str) -> ParamStates:
+    """Each param group's parameters, in ``param_shapes`` order, fill its sub-groups' flat partitions one
+    after another (``sub_group_size`` cuts a group into several); the basic optimizer's state indexes
+    the sub-groups in that order."""
     world = len(files)
     model_states = os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")
     if not os.path.isfile(model_states):
         raise CheckpointReadError(f"{tag_dir}: ZeRO-3 optimizer files without {os.path.basename(model_states)}")
     param_shapes = _load(model_states)["param_shapes"]
     osds = [_load(p)["optimizer_state_dict"] for p in files]
-    states_hyper = [_group_states(o["optimizer_state_dict"]) for o in osds]
-    hyper = states_hyper[0][1]
+    torch_sd = osds[0]["optimizer_state_dict"]
+    origins = [int(g.get("xirang_group", i)) for i, g in enumerate(torch_sd["param_groups"])]
+    hyper: dict[int, dict] = {}
+    for origin, group in zip(origins, torch_sd["param_groups"]):
+        hyper.setdefault(origin, hyperparameters(group))
     params = {}
-    for g, group_shapes in enumerate(param_shapes):
-        flats = []
-        for rank, osd in enumerate(osds):
-            state = _moments(states_hyper[rank][0][g], files[rank], osd["fp32_flat_groups"][g].numel())
-            flats.append({"master": osd["fp32_flat_groups"][g], "exp_avg": state["exp_avg"],
-                          "exp_avg_sq": state["exp_avg_sq"]})
-        step = int(states_hyper[0][0][g].get("step", 0))
-        offset = 0
+    for g, (group, group_shapes) in enumerate(zip(torch_sd["param_groups"], param_shapes)):
+        subs = []  # per sub-group, per rank: the flat master and both moments
+        for j in group["params"]:
+            per_rank = []
+            for rank, osd in enumerate(osds):
+                master = osd["fp32_flat_groups"][j]
+                state = _moments(osd["optimizer_state_dict"]["state"].get(j, {}), files[rank], master.numel())
+                per_rank.append({"master": master, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"],
+                                 "step": int(state.get("step", 0))})
+            subs.append(per_rank)
+        j, offset = 0, 0
         for name, shape in group_shapes.items():
             numel = shape.numel()
             part = -(-numel // world)
-            whole = {k: torch.cat([f[k].narrow(0, offset, part) for f in flats])[:numel].float().view(shape)
-                     for k in flats[0]}
-            params[name] = ParamState(step=step, group=g, **whole)
+            if offset >= subs[j][0]["master"].numel():
+                j, offset = j + 1, 0
+            whole = {k: torch.cat([r[k].narrow(0, offset, part) for r in subs[j]])[:numel].float().view(shape)
+                     for k in ("master", "exp_avg", "exp_avg_sq")}
+            params[name] = ParamState(step=subs[j][0]["step"], group=origins[g], **whole)
             offset += part
-    return ParamStates(f"DeepSpeed ZeRO-3 ({dtype})", params, hyper, _loss_scale(osds[0]))
+    return ParamStates(f"DeepSpeed ZeRO-3 ({dtype})", params, [hyper.get(i, {}) for i in range(max(origins) + 1)],
+                       _loss_scale(osds[0]))
 
 
 def _read_stage0(saved: dict, names: Sequence[str], shapes: dict[str, torch.Size], dtype: str) -> ParamStates:

@@ -11,7 +11,7 @@ groups) need not match the one that reads it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -41,19 +41,47 @@ class ParamState:
     group: int = 0
 
 
+class LazyParams(Mapping):
+    """name → `ParamState`, each built when asked for (the last one kept): a reader that holds only
+    an index and memory-mapped files, so a rank that needs a share of the parameters reads that share
+    and holds one whole parameter at a time."""
+
+    def __init__(self, names: Iterable[str], build: Callable[[str], ParamState]):
+        self._names = list(dict.fromkeys(names))
+        self._known = set(self._names)
+        self._build = build
+        self._last: tuple[Optional[str], Optional[ParamState]] = (None, None)
+
+    def __getitem__(self, name: str) -> ParamState:
+        if name not in self._known:
+            raise KeyError(name)
+        if self._last[0] != name:
+            self._last = (name, self._build(name))
+        return self._last[1]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._known
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
 @dataclass
 class ParamStates:
     """A checkpoint's optimizer state by parameter name.
 
     Attributes:
         source: what wrote it, for messages (``"DeepSpeed ZeRO-2 (bf16)"``).
-        params: name → `ParamState`.
+        params: name → `ParamState` (a dict, or a `LazyParams`).
         groups: per saved param group, its `HYPERPARAMETERS` (empty dicts when the file has none).
         loss_scale: the fp16 loss scaler's state (``cur_scale``, ``cur_iter``, ...), else ``None``.
     """
 
     source: str
-    params: dict[str, ParamState]
+    params: Mapping[str, ParamState]
     groups: list[dict] = field(default_factory=list)
     loss_scale: Optional[dict] = None
 
@@ -146,15 +174,5 @@ def hyperparameters(group: dict) -> dict:
     return {k: group[k] for k in HYPERPARAMETERS if k in group}
 
 
-def missing(slots: Sequence[Slot], states: ParamStates) -> list[str]:
-    """Parameters the slots hold that the checkpoint has no state for (first occurrence order)."""
-    out: dict[str, None] = {}
-    for slot in slots:
-        for f in slot.fragments:
-            if f.name not in states.params:
-                out[f.name] = None
-    return list(out)
-
-
-__all__ = ["Fragment", "HYPERPARAMETERS", "MOMENTS", "ParamState", "ParamStates", "Slot", "hyperparameters",
-           "load_slots", "missing", "set_hyperparameters"]
+__all__ = ["Fragment", "HYPERPARAMETERS", "LazyParams", "MOMENTS", "ParamState", "ParamStates", "Slot", "hyperparameters",
+           "load_slots", "set_hyperparameters"]

@@ -1,0 +1,171 @@
+"""`ParamStates` written as plain DeepSpeed's ZeRO 1/2 files (the layout deepspeed 0.19.8's
+``runtime/zero/stage_1_and_2.py`` saves), so plain DeepSpeed, ``zero_to_fp32.py`` and
+``ds_to_universal`` read a checkpoint that xirang's owners wrote.
+
+The layout, per param group: the group's parameters flattened in order, padded at the end to a
+multiple of ``2 * world`` elements (``nccl_start_alignment_factor``), cut into ``world`` equal
+partitions. Rank ``r``'s file holds its partition of the fp32 masters without the padding
+(``single_partition_of_fp32_groups``), the basic optimizer's torch state over the padded partition
+(``base_optimizer_state``), the padding it holds (``group_paddings``) and where each parameter's
+fragment starts (``param_slice_mappings``). The model-states file gets the ``param_shapes``,
+``frozen_param_shapes`` and ``shared_params`` that ZeRO runs record and ``zero_to_fp32.py`` reads.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from xirang_ds.checkpoints.deepspeed_files import MODEL_STATES, _load
+from xirang_ds.checkpoints.param_states import MOMENTS, ParamStates
+
+ALIGNMENT_FACTOR = 2
+"""DeepSpeed ZeRO 1/2 pads each flat group to a multiple of this times the world size."""
+
+
+def optim_file_name(rank: int, dtype: str) -> str:
+    """DeepSpeed's name of rank ``rank``'s ZeRO file (bf16 runs prefix ``bf16_``)."""
+    return f"{'bf16_' if dtype == 'bf16' else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def write_zero_files(tag_dir: str, states: ParamStates, groups: Sequence[Sequence[str]],
+                     torch_groups: Sequence[dict], stage: int, dtype: str, world: int,
+                     ranks: Optional[Iterable[int]] = None, ds_config: Optional[dict] = None) -> list[str]:
+    """Write ranks' ZeRO ``stage`` (1 or 2) files of ``states`` into ``tag_dir``; returns their paths.
+
+    Args:
+        groups: the names of each param group's trainable parameters, in the order DeepSpeed flattens
+            them (the order the optimizer was given them).
+        torch_groups: each group's torch param-group dict (hyperparameters and flags; ``params`` is
+            replaced), as ``torch.optim.AdamW.state_dict()`` writes it.
+        ranks: which ranks' files (default: all).
+        ds_config: recorded in the files, as DeepSpeed records the run's.
+
+    Raises:
+        ValueError: a stage other than 1 or 2, or a parameter without state.
+    """
+    from deepspeed import __version__ as ds_version
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    if stage not in (1, 2):
+        raise ValueError(f"ZeRO files of stage {stage}: only stages 1 and 2 are written")
+    absent = [n for g in groups for n in g if n not in states.params]
+    if absent:
+        raise ValueError(f"no optimizer state for {absent[:3]}")
+    written = []
+    for rank in (range(world) if ranks is None else ranks):
+        masters, base_state, paddings, mappings, steps = [], {}, [], [], set()
+        for g, names in enumerate(groups):
+            numels = [states.params[n].exp_avg.numel() for n in names]
+            total = sum(numels)
+            alignment = ALIGNMENT_FACTOR * world
+            padded = -(-total // alignment) * alignment
+            part = padded // world
+            lo, hi = rank * part, (rank + 1) * part
+            flats = {k: torch.zeros(part, dtype=torch.float32) for k in ("master",) + MOMENTS}
+            mapping: collections.OrderedDict = collections.OrderedDict()
+            offset = 0
+            for name, numel in zip(names, numels):
+                a, b = max(lo, offset), min(hi, offset + numel)
+                if a < b:
+                    saved = states.params[name]
+                    for key, flat in flats.items():
+                        source = getattr(saved, key) if key != "master" or saved.master is not None else None
+                        if source is None:
+                            raise ValueError(f"{name} has no fp32 master in this checkpoint")
+                        flat[a - lo:b - lo].copy_(source.reshape(-1)[a - offset:b - offset])
+                    mapping[name] = fragment_address(numel=b - a, start=a - lo)
+                    steps.add(saved.step)
+                offset += numel
+            padding = max(0, min(part, hi - total))
+            masters.append(flats["master"][:part - padding].clone())
+            step = max(steps, default=0)
+            base_state[g] = {"step": torch.tensor(float(step)), "exp_avg": flats["exp_avg"],
+                             "exp_avg_sq": flats["exp_avg_sq"]}
+            paddings.append(padding)
+            mappings.append(mapping)
+        param_groups = [{**{k: v for k, v in tg.items() if k != "params"},
+                         **(states.groups[g] if g < len(states.groups) else {}), "params": [g]}
+                        for g, tg in enumerate(torch_groups)]
+        osd = {
+            "dynamic_loss_scale": False, "overflow": False,
+            "base_optimizer_state": {"state": base_state, "param_groups": param_groups},
+            "single_partition_of_fp32_groups": masters,
+            "zero_stage": ZeroStageEnum.gradients if stage == 2 else ZeroStageEnum.optimizer_states,
+            "group_paddings": paddings,
+            "param_alignment_paddings": [[0] * len(names) for names in groups],
+            "partition_count": [world] * len(groups),
+            "ds_version": ds_version,
+            "param_slice_mappings": mappings,
+        }
+        osd.update(_loss_scaler(states, ds_config))
+        path = os.path.join(tag_dir, optim_file_name(rank, dtype))
+        _save({"optimizer_state_dict": osd, "ds_config": ds_config, "ds_version": ds_version}, path)
+        written.append(path)
+    return written
+
+
+def _loss_scaler(states: ParamStates, ds_config: Optional[dict]) -> dict:
+    """DeepSpeed's dynamic loss scaler at the saved fp16 scale, with the ds_config's fp16 settings (a
+    loading run takes the saved object whole); nothing without a saved scale (the loading run keeps
+    its own, as ``_load_global_state`` does for a missing key)."""
+    if not states.loss_scale:
+        return {}
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    fp16 = (ds_config or {}).get("fp16") or {}
+    scaler = DynamicLossScaler(init_scale=float(states.loss_scale.get("cur_scale", 2.0 ** 16)),
+                               scale_window=int(fp16.get("loss_scale_window", 1000)),
+                               min_scale=float(fp16.get("min_loss_scale", 1)),
+                               delayed_shift=int(fp16.get("hysteresis", 2)),
+                               consecutive_hysteresis=bool(fp16.get("consecutive_hysteresis", False)))
+    for key, value in states.loss_scale.items():
+        if hasattr(scaler, key):
+            setattr(scaler, key, value)
+    return {"loss_scaler": scaler, "dynamic_loss_scale": True}
+
+
+def add_param_shapes(tag_dir: str, groups: Sequence[Sequence[str]], shapes: dict[str, torch.Size]) -> None:
+    """Record in the model-states file what a ZeRO run records about its parameters (``param_shapes``
+    per group, no frozen or shared ones), keeping everything else; written atomically."""
+    path = os.path.join(tag_dir, MODEL_STATES)
+    checkpoint = dict(torch.load(path, map_location="cpu", weights_only=False))
+    checkpoint["param_shapes"] = [collections.OrderedDict((n, torch.Size(shapes[n])) for n in names)
+                                  for names in groups]
+    checkpoint.setdefault("frozen_param_shapes", None)
+    if checkpoint.get("frozen_param_shapes") is None:
+        checkpoint["frozen_param_shapes"] = collections.OrderedDict()
+    if checkpoint.get("shared_params") is None:
+        checkpoint["shared_params"] = {}
+    if checkpoint.get("frozen_param_fragments") is None:
+        checkpoint["frozen_param_fragments"] = collections.OrderedDict()
+    _save(checkpoint, path)
+
+
+def copy_recovery_script(save_dir: str) -> str:
+    """DeepSpeed's ``zero_to_fp32.py`` into ``save_dir``, as a ZeRO run's ``save_checkpoint`` puts it."""
+    import deepspeed.utils.zero_to_fp32 as script
+
+    target = os.path.join(save_dir, "zero_to_fp32.py")
+    shutil.copyfile(script.__file__, target)
+    os.chmod(target, 0o755)
+    return target
+
+
+def _save(obj: dict, path: str) -> None:
+    temporary = f"{path}.xirang-tmp"
+    torch.save(obj, temporary)
+    os.replace(temporary, path)
+
+
+def model_states(tag_dir: str) -> dict:
+    """The tag's model-states file (memory-mapped)."""
+    return _load(os.path.join(tag_dir, MODEL_STATES))
+
+
+__all__ = ["ALIGNMENT_FACTOR", "add_param_shapes", "copy_recovery_script", "model_states", "optim_file_name",
+           "write_zero_files"]

@@ -76,8 +76,8 @@ def test_a_misspelt_preset_hides_no_other_problem():
     assert sorted(problems({"preset": "balancd", "monitor": {"warn_at": 1.5}, "optimizer_statez": {}})) == [
         ("xirang.monitor.warn_at", "must be between 0 and 1; got 1.5"),
         ("xirang.optimizer_statez", "unknown key; did you mean 'optimizer_states'? (allowed: activations, autotune, "
-                                    "comm_buffers, grad_release, host_memory_budget, memory_budget, memory_pool, monitor, "
-                                    "optimizer_states, precision, preset, profiler)"),
+                                    "comm_buffers, deepspeed_files, grad_release, host_memory_budget, memory_budget, "
+                                    "memory_pool, monitor, optimizer_states, precision, preset, profiler)"),
         ("xirang.preset", "must be one of 'conservative', 'balanced', 'aggressive', 'auto'; got 'balancd'; "
                           "did you mean 'balanced'?"),
     ]

@@ -65,3 +65,60 @@ def test_hf_trainer_with_patch_deepspeed(tmp_path):
         assert chunk["plan"] == {"lm_head": "chunk"} and chunk["steps"] == 4
         assert chunked_calls == 4
         assert abs(chunk["loss"] - r["loss"]) <= 1e-3 * r["loss"], (chunk["loss"], r["loss"])
+
+
+def _hf_resumable(out_dir, block, resume_from=None):
+    """4 steps of HF Trainer, checkpointed every 2; returns the final parameters, the losses logged at
+    each step this run trained, and the step-2 checkpoint."""
+    import os
+
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": 0.0,
+          "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2, "reduce_bucket_size": 1e6}}
+    if block is not None:
+        ds["xirang"] = block
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64))
+    ids = torch.randint(0, 256, (64, 32), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": x, "labels": x} for x in ids]
+    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=4, max_steps=4, use_cpu=True,
+                             bf16=True, deepspeed=ds, report_to=[], save_strategy="steps", save_steps=2,
+                             max_grad_norm=0.0, disable_tqdm=True, logging_steps=1)
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.train(resume_from_checkpoint=resume_from)
+    params = torch.cat([p.detach().float().reshape(-1) for p in trainer.model_wrapped.module.parameters()])
+    losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
+    return params, losses, os.path.join(out_dir, "checkpoint-2")
+
+
+def _hf_resume(rank, world, out_dir):
+    import os
+
+    import torch
+
+    import xirang_ds
+
+    xirang_ds.patch_deepspeed()
+    release = {"grad_release": {"enabled": True}}
+    plain, plain_losses, plain_ckpt = _hf_resumable(os.path.join(out_dir, "plain"), None)
+    added, added_losses, _ = _hf_resumable(os.path.join(out_dir, "added"), release, resume_from=plain_ckpt)
+    ours, ours_losses, ours_ckpt = _hf_resumable(os.path.join(out_dir, "ours"), release)
+    removed, removed_losses, _ = _hf_resumable(os.path.join(out_dir, "removed"), None, resume_from=ours_ckpt)
+    changed, _, _ = _hf_resumable(os.path.join(out_dir, "changed"), {"optimizer_states": {"enabled": True}},
+                                  resume_from=ours_ckpt)
+    return {"added": torch.equal(plain, added), "removed": torch.equal(ours, removed),
+            "changed": torch.equal(ours, changed), "plain_losses": plain_losses, "added_losses": added_losses,
+            "ours_losses": ours_losses, "removed_losses": removed_losses}
+
+
+@pytest.mark.distributed
+def test_hf_trainer_resume_from_checkpoint_with_the_block_added_removed_and_changed(tmp_path):
+    for r in run_ranks(_hf_resume, 2, str(tmp_path)):
+        # the resumed runs logged steps 3 and 4 (1 and 2 come from the checkpoint's trainer state) as the
+        # uninterrupted runs did
+        assert sorted(r["added_losses"]) == sorted(r["removed_losses"]) == [1, 2, 3, 4]
+        assert r["added_losses"] == r["plain_losses"] and r["removed_losses"] == r["ours_losses"]
+        # and end on the uninterrupted run's parameters, bit for bit, in every direction
+        assert r["added"] and r["removed"] and r["changed"]

@@ -18,7 +18,7 @@ INT8 = {"optimizer_states": {"enabled": True, "schedule": [{"dtype": "int8"}]}}
 SCHEDULER = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 10}}
 
 
-def _engine(block, stage=2):
+def _engine(block, stage=2, dtype="bf16"):
     import deepspeed
 
     import xirang_ds
@@ -27,7 +27,7 @@ def _engine(block, stage=2):
     model = build_model(BUILTIN_SPECS["gpt-tiny"], seed=0)
     init = xirang_ds.initialize if block is not None else deepspeed.initialize
     engine, *_ = init(model=model, model_parameters=model.parameters(),
-                      config=ds_config(stage=stage, dtype="bf16", micro=2, xirang=block, gradient_clipping=0.0,
+                      config=ds_config(stage=stage, dtype=dtype, micro=2, xirang=block, gradient_clipping=0.0,
                                        scheduler=copy.deepcopy(SCHEDULER)))
     return engine
 
@@ -62,7 +62,7 @@ def scenarios(rank, world, tmp):
 
     from xirang_ds.config.validate import XirangConfigError
 
-    plain, ours, broken = (os.path.join(tmp, n) for n in ("plain", "grad_release", "broken"))
+    plain, ours, broken, fp16 = (os.path.join(tmp, n) for n in ("plain", "grad_release", "broken", "fp16"))
     out = {"plain": _run(None, rank, world, plain, 5), "ours": _run(GRAD_RELEASE, rank, world, ours, 4)}
     out["plain_into_grad_release"] = _resume(GRAD_RELEASE, rank, world, plain, 2)
     out["plain_into_optimizer_states"] = _resume(OPTIMIZER_STATES, rank, world, plain, 2)
@@ -73,10 +73,26 @@ def scenarios(rank, world, tmp):
     out["int8"] = _run(INT8, rank, world, os.path.join(tmp, "int8"), 4)
     out["int8_into_a_block_without_owners"] = _resume({"monitor": {"enabled": True}}, rank, world,
                                                       os.path.join(tmp, "int8"), 2)
+    if rank == 0:  # what `xirang-ds checkpoint export` does: DeepSpeed's files rewritten in plain layout, in place
+        from xirang_ds.checkpoints.tags import export_deepspeed_files
+
+        out["exported"] = len(export_deepspeed_files(os.path.join(tmp, "int8")))
+    torch.distributed.barrier()
+    out["exported_int8_into_plain_deepspeed"] = _resume(None, rank, world, os.path.join(tmp, "int8"), 2)
+    out["exported_int8_into_int8"] = _resume(INT8, rank, world, os.path.join(tmp, "int8"), 2)
     out["balanced"] = _run({"preset": "balanced"}, rank, world, os.path.join(tmp, "balanced"), 4)
     out["balanced_into_grad_release"] = _resume(GRAD_RELEASE, rank, world, os.path.join(tmp, "balanced"), 2)
     out["ours_into_plain_deepspeed"] = _resume(None, rank, world, ours, 2)
     out["balanced_into_plain_deepspeed"] = _resume(None, rank, world, os.path.join(tmp, "balanced"), 2)
+    engine = _engine(GRAD_RELEASE, stage=1, dtype="fp16")  # fp16 at ZeRO-1, a loss scale that moved
+    out["fp16"] = _steps(engine, rank, world, 0, 2)
+    engine.xirang.plugin("grad_release").policy.loss_scaler.cur_scale = 1024.0
+    engine.save_checkpoint(fp16)
+    out["fp16"] += _steps(engine, rank, world, 2, 2)
+    engine = _engine(None, stage=1, dtype="fp16")
+    engine.load_checkpoint(fp16)
+    out["fp16_into_plain_deepspeed"] = {"scale": engine.optimizer.loss_scaler.cur_scale,
+                                        "losses": _steps(engine, rank, world, 2, 2)}
     out["files"] = sorted(os.listdir(os.path.join(ours, "global_step2"))) + sorted(os.listdir(ours))
     if rank == 0:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -123,8 +139,67 @@ def other_world(rank, world, tmp):
             state = bucket.optimizer.state[view]
             same.append(torch.equal(state["exp_avg_sq"].reshape(-1), saved.params[name].exp_avg_sq.reshape(-1))
                         and torch.equal(view.reshape(-1), saved.params[name].master.reshape(-1)))
-    return {"same": all(same), "checked": len(same), "steps": engine.global_steps,
-            "losses": _steps(engine, rank, world, 2, 2)}
+    out = {"same": all(same), "checked": len(same), "steps": engine.global_steps,
+           "losses": _steps(engine, rank, world, 2, 2)}
+    # DeepSpeed's own route to another world size: ds_to_universal, then load_universal
+    import subprocess
+    import sys
+
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from xirang_ds.models import BUILTIN_SPECS, build_model
+
+    universal = os.path.join(tmp, "grad_release", "universal")
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                    os.path.join(tmp, "grad_release", "global_step2"), "--output_folder", universal,
+                    "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                   check=True, capture_output=True)
+    model = build_model(BUILTIN_SPECS["gpt-tiny"], seed=0)
+    plain, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(
+        stage=2, dtype="bf16", micro=2, gradient_clipping=0.0, scheduler=copy.deepcopy(SCHEDULER),
+        checkpoint={"load_universal": True}))
+    plain.load_checkpoint(os.path.join(tmp, "grad_release"), tag="universal")
+    out["universal_masters"] = all(torch.equal(safe_get_full_fp32_param(p).reshape(-1),
+                                               saved.params[n].master.reshape(-1))
+                                   for n, p in plain.module.named_parameters())
+    out["universal_losses"] = _steps(plain, rank, world, 2, 2)
+    return out
+
+
+def crash_mid_save(rank, world, tmp):
+    """Two steps saved; two more, and every rank dies while writing the second checkpoint's files."""
+    import xirang_ds.checkpoints.deepspeed_writer as writer
+
+    engine = _engine(GRAD_RELEASE)
+    _steps(engine, rank, world, 0, 2)
+    engine.save_checkpoint(os.path.join(tmp, "crash"))
+    _steps(engine, rank, world, 2, 2)
+
+    def die(obj, path):
+        with open(f"{path}.xirang-tmp", "wb") as f:
+            f.write(b"partial")
+        os._exit(17)
+
+    writer._save = die
+    engine.save_checkpoint(os.path.join(tmp, "crash"))
+
+
+def after_the_crash(rank, world, tmp):
+    import deepspeed
+
+    from xirang_ds.models import BUILTIN_SPECS, build_model
+
+    out = {"latest": open(os.path.join(tmp, "crash", "latest")).read().strip()}
+    engine = _engine(GRAD_RELEASE)
+    engine.load_checkpoint(os.path.join(tmp, "crash"))
+    out["ours"] = {"steps": engine.global_steps, "losses": _steps(engine, rank, world, 2, 2)}
+    model = build_model(BUILTIN_SPECS["gpt-tiny"], seed=0)
+    plain, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(
+        stage=2, dtype="bf16", micro=2, gradient_clipping=0.0, scheduler=copy.deepcopy(SCHEDULER)))
+    plain.load_checkpoint(os.path.join(tmp, "crash"))
+    out["plain"] = _steps(plain, rank, world, 2, 2)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +207,9 @@ def runs(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("resume"))
     results = run_ranks(scenarios, 2, tmp)
     results[0]["other_world"] = run_ranks(other_world, 1, tmp)[0]
+    with pytest.raises(RuntimeError, match="exited with code 17"):
+        run_ranks(crash_mid_save, 2, tmp)
+    results[0]["after_the_crash"] = run_ranks(after_the_crash, 2, tmp)
     return results
 
 
@@ -181,13 +259,35 @@ def test_plain_deepspeed_and_zero_to_fp32_read_a_grad_release_checkpoint(runs):
         assert r["ours_into_plain_deepspeed"]["steps"] == 4
         assert r["balanced_into_plain_deepspeed"]["losses"] == r["balanced"][2:]  # int8 decoded, as its next step did
     assert runs[0]["zero_to_fp32"] == {"count": 29, "equal": True}
+    for r in runs:  # fp16 at ZeRO-1: DeepSpeed's fp16 arithmetic from there on, with grad_release's loss scale
+        fp16 = r["fp16_into_plain_deepspeed"]
+        assert fp16["scale"] == 1024.0
+        assert fp16["losses"] == pytest.approx(r["fp16"][2:], rel=1e-5)
+
+
+@pytest.mark.distributed
+def test_an_exported_optimizer_states_checkpoint_loads_into_plain_deepspeed_and_back(runs):
+    assert runs[0]["exported"] == 2
+    for r in runs:
+        assert r["exported_int8_into_plain_deepspeed"]["losses"] == r["int8"][2:]
+        assert r["exported_int8_into_int8"]["losses"] == r["int8"][2:]
+        assert r["exported_int8_into_int8"]["events"] == ["optimizer_state_taken_over"]
 
 
 @pytest.mark.distributed
 def test_a_grad_release_checkpoint_resumes_at_another_world_size(runs):
     other = runs[0]["other_world"]
     assert other["same"] and other["checked"] >= 29 and other["steps"] == 2
-    assert all(l == l for l in other["losses"])
+    assert other["universal_masters"]
+    # one rank sees the same batches either way: the take-over and DeepSpeed's universal route agree
+    assert other["universal_losses"] == other["losses"]
+
+
+@pytest.mark.distributed
+def test_a_save_that_dies_midway_leaves_latest_on_the_previous_checkpoint(runs):
+    for r, uninterrupted in zip(runs[0]["after_the_crash"], runs):
+        assert r["latest"] == "global_step2" and r["ours"]["steps"] == 2
+        assert r["ours"]["losses"] == uninterrupted["ours"][2:] and r["plain"] == uninterrupted["ours"][2:]
 
 
 @pytest.mark.distributed

@@ -196,6 +196,36 @@ def _tune(args: argparse.Namespace, ds_config: dict, budget: int, settings: Any)
                 progress=Progress(None if args.quiet else sys.stderr))
 
 
+def _setup_checkpoint(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=("show", "export"),
+                   help="show: what wrote a checkpoint and what can load it; export: write plain DeepSpeed's ZeRO "
+                        "files (and zero_to_fp32.py) beside xirang's, in place")
+    p.add_argument("save_dir", help="the folder engine.save_checkpoint wrote (it holds 'latest')")
+    p.add_argument("--tag", default=None, help="checkpoint tag (default: the one 'latest' names)")
+    p.add_argument("--stage", type=int, default=None, help="export: ZeRO stage to write for (default: the run's)")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="export: data-parallel ranks to write for (default: the run's)")
+
+
+def _run_checkpoint(args: argparse.Namespace) -> int:
+    from xirang_ds.checkpoints.tags import describe, export_deepspeed_files, resolve_tag
+
+    tag_dir = resolve_tag(args.save_dir, args.tag)
+    if tag_dir is None:
+        raise UsageError(f"{args.save_dir}: no checkpoint{f' tag {args.tag!r}' if args.tag else ''} (no 'latest' "
+                         "file or no such folder)")
+    if args.action == "export":
+        written = export_deepspeed_files(args.save_dir, os.path.basename(tag_dir), stage=args.stage,
+                                         world=args.world_size)
+        print(f"{tag_dir}: wrote {len(written)} ZeRO file(s)" if written else
+              f"{tag_dir}: its optimizer state is already in DeepSpeed's own files; nothing to write")
+    for line in describe(tag_dir):
+        print(line)
+    return 0
+
+
+register_command("checkpoint", "show what wrote a checkpoint and what can load it, or export DeepSpeed's own "
+                 "files for it", _setup_checkpoint, _run_checkpoint)
 register_command("estimate", "predict a rank's peak memory and its breakdown before running", _setup_estimate,
                  _run_estimate)
 register_command("bench", "train plain DeepSpeed and DeepSpeed with the block side by side", _setup_bench,

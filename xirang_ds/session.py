@@ -23,6 +23,7 @@ from xirang_ds.registry import Plugin, check_framework, plugins_for
 
 if TYPE_CHECKING:  # pragma: no cover
     from xirang_ds.checkpoints.param_states import ParamStates
+    from xirang_ds.checkpoints.tags import RunFacts
     from xirang_ds.config.fit import LeftOut
     from xirang_ds.memory.engine_roles import TrainingWatch
     from xirang_ds.memory.tracker import MemoryTracker
@@ -217,7 +218,10 @@ class Session:
         for p in self.plugins:
             p.attach(engine)
         if self.framework == "deepspeed":  # outermost: it decides how the plugins' wrappers load
+            from xirang_ds.checkpoints.schedulers import install
+
             self._handles.append(wrap_method(engine, "load_checkpoint", self._load_checkpoint))
+            self._handles.append(CallbackHandle(install()))  # schedulers the training code loads itself
 
     def remove(self) -> None:
         """Detach every plugin (reverse order) and the checkpoint wrappers."""
@@ -243,32 +247,59 @@ class Session:
                 p.load_state_dict(state[p.section])
 
     def _save_checkpoint(self, original, save_dir, tag=None, client_state=None, *args, **kwargs):
+        """The plugins' state into ``client_state``, the marker, and (``deepspeed_files``) DeepSpeed's own
+        ZeRO files, all before DeepSpeed writes its files and then ``latest``: a save that dies midway
+        leaves ``latest`` on the previous checkpoint."""
         from xirang_ds import __version__
-        from xirang_ds.checkpoints.tags import write_marker
+        from xirang_ds.checkpoints.tags import layout_record, write_marker
 
         client_state = dict(client_state or {})
         client_state[CHECKPOINT_KEY] = self.state_dict()
         tag_dir = os.path.join(save_dir, str(tag) if tag is not None else f"global_step{self.engine.global_steps}")
+        marker = {"xirang_ds": __version__, "preset": self.config.preset, "sections": [p.section for p in self.plugins]}
+        facts = self._deepspeed_files_facts()
+        if facts is not None:
+            marker["deepspeed_files"] = layout_record(facts)
         if int(getattr(self.engine, "local_rank", self.engine.global_rank)) == 0:
             # by the first rank of every node: each node reads its own copy when checkpoints are node-local
-            write_marker(tag_dir, {"xirang_ds": __version__, "preset": self.config.preset,
-                                   "sections": [p.section for p in self.plugins]})
-        result = original(save_dir, tag, client_state, *args, **kwargs)
-        self._write_deepspeed_files(save_dir, os.path.basename(tag_dir))
-        return result
+            write_marker(tag_dir, marker)
+        if facts is not None:
+            client_state.update(self._write_deepspeed_files(save_dir, tag_dir, marker, facts))
+        return original(save_dir, tag, client_state, *args, **kwargs)
 
-    def _write_deepspeed_files(self, save_dir: str, tag: str) -> None:
-        """`xirang_ds.checkpoints.tags.export_deepspeed_files` for this rank's partition, when grad_release
-        holds the optimizer state of a ZeRO-1/2 run (``deepspeed_files``)."""
-        from xirang_ds.checkpoints.tags import export_deepspeed_files
+    def _deepspeed_files_facts(self) -> Optional["RunFacts"]:
+        """What this run's plain ZeRO files need (``None``: none are written: ``deepspeed_files`` is off, or
+        no grad_release at ZeRO 1/2 holds the optimizer state)."""
+        from xirang_ds.checkpoints.tags import RunFacts
 
         grad_release = self.plugin("grad_release")
         if not self.config.deepspeed_files or grad_release is None or grad_release.setup.zero_stage not in (1, 2):
-            return
+            return None
+        import torch
+
+        dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(grad_release.setup.param_dtype, "fp32")
+        return RunFacts(params={n: p.shape for n, p in self.engine.module.named_parameters() if p.requires_grad},
+                        optimizer_groups=self.engine.optimizer.state_dict()["param_groups"], dtype=dtype,
+                        stage=grad_release.setup.zero_stage, world=grad_release.comm.world,
+                        ds_config=self.requested_ds_config)
+
+    def _write_deepspeed_files(self, save_dir: str, tag_dir: str, marker: dict, facts: "RunFacts") -> dict:
+        """This rank's ZeRO file, from every rank's grad_release shard (written just before); returns the
+        model-states entries a ZeRO run records (``param_shapes``, ...), for DeepSpeed to write."""
+        import collections
+
         import deepspeed.comm as dist
 
-        export_deepspeed_files(save_dir, tag, ranks=[grad_release.comm.rank], ds_config=self.requested_ds_config)
-        dist.barrier()  # every rank's file is written before anyone reads the checkpoint
+        from xirang_ds.checkpoints.deepspeed_writer import copy_recovery_script
+        from xirang_ds.checkpoints.tags import write_deepspeed_files
+
+        dist.barrier()  # every rank's shard is on disk
+        _, groups = write_deepspeed_files(tag_dir, marker, facts, ranks=[self.plugin("grad_release").comm.rank])
+        if self.engine.global_rank == 0:
+            copy_recovery_script(save_dir)
+        return {"param_shapes": [collections.OrderedDict((n, facts.params[n]) for n in names) for names in groups],
+                "frozen_param_shapes": collections.OrderedDict(), "shared_params": {},
+                "frozen_param_fragments": collections.OrderedDict()}
 
     def _load_checkpoint(self, original, *args, **kwargs):
         """DeepSpeed's load; when the checkpoint's optimizer state belongs to another owner (plain
@@ -290,9 +321,28 @@ class Session:
                 if int(getattr(self.engine, "global_rank", 0)) == 0:
                     logger.info("xirang: optimizer state taken over from %s (%d parameters)", states.source,
                                 len(states.params))
+        if load_path is not None:
+            self._fit_scheduler()
         if client_state and CHECKPOINT_KEY in client_state:
             self.load_state_dict(client_state.pop(CHECKPOINT_KEY))
         return load_path, client_state
+
+    def _fit_scheduler(self) -> None:
+        """The LR scheduler's per-group lists fitted to this run's param groups (a checkpoint written with
+        or without optimizer_states' split groups, `xirang_ds.checkpoints.schedulers`)."""
+        from xirang_ds.checkpoints.schedulers import fit_scheduler_groups
+
+        scheduler = getattr(self.engine, "lr_scheduler", None)
+        optimizer = getattr(scheduler, "optimizer", None)
+        if scheduler is None or optimizer is None:
+            return
+        try:
+            fitted = fit_scheduler_groups(scheduler, len(optimizer.param_groups))
+        except ValueError as e:
+            raise XirangConfigError([("checkpoint", str(e))], title="cannot resume from this checkpoint") from None
+        if fitted and int(getattr(self.engine, "global_rank", 0)) == 0:
+            logger.info("xirang: the LR scheduler's %s fitted to this run's %d param groups", ", ".join(fitted),
+                        len(optimizer.param_groups))
 
     def _foreign_optimizer_state(self, options: dict) -> Optional[tuple[str, dict]]:
         """``(tag folder, its marker)`` when the optimizer state of the checkpoint DeepSpeed is about to

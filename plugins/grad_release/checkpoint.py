@@ -9,7 +9,7 @@ and the step counters stay in DeepSpeed's files.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
@@ -90,11 +90,15 @@ def load_rank_state(tag_dir: str, rank: int, layout: dict, policy: Any, buckets:
     policy.load_state_dict(saved["policy"])
 
 
-def read_param_states(tag_dir: str) -> "ParamStates":
+def read_param_states(tag_dir: str, optimizer_groups: Optional[list] = None) -> "ParamStates":
     """Every rank's file of a checkpoint tag as whole per-parameter states (flat), for a run that
     resumes without grad_release or with another optimizer or layout, and for writing DeepSpeed's
     own files. The files are memory-mapped and each parameter is assembled when it is asked for
     (`LazyParams`), so a reader holds one whole parameter at a time.
+
+    Args:
+        optimizer_groups: the basic optimizer's param groups (default: read from DeepSpeed's model-states
+            file, which at save is not written yet).
 
     Raises:
         FileNotFoundError: a rank's file is missing.
@@ -133,9 +137,11 @@ def read_param_states(tag_dir: str) -> "ParamStates":
     # splits the user's groups and marks each half with xirang_group: states are grouped by the user's.
     origins: dict[int, int] = {}
     model_states = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
-    if os.path.isfile(model_states):
+    if optimizer_groups is None and os.path.isfile(model_states):
         basic = torch.load(model_states, map_location="cpu", weights_only=False, mmap=True).get("optimizer") or {}
-        saved_groups = basic.get("param_groups", [])
+        optimizer_groups = basic.get("param_groups")
+    if optimizer_groups:
+        saved_groups = optimizer_groups
         origins = {g: int(group.get("xirang_group", g)) for g, group in enumerate(saved_groups)}
         groups = {}
         for g, group in enumerate(saved_groups):

@@ -174,5 +174,5 @@ def hyperparameters(group: dict) -> dict:
     return {k: group[k] for k in HYPERPARAMETERS if k in group}
 
 
-__all__ = ["Fragment", "HYPERPARAMETERS", "LazyParams", "MOMENTS", "ParamState", "ParamStates", "Slot", "hyperparameters",
-           "load_slots", "set_hyperparameters"]
+__all__ = ["Fragment", "HYPERPARAMETERS", "LazyParams", "MOMENTS", "ParamState", "ParamStates", "Slot",
+           "hyperparameters", "load_slots", "set_hyperparameters"]

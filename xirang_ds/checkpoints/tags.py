@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -63,99 +64,166 @@ def state_owners(marker: dict) -> set[str]:
     return owners
 
 
-def read_states(tag_dir: str, marker: dict, names: Sequence[str], shapes: dict[str, torch.Size]) -> ParamStates:
+def read_states(tag_dir: str, marker: dict, names: Sequence[str], shapes: dict[str, torch.Size],
+                optimizer_groups: Optional[list[dict]] = None) -> ParamStates:
     """The tag's optimizer state per parameter, from whichever owner wrote it.
 
     Args:
         names, shapes: the trainable parameters in ``model.parameters()`` order (a stage-0 DeepSpeed
             state is indexed by position).
+        optimizer_groups: the basic optimizer's param groups, when the model-states file is not written
+            yet (at save).
     """
     from xirang_ds.checkpoints.deepspeed_files import read_deepspeed_states
     from xirang_ds.plugins.grad_release.checkpoint import read_param_states
 
     if "grad_release" in state_owners(marker):
-        return read_param_states(tag_dir)
+        return read_param_states(tag_dir, optimizer_groups)
     return read_deepspeed_states(tag_dir, names, shapes)
 
 
-def export_deepspeed_files(save_dir: str, tag: Optional[str] = None, ranks: Optional[Iterable[int]] = None,
-                           stage: Optional[int] = None, world: Optional[int] = None,
-                           ds_config: Optional[dict] = None) -> list[str]:
-    """Write plain DeepSpeed's ZeRO files of a xirang checkpoint into its own tag folder (rank files,
-    ``param_shapes`` in the model-states file, ``zero_to_fp32.py`` in ``save_dir``) and record them in
-    the marker. xirang's own files stay: a run with the same block still resumes from them exactly.
+@dataclass
+class RunFacts:
+    """What DeepSpeed's plain layout needs to know about the run that wrote a checkpoint: from its files
+    (`facts_from_files`) or, at save, from the engine.
 
-    Args:
-        ranks: which ranks' files to write (default: all; at save each rank writes its own).
-        stage, world: the ZeRO stage and data-parallel size to write for (default: the run's).
-        ds_config: the run's ds_config as written (recorded in the files; its fp16 section shapes the
-            saved loss scaler).
+    Attributes:
+        params: the trainable parameters' shapes by name, in ``model.parameters()`` order.
+        optimizer_groups: the basic optimizer's param groups as its ``state_dict()`` writes them (the
+            LR scheduler's current values; optimizer_states' halves marked with ``xirang_group``).
+        dtype, stage, world: the run's training dtype, ZeRO stage and data-parallel ranks.
+        ds_config: the ds_config as the user wrote it, when known.
+    """
+
+    params: dict[str, torch.Size]
+    optimizer_groups: Optional[list[dict]]
+    dtype: str
+    stage: int
+    world: int
+    ds_config: Optional[dict] = None
+
+
+def write_deepspeed_files(tag_dir: str, marker: dict, facts: RunFacts,
+                          ranks: Optional[Iterable[int]] = None) -> tuple[list[str], list[list[str]]]:
+    """Plain DeepSpeed's ZeRO files of the tag's optimizer state, for ``ranks`` (default all).
 
     Returns:
-        the paths written ([] when the tag's optimizer state already is in DeepSpeed's own layout).
+        the paths written and the param groups' names (the ``param_shapes`` the model-states file needs).
 
     Raises:
-        ValueError: a stage or layout these files cannot express, with what to do instead.
+        ValueError: a stage these files cannot express, with what to do instead.
     """
-    from xirang_ds.checkpoints.deepspeed_files import MODEL_STATES, _load
-    from xirang_ds.checkpoints.deepspeed_writer import add_param_shapes, copy_recovery_script, write_zero_files
+    from xirang_ds.checkpoints.deepspeed_writer import write_zero_files
+
+    if facts.stage not in (1, 2):
+        raise ValueError(f"{tag_dir} is for ZeRO stage {facts.stage}; plain ZeRO files are written for stages 1 "
+                         "and 2 (stage 0 keeps its optimizer state inside the model-states file, which xirang's own "
+                         "resume reads, and ZeRO-3 files are not written yet). Fix: export with stage 1 or 2; "
+                         "DeepSpeed's ds_to_universal converts that for a ZeRO-3 run")
+    names = list(facts.params)
+    states = read_states(tag_dir, marker, names, facts.params, facts.optimizer_groups)
+    by_group: dict[int, list[str]] = {}
+    for n in names:
+        if n in states.params:
+            by_group.setdefault(states.params[n].group, []).append(n)
+    groups = [by_group[g] for g in sorted(by_group)]
+    written = write_zero_files(tag_dir, states, groups, _torch_groups(facts.optimizer_groups, states, len(groups)),
+                               facts.stage, facts.dtype, facts.world, ranks=ranks, ds_config=facts.ds_config)
+    return written, groups
+
+
+def export_deepspeed_files(save_dir: str, tag: Optional[str] = None, stage: Optional[int] = None,
+                           world: Optional[int] = None) -> list[str]:
+    """`write_deepspeed_files` for a checkpoint already on disk, every rank (``xirang-ds checkpoint
+    export``): ``param_shapes`` go into its model-states file, ``zero_to_fp32.py`` into ``save_dir``,
+    the layout into the marker. xirang's own files stay; after an export of an optimizer_states
+    checkpoint (whose DeepSpeed files held int8/int4 codes) a run with the block takes the state over
+    from the plain files.
+
+    Args:
+        stage, world: the ZeRO stage and data-parallel size to write for (default: the run's).
+
+    Returns:
+        the paths written ([] when the optimizer state already is in DeepSpeed's own layout).
+    """
+    from xirang_ds.checkpoints.deepspeed_writer import add_param_shapes, copy_recovery_script
 
     tag_dir = resolve_tag(save_dir, tag)
     if tag_dir is None:
         raise ValueError(f"{save_dir} has no checkpoint tag {tag!r} (no 'latest' file or no such folder)")
     marker = read_marker(tag_dir)
-    owners = state_owners(marker)
-    if not owners:
+    if not state_owners(marker):
         return []
-    model = _load(os.path.join(tag_dir, MODEL_STATES))
-    module, buffers = model["module"], set(model.get("buffer_names") or [])
-    layout = _layout(tag_dir, owners, module)
-    stage = layout["stage"] if stage is None else stage
-    world = layout["world"] if world is None else world
-    if stage not in (1, 2):
-        raise ValueError(f"{tag_dir} was written for ZeRO stage {stage}; plain ZeRO files are written for stages 1 "
-                         "and 2 (stage 0 keeps its optimizer state inside the model-states file, which xirang's own "
-                         "resume reads, and ZeRO-3 files are not written yet). Fix: export with stage=1 or 2, "
-                         "or convert with DeepSpeed's ds_to_universal after a stage-1/2 export")
-    names = [n for n in module if n not in buffers]
-    states = read_states(tag_dir, marker, names, {n: module[n].shape for n in names})
-    names = [n for n in names if n in states.params]
-    groups: dict[int, list[str]] = {}
-    for n in names:
-        groups.setdefault(states.params[n].group, []).append(n)
-    ordered = [groups[g] for g in sorted(groups)]
-    torch_groups = _torch_groups(model.get("optimizer"), states, len(ordered))
-    written = write_zero_files(tag_dir, states, ordered, torch_groups, stage, layout["dtype"], world, ranks=ranks,
-                               ds_config=ds_config if ds_config is not None else layout.get("ds_config"))
-    if ranks is None or 0 in set(ranks):
-        add_param_shapes(tag_dir, ordered, {n: module[n].shape for n in names})
-        copy_recovery_script(save_dir)
-        write_marker(tag_dir, {**marker, "deepspeed_files": {"stage": stage, "world": world, "dtype": layout["dtype"]}})
+    facts = facts_from_files(tag_dir, marker)
+    facts.stage = facts.stage if stage is None else stage
+    facts.world = facts.world if world is None else world
+    written, groups = write_deepspeed_files(tag_dir, marker, facts)
+    add_param_shapes(tag_dir, groups, facts.params)
+    copy_recovery_script(save_dir)
+    write_marker(tag_dir, {**marker, "deepspeed_files": layout_record(facts)})
     return written
 
 
-def _layout(tag_dir: str, owners: set[str], module: dict) -> dict:
-    """The stage, world size and dtype the run that wrote the tag asked for."""
-    from xirang_ds.checkpoints.deepspeed_files import _dtype, _load, optim_files
+def layout_record(facts: RunFacts) -> dict:
+    """The marker's ``deepspeed_files`` entry."""
+    return {"stage": facts.stage, "world": facts.world, "dtype": facts.dtype}
+
+
+def facts_from_files(tag_dir: str, marker: dict) -> RunFacts:
+    """`RunFacts` of the run that wrote the tag, read from its files."""
+    from xirang_ds.checkpoints.deepspeed_files import MODEL_STATES, _dtype, _load, optim_files
     from xirang_ds.plugins.grad_release.checkpoint import load_shard, shard_path
 
-    if "grad_release" in owners:
+    model = _load(os.path.join(tag_dir, MODEL_STATES))
+    module, buffers = model["module"], set(model.get("buffer_names") or [])
+    params = {n: t.shape for n, t in module.items() if n not in buffers}
+    saved_optimizer = model.get("optimizer") or {}
+    if "grad_release" in state_owners(marker):
         shard = load_shard(shard_path(tag_dir, 0), mmap=True)
         dtypes = {t.dtype for t in module.values() if torch.is_tensor(t) and t.is_floating_point()}
         dtype = "bf16" if torch.bfloat16 in dtypes else "fp16" if torch.float16 in dtypes else "fp32"
-        return {"stage": int(shard["zero_stage"]), "world": int(shard["world"]), "dtype": dtype}
+        return RunFacts(params, saved_optimizer.get("param_groups"), dtype, int(shard["zero_stage"]),
+                        int(shard["world"]))
     files = optim_files(tag_dir)
     if not files:
-        return {"stage": 0, "world": 1, "dtype": "fp32"}
+        return RunFacts(params, saved_optimizer.get("param_groups"), "fp32", 0, 1)
     first = _load(files[0])
-    return {"stage": int(first["optimizer_state_dict"]["zero_stage"]), "world": len(files),
-            "dtype": _dtype(first.get("ds_config")), "ds_config": first.get("ds_config")}
+    base = first["optimizer_state_dict"].get("base_optimizer_state")
+    return RunFacts(params, base.get("param_groups") if isinstance(base, dict) else None,
+                    _dtype(first.get("ds_config")), int(first["optimizer_state_dict"]["zero_stage"]), len(files),
+                    first.get("ds_config"))
 
 
-def _torch_groups(saved_optimizer: Optional[dict], states: ParamStates, count: int) -> list[dict]:
-    """Each group's ``torch.optim.AdamW`` param-group dict for the plain files: the basic optimizer's
-    own (grad_release runs save it), else AdamW's defaults under the saved hyperparameters."""
-    groups = list((saved_optimizer or {}).get("param_groups") or [])
+def describe(tag_dir: str) -> list[str]:
+    """What wrote the tag and what can load it, one line each (``xirang-ds checkpoint show``)."""
+    from xirang_ds.checkpoints.deepspeed_files import optim_files
+
+    marker = read_marker(tag_dir)
+    sections = marker.get("sections", [])
+    owners = state_owners(marker)
+    lines = [f"{tag_dir}: written by " + (f"xirang_ds {marker.get('xirang_ds', '?')} (preset "
+                                          f"{marker.get('preset') or 'none'}; sections {', '.join(sections) or 'none'})"
+                                          if marker else "plain DeepSpeed")]
+    holder = ("grad_release's shards (xirang_grad_release/)" if "grad_release" in owners else
+              "DeepSpeed's files, as optimizer_states' int8/int4 codes over its own param groups"
+              if "optimizer_states" in owners else "DeepSpeed's own files")
+    lines.append(f"  optimizer state: {holder}")
+    files = optim_files(tag_dir)
+    plain = not owners or bool(marker.get("deepspeed_files"))
+    layout = marker.get("deepspeed_files") or {}
+    lines.append("  plain DeepSpeed, zero_to_fp32.py, ds_to_universal: " + (
+        f"read it ({len(files)} ZeRO file(s){', written for ZeRO-' + str(layout['stage']) if layout else ''})"
+        if plain and files else "read it (stage 0: DeepSpeed's model-states file)" if plain else
+        "cannot read it yet; `xirang-ds checkpoint export` writes DeepSpeed's files"))
+    lines.append("  a run with any xirang block: resumes from it (another owner's state is taken over, "
+                 "docs/checkpoints.md)")
+    return lines
+
+
+def _torch_groups(optimizer_groups: Optional[list[dict]], states: ParamStates, count: int) -> list[dict]:
+    """Each group's ``torch.optim`` param-group dict for the plain files: the basic optimizer's own when
+    it is a torch optimizer over the user's groups, else AdamW's defaults under the saved hyperparameters."""
+    groups = list(optimizer_groups or [])
     if len(groups) == count and all("amsgrad" in g for g in groups):
         return [{k: v for k, v in g.items() if k != "params"} for g in groups]
     template = {k: v for k, v in torch.optim.AdamW([torch.zeros(1)]).param_groups[0].items() if k != "params"}
@@ -163,5 +231,6 @@ def _torch_groups(saved_optimizer: Optional[dict], states: ParamStates, count: i
     return [dict(template, **(states.groups[g] if g < len(states.groups) else {})) for g in range(count)]
 
 
-__all__ = ["GRAD_RELEASE_FOLDER", "MARKER", "export_deepspeed_files", "read_marker", "read_states", "resolve_tag",
-           "state_owners", "write_marker"]
+__all__ = ["GRAD_RELEASE_FOLDER", "MARKER", "RunFacts", "describe", "export_deepspeed_files", "facts_from_files",
+           "layout_record", "read_marker", "read_states", "resolve_tag", "state_owners", "write_deepspeed_files",
+           "write_marker"]

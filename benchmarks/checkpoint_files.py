@@ -10,6 +10,7 @@ side in one run (the saves alternate, the median of each side is reported).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -56,7 +57,7 @@ def measure(rank: int, world: int, model_spec: str, saves: int, tmp: str) -> dic
     sizes = {}
     for i in range(saves):
         for side, on in (("without", False), ("with", True)):
-            engine.xirang.config.deepspeed_files = on
+            engine.xirang.config = dataclasses.replace(engine.xirang.config, deepspeed_files=on)
             save_dir = os.path.join(tmp, f"{side}{i}")
             dist.barrier()
             start = time.perf_counter()

@@ -89,7 +89,8 @@ def test_zero_files_written_from_the_states_equal_deepspeeds_own(checkpoints, st
     states = read_deepspeed_states(tag_dir, names, shapes)
     theirs = [_load(os.path.join(tag_dir, optim_file_name(r, dtype))) for r in range(2)]
     torch_groups = theirs[0]["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]
-    write_zero_files(str(tmp_path), states, [names], torch_groups, stage, dtype, 2, ds_config=theirs[0]["ds_config"])
+    write_zero_files(str(tmp_path), states, [names], {n: shapes[n].numel() for n in names}, torch_groups, stage, dtype,
+                     2, ds_config=theirs[0]["ds_config"])
     for rank in range(2):
         ours = _load(os.path.join(tmp_path, optim_file_name(rank, dtype)))
         # clip_grad is left out (the loading run keeps its own), and so is a bf16/fp32 run's static scaler

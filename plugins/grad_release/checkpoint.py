@@ -170,7 +170,8 @@ def read_param_states(tag_dir: str, optimizer_groups: Optional[list] = None) -> 
         return ParamState(step=step, group=group, **out)
 
     return ParamStates(f"xirang grad_release (ZeRO-{first['zero_stage']}, {first['world']} rank(s))",
-                       LazyParams(index, build), [groups.get(g, {}) for g in range(max(groups, default=-1) + 1)],
+                       LazyParams(index, build, lambda name: origins.get(index[name][1], index[name][1])),
+                       [groups.get(g, {}) for g in range(max(groups, default=-1) + 1)],
                        (first.get("policy") or {}).get("loss_scaler"))
 
 

@@ -567,8 +567,8 @@ class GradReleasePlugin(Plugin):
             slots = [Slot(view, [Fragment(bucket.names[piece.index], piece.start, piece.numel, 0)])
                      for piece, view in zip(bucket.pieces, bucket.views)]
             load_slots(bucket.optimizer, slots, states)
-            steps = [states.params[bucket.names[piece.index]].step for piece in bucket.pieces]
-            bucket.steps_applied = max(steps, default=0)
+            bucket.steps_applied = max((int(st["step"]) for st in bucket.optimizer.state.values() if "step" in st),
+                                       default=0)
             if bucket.master is not None:
                 with torch.no_grad():
                     for piece, view in zip(bucket.pieces, bucket.views):

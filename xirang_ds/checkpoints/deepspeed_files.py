@@ -172,7 +172,8 @@ def _read_zero12(files: list[str], stage: int, dtype: str, shapes: dict[str, tor
         whole = {k: torch.cat(v).view(shape) for k, v in parts.items()}
         return ParamState(step=steps[group], group=group, **whole)
 
-    return ParamStates(f"DeepSpeed ZeRO-{stage} ({dtype})", LazyParams(index, build), hyper, loss_scale)
+    return ParamStates(f"DeepSpeed ZeRO-{stage} ({dtype})", LazyParams(index, build, lambda name: index[name][0]),
+                       hyper, loss_scale)
 
 
 def _check_moments(state: dict, where: str) -> None:

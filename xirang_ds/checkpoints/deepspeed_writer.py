@@ -31,7 +31,7 @@ def optim_file_name(rank: int, dtype: str) -> str:
     return f"{'bf16_' if dtype == 'bf16' else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
 
 
-def write_zero_files(tag_dir: str, states: ParamStates, groups: Sequence[Sequence[str]],
+def write_zero_files(tag_dir: str, states: ParamStates, groups: Sequence[Sequence[str]], numels: dict[str, int],
                      torch_groups: Sequence[dict], stage: int, dtype: str, world: int,
                      ranks: Optional[Iterable[int]] = None, ds_config: Optional[dict] = None) -> list[str]:
     """Write ranks' ZeRO ``stage`` (1 or 2) files of ``states`` into ``tag_dir``; returns their paths.
@@ -39,6 +39,7 @@ def write_zero_files(tag_dir: str, states: ParamStates, groups: Sequence[Sequenc
     Args:
         groups: the names of each param group's trainable parameters, in the order DeepSpeed flattens
             them (the order the optimizer was given them).
+        numels: their element counts (a rank reads only the parameters its partition holds).
         torch_groups: each group's torch param-group dict (hyperparameters and flags; ``params`` is
             replaced), as ``torch.optim.AdamW.state_dict()`` writes it.
         ranks: which ranks' files (default: all).
@@ -53,15 +54,15 @@ def write_zero_files(tag_dir: str, states: ParamStates, groups: Sequence[Sequenc
 
     if stage not in (1, 2):
         raise ValueError(f"ZeRO files of stage {stage}: only stages 1 and 2 are written")
-    absent = [n for g in groups for n in g if n not in states.params]
+    absent = [n for g in groups for n in g if n not in states.params or n not in numels]
     if absent:
         raise ValueError(f"no optimizer state for {absent[:3]}")
     written = []
     for rank in (range(world) if ranks is None else ranks):
         masters, base_state, paddings, mappings, steps = [], {}, [], [], set()
         for g, names in enumerate(groups):
-            numels = [states.params[n].exp_avg.numel() for n in names]
-            total = sum(numels)
+            sizes = [numels[n] for n in names]
+            total = sum(sizes)
             alignment = ALIGNMENT_FACTOR * world
             padded = -(-total // alignment) * alignment
             part = padded // world
@@ -69,7 +70,7 @@ def write_zero_files(tag_dir: str, states: ParamStates, groups: Sequence[Sequenc
             flats = {k: torch.zeros(part, dtype=torch.float32) for k in ("master",) + MOMENTS}
             mapping: collections.OrderedDict = collections.OrderedDict()
             offset = 0
-            for name, numel in zip(names, numels):
+            for name, numel in zip(names, sizes):
                 a, b = max(lo, offset), min(hi, offset + numel)
                 if a < b:
                     saved = states.params[name]

@@ -46,8 +46,11 @@ class LazyParams(Mapping):
     an index and memory-mapped files, so a rank that needs a share of the parameters reads that share
     and holds one whole parameter at a time."""
 
-    def __init__(self, names: Iterable[str], build: Callable[[str], ParamState]):
+    def __init__(self, names: Iterable[str], build: Callable[[str], ParamState],
+                 groups: Optional[Callable[[str], int]] = None):
         self._names = list(dict.fromkeys(names))
+        self.group_of = groups if groups is not None else (lambda name: self[name].group)
+        """name → its saved group, without assembling the parameter when the reader's index knows it."""
         self._known = set(self._names)
         self._build = build
         self._last: tuple[Optional[str], Optional[ParamState]] = (None, None)
@@ -84,6 +87,12 @@ class ParamStates:
     params: Mapping[str, ParamState]
     groups: list[dict] = field(default_factory=list)
     loss_scale: Optional[dict] = None
+
+
+def group_of(states: ParamStates, name: str) -> int:
+    """The saved param group of ``name`` (from a lazy reader's index, without assembling it)."""
+    params = states.params
+    return params.group_of(name) if isinstance(params, LazyParams) else params[name].group
 
 
 @dataclass(frozen=True)
@@ -145,7 +154,7 @@ def load_slots(optimizer: torch.optim.Optimizer, slots: Sequence[Slot], states: 
             i = index[id(slot.tensor)]
             state[i] = {"step": torch.tensor(float(max(steps)), dtype=torch.float32),
                         **{m: v.view_as(slot.tensor) for m, v in moments.items()}}
-            saved_group_of.setdefault(i, states.params[slot.fragments[0].name].group)
+            saved_group_of.setdefault(i, group_of(states, slot.fragments[0].name))
     sd = optimizer.state_dict()
     sd["state"] = state
     for group in sd["param_groups"]:
@@ -160,9 +169,10 @@ def set_hyperparameters(optimizer: torch.optim.Optimizer, names: dict, states: P
     """Each param group of ``optimizer`` takes the saved `HYPERPARAMETERS` of the group its first named
     parameter was saved in (``names``: parameter → name); groups without saved parameters keep theirs."""
     for group in optimizer.param_groups:
-        saved = next((states.params[names[p]] for p in group["params"] if names.get(p) in states.params), None)
-        if saved is not None and saved.group < len(states.groups):
-            group.update({k: v for k, v in states.groups[saved.group].items() if k in group})
+        name = next((names[p] for p in group["params"] if names.get(p) in states.params), None)
+        saved = group_of(states, name) if name is not None else None
+        if saved is not None and saved < len(states.groups):
+            group.update({k: v for k, v in states.groups[saved].items() if k in group})
 
 
 def _piece(tensor: torch.Tensor, f: Fragment) -> torch.Tensor:
@@ -175,4 +185,4 @@ def hyperparameters(group: dict) -> dict:
 
 
 __all__ = ["Fragment", "HYPERPARAMETERS", "LazyParams", "MOMENTS", "ParamState", "ParamStates", "Slot",
-           "hyperparameters", "load_slots", "set_hyperparameters"]
+           "group_of", "hyperparameters", "load_slots", "set_hyperparameters"]

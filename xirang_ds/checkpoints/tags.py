@@ -10,7 +10,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from xirang_ds.checkpoints.param_states import ParamStates
+from xirang_ds.checkpoints.param_states import ParamStates, group_of
 
 MARKER = "xirang_block.json"
 """Written into each checkpoint's tag folder: the xirang_ds version, the preset and the sections that
@@ -125,9 +125,10 @@ def write_deepspeed_files(tag_dir: str, marker: dict, facts: RunFacts,
     by_group: dict[int, list[str]] = {}
     for n in names:
         if n in states.params:
-            by_group.setdefault(states.params[n].group, []).append(n)
+            by_group.setdefault(group_of(states, n), []).append(n)
     groups = [by_group[g] for g in sorted(by_group)]
-    written = write_zero_files(tag_dir, states, groups, _torch_groups(facts.optimizer_groups, states, len(groups)),
+    numels = {n: shape.numel() for n, shape in facts.params.items()}
+    written = write_zero_files(tag_dir, states, groups, numels, _torch_groups(facts.optimizer_groups, states, len(groups)),
                                facts.stage, facts.dtype, facts.world, ranks=ranks, ds_config=facts.ds_config)
     return written, groups
 

@@ -108,7 +108,11 @@ def _hf_resume(rank, world, out_dir):
     removed, removed_losses, _ = _hf_resumable(os.path.join(out_dir, "removed"), None, resume_from=ours_ckpt)
     changed, _, _ = _hf_resumable(os.path.join(out_dir, "changed"), {"optimizer_states": {"enabled": True}},
                                   resume_from=ours_ckpt)
-    return {"added": torch.equal(plain, added), "removed": torch.equal(ours, removed),
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    weights = get_fp32_state_dict_from_zero_checkpoint(ours_ckpt)  # the grad_release run's, with GPT-2's tied head
+    tied = "lm_head.weight" in weights and torch.equal(weights["lm_head.weight"], weights["transformer.wte.weight"])
+    return {"tied": tied, "added": torch.equal(plain, added), "removed": torch.equal(ours, removed),
             "changed": torch.equal(ours, changed), "plain_losses": plain_losses, "added_losses": added_losses,
             "ours_losses": ours_losses, "removed_losses": removed_losses}
 
@@ -122,3 +126,4 @@ def test_hf_trainer_resume_from_checkpoint_with_the_block_added_removed_and_chan
         assert r["added_losses"] == r["plain_losses"] and r["removed_losses"] == r["ours_losses"]
         # and end on the uninterrupted run's parameters, bit for bit, in every direction
         assert r["added"] and r["removed"] and r["changed"]
+        assert r["tied"]  # zero_to_fp32 names the tied head as DeepSpeed's own checkpoints do

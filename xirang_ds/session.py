@@ -297,9 +297,11 @@ class Session:
         _, groups = write_deepspeed_files(tag_dir, marker, facts, ranks=[self.plugin("grad_release").comm.rank])
         if self.engine.global_rank == 0:
             copy_recovery_script(save_dir)
+        frozen = [(n, p) for n, p in self.engine.module.named_parameters() if not p.requires_grad]
         return {"param_shapes": [collections.OrderedDict((n, facts.params[n]) for n in names) for names in groups],
-                "frozen_param_shapes": collections.OrderedDict(), "shared_params": {},
-                "frozen_param_fragments": collections.OrderedDict()}
+                "frozen_param_shapes": collections.OrderedDict((n, p.shape) for n, p in frozen),
+                "shared_params": self.engine._get_shared_params(),  # DeepSpeed's own: tied weights by name
+                "frozen_param_fragments": collections.OrderedDict((n, p.detach().cpu()) for n, p in frozen)}
 
     def _load_checkpoint(self, original, *args, **kwargs):
         """DeepSpeed's load; when the checkpoint's optimizer state belongs to another owner (plain
@@ -386,6 +388,14 @@ class Session:
             raise XirangConfigError([("checkpoint", f"{tag_dir} (written by {written}) cannot be taken over by this "
                                       f"run's sections ({running}): {e}. {fix}")],
                                     title="cannot resume from this checkpoint") from None
+        if self.plugin("grad_release") is None:
+            from xirang_ds.checkpoints.deepspeed_slots import engine_slots
+
+            try:
+                engine_slots(self.engine)  # the target is known before DeepSpeed loads anything
+            except NotImplementedError as e:
+                raise XirangConfigError([("checkpoint", f"{tag_dir} (written by {written}): {e}. {fix}")],
+                                        title="cannot resume from this checkpoint") from None
         absent = [n for n, _ in trainable if n not in states.params]
         if absent:
             raise XirangConfigError([("checkpoint", f"{tag_dir} (written by {written}) has no optimizer state for "

@@ -53,15 +53,6 @@ def optim_files(tag_dir: str) -> list[str]:
     return [p for _, p in sorted(found)]
 
 
-def has_deepspeed_optimizer_state(tag_dir: str) -> bool:
-    """True if the folder holds DeepSpeed's own optimizer state (ZeRO files, or a stage-0 optimizer
-    inside the model-states file)."""
-    if optim_files(tag_dir):
-        return True
-    path = os.path.join(tag_dir, MODEL_STATES)
-    return os.path.isfile(path) and _load(path).get("optimizer") is not None
-
-
 def read_deepspeed_states(tag_dir: str, names: Sequence[str], shapes: dict[str, torch.Size]) -> ParamStates:
     """The optimizer state of a plain DeepSpeed checkpoint, per parameter.
 
@@ -253,5 +244,4 @@ def _read_stage0(saved: dict, names: Sequence[str], shapes: dict[str, torch.Size
                        scale)
 
 
-__all__ = ["CheckpointReadError", "MODEL_STATES", "has_deepspeed_optimizer_state", "optim_files",
-           "read_deepspeed_states"]
+__all__ = ["CheckpointReadError", "MODEL_STATES", "optim_files", "read_deepspeed_states"]

@@ -27,9 +27,10 @@ class ParamState:
     """One parameter's optimizer state, whole and fp32.
 
     Attributes:
-        master: the fp32 master weight, shaped like the parameter (``None``: the weights the module
-            was saved with are the masters, an fp32 run).
-        exp_avg, exp_avg_sq: the moments, shaped like the parameter.
+        master: the fp32 master weight (``None``: the weights the module was saved with are the
+            masters, an fp32 run).
+        exp_avg, exp_avg_sq: the moments. All three are shaped like the parameter, or flat where the
+            reader does not know its shape (grad_release's shards); consumers index them flattened.
         step: optimizer steps taken.
         group: index of its param group in ``ParamStates.groups``.
     """

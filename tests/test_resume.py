@@ -49,12 +49,32 @@ def _run(block, rank, world, save_dir, count, stage=2):
     return losses + _steps(engine, rank, world, 2, count - 2)
 
 
-def _resume(block, rank, world, load_dir, count, stage=2):
+def _resume(block, rank, world, load_dir, count, stage=2, save_to=None):
     engine = _engine(block, stage)
     engine.load_checkpoint(load_dir)
     session = getattr(engine, "xirang", None)
-    return {"losses": _steps(engine, rank, world, 2, count), "steps": engine.global_steps,
-            "lr": engine.get_lr()[0], "events": [e["kind"] for e in session.events] if session else []}
+    out = {"losses": _steps(engine, rank, world, 2, count), "steps": engine.global_steps,
+           "lr": engine.get_lr()[0], "events": [e["kind"] for e in session.events] if session else []}
+    if save_to is not None:
+        engine.save_checkpoint(save_to)
+    return out
+
+
+def _zero_to_fp32_matches(folder):
+    """DeepSpeed's zero_to_fp32 on a checkpoint whose DeepSpeed files optimizer_states wrote (int8 codes
+    over its split groups, fp32 masters): its weights against the masters xirang reads, and whether
+    the decoded second moments are all >= 0."""
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from xirang_ds.checkpoints.tags import read_marker, read_states, resolve_tag
+
+    weights = get_fp32_state_dict_from_zero_checkpoint(folder)
+    tag_dir = resolve_tag(folder, None)
+    states = read_states(tag_dir, read_marker(tag_dir), list(weights), {n: w.shape for n, w in weights.items()})
+    return {"count": len(weights),
+            "equal": all(torch.equal(w.float(), states.params[n].master.view_as(w)) for n, w in weights.items()),
+            "moments": all(bool(states.params[n].exp_avg_sq.min() >= 0) for n in weights)}
 
 
 def scenarios(rank, world, tmp):
@@ -75,6 +95,8 @@ def scenarios(rank, world, tmp):
     out["ours_into_a_block_without_owners"] = _resume({"monitor": {"enabled": True}}, rank, world, ours, 2)
     out["ours_into_ours"] = _resume(GRAD_RELEASE, rank, world, ours, 2)
     out["int8"] = _run(INT8, rank, world, os.path.join(tmp, "int8"), 4)
+    if rank == 0:
+        out["zero_to_fp32_int8"] = _zero_to_fp32_matches(os.path.join(tmp, "int8"))
     out["int8_into_a_block_without_owners"] = _resume({"monitor": {"enabled": True}}, rank, world,
                                                       os.path.join(tmp, "int8"), 2)
     if rank == 0:  # what `xirang-ds checkpoint export` does: DeepSpeed's files rewritten in plain layout, in place
@@ -109,7 +131,9 @@ def scenarios(rank, world, tmp):
             torch.equal(weights[n].reshape(-1), masters.params[n].master.reshape(-1)) for n in masters.params)}
     out["plain_zero3"] = _run(None, rank, world, os.path.join(tmp, "plain3"), 4, stage=3)
     out["plain_zero3_into_balanced"] = _resume({"preset": "balanced"}, rank, world, os.path.join(tmp, "plain3"), 2,
-                                               stage=3)
+                                               stage=3, save_to=os.path.join(tmp, "balanced3"))
+    if rank == 0:
+        out["zero_to_fp32_balanced3"] = _zero_to_fp32_matches(os.path.join(tmp, "balanced3"))
     if rank == 0:
         shutil.copytree(ours, broken)
         os.remove(os.path.join(broken, "global_step2", "xirang_grad_release", "rank00001.pt"))
@@ -245,6 +269,9 @@ def test_plain_deepspeed_and_zero_to_fp32_read_a_grad_release_checkpoint(runs):
         assert r["ours_into_plain_deepspeed"]["steps"] == 4
         assert r["balanced_into_plain_deepspeed"]["losses"] == r["balanced"][2:]  # int8 decoded, as its next step did
     assert runs[0]["zero_to_fp32"] == {"count": 29, "equal": True}
+    # optimizer_states alone keeps DeepSpeed's own files (its codes inside): zero_to_fp32 reads them at ZeRO 2 and 3
+    assert runs[0]["zero_to_fp32_int8"] == runs[0]["zero_to_fp32_balanced3"] == {"count": 29, "equal": True,
+                                                                                 "moments": True}
     for r in runs:  # fp16 at ZeRO-1: DeepSpeed's fp16 arithmetic from there on, with grad_release's loss scale
         fp16 = r["fp16_into_plain_deepspeed"]
         assert fp16["scale"] == 1024.0

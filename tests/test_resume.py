@@ -132,8 +132,18 @@ def scenarios(rank, world, tmp):
     out["plain_zero3"] = _run(None, rank, world, os.path.join(tmp, "plain3"), 4, stage=3)
     out["plain_zero3_into_balanced"] = _resume({"preset": "balanced"}, rank, world, os.path.join(tmp, "plain3"), 2,
                                                stage=3, save_to=os.path.join(tmp, "balanced3"))
+    balanced3 = os.path.join(tmp, "balanced3")
     if rank == 0:
-        out["zero_to_fp32_balanced3"] = _zero_to_fp32_matches(os.path.join(tmp, "balanced3"))
+        out["zero_to_fp32_balanced3"] = _zero_to_fp32_matches(balanced3)
+    out["balanced3_into_balanced3"] = _resume({"preset": "balanced"}, rank, world, balanced3, 2, stage=3)
+    torch.distributed.barrier()
+    if rank == 0:  # ZeRO-3: DeepSpeed's files rewritten in plain layout (sub-groups, per-rank param_shapes)
+        from xirang_ds.checkpoints.tags import export_deepspeed_files
+
+        out["exported3"] = len(export_deepspeed_files(balanced3))
+        out["zero_to_fp32_exported3"] = _zero_to_fp32_matches(balanced3)
+    torch.distributed.barrier()
+    out["exported_balanced3_into_plain_deepspeed"] = _resume(None, rank, world, balanced3, 2, stage=3)
     if rank == 0:
         shutil.copytree(ours, broken)
         os.remove(os.path.join(broken, "global_step2", "xirang_grad_release", "rank00001.pt"))
@@ -285,6 +295,14 @@ def test_an_exported_optimizer_states_checkpoint_loads_into_plain_deepspeed_and_
         assert r["exported_int8_into_plain_deepspeed"]["losses"] == r["int8"][2:]
         assert r["exported_int8_into_int8"]["losses"] == r["int8"][2:]
         assert r["exported_int8_into_int8"]["events"] == ["optimizer_state_taken_over"]
+
+
+@pytest.mark.distributed
+def test_an_exported_zero3_preset_checkpoint_loads_into_plain_deepspeed_zero3(runs):
+    assert runs[0]["exported3"] == 2
+    assert runs[0]["zero_to_fp32_exported3"] == {"count": 29, "equal": True, "moments": True}
+    for r in runs:  # the moments decoded from int8 are what the preset's own next step decodes
+        assert r["exported_balanced3_into_plain_deepspeed"]["losses"] == r["balanced3_into_balanced3"]["losses"]
 
 
 @pytest.mark.distributed

@@ -174,9 +174,10 @@ def _check_moments(state: dict, where: str) -> None:
 
 
 def _read_zero3(tag_dir: str, files: list[str], dtype: str) -> ParamStates:
-    """Each param group's parameters, in ``param_shapes`` order, fill its sub-groups' flat partitions one
-    after another (``sub_group_size`` cuts a group into several); the basic optimizer's state indexes
-    the sub-groups in that order."""
+    """ZeRO-3 cuts each param group into sub-groups (``sub_group_size``), one flat partition each;
+    ``param_shapes`` lists the parameters of each sub-group in order, each taking ``ceil(numel / world)``
+    elements of its sub-group's flat on every rank; the basic optimizer's state indexes the sub-groups
+    in order, each param group's ``params`` naming its own."""
     world = len(files)
     model_states = os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")
     if not os.path.isfile(model_states):
@@ -184,33 +185,39 @@ def _read_zero3(tag_dir: str, files: list[str], dtype: str) -> ParamStates:
     param_shapes = _load(model_states)["param_shapes"]
     osds = [_load(p)["optimizer_state_dict"] for p in files]
     torch_sd = osds[0]["optimizer_state_dict"]
-    origins = [int(g.get("xirang_group", i)) for i, g in enumerate(torch_sd["param_groups"])]
-    hyper: dict[int, dict] = {}
-    for origin, group in zip(origins, torch_sd["param_groups"]):
+    origin_of_sub, hyper = {}, {}
+    for g, group in enumerate(torch_sd["param_groups"]):
+        origin = int(group.get("xirang_group", g))
         hyper.setdefault(origin, hyperparameters(group))
-    params = {}
-    for g, (group, group_shapes) in enumerate(zip(torch_sd["param_groups"], param_shapes)):
-        subs = []  # per sub-group, per rank: the flat master and both moments
-        for j in group["params"]:
-            per_rank = []
-            for rank, osd in enumerate(osds):
-                master = osd["fp32_flat_groups"][j]
-                state = _moments(osd["optimizer_state_dict"]["state"].get(j, {}), files[rank], master.numel())
-                per_rank.append({"master": master, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"],
-                                 "step": int(state.get("step", 0))})
-            subs.append(per_rank)
-        j, offset = 0, 0
-        for name, shape in group_shapes.items():
-            numel = shape.numel()
-            part = -(-numel // world)
-            if offset >= subs[j][0]["master"].numel():
-                j, offset = j + 1, 0
-            whole = {k: torch.cat([r[k].narrow(0, offset, part) for r in subs[j]])[:numel].float().view(shape)
-                     for k in ("master", "exp_avg", "exp_avg_sq")}
-            params[name] = ParamState(step=subs[j][0]["step"], group=origins[g], **whole)
+        origin_of_sub.update({j: origin for j in group["params"]})
+    index: dict[str, tuple] = {}  # name → (shape, sub-group, offset in its flat, elements per rank)
+    for j, sub_shapes in enumerate(param_shapes):
+        offset = 0
+        for name, shape in sub_shapes.items():
+            part = -(-shape.numel() // world)
+            index[name] = (shape, j, offset, part)
             offset += part
-    return ParamStates(f"DeepSpeed ZeRO-3 ({dtype})", params, [hyper.get(i, {}) for i in range(max(origins) + 1)],
-                       _loss_scale(osds[0]))
+    states = {}  # (rank, sub-group) → its state in torch layout over the whole flat (decoded lazily per range)
+    for rank, osd in enumerate(osds):
+        for j in range(len(param_shapes)):
+            state = osd["optimizer_state_dict"]["state"].get(j, {})
+            _check_moments(state, files[rank])
+            states[rank, j] = state
+
+    def build(name: str) -> ParamState:
+        from xirang_ds.plugins.optimizer_states.export import moment_range
+
+        shape, j, offset, part = index[name]
+        whole = {"master": torch.cat([o["fp32_flat_groups"][j][offset:offset + part].float() for o in osds])}
+        for m in ("exp_avg", "exp_avg_sq"):
+            whole[m] = torch.cat([moment_range(states[r, j], m, offset, offset + part) for r in range(world)])
+        step = int(states[0, j].get("step", 0))
+        return ParamState(step=step, group=origin_of_sub.get(j, 0),
+                          **{k: v[:shape.numel()].view(shape) for k, v in whole.items()})
+
+    return ParamStates(f"DeepSpeed ZeRO-3 ({dtype})",
+                       LazyParams(index, build, lambda name: origin_of_sub.get(index[name][1], 0)),
+                       [hyper.get(i, {}) for i in range(max(hyper, default=-1) + 1)], _loss_scale(osds[0]))
 
 
 def _read_stage0(saved: dict, names: Sequence[str], shapes: dict[str, torch.Size], dtype: str) -> ParamStates:

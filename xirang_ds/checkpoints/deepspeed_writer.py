@@ -19,7 +19,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from xirang_ds.checkpoints.deepspeed_files import MODEL_STATES, _load
+from xirang_ds.checkpoints.deepspeed_files import MODEL_STATES
 from xirang_ds.checkpoints.param_states import MOMENTS, ParamStates
 
 ALIGNMENT_FACTOR = 2
@@ -110,6 +110,62 @@ def write_zero_files(tag_dir: str, states: ParamStates, groups: Sequence[Sequenc
     return written
 
 
+def write_zero3_files(tag_dir: str, states: ParamStates, groups: Sequence[Sequence[str]], numels: dict[str, int],
+                      shapes: dict[str, torch.Size], torch_groups: Sequence[dict], dtype: str, world: int,
+                      sub_group_size: int = int(1e9), ds_config: Optional[dict] = None) -> list[list[str]]:
+    """Write every rank's ZeRO-3 files of ``states`` into ``tag_dir`` (``runtime/zero/stage3.py``'s
+    layout): each param group cut into sub-groups as DeepSpeed cuts them (``ceil(numel / world)``
+    elements per parameter per rank, a sub-group closed once it holds ``sub_group_size``), rank ``r``'s
+    optimizer file holding its slice of every parameter in each sub-group's flat, and each rank's
+    model-states file its ``param_shapes`` per sub-group. Returns the sub-groups' names."""
+    from deepspeed import __version__ as ds_version
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    subs: list[tuple[int, list[str]]] = []
+    for g, names in enumerate(groups):
+        current, held = [], 0
+        for i, name in enumerate(names):
+            current.append(name)
+            held += -(-numels[name] // world)
+            if held >= sub_group_size or i == len(names) - 1:
+                subs.append((g, current))
+                current, held = [], 0
+    param_groups = [{**{k: v for k, v in tg.items() if k != "params"},
+                     **(states.groups[g] if g < len(states.groups) else {}),
+                     "params": [j for j, (sg, _) in enumerate(subs) if sg == g]} for g, tg in enumerate(torch_groups)]
+    for rank in range(world):
+        flats, state = [], {}
+        for j, (_, names) in enumerate(subs):
+            parts = {k: [] for k in ("master",) + MOMENTS}
+            step = 0
+            for name in names:
+                saved, numel = states.params[name], numels[name]
+                part = -(-numel // world)
+                lo, hi = min(rank * part, numel), min((rank + 1) * part, numel)
+                for key in parts:
+                    source = getattr(saved, key) if key != "master" or saved.master is not None else None
+                    if source is None:
+                        raise ValueError(f"{name} has no fp32 master in this checkpoint")
+                    piece = torch.zeros(part, dtype=torch.float32)
+                    piece[:hi - lo].copy_(source.reshape(-1)[lo:hi])
+                    parts[key].append(piece)
+                step = max(step, saved.step)
+            flats.append(torch.cat(parts["master"]))
+            state[j] = {"step": torch.tensor(float(step)), **{m: torch.cat(parts[m]) for m in MOMENTS}}
+        scaler = _loss_scaler(states, ds_config) or {"loss_scaler": LossScaler(scale=1), "dynamic_loss_scale": False}
+        osd = {"zero_stage": ZeroStageEnum.weights, **scaler, "overflow": False, "partition_count": world,
+               "optimizer_state_dict": {"state": state, "param_groups": param_groups}, "fp32_flat_groups": flats}
+        _save({"optimizer_state_dict": osd, "ds_config": ds_config, "ds_version": ds_version},
+              os.path.join(tag_dir, optim_file_name(rank, dtype)))
+        path = os.path.join(tag_dir, f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+        checkpoint = dict(torch.load(path, map_location="cpu", weights_only=False))
+        checkpoint["param_shapes"] = [collections.OrderedDict((n, torch.Size(shapes[n])) for n in names)
+                                      for _, names in subs]
+        _save(checkpoint, path)
+    return [names for _, names in subs]
+
+
 def _loss_scaler(states: ParamStates, ds_config: Optional[dict]) -> dict:
     """DeepSpeed's dynamic loss scaler at the saved fp16 scale, with the ds_config's fp16 settings (a
     loading run takes the saved object whole); nothing without a saved scale (the loading run keeps
@@ -163,10 +219,5 @@ def _save(obj: dict, path: str) -> None:
     os.replace(temporary, path)
 
 
-def model_states(tag_dir: str) -> dict:
-    """The tag's model-states file (memory-mapped)."""
-    return _load(os.path.join(tag_dir, MODEL_STATES))
-
-
-__all__ = ["ALIGNMENT_FACTOR", "add_param_shapes", "copy_recovery_script", "model_states", "optim_file_name",
-           "write_zero_files"]
+__all__ = ["ALIGNMENT_FACTOR", "add_param_shapes", "copy_recovery_script", "optim_file_name",
+           "write_zero3_files", "write_zero_files"]

@@ -113,13 +113,16 @@ def write_deepspeed_files(tag_dir: str, marker: dict, facts: RunFacts,
     Raises:
         ValueError: a stage these files cannot express, with what to do instead.
     """
-    from xirang_ds.checkpoints.deepspeed_writer import write_zero_files
+    from xirang_ds.checkpoints.deepspeed_writer import write_zero3_files, write_zero_files
 
-    if facts.stage not in (1, 2):
-        raise ValueError(f"{tag_dir} is for ZeRO stage {facts.stage}; plain ZeRO files are written for stages 1 "
-                         "and 2 (stage 0 keeps its optimizer state inside the model-states file, which xirang's own "
-                         "resume reads, and ZeRO-3 files are not written yet). Fix: export with stage 1 or 2; "
-                         "DeepSpeed's ds_to_universal converts that for a ZeRO-3 run")
+    zero3_files = os.path.isfile(os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt"))
+    if facts.stage not in (1, 2, 3) or (facts.stage == 3) != zero3_files:
+        written_for = "ZeRO-3" if zero3_files else "stage 0, 1 or 2"
+        raise ValueError(f"{tag_dir} was written by a {written_for} run and cannot hold plain files for stage "
+                         f"{facts.stage}: stage 0 keeps its optimizer state inside the model-states file (which "
+                         "xirang's own resume reads), and ZeRO-3 and the other stages keep their model states in "
+                         "differently named files. Fix: export for the stage the run used, then DeepSpeed's "
+                         "ds_to_universal converts it for another")
     names = list(facts.params)
     states = read_states(tag_dir, marker, names, facts.params, facts.optimizer_groups)
     by_group: dict[int, list[str]] = {}
@@ -128,8 +131,14 @@ def write_deepspeed_files(tag_dir: str, marker: dict, facts: RunFacts,
             by_group.setdefault(group_of(states, n), []).append(n)
     groups = [by_group[g] for g in sorted(by_group)]
     numels = {n: shape.numel() for n, shape in facts.params.items()}
-    written = write_zero_files(tag_dir, states, groups, numels, _torch_groups(facts.optimizer_groups, states, len(groups)),
-                               facts.stage, facts.dtype, facts.world, ranks=ranks, ds_config=facts.ds_config)
+    torch_groups = _torch_groups(facts.optimizer_groups, states, len(groups))
+    if facts.stage == 3:
+        zero = (facts.ds_config or {}).get("zero_optimization") or {}
+        subs = write_zero3_files(tag_dir, states, groups, numels, facts.params, torch_groups, facts.dtype, facts.world,
+                                 sub_group_size=int(zero.get("sub_group_size", 1e9)), ds_config=facts.ds_config)
+        return [os.path.join(tag_dir, n) for n in sorted(os.listdir(tag_dir)) if "optim_states" in n], subs
+    written = write_zero_files(tag_dir, states, groups, numels, torch_groups, facts.stage, facts.dtype, facts.world,
+                               ranks=ranks, ds_config=facts.ds_config)
     return written, groups
 
 
@@ -159,7 +168,8 @@ def export_deepspeed_files(save_dir: str, tag: Optional[str] = None, stage: Opti
     facts.stage = facts.stage if stage is None else stage
     facts.world = facts.world if world is None else world
     written, groups = write_deepspeed_files(tag_dir, marker, facts)
-    add_param_shapes(tag_dir, groups, facts.params)
+    if facts.stage in (1, 2):  # ZeRO-3's per-rank model-states files got theirs from the writer
+        add_param_shapes(tag_dir, groups, facts.params)
     copy_recovery_script(save_dir)
     write_marker(tag_dir, {**marker, "deepspeed_files": layout_record(facts)})
     return written
@@ -175,9 +185,13 @@ def facts_from_files(tag_dir: str, marker: dict) -> RunFacts:
     from xirang_ds.checkpoints.deepspeed_files import MODEL_STATES, _dtype, _load, optim_files
     from xirang_ds.plugins.grad_release.checkpoint import load_shard, shard_path
 
-    model = _load(os.path.join(tag_dir, MODEL_STATES))
+    zero3 = os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    model = _load(zero3 if os.path.isfile(zero3) else os.path.join(tag_dir, MODEL_STATES))
     module, buffers = model["module"], set(model.get("buffer_names") or [])
     params = {n: t.shape for n, t in module.items() if n not in buffers}
+    if os.path.isfile(zero3):  # partitioned: the module holds placeholders, param_shapes the shapes
+        known = {n: shape for sub in model["param_shapes"] for n, shape in sub.items()}
+        params = {n: known[n] for n in module if n in known}
     saved_optimizer = model.get("optimizer") or {}
     if "grad_release" in state_owners(marker):
         shard = load_shard(shard_path(tag_dir, 0), mmap=True)
@@ -189,7 +203,8 @@ def facts_from_files(tag_dir: str, marker: dict) -> RunFacts:
     if not files:
         return RunFacts(params, saved_optimizer.get("param_groups"), "fp32", 0, 1)
     first = _load(files[0])
-    base = first["optimizer_state_dict"].get("base_optimizer_state")
+    base = first["optimizer_state_dict"].get("base_optimizer_state", first["optimizer_state_dict"].get(
+        "optimizer_state_dict"))
     return RunFacts(params, base.get("param_groups") if isinstance(base, dict) else None,
                     _dtype(first.get("ds_config")), int(first["optimizer_state_dict"]["zero_stage"]), len(files),
                     first.get("ds_config"))

@@ -1,6 +1,7 @@
 """DeepSpeed's checkpoint files as xirang reads and writes them (xirang_ds/checkpoints): every plain
 layout (stage 0-3 x bf16/fp16/fp32, 2 ranks) is read per parameter into the masters zero_to_fp32
 finds, and the ZeRO-1/2 files written back from what was read equal DeepSpeed's own tensor for tensor."""
+import math
 import os
 
 import pytest
@@ -12,10 +13,16 @@ from xirang_ds.launch import run_ranks
 LAYOUTS = [(stage, dtype) for stage in (0, 1, 2, 3) for dtype in ("bf16", "fp16", "fp32")]
 
 
+TAKEN_OVER = [(0, "fp32"), (0, "bf16"), (1, "fp16"), (2, "fp32")]
+"""Layouts also loaded by grad_release (ZeRO-2 bf16 and ZeRO-3 are in tests/test_resume.py)."""
+
+
 def save_every_layout(rank, world, tmp):
     import deepspeed
 
+    import xirang_ds
     from xirang_ds.bench import optimizer_step
+    from xirang_ds.checkpoints.deepspeed_files import read_deepspeed_states
     from xirang_ds.models import BUILTIN_SPECS, build_model
 
     for stage, dtype in LAYOUTS:
@@ -24,14 +31,46 @@ def save_every_layout(rank, world, tmp):
                                           config=ds_config(stage=stage, dtype=dtype, micro=2))
         optimizer_step(engine, data_iter(2, 64, rank, world))
         engine.save_checkpoint(os.path.join(tmp, f"s{stage}_{dtype}"))
-    return True
+    taken = {}
+    for stage, dtype in TAKEN_OVER:  # every slice grad_release holds is the checkpoint's, and it steps on
+        model = build_model(BUILTIN_SPECS["gpt-tiny"], seed=0)
+        engine, *_ = xirang_ds.initialize(model=model, model_parameters=model.parameters(), config=ds_config(
+            stage=stage, dtype=dtype, micro=2, xirang={"grad_release": {"enabled": True}}))
+        folder = os.path.join(tmp, f"s{stage}_{dtype}")
+        engine.load_checkpoint(folder)
+        names = [n for n, _ in model.named_parameters()]
+        saved = read_deepspeed_states(os.path.join(folder, "global_step1"), names,
+                                      {n: p.shape for n, p in model.named_parameters()})
+        same = []
+        for bucket in engine.xirang.plugin("grad_release").buckets:
+            for piece, view in zip(bucket.pieces, bucket.views):
+                state, whole = bucket.optimizer.state[view], saved.params[bucket.names[piece.index]]
+                span = slice(piece.start, piece.start + piece.numel)
+                same.append(torch.equal(state["exp_avg_sq"].reshape(-1), whole.exp_avg_sq.reshape(-1)[span]))
+                if whole.master is not None:
+                    same.append(torch.equal(view.reshape(-1), whole.master.reshape(-1)[span]))
+        loss = optimizer_step(engine, data_iter(2, 64, rank, world))
+        taken[f"s{stage}_{dtype}"] = {"same": all(same), "checked": len(same), "loss": loss}
+    return taken
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
+def saved(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("layouts"))
-    run_ranks(save_every_layout, 2, tmp)
-    return tmp
+    return tmp, run_ranks(save_every_layout, 2, tmp)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(saved):
+    return saved[0]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage,dtype", TAKEN_OVER)
+def test_grad_release_takes_over_every_plain_layout(saved, stage, dtype):
+    for rank in saved[1]:
+        taken = rank[f"s{stage}_{dtype}"]
+        assert taken["same"] and taken["checked"] >= 29 and math.isfinite(taken["loss"])
 
 
 def _model():

@@ -140,6 +140,10 @@ def _read_zero12(files: list[str], stage: int, dtype: str, shapes: dict[str, tor
     loss_scale = None
     for path in files:
         osd = _load(path)["optimizer_state_dict"]
+        if "param_slice_mappings" not in osd:
+            raise CheckpointReadError(f"{path} was written by DeepSpeed {osd.get('ds_version', '?')}, whose ZeRO files "
+                                      "do not say where each parameter sits in them (param_slice_mappings); resume "
+                                      "it once with plain DeepSpeed >= 0.10 and save, then add the block")
         states, origins, hyper = _group_states(osd["base_optimizer_state"])
         loss_scale = _loss_scale(osd)
         for g, (state, mapping) in enumerate(zip(states, osd["param_slice_mappings"])):

@@ -10,6 +10,19 @@ deepspeed 0.19.8), so a checkpoint's `ParamStates` can be loaded into them.
 * Stage 0 with fp16/bf16: the fp16 optimizer's fp32 copies (``fp32_groups_flat``, one flat per group,
   or ``fp32_groups``, one per parameter).
 * Stage 0 fp32: the parameters themselves.
+
+The DeepSpeed internals read or called, as of deepspeed 0.19.8 (the version ``constraints.txt`` pins;
+``setup.py`` allows 0.16 to 0.20); `tests/test_checkpoint_files.py` and `tests/test_resume.py` fail
+when a release moves them:
+
+| internal | where (0.19.8) |
+|---|---|
+| ``single_partition_of_fp32_groups``, ``bit16_groups``, ``_link_all_hp_params()`` | ``runtime/zero/stage_1_and_2.py`` L364, L354, L824 |
+| ``param._hp_mapping`` (``lp_fragment_address``, ``get_hp_fragment_address()``, ``update_lp()``) | ``utils/tensor_fragment.py`` L18-L35, L378 |
+| ``fp32_partitioned_groups_flat``, ``fp16_groups``, ``fp16_partitioned_groups[_flat]``, ``unflatten`` | ``runtime/zero/stage3.py`` L416, L401, L998, L237 |
+| ``_set_fp32_optimizer_param_groups()`` / ``_clear_fp32_optimizer_param_groups()`` | ``runtime/zero/stage3.py`` L3403, L3409 |
+| ``fp32_groups_flat`` (fused), ``fp32_groups`` (unfused) and ``fp16_groups`` | ``runtime/fp16/fused_optimizer.py`` L82, ``runtime/fp16/unfused_optimizer.py`` L68 |
+| ``engine._get_shared_params()`` (used by the session for the model-states file) | ``runtime/engine.py`` L5490 |
 """
 from __future__ import annotations
 

@@ -39,12 +39,6 @@ WatchFactory = Callable[..., "TrainingWatch"]
 CHECKPOINT_KEY = "xirang"
 """Key of the plugins' state inside DeepSpeed's ``client_state``."""
 
-OPTIMIZER_STATE_OWNERS = ("grad_release", "optimizer_states")
-"""Sections that change who holds the optimizer state, or its layout: grad_release holds fp32 masters and
-states in its own shards (the checkpoint's xirang_grad_release/ folder), optimizer_states holds
-DynamicAdamW's codes over its own param groups. A resume whose checkpoint differs from the run in these
-is a take-over (`Session._load_checkpoint`)."""
-
 
 def load_checkpoint_options(engine: Any, *args: Any, **kwargs: Any) -> dict:
     """The arguments of a call ``engine.load_checkpoint(*args, **kwargs)`` by name, DeepSpeed's
@@ -349,7 +343,7 @@ class Session:
     def _foreign_optimizer_state(self, options: dict) -> Optional[tuple[str, dict]]:
         """``(tag folder, its marker)`` when the optimizer state of the checkpoint DeepSpeed is about to
         load is not this run's owner's own, else ``None``."""
-        from xirang_ds.checkpoints.tags import read_marker, resolve_tag, state_owners
+        from xirang_ds.checkpoints.tags import OWNERS, read_marker, resolve_tag, state_owners
 
         if not options["load_optimizer_states"] or options["load_module_only"]:
             return None
@@ -357,7 +351,7 @@ class Session:
         if tag_dir is None:
             return None  # DeepSpeed's own message for a folder without a checkpoint
         marker = read_marker(tag_dir)
-        current = {p.section for p in self.plugins} & set(OPTIMIZER_STATE_OWNERS)
+        current = {p.section for p in self.plugins} & set(OWNERS)
         if state_owners(marker) != current:
             return tag_dir, marker
         grad_release = self.plugin("grad_release")

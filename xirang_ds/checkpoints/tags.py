@@ -18,6 +18,12 @@ ran, and (``deepspeed_files``) the layout of the plain ZeRO files written beside
 
 GRAD_RELEASE_FOLDER = "xirang_grad_release"
 
+OWNERS = ("grad_release", "optimizer_states")
+"""Sections that change who holds the optimizer state, or its layout: grad_release holds fp32 masters
+and states in its own shards (the tag's xirang_grad_release/ folder), optimizer_states holds
+DynamicAdamW's codes over its own param groups in DeepSpeed's files. A resume whose checkpoint differs
+from the run in these is a take-over (`xirang_ds.session.Session._load_checkpoint`)."""
+
 
 def resolve_tag(load_dir: str, tag: Optional[str]) -> Optional[str]:
     """The tag folder ``engine.load_checkpoint(load_dir, tag)`` reads (``latest`` when no tag), or
@@ -58,7 +64,7 @@ def state_owners(marker: dict) -> set[str]:
     """The sections that own the tag's optimizer state: grad_release (its shards) and optimizer_states
     (DynamicAdamW's codes in DeepSpeed's files) unless plain ZeRO files replaced those."""
     sections = set(marker.get("sections", []))
-    owners = sections & {"grad_release", "optimizer_states"}
+    owners = sections & set(OWNERS)
     if "grad_release" not in owners and marker.get("deepspeed_files"):
         owners.discard("optimizer_states")  # DeepSpeed's files were rewritten in plain layout
     return owners
@@ -247,6 +253,6 @@ def _torch_groups(optimizer_groups: Optional[list[dict]], states: ParamStates, c
     return [dict(template, **(states.groups[g] if g < len(states.groups) else {})) for g in range(count)]
 
 
-__all__ = ["GRAD_RELEASE_FOLDER", "MARKER", "RunFacts", "describe", "export_deepspeed_files", "facts_from_files",
+__all__ = ["GRAD_RELEASE_FOLDER", "MARKER", "OWNERS", "RunFacts", "describe", "export_deepspeed_files", "facts_from_files",
            "layout_record", "read_marker", "read_states", "resolve_tag", "state_owners", "write_deepspeed_files",
            "write_marker"]

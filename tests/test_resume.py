@@ -92,8 +92,6 @@ def scenarios(rank, world, tmp):
     out["plain_into_optimizer_states"] = _resume(OPTIMIZER_STATES, rank, world, plain, 2)
     out["plain_into_balanced"] = _resume({"preset": "balanced"}, rank, world, plain, 3)
     out["ours_into_optimizer_states"] = _resume(OPTIMIZER_STATES, rank, world, ours, 2)
-    out["ours_into_a_block_without_owners"] = _resume({"monitor": {"enabled": True}}, rank, world, ours, 2)
-    out["ours_into_ours"] = _resume(GRAD_RELEASE, rank, world, ours, 2)
     out["int8"] = _run(INT8, rank, world, os.path.join(tmp, "int8"), 4)
     if rank == 0:
         out["zero_to_fp32_int8"] = _zero_to_fp32_matches(os.path.join(tmp, "int8"))
@@ -206,13 +204,12 @@ def other_world(rank, world, tmp):
 
 
 def crash_mid_save(rank, world, tmp):
-    """Two steps saved; two more, and every rank dies while writing the second checkpoint's files."""
+    """Two steps saved; then every rank dies while writing a second checkpoint's ZeRO files."""
     import xirang_ds.checkpoints.deepspeed_writer as writer
 
     engine = _engine(GRAD_RELEASE)
     _steps(engine, rank, world, 0, 2)
     engine.save_checkpoint(os.path.join(tmp, "crash"))
-    _steps(engine, rank, world, 2, 2)
 
     def die(obj, path):
         with open(f"{path}.xirang-tmp", "wb") as f:
@@ -220,7 +217,7 @@ def crash_mid_save(rank, world, tmp):
         os._exit(17)
 
     writer._save = die
-    engine.save_checkpoint(os.path.join(tmp, "crash"))
+    engine.save_checkpoint(os.path.join(tmp, "crash"), tag="second")
 
 
 @pytest.fixture(scope="module")
@@ -255,11 +252,10 @@ def test_a_plain_checkpoint_into_a_preset_continues_on_the_plain_trajectory(runs
 
 
 @pytest.mark.distributed
-def test_grad_release_shards_are_taken_over_by_runs_without_grad_release(runs):
+def test_grad_release_shards_are_taken_over_by_a_run_without_grad_release(runs):
     for r in runs:
         assert r["ours_into_optimizer_states"]["losses"] == r["ours"][2:]
-        assert r["ours_into_a_block_without_owners"]["losses"] == r["ours"][2:]
-        assert r["ours_into_ours"]["losses"] == r["ours"][2:] and r["ours_into_ours"]["events"] == []
+        # grad_release resuming its own shards (no take-over): the crash test's first resume below
 
 
 @pytest.mark.distributed
@@ -318,7 +314,7 @@ def test_a_grad_release_checkpoint_resumes_at_another_world_size(runs):
 def test_a_save_that_dies_midway_leaves_latest_on_the_previous_checkpoint(runs):
     for r in runs:
         after = r["after_the_crash"]
-        assert after["latest"] == "global_step2" and after["steps"] == 4
+        assert after["latest"] == "global_step2" and after["steps"] == 4 and after["events"] == []
         assert after["losses"] == r["ours"][2:] and after["plain"] == r["ours"][2:]
 
 

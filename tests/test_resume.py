@@ -127,6 +127,14 @@ def scenarios(rank, world, tmp):
         masters = read_param_states(os.path.join(ours, "global_step2"))
         out["zero_to_fp32"] = {"count": len(weights), "equal": all(
             torch.equal(weights[n].reshape(-1), masters.params[n].master.reshape(-1)) for n in masters.params)}
+    stage0 = os.path.join(tmp, "stage0")  # grad_release at stage 0 (one GPU, no ZeRO), exported for ZeRO-2
+    out["stage0"] = _run(GRAD_RELEASE, rank, world, stage0, 4, stage=0)
+    if rank == 0:
+        from xirang_ds.checkpoints.tags import export_deepspeed_files
+
+        out["exported0"] = len(export_deepspeed_files(stage0, stage=2))
+    torch.distributed.barrier()
+    out["exported_stage0_into_plain_zero2"] = _resume(None, rank, world, stage0, 2, stage=2)
     out["plain_zero3"] = _run(None, rank, world, os.path.join(tmp, "plain3"), 4, stage=3)
     out["plain_zero3_into_balanced"] = _resume({"preset": "balanced"}, rank, world, os.path.join(tmp, "plain3"), 2,
                                                stage=3, save_to=os.path.join(tmp, "balanced3"))
@@ -291,6 +299,13 @@ def test_an_exported_optimizer_states_checkpoint_loads_into_plain_deepspeed_and_
         assert r["exported_int8_into_plain_deepspeed"]["losses"] == r["int8"][2:]
         assert r["exported_int8_into_int8"]["losses"] == r["int8"][2:]
         assert r["exported_int8_into_int8"]["events"] == ["optimizer_state_taken_over"]
+
+
+@pytest.mark.distributed
+def test_a_stage0_grad_release_checkpoint_exported_for_zero2_loads_into_plain_deepspeed(runs):
+    assert runs[0]["exported0"] == 2
+    for r in runs:  # grad_release at stage 0 lands where DeepSpeed's ZeRO-1/2 land (docs/grad_release.md)
+        assert r["exported_stage0_into_plain_zero2"]["losses"] == r["stage0"][2:]
 
 
 @pytest.mark.distributed

@@ -122,6 +122,11 @@ def write_deepspeed_files(tag_dir: str, marker: dict, facts: RunFacts,
     from xirang_ds.checkpoints.deepspeed_writer import write_zero3_files, write_zero_files
 
     zero3_files = os.path.isfile(os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt"))
+    if facts.stage == 0:
+        raise ValueError(f"{tag_dir} is for stage 0, whose plain optimizer state lives inside the model-states file "
+                         "in a layout that depends on the loading run's optimizer, and which grad_release's own resume "
+                         "reads. Fix: export with --stage 1 or --stage 2; plain DeepSpeed at that stage and world "
+                         "size then resumes it")
     if facts.stage not in (1, 2, 3) or (facts.stage == 3) != zero3_files:
         written_for = "ZeRO-3" if zero3_files else "stage 0, 1 or 2"
         raise ValueError(f"{tag_dir} was written by a {written_for} run and cannot hold plain files for stage "
@@ -233,10 +238,14 @@ def describe(tag_dir: str) -> list[str]:
     files = optim_files(tag_dir)
     plain = not owners or bool(marker.get("deepspeed_files"))
     layout = marker.get("deepspeed_files") or {}
+    stage0 = not files and "grad_release" in owners and not layout
     lines.append("  plain DeepSpeed, zero_to_fp32.py, ds_to_universal: " + (
         f"read it ({len(files)} ZeRO file(s){', written for ZeRO-' + str(layout['stage']) if layout else ''})"
         if plain and files else "read it (stage 0: DeepSpeed's model-states file)" if plain else
-        "cannot read it yet; `xirang-ds checkpoint export` writes DeepSpeed's files"))
+        "cannot read it (grad_release at stage 0); `xirang-ds checkpoint export --stage 2` writes ZeRO-2 files "
+        "plain DeepSpeed at ZeRO-2 resumes" if stage0
+        else "zero_to_fp32.py reads it; plain DeepSpeed's optimizer after `xirang-ds checkpoint export`"
+        if files else "cannot read it yet; `xirang-ds checkpoint export` writes DeepSpeed's files"))
     lines.append("  a run with any xirang block: resumes from it (another owner's state is taken over, "
                  "docs/checkpoints.md)")
     return lines

@@ -224,7 +224,7 @@ def crash_mid_save(rank, world, tmp):
             f.write(b"partial")
         os._exit(17)
 
-    writer._save = die
+    writer.save_atomically = die
     engine.save_checkpoint(os.path.join(tmp, "crash"), tag="second")
 
 

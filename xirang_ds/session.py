@@ -215,7 +215,7 @@ class Session:
             from xirang_ds.checkpoints.schedulers import install
 
             self._handles.append(wrap_method(engine, "load_checkpoint", self._load_checkpoint))
-            self._handles.append(CallbackHandle(install()))  # schedulers the training code loads itself
+            self._handles.append(CallbackHandle(install()))  # LR schedulers fit this run's param groups
 
     def remove(self) -> None:
         """Detach every plugin (reverse order) and the checkpoint wrappers."""
@@ -280,11 +280,9 @@ class Session:
     def _write_deepspeed_files(self, save_dir: str, tag_dir: str, marker: dict, facts: "RunFacts") -> dict:
         """This rank's ZeRO file, from every rank's grad_release shard (written just before); returns the
         model-states entries a ZeRO run records (``param_shapes``, ...), for DeepSpeed to write."""
-        import collections
-
         import deepspeed.comm as dist
 
-        from xirang_ds.checkpoints.deepspeed_writer import copy_recovery_script
+        from xirang_ds.checkpoints.deepspeed_writer import copy_recovery_script, zero_model_entries
         from xirang_ds.checkpoints.tags import write_deepspeed_files
 
         dist.barrier()  # every rank's shard is on disk
@@ -292,10 +290,8 @@ class Session:
         if self.engine.global_rank == 0:
             copy_recovery_script(save_dir)
         frozen = [(n, p) for n, p in self.engine.module.named_parameters() if not p.requires_grad]
-        return {"param_shapes": [collections.OrderedDict((n, facts.params[n]) for n in names) for names in groups],
-                "frozen_param_shapes": collections.OrderedDict((n, p.shape) for n, p in frozen),
-                "shared_params": self.engine._get_shared_params(),  # DeepSpeed's own: tied weights by name
-                "frozen_param_fragments": collections.OrderedDict((n, p.detach().cpu()) for n, p in frozen)}
+        # DeepSpeed's own _get_shared_params names the tied weights (runtime/engine.py L5490)
+        return zero_model_entries(groups, facts.params, frozen, self.engine._get_shared_params())
 
     def _load_checkpoint(self, original, *args, **kwargs):
         """DeepSpeed's load; when the checkpoint's optimizer state belongs to another owner (plain
@@ -317,28 +313,9 @@ class Session:
                 if int(getattr(self.engine, "global_rank", 0)) == 0:
                     logger.info("xirang: optimizer state taken over from %s (%d parameters)", states.source,
                                 len(states.params))
-        if load_path is not None:
-            self._fit_scheduler()
         if client_state and CHECKPOINT_KEY in client_state:
             self.load_state_dict(client_state.pop(CHECKPOINT_KEY))
         return load_path, client_state
-
-    def _fit_scheduler(self) -> None:
-        """The LR scheduler's per-group lists fitted to this run's param groups (a checkpoint written with
-        or without optimizer_states' split groups, `xirang_ds.checkpoints.schedulers`)."""
-        from xirang_ds.checkpoints.schedulers import fit_scheduler_groups
-
-        scheduler = getattr(self.engine, "lr_scheduler", None)
-        optimizer = getattr(scheduler, "optimizer", None)
-        if scheduler is None or optimizer is None:
-            return
-        try:
-            fitted = fit_scheduler_groups(scheduler, len(optimizer.param_groups))
-        except ValueError as e:
-            raise XirangConfigError([("checkpoint", str(e))], title="cannot resume from this checkpoint") from None
-        if fitted and int(getattr(self.engine, "global_rank", 0)) == 0:
-            logger.info("xirang: the LR scheduler's %s fitted to this run's %d param groups", ", ".join(fitted),
-                        len(optimizer.param_groups))
 
     def _foreign_optimizer_state(self, options: dict) -> Optional[tuple[str, dict]]:
         """``(tag folder, its marker)`` when the optimizer state of the checkpoint DeepSpeed is about to
@@ -383,11 +360,11 @@ class Session:
                                       f"run's sections ({running}): {e}. {fix}")],
                                     title="cannot resume from this checkpoint") from None
         if self.plugin("grad_release") is None:
-            from xirang_ds.checkpoints.deepspeed_slots import engine_slots
+            from xirang_ds.checkpoints.deepspeed_slots import UnknownOptimizerError, engine_slots
 
             try:
                 engine_slots(self.engine)  # the target is known before DeepSpeed loads anything
-            except NotImplementedError as e:
+            except UnknownOptimizerError as e:
                 raise XirangConfigError([("checkpoint", f"{tag_dir} (written by {written}): {e}. {fix}")],
                                         title="cannot resume from this checkpoint") from None
         absent = [n for n, _ in trainable if n not in states.params]

@@ -28,10 +28,10 @@ def shard_path(tag_dir: str, rank: int) -> str:
 
 def save_shard(path: str, payload: dict) -> None:
     """Write one rank's file (atomically: a partial file never has the final name)."""
+    from xirang_ds.checkpoints import save_atomically
+
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp"
-    torch.save({"format": FORMAT, **payload}, tmp)
-    os.replace(tmp, path)
+    save_atomically({"format": FORMAT, **payload}, path)
 
 
 def load_shard(path: str, mmap: bool = False) -> dict:

@@ -2,3 +2,18 @@
 shards and DynamicAdamW's codes are each read into one neutral form, per parameter and whole
 (`param_states.ParamStates`), and written from it into whatever optimizer this run steps
 (docs/checkpoints.md)."""
+from __future__ import annotations
+
+import os
+
+
+def save_atomically(obj: object, path: str) -> None:
+    """``torch.save`` to a temporary name, then rename: a file with the final name is always whole."""
+    import torch
+
+    temporary = f"{path}.xirang-tmp"
+    torch.save(obj, temporary)
+    os.replace(temporary, path)
+
+
+__all__ = ["save_atomically"]

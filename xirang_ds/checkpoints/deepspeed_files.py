@@ -118,18 +118,6 @@ def _group_states(base: Any) -> tuple[list[dict], list[int], list[dict]]:
     return states, origins, [hyper.get(i, {}) for i in range(max(origins, default=-1) + 1)]
 
 
-def _moments(state: dict, where: str, numel: int) -> dict:
-    """``state`` in ``torch.optim`` layout: DynamicAdamW's codes (a run with optimizer_states) decoded to
-    fp32 over ``numel`` elements."""
-    from xirang_ds.plugins.optimizer_states.export import torch_layout
-
-    state = torch_layout(state, numel)
-    if "exp_avg" not in state or "exp_avg_sq" not in state:
-        raise CheckpointReadError(f"{where}: the optimizer state has {sorted(state)}; only Adam/AdamW states "
-                                  "(exp_avg, exp_avg_sq) can move to another optimizer")
-    return state
-
-
 def _read_zero12(files: list[str], stage: int, dtype: str, shapes: dict[str, torch.Size]) -> ParamStates:
     """Each parameter assembled, when asked for, from its fragments in rank order (`LazyParams`)."""
     from xirang_ds.plugins.optimizer_states.export import moment_range
@@ -172,6 +160,7 @@ def _read_zero12(files: list[str], stage: int, dtype: str, shapes: dict[str, tor
 
 
 def _check_moments(state: dict, where: str) -> None:
+    """Refuse a state without Adam's moments (DynamicAdamW's codes, marked by ``format``, hold them)."""
     if "format" not in state and ("exp_avg" not in state or "exp_avg_sq" not in state):
         raise CheckpointReadError(f"{where}: the optimizer state has {sorted(state)}; only Adam/AdamW states "
                                   "(exp_avg, exp_avg_sq) can move to another optimizer")
@@ -225,6 +214,8 @@ def _read_zero3(tag_dir: str, files: list[str], dtype: str) -> ParamStates:
 
 
 def _read_stage0(saved: dict, names: Sequence[str], shapes: dict[str, torch.Size], dtype: str) -> ParamStates:
+    from xirang_ds.plugins.optimizer_states.export import torch_layout
+
     wrapped = "optimizer_state_dict" in saved  # DeepSpeed's fp16/bf16 optimizer at stage 0
     torch_sd = saved["optimizer_state_dict"] if wrapped else saved
     ids = [i for g in torch_sd["param_groups"] for i in g["params"]]
@@ -239,7 +230,8 @@ def _read_stage0(saved: dict, names: Sequence[str], shapes: dict[str, torch.Size
         if not state:
             continue
         shape = shapes[name]
-        state = _moments(state, f"parameter {position} ({name})", shape.numel())
+        _check_moments(state, f"parameter {position} ({name})")
+        state = torch_layout(state, shape.numel())
         if state["exp_avg"].numel() != shape.numel():
             raise CheckpointReadError(f"the stage-0 optimizer state of parameter {position} has "
                                       f"{state['exp_avg'].numel()} elements and this run's {name} has {shape.numel()} "

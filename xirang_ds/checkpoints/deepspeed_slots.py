@@ -33,11 +33,16 @@ import torch
 from xirang_ds.checkpoints.param_states import Fragment, ParamStates, Slot, load_slots
 
 
+class UnknownOptimizerError(TypeError):
+    """DeepSpeed's optimizer in this run is a wrapper whose fp32 state xirang does not know how to write
+    (the message names it); a take-over into it is refused before anything is loaded."""
+
+
 def engine_slots(engine: Any) -> tuple[torch.optim.Optimizer, list[Slot]]:
     """``(basic optimizer, its slots)`` of a DeepSpeed engine.
 
     Raises:
-        NotImplementedError: an optimizer wrapper this reader does not know (the message names it).
+        UnknownOptimizerError: an optimizer wrapper other than those listed in the module docstring.
     """
     names = {p: n for n, p in engine.module.named_parameters()}
     wrapper = engine.optimizer
@@ -56,8 +61,8 @@ def engine_slots(engine: Any) -> tuple[torch.optim.Optimizer, list[Slot]]:
                                                           for p in g["params"]):
         return wrapper, [Slot(p, [Fragment(names[p], 0, p.numel(), 0)]) for g in wrapper.param_groups
                          for p in g["params"]]
-    raise NotImplementedError(f"DeepSpeed's optimizer {type(wrapper).__name__} is not one whose state xirang can "
-                              "load from another owner")
+    raise UnknownOptimizerError(f"DeepSpeed's optimizer {type(wrapper).__name__} is not one whose state xirang can "
+                                "write (ZeRO 1/2/3, the fp16 wrappers, or a torch optimizer over the parameters)")
 
 
 def _zero12(wrapper: Any, names: dict) -> list[Slot]:
@@ -155,4 +160,4 @@ def _copy_flat_into(flat: torch.Tensor, params: list) -> None:
         offset += p.numel()
 
 
-__all__ = ["engine_slots", "load_engine_states"]
+__all__ = ["UnknownOptimizerError", "engine_slots", "load_engine_states"]

@@ -19,6 +19,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from xirang_ds.checkpoints import save_atomically
 from xirang_ds.checkpoints.deepspeed_files import MODEL_STATES
 from xirang_ds.checkpoints.param_states import MOMENTS, ParamStates
 
@@ -105,7 +106,7 @@ def write_zero_files(tag_dir: str, states: ParamStates, groups: Sequence[Sequenc
         }
         osd.update(_loss_scaler(states, ds_config))
         path = os.path.join(tag_dir, optim_file_name(rank, dtype))
-        _save({"optimizer_state_dict": osd, "ds_config": ds_config, "ds_version": ds_version}, path)
+        save_atomically({"optimizer_state_dict": osd, "ds_config": ds_config, "ds_version": ds_version}, path)
         written.append(path)
     return written
 
@@ -156,13 +157,13 @@ def write_zero3_files(tag_dir: str, states: ParamStates, groups: Sequence[Sequen
         scaler = _loss_scaler(states, ds_config) or {"loss_scaler": LossScaler(scale=1), "dynamic_loss_scale": False}
         osd = {"zero_stage": ZeroStageEnum.weights, **scaler, "overflow": False, "partition_count": world,
                "optimizer_state_dict": {"state": state, "param_groups": param_groups}, "fp32_flat_groups": flats}
-        _save({"optimizer_state_dict": osd, "ds_config": ds_config, "ds_version": ds_version},
+        save_atomically({"optimizer_state_dict": osd, "ds_config": ds_config, "ds_version": ds_version},
               os.path.join(tag_dir, optim_file_name(rank, dtype)))
         path = os.path.join(tag_dir, f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
         checkpoint = dict(torch.load(path, map_location="cpu", weights_only=False))
         checkpoint["param_shapes"] = [collections.OrderedDict((n, torch.Size(shapes[n])) for n in names)
                                       for _, names in subs]
-        _save(checkpoint, path)
+        save_atomically(checkpoint, path)
     return [names for _, names in subs]
 
 
@@ -186,21 +187,26 @@ def _loss_scaler(states: ParamStates, ds_config: Optional[dict]) -> dict:
     return {"loss_scaler": scaler, "dynamic_loss_scale": True}
 
 
+def zero_model_entries(groups: Sequence[Sequence[str]], shapes: dict[str, torch.Size],
+                       frozen: Sequence[tuple[str, torch.Tensor]] = (), shared: Optional[dict] = None) -> dict:
+    """What a ZeRO run's model-states file records about its parameters and ``zero_to_fp32.py`` reads:
+    ``param_shapes`` per group, the frozen parameters (shapes and values) and the tied ones
+    (``shared_params``: name not stored → the name holding the data)."""
+    return {"param_shapes": [collections.OrderedDict((n, torch.Size(shapes[n])) for n in names) for names in groups],
+            "frozen_param_shapes": collections.OrderedDict((n, p.shape) for n, p in frozen),
+            "frozen_param_fragments": collections.OrderedDict((n, p.detach().cpu()) for n, p in frozen),
+            "shared_params": dict(shared or {})}
+
+
 def add_param_shapes(tag_dir: str, groups: Sequence[Sequence[str]], shapes: dict[str, torch.Size]) -> None:
-    """Record in the model-states file what a ZeRO run records about its parameters (``param_shapes``
-    per group, no frozen or shared ones), keeping everything else; written atomically."""
+    """`zero_model_entries` into a saved model-states file, keeping its other entries and any frozen
+    or shared parameters it already records; written atomically."""
     path = os.path.join(tag_dir, MODEL_STATES)
     checkpoint = dict(torch.load(path, map_location="cpu", weights_only=False))
-    checkpoint["param_shapes"] = [collections.OrderedDict((n, torch.Size(shapes[n])) for n in names)
-                                  for names in groups]
-    checkpoint.setdefault("frozen_param_shapes", None)
-    if checkpoint.get("frozen_param_shapes") is None:
-        checkpoint["frozen_param_shapes"] = collections.OrderedDict()
-    if checkpoint.get("shared_params") is None:
-        checkpoint["shared_params"] = {}
-    if checkpoint.get("frozen_param_fragments") is None:
-        checkpoint["frozen_param_fragments"] = collections.OrderedDict()
-    _save(checkpoint, path)
+    for key, value in zero_model_entries(groups, shapes).items():
+        if key == "param_shapes" or checkpoint.get(key) is None:
+            checkpoint[key] = value
+    save_atomically(checkpoint, path)
 
 
 def copy_recovery_script(save_dir: str) -> str:
@@ -213,11 +219,5 @@ def copy_recovery_script(save_dir: str) -> str:
     return target
 
 
-def _save(obj: dict, path: str) -> None:
-    temporary = f"{path}.xirang-tmp"
-    torch.save(obj, temporary)
-    os.replace(temporary, path)
-
-
-__all__ = ["ALIGNMENT_FACTOR", "add_param_shapes", "copy_recovery_script", "optim_file_name",
+__all__ = ["ALIGNMENT_FACTOR", "add_param_shapes", "copy_recovery_script", "optim_file_name", "zero_model_entries",
            "write_zero3_files", "write_zero_files"]

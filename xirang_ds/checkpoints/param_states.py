@@ -47,11 +47,10 @@ class LazyParams(Mapping):
     an index and memory-mapped files, so a rank that needs a share of the parameters reads that share
     and holds one whole parameter at a time."""
 
-    def __init__(self, names: Iterable[str], build: Callable[[str], ParamState],
-                 groups: Optional[Callable[[str], int]] = None):
+    def __init__(self, names: Iterable[str], build: Callable[[str], ParamState], groups: Callable[[str], int]):
         self._names = list(dict.fromkeys(names))
-        self.group_of = groups if groups is not None else (lambda name: self[name].group)
-        """name → its saved group, without assembling the parameter when the reader's index knows it."""
+        self.group_of = groups
+        """name → its saved group, from the reader's index (without assembling the parameter)."""
         self._known = set(self._names)
         self._build = build
         self._last: tuple[Optional[str], Optional[ParamState]] = (None, None)

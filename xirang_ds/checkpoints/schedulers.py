@@ -6,11 +6,11 @@ user's groups in two (states kept fp32 or not), so a checkpoint written without 
 entries a run with it needs, and one written with it twice those a run without it needs: the next
 ``scheduler.step()`` would fail inside torch (``zip() argument 2 is shorter than argument 1``).
 
-The engine's scheduler is fitted after ``engine.load_checkpoint``; a scheduler the training code
-loads itself (HF Trainer loads its ``scheduler.pt`` after DeepSpeed's checkpoint, and ``LambdaLR``
-has its own ``load_state_dict``) is fitted by `install`, which wraps ``LRScheduler.step`` while a
-session lives: the wrapper compares list lengths and changes nothing when they fit, and a scheduler
-whose lists do not fit its optimizer could not step anyway.
+Schedulers are restored in more than one place (DeepSpeed's ``load_checkpoint`` restores the engine's,
+HF Trainer loads its own ``scheduler.pt`` afterwards, and ``LambdaLR`` has its own
+``load_state_dict``), so the fit happens where every torch scheduler passes: `install` wraps
+``LRScheduler.step`` while a session lives. The wrapper compares list lengths and changes nothing
+when they fit; a scheduler whose lists do not fit its optimizer could not step anyway.
 """
 from __future__ import annotations
 

@@ -200,7 +200,7 @@ def facts_from_files(tag_dir: str, marker: dict) -> RunFacts:
     model = _load(zero3 if os.path.isfile(zero3) else os.path.join(tag_dir, MODEL_STATES))
     module, buffers = model["module"], set(model.get("buffer_names") or [])
     params = {n: t.shape for n, t in module.items() if n not in buffers}
-    if os.path.isfile(zero3):  # partitioned: the module holds placeholders, param_shapes the shapes
+    if os.path.isfile(zero3):  # partitioned: the saved module tensors are empty, param_shapes has the shapes
         known = {n: shape for sub in model["param_shapes"] for n, shape in sub.items()}
         params = {n: known[n] for n in module if n in known}
     saved_optimizer = model.get("optimizer") or {}
@@ -236,16 +236,17 @@ def describe(tag_dir: str) -> list[str]:
               if "optimizer_states" in owners else "DeepSpeed's own files")
     lines.append(f"  optimizer state: {holder}")
     files = optim_files(tag_dir)
-    plain = not owners or bool(marker.get("deepspeed_files"))
     layout = marker.get("deepspeed_files") or {}
-    stage0 = not files and "grad_release" in owners and not layout
-    lines.append("  plain DeepSpeed, zero_to_fp32.py, ds_to_universal: " + (
-        f"read it ({len(files)} ZeRO file(s){', written for ZeRO-' + str(layout['stage']) if layout else ''})"
-        if plain and files else "read it (stage 0: DeepSpeed's model-states file)" if plain else
-        "cannot read it (grad_release at stage 0); `xirang-ds checkpoint export --stage 2` writes ZeRO-2 files "
-        "plain DeepSpeed at ZeRO-2 resumes" if stage0
-        else "zero_to_fp32.py reads it; plain DeepSpeed's optimizer after `xirang-ds checkpoint export`"
-        if files else "cannot read it yet; `xirang-ds checkpoint export` writes DeepSpeed's files"))
+    if (not owners or layout) and files:
+        tools = f"read it ({len(files)} ZeRO file(s){', written for ZeRO-' + str(layout['stage']) if layout else ''})"
+    elif not owners:
+        tools = "read it (stage 0: DeepSpeed's model-states file)"
+    elif "grad_release" in owners:
+        tools = ("cannot read it (grad_release at stage 0); `xirang-ds checkpoint export --stage 2` writes ZeRO-2 "
+                 "files plain DeepSpeed at ZeRO-2 resumes")
+    else:
+        tools = "zero_to_fp32.py reads it; plain DeepSpeed's optimizer after `xirang-ds checkpoint export`"
+    lines.append(f"  plain DeepSpeed, zero_to_fp32.py, ds_to_universal: {tools}")
     lines.append("  a run with any xirang block: resumes from it (another owner's state is taken over, "
                  "docs/checkpoints.md)")
     return lines

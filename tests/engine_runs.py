@@ -40,6 +40,22 @@ def ds_config(stage: int = 0, dtype: str = "bf16", micro: int = 4, gas: int = 1,
     return cfg
 
 
+def fused_adam_stand_in() -> type:
+    """A torch AdamW that DeepSpeed's engine takes for its FusedAdam (which needs a GPU to build), patched
+    in this process: at stage 0 in bf16/fp16 the engine then wraps it in ``FP16_Optimizer`` as it wraps
+    FusedAdam on a GPU, and its state dict keeps each step as an int, as FusedAdam's does."""
+    import deepspeed.runtime.engine as engine
+
+    class FusedAdamStandIn(torch.optim.AdamW):
+        def state_dict(self):
+            saved = super().state_dict()
+            saved["state"] = {k: {**v, "step": int(v["step"])} for k, v in saved["state"].items()}
+            return saved
+
+    engine.FusedAdam = FusedAdamStandIn
+    return FusedAdamStandIn
+
+
 def data_iter(micro: int, seq: int, rank: int, world: int, seed: int = 0):
     path = CORPUS if os.path.isfile(CORPUS) else None
     return batches(load_tokens(path), micro, seq, seed=seed, rank=rank, world_size=world)

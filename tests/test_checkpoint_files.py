@@ -1,6 +1,7 @@
 """DeepSpeed's checkpoint files as xirang reads and writes them (xirang_ds/checkpoints): every plain
-layout (stage 0-3 x bf16/fp16/fp32, 2 ranks) is read per parameter into the masters zero_to_fp32
-finds, and the ZeRO-1/2 files written back from what was read equal DeepSpeed's own tensor for tensor."""
+layout (stage 0-3 x bf16/fp16/fp32, and stage 0's FusedAdam wrapper; 2 ranks) is read per parameter
+into the masters zero_to_fp32 finds, and the ZeRO-1/2 files and stage-0 optimizer entries written
+back from what was read equal DeepSpeed's own tensor for tensor."""
 import math
 import os
 
@@ -11,6 +12,8 @@ from tests.engine_runs import data_iter, ds_config
 from xirang_ds.launch import run_ranks
 
 LAYOUTS = [(stage, dtype) for stage in (0, 1, 2, 3) for dtype in ("bf16", "fp16", "fp32")]
+FUSED = [(0, "bf16_fused"), (0, "fp16_fused")]
+"""Stage 0 over FusedAdam (DeepSpeed's default Adam on a GPU): FP16_Optimizer's flat layout."""
 
 
 TAKEN_OVER = [(0, "fp32"), (0, "bf16"), (1, "fp16"), (2, "fp32")]
@@ -23,12 +26,19 @@ def save_every_layout(rank, world, tmp):
     import xirang_ds
     from xirang_ds.bench import optimizer_step
     from xirang_ds.checkpoints.deepspeed_files import read_deepspeed_states
+    from tests.engine_runs import fused_adam_stand_in
     from xirang_ds.models import BUILTIN_SPECS, build_model
 
-    for stage, dtype in LAYOUTS:
+    fused_adam = fused_adam_stand_in()
+    for stage, dtype in LAYOUTS + FUSED:
         model = build_model(BUILTIN_SPECS["gpt-tiny"], seed=0)
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                          config=ds_config(stage=stage, dtype=dtype, micro=2))
+        config = ds_config(stage=stage, dtype=dtype.split("_")[0], micro=2)
+        optimizer = None
+        if dtype.endswith("_fused"):
+            del config["optimizer"]
+            optimizer = fused_adam(model.parameters(), lr=1e-3, weight_decay=0.01)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=optimizer,
+                                          config=config)
         optimizer_step(engine, data_iter(2, 64, rank, world))
         engine.save_checkpoint(os.path.join(tmp, f"s{stage}_{dtype}"))
     taken = {}
@@ -97,7 +107,7 @@ def _same(a, b, path=""):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("stage,dtype", LAYOUTS)
+@pytest.mark.parametrize("stage,dtype", LAYOUTS + FUSED)
 def test_every_plain_layout_reads_into_the_trained_state(checkpoints, stage, dtype):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -108,7 +118,7 @@ def test_every_plain_layout_reads_into_the_trained_state(checkpoints, stage, dty
     states = read_deepspeed_states(os.path.join(folder, "global_step1"), names, shapes)
     assert sorted(states.params) == sorted(names)
     assert states.groups[0] == {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
-    assert (states.loss_scale is not None) == (dtype == "fp16")
+    assert (states.loss_scale is not None) == dtype.startswith("fp16")
     first = states.params[names[0]]
     assert first.exp_avg.shape == shapes[names[0]] and first.step >= 1
     assert float(first.exp_avg_sq.abs().sum()) > 0 or float(states.params[names[1]].exp_avg_sq.abs().sum()) > 0
@@ -136,6 +146,24 @@ def test_zero_files_written_from_the_states_equal_deepspeeds_own(checkpoints, st
         left_out = {".optimizer_state_dict.clip_grad (one side)"} | (
             set() if dtype == "fp16" else {".optimizer_state_dict.loss_scaler (one side)"})
         assert set(_same(theirs[rank], ours)) == left_out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32", "bf16_fused", "fp16_fused"])
+def test_the_stage0_entry_written_from_the_states_equals_deepspeeds_own(checkpoints, dtype):
+    """torch's optimizer (fp32), FP16_UnfusedOptimizer and FP16_Optimizer over FusedAdam (bf16/fp16)."""
+    from xirang_ds.checkpoints.deepspeed_files import MODEL_STATES, _load, read_deepspeed_states
+    from xirang_ds.checkpoints.deepspeed_writer import stage0_entry
+
+    names, shapes = _model()
+    model_states = _load(os.path.join(checkpoints, f"s0_{dtype}", "global_step1", MODEL_STATES))
+    theirs = model_states["optimizer"]
+    states = read_deepspeed_states(os.path.join(checkpoints, f"s0_{dtype}", "global_step1"), names, shapes)
+    torch_groups = theirs.get("optimizer_state_dict", theirs)["param_groups"]
+    ours = stage0_entry(states, [names], shapes, torch_groups, dtype.split("_")[0], fused=dtype.endswith("_fused"),
+                        ds_config=model_states["ds_config"])
+    # bf16's static scale counts its steps in cur_iter, which nothing reads; the states do not carry it
+    assert _same(theirs, ours) == ([".cur_iter"] if dtype == "bf16" else [])
 
 
 @pytest.mark.distributed

@@ -15,20 +15,28 @@ from xirang_ds.launch import run_ranks
 GRAD_RELEASE = {"grad_release": {"enabled": True}}
 OPTIMIZER_STATES = {"optimizer_states": {"enabled": True}}
 INT8 = {"optimizer_states": {"enabled": True, "schedule": [{"dtype": "int8"}]}}
+STAGE0 = [("fp32", False), ("bf16", False), ("fp16", True)]
+"""Plain DeepSpeed's stage-0 layouts: torch's optimizer, FP16_UnfusedOptimizer, FP16_Optimizer over FusedAdam."""
 SCHEDULER = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 10}}
 
 
-def _engine(block, stage=2, dtype="bf16"):
+def _engine(block, stage=2, dtype="bf16", fused=False):
+    """``fused``: the model's optimizer is DeepSpeed's FusedAdam (a stand-in on CPU, tests/engine_runs.py)."""
     import deepspeed
 
     import xirang_ds
+    from tests.engine_runs import fused_adam_stand_in
     from xirang_ds.models import BUILTIN_SPECS, build_model
 
     model = build_model(BUILTIN_SPECS["gpt-tiny"], seed=0)
     init = xirang_ds.initialize if block is not None else deepspeed.initialize
-    engine, *_ = init(model=model, model_parameters=model.parameters(),
-                      config=ds_config(stage=stage, dtype=dtype, micro=2, xirang=block, gradient_clipping=0.0,
-                                       scheduler=copy.deepcopy(SCHEDULER)))
+    config = ds_config(stage=stage, dtype=dtype, micro=2, xirang=block, gradient_clipping=0.0,
+                       scheduler=copy.deepcopy(SCHEDULER))
+    optimizer = None
+    if fused:
+        del config["optimizer"]
+        optimizer = fused_adam_stand_in()(model.parameters(), lr=1e-3, weight_decay=0.01)
+    engine, *_ = init(model=model, model_parameters=model.parameters(), optimizer=optimizer, config=config)
     return engine
 
 
@@ -41,23 +49,36 @@ def _steps(engine, rank, world, skip, count):
     return [optimizer_step(engine, data) for _ in range(count)]
 
 
-def _run(block, rank, world, save_dir, count, stage=2):
+def _run(block, rank, world, save_dir, count, stage=2, **kind):
     """``count`` steps from scratch, saved after the second."""
-    engine = _engine(block, stage)
+    engine = _engine(block, stage, **kind)
     losses = _steps(engine, rank, world, 0, 2)
     engine.save_checkpoint(save_dir)
     return losses + _steps(engine, rank, world, 2, count - 2)
 
 
-def _resume(block, rank, world, load_dir, count, stage=2, save_to=None):
-    engine = _engine(block, stage)
+def _resume(block, rank, world, load_dir, count, stage=2, save_to=None, **kind):
+    engine = _engine(block, stage, **kind)
     engine.load_checkpoint(load_dir)
     session = getattr(engine, "xirang", None)
-    out = {"losses": _steps(engine, rank, world, 2, count), "steps": engine.global_steps,
-           "lr": engine.get_lr()[0], "events": [e["kind"] for e in session.events] if session else []}
+    out = {"masters": _plain_stage0_masters(engine) if stage == 0 and block is None else None}
+    out.update(losses=_steps(engine, rank, world, 2, count), steps=engine.global_steps, lr=engine.get_lr()[0],
+               events=[e["kind"] for e in session.events] if session else [])
     if save_to is not None:
         engine.save_checkpoint(save_to)
     return out
+
+
+def _plain_stage0_masters(engine):
+    """The fp32 masters plain DeepSpeed steps at stage 0, flat (its fp16 wrappers' copies, else the
+    parameters)."""
+    import torch
+
+    optimizer = engine.optimizer
+    if hasattr(optimizer, "fp32_groups_flat"):  # FP16_Optimizer over FusedAdam
+        return torch.cat([f.detach().reshape(-1) for f in optimizer.fp32_groups_flat])
+    groups = getattr(optimizer, "fp32_groups", None) or [g["params"] for g in optimizer.param_groups]
+    return torch.cat([p.detach().float().reshape(-1) for group in groups for p in group])
 
 
 def _zero_to_fp32_matches(folder):
@@ -127,8 +148,34 @@ def scenarios(rank, world, tmp):
         masters = read_param_states(os.path.join(ours, "global_step2"))
         out["zero_to_fp32"] = {"count": len(weights), "equal": all(
             torch.equal(weights[n].reshape(-1), masters.params[n].master.reshape(-1)) for n in masters.params)}
-    stage0 = os.path.join(tmp, "stage0")  # grad_release at stage 0 (one GPU, no ZeRO), exported for ZeRO-2
-    out["stage0"] = _run(GRAD_RELEASE, rank, world, stage0, 4, stage=0)
+    for dtype, fused in STAGE0:  # grad_release at stage 0 (one GPU, no ZeRO), the block removed and kept
+        kind = {"dtype": dtype, "fused": fused}
+        folder = os.path.join(tmp, f"stage0_{dtype}")
+        out[f"stage0_{dtype}"] = {"run": _run(GRAD_RELEASE, rank, world, folder, 4, stage=0, **kind),
+                                  "plain": _resume(None, rank, world, folder, 2, stage=0, **kind),
+                                  "own": _resume(GRAD_RELEASE, rank, world, folder, 2, stage=0, **kind)}
+        if rank == 0:
+            from xirang_ds.plugins.grad_release.checkpoint import read_param_states
+
+            saved = read_param_states(os.path.join(folder, "global_step2"))
+            from xirang_ds.models import BUILTIN_SPECS, build_model
+
+            names = [n for n, _ in build_model(BUILTIN_SPECS["gpt-tiny"], seed=0).named_parameters()]
+            out[f"stage0_{dtype}"]["saved_masters"] = None if dtype == "fp32" else torch.cat(
+                [saved.params[n].master.reshape(-1) for n in names])
+    unwritten = os.path.join(tmp, "stage0_unwritten")  # saved without plain files, exported for stage 0 later
+    _run({**GRAD_RELEASE, "deepspeed_files": False}, rank, world, unwritten, 2, stage=0, dtype="fp32")
+    torch.distributed.barrier()
+    if rank == 0:
+        from xirang_ds.checkpoints.tags import describe, export_deepspeed_files
+
+        out["show_unwritten"] = describe(os.path.join(unwritten, "global_step2"))
+        out["exported_unwritten"] = export_deepspeed_files(unwritten, stage=0)
+        out["show_stage0_fp16"] = describe(os.path.join(tmp, "stage0_fp16", "global_step2"))
+    torch.distributed.barrier()
+    out["exported_unwritten_into_plain"] = _resume(None, rank, world, unwritten, 2, stage=0, dtype="fp32")
+    stage0 = os.path.join(tmp, "stage0_bf16")  # and exported for ZeRO-2
+    out["stage0"] = out["stage0_bf16"]["run"]
     if rank == 0:
         from xirang_ds.checkpoints.tags import export_deepspeed_files
 
@@ -299,6 +346,33 @@ def test_an_exported_optimizer_states_checkpoint_loads_into_plain_deepspeed_and_
         assert r["exported_int8_into_plain_deepspeed"]["losses"] == r["int8"][2:]
         assert r["exported_int8_into_int8"]["losses"] == r["int8"][2:]
         assert r["exported_int8_into_int8"]["events"] == ["optimizer_state_taken_over"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("dtype", [d for d, _ in STAGE0])
+def test_a_stage0_grad_release_checkpoint_loads_into_plain_deepspeed_at_stage0_and_back(runs, dtype):
+    import torch
+
+    saved = runs[0][f"stage0_{dtype}"]["saved_masters"]
+    for r in runs:
+        got = r[f"stage0_{dtype}"]
+        assert got["own"]["losses"] == got["run"][2:] and got["own"]["steps"] == 4
+        assert got["plain"]["steps"] == 4 and 0 < got["plain"]["lr"] == got["own"]["lr"] < 1e-3
+        if dtype == "fp16":  # plain fp16 rounds its updates differently (its own run differs too): the state is exact
+            assert torch.equal(got["plain"]["masters"], saved)
+        else:  # the moments, the masters and the step the plain wrapper continues from are grad_release's
+            assert got["plain"]["losses"] == got["run"][2:]
+            assert saved is None or torch.equal(got["plain"]["masters"], saved)
+
+
+@pytest.mark.distributed
+def test_a_stage0_checkpoint_saved_without_plain_files_says_so_and_exports_for_stage0(runs):
+    show = "\n".join(runs[0]["show_unwritten"])
+    assert "cannot read it (grad_release at stage 0, saved without plain files)" in show and "--stage 0" in show
+    assert runs[0]["exported_unwritten"][0].endswith("mp_rank_00_model_states.pt")
+    assert "written for FP16_Optimizer over FusedAdam" in "\n".join(runs[0]["show_stage0_fp16"])
+    for r in runs:  # without the export plain DeepSpeed would restart the moments and lose this trajectory
+        assert r["exported_unwritten_into_plain"]["losses"] == r["stage0_fp32"]["run"][2:]
 
 
 @pytest.mark.distributed

@@ -205,6 +205,10 @@ def _setup_checkpoint(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage", type=int, default=None, help="export: ZeRO stage to write for (default: the run's)")
     p.add_argument("--world-size", type=int, default=None,
                    help="export: data-parallel ranks to write for (default: the run's)")
+    p.add_argument("--fused-adam", action="store_true", default=None,
+                   help="export: the loading run steps DeepSpeed's FusedAdam (an Adam block without torch_adam on a "
+                        "GPU): its steps are ints, and at stage 0 in bf16/fp16 DeepSpeed wraps it in FP16_Optimizer "
+                        "(default: as recorded at save)")
 
 
 def _run_checkpoint(args: argparse.Namespace) -> int:
@@ -216,8 +220,8 @@ def _run_checkpoint(args: argparse.Namespace) -> int:
                          "file or no such folder)")
     if args.action == "export":
         written = export_deepspeed_files(args.save_dir, os.path.basename(tag_dir), stage=args.stage,
-                                         world=args.world_size)
-        print(f"{tag_dir}: wrote {len(written)} ZeRO file(s)" if written else
+                                         world=args.world_size, fused=args.fused_adam)
+        print(f"{tag_dir}: wrote {len(written)} file(s)" if written else
               f"{tag_dir}: its optimizer state is already in DeepSpeed's own files; nothing to write")
     for line in describe(tag_dir):
         print(line)

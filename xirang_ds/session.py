@@ -257,17 +257,20 @@ class Session:
         if int(getattr(self.engine, "local_rank", self.engine.global_rank)) == 0:
             # by the first rank of every node: each node reads its own copy when checkpoints are node-local
             write_marker(tag_dir, marker)
+        if facts is not None and facts.stage == 0:
+            return self._save_with_stage0_entry(original, tag_dir, marker, facts, save_dir, tag, client_state,
+                                                *args, **kwargs)
         if facts is not None:
             client_state.update(self._write_deepspeed_files(save_dir, tag_dir, marker, facts))
         return original(save_dir, tag, client_state, *args, **kwargs)
 
     def _deepspeed_files_facts(self) -> Optional["RunFacts"]:
-        """What this run's plain ZeRO files need (``None``: none are written: ``deepspeed_files`` is off, or
-        no grad_release at ZeRO 1/2 holds the optimizer state)."""
+        """What this run's plain DeepSpeed files need (``None``: none are written: ``deepspeed_files`` is
+        off, or no grad_release holds the optimizer state)."""
         from xirang_ds.checkpoints.tags import RunFacts
 
         grad_release = self.plugin("grad_release")
-        if not self.config.deepspeed_files or grad_release is None or grad_release.setup.zero_stage not in (1, 2):
+        if not self.config.deepspeed_files or grad_release is None or grad_release.setup.zero_stage not in (0, 1, 2):
             return None
         import torch
 
@@ -275,7 +278,43 @@ class Session:
         return RunFacts(params={n: p.shape for n, p in self.engine.module.named_parameters() if p.requires_grad},
                         optimizer_groups=self.engine.optimizer.state_dict()["param_groups"], dtype=dtype,
                         stage=grad_release.setup.zero_stage, world=grad_release.comm.world,
-                        ds_config=self.requested_ds_config)
+                        ds_config=self.requested_ds_config, fused=self._plain_optimizer_fused())
+
+    def _plain_optimizer_fused(self) -> bool:
+        """Whether the run without the block would step a FusedAdam (`RunFacts.fused`): the basic
+        optimizer, or the one optimizer_states replaced; for a ds_config Adam block that it replaced,
+        DeepSpeed's rule (``_configure_basic_optimizer``: FusedAdam unless ``torch_adam``)."""
+        import deepspeed.runtime.engine as ds_engine
+
+        fused = (ds_engine.FusedAdam,) + ((ds_engine.apex.optimizers.FusedAdam,) if ds_engine.APEX_INSTALLED else ())
+        optimizer_states = self.plugin("optimizer_states")
+        basic = self.engine.basic_optimizer if optimizer_states is None else optimizer_states.original
+        if basic is None:
+            spec = self.requested_ds_config.get("optimizer") or {}
+            return (str(spec.get("type", "")).lower() in ("adam", "adamw")
+                    and not (spec.get("params") or {}).get("torch_adam", False))
+        return isinstance(basic, fused)
+
+    def _save_with_stage0_entry(self, original, tag_dir: str, marker: dict, facts: "RunFacts", save_dir, tag,
+                                client_state: dict, *args, **kwargs):
+        """A stage-0 save whose model-states file holds plain DeepSpeed's optimizer entry, built by the
+        writing rank from every rank's grad_release shard (written just before); the basic optimizer's
+        own groups go under `BASIC_GROUPS` for this block's resume."""
+        import deepspeed.comm as dist
+
+        from xirang_ds.checkpoints import BASIC_GROUPS
+        from xirang_ds.checkpoints.tags import stage0_optimizer_entry
+
+        client_state[BASIC_GROUPS] = facts.optimizer_groups
+        dist.barrier()  # every rank's shard is on disk
+        if not self.engine.save_non_zero_checkpoint:
+            return original(save_dir, tag, client_state, *args, **kwargs)
+        entry, _ = stage0_optimizer_entry(tag_dir, marker, facts)
+        handle = wrap_method(self.engine.optimizer, "state_dict", lambda _original: entry)
+        try:  # DeepSpeed's _save_checkpoint writes optimizer.state_dict() into the model-states file
+            return original(save_dir, tag, client_state, *args, **kwargs)
+        finally:
+            handle.remove()
 
     def _write_deepspeed_files(self, save_dir: str, tag_dir: str, marker: dict, facts: "RunFacts") -> dict:
         """This rank's ZeRO file, from every rank's grad_release shard (written just before); returns the

@@ -138,8 +138,7 @@ def read_param_states(tag_dir: str, optimizer_groups: Optional[list] = None) -> 
     origins: dict[int, int] = {}
     model_states = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
     if optimizer_groups is None and os.path.isfile(model_states):
-        basic = torch.load(model_states, map_location="cpu", weights_only=False, mmap=True).get("optimizer") or {}
-        optimizer_groups = basic.get("param_groups")
+        optimizer_groups = basic_groups(torch.load(model_states, map_location="cpu", weights_only=False, mmap=True))
     if optimizer_groups:
         saved_groups = optimizer_groups
         origins = {g: int(group.get("xirang_group", g)) for g, group in enumerate(saved_groups)}
@@ -173,6 +172,16 @@ def read_param_states(tag_dir: str, optimizer_groups: Optional[list] = None) -> 
                        LazyParams(index, build, lambda name: origins.get(index[name][1], index[name][1])),
                        [groups.get(g, {}) for g in range(max(groups, default=-1) + 1)],
                        (first.get("policy") or {}).get("loss_scaler"))
+
+
+def basic_groups(model_states: dict) -> Optional[list[dict]]:
+    """The basic optimizer's param groups a grad_release run's model-states file records: under
+    `BASIC_GROUPS` when its ``optimizer`` entry is plain DeepSpeed's stage-0 one, else that entry's."""
+    from xirang_ds.checkpoints import BASIC_GROUPS
+
+    if model_states.get(BASIC_GROUPS) is not None:
+        return model_states[BASIC_GROUPS]
+    return (model_states.get("optimizer") or {}).get("param_groups")
 
 
 def mismatch(saved: dict, current: dict) -> list[str]:

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import os
 
+BASIC_GROUPS = "xirang_basic_optimizer_groups"
+"""The model-states key that keeps the basic optimizer's own param groups when a stage-0 save puts
+plain DeepSpeed's optimizer entry (another layout, the user's groups) where DeepSpeed keeps them."""
+
 
 def save_atomically(obj: object, path: str) -> None:
     """``torch.save`` to a temporary name, then rename: a file with the final name is always whole."""
@@ -16,4 +20,4 @@ def save_atomically(obj: object, path: str) -> None:
     os.replace(temporary, path)
 
 
-__all__ = ["save_atomically"]
+__all__ = ["BASIC_GROUPS", "save_atomically"]

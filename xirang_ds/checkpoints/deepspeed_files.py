@@ -217,6 +217,8 @@ def _read_stage0(saved: dict, names: Sequence[str], shapes: dict[str, torch.Size
     from xirang_ds.plugins.optimizer_states.export import torch_layout
 
     wrapped = "optimizer_state_dict" in saved  # DeepSpeed's fp16/bf16 optimizer at stage 0
+    if wrapped and "fp32_groups_flat" in saved:
+        saved = _unflatten_fused(saved, names, shapes)
     torch_sd = saved["optimizer_state_dict"] if wrapped else saved
     ids = [i for g in torch_sd["param_groups"] for i in g["params"]]
     group_of = {i: g for g, group in enumerate(torch_sd["param_groups"]) for i in group["params"]}
@@ -245,6 +247,34 @@ def _read_stage0(saved: dict, names: Sequence[str], shapes: dict[str, torch.Size
         scale = {k: saved[k] for k in ("cur_scale", "cur_iter", "last_overflow_iter") if k in saved}
     return ParamStates(f"DeepSpeed stage 0 ({dtype})", params, [hyperparameters(g) for g in torch_sd["param_groups"]],
                        scale)
+
+
+def _unflatten_fused(saved: dict, names: Sequence[str], shapes: dict[str, torch.Size]) -> dict:
+    """``FP16_Optimizer``'s entry (FusedAdam at stage 0: one flat master and one state per param group,
+    ``runtime/fp16/fused_optimizer.py``) as the unfused wrapper's, per parameter: each group's flat holds
+    the next parameters in ``model.parameters()`` order, unpadded, until its length is reached."""
+    torch_sd = saved["optimizer_state_dict"]
+    state, groups, masters, position = {}, [], [], 0
+    for g, (group, flat) in enumerate(zip(torch_sd["param_groups"], saved["fp32_groups_flat"])):
+        flat_state = torch_sd["state"].get(group["params"][0], {}) if group["params"] else {}
+        ids, offset = [], 0
+        while offset < flat.numel():
+            if position == len(names):
+                raise CheckpointReadError(f"the stage-0 fused optimizer's group {g} holds {flat.numel()} elements, "
+                                          "more than this model's remaining parameters")
+            numel = shapes[names[position]].numel()
+            piece = slice(offset, offset + numel)
+            state[position] = {k: (v[piece] if torch.is_tensor(v) and v.dim() == 1 else v)
+                               for k, v in flat_state.items()}
+            state[position].setdefault("step", group.get("step", 0))
+            masters.append(flat[piece])
+            ids.append(position)
+            offset, position = offset + numel, position + 1
+        if offset != flat.numel():
+            raise CheckpointReadError(f"the stage-0 fused optimizer's group {g} ends inside a parameter of this "
+                                      "model (the checkpoint's parameter order is not this model's)")
+        groups.append({**group, "params": ids})
+    return {**saved, "optimizer_state_dict": {"state": state, "param_groups": groups}, "fp32_groups": [masters]}
 
 
 __all__ = ["CheckpointReadError", "MODEL_STATES", "optim_files", "read_deepspeed_states"]

@@ -34,7 +34,8 @@ def optim_file_name(rank: int, dtype: str) -> str:
 
 def write_zero_files(tag_dir: str, states: ParamStates, groups: Sequence[Sequence[str]], numels: dict[str, int],
                      torch_groups: Sequence[dict], stage: int, dtype: str, world: int,
-                     ranks: Optional[Iterable[int]] = None, ds_config: Optional[dict] = None) -> list[str]:
+                     ranks: Optional[Iterable[int]] = None, ds_config: Optional[dict] = None,
+                     fused: bool = False) -> list[str]:
     """Write ranks' ZeRO ``stage`` (1 or 2) files of ``states`` into ``tag_dir``; returns their paths.
 
     Args:
@@ -45,6 +46,7 @@ def write_zero_files(tag_dir: str, states: ParamStates, groups: Sequence[Sequenc
             replaced), as ``torch.optim.AdamW.state_dict()`` writes it.
         ranks: which ranks' files (default: all).
         ds_config: recorded in the files, as DeepSpeed records the run's.
+        fused: the basic optimizer is FusedAdam (its steps are ints).
 
     Raises:
         ValueError: a stage other than 1 or 2, or a parameter without state.
@@ -86,7 +88,7 @@ def write_zero_files(tag_dir: str, states: ParamStates, groups: Sequence[Sequenc
             padding = max(0, min(part, hi - total))
             masters.append(flats["master"][:part - padding].clone())
             step = max(steps, default=0)
-            base_state[g] = {"step": torch.tensor(float(step)), "exp_avg": flats["exp_avg"],
+            base_state[g] = {"step": _step(step, fused), "exp_avg": flats["exp_avg"],
                              "exp_avg_sq": flats["exp_avg_sq"]}
             paddings.append(padding)
             mappings.append(mapping)
@@ -111,9 +113,93 @@ def write_zero_files(tag_dir: str, states: ParamStates, groups: Sequence[Sequenc
     return written
 
 
+def stage0_entry(states: ParamStates, groups: Sequence[Sequence[str]], shapes: dict[str, torch.Size],
+                 torch_groups: Sequence[dict], dtype: str, fused: bool = False,
+                 ds_config: Optional[dict] = None) -> dict:
+    """The model-states file's ``optimizer`` entry that plain DeepSpeed loads at stage 0 (0.19.8's
+    ``runtime/engine.py`` ``_load_checkpoint``, L4690): in fp32 the basic optimizer's own torch state
+    dict; in bf16/fp16 the state dict of the wrapper DeepSpeed puts around it: ``FP16_UnfusedOptimizer``
+    (``runtime/fp16/unfused_optimizer.py``: a torch state per parameter, the fp32 masters per
+    parameter) or, when the basic optimizer is FusedAdam (``fused``), ``FP16_Optimizer``
+    (``runtime/fp16/fused_optimizer.py``: one flat fp32 master and one state per param group).
+
+    Args:
+        groups: the names of each param group's trainable parameters, in the optimizer's order.
+        shapes: their shapes.
+        torch_groups: each group's torch param-group dict, as for `write_zero_files`.
+
+    Raises:
+        ValueError: a parameter without state, or (bf16/fp16) without an fp32 master.
+    """
+    absent = [n for g in groups for n in g if n not in states.params]
+    if absent:
+        raise ValueError(f"no optimizer state for {absent[:3]}")
+    wrapped = dtype in ("bf16", "fp16")
+    state: dict[int, dict] = {}
+    masters: list[list[torch.Tensor]] = []
+    steps: list[int] = []
+    for names in groups:
+        masters.append([])
+        for name in names:
+            saved = states.params[name]
+            if wrapped and saved.master is None:
+                raise ValueError(f"{name} has no fp32 master in this checkpoint")
+            state[len(state)] = {"step": _step(saved.step, fused),
+                                 **{m: getattr(saved, m).reshape(shapes[name]) for m in MOMENTS}}
+            masters[-1].append(saved.master.reshape(shapes[name]) if wrapped else None)
+            steps.append(saved.step)
+    ids = iter(range(len(state)))
+    params = [[next(ids) for _ in names] for names in groups]
+    if fused and wrapped:  # one flat master and one state per group
+        flat = [{k: torch.cat([state[i][k].reshape(-1) for i in group]) for k in MOMENTS} for group in params]
+        state = {g: {"step": _step(max(steps, default=0), fused), **f} for g, f in enumerate(flat)}
+        params = [[g] for g in range(len(groups))]
+    param_groups = [{**{k: v for k, v in tg.items() if k != "params"},
+                     **(states.groups[g] if g < len(states.groups) else {}), "params": params[g]}
+                    for g, tg in enumerate(torch_groups)]
+    optimizer = {"state": state, "param_groups": param_groups}
+    if not wrapped:
+        return optimizer
+    entry = _wrapper_scale(states, dtype, fused, max(steps, default=0), ds_config)
+    entry["optimizer_state_dict"] = optimizer
+    if fused:
+        entry["fp32_groups_flat"] = [torch.cat([m.reshape(-1) for m in group]) for group in masters]
+        from deepspeed.runtime.constants import GRADIENT_CLIPPING, GRADIENT_CLIPPING_DEFAULT
+
+        entry["clip_grad"] = float((ds_config or {}).get(GRADIENT_CLIPPING, GRADIENT_CLIPPING_DEFAULT))
+    else:
+        entry["fp32_groups"] = masters
+    return entry
+
+
+def _step(step: int, fused: bool) -> object:
+    """A parameter's step as its optimizer keeps it: torch's Adam/AdamW a float tensor, FusedAdam an int
+    (its kernel takes the number)."""
+    return int(step) if fused else torch.tensor(float(step))
+
+
+def _wrapper_scale(states: ParamStates, dtype: str, fused: bool, step: int, ds_config: Optional[dict]) -> dict:
+    """The loss-scale entries of DeepSpeed's stage-0 fp16/bf16 wrapper: the unfused one always writes
+    them (bf16: scale 1, static), the fused one only when it scales (fp16)."""
+    if dtype == "bf16":
+        return {} if fused else {"dynamic_loss_scale": False, "cur_scale": 1.0, "cur_iter": step}
+    fp16 = (ds_config or {}).get("fp16") or {}
+    saved = states.loss_scale or {}
+    dynamic = float(fp16.get("loss_scale", 0)) == 0
+    entry = {"dynamic_loss_scale": dynamic,
+             "cur_scale": saved.get("cur_scale", 2.0 ** fp16.get("initial_scale_power", 16) if dynamic
+                                    else float(fp16.get("loss_scale"))),
+             "cur_iter": saved.get("cur_iter", step)}
+    if dynamic:
+        entry.update(last_overflow_iter=saved.get("last_overflow_iter", -1), scale_factor=2.0,
+                     scale_window=int(fp16.get("loss_scale_window", 1000)))
+    return entry
+
+
 def write_zero3_files(tag_dir: str, states: ParamStates, groups: Sequence[Sequence[str]], numels: dict[str, int],
                       shapes: dict[str, torch.Size], torch_groups: Sequence[dict], dtype: str, world: int,
-                      sub_group_size: int = int(1e9), ds_config: Optional[dict] = None) -> list[list[str]]:
+                      sub_group_size: int = int(1e9), ds_config: Optional[dict] = None,
+                      fused: bool = False) -> list[list[str]]:
     """Write every rank's ZeRO-3 files of ``states`` into ``tag_dir`` (``runtime/zero/stage3.py``'s
     layout): each param group cut into sub-groups as DeepSpeed cuts them (``ceil(numel / world)``
     elements per parameter per rank, a sub-group closed once it holds ``sub_group_size``), rank ``r``'s
@@ -153,7 +239,7 @@ def write_zero3_files(tag_dir: str, states: ParamStates, groups: Sequence[Sequen
                     parts[key].append(piece)
                 step = max(step, saved.step)
             flats.append(torch.cat(parts["master"]))
-            state[j] = {"step": torch.tensor(float(step)), **{m: torch.cat(parts[m]) for m in MOMENTS}}
+            state[j] = {"step": _step(step, fused), **{m: torch.cat(parts[m]) for m in MOMENTS}}
         scaler = _loss_scaler(states, ds_config) or {"loss_scaler": LossScaler(scale=1), "dynamic_loss_scale": False}
         osd = {"zero_stage": ZeroStageEnum.weights, **scaler, "overflow": False, "partition_count": world,
                "optimizer_state_dict": {"state": state, "param_groups": param_groups}, "fp32_flat_groups": flats}
@@ -219,5 +305,5 @@ def copy_recovery_script(save_dir: str) -> str:
     return target
 
 
-__all__ = ["ALIGNMENT_FACTOR", "add_param_shapes", "copy_recovery_script", "optim_file_name", "zero_model_entries",
-           "write_zero3_files", "write_zero_files"]
+__all__ = ["ALIGNMENT_FACTOR", "add_param_shapes", "copy_recovery_script", "optim_file_name", "stage0_entry",
+           "zero_model_entries", "write_zero3_files", "write_zero_files"]

@@ -99,6 +99,9 @@ class RunFacts:
             LR scheduler's current values; optimizer_states' halves marked with ``xirang_group``).
         dtype, stage, world: the run's training dtype, ZeRO stage and data-parallel ranks.
         ds_config: the ds_config as the user wrote it, when known.
+        fused: the plain run's basic optimizer is FusedAdam (DeepSpeed's default for an Adam block on
+            an accelerator): it keeps each step as an int, and at stage 0 in bf16/fp16 DeepSpeed wraps it
+            in ``FP16_Optimizer`` (flat masters) instead of ``FP16_UnfusedOptimizer``.
     """
 
     params: dict[str, torch.Size]
@@ -107,6 +110,7 @@ class RunFacts:
     stage: int
     world: int
     ds_config: Optional[dict] = None
+    fused: bool = False
 
 
 def write_deepspeed_files(tag_dir: str, marker: dict, facts: RunFacts,
@@ -123,10 +127,8 @@ def write_deepspeed_files(tag_dir: str, marker: dict, facts: RunFacts,
 
     zero3_files = os.path.isfile(os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt"))
     if facts.stage == 0:
-        raise ValueError(f"{tag_dir} is for stage 0, whose plain optimizer state lives inside the model-states file "
-                         "in a layout that depends on the loading run's optimizer, and which grad_release's own resume "
-                         "reads. Fix: export with --stage 1 or --stage 2; plain DeepSpeed at that stage and world "
-                         "size then resumes it")
+        raise ValueError(f"{tag_dir}: stage 0 keeps its plain optimizer state inside the model-states file "
+                         "(`stage0_entry`), not in ZeRO files")
     if facts.stage not in (1, 2, 3) or (facts.stage == 3) != zero3_files:
         written_for = "ZeRO-3" if zero3_files else "stage 0, 1 or 2"
         raise ValueError(f"{tag_dir} was written by a {written_for} run and cannot hold plain files for stage "
@@ -134,6 +136,31 @@ def write_deepspeed_files(tag_dir: str, marker: dict, facts: RunFacts,
                          "xirang's own resume reads), and ZeRO-3 and the other stages keep their model states in "
                          "differently named files. Fix: export for the stage the run used, then DeepSpeed's "
                          "ds_to_universal converts it for another")
+    states, groups, torch_groups = _plain_groups(tag_dir, marker, facts)
+    numels = {n: shape.numel() for n, shape in facts.params.items()}
+    if facts.stage == 3:
+        zero = (facts.ds_config or {}).get("zero_optimization") or {}
+        subs = write_zero3_files(tag_dir, states, groups, numels, facts.params, torch_groups, facts.dtype, facts.world,
+                                 sub_group_size=int(zero.get("sub_group_size", 1e9)), ds_config=facts.ds_config,
+                                 fused=facts.fused)
+        return [os.path.join(tag_dir, n) for n in sorted(os.listdir(tag_dir)) if "optim_states" in n], subs
+    written = write_zero_files(tag_dir, states, groups, numels, torch_groups, facts.stage, facts.dtype, facts.world,
+                               ranks=ranks, ds_config=facts.ds_config, fused=facts.fused)
+    return written, groups
+
+
+def stage0_optimizer_entry(tag_dir: str, marker: dict, facts: RunFacts) -> tuple[dict, list[list[str]]]:
+    """The ``optimizer`` entry of the tag's model-states file in the layout plain DeepSpeed at stage 0
+    loads for ``facts`` (`deepspeed_writer.stage0_entry`), and the param groups' names."""
+    from xirang_ds.checkpoints.deepspeed_writer import stage0_entry
+
+    states, groups, torch_groups = _plain_groups(tag_dir, marker, facts)
+    return stage0_entry(states, groups, facts.params, torch_groups, facts.dtype, facts.fused, facts.ds_config), groups
+
+
+def _plain_groups(tag_dir: str, marker: dict, facts: RunFacts) -> tuple[ParamStates, list[list[str]], list[dict]]:
+    """The tag's states, the names of each param group of the plain layout (the user's groups, in
+    ``model.parameters()`` order) and each group's torch param-group dict."""
     names = list(facts.params)
     states = read_states(tag_dir, marker, names, facts.params, facts.optimizer_groups)
     by_group: dict[int, list[str]] = {}
@@ -141,28 +168,22 @@ def write_deepspeed_files(tag_dir: str, marker: dict, facts: RunFacts,
         if n in states.params:
             by_group.setdefault(group_of(states, n), []).append(n)
     groups = [by_group[g] for g in sorted(by_group)]
-    numels = {n: shape.numel() for n, shape in facts.params.items()}
-    torch_groups = _torch_groups(facts.optimizer_groups, states, len(groups))
-    if facts.stage == 3:
-        zero = (facts.ds_config or {}).get("zero_optimization") or {}
-        subs = write_zero3_files(tag_dir, states, groups, numels, facts.params, torch_groups, facts.dtype, facts.world,
-                                 sub_group_size=int(zero.get("sub_group_size", 1e9)), ds_config=facts.ds_config)
-        return [os.path.join(tag_dir, n) for n in sorted(os.listdir(tag_dir)) if "optim_states" in n], subs
-    written = write_zero_files(tag_dir, states, groups, numels, torch_groups, facts.stage, facts.dtype, facts.world,
-                               ranks=ranks, ds_config=facts.ds_config)
-    return written, groups
+    return states, groups, _torch_groups(facts.optimizer_groups, states, len(groups))
 
 
 def export_deepspeed_files(save_dir: str, tag: Optional[str] = None, stage: Optional[int] = None,
-                           world: Optional[int] = None) -> list[str]:
+                           world: Optional[int] = None, fused: Optional[bool] = None) -> list[str]:
     """`write_deepspeed_files` for a checkpoint already on disk, every rank (``xirang-ds checkpoint
     export``): ``param_shapes`` go into its model-states file, ``zero_to_fp32.py`` into ``save_dir``,
-    the layout into the marker. xirang's own files stay; after an export of an optimizer_states
-    checkpoint (whose DeepSpeed files held int8/int4 codes) a run with the block takes the state over
-    from the plain files.
+    the layout into the marker. At stage 0 the model-states file's ``optimizer`` entry is rewritten in
+    plain DeepSpeed's layout instead (`stage0_optimizer_entry`). xirang's own files stay; after an
+    export of an optimizer_states checkpoint (whose DeepSpeed files held int8/int4 codes) a run with the
+    block takes the state over from the plain files.
 
     Args:
         stage, world: the ZeRO stage and data-parallel size to write for (default: the run's).
+        fused: the loading run's optimizer is FusedAdam (`RunFacts.fused`; default: as recorded at save,
+            else no).
 
     Returns:
         the paths written ([] when the optimizer state already is in DeepSpeed's own layout).
@@ -178,6 +199,9 @@ def export_deepspeed_files(save_dir: str, tag: Optional[str] = None, stage: Opti
     facts = facts_from_files(tag_dir, marker)
     facts.stage = facts.stage if stage is None else stage
     facts.world = facts.world if world is None else world
+    facts.fused = facts.fused if fused is None else fused
+    if facts.stage == 0:
+        return [_export_stage0(tag_dir, marker, facts)]
     written, groups = write_deepspeed_files(tag_dir, marker, facts)
     if facts.stage in (1, 2):  # ZeRO-3's per-rank model-states files got theirs from the writer
         add_param_shapes(tag_dir, groups, facts.params)
@@ -186,15 +210,36 @@ def export_deepspeed_files(save_dir: str, tag: Optional[str] = None, stage: Opti
     return written
 
 
+def _export_stage0(tag_dir: str, marker: dict, facts: RunFacts) -> str:
+    """The model-states file with plain DeepSpeed's stage-0 ``optimizer`` entry, the basic optimizer's
+    own groups kept under `BASIC_GROUPS`; returns its path."""
+    from xirang_ds.checkpoints import BASIC_GROUPS, save_atomically
+    from xirang_ds.checkpoints.deepspeed_files import MODEL_STATES
+    from xirang_ds.plugins.grad_release.checkpoint import basic_groups
+
+    path = os.path.join(tag_dir, MODEL_STATES)
+    if not os.path.isfile(path):
+        raise ValueError(f"{tag_dir} was written by a ZeRO-3 run (no {MODEL_STATES}) and cannot hold a stage-0 "
+                         "optimizer entry. Fix: export for stage 3, then DeepSpeed's ds_to_universal converts it")
+    entry, _ = stage0_optimizer_entry(tag_dir, marker, facts)
+    checkpoint = dict(torch.load(path, map_location="cpu", weights_only=False))
+    if "grad_release" in state_owners(marker):
+        checkpoint[BASIC_GROUPS] = basic_groups(checkpoint)
+    checkpoint["optimizer"] = entry
+    save_atomically(checkpoint, path)
+    write_marker(tag_dir, {**marker, "deepspeed_files": layout_record(facts)})
+    return path
+
+
 def layout_record(facts: RunFacts) -> dict:
     """The marker's ``deepspeed_files`` entry."""
-    return {"stage": facts.stage, "world": facts.world, "dtype": facts.dtype}
+    return {"stage": facts.stage, "world": facts.world, "dtype": facts.dtype, "fused": facts.fused}
 
 
 def facts_from_files(tag_dir: str, marker: dict) -> RunFacts:
     """`RunFacts` of the run that wrote the tag, read from its files."""
     from xirang_ds.checkpoints.deepspeed_files import MODEL_STATES, _dtype, _load, optim_files
-    from xirang_ds.plugins.grad_release.checkpoint import load_shard, shard_path
+    from xirang_ds.plugins.grad_release.checkpoint import basic_groups, load_shard, shard_path
 
     zero3 = os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")
     model = _load(zero3 if os.path.isfile(zero3) else os.path.join(tag_dir, MODEL_STATES))
@@ -208,8 +253,8 @@ def facts_from_files(tag_dir: str, marker: dict) -> RunFacts:
         shard = load_shard(shard_path(tag_dir, 0), mmap=True)
         dtypes = {t.dtype for t in module.values() if torch.is_tensor(t) and t.is_floating_point()}
         dtype = "bf16" if torch.bfloat16 in dtypes else "fp16" if torch.float16 in dtypes else "fp32"
-        return RunFacts(params, saved_optimizer.get("param_groups"), dtype, int(shard["zero_stage"]),
-                        int(shard["world"]))
+        return RunFacts(params, basic_groups(model), dtype, int(shard["zero_stage"]), int(shard["world"]), None,
+                        bool((marker.get("deepspeed_files") or {}).get("fused", False)))
     files = optim_files(tag_dir)
     if not files:
         return RunFacts(params, saved_optimizer.get("param_groups"), "fp32", 0, 1)
@@ -237,13 +282,18 @@ def describe(tag_dir: str) -> list[str]:
     lines.append(f"  optimizer state: {holder}")
     files = optim_files(tag_dir)
     layout = marker.get("deepspeed_files") or {}
-    if (not owners or layout) and files:
+    if layout.get("stage") == 0:
+        wrapper = ("its torch optimizer" if layout.get("dtype") == "fp32" else
+                   "FP16_Optimizer over FusedAdam" if layout.get("fused") else "FP16_UnfusedOptimizer")
+        tools = (f"plain DeepSpeed at stage 0 resumes it (the model-states file's optimizer entry, written for "
+                 f"{wrapper}); zero_to_fp32.py and ds_to_universal read ZeRO files only")
+    elif (not owners or layout) and files:
         tools = f"read it ({len(files)} ZeRO file(s){', written for ZeRO-' + str(layout['stage']) if layout else ''})"
     elif not owners:
         tools = "read it (stage 0: DeepSpeed's model-states file)"
     elif "grad_release" in owners:
-        tools = ("cannot read it (grad_release at stage 0); `xirang-ds checkpoint export --stage 2` writes ZeRO-2 "
-                 "files plain DeepSpeed at ZeRO-2 resumes")
+        tools = ("cannot read it (grad_release at stage 0, saved without plain files); `xirang-ds checkpoint export "
+                 "--stage 0` writes the entry plain DeepSpeed at stage 0 resumes, `--stage 2` ZeRO-2 files")
     else:
         tools = "zero_to_fp32.py reads it; plain DeepSpeed's optimizer after `xirang-ds checkpoint export`"
     lines.append(f"  plain DeepSpeed, zero_to_fp32.py, ds_to_universal: {tools}")
@@ -264,5 +314,6 @@ def _torch_groups(optimizer_groups: Optional[list[dict]], states: ParamStates, c
 
 
 __all__ = ["GRAD_RELEASE_FOLDER", "MARKER", "OWNERS", "RunFacts", "describe", "export_deepspeed_files", "facts_from_files",
-           "layout_record", "read_marker", "read_states", "resolve_tag", "state_owners", "write_deepspeed_files",
+           "layout_record", "read_marker", "read_states", "resolve_tag", "stage0_optimizer_entry", "state_owners",
+           "write_deepspeed_files",
            "write_marker"]

@@ -497,13 +497,14 @@ class XirangConfig:
     cap: buffers are reused by size class and the cache never holds more than the most in use at
     once."""
     deepspeed_files: bool = True
-    """Every checkpoint of a run whose grad_release holds the optimizer state at ZeRO 1/2 also gets plain
-    DeepSpeed's ZeRO files (fp32 masters and Adam moments in DeepSpeed's layout, ``param_shapes``,
-    ``zero_to_fp32.py``), each rank writing its own partition before DeepSpeed writes ``latest``: plain
-    DeepSpeed, ``zero_to_fp32.py`` and ``ds_to_universal`` then read it. Costs 12 bytes per parameter of
-    disk and the time to write them (docs/checkpoints.md); ``false`` leaves them out (``xirang-ds
-    checkpoint export`` writes them later). grad_release's own files stay and a run with it resumes
-    from them."""
+    """Every checkpoint of a run whose grad_release holds the optimizer state also gets plain DeepSpeed's
+    files: at ZeRO 1/2 its ZeRO files (fp32 masters and Adam moments in DeepSpeed's layout,
+    ``param_shapes``, ``zero_to_fp32.py``), each rank writing its own partition; at stage 0 the
+    model-states file's optimizer entry of DeepSpeed's stage-0 optimizer; all before DeepSpeed writes
+    ``latest``. Plain DeepSpeed (and at ZeRO 1/2 ``zero_to_fp32.py`` and ``ds_to_universal``) then read
+    it. Costs 12 bytes per parameter of disk (8 at stage 0 in fp32) and the time to write them
+    (docs/checkpoints.md); ``false`` leaves them out (``xirang-ds checkpoint export`` writes them
+    later). grad_release's own files stay and a run with it resumes from them."""
     optimizer_states: OptimizerStatesConfig = field(default_factory=OptimizerStatesConfig)
     """Dynamic-precision optimizer states."""
     grad_release: GradReleaseConfig = field(default_factory=GradReleaseConfig)

@@ -53,12 +53,13 @@ def save_every_layout(rank, world, tmp):
                                       {n: p.shape for n, p in model.named_parameters()})
         same = []
         for bucket in engine.xirang.plugin("grad_release").buckets:
-            for piece, view in zip(bucket.pieces, bucket.views):
-                state, whole = bucket.optimizer.state[view], saved.params[bucket.names[piece.index]]
-                span = slice(piece.start, piece.start + piece.numel)
-                same.append(torch.equal(state["exp_avg_sq"].reshape(-1), whole.exp_avg_sq.reshape(-1)[span]))
-                if whole.master is not None:
-                    same.append(torch.equal(view.reshape(-1), whole.master.reshape(-1)[span]))
+            with bucket.fp32_masters():  # bf16 remainders: the masters rebuilt
+                for piece, view in zip(bucket.pieces, bucket.views):
+                    state, whole = bucket.optimizer.state[view], saved.params[bucket.names[piece.index]]
+                    span = slice(piece.start, piece.start + piece.numel)
+                    same.append(torch.equal(state["exp_avg_sq"].reshape(-1), whole.exp_avg_sq.reshape(-1)[span]))
+                    if whole.master is not None:
+                        same.append(torch.equal(view.reshape(-1), whole.master.reshape(-1)[span]))
         loss = optimizer_step(engine, data_iter(2, 64, rank, world))
         taken[f"s{stage}_{dtype}"] = {"same": all(same), "checked": len(same), "loss": loss}
     return taken

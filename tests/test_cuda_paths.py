@@ -1,6 +1,7 @@
 """Device paths on CUDA (skipped without one; `tools/gpu_check/run.sh` runs them on a lent GPU): pinned
 host buffers and their size classes, the host budget with the copy stream, pool blocks and their
-aliases, grad_release's host stash against keeping the shards on the device."""
+aliases, grad_release's host stash against keeping the shards on the device, and its bf16 remainders
+against fp32 masters."""
 import gc
 
 import pytest
@@ -58,14 +59,15 @@ def test_a_pool_block_alias_keeps_its_bytes_on_cuda():
     assert torch.all(alias == 3.0)
 
 
-def _grad_release(rank, world, method):
+def _grad_release(rank, world, method, masters="auto"):
     import xirang_ds
     from tests.engine_runs import data_iter, ds_config
     from xirang_ds.bench import optimizer_step
     from xirang_ds.models import BUILTIN_SPECS, build_model
 
     cfg = ds_config(stage=2, dtype="bf16", micro=4, clip=0.05,
-                    xirang={"grad_release": {"enabled": True, "bucket_size_numel": 20000, "exact_method": method}})
+                    xirang={"grad_release": {"enabled": True, "bucket_size_numel": 20000, "exact_method": method,
+                                             "masters": masters}})
     model = build_model(BUILTIN_SPECS["gpt-tiny"], seed=0)
     engine, *_ = xirang_ds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     data = data_iter(4, 64, rank, world)
@@ -82,3 +84,28 @@ def test_grad_release_host_stash_equals_hold_on_cuda():
     assert host["pinned"] and all(host["pinned"]) and not hold["pinned"]
     assert host["losses"] == hold["losses"]
     assert torch.equal(host["params"], hold["params"])
+
+
+def test_remainders_rebuild_every_master_on_cuda():
+    """CUDA's bf16 rounding and int64 products: the masters come back bit for bit, ties included."""
+    from xirang_ds.plugins.grad_release.remainders import join, split, tie_bytes
+
+    numel = (1 << 20) + 3
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (numel,), dtype=torch.int32, device="cuda")
+    bits[::7] = (bits[::7] & ~0xFFFF) | 0x8000
+    master = bits.view(torch.float32).clone()
+    master[master.isnan()] = 1.0
+    weight = master.to(torch.bfloat16)
+    remainder = torch.empty(numel, dtype=torch.int16, device="cuda")
+    ties = torch.empty(tie_bytes(numel), dtype=torch.uint8, device="cuda")
+    split(master, weight, remainder, ties)
+    rebuilt = torch.empty_like(master)
+    join(weight, remainder, ties, rebuilt)
+    assert torch.equal(rebuilt.view(torch.int32), master.view(torch.int32))
+
+
+def test_grad_release_remainders_equal_fp32_masters_on_cuda():
+    remainders, = run_ranks(_grad_release, 1, "host", "remainders")
+    fp32, = run_ranks(_grad_release, 1, "host", "fp32")
+    assert remainders["losses"] == fp32["losses"]
+    assert torch.equal(remainders["params"], fp32["params"])

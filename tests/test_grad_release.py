@@ -5,6 +5,7 @@ Run functions are module-level so `run_ranks` can start them in fresh processes;
 trains several configurations to keep process starts (the slow part on CPU) few.
 """
 import copy
+import math
 
 import pytest
 import torch
@@ -107,10 +108,15 @@ def _bf16(rank, world):
     plain, _ = _train(rank, world, config, 3, use_xirang=False)
     out = {"plain_losses": plain["losses"]}
     for name, keys in {"host": {}, "hold": {"exact_method": "hold"}, "two_pass": {"exact_method": "two_pass"},
-                       "no_overlap": {"overlap_comm": False}}.items():
-        ours, _ = _train(rank, world, {**config, "xirang": _block(**keys)}, 3)
+                       "no_overlap": {"overlap_comm": False}, "fp32_masters": {"masters": "fp32"}}.items():
+        ours, engine = _train(rank, world, {**config, "xirang": _block(**keys)}, 3)
         out[name] = {"diff": _max_diff(plain["params"], ours["params"]), "losses": ours["losses"],
-                     "params": ours["params"], "counters": _counters(ours) == _counters(plain)}
+                     "params": ours["params"], "counters": _counters(ours) == _counters(plain),
+                     "remainders": [b.remainders for b in engine.xirang.plugin("grad_release").buckets]}
+    stage0 = ds_config(stage=0, dtype="bf16", micro=2, gas=2, clip=0.05)  # not sharded: the whole bucket per rank
+    for name, masters in (("stage0", "auto"), ("stage0_fp32_masters", "fp32")):
+        ours, _ = _train(rank, world, {**stage0, "xirang": _block(masters=masters)}, 3)
+        out[name] = {"losses": ours["losses"], "params": ours["params"]}
     return out
 
 
@@ -281,6 +287,10 @@ def _memory(rank, world, use_xirang, clip=0.0, exact_method="host"):
     out = {"numel": numel, "grad_max": window.most_at_once()["gradients"], "at_peak": report.by_category,
            "peak": report.peak_bytes, "phase": report.phase, "host_max": window.category_peaks()["host"],
            "params": _flat(engine)}
+    if use_xirang:
+        buckets = engine.xirang.plugin("grad_release").buckets
+        out["shards"] = [b.remainder.numel() for b in buckets]
+        out["remainder_bytes"] = sum(b.remainder.nbytes + b.ties.nbytes for b in buckets)
     window.close()
     if watch is not None:
         watch.remove()
@@ -349,6 +359,20 @@ def test_bf16_matches_plain_deepspeed_2_ranks(two_ranks):
             assert max(abs(a - b) for a, b in zip(r[exact]["losses"], r["plain_losses"])) < 2e-3
         assert torch.equal(r["hold"]["params"], r["two_pass"]["params"])
         assert torch.equal(r["host"]["params"], r["hold"]["params"])  # the shards' trip to the host is exact
+
+
+@pytest.mark.distributed
+def test_bf16_masters_kept_as_remainders_train_bit_for_bit_as_fp32_masters(two_ranks):
+    """ZeRO-2 (each rank its shard) and stage 0 (whole buckets), accumulation 2, clipping that bites:
+    the masters rebuilt from the bf16 weights, the 16-bit remainders and the tie bits give the fp32
+    masters' run exactly."""
+    for rank_results in two_ranks["ranks"]:
+        r = rank_results["bf16"]
+        assert all(r["host"]["remainders"]) and not any(r["fp32_masters"]["remainders"])  # auto: bf16 → remainders
+        assert r["host"]["losses"] == r["fp32_masters"]["losses"]
+        assert torch.equal(r["host"]["params"], r["fp32_masters"]["params"])
+        assert r["stage0"]["losses"] == r["stage0_fp32_masters"]["losses"]
+        assert torch.equal(r["stage0"]["params"], r["stage0_fp32_masters"]["params"])
 
 
 @pytest.mark.distributed
@@ -435,7 +459,11 @@ def test_gradient_memory_falls_to_about_one_bucket(two_ranks):
         bucket_bytes = MEMORY_BUCKET * (2 + 2 + 4)  # bf16 buffer, reduced bf16 shard, fp32 copy, generously
         assert ours["grad_max"] <= 2 * bucket_bytes, (ours["grad_max"], bucket_bytes)
         assert ours["grad_max"] < plain["grad_max"] / 4
-        assert ours["at_peak"]["parameters"] == plain["at_peak"]["parameters"]  # bf16 weights + fp32 masters 1/2
+        # bf16 weights, and this rank's masters as 2-byte remainders and tie bits instead of DeepSpeed's fp32
+        # partition (none is rebuilt at the peak, the start of backward)
+        assert ours["remainder_bytes"] == sum(2 * n + math.ceil(n / 8) for n in ours["shards"])
+        assert ours["at_peak"]["parameters"] == 2 * numel + ours["remainder_bytes"]
+        assert plain["at_peak"]["parameters"] >= 2 * numel + 4 * sum(ours["shards"]) - 4 * 64
         # fp32 Adam moments sharded 1/2 on both sides; grad_release keeps one 4-byte step count per slice
         assert 0 <= ours["at_peak"]["optimizer_states"] - plain["at_peak"]["optimizer_states"] <= 4 * 64
         # micro-batch 1: DeepSpeed peaks in its optimizer step (all gradients, fp32 partitions and Adam's

@@ -128,15 +128,16 @@ def test_read_setup_lists_every_key_it_cannot_work_with():
            "fp16": {"enabled": True, "auto_cast": True}, "sparse_gradients": True,
            "managed_gradient_accumulation": False, "data_types": {"grad_accum_dtype": "bf16"}}
     with pytest.raises(XirangConfigError) as e:
-        _setup(bad, nonfinite="raise")
+        _setup(bad, nonfinite="raise", masters="remainders")
     text = str(e.value)
     assert text.startswith("cannot use this ds_config:")
     for needle in ("zero_optimization.stage = 3", "allowed: stage 0, 1 or 2", "Fix: set zero_optimization.stage to 2",
                    "zero_optimization.offload_optimizer.device = 'cpu'", "fp16.auto_cast = true",
                    "sparse_gradients = true", "managed_gradient_accumulation = false",
-                   "data_types.grad_accum_dtype = 'bf16'", "nonfinite = 'raise' cannot run with fp16.enabled"):
+                   "data_types.grad_accum_dtype = 'bf16'", "nonfinite = 'raise' cannot run with fp16.enabled",
+                   "masters = 'remainders' needs bf16 parameters and this ds_config trains in float16"):
         assert needle in text, needle
-    assert len(e.value.problems) == 7
+    assert len(e.value.problems) == 8
 
 
 def test_read_setup_and_hand_over():
@@ -152,6 +153,33 @@ def test_read_setup_and_hand_over():
     assert copy_ == {"zero_optimization": {"stage": 0, "reduce_bucket_size": 5}, "gradient_clipping": 0.0}
     assert _setup({"fp16": {"enabled": True}, "gradient_clipping": 0}).skip_nonfinite
     assert _setup({"fp16": {"enabled": True}}).comm_dtype == torch.float16
+
+
+def test_remainders_rebuild_every_fp32_master_bit_for_bit():
+    """Random bit patterns (ties forced on every 7th element), signed zeros, infinities, subnormals and
+    the largest finite numbers: the bf16 rounding, the low 16 bits and the tie bits give the master back."""
+    from xirang_ds.plugins.grad_release.remainders import join, split, tie_bytes
+
+    g = torch.Generator().manual_seed(0)
+    numel = 100_003  # not a multiple of 8: the last tie byte is partial
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (numel,), dtype=torch.int32, generator=g)
+    bits[::7] = (bits[::7] & ~0xFFFF) | 0x8000
+    master = bits.view(torch.float32).clone()
+    master[master.isnan()] = 1.0
+    master[:10] = torch.tensor([0.0, -0.0, math.inf, -math.inf, 1e-40, -1e-40, 3.4e38, -3.4e38, 1.0, -1.0])
+    weight = master.to(torch.bfloat16)
+    remainder = torch.empty(numel, dtype=torch.int16)
+    ties = torch.empty(tie_bytes(numel), dtype=torch.uint8)
+    split(master, weight, remainder, ties)
+    rebuilt = torch.empty(numel)
+    join(weight, remainder, ties, rebuilt)
+    assert torch.equal(rebuilt.view(torch.int32), master.view(torch.int32))
+    tied = (master.view(torch.int32) & 0xFFFF) == 0x8000
+    assert int(tied.sum()) > numel // 8  # both directions of a tie occur and are told apart
+    rebuilt_without_bits = torch.empty(numel)
+    join(weight, remainder, torch.zeros_like(ties), rebuilt_without_bits)  # every tie read as rounded up
+    wrong = rebuilt_without_bits.view(torch.int32) != master.view(torch.int32)
+    assert bool(wrong.any()) and bool((wrong <= tied).all())
 
 
 def test_deepspeed_protocol_still_holds():

@@ -225,11 +225,12 @@ def other_world(rank, world, tmp):
     plugin = engine.xirang.plugin("grad_release")
     same = []
     for bucket in plugin.buckets:
-        for piece, view in zip(bucket.pieces, bucket.views):
-            name = bucket.names[piece.index]
-            state = bucket.optimizer.state[view]
-            same.append(torch.equal(state["exp_avg_sq"].reshape(-1), saved.params[name].exp_avg_sq.reshape(-1))
-                        and torch.equal(view.reshape(-1), saved.params[name].master.reshape(-1)))
+        with bucket.fp32_masters():  # bf16 remainders: the masters rebuilt
+            for piece, view in zip(bucket.pieces, bucket.views):
+                name = bucket.names[piece.index]
+                state = bucket.optimizer.state[view]
+                same.append(torch.equal(state["exp_avg_sq"].reshape(-1), saved.params[name].exp_avg_sq.reshape(-1))
+                            and torch.equal(view.reshape(-1), saved.params[name].master.reshape(-1)))
     out = {"same": all(same), "checked": len(same), "steps": engine.global_steps,
            "losses": _steps(engine, rank, world, 2, 2)}
     # DeepSpeed's own route to another world size: ds_to_universal, then load_universal

@@ -15,7 +15,10 @@ Life of a bucket's gradient in one optimizer step (``layout.py`` has the buffer 
    all-gathers every rank's updated slices (``gather``/``finish_gather``).
 
 A bucket's parameters share one dtype. Parameters in fp32 are their own masters (the optimizer
-steps views of them); 16-bit parameters get an fp32 master copy of this rank's slices.
+steps views of them); 16-bit parameters get an fp32 master copy of this rank's slices. With
+``remainders`` (bf16 only) the master exists only during the bucket's update: between updates it is
+the bf16 weight plus ``remainders.py``'s 16-bit remainder and tie bit, and the views the optimizer
+steps (its states are keyed by them) point at an empty tensor until the next update rebuilds it.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from typing import Any, Callable, ContextManager, Optional, Sequence, Union
 
 import torch
 
-from xirang_ds.memory.categories import COMM_BUFFERS, GRADIENTS
+from xirang_ds.memory.categories import COMM_BUFFERS, GRADIENTS, PARAMETERS
 from xirang_ds.plugins.grad_release.comm import DataParallelComm, wait
 from xirang_ds.plugins.grad_release.layout import BucketLayout, Piece
 from xirang_ds.plugins.grad_release.optimizers import clone_optimizer, hyperparameters, sync_hyperparameters
@@ -71,6 +74,7 @@ class Bucket:
         comm_dtype: dtype gradients are reduced in.
         scope: tracker scope for the bucket's transient buffers (`no_scope` without a tracker).
         host_scope: where the bucket's host buffer is made (the tracker's host tier; `stash`).
+        remainders: keep bf16 parameters' masters as remainders between updates (exact).
 
     Attributes:
         grad: after ``finalize``, the step's gradient shard (``grad * grad_scale`` is the average).
@@ -83,7 +87,7 @@ class Bucket:
     def __init__(self, index: int, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  sources: Sequence[int], layout: BucketLayout, comm: DataParallelComm,
                  basic_optimizer: torch.optim.Optimizer, comm_dtype: torch.dtype, scope: Scope = no_scope,
-                 host_scope: Callable[[], ContextManager] = contextlib.nullcontext):
+                 host_scope: Callable[[], ContextManager] = contextlib.nullcontext, remainders: bool = False):
         self.index = index
         self.params = list(params)
         self.names = list(names)
@@ -98,7 +102,11 @@ class Bucket:
         self.sharded = layout.world > 1
         self.dtype = self.params[0].dtype
         self.pieces: list[Piece] = [p for p in layout.pieces(comm.rank if self.sharded else 0) if p.numel > 0]
-        self.master: Optional[torch.Tensor] = None
+        self.has_master = self.dtype != torch.float32
+        self.master: Optional[torch.Tensor] = None  # None for fp32, and between updates with remainders
+        self.remainders = remainders and self.dtype == torch.bfloat16
+        self.remainder: Optional[torch.Tensor] = None  # int16, one per master element
+        self.ties: Optional[torch.Tensor] = None  # uint8, one bit per master element
         self.views: list[torch.Tensor] = []
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.group_sources: list[int] = []
@@ -127,11 +135,77 @@ class Bucket:
                     view = self.master[piece.offset:piece.offset + piece.numel]
                     view.copy_(self._param_slice(piece).reshape(-1))
                     self.views.append(view if self.sharded else view.view(self.params[piece.index].shape))
+                if self.remainders:  # a master equal to its bf16 weight has no remainder and no tie
+                    from xirang_ds.plugins.grad_release.remainders import tie_bytes
+
+                    device = self.master.device
+                    self.remainder = torch.zeros(self.master.numel(), dtype=torch.int16, device=device)
+                    self.ties = torch.zeros(tie_bytes(self.master.numel()), dtype=torch.uint8, device=device)
         for piece, view in zip(self.pieces, self.views):
             param = self.params[piece.index]
             view.xirang_slice_of = SliceOf(self.names[piece.index], tuple(param.shape), piece.start, piece.numel)
-        self.optimizer = self._make_optimizer()
+        self.optimizer = self._make_optimizer()  # it may look at the views' shapes
         self.steps_applied = 0
+        if self.remainders:
+            self._point_views(None)
+
+    def materialize(self) -> None:
+        """Remainders: rebuild the fp32 master from the parameters' bf16 values (no-op otherwise)."""
+        if not self.remainders or self.master is not None:
+            return
+        from xirang_ds.plugins.grad_release.remainders import join
+
+        with torch.no_grad(), self.scope(PARAMETERS):
+            master = torch.empty(self.remainder.numel(), dtype=torch.float32, device=self.remainder.device)
+            join(self._weight_shard(), self.remainder, self.ties, master)
+        self._point_views(master)
+
+    def _point_views(self, master: Optional[torch.Tensor]) -> None:
+        """The optimizer's views onto ``master``'s slices, or (None) onto nothing; ``self.master`` too."""
+        empty = torch.empty(0, dtype=torch.float32, device=self.params[0].device)
+        for piece, view in zip(self.pieces, self.views):
+            if master is None:
+                view.data = empty
+            else:
+                part = master[piece.offset:piece.offset + piece.numel]
+                view.data = part if self.sharded else part.view(self.params[piece.index].shape)
+        self.master = master
+
+    def _weight_shard(self) -> torch.Tensor:
+        """This rank's slices of the bf16 parameters, laid out as the master (padding zero)."""
+        weight = torch.zeros(self.remainder.numel(), dtype=self.dtype, device=self.remainder.device)
+        for piece in self.pieces:
+            weight[piece.offset:piece.offset + piece.numel].copy_(self._param_slice(piece).reshape(-1))
+        return weight
+
+    def _release(self, weight: torch.Tensor) -> None:
+        """Remainders: keep the master as ``weight`` (its bf16 rounding) plus remainder; free it."""
+        if not self.remainders:
+            return
+        from xirang_ds.plugins.grad_release.remainders import split
+
+        split(self.master, weight, self.remainder, self.ties)
+        self._point_views(None)
+
+    @contextlib.contextmanager
+    def fp32_masters(self, write_params: bool = False):
+        """The masters as fp32 tensors while the block runs (remainders: rebuilt first, split after).
+
+        Args:
+            write_params: the block changes the masters (a load): the parameters' slices this rank
+                holds get their bf16 rounding, which the remainders stand beside.
+        """
+        self.materialize()
+        try:
+            yield self.master
+        finally:
+            if self.has_master and (write_params or self.remainders):
+                with torch.no_grad():
+                    weight = self.master.to(self.dtype)
+                    if write_params:
+                        for piece in self.pieces:
+                            self._param_slice(piece).reshape(-1).copy_(weight[piece.offset:piece.offset + piece.numel])
+                self._release(weight)
 
     def _param_slice(self, piece: Piece) -> torch.Tensor:
         param = self.params[piece.index].detach()
@@ -327,6 +401,7 @@ class Bucket:
         elif coefficient != 1.0:
             grad.mul_(coefficient)
         if self.optimizer is not None:
+            self.materialize()
             for piece, view in zip(self.pieces, self.views):
                 view.grad = grad[piece.offset:piece.offset + piece.numel].view(view.shape)
             sync_hyperparameters(self.basic.param_groups, self.optimizer, self.group_sources)
@@ -351,15 +426,22 @@ class Bucket:
         """Bring the updated masters back into the parameters (all-gather when sharded)."""
         with torch.no_grad():
             if not self.sharded:
-                if self.master is not None:
+                if self.remainders:
+                    with self.scope(COMM_BUFFERS):
+                        weight = self.master.to(self.dtype)
+                    for piece in self.pieces:
+                        self.params[piece.index].view(-1).copy_(weight[piece.offset:piece.offset + piece.numel])
+                    self._release(weight)
+                elif self.has_master:
                     for piece, view in zip(self.pieces, self.views):
                         self.params[piece.index].copy_(view)
                 return
             device = self.params[0].device
             with self.scope(COMM_BUFFERS):
                 shard = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=device)
-                if self.master is not None:
+                if self.has_master:
                     shard.copy_(self.master)
+                    self._release(shard)
                 else:
                     for piece, view in zip(self.pieces, self.views):
                         shard[piece.offset:piece.offset + piece.numel].copy_(view)
@@ -395,13 +477,21 @@ class Bucket:
 
     # checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """This rank's masters and optimizer state (fp32 parameters: optimizer state only)."""
-        return {"master": self.master, "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+        """This rank's masters (fp32, whatever ``remainders``) and optimizer state (fp32 parameters:
+        optimizer state only)."""
+        master = self.master
+        if self.remainders:
+            from xirang_ds.plugins.grad_release.remainders import join
+
+            master = torch.empty_like(self.remainder, dtype=torch.float32)
+            join(self._weight_shard(), self.remainder, self.ties, master)
+        return {"master": master, "optimizer": self.optimizer.state_dict() if self.optimizer else None,
                 "steps_applied": self.steps_applied}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.master is not None and state["master"] is not None:
-            self.master.copy_(state["master"])
+        if self.has_master and state["master"] is not None:
+            with self.fp32_masters(write_params=self.remainders):
+                self.master.copy_(state["master"])
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
         self.steps_applied = int(state.get("steps_applied", 0))

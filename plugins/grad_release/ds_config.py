@@ -133,6 +133,11 @@ def read_setup(ds_config: dict, config: GradReleaseConfig) -> TrainingSetup:
     if declared is not None and DTYPE_NAMES.get(str(declared)) != param_dtype:
         problems.append(_problem("data_types.param_dtype", declared, "it must match the enabled fp16/bf16 section",
                                  "remove data_types.param_dtype"))
+    if config.masters == "remainders" and param_dtype != torch.bfloat16:
+        problems.append(("", f"xirang.grad_release.masters = 'remainders' needs bf16 parameters and this ds_config "
+                             f"trains in {str(param_dtype).replace('torch.', '')}: the master's low 16 bits rebuild it "
+                             "only beside its bf16 rounding; allowed here: \"auto\" or \"fp32\". Fix: set "
+                             "xirang.grad_release.masters to \"auto\", or enable the \"bf16\" section"))
     skip_nonfinite = config.nonfinite == "skip_step" or (config.nonfinite == "auto" and fp16.enabled)
     if fp16.enabled and config.nonfinite == "raise":
         problems.append(("", "xirang.grad_release.nonfinite = 'raise' cannot run with fp16.enabled = true: dynamic "

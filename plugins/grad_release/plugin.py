@@ -158,6 +158,10 @@ class GradReleasePlugin(Plugin):
         self.engine = run
         clip_grads = [float(c.clip_grad) for c in optimizer_configs(run.optimizer)]
         issues = problems(self.config, run, clip_grads)
+        if self.config.masters == "remainders":
+            issues.append(("xirang.grad_release.masters", "'remainders' keeps bf16 parameters' masters, and under "
+                           "Megatron grad_release takes over fp32 parameters only (its Float16 optimizer keeps the "
+                           "masters); allowed: \"auto\" or \"fp32\". Fix: remove the key"))
         if issues:
             raise XirangConfigError(issues)
         self.setup = TrainingSetup(zero_stage=0, param_dtype=torch.float32,
@@ -326,7 +330,8 @@ class GradReleasePlugin(Plugin):
                     buckets.append(Bucket(len(buckets), params, [n for n, _ in chosen],
                                           [group_of[p][1] for p in params],
                                           BucketLayout.build([p.numel() for p in params], world), self.comm, basic,
-                                          self.setup.comm_dtype, tracker.scope, tracker.host_tier))
+                                          self.setup.comm_dtype, tracker.scope, tracker.host_tier,
+                                          remainders=self.config.masters != "fp32"))
                 except TypeError as e:
                     raise XirangConfigError([("", f"xirang.grad_release: the optimizer {type(basic).__name__} cannot "
                                                   f"be rebuilt as type(opt)(param_groups, **opt.defaults) for each "
@@ -337,7 +342,8 @@ class GradReleasePlugin(Plugin):
     def adjust_estimate(self, phases: dict, shape: Any, numels: list) -> Optional[dict]:
         """Model states as the buckets hold them and gradients a bucket at a time (the table under
         "One step of a bucket" in docs/grad_release.md): 16-bit parameters whole, fp32 masters and
-        Adam states over this rank's shard, one bucket filling and one reducing, this rank's shard
+        Adam states over this rank's shard (masters as remainders: 2 bytes and a tie bit per element,
+        rebuilt for a bucket's update), one bucket filling and one reducing, this rank's shard
         held until backward ends when exact clipping uses ``hold``, and the update's temporaries in
         backward, one bucket shard at a time. There is no separate optimizer-step phase."""
         from xirang_ds.memory.estimator import _adam_temporaries
@@ -351,7 +357,8 @@ class GradReleasePlugin(Plugin):
         part = sum(math.ceil(n / world) for n in numels)
         bucket = auto_bucket_numel(total) if self.config.bucket_size_numel == "auto" else int(self.config.bucket_size_numel)
         bucket = max(bucket, max(numels))  # a larger parameter gets a bucket of its own
-        masters = 4 * part if lp != 4 else 0
+        remainders = self.config.masters != "fp32" and shape.dtype == torch.bfloat16
+        masters = (2 * part + math.ceil(part / 8) if remainders else 4 * part) if lp != 4 else 0
         states = 8 * part
         if self.session.plugin("optimizer_states") is not None:
             states = phases["forward"].get(OPTIMIZER_STATES, states)  # that plugin's own model (it runs first)
@@ -361,7 +368,9 @@ class GradReleasePlugin(Plugin):
         accum = 4 * part if shape.grad_accum > 1 else 0
         in_flight = (2 if self.config.overlap_comm else 1) * lp * bucket
         shard = math.ceil(bucket / world)
-        update = 4 * shard + _adam_temporaries(shape, [shard])
+        # the update's fp32 gradient and Adam's temporaries, and (remainders) the bucket's master rebuilt
+        # for it from its bf16 weights
+        update = (10 if remainders else 4) * shard + _adam_temporaries(shape, [shard])
         out = {}
         for name, cats in phases.items():
             cats = dict(cats)
@@ -395,11 +404,12 @@ class GradReleasePlugin(Plugin):
                     f"<= {self.bucket_numel:,} elements, optimizer states replicated, {clip}")
         stage = self.setup.zero_stage
         shards = f"sharded 1/{self.comm.world}" if self.policy.sharded else "replicated"
+        masters = " (as bf16 remainders, exact)" if any(b.remainders for b in self.buckets) else ""
         clip = (f"clipping {self.setup.gradient_clipping} ({self.config.clipping}"
                 + (f", {self.config.exact_method}" if self.config.clipping != "per_layer" else "") + ")"
                 if self.setup.gradient_clipping > 0 else "no clipping")
         return (f"step in backward, ZeRO-{stage} semantics over {self.comm.world} rank(s): {len(self.buckets)} buckets "
-                f"of <= {self.bucket_numel:,} elements, masters and optimizer states {shards}, {clip}"
+                f"of <= {self.bucket_numel:,} elements, masters{masters} and optimizer states {shards}, {clip}"
                 + (", fp16 loss scaling" if self.setup.fp16 is not None else ""))
 
     # engine.backward / engine.step --------------------------------------------------------------
@@ -504,7 +514,7 @@ class GradReleasePlugin(Plugin):
     def _memory_roles(self) -> list[tuple[str, Any]]:
         from xirang_ds.plugins.grad_release.optimizers import state_tensors
 
-        masters = [b.master for b in self.buckets if b.master is not None]
+        masters = [t for b in self.buckets for t in (b.master, b.remainder, b.ties) if t is not None]
         states = [t for b in self.buckets for t in state_tensors(b.optimizer)]
         return [(PARAMETERS, masters), (OPTIMIZER_STATES, states)]
 
@@ -589,13 +599,10 @@ class GradReleasePlugin(Plugin):
                 continue
             slots = [Slot(view, [Fragment(bucket.names[piece.index], piece.start, piece.numel, 0)])
                      for piece, view in zip(bucket.pieces, bucket.views)]
-            load_slots(bucket.optimizer, slots, states)
+            with bucket.fp32_masters(write_params=True):
+                load_slots(bucket.optimizer, slots, states)
             bucket.steps_applied = max((int(st["step"]) for st in bucket.optimizer.state.values() if "step" in st),
                                        default=0)
-            if bucket.master is not None:
-                with torch.no_grad():
-                    for piece, view in zip(bucket.pieces, bucket.views):
-                        bucket._param_slice(piece).reshape(-1).copy_(view.reshape(-1))
         if states.loss_scale and self.policy.loss_scaler is not None:
             self.policy.load_state_dict({"previous_norm": None, "loss_scaler": states.loss_scale})
 
@@ -607,6 +614,8 @@ class GradReleasePlugin(Plugin):
             from xirang_ds.plugins.grad_release.handback import hand_back
 
             self.pipeline.discard_all()
+            for bucket in self.buckets:
+                bucket.materialize()  # the optimizer's views hold the masters again
             hand_back(self.buckets)
             if self.session.framework == "megatron":
                 self.buckets = []

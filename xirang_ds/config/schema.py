@@ -177,6 +177,12 @@ class GradReleaseConfig(Section):
     overlap_comm: bool = True
     """Reduce the next bucket while the previous one is applied and backward continues (one
     reduction in flight); ``false`` reduces and applies each bucket synchronously."""
+    masters: Literal["auto", "fp32", "remainders"] = "auto"
+    """How the fp32 masters of 16-bit parameters are kept between updates: ``fp32`` (4 bytes per
+    element of this rank's shard), or ``remainders``: the bf16 weight the model holds plus the
+    master's low 16 bits and one tie bit (2.125 bytes), from which each update rebuilds the master
+    bit for bit, so training is the one with fp32 masters (exact). bf16 only: an fp16 weight is not
+    the top half of an fp32 number. ``auto`` = ``remainders`` with bf16 parameters, else ``fp32``."""
 
 
 # --------------------------------------------------------------------------------------------

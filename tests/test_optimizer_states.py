@@ -340,6 +340,50 @@ def test_keep_rules_find_embeddings_and_norms_by_type_and_globs_by_whole_name():
         keep_reasons(model, OptimizerStatesConfig(keep_fp32=("blocks.1",)))
 
 
+def test_measured_embeddings_leave_fp32_only_when_the_update_direction_error_allows():
+    """An embedding-shaped tensor with gradients on a few rows per step, a dense one beside it, an int8
+    schedule from step 1: the embedding starts fp32, its int8 error is measured after its first update
+    and every 5 steps, and it moves when the error is at most the limit; with a limit below what int8
+    gives it stays fp32, and until it moves its update equals torch.optim.AdamW's bit for bit."""
+    from xirang_ds.plugins.optimizer_states.build import keep_reasons, split_groups
+
+    def run(limit, steps=10):
+        g = torch.Generator().manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(512, 64), torch.nn.Linear(64, 64))
+        config = xirang_ds.load_config({"xirang": {"optimizer_states": {
+            "enabled": True, "schedule": [{"dtype": "int8"}], "keep_fp32_embeddings_and_norms": "measured",
+            "measured_every_steps": 5, "measured_max_error": limit}}}).optimizer_states
+        groups = split_groups([{"params": list(model.parameters())}], keep_reasons(model, config))
+        opt = DynamicAdamW(groups, lr=1e-3, states=config)
+        ref_param = model[0].weight.detach().clone().requires_grad_()
+        ref = torch.optim.AdamW([ref_param], lr=1e-3, weight_decay=1e-2)
+        same = []
+        for _ in range(steps):
+            rows = torch.randint(0, 512, (32,), generator=g)
+            grad = torch.zeros(512, 64)
+            grad[rows] = torch.randn(32, 64, generator=g)
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=g) * 1e-2
+            model[0].weight.grad, ref_param.grad = grad.clone(), grad.clone()
+            opt.step()
+            ref.step()
+            same.append(torch.equal(model[0].weight, ref_param))
+        return opt, model, same
+
+    kept, model, same = run(limit=1e-6)
+    assert [g["keep_fp32"] for g in kept.param_groups] == [False, True, "measured"]  # dense, bias, embedding
+    assert kept.state_format(model[0].weight) == "fp32" and kept.state_format(model[1].weight) == "int8"
+    assert [(step, fmt, left) for step, _, fmt, _, left in kept.measurements] == [
+        (1, "int8", False), (5, "int8", False), (10, "int8", False)]
+    errors = [m[3] for m in kept.measurements]
+    assert all(0 < e < 0.05 for e in errors) and all(same)
+    moved, model, same = run(limit=(errors[0] + errors[1]) / 2)  # only one of the first two checks passes
+    first = 1 if errors[0] <= errors[1] else 5
+    assert moved.state_format(model[0].weight) == "int8"
+    assert [m[4] for m in moved.measurements] == ([True] if first == 1 else [False, True])
+    assert all(same[:first]) and moved.format_changes[-1][:3] == (first, "fp32", "int8")
+
+
 @pytest.mark.parametrize("section,path,text", [
     ({"schedule": [{"dtype": "fp32", "until_step": 50}, {"dtype": "int8", "until_step": 20}, {"dtype": "int4"}]},
      "schedule[1].until_step", "must be greater than the previous entry's (50); got 20"),

@@ -226,6 +226,9 @@ class Bucket:
         if keeps is not None:
             overrides["keep_fp32_params"] = [view for piece, view in zip(self.pieces, self.views)
                                              if keeps(self.params[piece.index])]
+            measures = self.basic.measures_fp32
+            overrides["measured_params"] = [view for piece, view in zip(self.pieces, self.views)
+                                            if measures(self.params[piece.index])]
         return clone_optimizer(self.basic, groups, **overrides)
 
     # gradients in ----------------------------------------------------------------------------

@@ -10,8 +10,10 @@ Two sources, as in ``deepspeed.initialize``:
   their hyperparameters are kept; states it already holds are carried over as fp32 states.
 
 Per-parameter rules (``keep_fp32`` globs, embeddings and norms by module type, ``min_numel``)
-split every param group in two, the kept half marked ``keep_fp32``: ZeRO 1/2 flatten and
-partition per group, so a rule on a parameter survives as a rule on its group's partition.
+split every param group in two, the kept half marked ``keep_fp32`` (and, with
+``keep_fp32_embeddings_and_norms: "measured"``, a third part of embeddings marked ``"measured"``):
+ZeRO 1/2 flatten and partition per group, so a rule on a parameter survives as a rule on its
+group's partition.
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ implementation (or must be false) and are otherwise ignored."""
 _NORM_TYPES: tuple[type, ...] = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm._NormBase,
                                  torch.nn.LocalResponseNorm) + ((torch.nn.RMSNorm,) if hasattr(torch.nn, "RMSNorm") else ())
 _EMBEDDING_TYPES: tuple[type, ...] = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+MEASURED = "measured: "
+"""Prefix of a keep reason whose parameter is measured (`DynamicAdamW._measure_release`), not pinned."""
 
 
 @dataclass(frozen=True)
@@ -70,11 +74,13 @@ def keep_reasons(model: torch.nn.Module, config: OptimizerStatesConfig) -> dict[
     """
     reasons: dict[int, str] = {}
     if config.keep_fp32_embeddings_and_norms:
+        measured = config.keep_fp32_embeddings_and_norms == "measured"
         for module_name, module in model.named_modules():
             kind = "embedding" if isinstance(module, _EMBEDDING_TYPES) else "norm" if is_norm_module(module) else None
             if kind:
+                prefix = MEASURED if measured and kind == "embedding" else ""
                 for p in module.parameters(recurse=False):
-                    reasons.setdefault(id(p), f"{kind} ({type(module).__name__} {module_name or '<root>'})")
+                    reasons.setdefault(id(p), f"{prefix}{kind} ({type(module).__name__} {module_name or '<root>'})")
     names = list(model.named_parameters())
     problems = []
     for i, pattern in enumerate(config.keep_fp32):
@@ -95,20 +101,20 @@ def keep_reasons(model: torch.nn.Module, config: OptimizerStatesConfig) -> dict[
 
 
 def split_groups(groups: list[dict], reasons: dict[int, str]) -> list[dict]:
-    """Each group as up to two groups with the same settings: policy-driven, then kept fp32; each
-    says which group it came from (``xirang_group``: a checkpoint read without the plugin rebuilds the
-    user's groups from it, `xirang_ds.checkpoints`)."""
+    """Each group as up to three groups with the same settings: policy-driven, kept fp32, then
+    measured; each says which group it came from (``xirang_group``: a checkpoint read without the
+    plugin rebuilds the user's groups from it, `xirang_ds.checkpoints`)."""
     out = []
     for index, group in enumerate(groups):
         params = list(group["params"])
         rest = {k: v for k, v in group.items() if k != "params"}
         rest.setdefault("xirang_group", index)
-        free = [p for p in params if id(p) not in reasons]
-        kept = [p for p in params if id(p) in reasons]
-        if free:
-            out.append({**rest, "params": free, "keep_fp32": False})
-        if kept:
-            out.append({**rest, "params": kept, "keep_fp32": True})
+        kinds = {id(p): ("measured" if reasons[id(p)].startswith(MEASURED) else True) if id(p) in reasons else False
+                 for p in params}
+        for kind in (False, True, "measured"):
+            part = [p for p in params if kinds[id(p)] == kind]
+            if part:
+                out.append({**rest, "params": part, "keep_fp32": kind})
     return out
 
 

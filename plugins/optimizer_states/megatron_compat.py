@@ -32,7 +32,7 @@ import torch
 from xirang_ds.config.schema import OptimizerStatesConfig
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
-from xirang_ds.plugins.optimizer_states.build import _client_kind, _group_decoupled, settings_from_client
+from xirang_ds.plugins.optimizer_states.build import MEASURED, _client_kind, _group_decoupled, settings_from_client
 from xirang_ds.plugins.optimizer_states.optimizer import DynamicAdamW, config_to_dict
 
 SECTION = "xirang.optimizer_states"
@@ -45,10 +45,11 @@ def megatron_keep_reasons(model: torch.nn.Module, config: OptimizerStatesConfig)
 
     reasons: dict[int, str] = {}
     if config.keep_fp32_embeddings_and_norms:
+        prefix = MEASURED if config.keep_fp32_embeddings_and_norms == "measured" else ""
         for name, module, kind in parallel_layers(model):
             if kind == "vocab":
                 for p in module.parameters(recurse=False):
-                    reasons[id(p)] = f"embedding (VocabParallelEmbedding {name})"
+                    reasons[id(p)] = f"{prefix}embedding (VocabParallelEmbedding {name})"
     for name, p in model.named_parameters():
         if not getattr(p, "tensor_model_parallel", False):
             reasons.setdefault(id(p), "replicated on the tensor-parallel group (kept bit-identical across its ranks)")
@@ -99,7 +100,8 @@ def replace_inner(optimizer: Any, config: OptimizerStatesConfig, kept: dict[int,
         for group in inner.param_groups:
             group["adam_w_mode"] = _group_decoupled(kind, group, settings.adam_w_mode)
         new = DynamicAdamW(inner.param_groups, **settings.as_kwargs(), states=config_to_dict(config),
-                           keep_fp32_params=kept_steps(member, kept))
+                           keep_fp32_params=kept_steps(member, {i: r for i, r in kept.items() if not r.startswith(MEASURED)}),
+                           measured_params=kept_steps(member, {i: r for i, r in kept.items() if r.startswith(MEASURED)}))
         for p, state in inner.state.items():
             if state:
                 new.state[p] = dict(state)  # torch.optim.Adam(W) states are this optimizer's fp32 format

@@ -86,10 +86,13 @@ class DynamicAdamW(torch.optim.Optimizer):
         bias_correction: divide moments by ``1 - beta ** step`` (DeepSpeed FusedAdam's key).
         states: the ``optimizer_states`` section, as plain data or the dataclass.
         keep_fp32: keep every tensor of the group in fp32 (set per group by the plugin for
-            embeddings, norms, small tensors and ``keep_fp32`` globs).
+            embeddings, norms, small tensors and ``keep_fp32`` globs); ``"measured"``: each tensor
+            starts in fp32 and leaves it for the step policy's int8/int4 format once its update
+            direction's error in that format is at most ``measured_max_error`` (`_measure_release`).
         keep_fp32_params: parameters kept in fp32 one by one, where the groups are not the
             plugin's to split (Megatron's groups are matched by their keys when a checkpoint loads,
             so two halves of one group would collide).
+        measured_params: parameters measured as under ``keep_fp32="measured"``, one by one.
 
     Raises:
         ValueError: a hyperparameter out of range.
@@ -110,7 +113,8 @@ class DynamicAdamW(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, adam_w_mode: bool = True,
                  maximize: bool = False, bias_correction: bool = True, states: Any = None,
-                 keep_fp32: bool = False, keep_fp32_params: Iterable[torch.Tensor] = ()):
+                 keep_fp32: Any = False, keep_fp32_params: Iterable[torch.Tensor] = (),
+                 measured_params: Iterable[torch.Tensor] = ()):
         _check_hyper(lr, betas, eps, weight_decay)
         config = config_from_dict(states)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adam_w_mode=adam_w_mode,
@@ -119,6 +123,9 @@ class DynamicAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.config = config
         self._kept_ids = frozenset(id(p) for p in keep_fp32_params)
+        self._measured_ids = frozenset(id(p) for p in measured_params)
+        self.measurements: list[tuple[int, int, str, float, bool]] = []
+        """Every measured tensor's check: ``(step, numel, format, error, left fp32)``, in order."""
         self.policy: Policy = make_policy(config)
         self._formats: dict[tuple[str, int], StateFormat] = {}
         self._generators: dict[str, torch.Generator] = {}
@@ -198,16 +205,54 @@ class DynamicAdamW(torch.optim.Optimizer):
         measure = not pinned and self.policy.wants_measurement(state, step)
         stats = self._run_chunks(p, buffers, out, src, dst, step, hyper, measure, self._rounding(p, step))
         if dst is not src:
-            for k in buffers:
-                del state[k]
-            state.update(out)
-            state["format"] = STATE_DTYPE_ORDER.index(new_name)
-            state["block_size"] = dst.block_size
-            self.format_changes.append((step, old_name, new_name, p.numel()))
-            for hook in list(self._format_hooks.values()):
-                hook(self, p, old_name, new_name)
+            self._replace(p, state, buffers, out, old_name, new_name, dst, step)
         if measure:
             self.policy.observe(state, step, stats)
+        if pinned and self._measured(p, group) and (step == 1 or step % self.config.measured_every_steps == 0):
+            self._measure_release(p, state, step, hyper.eps)
+
+    def _replace(self, p: torch.Tensor, state: dict, old: dict, new: dict, old_name: str, new_name: str,
+                 fmt: StateFormat, step: int) -> None:
+        for k in old:
+            del state[k]
+        state.update(new)
+        state["format"] = STATE_DTYPE_ORDER.index(new_name)
+        state["block_size"] = fmt.block_size
+        self.format_changes.append((step, old_name, new_name, p.numel()))
+        for hook in list(self._format_hooks.values()):
+            hook(self, p, old_name, new_name)
+
+    def _measure_release(self, p: torch.Tensor, state: dict, step: int, eps: float) -> None:
+        """A measured tensor still in fp32: encode its moments (just updated) in the step policy's
+        format, and keep that encoding when the relative error of the Adam update direction it gives,
+        ``|m'/(sqrt(v')+eps) - m/(sqrt(v)+eps)| / |m/(sqrt(v)+eps)|`` over the tensor, is at most
+        ``measured_max_error``; else the states stay fp32 until the next check."""
+        name = self.policy.target(state, step)
+        if not name.startswith("int"):
+            return
+        src, dst = self._format("fp32"), self._format(name)
+        buffers = {k: state[k] for m in MOMENTS for k in src.keys(m)}
+        n = p.numel()
+        out = {k: v for m in MOMENTS for k, v in dst.zeros(m, n, p.device, self._empty()).items()}
+        sums = torch.zeros(2, dtype=torch.float64, device=p.device)
+        generator = self._rounding(p, step)
+        chunk = _lcm(self.config.chunk_numel, dst.block_size)
+        for start in range(0, n, chunk):
+            end = min(n, start + chunk)
+            m = src.decode("exp_avg", buffers, start, end).clone()
+            v = src.decode("exp_avg_sq", buffers, start, end).clone()
+            reference = (m.clone(), v.clone())
+            dst.encode("exp_avg", m, out, start, generator)
+            dst.encode("exp_avg_sq", v, out, start, generator)
+            du, u = _update_error(reference, dst, out, start, end, eps)
+            sums[0] += du
+            sums[1] += u
+        du, u = sums.tolist()
+        error = math.sqrt(du / u) if u > 0 else 0.0
+        leaves = error <= self.config.measured_max_error
+        self.measurements.append((step, n, name, error, leaves))
+        if leaves:
+            self._replace(p, state, buffers, out, "fp32", name, dst, step)
 
     def _run_chunks(self, p: torch.Tensor, src_buf: dict, dst_buf: dict, src: StateFormat, dst: StateFormat,
                     step: int, hyper: AdamHyper, measure: bool, generator: Optional[torch.Generator]
@@ -305,8 +350,20 @@ class DynamicAdamW(torch.optim.Optimizer):
         copy of this optimizer over views of the parameters (grad_release's buckets) pins their views."""
         return id(p) in self._kept_ids
 
+    def measures_fp32(self, p: torch.Tensor) -> bool:
+        """True if ``p`` is one of the parameters measured one by one (``measured_params``)."""
+        return id(p) in self._measured_ids
+
+    def _measured(self, p: torch.Tensor, group: Optional[dict]) -> bool:
+        return bool(group and group.get("keep_fp32") == "measured") or id(p) in self._measured_ids
+
     def _pinned(self, p: torch.Tensor, group: Optional[dict]) -> bool:
-        return bool(group and group.get("keep_fp32")) or p.numel() < self.config.min_numel or id(p) in self._kept_ids
+        if p.numel() < self.config.min_numel or id(p) in self._kept_ids:
+            return True
+        if self._measured(p, group):  # fp32 until `_measure_release` moves it (the stability policy measures itself)
+            state = self.state.get(p)
+            return self.config.policy == "steps" and (not state or format_of(state) == "fp32")
+        return bool(group and group.get("keep_fp32"))
 
     def _group_of(self, p: torch.Tensor) -> Optional[dict]:
         return next((g for g in self.param_groups if any(q is p for q in g["params"])), None)

@@ -252,6 +252,8 @@ class OptimizerStatesPlugin(Plugin):
 
     # reporting and checkpoints ----------------------------------------------------------------
     def describe(self) -> str:
+        from xirang_ds.plugins.optimizer_states.build import MEASURED
+
         if not self.optimizers:
             return "not built"
         numel: dict[str, int] = {}
@@ -261,8 +263,12 @@ class OptimizerStatesPlugin(Plugin):
         formats = (", ".join(f"{k} {v:,} elements" for k, v in numel.items()) if numel else
                    f"created at the first step, starting in {self.optimizers[0].policy.initial()}")
         held = sum(opt.state_nbytes() for opt in self.optimizers)
+        measured = sum(r.startswith(MEASURED) for r in self.keep_reasons.values())
+        checks = [m for opt in self.optimizers for m in opt.measurements]
+        moved = sum(m[4] for m in checks)
         return (f"DynamicAdamW ({self.config.policy} policy) from {self.source}; states: {formats}; "
-                f"{format_bytes(held)} on this rank; {len(self.keep_reasons)} parameter(s) kept fp32")
+                f"{format_bytes(held)} on this rank; {len(self.keep_reasons) - measured} parameter(s) kept fp32"
+                + (f", {measured} embedding(s) measured ({len(checks)} check(s), {moved} moved)" if measured else ""))
 
     def state_dict(self) -> dict:
         from xirang_ds.plugins.optimizer_states.optimizer import config_to_dict

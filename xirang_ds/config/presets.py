@@ -33,19 +33,21 @@ PRESETS: dict[str, dict] = {
     # Lossless options only: no value is approximated (grad_release reduces in its own bucket order,
     # so bf16 rounding can differ from DeepSpeed's: +0.01% / +0.16% final loss in the convergence runs).
     "conservative": _CONSERVATIVE,
-    # Adds int8 optimizer states from the first step (embeddings, norms and small tensors stay fp32;
-    # no fp32 warm-up: its states would set the run's peak, which is what a budget must hold) and
-    # recompute among the planner's options.
+    # Adds int8 optimizer states from the first step (norms and small tensors stay fp32, embeddings
+    # until their measured int8 error allows; no fp32 warm-up: its states would set the run's peak,
+    # which is what a budget must hold) and recompute among the planner's options.
     "balanced": {
         **_CONSERVATIVE,
-        "optimizer_states": {"enabled": True, "schedule": [{"dtype": "int8"}]},
+        "optimizer_states": {"enabled": True, "schedule": [{"dtype": "int8"}],
+                             "keep_fp32_embeddings_and_norms": "measured"},
         "activations": {"enabled": True, "budget": "auto", "options": list(_LOSSLESS_STORAGE + _RECOMPUTE)},
     },
     # Adds int4 optimizer states and lossy 8-bit / sparse storage of the feed-forward blocks' saved
     # activations (bounded error, docs/activations.md); offload stays among the options.
     "aggressive": {
         **_CONSERVATIVE,
-        "optimizer_states": {"enabled": True, "schedule": [{"dtype": "int4"}]},
+        "optimizer_states": {"enabled": True, "schedule": [{"dtype": "int4"}],
+                             "keep_fp32_embeddings_and_norms": "measured"},
         "activations": {"enabled": True, "budget": "auto", "options": list(_LOSSLESS_STORAGE + _RECOMPUTE + _LOSSY),
                         "tolerant": ["feed_forward"]},
     },

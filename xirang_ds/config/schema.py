@@ -102,8 +102,19 @@ class OptimizerStatesConfig(Section):
     keep_fp32: tuple[Glob, ...] = ()
     """Globs of parameter names whose states stay fp32, besides embeddings and norms; each must
     match at least one parameter."""
-    keep_fp32_embeddings_and_norms: bool = True
-    """Keep states of embedding and normalisation parameters in fp32 (found by module type)."""
+    keep_fp32_embeddings_and_norms: Union[bool, Literal["measured"]] = True
+    """Keep states of embedding and normalisation parameters in fp32 (found by module type).
+    ``"measured"``: norms stay fp32, and each embedding's states start in fp32 and move to the
+    policy's int8/int4 format once the relative error of its Adam update direction from states in
+    that format, measured after its first update and every ``measured_every_steps`` steps, is at
+    most ``measured_max_error``."""
+    measured_every_steps: PositiveInt = 25
+    """With ``keep_fp32_embeddings_and_norms: "measured"``: steps between two measurements of an
+    embedding's error in the policy's format (each costs one encode and decode of its states)."""
+    measured_max_error: Annotated[float, Range(0.0, 1.0, low_exclusive=True)] = 0.05
+    """With ``keep_fp32_embeddings_and_norms: "measured"``: the largest relative error of the Adam
+    update direction at which an embedding's states leave fp32 (int8 measures ~0.01 on dense
+    layers, int4 ~0.2)."""
     stochastic_rounding: bool = False
     """Round quantized and bf16 states stochastically (unbiased) instead of to nearest."""
     refresh_every_steps: NonNegativeInt = 0

@@ -203,9 +203,13 @@ class Bucket:
                 with torch.no_grad():
                     weight = self.master.to(self.dtype)
                     if write_params:
-                        for piece in self.pieces:
-                            self._param_slice(piece).reshape(-1).copy_(weight[piece.offset:piece.offset + piece.numel])
+                        self._write_params(weight)
                 self._release(weight)
+
+    def _write_params(self, weight: torch.Tensor) -> None:
+        """This rank's slices of the parameters from ``weight`` (laid out as the master)."""
+        for piece in self.pieces:
+            self._param_slice(piece).reshape(-1).copy_(weight[piece.offset:piece.offset + piece.numel])
 
     def _param_slice(self, piece: Piece) -> torch.Tensor:
         param = self.params[piece.index].detach()
@@ -432,8 +436,7 @@ class Bucket:
                 if self.remainders:
                     with self.scope(COMM_BUFFERS):
                         weight = self.master.to(self.dtype)
-                    for piece in self.pieces:
-                        self.params[piece.index].view(-1).copy_(weight[piece.offset:piece.offset + piece.numel])
+                    self._write_params(weight)
                     self._release(weight)
                 elif self.has_master:
                     for piece, view in zip(self.pieces, self.views):

@@ -136,9 +136,8 @@ def read_param_states(tag_dir: str, optimizer_groups: Optional[list] = None) -> 
     # optimizer's groups as the LR scheduler left them for the next one. optimizer_states' DynamicAdamW
     # splits the user's groups and marks each half with xirang_group: states are grouped by the user's.
     origins: dict[int, int] = {}
-    model_states = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
-    if optimizer_groups is None and os.path.isfile(model_states):
-        optimizer_groups = basic_groups(torch.load(model_states, map_location="cpu", weights_only=False, mmap=True))
+    if optimizer_groups is None:
+        optimizer_groups = saved_basic_groups(tag_dir)
     if optimizer_groups:
         saved_groups = optimizer_groups
         origins = {g: int(group.get("xirang_group", g)) for g, group in enumerate(saved_groups)}
@@ -182,6 +181,14 @@ def basic_groups(model_states: dict) -> Optional[list[dict]]:
     if model_states.get(BASIC_GROUPS) is not None:
         return model_states[BASIC_GROUPS]
     return (model_states.get("optimizer") or {}).get("param_groups")
+
+
+def saved_basic_groups(tag_dir: Optional[str]) -> Optional[list[dict]]:
+    """`basic_groups` of the tag's model-states file (memory-mapped); ``None`` without one."""
+    from xirang_ds.checkpoints.deepspeed_files import MODEL_STATES, _load
+
+    path = os.path.join(tag_dir, MODEL_STATES) if tag_dir is not None else ""
+    return basic_groups(_load(path)) if os.path.isfile(path) else None
 
 
 def mismatch(saved: dict, current: dict) -> list[str]:

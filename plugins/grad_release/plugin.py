@@ -539,15 +539,16 @@ class GradReleasePlugin(Plugin):
 
     def _load_checkpoint(self, original: Any, *args: Any, **kwargs: Any) -> Any:
         """DeepSpeed loads weights, hyperparameters and counters; then this rank's file, unless told not to."""
-        from xirang_ds.plugins.grad_release.checkpoint import load_rank_state
+        from xirang_ds.checkpoints.tags import resolve_tag
+        from xirang_ds.plugins.grad_release.checkpoint import load_rank_state, saved_basic_groups
         from xirang_ds.session import load_checkpoint_options
 
         options = load_checkpoint_options(self.engine, *args, **kwargs)
         self.pipeline.discard_all()
         handle = None
         if options["load_optimizer_states"] and not options["load_module_only"]:
-            groups = self._basic_groups_beside_plain_entry(options["load_dir"], options["tag"])
-            if groups is not None:  # the basic optimizer gets its own groups, not plain DeepSpeed's entry
+            groups = saved_basic_groups(resolve_tag(options["load_dir"], options["tag"]))
+            if groups is not None:  # the basic optimizer's own groups (at stage 0 the entry is plain DeepSpeed's)
                 handle = wrap_method(self.engine.optimizer, "load_state_dict",
                                      lambda load, _entry: load({"state": {}, "param_groups": groups}))
         try:
@@ -563,19 +564,6 @@ class GradReleasePlugin(Plugin):
         else:
             load_rank_state(os.path.dirname(load_path), self.comm.rank, self._layout(), self.policy, self.buckets)
         return load_path, client_state
-
-    @staticmethod
-    def _basic_groups_beside_plain_entry(load_dir: str, tag: Any) -> Optional[list]:
-        """`BASIC_GROUPS` of a stage-0 checkpoint whose ``optimizer`` entry is plain DeepSpeed's, else None."""
-        from xirang_ds.checkpoints import BASIC_GROUPS
-        from xirang_ds.checkpoints.deepspeed_files import MODEL_STATES
-        from xirang_ds.checkpoints.tags import resolve_tag
-
-        tag_dir = resolve_tag(load_dir, tag)
-        path = os.path.join(tag_dir, MODEL_STATES) if tag_dir is not None else ""
-        if not os.path.isfile(path):
-            return None
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True).get(BASIC_GROUPS)
 
     def layout_differs(self, tag_dir: str) -> bool:
         """True if the tag holds grad_release shards of another layout (world size, stage, buckets)."""

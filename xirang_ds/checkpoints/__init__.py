@@ -20,4 +20,15 @@ def save_atomically(obj: object, path: str) -> None:
     os.replace(temporary, path)
 
 
-__all__ = ["BASIC_GROUPS", "save_atomically"]
+def update_saved(path: str, **entries: object) -> dict:
+    """Set ``entries`` in the saved dict at ``path`` (a model-states file), keeping its other keys;
+    written atomically. Returns the dict as written."""
+    import torch
+
+    checkpoint = dict(torch.load(path, map_location="cpu", weights_only=False))
+    checkpoint.update(entries)
+    save_atomically(checkpoint, path)
+    return checkpoint
+
+
+__all__ = ["BASIC_GROUPS", "save_atomically", "update_saved"]

@@ -19,9 +19,9 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from xirang_ds.checkpoints import save_atomically
-from xirang_ds.checkpoints.deepspeed_files import MODEL_STATES
-from xirang_ds.checkpoints.param_states import MOMENTS, ParamStates
+from xirang_ds.checkpoints import save_atomically, update_saved
+from xirang_ds.checkpoints.deepspeed_files import MODEL_STATES, _load
+from xirang_ds.checkpoints.param_states import MOMENTS, ParamState, ParamStates
 
 ALIGNMENT_FACTOR = 2
 """DeepSpeed ZeRO 1/2 pads each flat group to a multiple of this times the world size."""
@@ -57,9 +57,7 @@ def write_zero_files(tag_dir: str, states: ParamStates, groups: Sequence[Sequenc
 
     if stage not in (1, 2):
         raise ValueError(f"ZeRO files of stage {stage}: only stages 1 and 2 are written")
-    absent = [n for g in groups for n in g if n not in states.params or n not in numels]
-    if absent:
-        raise ValueError(f"no optimizer state for {absent[:3]}")
+    _check_present(states, groups, numels)
     written = []
     for rank in (range(world) if ranks is None else ranks):
         masters, base_state, paddings, mappings, steps = [], {}, [], [], set()
@@ -78,10 +76,7 @@ def write_zero_files(tag_dir: str, states: ParamStates, groups: Sequence[Sequenc
                 if a < b:
                     saved = states.params[name]
                     for key, flat in flats.items():
-                        source = getattr(saved, key) if key != "master" or saved.master is not None else None
-                        if source is None:
-                            raise ValueError(f"{name} has no fp32 master in this checkpoint")
-                        flat[a - lo:b - lo].copy_(source.reshape(-1)[a - offset:b - offset])
+                        flat[a - lo:b - lo].copy_(_fp32(saved, key, name).reshape(-1)[a - offset:b - offset])
                     mapping[name] = fragment_address(numel=b - a, start=a - lo)
                     steps.add(saved.step)
                 offset += numel
@@ -92,9 +87,7 @@ def write_zero_files(tag_dir: str, states: ParamStates, groups: Sequence[Sequenc
                              "exp_avg_sq": flats["exp_avg_sq"]}
             paddings.append(padding)
             mappings.append(mapping)
-        param_groups = [{**{k: v for k, v in tg.items() if k != "params"},
-                         **(states.groups[g] if g < len(states.groups) else {}), "params": [g]}
-                        for g, tg in enumerate(torch_groups)]
+        param_groups = [_param_group(tg, states, g, [g]) for g, tg in enumerate(torch_groups)]
         osd = {
             "dynamic_loss_scale": False, "overflow": False,
             "base_optimizer_state": {"state": base_state, "param_groups": param_groups},
@@ -131,9 +124,7 @@ def stage0_entry(states: ParamStates, groups: Sequence[Sequence[str]], shapes: d
     Raises:
         ValueError: a parameter without state, or (bf16/fp16) without an fp32 master.
     """
-    absent = [n for g in groups for n in g if n not in states.params]
-    if absent:
-        raise ValueError(f"no optimizer state for {absent[:3]}")
+    _check_present(states, groups)
     wrapped = dtype in ("bf16", "fp16")
     state: dict[int, dict] = {}
     masters: list[list[torch.Tensor]] = []
@@ -142,11 +133,9 @@ def stage0_entry(states: ParamStates, groups: Sequence[Sequence[str]], shapes: d
         masters.append([])
         for name in names:
             saved = states.params[name]
-            if wrapped and saved.master is None:
-                raise ValueError(f"{name} has no fp32 master in this checkpoint")
             state[len(state)] = {"step": _step(saved.step, fused),
                                  **{m: getattr(saved, m).reshape(shapes[name]) for m in MOMENTS}}
-            masters[-1].append(saved.master.reshape(shapes[name]) if wrapped else None)
+            masters[-1].append(_fp32(saved, "master", name).reshape(shapes[name]) if wrapped else None)
             steps.append(saved.step)
     ids = iter(range(len(state)))
     params = [[next(ids) for _ in names] for names in groups]
@@ -154,10 +143,8 @@ def stage0_entry(states: ParamStates, groups: Sequence[Sequence[str]], shapes: d
         flat = [{k: torch.cat([state[i][k].reshape(-1) for i in group]) for k in MOMENTS} for group in params]
         state = {g: {"step": _step(max(steps, default=0), fused), **f} for g, f in enumerate(flat)}
         params = [[g] for g in range(len(groups))]
-    param_groups = [{**{k: v for k, v in tg.items() if k != "params"},
-                     **(states.groups[g] if g < len(states.groups) else {}), "params": params[g]}
-                    for g, tg in enumerate(torch_groups)]
-    optimizer = {"state": state, "param_groups": param_groups}
+    optimizer = {"state": state, "param_groups": [_param_group(tg, states, g, params[g])
+                                                  for g, tg in enumerate(torch_groups)]}
     if not wrapped:
         return optimizer
     entry = _wrapper_scale(states, dtype, fused, max(steps, default=0), ds_config)
@@ -170,6 +157,26 @@ def stage0_entry(states: ParamStates, groups: Sequence[Sequence[str]], shapes: d
     else:
         entry["fp32_groups"] = masters
     return entry
+
+
+def _check_present(states: ParamStates, groups: Sequence[Sequence[str]], numels: Optional[dict] = None) -> None:
+    absent = [n for g in groups for n in g if n not in states.params or (numels is not None and n not in numels)]
+    if absent:
+        raise ValueError(f"no optimizer state for {absent[:3]}")
+
+
+def _fp32(saved: ParamState, key: str, name: str) -> torch.Tensor:
+    """A parameter's saved ``master`` or moment (a checkpoint of fp32 training has no master)."""
+    value = getattr(saved, key)
+    if value is None:
+        raise ValueError(f"{name} has no fp32 master in this checkpoint")
+    return value
+
+
+def _param_group(torch_group: dict, states: ParamStates, g: int, params: list) -> dict:
+    """Group ``g``'s torch param-group dict over ``params``, with the saved hyperparameters."""
+    return {**{k: v for k, v in torch_group.items() if k != "params"},
+            **(states.groups[g] if g < len(states.groups) else {}), "params": params}
 
 
 def _step(step: int, fused: bool) -> object:
@@ -218,9 +225,8 @@ def write_zero3_files(tag_dir: str, states: ParamStates, groups: Sequence[Sequen
             if held >= sub_group_size or i == len(names) - 1:
                 subs.append((g, current))
                 current, held = [], 0
-    param_groups = [{**{k: v for k, v in tg.items() if k != "params"},
-                     **(states.groups[g] if g < len(states.groups) else {}),
-                     "params": [j for j, (sg, _) in enumerate(subs) if sg == g]} for g, tg in enumerate(torch_groups)]
+    param_groups = [_param_group(tg, states, g, [j for j, (sg, _) in enumerate(subs) if sg == g])
+                    for g, tg in enumerate(torch_groups)]
     for rank in range(world):
         flats, state = [], {}
         for j, (_, names) in enumerate(subs):
@@ -231,11 +237,8 @@ def write_zero3_files(tag_dir: str, states: ParamStates, groups: Sequence[Sequen
                 part = -(-numel // world)
                 lo, hi = min(rank * part, numel), min((rank + 1) * part, numel)
                 for key in parts:
-                    source = getattr(saved, key) if key != "master" or saved.master is not None else None
-                    if source is None:
-                        raise ValueError(f"{name} has no fp32 master in this checkpoint")
                     piece = torch.zeros(part, dtype=torch.float32)
-                    piece[:hi - lo].copy_(source.reshape(-1)[lo:hi])
+                    piece[:hi - lo].copy_(_fp32(saved, key, name).reshape(-1)[lo:hi])
                     parts[key].append(piece)
                 step = max(step, saved.step)
             flats.append(torch.cat(parts["master"]))
@@ -245,11 +248,9 @@ def write_zero3_files(tag_dir: str, states: ParamStates, groups: Sequence[Sequen
                "optimizer_state_dict": {"state": state, "param_groups": param_groups}, "fp32_flat_groups": flats}
         save_atomically({"optimizer_state_dict": osd, "ds_config": ds_config, "ds_version": ds_version},
               os.path.join(tag_dir, optim_file_name(rank, dtype)))
-        path = os.path.join(tag_dir, f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
-        checkpoint = dict(torch.load(path, map_location="cpu", weights_only=False))
-        checkpoint["param_shapes"] = [collections.OrderedDict((n, torch.Size(shapes[n])) for n in names)
-                                      for _, names in subs]
-        save_atomically(checkpoint, path)
+        update_saved(os.path.join(tag_dir, f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"),
+                     param_shapes=[collections.OrderedDict((n, torch.Size(shapes[n])) for n in names)
+                                   for _, names in subs])
     return [names for _, names in subs]
 
 
@@ -288,11 +289,9 @@ def add_param_shapes(tag_dir: str, groups: Sequence[Sequence[str]], shapes: dict
     """`zero_model_entries` into a saved model-states file, keeping its other entries and any frozen
     or shared parameters it already records; written atomically."""
     path = os.path.join(tag_dir, MODEL_STATES)
-    checkpoint = dict(torch.load(path, map_location="cpu", weights_only=False))
-    for key, value in zero_model_entries(groups, shapes).items():
-        if key == "param_shapes" or checkpoint.get(key) is None:
-            checkpoint[key] = value
-    save_atomically(checkpoint, path)
+    saved = _load(path)
+    update_saved(path, **{key: value for key, value in zero_model_entries(groups, shapes).items()
+                          if key == "param_shapes" or saved.get(key) is None})
 
 
 def copy_recovery_script(save_dir: str) -> str:

@@ -213,8 +213,8 @@ def export_deepspeed_files(save_dir: str, tag: Optional[str] = None, stage: Opti
 def _export_stage0(tag_dir: str, marker: dict, facts: RunFacts) -> str:
     """The model-states file with plain DeepSpeed's stage-0 ``optimizer`` entry, the basic optimizer's
     own groups kept under `BASIC_GROUPS`; returns its path."""
-    from xirang_ds.checkpoints import BASIC_GROUPS, save_atomically
-    from xirang_ds.checkpoints.deepspeed_files import MODEL_STATES
+    from xirang_ds.checkpoints import BASIC_GROUPS, update_saved
+    from xirang_ds.checkpoints.deepspeed_files import MODEL_STATES, _load
     from xirang_ds.plugins.grad_release.checkpoint import basic_groups
 
     path = os.path.join(tag_dir, MODEL_STATES)
@@ -222,11 +222,8 @@ def _export_stage0(tag_dir: str, marker: dict, facts: RunFacts) -> str:
         raise ValueError(f"{tag_dir} was written by a ZeRO-3 run (no {MODEL_STATES}) and cannot hold a stage-0 "
                          "optimizer entry. Fix: export for stage 3, then DeepSpeed's ds_to_universal converts it")
     entry, _ = stage0_optimizer_entry(tag_dir, marker, facts)
-    checkpoint = dict(torch.load(path, map_location="cpu", weights_only=False))
-    if "grad_release" in state_owners(marker):
-        checkpoint[BASIC_GROUPS] = basic_groups(checkpoint)
-    checkpoint["optimizer"] = entry
-    save_atomically(checkpoint, path)
+    kept = {BASIC_GROUPS: basic_groups(_load(path))} if "grad_release" in state_owners(marker) else {}
+    update_saved(path, optimizer=entry, **kept)
     write_marker(tag_dir, {**marker, "deepspeed_files": layout_record(facts)})
     return path
 

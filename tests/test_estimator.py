@@ -30,9 +30,50 @@ def test_estimate_within_ten_percent_of_measured(model, stage, dtype, micro, wor
     measured = max(r["peak_bytes"] for r in run_ranks(bench_rank, world, model, config, 3, None, 0,
                                                       xirang is not None))
     predicted = estimate_spec(model, config, world).predicted_peak_bytes
-    # ZeRO 0-2 are modelled buffer by buffer; grad_release's backward by two points (its start and end)
-    tolerance = 0.10 if stage == 3 else 0.03 if xirang is GRAD_RELEASE else 0.01
+    # DeepSpeed is modelled buffer by buffer; grad_release's backward by two points (its start and end)
+    tolerance = 0.03 if xirang is GRAD_RELEASE else 0.01
     assert abs(predicted - measured) / measured <= tolerance, (predicted, measured)
+
+
+def fused_bench_rank(rank: int, world: int, *args):
+    """`bench_rank` with DeepSpeed's FusedAdam (which needs a GPU or a JIT build) replaced by torch's
+    fused AdamW: an optimizer without step temporaries that the engine takes for FusedAdam
+    (``FP16_Optimizer`` at ZeRO 0 in 16 bits), so the wrapper's gradient preparation is the step's peak."""
+    import deepspeed.ops.adam
+    import deepspeed.runtime.engine
+    import torch
+
+    class FusedStandIn(torch.optim.AdamW):
+        def __init__(self, params, adam_w_mode: bool = True, **kwargs):
+            super().__init__(params, fused=True, **kwargs)
+
+    deepspeed.ops.adam.FusedAdam = deepspeed.runtime.engine.FusedAdam = FusedStandIn
+    return bench_rank(rank, world, *args)
+
+
+PREPARE_CASES = [  # stage, micro, world, bucket, gas, fused: where the step's preparation or accumulation peaks
+    (0, 2, 1, 5e5, 1, True),  # FP16_Optimizer: every gradient upcast, then flattened
+    (1, 2, 2, 5e5, 1, True),  # the partition flattened, then upcast, before the update
+    (3, 2, 2, 5e5, 1, True),
+    (1, 1, 1, 3e7, 4, False),  # ZeRO 1 keeps its bucket between micro-steps
+    (2, 1, 1, 3e7, 4, False),  # ZeRO 2 accumulates into new tensors until the epilogue
+]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage, micro, world, bucket, gas, fused", PREPARE_CASES)
+def test_estimate_step_preparation_and_accumulation(stage, micro, world, bucket, gas, fused):
+    config = ds_config(stage=stage, dtype="bf16", micro=micro, gas=gas, bucket=bucket)
+    if fused:
+        del config["optimizer"]["params"]["torch_adam"]
+        config["zero_allow_untested_optimizer"] = True  # the stand-in is not FusedAdam's class
+    rank_fn = fused_bench_rank if fused else bench_rank
+    runs = run_ranks(rank_fn, world, "gpt-tiny", config, 3, None, 0, False)
+    worst = max(runs, key=lambda r: r["peak_bytes"])
+    est = estimate_spec("gpt-tiny", config, world)
+    assert abs(est.predicted_peak_bytes - worst["peak_bytes"]) / worst["peak_bytes"] <= 0.01, \
+        (est.predicted_peak_bytes, worst["peak_bytes"])
+    assert est.peak_phase == worst["peak_phase"]
 
 
 def test_estimate_breakdown_and_phases():

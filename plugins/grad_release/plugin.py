@@ -346,7 +346,7 @@ class GradReleasePlugin(Plugin):
         rebuilt for a bucket's update), one bucket filling and one reducing, this rank's shard
         held until backward ends when exact clipping uses ``hold``, and the update's temporaries in
         backward, one bucket shard at a time. There is no separate optimizer-step phase."""
-        from xirang_ds.memory.estimator import _adam_temporaries
+        from xirang_ds.memory.estimator import STEP_PREPARE, _adam_temporaries
         from xirang_ds.plugins.grad_release.layout import auto_bucket_numel
 
         if not numels:
@@ -389,7 +389,7 @@ class GradReleasePlugin(Plugin):
                         GRADIENTS: accum + (lp * part if holds else 0) + lp * max(numels)}
                 if sum(late.values()) > sum(cats.values()):
                     cats = late
-            elif name == "optimizer_step":
+            elif name in ("optimizer_step", STEP_PREPARE):
                 cats["temporaries"] = 0
                 cats["activations"] = 0
             out[name] = cats

@@ -89,6 +89,7 @@ class TrainingWatch:
         self.basic_optimizer = basic_optimizer
         self.wrapper = wrapper if wrapper is not basic_optimizer else None
         self._handles: list[Any] = []
+        self._engine = engine
         self._comm_scanned = False
         self.on_step_end: list[Any] = []
         self._handles.append(model.register_forward_pre_hook(self._forward_pre))
@@ -142,6 +143,11 @@ class TrainingWatch:
         return result
 
     def _after_step(self, original, *args: Any, **kwargs: Any) -> Any:
+        boundary = getattr(self._engine, "is_gradient_accumulation_boundary", None)
+        if callable(boundary) and boundary():
+            # the wrapper's work before the basic optimizer's step (flattening and upcasting the
+            # gradients, the norm) is the step's, not backward's
+            self.tracker.set_phase("optimizer_step")
         result = original(*args, **kwargs)
         if self.tracker.phase == "optimizer_step":
             self.tracker.set_phase("idle")  # between steps: data loading, logging

@@ -43,6 +43,7 @@ DEFAULT_REDUCE_BUCKET = int(5e8)
 DEFAULT_ALLGATHER_BUCKET = int(5e8)
 DEFAULT_PREFETCH_BUCKET = int(5e7)
 DEFAULT_PERSISTENCE_THRESHOLD = int(1e5)
+DEFAULT_MAX_REUSE_DISTANCE = int(1e9)
 
 
 class EstimateError(ValueError):
@@ -68,6 +69,7 @@ class RunShape:
     contiguous_gradients: bool
     prefetch_bucket: int
     persistence_threshold: int
+    max_reuse_distance: int
     optimizer: str
     adam_impl: str  # "single_tensor" | "foreach" | "fused"
     device: str
@@ -104,6 +106,7 @@ class RunShape:
                    prefetch_bucket=int(float(zero.get("stage3_prefetch_bucket_size", DEFAULT_PREFETCH_BUCKET))),
                    persistence_threshold=int(float(zero.get("stage3_param_persistence_threshold",
                                                             DEFAULT_PERSISTENCE_THRESHOLD))),
+                   max_reuse_distance=int(float(zero.get("stage3_max_reuse_distance", DEFAULT_MAX_REUSE_DISTANCE))),
                    optimizer=name, adam_impl=impl, device=device)
 
     @property
@@ -127,6 +130,8 @@ class Trace:
         forward_by_category: the breakdown at the forward peak.
         inputs: bytes of the batch tensors.
         param_numels: numel of each trainable parameter.
+        accumulates: the phases are the larger of two micro-steps of one accumulation window, so
+            they hold what the engine carries from one micro-step to the next.
     """
 
     forward_peak: int
@@ -136,6 +141,7 @@ class Trace:
     forward_by_category: dict
     inputs: int
     param_numels: list[int] = field(default_factory=list)
+    accumulates: bool = False
 
 
 class _EngineEmulation:
@@ -148,10 +154,11 @@ class _EngineEmulation:
         self.keep: list[torch.Tensor] = []
         self.bucket_fill = 0
         self.started = False
-        total = sum(p.numel() for p in params)
-        n = shape.world_size
-        align = 2 * n
-        self.partition_numel = int(math.ceil(total / align) * align) // n
+        self.micro_step = 0
+        self.pending: list[torch.Tensor] = []
+        rank = _fullest_rank(shape, [p.numel() for p in params])
+        self.partition_numel = rank.numel
+        self.in_partition = {id(params[i]) for i in rank.params}
 
     def hook(self, param: torch.Tensor) -> None:
         shape = self.shape
@@ -167,7 +174,24 @@ class _EngineEmulation:
                 self._reduce()
                 self.bucket_fill = 0
             self.bucket_fill += numel
-            param.grad = None  # copied into the bucket; the bucket is the gradient now
+            if self.micro_step and id(param) in self.in_partition:
+                # accumulating: ``param.grad`` was a view of the partition, so autograd summed into
+                # a new tensor, which stays until the epilogue clears the gradients
+                self.pending.append(param)
+            else:
+                param.grad = None  # copied into the bucket; the bucket is the gradient now
+        elif shape.stage == 3:
+            param.grad = None  # reduced into the resident bucket and partition (`_stage3_working_set`)
+
+    def end_micro_step(self) -> None:
+        """What the engine frees between two micro-steps of one accumulation window: ZeRO 2's
+        epilogue releases the reduction buckets (the gradient partition stays); ZeRO 1 keeps its
+        bucket and ZeRO 0/1 the gradients in ``param.grad`` until the boundary."""
+        self.micro_step += 1
+        if self.shape.stage == 2:
+            self.keep = [t for t in self.keep if getattr(t, "_xirang_partition", False)]
+            self.started = False
+            self.bucket_fill = 0
 
     def _reduce(self) -> None:
         if not any(getattr(t, "_xirang_partition", False) for t in self.keep):
@@ -175,6 +199,42 @@ class _EngineEmulation:
                 t = torch.empty(self.partition_numel, dtype=self.shape.dtype)
             t._xirang_partition = True  # type: ignore[attr-defined]
             self.keep.append(t)
+
+    def end_backward(self) -> None:
+        """ZeRO 2's epilogue: the last bucket is reduced into the partition, the gradients cleared."""
+        if self.shape.stage == 2 and self.bucket_fill:
+            self._reduce()
+            self.bucket_fill = 0
+        for p in self.pending:
+            p.grad = None
+        self.pending.clear()
+
+
+@dataclass(frozen=True)
+class _Partition:
+    numel: int
+    params: tuple[int, ...]
+
+
+def _fullest_rank(shape: RunShape, numels: list[int]) -> _Partition:
+    """The rank whose ZeRO 1/2 gradient partition is largest: the flat 16-bit buffer is split evenly
+    in parameter order, and a rank keeps the gradients of every parameter that reaches into its
+    range whole (stage_1_and_2.py ``params_in_partition``; ``grads_in_partition`` is their sum)."""
+    n = max(shape.world_size, 1)
+    total = sum(numels)
+    part = int(math.ceil(total / (2 * n)) * 2 * n) // n
+    best = _Partition(0, ())
+    for r in range(n):
+        lo, hi = r * part, (r + 1) * part
+        start, inside = 0, []
+        for i, x in enumerate(numels):
+            if start < hi and start + x > lo:
+                inside.append(i)
+            start += x
+        size = sum(numels[i] for i in inside)
+        if size > best.numel:
+            best = _Partition(size, tuple(inside))
+    return best
 
 
 def _fake_model(build: Callable[[], torch.nn.Module], dtype: torch.dtype) -> torch.nn.Module:
@@ -202,18 +262,31 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: int,
         base = tracker.live_bytes
         emu = _EngineEmulation(shape, params, tracker)
         handles = [p.register_post_accumulate_grad_hook(emu.hook) for p in params]
-        fwd = tracker.open_window()
+        micro_steps = 2 if shape.grad_accum > 1 else 1  # the second carries the first's gradients
+        fwd_report = bwd_report = None
         with tracker:
-            tracker.set_phase("forward")
-            loss = model(x, y)
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise EstimateError("the model's forward(input_ids, labels) must return a scalar loss")
-            tracker.set_phase("backward")
-            fwd_report = fwd.report()
-            activations = tracker.live_bytes - base
-            bwd = tracker.open_window()
-            loss.backward()
-            bwd_report = bwd.report()
+            for micro in range(micro_steps):
+                if micro:
+                    emu.end_micro_step()
+                    tracker.mark([p.grad for p in params if p.grad is not None], GRADIENTS)
+                fwd = tracker.open_window()
+                tracker.set_phase("forward")
+                loss = model(x, y)
+                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                    raise EstimateError("the model's forward(input_ids, labels) must return a scalar loss")
+                tracker.set_phase("backward")
+                report = fwd.report()
+                if micro == 0:
+                    activations = tracker.live_bytes - base
+                if fwd_report is None or report.peak_bytes >= fwd_report.peak_bytes:
+                    fwd_report = report
+                bwd = tracker.open_window()
+                loss.backward()
+                emu.end_backward()
+                del loss
+                report = bwd.report()
+                if bwd_report is None or report.peak_bytes >= bwd_report.peak_bytes:
+                    bwd_report = report
         for h in handles:
             h.remove()
     inputs = x.numel() * x.element_size() + y.numel() * y.element_size()
@@ -228,7 +301,7 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: int,
     return Trace(forward_peak=fwd_report.peak_bytes - base, activations=activations,
                  backward_peak=bwd_report.peak_bytes - base, backward_by_category=above(bwd_report),
                  forward_by_category=above(fwd_report), inputs=inputs,
-                 param_numels=[p.numel() for p in params])
+                 param_numels=[p.numel() for p in params], accumulates=micro_steps > 1)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -361,15 +434,15 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
     notes = [f"ZeRO {shape.stage}, {str(shape.dtype).replace('torch.', '')}, micro-batch {shape.micro_batch}, "
              f"{n} rank(s), {total:,} parameters", f"optimizer step temporaries: {shape.adam_impl}"]
     inputs = _cat(temporaries=trace.inputs)
-    accum = _cat()  # gradients carried into the next micro-step's forward
-    if shape.grad_accum > 1:
+    accum = _cat()  # gradients carried into the next micro-step's forward (unless the trace holds them)
+    if shape.grad_accum > 1 and not trace.accumulates:
         if shape.stage in (0, 1):
             accum = _cat(gradients=lp * total)
         elif shape.stage == 2:
-            accum = _cat(gradients=lp * part)
+            accum = _cat(gradients=lp * _fullest_rank(shape, numels).numel)
     fwd = _add(_add(states, inputs), _add(accum, trace.forward_by_category))
     bwd = _add(_add(states, inputs), trace.backward_by_category)
-    if shape.grad_accum > 1 and shape.stage == 2:
+    if shape.stage == 2:
         bwd = _add(bwd, accum)
     if shape.stage == 0:
         # engine.allreduce_gradients at the boundary (buffered_allreduce_fallback): every gradient
@@ -381,22 +454,56 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
             bwd = reduce
     if shape.stage == 3:
         fwd, bwd = _stage3_working_set(shape, numels, fwd, bwd)
-    # the optimizer step
-    if shape.stage == 0:
-        grads = lp * total + (4 * total if shape.dtype != torch.float32 else 0)
-        step = _add(states, _cat(gradients=grads, temporaries=_adam_temporaries(shape, numels)))
-    else:
-        step = _add(states, _cat(gradients=4 * part, temporaries=_adam_temporaries(shape, [part])))
-        if shape.stage == 3:
-            step = _add(step, _cat(comm_buffers=lp * shape.reduce_bucket))
+    step, prepare = _optimizer_step(shape, states, numels)
     phases = {"forward": fwd, "backward": bwd, "optimizer_step": step}
+    if prepare is not None:
+        phases[STEP_PREPARE] = prepare
     if session is not None:
         notes += session.summary_left_out()
     phases = _apply_plugins(session, phases, shape, numels, notes)
+    prepare = phases.pop(STEP_PREPARE, None)
+    if prepare is not None and sum(prepare.values()) > sum(phases["optimizer_step"].values()):
+        phases["optimizer_step"] = prepare  # both are inside engine.step(); the larger is the step's peak
     totals = {k: sum(v[c] for c in CATEGORIES if c != "host") for k, v in phases.items()}
     peak_phase = max(totals, key=totals.__getitem__)
     return Estimate(predicted_peak_bytes=totals[peak_phase], by_category=phases[peak_phase], peak_phase=peak_phase,
                     phases={k: {**v, "total": totals[k]} for k, v in phases.items()}, notes=notes)
+
+
+STEP_PREPARE = "step_prepare"
+"""The part of ``engine.step()`` before the basic optimizer's update, a phase of its own while
+plugins adjust the estimate (`Plugin.adjust_estimate`), then merged into ``optimizer_step``."""
+
+
+def _optimizer_step(shape: RunShape, states: dict, numels: list[int]) -> tuple[dict, Optional[dict]]:
+    """``engine.step()`` at the boundary: the wrapper's preparation of the gradients (``None`` where
+    it allocates nothing), then the basic optimizer's update.
+
+    ZeRO 1-3 (stage_1_and_2.py / stage3.py ``step``): the reduced 16-bit gradient partition is
+    flattened into a copy, the copy upcast to the fp32 gradient of the master partition, then the
+    16-bit gradients are freed before the update. ZeRO 0 in 16 bits with DeepSpeed's fused Adam
+    (``FP16_Optimizer``): every gradient upcast one by one, then flattened into one fp32 gradient.
+    ZeRO 0 with torch's Adam (``FP16_UnfusedOptimizer``) upcasts into each master's ``.grad``.
+    """
+    total = sum(numels)
+    n, lp = shape.world_size, shape.lp_bytes
+    part = int(math.ceil(total / (2 * n)) * 2 * n) // n
+    sixteen = shape.dtype != torch.float32
+    if shape.stage == 0:
+        grads = lp * total + (4 * total if sixteen else 0)
+        update = _add(states, _cat(gradients=grads, temporaries=_adam_temporaries(shape, numels)))
+        prepare = None
+        if sixteen and shape.adam_impl == "fused":
+            prepare = _add(states, _cat(gradients=lp * total + 4 * total, temporaries=4 * total))
+        return update, prepare
+    resident = _cat()
+    if shape.stage == 3:  # the 16-bit gradient partition and the reduction bucket stay allocated
+        resident = _cat(gradients=lp * part, comm_buffers=lp * shape.reduce_bucket)
+    held = _cat() if shape.stage == 3 else _cat(gradients=lp * _fullest_rank(shape, numels).numel)
+    prepare = _add(_add(states, resident), _add(held, _cat(gradients=4 * part if sixteen else 0,
+                                                            temporaries=lp * part)))
+    update = _add(_add(states, resident), _cat(gradients=4 * part, temporaries=_adam_temporaries(shape, [part])))
+    return update, prepare
 
 
 def _session_for(build: Callable[[], torch.nn.Module], ds_config: dict, world_size: int, fake: bool = True) -> Any:
@@ -435,11 +542,29 @@ def _apply_plugins(session: Any, phases: dict, shape: RunShape, numels: list[int
 
 def _stage3_working_set(shape: RunShape, numels: list[int], fwd: dict, bwd: dict) -> tuple[dict, dict]:
     """ZeRO 3: parameters live as partitions; the trace counted them whole, gathered. Replace the
-    whole 16-bit parameters by the gathered working set and add the persistent reduction buffers."""
+    whole 16-bit parameters by the gathered working set and add the persistent reduction buffers.
+
+    The working set at the end of forward, where activations peak, is what the parameter coordinator
+    keeps (partitioned_param_coordinator.py ``__params_to_release``, once the trace is complete, from
+    the second step): a parameter released after its forward is kept gathered when its next use (in
+    backward) comes within ``stage3_max_reuse_distance`` elements of fetches, about twice the
+    parameters after it in forward; with DeepSpeed's default (1e9) every model under 5e8
+    parameters stays gathered from forward to backward. Beside them: the prefetch bucket and the
+    module in use, and the persistent small parameters (``stage3_param_persistence_threshold``).
+    On one rank the partition is the whole parameter and nothing is gathered."""
     lp = shape.lp_bytes
     total = sum(numels)
     persistent = sum(x for x in numels if x <= shape.persistence_threshold)
-    gathered = min(total, max(shape.prefetch_bucket, max(numels)) + max(numels)) + persistent
+    released = [x for x in numels if x > shape.persistence_threshold]
+    kept, after = 0, 0
+    for x in reversed(released):  # parameters in forward order: the last ones are reused soonest
+        if 2 * after < shape.max_reuse_distance:
+            kept += x
+        after += x
+    largest = max(numels)
+    gathered = min(sum(released), kept + max(shape.prefetch_bucket, largest) + largest) + persistent
+    if shape.world_size == 1:
+        gathered = 0  # one rank's partition is the whole parameter: gathering allocates nothing
     extra = _cat(parameters=lp * gathered,
                  comm_buffers=lp * shape.reduce_bucket,
                  gradients=lp * (int(math.ceil(total / (2 * shape.world_size)) * 2 * shape.world_size)

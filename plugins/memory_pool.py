@@ -126,6 +126,14 @@ class MemoryPoolPlugin(Plugin):
             self.pool.close()
 
     # ------------------------------------------------------------------------------------------
+    def adjust_estimate(self, phases: dict, shape: Any, numels: list) -> Optional[dict]:
+        """``size: auto`` reserves what its clients requested during the warm-up, and they move those
+        blocks in: the bytes their own models count (optimizer_states' codes and scales, which it
+        models; compressed activations, which the activations plugin models only when it keeps
+        everything, with nothing to pool). A fixed ``size`` is held whatever the clients use: not
+        modelled."""
+        return phases if self.config.size == "auto" else None
+
     def describe(self) -> str:
         if self.pool is None:
             return "not attached"

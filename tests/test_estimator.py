@@ -119,3 +119,42 @@ def test_cli_estimate_json(tmp_path, capsys):
     assert main(["estimate", "--model", "gpt:layers=2,hidden=65,heads=4,seq=8,vocab=16",
                  "--ds-config", str(cfg)]) == 2
     assert "must divide hidden" in capsys.readouterr().err
+
+
+def test_planner_keeping_everything_is_modelled_and_fixed_plans_are_not():
+    """The activations planner keeps every saved tensor when the run fits (no added time): the estimate
+    is the plain one. A module fixed to recompute, or a budget the run does not fit, is not modelled."""
+    plain = estimate_spec("gpt-tiny", ds_config(stage=2, micro=4), 1)
+    for block in ({"activations": {"enabled": True}}, {"memory_pool": {"enabled": True}},
+                  {"activations": {"enabled": True}, "memory_pool": {"enabled": True}}):
+        est = estimate_spec("gpt-tiny", ds_config(stage=2, micro=4, xirang=block), 1)
+        assert est.predicted_peak_bytes == plain.predicted_peak_bytes
+        assert not [n for n in est.notes if "not modelled" in n], est.notes
+    fixed = estimate_spec("gpt-tiny", ds_config(stage=2, micro=4, xirang={
+        "activations": {"enabled": True, "recompute": ["blocks.*"]}}), 1)
+    tight = estimate_spec("gpt-tiny", ds_config(stage=2, micro=4, xirang={
+        "activations": {"enabled": True, "budget": 1024}}), 1)
+    sized = estimate_spec("gpt-tiny", ds_config(stage=2, micro=4, xirang={
+        "memory_pool": {"enabled": True, "size": 2**20}}), 1)
+    for est, section in ((fixed, "activations"), (tight, "activations"), (sized, "memory_pool")):
+        assert any(n.startswith(f"{section}: its effect on memory is not modelled") for n in est.notes), est.notes
+
+
+def test_zero3_working_set_follows_the_reuse_distance():
+    """DeepSpeed keeps a parameter gathered from forward to backward when its reuse comes within
+    ``stage3_max_reuse_distance``: the default keeps all of gpt-tiny, 0 keeps none, one rank gathers nothing."""
+    def forward_parameters(world: int, **zero) -> int:
+        config = ds_config(stage=3, micro=4)
+        config["zero_optimization"].update(zero)
+        return estimate_spec("gpt-tiny", config, world).phases["forward"]["parameters"]
+
+    from xirang_ds.models import build_model
+
+    numels = [p.numel() for p in build_model(parse_model_spec("gpt-tiny")).parameters()]
+    model, largest = sum(numels), max(numels)
+    part = -(-model // 4) * 4 // 2  # ZeRO's padded partition on 2 ranks
+    kept = forward_parameters(2, stage3_prefetch_bucket_size=0)
+    released = forward_parameters(2, stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0)
+    assert kept == 6 * part + 2 * model  # 16-bit and fp32 partitions, and the whole model gathered
+    assert released == 6 * part + 2 * 2 * largest  # the module in use and the next one fetched
+    assert forward_parameters(1) == 6 * model

@@ -274,6 +274,32 @@ class ActivationsPlugin(Plugin):
             self.runtime.storage.provider = None
         super().remove()
 
+    def adjust_estimate(self, phases: dict, shape: Any, numels: list) -> Optional[dict]:
+        """The plan that keeps every saved tensor, which the planner takes whenever the run fits (keeping
+        adds no step time, and it minimises added time under the budget): the phases unchanged when
+        no module is fixed to another option and the budget covers the traced activations (``auto``:
+        the whole estimated peak fits ``memory_budget``, or the device when the estimate is for this
+        machine's accelerator). Below that its choices come from profiled passes, not modelled."""
+        from deepspeed.accelerator import get_accelerator
+
+        c = self.config
+        fixed = any(getattr(c, k) for k in ("recompute", "selective_recompute", "recompute_offload", "compress",
+                                            "quantize", "sparsify", "offload", "chunk"))
+        if fixed or not c.planner or c.budget_fraction is not None or self.session.ds_config.get(
+                "activation_checkpointing"):
+            return None
+        totals = [sum(v for k, v in cats.items() if k != "host") for cats in phases.values()]
+        saved = max(cats.get("activations", 0) for cats in phases.values())
+        if c.budget != "auto":
+            return phases if saved <= int(c.budget) else None
+        budget = self.session.config.memory_budget
+        if budget == "auto":
+            acc = get_accelerator()
+            if acc.device_name() != shape.device:
+                return None  # the device the estimate is for is not this machine's
+            budget = int(acc.total_memory())
+        return phases if max(totals) <= int(budget) else None
+
     def describe(self) -> str:
         if self.state == "profiling":
             return f"profiling {len(self._candidates)} candidates for {self.config.profile_steps} passes, then planning"

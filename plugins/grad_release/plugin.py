@@ -379,11 +379,9 @@ class GradReleasePlugin(Plugin):
             cats[GRADIENTS] = accum
             cats["comm_buffers"] = 0
             if name == "backward":
-                # early in backward the activations are all there and the first bucket fills; at
-                # its end the activations are gone, buckets are in flight and updating, and the
-                # held shard (if any) is whole
-                cats[GRADIENTS] = accum + lp * max(numels)
-                cats["comm_buffers"] = lp * bucket
+                # early in backward, before the first bucket is full, the activations are all there
+                # with the loss's gradient temporaries; at its end the activations are gone, buckets
+                # are in flight and updating, and the held shard (if any) is whole
                 late = {**cats, "activations": 0, "comm_buffers": in_flight,
                         "temporaries": update,
                         GRADIENTS: accum + (lp * part if holds else 0) + lp * max(numels)}

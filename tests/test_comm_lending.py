@@ -83,6 +83,12 @@ def _run(rank, world, stage, overlap, lend, gas=2, steps=3, bucket="auto", guard
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _plain(stage: int, overlap: bool) -> list:
+    """The run without lending, shared by the tests that compare with it (read only)."""
+    return run_ranks(_run, 2, stage, overlap, False)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("stage, overlap", [(1, False), (1, True), (2, False), (2, True)])
 def test_lent_activations_are_never_overwritten(stage, overlap):
@@ -90,7 +96,7 @@ def test_lent_activations_are_never_overwritten(stage, overlap):
     every payload verified at decode, bytes lent every step; where the arena is smaller than the
     activations, leases in a bucket's way move to host memory."""
     ours = run_ranks(_run, 2, stage, overlap, True)
-    plain = run_ranks(_run, 2, stage, overlap, False)
+    plain = _plain(stage, overlap)
     for o, p in zip(ours, plain):
         assert o["losses"] == p["losses"]
         assert all(a.equal(b) for a, b in zip(o["params"], p["params"]))
@@ -108,7 +114,7 @@ def test_the_guard_evicts_what_a_bad_layout_puts_in_the_way(overlap):
     """A layout that ignores when gradients arrive: the write guard moves the leases in the way to
     host memory and results stay identical."""
     ours = run_ranks(functools.partial(_run, naive=True), 2, 2, overlap, True)
-    plain = run_ranks(_run, 2, 2, overlap, False)
+    plain = _plain(2, overlap)
     for o, p in zip(ours, plain):
         assert o["losses"] == p["losses"]
         assert all(a.equal(b) for a, b in zip(o["params"], p["params"]))

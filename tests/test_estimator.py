@@ -54,7 +54,6 @@ def fused_bench_rank(rank: int, world: int, *args):
 PREPARE_CASES = [  # stage, micro, world, bucket, gas, fused: where the step's preparation or accumulation peaks
     (0, 2, 1, 5e5, 1, True),  # FP16_Optimizer: every gradient upcast, then flattened
     (1, 2, 2, 5e5, 1, True),  # the partition flattened, then upcast, before the update
-    (3, 2, 2, 5e5, 1, True),
     (1, 1, 1, 3e7, 4, False),  # ZeRO 1 keeps its bucket between micro-steps
     (2, 1, 1, 3e7, 4, False),  # ZeRO 2 accumulates into new tensors until the epilogue
 ]
@@ -158,3 +157,11 @@ def test_zero3_working_set_follows_the_reuse_distance():
     assert kept == 6 * part + 2 * model  # 16-bit and fp32 partitions, and the whole model gathered
     assert released == 6 * part + 2 * 2 * largest  # the module in use and the next one fetched
     assert forward_parameters(1) == 6 * model
+
+
+def test_host_offload_is_named_as_not_modelled():
+    config = ds_config(stage=2, micro=2)
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    notes = estimate_spec("gpt-tiny", config, 1).notes
+    assert any(n.startswith("zero_optimization.offload_optimizer: host offload is not modelled") for n in notes)
+    assert not any("offload" in n for n in estimate_spec("gpt-tiny", ds_config(stage=2, micro=2), 1).notes)

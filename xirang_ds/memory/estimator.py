@@ -70,6 +70,7 @@ class RunShape:
     prefetch_bucket: int
     persistence_threshold: int
     max_reuse_distance: int
+    offloaded: tuple[str, ...]  # the zero_optimization offload sections with a device other than none
     optimizer: str
     adam_impl: str  # "single_tensor" | "foreach" | "fused"
     device: str
@@ -107,6 +108,8 @@ class RunShape:
                    persistence_threshold=int(float(zero.get("stage3_param_persistence_threshold",
                                                             DEFAULT_PERSISTENCE_THRESHOLD))),
                    max_reuse_distance=int(float(zero.get("stage3_max_reuse_distance", DEFAULT_MAX_REUSE_DISTANCE))),
+                   offloaded=tuple(k for k in ("offload_optimizer", "offload_param")
+                                   if str((zero.get(k) or {}).get("device", "none")) != "none"),
                    optimizer=name, adam_impl=impl, device=device)
 
     @property
@@ -433,6 +436,8 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
     states = model_states(shape, numels)
     notes = [f"ZeRO {shape.stage}, {str(shape.dtype).replace('torch.', '')}, micro-batch {shape.micro_batch}, "
              f"{n} rank(s), {total:,} parameters", f"optimizer step temporaries: {shape.adam_impl}"]
+    notes += [f"zero_optimization.{k}: host offload is not modelled (the estimate keeps on the device what "
+              "it moves to the host); measure with xirang-ds bench" for k in shape.offloaded]
     inputs = _cat(temporaries=trace.inputs)
     accum = _cat()  # gradients carried into the next micro-step's forward (unless the trace holds them)
     if shape.grad_accum > 1 and not trace.accumulates:

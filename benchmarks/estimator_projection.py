@@ -19,7 +19,10 @@ import argparse
 import json
 import os
 
+import torch
+
 from xirang_ds.memory.estimator import estimate_spec
+from xirang_ds.models import build_model, parse_model_spec
 
 GIB = 2**30
 WORLD = 8
@@ -66,9 +69,10 @@ def main() -> None:
     for name, shape in MODELS.items():
         for seq in SEQS:
             spec = f"gpt:layers={shape['layers']},hidden={shape['hidden']},heads={shape['heads']},seq={seq},vocab={VOCAB}"
+            with torch.device("meta"):
+                params = sum(p.numel() for p in build_model(parse_model_spec(spec)).parameters())
             for label, stage, preset in CONFIGS:
                 est = estimate_spec(spec, ds_config(stage, preset), WORLD, device="cuda")
-                params = int(est.notes[0].split(", ")[-1].split()[0].replace(",", ""))
                 cats = est.by_category
                 states = cats["parameters"] + cats["gradients"] + cats["optimizer_states"]
                 fwd = est.phases["forward"]

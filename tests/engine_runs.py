@@ -40,10 +40,13 @@ def ds_config(stage: int = 0, dtype: str = "bf16", micro: int = 4, gas: int = 1,
     return cfg
 
 
-def fused_adam_stand_in() -> type:
+def fused_adam_stand_in(kernel: bool = False) -> type:
     """A torch AdamW that DeepSpeed's engine takes for its FusedAdam (which needs a GPU to build), patched
     in this process: at stage 0 in bf16/fp16 the engine then wraps it in ``FP16_Optimizer`` as it wraps
-    FusedAdam on a GPU, and its state dict keeps each step as an int, as FusedAdam's does."""
+    FusedAdam on a GPU, and its state dict keeps each step as an int, as FusedAdam's does. With
+    ``kernel`` it runs torch's fused AdamW (no step temporaries, as FusedAdam has none) and the engine
+    also builds it from a ds_config ``AdamW`` without ``torch_adam``."""
+    import deepspeed.ops.adam
     import deepspeed.runtime.engine as engine
 
     class FusedAdamStandIn(torch.optim.AdamW):
@@ -52,6 +55,13 @@ def fused_adam_stand_in() -> type:
             saved["state"] = {k: {**v, "step": int(v["step"])} for k, v in saved["state"].items()}
             return saved
 
+    if kernel:
+        class FusedKernelStandIn(FusedAdamStandIn):
+            def __init__(self, params, adam_w_mode: bool = True, **kwargs):  # FusedAdam's signature
+                super().__init__(params, fused=True, **kwargs)
+
+        FusedAdamStandIn = FusedKernelStandIn
+        deepspeed.ops.adam.FusedAdam = FusedAdamStandIn
     engine.FusedAdam = FusedAdamStandIn
     return FusedAdamStandIn
 

@@ -37,17 +37,11 @@ def test_estimate_within_ten_percent_of_measured(model, stage, dtype, micro, wor
 
 def fused_bench_rank(rank: int, world: int, *args):
     """`bench_rank` with DeepSpeed's FusedAdam (which needs a GPU or a JIT build) replaced by torch's
-    fused AdamW: an optimizer without step temporaries that the engine takes for FusedAdam
-    (``FP16_Optimizer`` at ZeRO 0 in 16 bits), so the wrapper's gradient preparation is the step's peak."""
-    import deepspeed.ops.adam
-    import deepspeed.runtime.engine
-    import torch
+    fused AdamW, which the engine takes for it (``FP16_Optimizer`` at ZeRO 0 in 16 bits): no step
+    temporaries, so the wrapper's gradient preparation is the step's peak."""
+    from tests.engine_runs import fused_adam_stand_in
 
-    class FusedStandIn(torch.optim.AdamW):
-        def __init__(self, params, adam_w_mode: bool = True, **kwargs):
-            super().__init__(params, fused=True, **kwargs)
-
-    deepspeed.ops.adam.FusedAdam = deepspeed.runtime.engine.FusedAdam = FusedStandIn
+    fused_adam_stand_in(kernel=True)
     return bench_rank(rank, world, *args)
 
 

@@ -46,6 +46,12 @@ DEFAULT_PERSISTENCE_THRESHOLD = int(1e5)
 DEFAULT_MAX_REUSE_DISTANCE = int(1e9)
 
 
+def partition_numel(total: int, world_size: int) -> int:
+    """One rank's share of ``total`` elements in ZeRO's flat buffers (padded to 2 x ranks)."""
+    n = max(world_size, 1)
+    return int(math.ceil(total / (2 * n)) * 2 * n) // n
+
+
 class EstimateError(ValueError):
     """The ds_config or model cannot be estimated (the message says why)."""
 
@@ -224,8 +230,7 @@ def _fullest_rank(shape: RunShape, numels: list[int]) -> _Partition:
     in parameter order, and a rank keeps the gradients of every parameter that reaches into its
     range whole (stage_1_and_2.py ``params_in_partition``; ``grads_in_partition`` is their sum)."""
     n = max(shape.world_size, 1)
-    total = sum(numels)
-    part = int(math.ceil(total / (2 * n)) * 2 * n) // n
+    part = partition_numel(sum(numels), n)
     best = _Partition(0, ())
     for r in range(n):
         lo, hi = r * part, (r + 1) * part
@@ -352,10 +357,9 @@ def _add(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
 def model_states(shape: RunShape, numels: list[int]) -> dict[str, int]:
     """Resident bytes between steps: parameters (16-bit and fp32 master) and optimizer states."""
     total = sum(numels)
-    n, lp = shape.world_size, shape.lp_bytes
-    align = 2 * n
-    padded = int(math.ceil(total / align) * align)
-    part = padded // n
+    lp = shape.lp_bytes
+    part = partition_numel(total, shape.world_size)
+    padded = part * shape.world_size
     groups = 1
     if shape.stage == 0:
         master = 4 * total if shape.dtype != torch.float32 else 0
@@ -402,14 +406,14 @@ def estimate_states(model: torch.nn.Module, ds_config: dict, world_size: int = 1
     if shape.stage not in (0, 1, 2, 3):
         raise EstimateError(f"zero_optimization.stage must be 0-3; got {shape.stage}")
     numels = [p.numel() for p in model.parameters() if p.requires_grad]
-    total, n = sum(numels), shape.world_size
-    part = int(math.ceil(total / (2 * n)) * 2 * n) // n
+    total = sum(numels)
     backward = _cat()
     if shape.stage in (0, 1):
         backward = _cat(gradients=shape.lp_bytes * total)
     elif shape.stage == 2:
         buffers = (2 if shape.overlap_comm else 1) if shape.contiguous_gradients else 0
-        backward = _cat(gradients=shape.lp_bytes * part, comm_buffers=buffers * shape.reduce_bucket * shape.lp_bytes)
+        backward = _cat(gradients=shape.lp_bytes * _fullest_rank(shape, numels).numel,
+                        comm_buffers=buffers * shape.reduce_bucket * shape.lp_bytes)
     trace = Trace(forward_peak=0, activations=0, backward_peak=sum(backward.values()), backward_by_category=backward,
                   forward_by_category=_cat(), inputs=0, param_numels=numels)
     return _estimate(session, shape, trace)
@@ -427,12 +431,16 @@ def _plugin_shape(session: Any, ds_config: dict, world_size: int, device: str) -
     return shape
 
 
+STEP_PREPARE = "step_prepare"
+"""The part of ``engine.step()`` before the basic optimizer's update, a phase of its own while
+plugins adjust the estimate (`Plugin.adjust_estimate`), then merged into ``optimizer_step``."""
+
+
 def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
     """The phases from a trace (or what stands for one), the step, and the plugins' adjustments."""
     numels = trace.param_numels
     total = sum(numels)
     n, lp = shape.world_size, shape.lp_bytes
-    part = int(math.ceil(total / (2 * n)) * 2 * n) // n
     states = model_states(shape, numels)
     notes = [f"ZeRO {shape.stage}, {str(shape.dtype).replace('torch.', '')}, micro-batch {shape.micro_batch}, "
              f"{n} rank(s), {total:,} parameters", f"optimizer step temporaries: {shape.adam_impl}"]
@@ -475,11 +483,6 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
                     phases={k: {**v, "total": totals[k]} for k, v in phases.items()}, notes=notes)
 
 
-STEP_PREPARE = "step_prepare"
-"""The part of ``engine.step()`` before the basic optimizer's update, a phase of its own while
-plugins adjust the estimate (`Plugin.adjust_estimate`), then merged into ``optimizer_step``."""
-
-
 def _optimizer_step(shape: RunShape, states: dict, numels: list[int]) -> tuple[dict, Optional[dict]]:
     """``engine.step()`` at the boundary: the wrapper's preparation of the gradients (``None`` where
     it allocates nothing), then the basic optimizer's update.
@@ -491,8 +494,8 @@ def _optimizer_step(shape: RunShape, states: dict, numels: list[int]) -> tuple[d
     ZeRO 0 with torch's Adam (``FP16_UnfusedOptimizer``) upcasts into each master's ``.grad``.
     """
     total = sum(numels)
-    n, lp = shape.world_size, shape.lp_bytes
-    part = int(math.ceil(total / (2 * n)) * 2 * n) // n
+    lp = shape.lp_bytes
+    part = partition_numel(total, shape.world_size)
     sixteen = shape.dtype != torch.float32
     if shape.stage == 0:
         grads = lp * total + (4 * total if sixteen else 0)
@@ -572,8 +575,7 @@ def _stage3_working_set(shape: RunShape, numels: list[int], fwd: dict, bwd: dict
         gathered = 0  # one rank's partition is the whole parameter: gathering allocates nothing
     extra = _cat(parameters=lp * gathered,
                  comm_buffers=lp * shape.reduce_bucket,
-                 gradients=lp * (int(math.ceil(total / (2 * shape.world_size)) * 2 * shape.world_size)
-                                 // shape.world_size))
+                 gradients=lp * partition_numel(total, shape.world_size))
     return _add(fwd, extra), _add(bwd, extra)
 
 

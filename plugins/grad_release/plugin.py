@@ -368,9 +368,12 @@ class GradReleasePlugin(Plugin):
         accum = 4 * part if shape.grad_accum > 1 else 0
         in_flight = (2 if self.config.overlap_comm else 1) * lp * bucket
         shard = math.ceil(bucket / world)
-        # the update's fp32 gradient and Adam's temporaries, and (remainders) the bucket's master rebuilt
-        # for it from its bf16 weights
-        update = (10 if remainders else 4) * shard + _adam_temporaries(shape, [shard])
+        # the update (bucket.py ``apply``): the bucket shard's fp32 gradient, then with remainders its
+        # master rebuilt from a 16-bit copy of its weights (freed once joined), then the optimizer over
+        # the parameters' pieces, one at a time for torch's single-tensor Adam
+        piece = min(shard, math.ceil(max(numels) / world))
+        adam = _adam_temporaries(shape, [piece] if shape.adam_impl == "single_tensor" else [shard])
+        update = max(10 * shard, 8 * shard + adam) if remainders else 4 * shard + adam
         out = {}
         for name, cats in phases.items():
             cats = dict(cats)

@@ -136,11 +136,16 @@ class Trace:
         activations: bytes alive when forward ends (saved for backward, the loss).
         backward_peak: highest live bytes in backward, with the engine's gradient handling emulated.
         backward_by_category: the breakdown at the backward peak.
+        backward_start_by_category: the breakdown at the highest point of backward before its first
+            gradient is ready (all activations and the loss's gradient, none of the engine's
+            buffers): where the peak moves when a plugin takes the buffers away.
         forward_by_category: the breakdown at the forward peak.
         inputs: bytes of the batch tensors.
         param_numels: numel of each trainable parameter.
         accumulates: the phases are the larger of two micro-steps of one accumulation window, so
             they hold what the engine carries from one micro-step to the next.
+        loss_outside: the forward returned no loss; a stand-in was traced, and what the run's own
+            loss keeps for backward is not in the activations.
     """
 
     forward_peak: int
@@ -149,8 +154,10 @@ class Trace:
     backward_by_category: dict
     forward_by_category: dict
     inputs: int
+    backward_start_by_category: dict = field(default_factory=dict)
     param_numels: list[int] = field(default_factory=list)
     accumulates: bool = False
+    loss_outside: bool = False
 
 
 class _EngineEmulation:
@@ -165,12 +172,17 @@ class _EngineEmulation:
         self.started = False
         self.micro_step = 0
         self.pending: list[torch.Tensor] = []
+        self.backward_start: Any = None  # a tracker window opened as backward starts
+        self.backward_starts: list[Any] = []  # its report at the micro-step's first gradient
         rank = _fullest_rank(shape, [p.numel() for p in params])
         self.partition_numel = rank.numel
         self.in_partition = {id(params[i]) for i in rank.params}
 
     def hook(self, param: torch.Tensor) -> None:
         shape = self.shape
+        if self.backward_start is not None:  # the first gradient: what backward held before the engine acts
+            self.backward_starts.append(self.backward_start.report())
+            self.backward_start = None
         if shape.stage in (1, 2) and shape.contiguous_gradients and not self.started:
             self.started = True
             buffers = 2 if shape.overlap_comm else 1
@@ -252,21 +264,60 @@ def _fake_model(build: Callable[[], torch.nn.Module], dtype: torch.dtype) -> tor
     return model
 
 
-def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: int, vocab: int) -> Trace:
-    """Run one fake forward/backward of ``build()`` and measure it (see the module docstring)."""
+Inputs = Callable[[], tuple[tuple, dict]]
+"""Makes one micro-batch's ``(args, kwargs)`` for ``model(*args, **kwargs)``, called under the trace's
+``FakeTensorMode`` (`xirang_ds.memory.calibration.InputSignature.fake`)."""
+
+
+def loss_of(output: Any) -> Optional[torch.Tensor]:
+    """The scalar loss in a forward's output: the output itself, its ``loss`` attribute or key (HF
+    models), or its first element; ``None`` when there is none (the loss is computed outside)."""
+    for candidate in (output, getattr(output, "loss", None),
+                      output.get("loss") if isinstance(output, dict) else None,
+                      output[0] if isinstance(output, (tuple, list)) and output else None):
+        if isinstance(candidate, torch.Tensor) and candidate.dim() == 0:
+            return candidate
+    return None
+
+
+def _stand_in_loss(output: Any) -> torch.Tensor:
+    """A loss for a forward whose output holds none: the sum of its floating tensors (what a loss
+    computed outside the model keeps for backward is not traced)."""
+    from xirang_ds.memory.tracker import _tensors
+
+    floats = [t for t in _tensors(output) if t.is_floating_point() and t.requires_grad]
+    if not floats:
+        raise EstimateError("the model's forward returns no loss and no tensor that needs a gradient")
+    return sum(t.sum() for t in floats)
+
+
+def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Optional[int] = None,
+                vocab: Optional[int] = None, inputs: Optional[Inputs] = None) -> Trace:
+    """Run one fake forward/backward of ``build()`` and measure it (see the module docstring).
+
+    The batch is ``(input_ids, labels)`` of ``shape.micro_batch`` x ``seq`` tokens below ``vocab``, or
+    what ``inputs`` makes (a run's own batch: `xirang_ds.memory.calibration`); then a forward whose
+    output holds no loss is traced with a stand-in (`Trace.loss_outside`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from xirang_ds.memory.tracker import MemoryTracker
+    from xirang_ds.memory.tracker import MemoryTracker, _tensors
 
-    mode = FakeTensorMode()
+    # a live model's copy may keep plain tensor attributes (a cached mask): fakified on first use
+    mode = FakeTensorMode(allow_non_fake_inputs=inputs is not None)
+    outside = False
     with mode:
         model = _fake_model(build, shape.dtype)
         params = [p for p in model.parameters() if p.requires_grad]
-        x = torch.randint(0, vocab, (shape.micro_batch, seq))
-        y = torch.randint(0, vocab, (shape.micro_batch, seq))
+        if inputs is None:
+            x = torch.randint(0, vocab, (shape.micro_batch, seq))
+            y = torch.randint(0, vocab, (shape.micro_batch, seq))
+            args, kwargs = (x, y), {}
+        else:
+            args, kwargs = inputs()
+        batch = list(_tensors((args, kwargs)))
         tracker = MemoryTracker("cpu", fake=True)
         tracker.seed(model.parameters(), PARAMETERS)
-        tracker.seed([x, y], TEMPORARIES)
+        tracker.seed(batch, TEMPORARIES)
         base = tracker.live_bytes
         emu = _EngineEmulation(shape, params, tracker)
         handles = [p.register_post_accumulate_grad_hook(emu.hook) for p in params]
@@ -279,9 +330,14 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: int,
                     tracker.mark([p.grad for p in params if p.grad is not None], GRADIENTS)
                 fwd = tracker.open_window()
                 tracker.set_phase("forward")
-                loss = model(x, y)
-                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                output = model(*args, **kwargs)
+                loss = loss_of(output)
+                if loss is None and inputs is None:
                     raise EstimateError("the model's forward(input_ids, labels) must return a scalar loss")
+                if loss is None:
+                    outside = True
+                    loss = _stand_in_loss(output)
+                del output
                 tracker.set_phase("backward")
                 report = fwd.report()
                 if micro == 0:
@@ -289,6 +345,7 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: int,
                 if fwd_report is None or report.peak_bytes >= fwd_report.peak_bytes:
                     fwd_report = report
                 bwd = tracker.open_window()
+                emu.backward_start = tracker.open_window()
                 loss.backward()
                 emu.end_backward()
                 del loss
@@ -297,19 +354,20 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: int,
                     bwd_report = report
         for h in handles:
             h.remove()
-    inputs = x.numel() * x.element_size() + y.numel() * y.element_size()
+    batch_bytes = sum(t.numel() * t.element_size() for t in batch if t.device.type == "cpu")
     param_bytes = fwd_report.by_category[PARAMETERS]
 
     def above(report) -> dict:
         out = dict(report.by_category)
         out[PARAMETERS] -= param_bytes
-        out[TEMPORARIES] -= inputs
+        out[TEMPORARIES] -= batch_bytes
         return out
 
+    start = max(emu.backward_starts, key=lambda r: r.peak_bytes) if emu.backward_starts else bwd_report
     return Trace(forward_peak=fwd_report.peak_bytes - base, activations=activations,
                  backward_peak=bwd_report.peak_bytes - base, backward_by_category=above(bwd_report),
-                 forward_by_category=above(fwd_report), inputs=inputs,
-                 param_numels=[p.numel() for p in params], accumulates=micro_steps > 1)
+                 backward_start_by_category=above(start), forward_by_category=above(fwd_report), inputs=batch_bytes,
+                 param_numels=[p.numel() for p in params], accumulates=micro_steps > 1, loss_outside=outside)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -379,9 +437,11 @@ def _adam_temporaries(shape: RunShape, tensors: list[int]) -> int:
     return 2 * 4 * max(tensors)  # sqrt() and its quotient, one tensor at a time
 
 
-def estimate_run(build: Callable[[], torch.nn.Module], ds_config: dict, seq: int, vocab: int,
-                 world_size: int = 1, device: str = "cpu") -> Estimate:
-    """Estimate one rank's peak for ``build()`` trained with ``ds_config`` on ``world_size`` ranks.
+def estimate_run(build: Callable[[], torch.nn.Module], ds_config: dict, seq: Optional[int] = None,
+                 vocab: Optional[int] = None, world_size: int = 1, device: str = "cpu",
+                 inputs: Optional[Inputs] = None) -> Estimate:
+    """Estimate one rank's peak for ``build()`` trained with ``ds_config`` on ``world_size`` ranks, on
+    ``seq`` tokens below ``vocab`` per sample or on the batch ``inputs`` makes (`trace_model`).
 
     With a ``"xirang"`` block, the enabled plugins first edit the ds_config as they would at
     ``initialize`` (bucket sizes), then adjust the phases (`Plugin.adjust_estimate`).
@@ -390,7 +450,11 @@ def estimate_run(build: Callable[[], torch.nn.Module], ds_config: dict, seq: int
     shape = _plugin_shape(session, ds_config, world_size, device)
     if shape.stage not in (0, 1, 2, 3):
         raise EstimateError(f"zero_optimization.stage must be 0-3; got {shape.stage}")
-    return _estimate(session, shape, trace_model(build, shape, seq, vocab))
+    trace = trace_model(build, shape, seq, vocab, inputs)
+    est = _estimate(session, shape, trace)
+    if trace.loss_outside:
+        est.notes.append("the forward returns no loss: what the loss computed outside it keeps is not traced")
+    return est
 
 
 def estimate_states(model: torch.nn.Module, ds_config: dict, world_size: int = 1, device: str = "cpu") -> Estimate:
@@ -434,6 +498,9 @@ def _plugin_shape(session: Any, ds_config: dict, world_size: int, device: str) -
 STEP_PREPARE = "step_prepare"
 """The part of ``engine.step()`` before the basic optimizer's update, a phase of its own while
 plugins adjust the estimate (`Plugin.adjust_estimate`), then merged into ``optimizer_step``."""
+BACKWARD_START = "backward_start"
+"""Backward until its first gradient is ready (`Trace.backward_start_by_category`), a phase of its
+own while plugins adjust the estimate, then merged into ``backward``: the larger is backward's peak."""
 
 
 def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
@@ -455,8 +522,9 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
             accum = _cat(gradients=lp * _fullest_rank(shape, numels).numel)
     fwd = _add(_add(states, inputs), _add(accum, trace.forward_by_category))
     bwd = _add(_add(states, inputs), trace.backward_by_category)
+    start = _add(_add(states, inputs), trace.backward_start_by_category or trace.backward_by_category)
     if shape.stage == 2:
-        bwd = _add(bwd, accum)
+        bwd, start = _add(bwd, accum), _add(start, accum)
     if shape.stage == 0:
         # engine.allreduce_gradients at the boundary (buffered_allreduce_fallback): every gradient
         # alive plus a flattened copy of up to 5e8 elements (engine.py allreduce_and_copy), after
@@ -467,16 +535,18 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
             bwd = reduce
     if shape.stage == 3:
         fwd, bwd = _stage3_working_set(shape, numels, fwd, bwd)
+        start = _stage3_working_set(shape, numels, start, start)[0]
     step, prepare = _optimizer_step(shape, states, numels)
-    phases = {"forward": fwd, "backward": bwd, "optimizer_step": step}
+    phases = {"forward": fwd, "backward": bwd, "optimizer_step": step, BACKWARD_START: start}
     if prepare is not None:
         phases[STEP_PREPARE] = prepare
     if session is not None:
         notes += session.summary_left_out()
     phases = _apply_plugins(session, phases, shape, numels, notes)
-    prepare = phases.pop(STEP_PREPARE, None)
-    if prepare is not None and sum(prepare.values()) > sum(phases["optimizer_step"].values()):
-        phases["optimizer_step"] = prepare  # both are inside engine.step(); the larger is the step's peak
+    for part, whole in ((STEP_PREPARE, "optimizer_step"), (BACKWARD_START, "backward")):
+        cats = phases.pop(part, None)  # both are inside the same call; the larger is its peak
+        if cats is not None and sum(cats.values()) > sum(phases[whole].values()):
+            phases[whole] = cats
     totals = {k: sum(v[c] for c in CATEGORIES if c != "host") for k, v in phases.items()}
     peak_phase = max(totals, key=totals.__getitem__)
     return Estimate(predicted_peak_bytes=totals[peak_phase], by_category=phases[peak_phase], peak_phase=peak_phase,

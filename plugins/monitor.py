@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -40,6 +40,8 @@ from xirang_ds.registry import Plugin, register_plugin
 logger = logging.getLogger("xirang_ds")
 
 EVENT_PREFIX = "xirang/monitor"
+GROWTH_WARNING = 0.02
+"""A check whose peak is this much above the calibrated prediction for its shapes warns."""
 ONCE_PER_EPISODE = ("empty_cache", "checkpoint")
 """Actions that run when an episode starts only: repeating them while memory stays high writes a
 checkpoint every step, and freeing caches cannot lower a peak the allocator already measured."""
@@ -102,6 +104,9 @@ class MonitorPlugin(Plugin):
         """Episodes so far (a run of checks from the first at ``act_at`` until one below ``warn_at``)."""
         self._in_episode = False
         self._quiet_checks = 0
+        self.last_prediction: Optional[dict] = None
+        """The session calibration's record of the last check (`Calibration.observe`)."""
+        self._above_prediction = False
 
     # ----------------------------------------------------------------------------------------
     def attach(self, engine: Any) -> None:
@@ -120,6 +125,8 @@ class MonitorPlugin(Plugin):
             self.splitter = self.keep(MicroBatchSplitter(engine))
         self.keep(wrap_method(engine, "step", self._step))
         self._last_step = engine.global_steps
+        if self.session.calibration is not None:
+            self.session.calibration.attach(engine)
 
     def describe(self) -> str:
         return (f"budget {format_bytes(self.budget)}, warn at {self.config.warn_at:.0%}, act at "
@@ -136,10 +143,14 @@ class MonitorPlugin(Plugin):
         return result
 
     def measure(self) -> int:
-        """This rank's peak device bytes since the previous measurement (then restart the window)."""
+        """This rank's peak device bytes since the previous measurement (then restart the window);
+        the session's calibration sees the window first (`last_prediction`)."""
         if self.on_cpu:
             self.last_report = self.window.report()
         peak = self.window.peak_bytes
+        calibration = self.session.calibration
+        self.last_prediction = (calibration.observe(self.engine.global_steps, peak, self.window)
+                                if calibration is not None else None)
         self.window.reset()  # this window only: the bench's and comm_buffers' keep their peaks
         return peak
 
@@ -160,9 +171,14 @@ class MonitorPlugin(Plugin):
         fraction = self.agree(own)
         step = self.engine.global_steps
         level = "act" if fraction >= self.config.act_at else "warn" if fraction >= self.config.warn_at else "ok"
-        record = {"step": step, "peak_bytes": peak, "fraction": own, "max_fraction": fraction, "level": level}
+        predicted = (self.last_prediction or {}).get("predicted_bytes")
+        record = {"step": step, "peak_bytes": peak, "fraction": own, "max_fraction": fraction, "level": level,
+                  "predicted_bytes": predicted}
         self.history.append(record)
         events = [(f"{EVENT_PREFIX}/peak_bytes", peak, step), (f"{EVENT_PREFIX}/budget_fraction", fraction, step)]
+        if predicted is not None:
+            events.append((f"{EVENT_PREFIX}/predicted_peak_bytes", predicted, step))
+            self._compare(step, peak, predicted)
         if self.config.log_every_steps and step % self.config.log_every_steps == 0:
             self._log(f"step {step}: peak {format_bytes(peak)} = {own:.1%} of budget "
                       f"(max over ranks {fraction:.1%})")
@@ -191,7 +207,27 @@ class MonitorPlugin(Plugin):
             events.append(self._restore(step))
         self.level = level
         self._emit(events)
+        if self.session.calibration is not None:
+            self.session.calibration.window_started()  # after this check's actions
         return level
+
+    def _compare(self, step: int, peak: int, predicted: int) -> None:
+        """Warn once when the measured peak leaves the calibrated prediction for the same shapes by more
+        than `GROWTH_WARNING` (memory kept across steps, fragmentation, something unmodelled), and
+        once when it comes back."""
+        above = peak > predicted * (1 + GROWTH_WARNING)
+        if above and not self._above_prediction:
+            self._log(f"step {step}: peak {format_bytes(peak)} is {peak / predicted - 1:.1%} above the calibrated "
+                      f"prediction {format_bytes(predicted)} for these input shapes: memory this step keeps that "
+                      "earlier steps did not (tensors held across steps, e.g. losses kept with their graph)",
+                      logging.WARNING)
+        elif not above and self._above_prediction:
+            self._log(f"step {step}: peak {format_bytes(peak)} back within the calibrated prediction")
+        self._above_prediction = above
+
+    def figures(self) -> dict:
+        calibration = self.session.calibration
+        return {"calibration": calibration.as_dict()} if calibration is not None else {}
 
     # actions ----------------------------------------------------------------------------------
     def _restore_due(self) -> bool:

@@ -119,6 +119,12 @@ class Plugin:
         """Plugin state for checkpoints (plain data)."""
         return {}
 
+    def settled(self) -> bool:
+        """Whether this plugin's memory is as every later step will hold it (``False`` while it still
+        profiles or warms up): the session calibrates its prediction on settled steps only
+        (`xirang_ds.memory.calibration`)."""
+        return True
+
     def figures(self) -> dict:
         """What the plugin measured in this run, as plain data for benchmarks and cost models
         (``xirang-ds bench`` JSON, the tuner); ``{}`` when there is nothing to report."""

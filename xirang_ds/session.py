@@ -23,6 +23,7 @@ from xirang_ds.registry import Plugin, check_framework, plugins_for
 
 if TYPE_CHECKING:  # pragma: no cover
     from xirang_ds.checkpoints.param_states import ParamStates
+    from xirang_ds.memory.calibration import Calibration
     from xirang_ds.checkpoints.tags import RunFacts
     from xirang_ds.config.fit import LeftOut
     from xirang_ds.memory.engine_roles import TrainingWatch
@@ -91,6 +92,9 @@ class Session:
         self._handles: list[Any] = []
         self.events: list[dict] = []
         self.memory_roles: list[Callable[[], Iterable[tuple[str, Any]]]] = []
+        self.calibration: Optional["Calibration"] = None
+        """This run's peak prediction, calibrated on its first steady measured step (with the monitor,
+        under DeepSpeed: `xirang_ds.memory.calibration`); the monitor feeds it at each check."""
 
     # ----------------------------------------------------------------------------------------
     def plugin(self, section: str) -> Optional[Plugin]:
@@ -188,6 +192,10 @@ class Session:
 
     def prepare_model(self, model: Any) -> None:
         self.model = model
+        if self.framework == "deepspeed" and self.plugin("monitor") is not None:
+            from xirang_ds.memory.calibration import Calibration
+
+            self.calibration = Calibration(self, model)  # the model's structure, before anyone hooks it
         for p in self.plugins:
             p.prepare_model(model)
 
@@ -221,6 +229,8 @@ class Session:
         """Detach every plugin (reverse order) and the checkpoint wrappers."""
         for p in reversed(self.plugins):
             p.remove()
+        if self.calibration is not None:
+            self.calibration.remove()
         while self._handles:
             self._handles.pop().remove()
         if self._watch is not None:
@@ -437,6 +447,8 @@ class Session:
             describe = getattr(p, "describe", None)
             if describe is not None:
                 lines.append(f"  {p.section}: {describe()}")
+        if self.calibration is not None:
+            lines.append(f"  {self.calibration.describe()}")
         lines += [f"  {line}" for line in self.summary_left_out()]
         return "\n".join(lines)
 

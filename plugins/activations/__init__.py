@@ -300,6 +300,9 @@ class ActivationsPlugin(Plugin):
             budget = int(acc.total_memory())
         return phases if max(totals) <= int(budget) else None
 
+    def settled(self) -> bool:
+        return self.state != "profiling"
+
     def describe(self) -> str:
         if self.state == "profiling":
             return f"profiling {len(self._candidates)} candidates for {self.config.profile_steps} passes, then planning"

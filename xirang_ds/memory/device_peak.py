@@ -37,6 +37,8 @@ class DevicePeakWindow:
     def __init__(self, owner: "DevicePeak"):
         self._owner = owner
         self._folded = 0
+        self.baseline_bytes = 0
+        """Bytes allocated when the window began (as the tracker's `Window` has it)."""
         self.closed = False
 
     @property
@@ -79,7 +81,7 @@ class DevicePeak:
                 other._folded = max(other._folded, current)
             self.counter.reset_peak_memory_stats()
             self.resets += 1
-            window._folded = int(self.counter.memory_allocated())
+            window._folded = window.baseline_bytes = int(self.counter.memory_allocated())
             self._windows.add(window)
 
     def _close(self, window: DevicePeakWindow) -> None:

@@ -334,9 +334,10 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
                 loss = loss_of(output)
                 if loss is None and inputs is None:
                     raise EstimateError("the model's forward(input_ids, labels) must return a scalar loss")
-                if loss is None:
+                held = None
+                if loss is None:  # the caller holds the output while its loss runs and backward
                     outside = True
-                    loss = _stand_in_loss(output)
+                    loss, held = _stand_in_loss(output), output
                 del output
                 tracker.set_phase("backward")
                 report = fwd.report()
@@ -348,7 +349,7 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
                 emu.backward_start = tracker.open_window()
                 loss.backward()
                 emu.end_backward()
-                del loss
+                del loss, held
                 report = bwd.report()
                 if bwd_report is None or report.peak_bytes >= bwd_report.peak_bytes:
                     bwd_report = report

@@ -332,6 +332,7 @@ class MemoryTracker:
         for w in self._windows:
             if live > w.phase_peaks.get(phase, 0):
                 w.phase_peaks[phase] = live
+                w.phase_peak_clocks[phase] = clock
             if live > w.peak_bytes:
                 w.peak_bytes, w.peak_clock, w.peak_phase = live, clock, phase
 
@@ -524,6 +525,8 @@ class Window:
             self.peak_clock = t.clock
             self.peak_phase = t.phase
             self.phase_peaks: dict[str, int] = {}
+            self.phase_peak_clocks: dict[str, int] = {}
+            """The event clock of each phase's peak (`phase_peaks`)."""
             if t._windows:
                 t._prune()
 

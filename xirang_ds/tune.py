@@ -7,11 +7,13 @@ The search has three stages, each cheaper in count than the one before:
    trace of the model, no real step, well under a second each. Candidates the plugins reject
    (an invalid combination) are dropped with their reason.
 2. **Profile** a few real steps of the base configuration at each ZeRO stage and of each option
-   alone on the base. They calibrate the estimate (measured / predicted of the base, per stage),
+   alone on the base. They calibrate the estimate as a session calibrates its own prediction
+   (`xirang_ds.memory.calibration`: measured over estimated per phase, per stage),
    price each option's step time as a ratio to the base, and give the memory ratio of an option
    whose plugin does not model itself in the estimator. The cost model of a candidate is then
-   ``peak = estimate × calibration`` (× those memory ratios) and ``time = base time × Π option
-   time ratios``, the base time a line in the micro-batch through two profiled points. With
+   ``peak = max over phases of estimate × that phase's factor`` (× those memory ratios) and
+   ``time = base time × Π option time ratios``, the base time a line in the micro-batch through two
+   profiled points. With
    ``largest_micro_batch`` each combination's micro-batch then doubles while this model fits.
 3. **Measure** the ``measure_top`` best predicted candidates that fit for real; the winner is the
    fastest measured one (per sample, for ``largest_micro_batch`` the largest micro-batch first)
@@ -214,12 +216,25 @@ def _default_runner(model: str, world_size: int, data: Optional[str], seed: int)
     return run
 
 
-def _estimate(model: str, cfg: dict, world_size: int, device: str) -> tuple[int, list[str]]:
+def _estimate(model: str, cfg: dict, world_size: int, device: str) -> tuple[int, list[str], dict[str, int]]:
+    """The estimator's peak, the sections it does not model, and each phase's total."""
     from xirang_ds.memory.estimator import estimate_spec
 
     est = estimate_spec(model, cfg, world_size, device)
     unmodelled = [n.split(":")[0] for n in est.notes if "not modelled" in n]
-    return est.predicted_peak_bytes, unmodelled
+    return est.predicted_peak_bytes, unmodelled, {p: v["total"] for p, v in est.phases.items()}
+
+
+def stage_calibration(profile: dict) -> dict[str, float]:
+    """A profiled base's calibration, as a session calibrates its own prediction
+    (`xirang_ds.memory.calibration.phase_factors`): per phase, measured over estimated, where the
+    run measured its phases; else one factor for the total."""
+    from xirang_ds.memory.calibration import PHASES, phase_factors
+
+    measured = {p: b for p, b in (profile.get("phase_peaks") or {}).items() if p in PHASES}
+    if not measured:
+        measured = {"peak": profile["peak_bytes"]}
+    return phase_factors(measured, profile["predicted_phases"])
 
 
 def _grow_micro_batch(c: Candidate, peak_at: Callable[[dict], int], budget: int, max_doublings: int = 12) -> None:
@@ -317,10 +332,12 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
 
     # 1. predict memory
     unmodelled_of: dict[int, list[str]] = {}
+    phases_of: dict[int, dict[str, int]] = {}
     for i, c in enumerate(pool):
         progress.update(i, len(pool), "estimate", c.name)
         try:
-            c.predicted_peak, unmodelled_of[id(c)] = _estimate(model, c.ds_config, world_size, device)
+            c.predicted_peak, unmodelled_of[id(c)], phases_of[id(c)] = _estimate(model, c.ds_config, world_size,
+                                                                                   device)
         except (XirangConfigError, EstimateError, ValueError) as e:
             c.rejected = " ".join(str(e).split())[:300]
     progress.update(len(pool), len(pool), "estimate")
@@ -366,9 +383,10 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
             break
         try:
             side = runner(cfg, profile_steps)
-            est, _ = _estimate(model, cfg, world_size, device)
+            est, _, phases = _estimate(model, cfg, world_size, device)
             profiles[label] = {"peak_bytes": side.peak_bytes, "step_time_s": side.step_time_median_s,
-                               "final_loss": side.final_loss, "predicted_peak_bytes": est}
+                               "final_loss": side.final_loss, "predicted_peak_bytes": est,
+                               "predicted_phases": phases, "phase_peaks": dict(getattr(side, "phase_peaks", {}) or {})}
             reach = (getattr(side, "plugin_figures", None) or {}).get("activations")
             if reach:
                 profiles[label]["activation_figures"] = reach
@@ -377,15 +395,20 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
     progress.update(len(jobs), len(jobs), "profile")
     seconds["profile"] = time.perf_counter() - t0
 
-    calibration = {f"zero{s}": profiles[f"zero{s}"]["peak_bytes"] / profiles[f"zero{s}"]["predicted_peak_bytes"]
-                   for s in stages if "peak_bytes" in profiles.get(f"zero{s}", {})}
+    from xirang_ds.memory.calibration import calibrated_peak
+
+    factors = {f"zero{s}": stage_calibration(profiles[f"zero{s}"])
+               for s in stages if "peak_bytes" in profiles.get(f"zero{s}", {})}
+    calibration = {k: calibrated_peak(profiles[k]["predicted_phases"], f) / profiles[k]["predicted_peak_bytes"]
+                   for k, f in factors.items()}  # what the factors make of the base's own estimate
     ref = profiles.get(f"zero{user_stage}", {})
     for c in live:
         stage_key = f"zero{_stage(c)}"
         if "step_time_s" not in profiles.get(stage_key, {}) or "step_time_s" not in ref:
             c.rejected = f"the base at {stage_key} failed to run: {profiles.get(stage_key, {}).get('error', '')}"
             continue
-        time_ratio, peak_ratio = 1.0, calibration[stage_key]
+        time_ratio, peak_ratio = 1.0, 1.0
+        calibrated = calibrated_peak(phases_of[id(c)], factors[stage_key])
         planner = None
         for o in c.options:
             if not o.block:
@@ -401,7 +424,7 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
                 peak_ratio *= prof["peak_bytes"] / ref["peak_bytes"]
         if c.rejected is not None:
             continue
-        c.predicted_peak = int(c.predicted_peak * peak_ratio)
+        raw_peak, c.predicted_peak = c.predicted_peak, int(calibrated * peak_ratio)
         added_s = 0.0
         if grow:  # each combination at the largest power-of-two multiple of the micro-batch predicted to fit
             line = planner_line(profiles, planner, user_mb, far_mb) if planner is not None else None
@@ -409,7 +432,7 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
                 # the other options' effect on what the rank needs besides activations: the estimate of
                 # this combination over the planner's own run, times the profiled ratios of options
                 # the estimator does not model, applied to the planner's measured figure
-                rest = (c.predicted_peak / profiles[planner]["predicted_peak_bytes"]) / calibration[stage_key]
+                rest = raw_peak * peak_ratio / profiles[planner]["predicted_peak_bytes"]
 
                 def planned(cfg, line=line, rest=rest):
                     other, keep, least = line(_micro_batch(cfg))
@@ -421,7 +444,10 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
                 least_s = profiles[planner]["activation_figures"]["least_added_s"] or 0.0
                 added_s = planned(c.ds_config)[1] * least_s * (c.micro_batch / user_mb) * passes
             else:
-                _grow_micro_batch(c, lambda cfg, r=peak_ratio: int(raw(cfg) * r), budget)
+                def at(cfg, r=peak_ratio, f=factors[stage_key]):
+                    return int(calibrated_peak(_estimate(model, cfg, world_size, device)[2], f) * r)
+
+                _grow_micro_batch(c, at, budget)
         c.predicted_time_s = (profiles[stage_key]["step_time_s"] * time_ratio
                               * _mb_scale(profiles, user_stage, user_mb, far_mb, c.micro_batch)) + added_s
     fitting = [c for c in live if c.rejected is None and c.predicted_peak <= budget]

@@ -39,6 +39,8 @@ def varying_lengths(rank: int, world: int, config: dict, lengths: list[int], hol
             if hold_losses:
                 held.append(loss)
     session = engine.xirang
+    x = torch.zeros(engine.train_micro_batch_size_per_gpu(), lengths[-1], dtype=torch.long)
+    assert session.calibration.predict_batch(x, x) == session.calibration.checks[-1]["predicted_bytes"]
     out = {"calibration": session.calibration.as_dict(), "summary": session.summary(),
            "history": session.plugin("monitor").history, "warnings": list(warnings),
            "figures": session.figures()["monitor"]["calibration"]["calibrated_at"]}
@@ -182,3 +184,16 @@ def test_memory_events_make_it_stale_until_a_steady_window():
     cal.window_started()
     cal._record(None, (torch.zeros(1, 4),), {})
     assert cal.observe(4, 90, _Window({"forward": (80, 1), "backward": (90, 2)}))["error"] == 0
+
+
+def test_on_an_accelerator_one_factor_from_a_window_that_did_not_grow():
+    cal = _calibration()
+    cal.on_accelerator = True
+    cal._record(None, (torch.zeros(2, 4),), {})
+    grew = SimpleNamespace(baseline_bytes=100 << 20, live_bytes=140 << 20)  # the first step made its states
+    assert "calibrated" not in cal.observe(1, 300 << 20, grew)
+    cal.window_started()
+    cal._record(None, (torch.zeros(2, 4),), {})
+    flat = SimpleNamespace(baseline_bytes=140 << 20, live_bytes=140 << 20)
+    assert cal.observe(2, 340 << 20, flat)["calibrated"]
+    assert cal.steady_phases == {"peak": 340 << 20} and cal.predicted_peak_bytes == 340 << 20

@@ -398,6 +398,11 @@ class Calibration:
                 out.append(e * max(self.factors.values()))
         return int(max(out))
 
+    def predict_batch(self, *args: Any, **kwargs: Any) -> Optional[int]:
+        """The calibrated peak of a step whose micro-batches are ``model(*args, **kwargs)`` (say, the
+        next batch of a loader with variable lengths, before it runs); ``None`` as for `predict`."""
+        return self.predict([InputSignature(args, kwargs)])
+
     # -- reporting -------------------------------------------------------------------------------
     @property
     def worst_error(self) -> Optional[float]:

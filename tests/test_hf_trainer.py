@@ -32,6 +32,9 @@ def _hf_run(out_dir, block):
         "loss": result.training_loss,
         "checks": len(session.plugin("monitor").history) if session else 0,
         "plan": dict(session.plugin("activations").plan) if session and session.plugin("activations") else None,
+        "calibration": session.calibration.as_dict() if session else None,
+        # the estimator on the session's copy of the HF model, called with the Trainer's keywords
+        "estimator_error": session.calibration.estimator_error() if session else None,
     }
 
 
@@ -61,6 +64,10 @@ def test_hf_trainer_with_patch_deepspeed(tmp_path):
         assert r["steps"] == 4
         assert r["checks"] == 4  # the monitor saw every optimizer step
         assert r["loss"] > 0
+        cal = r["calibration"]  # fixed shapes: calibrated on the first step, within bytes after it
+        assert cal["calibrated_at"] == 1 and len(cal["checks"]) == 3
+        assert all(abs(c["error"]) <= 1e-4 for c in cal["checks"]), cal["checks"]
+        assert r["estimator_error"] is not None and abs(r["estimator_error"]) < 0.05, r["estimator_error"]
         # the chunked head under HF Trainer: every micro-batch's loss went through it, training alike
         assert chunk["plan"] == {"lm_head": "chunk"} and chunk["steps"] == 4
         assert chunked_calls == 4

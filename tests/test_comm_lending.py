@@ -90,7 +90,8 @@ def _plain(stage: int, overlap: bool) -> list:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("stage, overlap", [(1, False), (1, True), (2, False), (2, True)])
+# each stage and each overlap setting once (stage 2 with overlap lends under the guard test too)
+@pytest.mark.parametrize("stage, overlap", [(1, True), (2, False)])
 def test_lent_activations_are_never_overwritten(stage, overlap):
     """2 ranks, 2 micro-batches per step: identical losses and parameters with and without lending,
     every payload verified at decode, bytes lent every step; where the arena is smaller than the

@@ -12,6 +12,8 @@ from xirang_ds.models import ModelSpecError, parse_model_spec
 
 INT8 = {"optimizer_states": {"enabled": True, "schedule": [{"dtype": "int8"}], "min_numel": 0}}
 GRAD_RELEASE = {"grad_release": {"enabled": True}}
+ON_DEMAND = {"precision": {"enabled": True, "weight_copies": "on_demand"}}  # DeepSpeed in fp32, masters shared
+PRECISION = {"precision": {"enabled": True}}  # auto: persistent copies (DeepSpeed's bf16) on 2 ranks at ZeRO 1/2
 CASES = [  # model, stage, dtype, micro, world, bucket, xirang block
     ("gpt-tiny", 0, "bf16", 4, 1, 1e6, None),
     ("gpt-tiny", 2, "fp32", 4, 2, 1e6, None),
@@ -20,6 +22,8 @@ CASES = [  # model, stage, dtype, micro, world, bucket, xirang block
     ("gpt-tiny", 2, "bf16", 4, 2, 1e6, INT8),
     ("gpt-small", 2, "bf16", 1, 2, 1e6, GRAD_RELEASE),
     ("gpt-small", 0, "bf16", 4, 1, 1e6, GRAD_RELEASE),
+    ("gpt-tiny", 2, "bf16", 4, 2, 1e6, ON_DEMAND),  # the trace runs under precision's kernels and autocast
+    ("llama-tiny", 1, "bf16", 4, 2, 1e6, PRECISION),
 ]
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Optional
 
 from xirang_ds.config.schema import Section, XirangConfig
 
@@ -129,6 +129,22 @@ class Plugin:
         """What the plugin measured in this run, as plain data for benchmarks and cost models
         (``xirang-ds bench`` JSON, the tuner); ``{}`` when there is nothing to report."""
         return {}
+
+    def estimate_shape(self, shape: Any) -> Any:
+        """The `xirang_ds.memory.estimator.RunShape` the estimate uses, as this plugin changes what
+        DeepSpeed runs (default: unchanged; precision's on-demand copies run DeepSpeed in fp32)."""
+        return shape
+
+    def trace_context(self, model: Any, tracker: Any) -> Optional[ContextManager[Any]]:
+        """What this plugin changes in forward and backward, applied to the estimator's fake copy of the
+        model while it is traced (`xirang_ds.memory.estimator.trace_model`), so the trace measures it;
+        ``None`` (the default) when the trace runs the model as it is.
+
+        Args:
+            model: the fake model (parameters in the estimate's dtype, under ``FakeTensorMode``).
+            tracker: the trace's tracker (its ``scope`` gives roles).
+        """
+        return None
 
     def adjust_estimate(self, phases: dict, shape: Any, numels: list) -> Optional[dict]:
         """Change the estimator's prediction for what this plugin does before anything runs.

@@ -23,9 +23,9 @@ from xirang_ds.registry import Plugin, check_framework, plugins_for
 
 if TYPE_CHECKING:  # pragma: no cover
     from xirang_ds.checkpoints.param_states import ParamStates
-    from xirang_ds.memory.calibration import Calibration
     from xirang_ds.checkpoints.tags import RunFacts
     from xirang_ds.config.fit import LeftOut
+    from xirang_ds.memory.calibration import Calibration
     from xirang_ds.memory.engine_roles import TrainingWatch
     from xirang_ds.memory.tracker import MemoryTracker
 

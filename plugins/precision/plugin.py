@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 from typing import Any, Optional
 
 import torch
@@ -39,6 +38,7 @@ from xirang_ds.plugins.precision.ds_config import PrecisionPlan, check_device_dt
 from xirang_ds.plugins.precision.grad_scaling import GradScaling
 from xirang_ds.plugins.precision.kernels import CastPolicy, autocast_key
 from xirang_ds.plugins.precision.op_lists import OpLists, build_op_lists
+from xirang_ds.plugins.precision.recast import fake_parameters
 from xirang_ds.plugins.precision.runtime import PATH, ModelRules, PrecisionRuntime, model_rules
 from xirang_ds.plugins.precision.zero_masters import share_fp32_masters
 from xirang_ds.registry import Plugin, register_plugin
@@ -107,6 +107,7 @@ class PrecisionPlugin(Plugin):
         self.masters_shared = False
         self._tracker: Any = None
         self._pending_state: Optional[dict] = None
+        self._traced = False  # the estimator's trace ran under this policy (`trace_context`)
 
     # seams ----------------------------------------------------------------------------------
     def prepare_ds_config(self, ds_config: dict) -> None:
@@ -119,7 +120,7 @@ class PrecisionPlugin(Plugin):
         from deepspeed.accelerator import get_accelerator
 
         accelerator = get_accelerator()
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        world_size = self.session.world_size  # the launcher's at initialize, the estimate's in the estimator
         stepper = self.session.plugin("grad_release")
         decided, problems = plan(self.config, ds_config, world_size=world_size)
         if (decided is not None and not decided.on_demand and stepper is None
@@ -192,6 +193,41 @@ class PrecisionPlugin(Plugin):
         if problems:
             raise XirangConfigError(problems)
         self.rules = rules
+
+    def estimate_shape(self, shape: Any) -> Any:
+        """On-demand copies: DeepSpeed runs the fp32 model (its ds_config copy has no 16-bit section):
+        parameters, gradients and buckets are fp32, and at ZeRO 1/2 the fp32 masters are views of the
+        weights (`share_fp32_masters`)."""
+        if self.plan is None or not self.plan.on_demand:
+            return shape
+        return dataclasses.replace(shape, dtype=torch.float32,
+                                   shared_masters=shape.stage in (1, 2) and not shape.offloaded)
+
+    def trace_context(self, model: torch.nn.Module, tracker: Any) -> Optional[Any]:
+        """The policy's kernels, autocast and module rules on the estimator's fake model (CPU autocast:
+        the trace's tensors are CPU fakes), so the trace measures what they save and copy: 16-bit weight
+        copies per op (on demand), fp32 upcasts of the listed ops. ``None`` when the policy cannot be
+        installed here (a different one is active in this process)."""
+        self._traced = False
+        if self.plan is None:
+            return None
+        rules, problems = model_rules(model, self.config.fp32_modules, require_fp32=False)
+        if problems:
+            return None
+        policy = CastPolicy(self.lists, "cpu", self.plan.dtype, self.config.narrow_saved_upcasts)
+        runtime = PrecisionRuntime(policy, rules, lambda: tracker.scope(PARAMETERS),
+                                   widen_fp32_module_weights=not self.plan.on_demand)
+        try:
+            handles = runtime.attach(model)
+        except RuntimeError:  # another policy holds the process-wide kernels (a live run's)
+            return None
+        self._traced = True
+        return _removing(handles, fake_parameters(model.parameters()))
+
+    def adjust_estimate(self, phases: dict, shape: Any, numels: list) -> Optional[dict]:
+        """Modelled by the trace itself (`trace_context`) and the shape (`estimate_shape`); not
+        modelled where the trace could not install the policy."""
+        return phases if self._traced else None
 
     def attach(self, engine: Any) -> None:
         """Install kernels, autocast and module rules on ``engine.module``, and loss scaling."""
@@ -281,6 +317,17 @@ def _fp32_cross_entropy(original: Any, labels: torch.Tensor, logits: torch.Tenso
     low digits (language_module.py ``compute_language_model_loss``)."""
     with torch._C._DisableAutocast():
         return original(labels, logits.float(), *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _removing(handles: list[Any], context: Any):
+    """Keep ``handles`` installed and ``context`` entered while the block runs, then remove them."""
+    try:
+        with context:
+            yield
+    finally:
+        while handles:
+            handles.pop().remove()
 
 
 __all__ = ["PrecisionPlugin", "deepspeed_runs", "loss_scale_conflicts"]

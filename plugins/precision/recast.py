@@ -26,14 +26,33 @@ _HOOKS_ENABLED = torch._C._autograd._saved_tensors_hooks_is_enabled
 _TOP_HOOKS = torch._C._autograd._top_saved_tensors_default_hooks
 
 
+FAKE_PARAMETERS: set[int] = set()
+"""``id`` of the parameters of a model traced under ``FakeTensorMode`` (`fake_parameters`), where a
+parameter is a plain ``FakeTensor``: the estimator's trace of this policy."""
+
+
 def is_parameter(t: torch.Tensor) -> bool:
     """A ``nn.Parameter`` or a view of one (``weight.t()``): alive anyway, so a copy can be remade.
 
     Tested on the type (``issubclass``): ``isinstance`` goes through ``Parameter``'s metaclass,
-    which costs more than the rest of a kernel's bookkeeping.
+    which costs more than the rest of a kernel's bookkeeping. Under the estimator's trace the
+    parameters are named in `FAKE_PARAMETERS`.
     """
     base = t._base
-    return issubclass(type(t), _PARAMETER) or (base is not None and issubclass(type(base), _PARAMETER))
+    if issubclass(type(t), _PARAMETER) or (base is not None and issubclass(type(base), _PARAMETER)):
+        return True
+    return bool(FAKE_PARAMETERS) and (id(t) in FAKE_PARAMETERS or (base is not None and id(base) in FAKE_PARAMETERS))
+
+
+@contextlib.contextmanager
+def fake_parameters(params: Iterator[torch.Tensor]) -> Iterator[None]:
+    """Count ``params`` (a fake model's) as parameters while the block runs."""
+    ids = {id(p) for p in params}
+    FAKE_PARAMETERS.update(ids)
+    try:
+        yield
+    finally:
+        FAKE_PARAMETERS.difference_update(ids)
 
 
 def widest(dtypes: Iterator[torch.dtype]) -> Optional[torch.dtype]:
@@ -179,4 +198,4 @@ class CastSet:
             yield
 
 
-__all__ = ["CastSet", "Recast", "UPCAST", "WEIGHT", "is_parameter", "widest"]
+__all__ = ["CastSet", "FAKE_PARAMETERS", "Recast", "UPCAST", "WEIGHT", "fake_parameters", "is_parameter", "widest"]

@@ -80,6 +80,7 @@ class RunShape:
     optimizer: str
     adam_impl: str  # "single_tensor" | "foreach" | "fused"
     device: str
+    shared_masters: bool = False  # ZeRO 1/2's fp32 partition is a view of fp32 parameters, not a copy
 
     @classmethod
     def from_ds_config(cls, ds: dict, world_size: int = 1, device: str = "cpu") -> "RunShape":
@@ -292,12 +293,13 @@ def _stand_in_loss(output: Any) -> torch.Tensor:
 
 
 def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Optional[int] = None,
-                vocab: Optional[int] = None, inputs: Optional[Inputs] = None) -> Trace:
+                vocab: Optional[int] = None, inputs: Optional[Inputs] = None, session: Any = None) -> Trace:
     """Run one fake forward/backward of ``build()`` and measure it (see the module docstring).
 
     The batch is ``(input_ids, labels)`` of ``shape.micro_batch`` x ``seq`` tokens below ``vocab``, or
     what ``inputs`` makes (a run's own batch: `xirang_ds.memory.calibration`); then a forward whose
-    output holds no loss is traced with a stand-in (`Trace.loss_outside`)."""
+    output holds no loss is traced with a stand-in (`Trace.loss_outside`). The ``session``'s plugins
+    apply what they change in forward and backward to the fake model meanwhile (`Plugin.trace_context`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from xirang_ds.memory.tracker import MemoryTracker, _tensors
@@ -319,11 +321,16 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
         tracker.seed(model.parameters(), PARAMETERS)
         tracker.seed(batch, TEMPORARIES)
         base = tracker.live_bytes
+        applied = contextlib.ExitStack()
+        for plugin in (session.plugins if session is not None else ()):
+            context = plugin.trace_context(model, tracker)
+            if context is not None:
+                applied.enter_context(context)
         emu = _EngineEmulation(shape, params, tracker)
         handles = [p.register_post_accumulate_grad_hook(emu.hook) for p in params]
         micro_steps = 2 if shape.grad_accum > 1 else 1  # the second carries the first's gradients
         fwd_report = bwd_report = None
-        with tracker:
+        with applied, tracker:
             for micro in range(micro_steps):
                 if micro:
                     emu.end_micro_step()
@@ -424,7 +431,8 @@ def model_states(shape: RunShape, numels: list[int]) -> dict[str, int]:
         master = 4 * total if shape.dtype != torch.float32 else 0
         return _cat(parameters=lp * total + master, optimizer_states=8 * total + 4 * len(numels))
     if shape.stage in (1, 2):
-        return _cat(parameters=lp * padded + 4 * part, optimizer_states=8 * part + 4 * groups)
+        master = 0 if shape.shared_masters else 4 * part
+        return _cat(parameters=lp * padded + master, optimizer_states=8 * part + 4 * groups)
     # ZeRO 3: 16-bit partition, fp32 partition, states over the partition
     return _cat(parameters=lp * part + 4 * part, optimizer_states=8 * part + 4 * groups)
 
@@ -451,7 +459,7 @@ def estimate_run(build: Callable[[], torch.nn.Module], ds_config: dict, seq: Opt
     shape = _plugin_shape(session, ds_config, world_size, device)
     if shape.stage not in (0, 1, 2, 3):
         raise EstimateError(f"zero_optimization.stage must be 0-3; got {shape.stage}")
-    trace = trace_model(build, shape, seq, vocab, inputs)
+    trace = trace_model(build, shape, seq, vocab, inputs, session)
     est = _estimate(session, shape, trace)
     if trace.loss_outside:
         est.notes.append("the forward returns no loss: what the loss computed outside it keeps is not traced")
@@ -493,6 +501,8 @@ def _plugin_shape(session: Any, ds_config: dict, world_size: int, device: str) -
         edited = RunShape.from_ds_config(session.ds_config, world_size, device)
         shape = dataclasses.replace(shape, reduce_bucket=edited.reduce_bucket, allgather_bucket=edited.allgather_bucket,
                                     prefetch_bucket=edited.prefetch_bucket, overlap_comm=edited.overlap_comm)
+        for plugin in session.plugins:
+            shape = plugin.estimate_shape(shape)
     return shape
 
 

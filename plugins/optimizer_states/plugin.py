@@ -17,6 +17,8 @@ own ``state_dict``/``load_state_dict`` then carry the states, and ``remove`` han
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from typing import Any, Optional
 
@@ -206,6 +208,22 @@ class OptimizerStatesPlugin(Plugin):
         self.engine = None
 
     # estimate -----------------------------------------------------------------------------------
+    def estimate_shape(self, shape: Any) -> Any:
+        """DeepSpeed's groups as this plugin splits them (`split_groups`: policy-driven, kept fp32,
+        measured): ZeRO 1/2 partitions each on its own, so each has its own rank boundary."""
+        from xirang_ds.plugins.optimizer_states.build import MEASURED, keep_reasons
+
+        model = self.session.model
+        if model is None or self.session.plugin("grad_release") is not None:
+            return shape  # grad_release hands DeepSpeed stage 0 and models its own layout
+        reasons = keep_reasons(model, self.config)
+        params = [p for p in model.parameters() if p.requires_grad]
+        kind = [("measured" if reasons[id(p)].startswith(MEASURED) else True) if id(p) in reasons else False
+                for p in params]
+        groups = tuple(g for g in (tuple(i for i, k in enumerate(kind) if k == want) for want in (False, True, "measured"))
+                       if g)
+        return dataclasses.replace(shape, groups=groups) if len(groups) > 1 else shape
+
     def adjust_estimate(self, phases: dict, shape: Any, numels: list) -> Optional[dict]:
         """States at the most precise format the policy starts from (the run's peak is there: a
         schedule only lowers precision, stability never rises above its start), fp32 for the kept

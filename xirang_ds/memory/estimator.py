@@ -81,6 +81,10 @@ class RunShape:
     adam_impl: str  # "single_tensor" | "foreach" | "fused"
     device: str
     shared_masters: bool = False  # ZeRO 1/2's fp32 partition is a view of fp32 parameters, not a copy
+    groups: Optional[tuple[tuple[int, ...], ...]] = None
+    """DeepSpeed's parameter groups as indices into the trainable parameters, when a plugin splits them
+    (optimizer_states keeps fp32 states in groups of their own); ZeRO 1/2 flattens and partitions each
+    group on its own. ``None``: one group."""
 
     @classmethod
     def from_ds_config(cls, ds: dict, world_size: int = 1, device: str = "cpu") -> "RunShape":
@@ -236,25 +240,31 @@ class _EngineEmulation:
 class _Partition:
     numel: int
     params: tuple[int, ...]
+    by_group: tuple[int, ...] = ()  # the numel it keeps whole in each group
 
 
 def _fullest_rank(shape: RunShape, numels: list[int]) -> _Partition:
-    """The rank whose ZeRO 1/2 gradient partition is largest: the flat 16-bit buffer is split evenly
-    in parameter order, and a rank keeps the gradients of every parameter that reaches into its
-    range whole (stage_1_and_2.py ``params_in_partition``; ``grads_in_partition`` is their sum)."""
+    """The rank whose ZeRO 1/2 gradient partition is largest: each group's flat 16-bit buffer is split
+    evenly in parameter order, and a rank keeps the gradients of every parameter that reaches into its
+    range whole (stage_1_and_2.py ``params_in_partition``; ``grads_in_partition`` is their sum), in
+    every group."""
     n = max(shape.world_size, 1)
-    part = partition_numel(sum(numels), n)
-    best = _Partition(0, ())
+    groups = shape.groups or (tuple(range(len(numels))),)
+    best = _Partition(0, (), (0,) * len(groups))
     for r in range(n):
-        lo, hi = r * part, (r + 1) * part
-        start, inside = 0, []
-        for i, x in enumerate(numels):
-            if start < hi and start + x > lo:
-                inside.append(i)
-            start += x
-        size = sum(numels[i] for i in inside)
-        if size > best.numel:
-            best = _Partition(size, tuple(inside))
+        inside, sizes = [], []
+        for group in groups:
+            part = partition_numel(sum(numels[i] for i in group), n)
+            lo, hi = r * part, (r + 1) * part
+            start, kept = 0, 0
+            for i in group:
+                if start < hi and start + numels[i] > lo:
+                    inside.append(i)
+                    kept += numels[i]
+                start += numels[i]
+            sizes.append(kept)
+        if sum(sizes) > best.numel:
+            best = _Partition(sum(sizes), tuple(inside), tuple(sizes))
     return best
 
 
@@ -588,9 +598,15 @@ def _optimizer_step(shape: RunShape, states: dict, numels: list[int]) -> tuple[d
     resident = _cat()
     if shape.stage == 3:  # the 16-bit gradient partition and the reduction bucket stay allocated
         resident = _cat(gradients=lp * part, comm_buffers=lp * shape.reduce_bucket)
-    held = _cat() if shape.stage == 3 else _cat(gradients=lp * _fullest_rank(shape, numels).numel)
-    prepare = _add(_add(states, resident), _add(held, _cat(gradients=4 * part if sixteen else 0,
-                                                            temporaries=lp * part)))
+        prepare = _add(_add(states, resident), _cat(gradients=4 * part if sixteen else 0, temporaries=lp * part))
+    else:
+        # group by group: its 16-bit gradients flattened and upcast, then freed before the next group's
+        rank = _fullest_rank(shape, numels)
+        parts = [partition_numel(sum(numels[i] for i in g), shape.world_size)
+                 for g in (shape.groups or (tuple(range(len(numels))),))]
+        points = [_cat(gradients=lp * sum(rank.by_group[g:]) + (4 * sum(parts[:g + 1]) if sixteen else 0),
+                       temporaries=lp * parts[g]) for g in range(len(parts))]
+        prepare = _add(states, max(points, key=lambda c: sum(c.values())))
     update = _add(_add(states, resident), _cat(gradients=4 * part, temporaries=_adam_temporaries(shape, [part])))
     return update, prepare
 

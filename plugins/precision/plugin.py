@@ -222,7 +222,11 @@ class PrecisionPlugin(Plugin):
         except RuntimeError:  # another policy holds the process-wide kernels (a live run's)
             return None
         self._traced = True
-        return _removing(handles, fake_parameters(model.parameters()))
+        undo = contextlib.ExitStack()  # removes the handles (last first) when the trace ends
+        for handle in handles:
+            undo.callback(handle.remove)
+        undo.enter_context(fake_parameters(model.parameters()))
+        return undo
 
     def adjust_estimate(self, phases: dict, shape: Any, numels: list) -> Optional[dict]:
         """Modelled by the trace itself (`trace_context`) and the shape (`estimate_shape`); not
@@ -317,17 +321,6 @@ def _fp32_cross_entropy(original: Any, labels: torch.Tensor, logits: torch.Tenso
     low digits (language_module.py ``compute_language_model_loss``)."""
     with torch._C._DisableAutocast():
         return original(labels, logits.float(), *args, **kwargs)
-
-
-@contextlib.contextmanager
-def _removing(handles: list[Any], context: Any):
-    """Keep ``handles`` installed and ``context`` entered while the block runs, then remove them."""
-    try:
-        with context:
-            yield
-    finally:
-        while handles:
-            handles.pop().remove()
 
 
 __all__ = ["PrecisionPlugin", "deepspeed_runs", "loss_scale_conflicts"]

@@ -85,7 +85,6 @@ class InputSignature:
         leaves, structure = pytree.tree_flatten(self.template)
         self.key = repr(structure) + "|" + ",".join(
             f"{tuple(x.shape)}:{x.dtype}" if isinstance(x, TensorSpec) else type(x).__name__ for x in leaves)
-        self.elements = sum(_numel(x.shape) for x in leaves if isinstance(x, TensorSpec))
 
     def fake(self) -> tuple[tuple, dict]:
         """``(args, kwargs)`` with fake tensors (call under the trace's ``FakeTensorMode``)."""
@@ -94,13 +93,6 @@ class InputSignature:
     def describe(self) -> str:
         leaves = [x for x in pytree.tree_leaves(self.template) if isinstance(x, TensorSpec)]
         return ", ".join("x".join(map(str, x.shape)) + " " + str(x.dtype).replace("torch.", "") for x in leaves)
-
-
-def _numel(shape: tuple) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 class ModelTwin:

@@ -34,7 +34,7 @@ import torch
 from xirang_ds.config.schema import MonitorConfig
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
-from xirang_ds.hooks import wrap_method
+from xirang_ds.hooks import CallbackHandle, wrap_method
 from xirang_ds.registry import Plugin, register_plugin
 
 logger = logging.getLogger("xirang_ds")
@@ -82,12 +82,26 @@ class MonitorPlugin(Plugin):
     def check_framework(cls, config: MonitorConfig, framework: str) -> list[tuple[str, str]]:
         issues = super().check_framework(config, framework)
         if framework == "megatron":
+            if config.on_oom != "raise":
+                issues.append(("on_oom", f"{config.on_oom!r} runs the step's micro-batches again inside "
+                                         "engine.forward and engine.backward, which Megatron's schedule does not "
+                                         "call; allowed there: 'raise'. Fix: set on_oom to \"raise\" for Megatron runs"))
             for action in config.actions:
                 if action not in cls.MEGATRON_ACTIONS:
                     issues.append(("actions", f"{action!r} is not available with Megatron-core (allowed there: "
                                               f"{', '.join(map(repr, cls.MEGATRON_ACTIONS))}); remove it for "
                                               "Megatron runs (Megatron saves checkpoints with --save-interval)"))
         return issues
+
+    @classmethod
+    def check_ds_config(cls, config: MonitorConfig, ds_config: dict) -> list[tuple[str, str]]:
+        stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0) or 0)
+        if config.on_oom != "raise" and stage == 3:
+            return [("xirang.monitor.on_oom", f"{config.on_oom!r} is not built for ZeRO-3 yet: an interrupted ZeRO-3 forward or "
+                               "backward leaves parameters gathered and its prefetch trace part-way, which xirang "
+                               "does not reset yet; allowed at ZeRO-3: 'raise'. Fix: set on_oom to \"raise\", or "
+                               "use ZeRO stage 0-2")]
+        return []
 
     def __init__(self, config: MonitorConfig, session):
         super().__init__(config, session)
@@ -96,6 +110,7 @@ class MonitorPlugin(Plugin):
         self.history: list[dict] = []
         self.actions_taken: list[dict] = []
         self.splitter = None
+        self.guard = None
         self.last_report = None
         """The tracker's report of the last checked window (CPU only)."""
         self.window = None
@@ -119,18 +134,52 @@ class MonitorPlugin(Plugin):
         self.window = self.session.open_peak_window()
         state_bytes = tracker.live_bytes if tracker is not None else int(self.accel.memory_allocated())
         self.budget = resolve_budget(self.session.config.memory_budget, self.accel.total_memory(), state_bytes)
-        if "halve_micro_batch" in self.config.actions:
+        if self.config.enforce_budget:
+            self._enforce(tracker)
+        if "halve_micro_batch" in self.config.actions or self.config.on_oom == "halve_micro_batch":
             from xirang_ds.microbatch import MicroBatchSplitter
 
             self.splitter = self.keep(MicroBatchSplitter(engine))
+        if self.config.on_oom == "halve_micro_batch":
+            from xirang_ds.oom import OomGuard
+
+            self.guard = self.keep(OomGuard(engine, self.splitter, self.session, self._on_retry))
+            self.session.oom_guard = self.guard
+            self.keep(CallbackHandle(lambda: setattr(self.session, "oom_guard", None)))
         self.keep(wrap_method(engine, "step", self._step))
         self._last_step = engine.global_steps
         if self.session.calibration is not None:
             self.session.calibration.attach(engine)
 
+    def _enforce(self, tracker: Any) -> None:
+        """``enforce_budget``: the budget becomes this process's hard cap on device memory."""
+        if tracker is not None:
+            tracker.limit = self.budget
+            self.keep(CallbackHandle(lambda: setattr(tracker, "limit", None)))
+            return
+        device = self.accel.current_device()
+        torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget / self.accel.total_memory()), device)
+        self.keep(CallbackHandle(lambda: torch.cuda.set_per_process_memory_fraction(1.0, device)))
+
     def describe(self) -> str:
-        return (f"budget {format_bytes(self.budget)}, warn at {self.config.warn_at:.0%}, act at "
-                f"{self.config.act_at:.0%} with {', '.join(self.config.actions) or 'no actions'}")
+        return (f"budget {format_bytes(self.budget)}" + (" (enforced)" if self.config.enforce_budget else "")
+                + f", warn at {self.config.warn_at:.0%}, act at {self.config.act_at:.0%} with "
+                f"{', '.join(self.config.actions) or 'no actions'}"
+                + (", out-of-memory errors in forward/backward retried with the micro-batch halved"
+                   if self.guard is not None else ""))
+
+    def _on_retry(self, record: dict) -> None:
+        """An out-of-memory retry (`OomGuard`): log, count as an action, send the event."""
+        step, micro = record["step"], self.engine.train_micro_batch_size_per_gpu()
+        self._log(f"step {step}: out of memory in {record['where']} of micro-step {record['micro_step']} "
+                  f"({record['error']}); every rank dropped it, micro-batch {micro} now runs as {record['pieces']} "
+                  f"pieces of {micro // record['pieces']} and this step's {record['micro_step']} micro-batch(es) run "
+                  "again (global batch unchanged)", logging.WARNING)
+        self.actions_taken.append({"step": step, "action": "oom_halve_micro_batch", "fraction": None, "done": True,
+                                   "episode": self.episode, **record})
+        self.session.record_event("monitor_action", step=step, action="oom_halve_micro_batch", done=True)
+        self._quiet_checks = 0
+        self._emit([(f"{EVENT_PREFIX}/action/oom_halve_micro_batch", float(record["pieces"]), step)])
 
     # ----------------------------------------------------------------------------------------
     def _step(self, original, *args: Any, **kwargs: Any) -> Any:

@@ -6,7 +6,9 @@ another with the accumulation boundary held off, so activations shrink k-fold wh
 micro-batch's mean loss, and its backward applies only the last piece's share.
 
 Exact for losses that are a mean over equally sized samples (the usual language-model loss with
-no padding); the batch dimension must divide by k.
+no padding); the batch dimension must divide by k. Forward returns a scalar loss, or an output
+holding one under ``loss`` (HF's ``ModelOutput``): the output then is the last piece's, with the
+whole micro-batch's loss in it.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 
 from xirang_ds.hooks import wrap_method
+from xirang_ds.oom import require_loss, with_loss
 
 
 class SplitError(RuntimeError):
@@ -73,14 +76,17 @@ class MicroBatchSplitter:
         try:
             engine.set_gradient_accumulation_boundary(False)
             for piece_args, piece_kwargs in pieces[:-1]:
-                loss = original(*piece_args, **piece_kwargs)
-                if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
-                    raise SplitError(f"halve_micro_batch needs forward to return a scalar loss; "
-                                     f"got {type(loss).__name__}")
+                loss = _scalar_loss(original(*piece_args, **piece_kwargs))
                 engine.backward(loss / k)
                 earlier.append(loss.detach())
+                del loss
         finally:
             engine._is_gradient_accumulation_boundary = saved_boundary
-        last = original(*pieces[-1][0], **pieces[-1][1])
+        output = original(*pieces[-1][0], **pieces[-1][1])
+        last = _scalar_loss(output)
         # value: mean of all pieces; gradient: only the last piece's 1/k share (the rest is applied)
-        return last / k + torch.stack(earlier).sum().to(last.dtype) / k
+        return with_loss(output, last / k + torch.stack(earlier).sum().to(last.dtype) / k)
+
+
+def _scalar_loss(output: Any) -> torch.Tensor:
+    return require_loss(output, "halve_micro_batch", SplitError)

@@ -119,6 +119,11 @@ class Plugin:
         """Plugin state for checkpoints (plain data)."""
         return {}
 
+    def drop_gradients(self) -> None:
+        """Forget every gradient this plugin holds for the step in progress, partial ones of an
+        interrupted backward included: an out-of-memory retry (``monitor.on_oom``) runs the step's
+        micro-batches again from the first (`xirang_ds.oom`)."""
+
     def settled(self) -> bool:
         """Whether this plugin's memory is as every later step will hold it (``False`` while it still
         profiles or warms up): the session calibrates its prediction on settled steps only

@@ -92,6 +92,9 @@ class Session:
         self._handles: list[Any] = []
         self.events: list[dict] = []
         self.memory_roles: list[Callable[[], Iterable[tuple[str, Any]]]] = []
+        self.oom_guard: Optional[Any] = None
+        """The monitor's `xirang_ds.oom.OomGuard` with ``on_oom = "halve_micro_batch"``: a plugin that
+        applies an update inside backward calls its ``confirm_update()`` first."""
         self.calibration: Optional["Calibration"] = None
         """This run's peak prediction, calibrated on its first steady measured step (with the monitor,
         under DeepSpeed: `xirang_ds.memory.calibration`); the monitor feeds it at each check."""

@@ -128,6 +128,7 @@ class GradReleasePlugin(Plugin):
         self.policy = ReleasePolicy(self.comm, sharded, self.setup.gradient_clipping, self.config.clipping,
                                     self.config.exact_method, self.setup.skip_nonfinite,
                                     make_loss_scaler(self.setup), total)
+        self.policy.hold_updates = self._retries_oom()
         tracker = self.session.tracker
         self.pipeline = ReleasePipeline(self.buckets, self.config.overlap_comm,
                                         stash_held=self.config.exact_method == "host",
@@ -364,7 +365,8 @@ class GradReleasePlugin(Plugin):
             states = phases["forward"].get(OPTIMIZER_STATES, states)  # that plugin's own model (it runs first)
         clipping = self.setup.gradient_clipping if self.setup is not None else 0.0
         fp16 = self.setup is not None and self.setup.fp16 is not None
-        holds = self.config.exact_method == "hold" and (clipping > 0 and self.config.clipping == "exact" or fp16)
+        holds = self.config.exact_method == "hold" and (clipping > 0 and self.config.clipping == "exact" or fp16
+                                                        or self._retries_oom())
         accum = 4 * part if shape.grad_accum > 1 else 0
         in_flight = (2 if self.config.overlap_comm else 1) * lp * bucket
         shard = math.ceil(bucket / world)
@@ -411,6 +413,8 @@ class GradReleasePlugin(Plugin):
                 if self.setup.gradient_clipping > 0 else "no clipping")
         return (f"step in backward, ZeRO-{stage} semantics over {self.comm.world} rank(s): {len(self.buckets)} buckets "
                 f"of <= {self.bucket_numel:,} elements, masters{masters} and optimizer states {shards}, {clip}"
+                + (f", updates held to the end of backward ({self.config.exact_method}) for on_oom"
+                   if self.policy.hold_updates else "")
                 + (", fp16 loss scaling" if self.setup.fp16 is not None else ""))
 
     # engine.backward / engine.step --------------------------------------------------------------
@@ -474,11 +478,23 @@ class GradReleasePlugin(Plugin):
             return True
         if kind is Pass.HOLD:
             policy.known_norm = norm
+            if self.session.oom_guard is not None:
+                self.session.oom_guard.confirm_update()  # every rank's backward succeeded
             pipeline.apply_all(policy.rule())
         policy.finish_step(norm, applied=True)
         if not finite:
             self._raise_nonfinite(norm, applied=True)
         return True
+
+    def _retries_oom(self) -> bool:
+        """``monitor.on_oom`` retries a failed backward, so no update may begin before backward ends."""
+        monitor = self.session.config.monitor
+        return monitor.enabled and monitor.on_oom == "halve_micro_batch"
+
+    def drop_gradients(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.abort()
+            self.pipeline.discard_all()
 
     def _raise_nonfinite(self, norm: float, applied: bool) -> None:
         local = [b for b, s in zip(self.buckets, self.pipeline.bucket_sumsq)

@@ -81,6 +81,9 @@ class ReleasePolicy:
         self.exact_method = exact_method
         self.skip_nonfinite = skip_nonfinite
         self.loss_scaler = loss_scaler
+        self.hold_updates = False
+        """Every update waits for the end of backward (a HOLD pass), so an out-of-memory error inside
+        backward leaves nothing applied (``monitor.on_oom``)."""
         self.total_numel = max(1, total_numel)
         self.norm_comms = [c for c in norm_comms if c.world > 1]
         self.previous_norm: Optional[float] = None
@@ -94,7 +97,7 @@ class ReleasePolicy:
     # passes -------------------------------------------------------------------------------------
     def needs_global_pass(self) -> bool:
         """True if this step's norm or finiteness must be known before the first update."""
-        if self.skip_nonfinite:
+        if self.skip_nonfinite or self.hold_updates:
             return True
         if self.max_norm <= 0:
             return False

@@ -441,6 +441,19 @@ class MonitorConfig(Section):
     doubles back one level (until it is whole again); 0 = keep it halved."""
     checkpoint_dir: Optional[str] = None
     """Where the ``checkpoint`` action saves; required when that action is listed."""
+    on_oom: Literal["raise", "halve_micro_batch"] = "raise"
+    """An out-of-memory error inside ``engine.forward`` or ``engine.backward``: ``raise`` it (as without
+    xirang), or ``halve_micro_batch``: every rank drops the micro-step (a rank that did not fail learns it
+    before its next collective), the micro-batch runs as twice as many pieces (accumulation doubled
+    inside ``engine.forward``; the global batch, the step and sample counters and the LR schedule
+    unchanged) and this step's micro-batches run again from the first; again on the next error, down to
+    pieces of one sample. Needs a scalar loss from forward (or an output holding ``loss``) passed to
+    ``engine.backward``; ZeRO 0-2 (not yet ZeRO-3). An error in the optimizer step itself is raised."""
+    enforce_budget: bool = False
+    """Make ``memory_budget`` a hard cap on this process's device memory: on CPU the live-storage tracker
+    raises ``torch.OutOfMemoryError`` when an op's new storage would exceed it; on CUDA
+    ``torch.cuda.set_per_process_memory_fraction`` (the allocator raises). With ``memory_budget`` ``auto``
+    the cap is the whole device."""
     every_steps: PositiveInt = 1
     """Check every N optimizer steps."""
     log_every_steps: NonNegativeInt = 0
@@ -560,6 +573,13 @@ class XirangConfig:
                 if action in self.monitor.actions and not self.activations.enabled:
                     issues.append(("monitor.actions", f"{action!r} acts through the activations plugin; "
                                                       "enable xirang.activations or remove the action"))
+        if (self.monitor.enabled and self.monitor.on_oom == "halve_micro_batch" and self.grad_release.enabled
+                and self.grad_release.exact_method == "two_pass"):
+            issues.append(("monitor.on_oom", "'halve_micro_batch' retries a failed backward, but grad_release's "
+                                             "exact_method 'two_pass' applies updates during its second backward, "
+                                             "where an error would leave a half-applied step; set "
+                                             "grad_release.exact_method to \"host\" or \"hold\", or on_oom to "
+                                             "\"raise\""))
         if self.comm_buffers.enabled and self.comm_buffers.lend_to_activations:
             a = self.activations
             packing = ("compress", "quantize", "sparsify")

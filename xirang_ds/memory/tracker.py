@@ -202,6 +202,10 @@ class MemoryTracker:
         self.phase_log: list[tuple[int, str]] = [(0, "setup")]
         self._windows: list[Window] = []
         self.default = self.open_window()
+        self.limit: Optional[int] = None
+        """A hard cap on live device bytes (``monitor.enforce_budget``): an op whose new storage would
+        take ``live_bytes`` past it raises ``torch.OutOfMemoryError``, as the caching allocator does
+        when the device is full; the storage is never counted. None: no cap."""
 
     # ----------------------------------------------------------------------------------------
     # lifecycle
@@ -273,8 +277,13 @@ class MemoryTracker:
                     if category:
                         self._set_category(rec, category)
                     return rec
-            self.clock += 1
             host = self._host_depth > 0 or category == HOST
+            if (self.limit is not None and func is not None and not host
+                    and self.live_bytes + nbytes > self.limit):  # ops allocate; seeds only name what exists
+                raise torch.OutOfMemoryError(
+                    f"xirang: {func} tried to allocate {nbytes:,} bytes with {self.live_bytes:,} of the enforced "
+                    f"memory budget {self.limit:,} in use (xirang.monitor.enforce_budget)")
+            self.clock += 1
             scope = self._scopes[-1] if self._scopes else None
             rec = Record(serial=next(self._serial), nbytes=nbytes, created=self.clock, phase=self.phase,
                          category=HOST if host else (category or scope), module=self._where(),

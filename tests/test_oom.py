@@ -1,0 +1,179 @@
+"""Surviving an out-of-memory error inside the step (``monitor.on_oom``, ``monitor.enforce_budget``).
+
+Two ranks, where only rank 1 runs out (an allocation that scales with the micro-batch, in one
+micro-step's forward or backward, under an enforced budget): both ranks retry with the micro-batch
+halved, the run matches bit for bit a run that had halved its micro-batch at the same step without
+any error, counters and the LR schedule are as if nothing happened, and a checkpoint written after
+the retry loads.
+"""
+import os
+
+import pytest
+import torch
+
+from tests.engine_runs import data_iter, ds_config
+from xirang_ds.launch import run_ranks
+
+HOG_STEP, HOG_MICRO = 2, 2  # the boundary micro-step of step 2: its retry also runs micro-step 1 again
+
+
+def _train(rank, world, tmp, stage, extra, where, hog, split_at, steps=3, gas=2, budget="24MB"):
+    """One run; ``hog``: rank 1 allocates 220x the first block's output at (HOG_STEP, HOG_MICRO) in
+    ``where``; ``split_at``: run as 2 pieces from this step on without any error (the reference)."""
+    import xirang_ds
+    from xirang_ds.models import BUILTIN_SPECS, build_model
+
+    spec = BUILTIN_SPECS["gpt-tiny"]
+    model = build_model(spec)
+    now, held = {"step": 0, "micro": 0}, []
+    if hog and rank == 1:
+        def allocate(module, args, output):
+            if (now["step"], now["micro"]) == (HOG_STEP, HOG_MICRO):
+                n = output.numel() * 220
+                if where == "forward":
+                    held.append(torch.empty(n))
+                else:
+                    output.register_hook(lambda grad: held.append(torch.empty(n)) or grad)
+
+        model.blocks[0].register_forward_hook(allocate)
+        model.register_forward_hook(lambda *_: held.clear())
+    block = {"memory_budget": budget,
+             "monitor": {"enabled": True, "warn_at": 0.98, "act_at": 0.99, "actions": [],
+                         "on_oom": "halve_micro_batch", "enforce_budget": True}, **(extra or {})}
+    config = ds_config(stage=stage, micro=4, gas=gas, xirang=block,
+                       scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 10}})
+    engine, *_ = xirang_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
+    monitor = engine.xirang.plugin("monitor")
+    data = data_iter(4, spec.seq, rank, world)
+    losses, lrs = [], []
+    for step in range(1, steps + 1):
+        now["step"] = step
+        if step == split_at:
+            monitor.splitter.pieces = 2
+        for micro in range(1, gas + 1):
+            now["micro"] = micro
+            x, y = next(data)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        lrs.append(engine.get_lr()[0])
+    engine.save_checkpoint(os.path.join(tmp, "ckpt"), tag="after")
+    params = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+    return {"losses": losses, "lrs": lrs, "params": params, "retries": monitor.guard.retries,
+            "actions": [a["action"] for a in monitor.actions_taken], "pieces": monitor.splitter.pieces,
+            "counters": (engine.global_steps, engine.global_samples, engine.micro_steps),
+            "checks": monitor.guard.gate.checks}
+
+
+def _resume(rank, world, tmp, stage, extra):
+    import xirang_ds
+    from xirang_ds.models import BUILTIN_SPECS, build_model
+
+    model = build_model(BUILTIN_SPECS["gpt-tiny"], seed=3)
+    block = {"monitor": {"enabled": True, "on_oom": "halve_micro_batch"}, **(extra or {})}
+    engine, *_ = xirang_ds.initialize(model=model, model_parameters=model.parameters(),
+                                      config=ds_config(stage=stage, micro=4, gas=2, xirang=block))
+    path, _ = engine.load_checkpoint(os.path.join(tmp, "ckpt"), tag="after")
+    params = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+    return {"loaded": path is not None, "params": params, "steps": engine.global_steps,
+            "pieces": engine.xirang.plugin("monitor").splitter.pieces}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage,extra,where", [
+    (2, None, "backward"),
+    (1, {"preset": "conservative"}, "backward"),  # grad_release holds its update to the end of backward
+    (0, None, "forward"),
+], ids=["zero2-backward", "conservative-zero1-backward", "zero0-forward"])
+def test_one_rank_out_of_memory_every_rank_retries_bit_identically(tmp_path, stage, extra, where):
+    got = run_ranks(_train, 2, str(tmp_path / "got"), stage, extra, where, True, None)
+    ref = run_ranks(_train, 2, str(tmp_path / "ref"), stage, extra, where, False, HOG_STEP)
+    for g, r in zip(got, ref):
+        assert [(x["step"], x["micro_step"], x["where"], x["pieces"], x["replayed"]) for x in g["retries"]] == [
+            (HOG_STEP, HOG_MICRO, where, 2, HOG_MICRO - 1)]
+        assert "rank 1 ran out of memory" in g["retries"][0]["error"]
+        assert g["actions"] == ["oom_halve_micro_batch"] and g["pieces"] == 2
+        # that step's losses reached the caller before the error, computed unsplit: equal up to rounding
+        at = slice((HOG_STEP - 1) * 2, HOG_STEP * 2)
+        assert g["losses"][at] == pytest.approx(r["losses"][at], rel=1e-6)
+        del g["losses"][at], r["losses"][at]
+        assert g["losses"] == r["losses"]
+        assert g["lrs"] == r["lrs"]
+        assert torch.equal(g["params"], r["params"])  # nothing of the failed attempt stayed
+        assert g["counters"] == r["counters"] == (3, 3 * 2 * 4 * 2, 6)
+        assert g["checks"] > r["checks"]  # the failure was agreed through the gate
+    assert torch.equal(got[0]["params"], got[1]["params"])
+    for loaded, g in zip(run_ranks(_resume, 2, str(tmp_path / "got"), stage, extra), got):
+        assert loaded["loaded"] and loaded["steps"] == 3 and loaded["pieces"] == 2
+        assert torch.equal(loaded["params"], g["params"])
+
+
+def _cannot_halve(rank, world, budget):
+    try:
+        _train(rank, world, "/tmp/xirang-oom-none", 2, None, "forward", False, None, steps=1, budget=budget)
+    except torch.OutOfMemoryError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.distributed
+def test_nothing_left_to_halve_raises_on_every_rank():
+    """A budget below what one sample needs: 4 -> 2 -> 1 pieces, then PyTorch's error, on both ranks."""
+    errors = run_ranks(_cannot_halve, 2, "11MB")
+    for error in errors:
+        assert "already run as 4 piece(s) of 1; nothing left to halve" in error
+        assert "Lower train_micro_batch_size_per_gpu, raise memory_budget" in error
+
+
+def test_tracker_limit_raises_before_counting():
+    from xirang_ds.memory.tracker import MemoryTracker
+
+    tracker = MemoryTracker("cpu")
+    with tracker:
+        a = torch.empty(1024)  # 4096 bytes
+        tracker.limit = 6000
+        with pytest.raises(torch.OutOfMemoryError, match="tried to allocate 4,096 bytes with 4,096 of the "
+                                                         "enforced memory budget 6,000"):
+            torch.empty(1024)
+        b = torch.empty(256)  # still fits
+        assert tracker.live_bytes == 5120 and tracker.peak_bytes == 5120
+        tracker.limit = None
+        c = torch.empty(4096)
+        assert tracker.live_bytes == 5120 + 16384
+    del a, b, c
+
+
+def test_refused_where_a_retry_cannot_be_exact():
+    from xirang_ds import XirangConfigError
+    from xirang_ds.config.fit import fit_block
+
+    monitor = {"monitor": {"enabled": True, "on_oom": "halve_micro_batch"}}
+    with pytest.raises(XirangConfigError, match="xirang.monitor.on_oom: 'halve_micro_batch' is not built for ZeRO-3 "
+                                                "yet.*Fix: set on_oom to \"raise\", or use ZeRO stage 0-2"):
+        fit_block(monitor, ds_config(stage=3))
+    with pytest.raises(XirangConfigError, match="exact_method 'two_pass' applies updates during its second backward"):
+        fit_block({**monitor, "grad_release": {"enabled": True, "exact_method": "two_pass"}}, ds_config(stage=2))
+    assert fit_block(monitor, ds_config(stage=2)).config.monitor.on_oom == "halve_micro_batch"
+
+
+def _direct_backward(rank, world):
+    import xirang_ds
+    from xirang_ds.models import BUILTIN_SPECS, build_model
+
+    spec = BUILTIN_SPECS["gpt-tiny"]
+    model = build_model(spec)
+    engine, *_ = xirang_ds.initialize(model=model, model_parameters=model.parameters(), config=ds_config(
+        stage=1, xirang={"monitor": {"enabled": True, "on_oom": "halve_micro_batch"}}))
+    x, y = next(data_iter(4, spec.seq, rank, world))
+    loss = engine(x, y)
+    try:
+        loss.backward()
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_loss_backward_on_the_stand_in_says_to_call_engine_backward():
+    error = run_ranks(_direct_backward, 1)[0]
+    assert "call engine.backward(loss), not loss.backward()" in error

@@ -119,6 +119,7 @@ class MonitorPlugin(Plugin):
         """Episodes so far (a run of checks from the first at ``act_at`` until one below ``warn_at``)."""
         self._in_episode = False
         self._quiet_checks = 0
+        self._retried = False
         self.last_prediction: Optional[dict] = None
         """The session calibration's record of the last check (`Calibration.observe`)."""
         self._above_prediction = False
@@ -178,7 +179,7 @@ class MonitorPlugin(Plugin):
         self.actions_taken.append({"step": step, "action": "oom_halve_micro_batch", "fraction": None, "done": True,
                                    "episode": self.episode, **record})
         self.session.record_event("monitor_action", step=step, action="oom_halve_micro_batch", done=True)
-        self._quiet_checks = 0
+        self._retried = True
         self._emit([(f"{EVENT_PREFIX}/action/oom_halve_micro_batch", float(record["pieces"]), step)])
 
     # ----------------------------------------------------------------------------------------
@@ -251,7 +252,9 @@ class MonitorPlugin(Plugin):
                                            "episode": self.episode})
                 self.session.record_event("monitor_action", step=step, action=action, done=done)
                 events.append((f"{EVENT_PREFIX}/action/{action}", 1.0 if done else 0.0, step))
-        self._quiet_checks = self._quiet_checks + 1 if level == "ok" else 0
+        quiet = level == "ok" and not self._retried  # a step that ran out of memory is not quiet
+        self._quiet_checks = self._quiet_checks + 1 if quiet else 0
+        self._retried = False
         if self._restore_due():
             events.append(self._restore(step))
         self.level = level

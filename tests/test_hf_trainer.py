@@ -4,7 +4,8 @@ import pytest
 from xirang_ds.launch import run_ranks
 
 
-def _hf_run(out_dir, block):
+def _hf_run(out_dir, block, hog_bytes=0):
+    """``hog_bytes``: the second forward of the first block allocates this much (once)."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
@@ -17,6 +18,14 @@ def _hf_run(out_dir, block):
     }
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64))
+    calls = []
+    if hog_bytes:
+        def hog(module, args, output):
+            calls.append(1)
+            if len(calls) == 2:
+                torch.empty(hog_bytes, dtype=torch.uint8)
+
+        model.transformer.h[0].register_forward_hook(hog)
     ids = torch.randint(0, 256, (32, 32))
     data = [{"input_ids": x, "labels": x} for x in ids]
     args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=4, max_steps=4, use_cpu=True,
@@ -31,6 +40,9 @@ def _hf_run(out_dir, block):
         "steps": result.global_step,
         "loss": result.training_loss,
         "checks": len(session.plugin("monitor").history) if session else 0,
+        "peak": max(h["peak_bytes"] for h in session.plugin("monitor").history) if session else 0,
+        "retries": [(r["step"], r["where"], r["pieces"]) for r in session.plugin("monitor").guard.retries]
+        if session and session.plugin("monitor").guard else [],
         "plan": dict(session.plugin("activations").plan) if session and session.plugin("activations") else None,
         "calibration": session.calibration.as_dict() if session else None,
         # the estimator on the session's copy of the HF model, called with the Trainer's keywords
@@ -53,13 +65,17 @@ def _hf_train(rank, world, out_dir):
             "enabled": True, "planner": False, "chunk": ["lm_head"], "chunk_tokens": 8}})
     finally:
         head_loss.chunked_cross_entropy = original
-    return plain, chunk, len(chunked)
+    # rank 1 runs out of memory in the second step's forward: HF's ModelOutput loss, accelerate's backward
+    budget = 3 * plain["peak"]
+    survived = _hf_run(out_dir, {"memory_budget": budget, "monitor": {
+        "enabled": True, "on_oom": "halve_micro_batch", "enforce_budget": True}}, hog_bytes=budget if rank else 0)
+    return plain, chunk, len(chunked), survived
 
 
 @pytest.mark.distributed
 def test_hf_trainer_with_patch_deepspeed(tmp_path):
     results = run_ranks(_hf_train, 2, str(tmp_path))
-    for r, chunk, chunked_calls in results:
+    for r, chunk, chunked_calls, survived in results:
         assert r["plugins"] == ["monitor"]
         assert r["steps"] == 4
         assert r["checks"] == 4  # the monitor saw every optimizer step
@@ -72,6 +88,9 @@ def test_hf_trainer_with_patch_deepspeed(tmp_path):
         assert chunk["plan"] == {"lm_head": "chunk"} and chunk["steps"] == 4
         assert chunked_calls == 4
         assert abs(chunk["loss"] - r["loss"]) <= 1e-3 * r["loss"], (chunk["loss"], r["loss"])
+        # on_oom under HF Trainer: both ranks retried step 2 in two pieces; training alike
+        assert survived["steps"] == 4 and survived["retries"] == [(2, "forward", 2)]
+        assert abs(survived["loss"] - r["loss"]) <= 1e-3 * r["loss"], (survived["loss"], r["loss"])
 
 
 def _hf_resumable(out_dir, block, resume_from=None):

@@ -6,7 +6,8 @@ another with the accumulation boundary held off, so activations shrink k-fold wh
 micro-batch's mean loss, and its backward applies only the last piece's share.
 
 Exact for losses that are a mean over equally sized samples (the usual language-model loss with
-no padding); the batch dimension must divide by k. Forward returns a scalar loss, or an output
+no padding), or a sum divided by a count given as ``num_items_in_batch`` (HF Trainer's, exact with
+padding too); the batch dimension must divide by k. Forward returns a scalar loss, or an output
 holding one under ``loss`` (HF's ``ModelOutput``): the output then is the last piece's, with the
 whole micro-batch's loss in it.
 """
@@ -18,6 +19,10 @@ import torch
 
 from xirang_ds.hooks import wrap_method
 from xirang_ds.oom import require_loss, with_loss
+
+
+NUM_ITEMS = "num_items_in_batch"
+"""HF Trainer's keyword: the loss is a sum over the micro-batch's tokens divided by this count."""
 
 
 class SplitError(RuntimeError):
@@ -70,6 +75,9 @@ class MicroBatchSplitter:
         if k <= 1 or not torch.is_grad_enabled() or not self.engine.training:
             return original(*args, **kwargs)
         pieces = split_inputs(args, kwargs, k)
+        # a loss already divided by the whole batch's token count (HF's num_items_in_batch) adds up over
+        # the pieces; a mean over the piece's samples averages
+        share = 1.0 if NUM_ITEMS in kwargs else 1.0 / k
         engine = self.engine
         saved_boundary = engine._is_gradient_accumulation_boundary
         earlier = []
@@ -77,15 +85,15 @@ class MicroBatchSplitter:
             engine.set_gradient_accumulation_boundary(False)
             for piece_args, piece_kwargs in pieces[:-1]:
                 loss = _scalar_loss(original(*piece_args, **piece_kwargs))
-                engine.backward(loss / k)
+                engine.backward(loss * share)
                 earlier.append(loss.detach())
                 del loss
         finally:
             engine._is_gradient_accumulation_boundary = saved_boundary
         output = original(*pieces[-1][0], **pieces[-1][1])
         last = _scalar_loss(output)
-        # value: mean of all pieces; gradient: only the last piece's 1/k share (the rest is applied)
-        return with_loss(output, last / k + torch.stack(earlier).sum().to(last.dtype) / k)
+        # value: the whole micro-batch's; gradient: only the last piece's share (the rest is applied)
+        return with_loss(output, (last + torch.stack(earlier).sum().to(last.dtype)) * share)
 
 
 def _scalar_loss(output: Any) -> torch.Tensor:

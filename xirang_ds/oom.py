@@ -214,7 +214,7 @@ class OomGuard:
         self.retries: list[dict] = []
         self.committed = False
         """An update has begun in this attempt: an error now cannot be retried."""
-        self._pending: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (real loss, stand-in)
+        self._pending: Optional[tuple] = None  # the real loss, the stand-in's leaf, the stand-in, its version
         self._output: Any = None
         self._direct_ok = False
         self._depth = 0
@@ -361,13 +361,15 @@ class OomGuard:
         return require_loss(output, "xirang.monitor.on_oom = \"halve_micro_batch\"")
 
     def _hand_out(self, output: Any) -> Any:
-        """The output with its loss replaced by a stand-in leaf of the same value."""
+        """The output with its loss replaced by a stand-in of the same value: one step from a leaf,
+        so the caller may scale it in place (HF's ``loss *= ...``)."""
         loss = loss_of(output)
         if loss is None or not loss.requires_grad:
             return output
-        stand_in = loss.detach().requires_grad_(True)
-        stand_in.register_hook(self._direct_backward)
-        self._pending = (loss, stand_in)
+        leaf = loss.detach().requires_grad_(True)
+        leaf.register_hook(self._direct_backward)
+        stand_in = leaf * 1.0
+        self._pending = (loss, leaf, stand_in, stand_in._version)
         return with_loss(output, stand_in)
 
     def _direct_backward(self, grad: torch.Tensor) -> torch.Tensor:
@@ -379,15 +381,15 @@ class OomGuard:
 
     def _real_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """What ``engine.backward(loss)`` runs: the real loss for the stand-in; for an expression of the
-        stand-in (``loss * w``), the real loss times its gradient."""
-        real, stand_in = self._pending
-        if loss is stand_in:
+        stand-in (``loss * w``, or the stand-in scaled in place), the real loss times its gradient."""
+        real, leaf, stand_in, version = self._pending
+        if loss is stand_in and loss._version == version:
             return real
         if not loss.requires_grad:
             return loss
         self._direct_ok = True
         try:
-            (grad,) = torch.autograd.grad(loss, stand_in, allow_unused=True)
+            (grad,) = torch.autograd.grad(loss, leaf, allow_unused=True)
         finally:
             self._direct_ok = False
         return loss if grad is None else real * grad.to(real.dtype)

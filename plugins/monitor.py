@@ -279,7 +279,10 @@ class MonitorPlugin(Plugin):
 
     def figures(self) -> dict:
         calibration = self.session.calibration
-        return {"calibration": calibration.as_dict()} if calibration is not None else {}
+        out = {"calibration": calibration.as_dict()} if calibration is not None else {}
+        if self.guard is not None:
+            out["oom_retries"] = list(self.guard.retries)
+        return out
 
     # actions ----------------------------------------------------------------------------------
     def _restore_due(self) -> bool:

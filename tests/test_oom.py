@@ -177,3 +177,41 @@ def _direct_backward(rank, world):
 def test_loss_backward_on_the_stand_in_says_to_call_engine_backward():
     error = run_ranks(_direct_backward, 1)[0]
     assert "call engine.backward(loss), not loss.backward()" in error
+
+
+def _presets_under_enforced_budget(rank, world, budget):
+    import xirang_ds
+    from xirang_ds.models import build_model, parse_model_spec
+
+    spec = parse_model_spec("gpt:layers=2,hidden=128,heads=4,seq=128,vocab=256")
+    out = {}
+    for preset in ("conservative", "balanced", "aggressive"):
+        model = build_model(spec)
+        data = data_iter(16, spec.seq, rank, world)
+        block = {"preset": preset, "memory_budget": budget, "monitor": {"enforce_budget": True}}
+        engine, *_ = xirang_ds.initialize(model=model, model_parameters=model.parameters(),
+                                          config=ds_config(stage=2, micro=16, xirang=block))
+        monitor = engine.xirang.plugin("monitor")
+        for _ in range(4):  # the planner's profiling steps, the first plan, then steady steps
+            x, y = next(data)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+        session = engine.xirang
+        out[preset] = {"peaks": [h["peak_bytes"] for h in monitor.history], "limit": session.tracker.limit,
+                       "budget": monitor.budget}
+        session.remove()
+        out[preset]["limit_after_remove"] = session.tracker.limit
+    return out
+
+
+@pytest.mark.distributed
+def test_every_preset_stays_inside_an_enforced_budget_from_its_first_step():
+    """About 0.58x of what the presets peak at without a budget (27.7 MB): the profiling passes (their codec
+    trials on host copies where the budget leaves too little room), the
+    warm-ups and every step fit, or the enforced cap would have raised (on_oom is "raise")."""
+    for result in run_ranks(_presets_under_enforced_budget, 2, "16MB"):
+        for preset, r in result.items():
+            assert r["limit"] == r["budget"] == 16_000_000, preset
+            assert len(r["peaks"]) == 4 and max(r["peaks"]) <= r["budget"], (preset, r["peaks"])
+            assert r["limit_after_remove"] is None, preset

@@ -420,6 +420,9 @@ class ActivationsPlugin(Plugin):
             total = int(get_accelerator().total_memory()) if budget == "auto" else int(budget)
             other = self._other_peak
             rt.head_room = lambda: total - other.live_bytes()
+            rt.profiler.trial_stretch, rt.profiler.trial_room = other.exclude, rt.head_room
+            if self.session.tracker.active:
+                rt.profiler.host_tier = self.session.tracker.host_tier
 
     def _close_other_peak(self) -> Optional[int]:
         peak = self._other_peak.stop() if self._other_peak is not None else None

@@ -183,6 +183,7 @@ class OtherPeak:
         self._watch: Any = None
         self._window: Any = None
         self._peak = 0
+        self._depth = 0
         tracker = session.tracker
         if torch.device(engine.device).type == "cpu":
             if not tracker.active:
@@ -214,13 +215,16 @@ class OtherPeak:
     def exclude(self, begin: bool) -> None:
         """Begin or end a stretch the peak leaves out: an output head's whole loss, in forward and in
         backward, which the planner prices itself (the transient of the head's keep choice), so that
-        a chunked head is not also charged the whole logits here. Sound: what is live when the stretch
-        begins is within the peak kept so far, and the peak restarts from what is live when it ends."""
+        a chunked head is not also charged the whole logits here; and the profiler's codec trials.
+        Sound: what is live when the stretch begins is within the peak kept so far, and the peak
+        restarts from what is live when it ends. Stretches nest (a trial inside the head's loss)."""
         if self._window is None:
             return
-        if begin:
+        self._depth += 1 if begin else -1
+        if begin and self._depth == 1:
             self._peak = max(self._peak, self._window.peak_bytes)
-        self._window.reset()
+        if self._depth == 0 or (begin and self._depth == 1):
+            self._window.reset()
 
     def close(self) -> None:
         if self._window is not None:

@@ -31,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from xirang_ds.memory.tracker import _returns_alias
-from xirang_ds.plugins.activations.codecs import trial
+from xirang_ds.plugins.activations.codecs import trial, trial_bytes
 from xirang_ds.plugins.activations.compat import sac_ignored_ops
 from xirang_ds.plugins.activations.handlers import OffloadHandler
 from xirang_ds.plugins.activations.recompute import op_key
@@ -207,6 +207,14 @@ class Profiler:
         self.block_size = block_size
         self.threshold = threshold
         self.synchronize = synchronize
+        self.trial_stretch: Optional[Callable[[bool], None]] = None
+        """Begins (True) and ends (False) a stretch the planner's measured peak leaves out: the trials
+        are this pass's own transient, which no planned step pays (`planning.OtherPeak.exclude`)."""
+        self.trial_room: Optional[Callable[[], int]] = None
+        """Device bytes ``memory_budget`` leaves now; a trial that might not fit runs on a host copy."""
+        self.host_tier: Callable[[], Any] = contextlib.nullcontext
+        """What host-tier allocations run under (the session tracker's ``host_tier`` on CPU)."""
+        self.host_trials = 0
         self.ignored = sac_ignored_ops()
         self.passes: list[dict[str, ModuleProfile]] = []
         self.stack: list[_Frame] = []
@@ -326,9 +334,21 @@ class Profiler:
 
         flat, _ = storage_flat(t)
         kinds = ("compress",) + (self.lossy_kinds if any(f.tolerant for f in self.stack) else ())
-        with torch.no_grad():
-            results = {kind: trial(kind, flat, self.storage, self.block_size, self.threshold, self.synchronize)
-                       for kind in kinds}
+        on_host = self.trial_room is not None and self.trial_room() < trial_bytes(flat, kinds)
+        if self.trial_stretch is not None:
+            self.trial_stretch(True)
+        try:
+            with torch.no_grad(), (self.host_tier() if on_host else contextlib.nullcontext()):
+                source = flat.to("cpu") if on_host and flat.device.type != "cpu" else flat
+                if on_host and source is flat:
+                    source = flat.clone()  # on CPU: a host-tier copy, so the trial's outputs are host tier too
+                results = {kind: trial(kind, source, self.storage, self.block_size, self.threshold, self.synchronize)
+                           for kind in kinds}
+                del source
+        finally:
+            if self.trial_stretch is not None:
+                self.trial_stretch(False)
+        self.host_trials += on_host
         self._trials[key] = results
         return results
 

@@ -215,7 +215,6 @@ class OomGuard:
         self.committed = False
         """An update has begun in this attempt: an error now cannot be retried."""
         self._pending: Optional[tuple] = None  # the real loss, the stand-in's leaf, the stand-in, its version
-        self._output: Any = None
         self._direct_ok = False
         self._depth = 0
         self._forward_inner: Optional[Callable] = None
@@ -374,9 +373,9 @@ class OomGuard:
 
     def _direct_backward(self, grad: torch.Tensor) -> torch.Tensor:
         if not self._direct_ok:
-            raise RuntimeError("xirang.monitor.on_oom = \"halve_micro_batch\": call engine.backward(loss), not "
-                               "loss.backward(): the engine keeps the loss's graph so that an out-of-memory retry "
-                               "can drop it")
+            raise RuntimeError("xirang.monitor.on_oom = \"halve_micro_batch\": call engine.backward(loss) on the "
+                               "loss of the last engine forward, not loss.backward(): the engine keeps that loss's "
+                               "graph so that an out-of-memory retry can drop it")
         return grad
 
     def _real_loss(self, loss: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,11 @@ Actions at ``act_at``, in the order listed, by *episode*: an episode starts at t
 
 Each warning and action is logged once on rank 0 when it happens and sent to DeepSpeed's monitor
 (tensorboard / csv / wandb) as an event; per-step memory figures go there too.
+
+Inside the step, where these checks come too late: ``on_oom = "halve_micro_batch"`` retries a
+micro-step that ran out of memory on every rank with the micro-batch halved (`xirang_ds.oom.OomGuard`,
+a retry is an ``oom_halve_micro_batch`` action), and ``enforce_budget`` makes ``memory_budget`` a hard
+cap (CPU: the tracker's ``limit``; CUDA: the allocator's per-process fraction).
 """
 from __future__ import annotations
 

@@ -98,16 +98,6 @@ class MonitorPlugin(Plugin):
                                               "Megatron runs (Megatron saves checkpoints with --save-interval)"))
         return issues
 
-    @classmethod
-    def check_ds_config(cls, config: MonitorConfig, ds_config: dict) -> list[tuple[str, str]]:
-        stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0) or 0)
-        if config.on_oom != "raise" and stage == 3:
-            return [("xirang.monitor.on_oom", f"{config.on_oom!r} is not built for ZeRO-3 yet: an interrupted ZeRO-3 forward or "
-                               "backward leaves parameters gathered and its prefetch trace part-way, which xirang "
-                               "does not reset yet; allowed at ZeRO-3: 'raise'. Fix: set on_oom to \"raise\", or "
-                               "use ZeRO stage 0-2")]
-        return []
-
     def __init__(self, config: MonitorConfig, session):
         super().__init__(config, session)
         self.budget = 0

@@ -59,7 +59,11 @@ def _train(rank, world, tmp, stage, extra, where, hog, split_at, steps=3, gas=2,
             losses.append(loss.item())
         lrs.append(engine.get_lr()[0])
     engine.save_checkpoint(os.path.join(tmp, "ckpt"), tag="after")
-    params = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), enabled=stage == 3):  # whole at ZeRO-3
+        params = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+    assert params.numel() == sum(p.ds_numel if stage == 3 else p.numel() for p in model.parameters())
     out = {"losses": losses, "lrs": lrs, "params": params, "retries": monitor.guard.retries,
            "actions": [a["action"] for a in monitor.actions_taken], "pieces": monitor.splitter.pieces,
            "counters": (engine.global_steps, engine.global_samples, engine.micro_steps),
@@ -93,7 +97,9 @@ def _resume(rank, world, tmp, stage, extra):
     (2, None, "backward"),
     (1, {"preset": "conservative"}, "backward"),  # grad_release holds its update to the end of backward
     (0, None, "forward"),
-], ids=["zero2-backward", "conservative-zero1-backward", "zero0-forward"])
+    (3, None, "forward"),
+    (3, None, "backward"),
+], ids=["zero2-backward", "conservative-zero1-backward", "zero0-forward", "zero3-forward", "zero3-backward"])
 def test_one_rank_out_of_memory_every_rank_retries_bit_identically(tmp_path, stage, extra, where):
     got, ref = zip(*run_ranks(_retried_and_reference, 2, str(tmp_path), stage, extra, where))
     for g, r in zip(got, ref):
@@ -158,12 +164,15 @@ def test_refused_where_a_retry_cannot_be_exact():
     from xirang_ds.config.fit import fit_block
 
     monitor = {"monitor": {"enabled": True, "on_oom": "halve_micro_batch"}}
-    with pytest.raises(XirangConfigError, match="xirang.monitor.on_oom: 'halve_micro_batch' is not built for ZeRO-3 "
-                                                "yet.*Fix: set on_oom to \"raise\", or use ZeRO stage 0-2"):
-        fit_block(monitor, ds_config(stage=3))
     with pytest.raises(XirangConfigError, match="exact_method 'two_pass' applies updates during its second backward"):
         fit_block({**monitor, "grad_release": {"enabled": True, "exact_method": "two_pass"}}, ds_config(stage=2))
-    assert fit_block(monitor, ds_config(stage=2)).config.monitor.on_oom == "halve_micro_batch"
+    for stage in (0, 3):
+        assert fit_block(monitor, ds_config(stage=stage)).config.monitor.on_oom == "halve_micro_batch"
+    from xirang_ds.registry import check_framework
+
+    problems = check_framework(fit_block(monitor, ds_config(stage=2)).config, "megatron")
+    assert [path for path, message in problems if "Megatron's schedule does not call" in message] == [
+        "xirang.monitor.on_oom"]
 
 
 def _direct_backward(rank, world):

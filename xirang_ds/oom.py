@@ -21,6 +21,9 @@ loss stays here, and ``engine.backward`` runs it). When backward fails, the grap
 variable would have held is dropped here, so the retry does not run beside the failed attempt's
 saved activations. A ``loss.backward()`` on the stand-in raises with the fix.
 
+At ZeRO-3 the interrupted pass also leaves parameters gathered, a prefetch trace recorded part-way and
+sub-modules on ZeRO-3's module stack: `_drop_zero3` releases, invalidates and pops them.
+
 Where nothing can be retried: an update that has begun (grad_release applies its held shards only
 after every rank confirmed its backward, `OomGuard.confirm_update`), the optimizer step, and a
 micro-batch already in pieces of one sample; those raise ``torch.OutOfMemoryError``.
@@ -137,9 +140,26 @@ _ZERO_1_2_STATE = ("averaged_gradients", "ipg_buckets", "params_already_reduced"
 """What `drop_step_gradients` resets in DeepSpeed's ZeRO-1/2 optimizer (checked at attach)."""
 
 
+_ZERO_3_STATE = ("averaged_gradients", "ipg_buckets", "params_already_reduced", "fp16_groups",
+                 "_backward_hook_state", "parameter_offload")
+_ZERO_3_COORDINATOR = ("release_backward_leftovers", "release_and_reset_all", "is_invalid_trace", "_invalidate_trace")
+"""What `drop_step_gradients` resets in DeepSpeed's ZeRO-3 optimizer and its parameter coordinator."""
+
+
 def zero_state_missing(optimizer: Any) -> list[str]:
-    """Names `drop_step_gradients` needs that this DeepSpeed ZeRO-1/2 optimizer lacks."""
-    return [name for name in _ZERO_1_2_STATE if not hasattr(optimizer, name)]
+    """Names `drop_step_gradients` needs that this DeepSpeed ZeRO optimizer lacks (none for others)."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
+        missing = [name for name in _ZERO_3_STATE if not hasattr(optimizer, name)]
+        if not missing:
+            coordinator = optimizer.parameter_offload.get_param_coordinator()
+            missing = [f"coordinator.{name}" for name in _ZERO_3_COORDINATOR if not hasattr(coordinator, name)]
+        return missing
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        return [name for name in _ZERO_1_2_STATE if not hasattr(optimizer, name)]
+    return []
 
 
 def drop_step_gradients(engine: Any) -> None:
@@ -148,9 +168,13 @@ def drop_step_gradients(engine: Any) -> None:
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID, DeepSpeedZeroOptimizer
 
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
     get_accelerator().synchronize()  # reductions in flight on side streams finish first
     optimizer = engine.optimizer
-    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+    if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
+        _drop_zero3(engine, optimizer)
+    elif isinstance(optimizer, DeepSpeedZeroOptimizer):
         optimizer.zero_grad(set_to_none=True)
         optimizer._release_preflattened_grad_buffers()
         for group in list(optimizer.averaged_gradients):
@@ -179,6 +203,37 @@ def drop_step_gradients(engine: Any) -> None:
     engine.zero_grad()
 
 
+def _drop_zero3(engine: Any, optimizer: Any) -> None:
+    """ZeRO-3: release every gathered parameter, forget the interrupted pass's trace and module stack,
+    and clear the gradient partitions' state (as its overflow path does, plus the ipg buckets)."""
+    from deepspeed.runtime.zero import parameter_offload
+
+    module = engine.module
+    coordinator = optimizer.parameter_offload.get_param_coordinator()
+    coordinator.release_backward_leftovers()
+    coordinator.release_and_reset_all(module)
+    if not coordinator.is_invalid_trace():
+        coordinator._invalidate_trace()  # the failed pass recorded part of an order; record anew
+    stack = parameter_offload.FWD_MODULE_STACK
+    if module in stack:  # the interrupted forward's sub-modules are still pushed
+        del stack[len(stack) - stack[::-1].index(module):]
+    for sub in module.modules():
+        if hasattr(sub, "ds_grads_remaining"):
+            sub.ds_grads_remaining = 0
+    for group in optimizer.fp16_groups:  # an interrupted backward leaves some; zero_grad's record_stream
+        for param in group:              # would fail on them on CPU
+            param.grad = None
+    optimizer.zero_grad(set_to_none=True)
+    optimizer.averaged_gradients = {}
+    for bucket in optimizer.ipg_buckets.values():
+        bucket.clear_params()
+    for key in optimizer.params_already_reduced:
+        optimizer.params_already_reduced[key] = False
+    state = optimizer._backward_hook_state
+    state.backward_active_depth = 0
+    state.reset_for_new_step()
+
+
 # ---------------------------------------------------------------------------------------------
 class OomGuard:
     """Catch an out-of-memory error in forward or backward, agree on it, halve and run the step again.
@@ -197,11 +252,10 @@ class OomGuard:
     def __init__(self, engine: Any, splitter: Any, session: Any, on_retry: Callable[[dict], None]):
         import deepspeed
         import torch.distributed as dist
-        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
         from xirang_ds.config.validate import XirangConfigError
 
-        missing = zero_state_missing(engine.optimizer) if isinstance(engine.optimizer, DeepSpeedZeroOptimizer) else []
+        missing = zero_state_missing(engine.optimizer)
         if missing:
             raise XirangConfigError([("xirang.monitor.on_oom", f"'halve_micro_batch' clears a failed step's gradients "
                                                                f"in DeepSpeed's ZeRO optimizer, whose {deepspeed.__version__} "

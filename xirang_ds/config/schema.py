@@ -448,7 +448,7 @@ class MonitorConfig(Section):
     inside ``engine.forward``; the global batch, the step and sample counters and the LR schedule
     unchanged) and this step's micro-batches run again from the first; again on the next error, down to
     pieces of one sample. Needs a scalar loss from forward (or an output holding ``loss``) passed to
-    ``engine.backward``; ZeRO 0-2 (not yet ZeRO-3). An error in the optimizer step itself is raised."""
+    ``engine.backward``; ZeRO 0-3, DeepSpeed only. An error in the optimizer step itself is raised."""
     enforce_budget: bool = False
     """Make ``memory_budget`` a hard cap on this process's device memory: on CPU the live-storage tracker
     raises ``torch.OutOfMemoryError`` when an op's new storage would exceed it; on CUDA

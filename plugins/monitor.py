@@ -153,6 +153,10 @@ class MonitorPlugin(Plugin):
             tracker.limit = self.budget
             self.keep(CallbackHandle(lambda: setattr(tracker, "limit", None)))
             return
+        if self.accel.device_name() != "cuda":
+            raise XirangConfigError([("xirang.monitor.enforce_budget",
+                                      f"true caps memory through the CUDA allocator; the accelerator here is "
+                                      f"{self.accel.device_name()!r}. Fix: set enforce_budget to false")])
         device = self.accel.current_device()
         torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget / self.accel.total_memory()), device)
         self.keep(CallbackHandle(lambda: torch.cuda.set_per_process_memory_fraction(1.0, device)))

@@ -13,12 +13,12 @@ whole micro-batch's loss in it.
 """
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Optional
 
 import torch
 
 from xirang_ds.hooks import wrap_method
-from xirang_ds.oom import require_loss, with_loss
 
 
 NUM_ITEMS = "num_items_in_batch"
@@ -27,6 +27,34 @@ NUM_ITEMS = "num_items_in_batch"
 
 class SplitError(RuntimeError):
     """The forward's inputs or output do not allow splitting."""
+
+
+def loss_of(output: Any) -> Optional[torch.Tensor]:
+    """The scalar loss in a forward's output: the output itself, or its ``loss`` entry (HF's
+    ``ModelOutput``, a dict); None if there is none."""
+    if isinstance(output, torch.Tensor):
+        return output if output.dim() == 0 else None
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+        return loss if isinstance(loss, torch.Tensor) and loss.dim() == 0 else None
+    return None
+
+
+def require_loss(output: Any, who: str, error: type = RuntimeError) -> torch.Tensor:
+    """`loss_of`, or ``error`` saying that ``who`` needs one."""
+    loss = loss_of(output)
+    if loss is None:
+        raise error(f"{who} needs forward to return a scalar loss (or an output with a scalar 'loss'); "
+                    f"got {type(output).__name__}")
+    return loss
+
+
+def with_loss(output: Any, loss: torch.Tensor) -> Any:
+    """``output`` with its loss replaced (see `loss_of`)."""
+    if isinstance(output, torch.Tensor):
+        return loss
+    output["loss"] = loss  # ModelOutput keeps its attribute and its key in step
+    return output
 
 
 def _batch_size(args: tuple, kwargs: dict) -> int:

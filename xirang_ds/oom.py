@@ -13,7 +13,7 @@ a separate gloo group where each rank says whether it has failed (`CollectiveGat
 answers the next check it would have reached with "failed". Collectives run in the same order on
 every rank, so the failing rank's answer meets the check the others make before their next
 collective, or the one at the end of forward or backward; every rank unwinds with the same verdict
-and no rank waits alone. Cost: one 4-byte gloo all-reduce per collective and per forward and backward,
+and no rank waits alone. Cost: one gloo all-reduce of an int32 per rank per collective and per forward and backward,
 only with ``on_oom`` on and more than one rank.
 
 The graph. ``engine.forward`` hands back a stand-in for the loss (a leaf with its value; the real
@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import torch
 
 from xirang_ds.hooks import wrap_method
+from xirang_ds.microbatch import loss_of, require_loss, with_loss
 
 logger = logging.getLogger("xirang_ds")
 
@@ -102,34 +102,6 @@ class CollectiveGate:
     def remove(self) -> None:
         while self._handles:
             self._handles.pop().remove()
-
-
-def loss_of(output: Any) -> Optional[torch.Tensor]:
-    """The scalar loss in a forward's output: the output itself, or its ``loss`` entry (HF's
-    ``ModelOutput``, a dict); None if there is none."""
-    if isinstance(output, torch.Tensor):
-        return output if output.dim() == 0 else None
-    if isinstance(output, Mapping):
-        loss = output.get("loss")
-        return loss if isinstance(loss, torch.Tensor) and loss.dim() == 0 else None
-    return None
-
-
-def require_loss(output: Any, who: str, error: type = RuntimeError) -> torch.Tensor:
-    """`loss_of`, or ``error`` saying that ``who`` needs one."""
-    loss = loss_of(output)
-    if loss is None:
-        raise error(f"{who} needs forward to return a scalar loss (or an output with a scalar 'loss'); "
-                    f"got {type(output).__name__}")
-    return loss
-
-
-def with_loss(output: Any, loss: torch.Tensor) -> Any:
-    """``output`` with its loss replaced (see `loss_of`)."""
-    if isinstance(output, torch.Tensor):
-        return loss
-    output["loss"] = loss  # ModelOutput keeps its attribute and its key in step
-    return output
 
 
 # ---------------------------------------------------------------------------------------------
@@ -448,5 +420,4 @@ class OomGuard:
         return loss if grad is None else real * grad.to(real.dtype)
 
 
-__all__ = ["CollectiveGate", "OomGuard", "PeerOutOfMemoryError", "drop_step_gradients", "loss_of", "require_loss",
-           "with_loss", "zero_state_missing"]
+__all__ = ["CollectiveGate", "OomGuard", "PeerOutOfMemoryError", "drop_step_gradients", "zero_state_missing"]

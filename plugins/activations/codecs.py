@@ -353,6 +353,7 @@ def trial(kind: str, flat: torch.Tensor, storage: PayloadStorage, block_size: in
 
 
 _CHECK_CHUNK = 1 << 18
+"""Elements per chunk of `trial`'s error check."""
 
 
 def trial_bytes(flat: torch.Tensor, kinds: tuple[str, ...]) -> int:
@@ -362,7 +363,6 @@ def trial_bytes(flat: torch.Tensor, kinds: tuple[str, ...]) -> int:
     one chunk."""
     lossy = 12 * flat.numel() if "quantize" in kinds else 0
     return 2 * flat.numel() * flat.element_size() + lossy + 16 * min(flat.numel(), _CHECK_CHUNK)
-"""Elements per chunk of `trial`'s error check."""
 
 
 def _rounding(dtype: torch.dtype) -> float:

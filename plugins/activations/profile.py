@@ -214,7 +214,6 @@ class Profiler:
         """Device bytes ``memory_budget`` leaves now; a trial that might not fit runs on a host copy."""
         self.host_tier: Callable[[], Any] = contextlib.nullcontext
         """What host-tier allocations run under (the session tracker's ``host_tier`` on CPU)."""
-        self.host_trials = 0
         self.ignored = sac_ignored_ops()
         self.passes: list[dict[str, ModuleProfile]] = []
         self.stack: list[_Frame] = []
@@ -339,16 +338,13 @@ class Profiler:
             self.trial_stretch(True)
         try:
             with torch.no_grad(), (self.host_tier() if on_host else contextlib.nullcontext()):
-                source = flat.to("cpu") if on_host and flat.device.type != "cpu" else flat
-                if on_host and source is flat:
-                    source = flat.clone()  # on CPU: a host-tier copy, so the trial's outputs are host tier too
+                source = flat.to("cpu", copy=True) if on_host else flat  # on CPU too: a host-tier copy
                 results = {kind: trial(kind, source, self.storage, self.block_size, self.threshold, self.synchronize)
                            for kind in kinds}
                 del source
         finally:
             if self.trial_stretch is not None:
                 self.trial_stretch(False)
-        self.host_trials += on_host
         self._trials[key] = results
         return results
 

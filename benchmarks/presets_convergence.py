@@ -5,7 +5,8 @@ Each model trains plain DeepSpeed (ZeRO-2 bf16, hand-tuned buckets) and then eac
 ``memory_budget`` at the fraction of the plain run's measured peak the results table uses
 (conservative 0.75, balanced 0.5, aggressive 0.25), same data order and seed. The check is the
 relative difference of the final loss (mean of the last 10% of steps) against the issue's bounds:
-0.5% / 1% / 2%.
+0.5% / 1% / 2%. `VARIANTS` adds rows of a preset with keys changed, at the preset's budget (aggressive
+with exact masters, against its default of none).
 
     .venv/bin/python benchmarks/presets_convergence.py --steps 300 --world-size 2 \\
         --data ../shared/data/tinyshakespeare.txt --json benchmarks/results/presets_convergence.json
@@ -21,6 +22,28 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from results_table import BASE, PRESET_BUDGETS, TUNED, deep_merge, short_error  # noqa: E402
 
 BOUNDS = {"conservative": 0.005, "balanced": 0.01, "aggressive": 0.02}
+VARIANTS = {"aggressive, exact masters": ("aggressive", {"grad_release": {"masters": "auto"}})}
+"""Row name → (preset, keys laid over it)."""
+
+
+def _rows():
+    """(row name, preset, keys over it): the presets, then `VARIANTS`."""
+    return [(p, p, {}) for p in PRESET_BUDGETS] + [(n, p, keys) for n, (p, keys) in VARIANTS.items()]
+
+
+def _run_row(model, name, preset, keys, ref_peak, steps, world_size, data):
+    from xirang_ds.bench import run_side
+
+    fraction = PRESET_BUDGETS[preset][-1]  # the one each preset can meet
+    block = deep_merge({"preset": preset, "memory_budget": int(fraction * ref_peak)}, keys)
+    row = {"model": model, "config": name, "preset": preset, "budget_fraction": fraction}
+    try:
+        side = run_side(model, deep_merge(BASE, {"xirang": block}), steps, world_size, data, 0, True)
+        row.update(final_loss=final(side.losses), peak_bytes=side.peak_bytes, losses=side.losses,
+                   summary=side.summary)
+    except Exception as e:
+        row["error"] = short_error(e)
+    return row
 
 
 def final(losses: list[float]) -> float:
@@ -55,18 +78,10 @@ def main() -> int:
             ref = run_side(model, plain, args.steps, args.world_size, args.data, 0, False)
             data["rows"].append({"model": model, "config": "plain", "final_loss": final(ref.losses),
                                  "peak_bytes": ref.peak_bytes, "losses": ref.losses})
-            for preset, fractions in PRESET_BUDGETS.items():
-                fraction = fractions[-1]  # the one each preset can meet
-                print(f"{model}: preset {preset} ...", file=sys.stderr, flush=True)
-                cfg = deep_merge(BASE, {"xirang": {"preset": preset, "memory_budget": int(fraction * ref.peak_bytes)}})
-                row = {"model": model, "config": preset, "budget_fraction": fraction}
-                try:
-                    side = run_side(model, cfg, args.steps, args.world_size, args.data, 0, True)
-                    row.update(final_loss=final(side.losses), peak_bytes=side.peak_bytes, losses=side.losses,
-                               summary=side.summary)
-                except Exception as e:
-                    row["error"] = short_error(e)
-                data["rows"].append(row)
+            for name, preset, keys in _rows():
+                print(f"{model}: {name} ...", file=sys.stderr, flush=True)
+                data["rows"].append(_run_row(model, name, preset, keys, ref.peak_bytes, args.steps,
+                                             args.world_size, args.data))
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump(data, f, indent=1)
@@ -76,24 +91,19 @@ def main() -> int:
 
 def redo(args: argparse.Namespace) -> int:
     """Rerun some preset rows of an earlier run in place (same steps, ranks and data)."""
-    from xirang_ds.bench import run_side
-
     with open(args.json, encoding="utf-8") as f:
         data = json.load(f)
+    rows = {name: (preset, keys) for name, preset, keys in _rows()}
     for item in args.redo:
-        model, preset = item.split(":")
+        model, name = item.split(":", 1)
         ref = next(r for r in data["rows"] if r["model"] == model and r["config"] == "plain")
-        index = next(i for i, r in enumerate(data["rows"]) if r["model"] == model and r["config"] == preset)
-        fraction = PRESET_BUDGETS[preset][-1]
-        cfg = deep_merge(BASE, {"xirang": {"preset": preset, "memory_budget": int(fraction * ref["peak_bytes"])}})
-        row = {"model": model, "config": preset, "budget_fraction": fraction, "redone": True}
-        try:
-            side = run_side(model, cfg, data["steps"], data["world_size"], args.data, 0, True)
-            row.update(final_loss=final(side.losses), peak_bytes=side.peak_bytes, losses=side.losses,
-                       summary=side.summary)
-        except Exception as e:
-            row["error"] = short_error(e)
-        data["rows"][index] = row
+        row = {**_run_row(model, name, *rows[name], ref["peak_bytes"], data["steps"], data["world_size"], args.data),
+               "redone": True}
+        index = next((i for i, r in enumerate(data["rows"]) if r["model"] == model and r["config"] == name), None)
+        if index is None:
+            data["rows"].append(row)
+        else:
+            data["rows"][index] = row
     data["command"] += " && python benchmarks/presets_convergence.py " + " ".join(sys.argv[1:])
     with open(args.json, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=1)
@@ -115,7 +125,7 @@ def render(data: dict) -> str:
             lines.append(f"| {r['model']} | {r['config']} | fails: {r['error'][:100]} | | | | |")
             continue
         rel = r["final_loss"] / ref["final_loss"] - 1
-        bound = BOUNDS[r["config"]]
+        bound = BOUNDS[r.get("preset", r["config"])]
         lines.append(f"| {r['model']} | {r['config']} (budget {r['budget_fraction']:g}x) | {r['final_loss']:.4f} | "
                      f"{rel:+.2%} | {bound:.1%} | {'yes' if abs(rel) <= bound else 'no'} | "
                      f"{r['peak_bytes'] / ref['peak_bytes']:.2f} |")

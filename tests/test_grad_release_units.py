@@ -140,6 +140,15 @@ def test_read_setup_lists_every_key_it_cannot_work_with():
     assert len(e.value.problems) == 8
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+def test_no_masters_are_refused_without_bf16_parameters(dtype):
+    config = {"fp16": {"enabled": True}} if dtype == "fp16" else {}
+    with pytest.raises(XirangConfigError, match="masters = 'none' needs bf16 parameters and this ds_config trains "
+                                                 f"in float{16 if dtype == 'fp16' else 32}.*allowed here: \"auto\""):
+        _setup(config, masters="none")
+    assert _setup({"bf16": {"enabled": True}}, masters="none").param_dtype == torch.bfloat16
+
+
 def test_read_setup_and_hand_over():
     from xirang_ds.plugins.grad_release.ds_config import hand_over
 
@@ -180,6 +189,56 @@ def test_remainders_rebuild_every_fp32_master_bit_for_bit():
     join(weight, remainder, torch.zeros_like(ties), rebuilt_without_bits)  # every tie read as rounded up
     wrong = rebuilt_without_bits.view(torch.int32) != master.view(torch.int32)
     assert bool(wrong.any()) and bool((wrong <= tied).all())
+
+
+def test_stochastic_rounding_lands_on_a_neighbour_with_the_fraction_as_probability():
+    """Every result is one of the two bf16 neighbours of the fp32 value, rounded up (away from zero)
+    about as often as the fraction of a bf16 step the value is past the lower one, so the mean is the
+    value; the same seed gives the same rounding; infinities, NaN, zeros and bf16 values stay."""
+    from xirang_ds.plugins.grad_release.stochastic import CHUNK_NUMEL, round_
+
+    g = torch.Generator().manual_seed(0)
+    value = torch.randn(64, generator=g) * 10 ** torch.randint(-6, 6, (64,), generator=g)
+    samples = CHUNK_NUMEL + 4097  # two chunks, the second partial
+    master = value.repeat_interleave(samples // 64 + 1)[:samples]
+    out = torch.empty(samples, dtype=torch.bfloat16)
+    round_(master.clone(), out, seed=7)
+    low = master.view(torch.int32) & -(1 << 16)
+    down, up = low.view(torch.float32), (low + (1 << 16)).view(torch.float32)
+    assert bool(((out.float() == down) | (out.float() == up)).all())
+    fraction = (master.view(torch.int32) & 0xFFFF).double() / 65536
+    went_up = (out.float() == up).double()
+    per_value = samples // 64
+    for i in range(0, samples - per_value, per_value * 8):  # a binomial mean: within 5 sigma
+        f, hits = fraction[i:i + per_value].mean(), went_up[i:i + per_value].mean()
+        assert abs(float(hits - f)) <= 5 * math.sqrt(float(f * (1 - f)) / per_value) + 1e-12
+    again = torch.empty_like(out)
+    round_(master.clone(), again, seed=7)
+    assert torch.equal(out.view(torch.int16), again.view(torch.int16))
+    other = torch.empty_like(out)
+    round_(master.clone(), other, seed=8)
+    assert not torch.equal(out.view(torch.int16), other.view(torch.int16))
+    special = torch.tensor([math.inf, -math.inf, math.nan, 0.0, -0.0, 1.0, -2.5, 2 ** -133])
+    special[2:3].view(torch.int32)[0] = 0x7F800001  # a NaN whose payload is in the low half only
+    out = torch.empty(special.numel(), dtype=torch.bfloat16)
+    round_(special.clone(), out, seed=1)
+    assert out[:2].tolist() == [math.inf, -math.inf] and out[2].isnan()
+    assert torch.equal(out[3:].view(torch.int16), special[3:].to(torch.bfloat16).view(torch.int16))
+
+
+def test_stochastic_rounding_carries_updates_that_round_to_nearest_loses():
+    """bf16 weights at 1.0 take 4,000 updates of 1e-4 each (1/78 of a bf16 step there): rounded to
+    nearest every time they never move; rounded stochastically they track the fp32 sum."""
+    from xirang_ds.plugins.grad_release.stochastic import round_
+
+    nearest = torch.ones(10_000, dtype=torch.bfloat16)
+    stochastic = nearest.clone()
+    for step in range(4000):
+        nearest = (nearest.float() + 1e-4).to(torch.bfloat16)
+        master = stochastic.float() + 1e-4
+        round_(master, stochastic, seed=step)
+    assert bool((nearest == 1.0).all())
+    assert abs(stochastic.float().mean().item() - 1.4) < 0.01
 
 
 def test_deepspeed_protocol_still_holds():

@@ -24,6 +24,8 @@ LEFT_OUT = {
     "zero1 fp32, accumulation 4, clipping": set(),
 }
 """What each preset leaves out there (conservative has no optimizer_states to leave out)."""
+KEYS_LEFT_OUT = {"zero1 fp32, accumulation 4, clipping": {"aggressive": {"grad_release.masters"}}}
+"""Keys a preset set that fall back there: aggressive's ``masters: none`` needs bf16 weights."""
 
 
 def _config(name, xirang=None):
@@ -76,8 +78,9 @@ def runs():
 def test_every_preset_runs_and_says_what_it_left_out(runs, name, preset):
     rank0 = runs[0][name, preset]
     expected = LEFT_OUT[name] & {k for k, v in PRESETS[preset].items() if v.get("enabled")}
+    expected |= KEYS_LEFT_OUT.get(name, {}).get(preset, set())
     assert set(rank0["left_out"]) == expected
-    assert not expected & set(rank0["plugins"])
+    assert not {item for item in expected if "." not in item} & set(rank0["plugins"])
     for section in expected:
         assert f"{section}: left out of preset {preset!r}: " in rank0["summary"]
     # conservative is lossless; the others quantize optimizer states, which moves two steps' loss little
@@ -104,6 +107,26 @@ def test_a_section_the_user_wrote_clashes_with_every_problem_at_once():
     assert "xirang.optimizer_states.enabled: zero_optimization.offload_optimizer.device is 'cpu'" in text
     assert "xirang.grad_release cannot run with zero_optimization.stage = 3" in text
     assert "xirang.grad_release cannot run with zero_optimization.offload_optimizer.device = 'cpu'" in text
+
+
+def test_a_preset_key_the_ds_config_cannot_take_falls_back_unless_the_user_wrote_it():
+    """aggressive keeps no master for bf16 weights; in fp16 or fp32 its ``masters: none`` falls back
+    to ``auto`` with a line (also when the user wrote other grad_release keys); written by the user,
+    it is refused with the key, the dtype and the fix."""
+    bf16, fp16 = {"bf16": {"enabled": True}}, {"fp16": {"enabled": True}}
+    assert fit_block({"preset": "aggressive"}, bf16).config.grad_release.masters == "none"
+    for block in ({"preset": "aggressive"}, {"preset": "aggressive", "grad_release": {"exact_method": "hold"}}):
+        for ds, dtype in ((fp16, "float16"), ({}, "float32")):
+            fitted = fit_block(block, ds)
+            assert fitted.config.grad_release.enabled and fitted.config.grad_release.masters == "auto"
+            assert fitted.lines() == [f"grad_release.masters: left out of preset 'aggressive': 'none' (no master, "
+                                      f"bf16 weights rounded stochastically) needs bf16 parameters and this run "
+                                      f"trains in {dtype}; masters stay \"auto\""]
+    with pytest.raises(XirangConfigError, match="masters = 'none' needs bf16 parameters and this ds_config trains "
+                                                 "in float16.*Fix: set xirang.grad_release.masters to \"auto\""):
+        fit_block({"preset": "aggressive", "grad_release": {"masters": "none"}}, fp16)
+    stage3 = fit_block({"preset": "aggressive"}, {**fp16, "zero_optimization": {"stage": 3}})
+    assert [line.split(":")[0] for line in stage3.lines()] == ["grad_release"]  # left out whole: no key line
 
 
 def test_validate_show_resolved_prints_the_left_out_lines(tmp_path, capsys):

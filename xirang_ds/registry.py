@@ -196,6 +196,17 @@ class Plugin:
         """
         return []
 
+    @classmethod
+    def preset_fallbacks(cls, config: Section, ds_config: dict) -> list[tuple[str, Any, str]]:
+        """Keys of this section, as a preset set them, that the user's ds_config cannot take, each
+        with the value that replaces it and why (`xirang_ds.config.fit`; a key the user wrote is
+        kept and meets `check_ds_config`).
+
+        Returns:
+            ``[(key, replacement, reason)]``; empty when every key can run.
+        """
+        return []
+
     # helpers --------------------------------------------------------------------------------
     def keep(self, handle: Any) -> Any:
         """Keep a removable handle (anything with ``.remove()``) for `remove`."""

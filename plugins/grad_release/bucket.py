@@ -19,6 +19,8 @@ steps views of them); 16-bit parameters get an fp32 master copy of this rank's s
 ``remainders`` (bf16 only) the master exists only during the bucket's update: between updates it is
 the bf16 weight plus ``remainders.py``'s 16-bit remainder and tie bit, and the views the optimizer
 steps (its states are keyed by them) point at an empty tensor until the next update rebuilds it.
+With ``none`` (bf16 only) there is no master at all: the update widens the bf16 weights to fp32,
+steps them, and rounds the result back stochastically (``stochastic.py``).
 """
 from __future__ import annotations
 
@@ -74,7 +76,8 @@ class Bucket:
         comm_dtype: dtype gradients are reduced in.
         scope: tracker scope for the bucket's transient buffers (`no_scope` without a tracker).
         host_scope: where the bucket's host buffer is made (the tracker's host tier; `stash`).
-        remainders: keep bf16 parameters' masters as remainders between updates (exact).
+        masters: how bf16 parameters' masters are kept between updates: ``fp32``, ``remainders``
+            (exact) or ``none`` (rounded stochastically into the weights). Other dtypes: ``fp32``.
 
     Attributes:
         grad: after ``finalize``, the step's gradient shard (``grad * grad_scale`` is the average).
@@ -87,7 +90,7 @@ class Bucket:
     def __init__(self, index: int, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  sources: Sequence[int], layout: BucketLayout, comm: DataParallelComm,
                  basic_optimizer: torch.optim.Optimizer, comm_dtype: torch.dtype, scope: Scope = no_scope,
-                 host_scope: Callable[[], ContextManager] = contextlib.nullcontext, remainders: bool = False):
+                 host_scope: Callable[[], ContextManager] = contextlib.nullcontext, masters: str = "fp32"):
         self.index = index
         self.params = list(params)
         self.names = list(names)
@@ -103,8 +106,10 @@ class Bucket:
         self.dtype = self.params[0].dtype
         self.pieces: list[Piece] = [p for p in layout.pieces(comm.rank if self.sharded else 0) if p.numel > 0]
         self.has_master = self.dtype != torch.float32
-        self.master: Optional[torch.Tensor] = None  # None for fp32, and between updates with remainders
-        self.remainders = remainders and self.dtype == torch.bfloat16
+        self.master: Optional[torch.Tensor] = None  # None for fp32, and between updates unless masters is fp32
+        self.masters = masters if self.dtype == torch.bfloat16 else "fp32"
+        self.remainders = self.masters == "remainders"
+        self.transient = self.masters != "fp32"  # the master exists only during an update (or a load)
         self.remainder: Optional[torch.Tensor] = None  # int16, one per master element
         self.ties: Optional[torch.Tensor] = None  # uint8, one bit per master element
         self.views: list[torch.Tensor] = []
@@ -146,18 +151,22 @@ class Bucket:
             view.xirang_slice_of = SliceOf(self.names[piece.index], tuple(param.shape), piece.start, piece.numel)
         self.optimizer = self._make_optimizer()  # it may look at the views' shapes
         self.steps_applied = 0
-        if self.remainders:
+        if self.transient:
             self._point_views(None)
 
     def materialize(self) -> None:
-        """Remainders: rebuild the fp32 master from the parameters' bf16 values (no-op otherwise)."""
-        if not self.remainders or self.master is not None:
+        """Rebuild the fp32 master between updates: remainders join the bf16 weights, ``none``
+        widens them (no-op with fp32 masters)."""
+        if not self.transient or self.master is not None:
             return
-        from xirang_ds.plugins.grad_release.remainders import join
-
         with torch.no_grad(), self.scope(PARAMETERS):
-            master = torch.empty(self.remainder.numel(), dtype=torch.float32, device=self.remainder.device)
-            join(self._weight_shard(), self.remainder, self.ties, master)
+            if self.remainders:
+                from xirang_ds.plugins.grad_release.remainders import join
+
+                master = torch.empty(self.remainder.numel(), dtype=torch.float32, device=self.remainder.device)
+                join(self._weight_shard(), self.remainder, self.ties, master)
+            else:
+                master = self._weight_shard(torch.float32)
         self._point_views(master)
 
     def _point_views(self, master: Optional[torch.Tensor]) -> None:
@@ -171,25 +180,36 @@ class Bucket:
                 view.data = part if self.sharded else part.view(self.params[piece.index].shape)
         self.master = master
 
-    def _weight_shard(self) -> torch.Tensor:
+    def _weight_shard(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """This rank's slices of the bf16 parameters, laid out as the master (padding zero)."""
-        weight = torch.zeros(self.remainder.numel(), dtype=self.dtype, device=self.remainder.device)
+        weight = torch.zeros(self.layout.shard_numel, dtype=dtype or self.dtype, device=self.params[0].device)
         for piece in self.pieces:
             weight[piece.offset:piece.offset + piece.numel].copy_(self._param_slice(piece).reshape(-1))
         return weight
 
     def _release(self, weight: torch.Tensor) -> None:
-        """Remainders: keep the master as ``weight`` (its bf16 rounding) plus remainder; free it."""
-        if not self.remainders:
+        """Free a transient master; remainders keep it as ``weight`` (its bf16 rounding) plus remainder."""
+        if not self.transient:
             return
-        from xirang_ds.plugins.grad_release.remainders import split
+        if self.remainders:
+            from xirang_ds.plugins.grad_release.remainders import split
 
-        split(self.master, weight, self.remainder, self.ties)
+            split(self.master, weight, self.remainder, self.ties)
         self._point_views(None)
+
+    def _round(self, out: torch.Tensor) -> None:
+        """The updated master into ``out`` (the parameter dtype, laid out as the master): to nearest,
+        or with ``none`` stochastically (the master is consumed)."""
+        if self.masters != "none":
+            out.copy_(self.master)
+            return
+        from xirang_ds.plugins.grad_release.stochastic import noise_seed, round_
+
+        round_(self.master, out, noise_seed(self.index, self.steps_applied, self.comm.rank if self.sharded else 0))
 
     @contextlib.contextmanager
     def fp32_masters(self, write_params: bool = False):
-        """The masters as fp32 tensors while the block runs (remainders: rebuilt first, split after).
+        """The masters as fp32 tensors while the block runs (transient ones: rebuilt first, freed after).
 
         Args:
             write_params: the block changes the masters (a load): the parameters' slices this rank
@@ -199,7 +219,7 @@ class Bucket:
         try:
             yield self.master
         finally:
-            if self.has_master and (write_params or self.remainders):
+            if self.has_master and (write_params or self.transient):
                 with torch.no_grad():
                     weight = self.master.to(self.dtype)
                     if write_params:
@@ -433,9 +453,10 @@ class Bucket:
         """Bring the updated masters back into the parameters (all-gather when sharded)."""
         with torch.no_grad():
             if not self.sharded:
-                if self.remainders:
+                if self.transient:
                     with self.scope(COMM_BUFFERS):
-                        weight = self.master.to(self.dtype)
+                        weight = torch.empty(self.master.numel(), dtype=self.dtype, device=self.master.device)
+                        self._round(weight)
                     self._write_params(weight)
                     self._release(weight)
                 elif self.has_master:
@@ -446,7 +467,7 @@ class Bucket:
             with self.scope(COMM_BUFFERS):
                 shard = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=device)
                 if self.has_master:
-                    shard.copy_(self.master)
+                    self._round(shard)
                     self._release(shard)
                 else:
                     for piece, view in zip(self.pieces, self.views):
@@ -483,20 +504,22 @@ class Bucket:
 
     # checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """This rank's masters (fp32, whatever ``remainders``) and optimizer state (fp32 parameters:
-        optimizer state only)."""
+        """This rank's masters (fp32 however they are kept; ``none``: the weights widened) and
+        optimizer state (fp32 parameters: optimizer state only)."""
         master = self.master
         if self.remainders:
             from xirang_ds.plugins.grad_release.remainders import join
 
             master = torch.empty_like(self.remainder, dtype=torch.float32)
             join(self._weight_shard(), self.remainder, self.ties, master)
+        elif self.transient:
+            master = self._weight_shard(torch.float32)
         return {"master": master, "optimizer": self.optimizer.state_dict() if self.optimizer else None,
                 "steps_applied": self.steps_applied}
 
     def load_state_dict(self, state: dict) -> None:
         if self.has_master and state["master"] is not None:
-            with self.fp32_masters(write_params=self.remainders):
+            with self.fp32_masters(write_params=self.transient):
                 self.master.copy_(state["master"])
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])

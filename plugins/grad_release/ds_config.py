@@ -24,6 +24,9 @@ from xirang_ds.config.validate import XirangConfigError, describe_value
 CASTABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 """Parameter dtypes DeepSpeed casts to the 16-bit dtype (``engine.py`` ``CASTABLE_DTYPES``)."""
 DTYPE_NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_BF16_MASTERS = {"remainders": "the master's low 16 bits rebuild it only beside its bf16 rounding",
+                 "none": "the stochastic rounding of an update is onto bf16 weights"}
+"""``masters`` values that only bf16 parameters can take, and why."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,15 @@ class TrainingSetup:
 
 def _problem(key: str, value: Any, allowed: str, fix: str) -> tuple[str, str]:
     return ("", f"xirang.grad_release cannot run with {key} = {describe_value(value)}; {allowed}. Fix: {fix}")
+
+
+def parameter_dtype(ds_config: dict) -> torch.dtype:
+    """The dtype the model trains in under this ds_config (its fp16/bf16 section, else fp32)."""
+    from deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
+
+    if get_float16_config(ds_config).enabled:
+        return torch.float16
+    return torch.bfloat16 if get_bfloat16_config(ds_config).enabled else torch.float32
 
 
 def read_setup(ds_config: dict, config: GradReleaseConfig) -> TrainingSetup:
@@ -119,7 +131,7 @@ def read_setup(ds_config: dict, config: GradReleaseConfig) -> TrainingSetup:
         problems.append(_problem("gradient_allreduce_op", ds_config.get("gradient_allreduce_op"),
                                  "grad_release averages gradients over data-parallel ranks; allowed: \"mean\"",
                                  "remove gradient_allreduce_op"))
-    param_dtype = torch.float16 if fp16.enabled else torch.bfloat16 if bf16.enabled else torch.float32
+    param_dtype = parameter_dtype(ds_config)
     data_types = ds_config.get("data_types") or {}
     for key in ("buffer_dtype", "keep_in_fp32_modules"):
         if data_types.get(key):
@@ -133,10 +145,10 @@ def read_setup(ds_config: dict, config: GradReleaseConfig) -> TrainingSetup:
     if declared is not None and DTYPE_NAMES.get(str(declared)) != param_dtype:
         problems.append(_problem("data_types.param_dtype", declared, "it must match the enabled fp16/bf16 section",
                                  "remove data_types.param_dtype"))
-    if config.masters == "remainders" and param_dtype != torch.bfloat16:
-        problems.append(("", f"xirang.grad_release.masters = 'remainders' needs bf16 parameters and this ds_config "
-                             f"trains in {str(param_dtype).replace('torch.', '')}: the master's low 16 bits rebuild it "
-                             "only beside its bf16 rounding; allowed here: \"auto\" or \"fp32\". Fix: set "
+    if config.masters in _BF16_MASTERS and param_dtype != torch.bfloat16:
+        problems.append(("", f"xirang.grad_release.masters = {config.masters!r} needs bf16 parameters and this "
+                             f"ds_config trains in {str(param_dtype).replace('torch.', '')}: "
+                             f"{_BF16_MASTERS[config.masters]}; allowed here: \"auto\" or \"fp32\". Fix: set "
                              "xirang.grad_release.masters to \"auto\", or enable the \"bf16\" section"))
     skip_nonfinite = config.nonfinite == "skip_step" or (config.nonfinite == "auto" and fp16.enabled)
     if fp16.enabled and config.nonfinite == "raise":
@@ -194,4 +206,4 @@ def make_loss_scaler(setup: TrainingSetup) -> Optional[Any]:
     return CreateLossScaler(torch.float16, fp16.loss_scale, dynamic, fp16.dynamic_loss_scale_args() if dynamic else None)
 
 
-__all__ = ["TrainingSetup", "cast_model", "hand_over", "make_loss_scaler", "read_setup"]
+__all__ = ["TrainingSetup", "cast_model", "hand_over", "make_loss_scaler", "parameter_dtype", "read_setup"]

@@ -88,6 +88,17 @@ class GradReleasePlugin(Plugin):
             return list(e.problems)
         return []
 
+    @classmethod
+    def preset_fallbacks(cls, config: GradReleaseConfig, ds_config: dict) -> list[tuple[str, Any, str]]:
+        from xirang_ds.plugins.grad_release.ds_config import parameter_dtype
+
+        dtype = parameter_dtype(ds_config)
+        if config.masters == "none" and dtype != torch.bfloat16:
+            return [("masters", "auto", f"'none' (no master, bf16 weights rounded stochastically) needs bf16 "
+                                        f"parameters and this run trains in {str(dtype).replace('torch.', '')}; "
+                                        "masters stay \"auto\"")]
+        return []
+
     # seams before DeepSpeed -----------------------------------------------------------------
     def prepare_ds_config(self, ds_config: dict) -> None:
         from xirang_ds.plugins.grad_release.ds_config import hand_over, read_setup
@@ -159,8 +170,8 @@ class GradReleasePlugin(Plugin):
         self.engine = run
         clip_grads = [float(c.clip_grad) for c in optimizer_configs(run.optimizer)]
         issues = problems(self.config, run, clip_grads)
-        if self.config.masters == "remainders":
-            issues.append(("xirang.grad_release.masters", "'remainders' keeps bf16 parameters' masters, and under "
+        if self.config.masters in ("remainders", "none"):
+            issues.append(("xirang.grad_release.masters", f"{self.config.masters!r} is for bf16 parameters' masters, and under "
                            "Megatron grad_release takes over fp32 parameters only (its Float16 optimizer keeps the "
                            "masters); allowed: \"auto\" or \"fp32\". Fix: remove the key"))
         if issues:
@@ -332,7 +343,7 @@ class GradReleasePlugin(Plugin):
                                           [group_of[p][1] for p in params],
                                           BucketLayout.build([p.numel() for p in params], world), self.comm, basic,
                                           self.setup.comm_dtype, tracker.scope, tracker.host_tier,
-                                          remainders=self.config.masters != "fp32"))
+                                          masters=self._masters))
                 except TypeError as e:
                     raise XirangConfigError([("", f"xirang.grad_release: the optimizer {type(basic).__name__} cannot "
                                                   f"be rebuilt as type(opt)(param_groups, **opt.defaults) for each "
@@ -344,7 +355,8 @@ class GradReleasePlugin(Plugin):
         """Model states as the buckets hold them and gradients a bucket at a time (the table under
         "One step of a bucket" in docs/grad_release.md): 16-bit parameters whole, fp32 masters and
         Adam states over this rank's shard (masters as remainders: 2 bytes and a tie bit per element,
-        rebuilt for a bucket's update), one bucket filling and one reducing, this rank's shard
+        rebuilt for a bucket's update; ``none``: no master, the weights widened for the update and
+        rounded back a chunk at a time), one bucket filling and one reducing, this rank's shard
         held until backward ends when exact clipping uses ``hold``, and the update's temporaries in
         backward, one bucket shard at a time. There is no separate optimizer-step phase."""
         from xirang_ds.memory.estimator import STEP_PREPARE, _adam_temporaries
@@ -358,8 +370,8 @@ class GradReleasePlugin(Plugin):
         part = sum(math.ceil(n / world) for n in numels)
         bucket = auto_bucket_numel(total) if self.config.bucket_size_numel == "auto" else int(self.config.bucket_size_numel)
         bucket = max(bucket, max(numels))  # a larger parameter gets a bucket of its own
-        remainders = self.config.masters != "fp32" and shape.dtype == torch.bfloat16
-        masters = (2 * part + math.ceil(part / 8) if remainders else 4 * part) if lp != 4 else 0
+        kind = self._masters if shape.dtype == torch.bfloat16 else "fp32"
+        masters = {"fp32": 4 * part, "remainders": 2 * part + math.ceil(part / 8), "none": 0}[kind] if lp != 4 else 0
         states = 8 * part
         if self.session.plugin("optimizer_states") is not None:
             states = phases["forward"].get(OPTIMIZER_STATES, states)  # that plugin's own model (it runs first)
@@ -371,11 +383,16 @@ class GradReleasePlugin(Plugin):
         in_flight = (2 if self.config.overlap_comm else 1) * lp * bucket
         shard = math.ceil(bucket / world)
         # the update (bucket.py ``apply``): the bucket shard's fp32 gradient, then with remainders its
-        # master rebuilt from a 16-bit copy of its weights (freed once joined), then the optimizer over
-        # the parameters' pieces, one at a time for torch's single-tensor Adam
+        # master rebuilt from a 16-bit copy of its weights (freed once joined; ``none``: widened in
+        # place), then the optimizer over the parameters' pieces, one at a time for torch's
+        # single-tensor Adam; ``none`` then rounds the master into the 16-bit shard, the noise and
+        # the finite mask a chunk at a time (5 bytes an element), the gradient freed by then
+        from xirang_ds.plugins.grad_release.stochastic import CHUNK_NUMEL
+
         piece = min(shard, math.ceil(max(numels) / world))
         adam = _adam_temporaries(shape, [piece] if shape.adam_impl == "single_tensor" else [shard])
-        update = max(10 * shard, 8 * shard + adam) if remainders else 4 * shard + adam
+        update = {"fp32": 4 * shard + adam, "remainders": max(10 * shard, 8 * shard + adam),
+                  "none": max(8 * shard + adam, 6 * shard + 5 * min(shard, CHUNK_NUMEL))}[kind]
         out = {}
         for name, cats in phases.items():
             cats = dict(cats)
@@ -407,7 +424,9 @@ class GradReleasePlugin(Plugin):
                     f"<= {self.bucket_numel:,} elements, optimizer states replicated, {clip}")
         stage = self.setup.zero_stage
         shards = f"sharded 1/{self.comm.world}" if self.policy.sharded else "replicated"
-        masters = " (as bf16 remainders, exact)" if any(b.remainders for b in self.buckets) else ""
+        masters = (" (as bf16 remainders, exact)" if any(b.remainders for b in self.buckets) else
+                   " (none: bf16 weights rounded stochastically)" if any(b.masters == "none" for b in self.buckets)
+                   else "")
         clip = (f"clipping {self.setup.gradient_clipping} ({self.config.clipping}"
                 + (f", {self.config.exact_method}" if self.config.clipping != "per_layer" else "") + ")"
                 if self.setup.gradient_clipping > 0 else "no clipping")
@@ -485,6 +504,11 @@ class GradReleasePlugin(Plugin):
         if not finite:
             self._raise_nonfinite(norm, applied=True)
         return True
+
+    @property
+    def _masters(self) -> str:
+        """How bf16 parameters' masters are kept (`Bucket`'s ``masters``): ``auto`` is ``remainders``."""
+        return "remainders" if self.config.masters == "auto" else self.config.masters
 
     def _retries_oom(self) -> bool:
         """``monitor.on_oom`` retries a failed backward, so no update may begin before backward ends."""

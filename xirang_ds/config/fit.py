@@ -5,7 +5,9 @@ at ZeRO-3, optimizer_states under optimizer offload, ...) is left out, with one 
 the session summary and in ``xirang-ds validate --show-resolved``. A section the user wrote in the
 block (any key of it) is a request: if it cannot run there, that is an error, and every such problem
 is reported at once. Each plugin says what it cannot run with through `Plugin.check_ds_config`,
-read on the user's ds_config before any plugin edits it.
+read on the user's ds_config before any plugin edits it. A key a preset set that this ds_config
+cannot take (grad_release's ``masters: none`` without bf16) falls back to the value a plugin's
+`Plugin.preset_fallbacks` names, with its line, unless the user wrote that key.
 """
 from __future__ import annotations
 
@@ -64,6 +66,10 @@ def fit_block(block: Any, ds_config: dict) -> FittedBlock:
 
     config = validate_block(block)
     explicit = {key for key in block if key != "preset"} if config.preset is not None else set(block)
+    fallbacks: list[LeftOut] = []
+    if config.preset is not None:
+        block, fallbacks = _fall_back(block, config, ds_config)
+        config = validate_block(block)
     problems: list[tuple[str, str]] = []
     left_out: list[LeftOut] = []
     for name, section in config.enabled_sections().items():
@@ -80,7 +86,26 @@ def fit_block(block: Any, ds_config: dict) -> FittedBlock:
     if left_out:
         block = {**block, **{item.section: {"enabled": False} for item in left_out}}
         config = validate_block(block)
-    return FittedBlock(config, tuple(left_out))
+    dropped = {item.section for item in left_out}
+    kept = [item for item in fallbacks if item.section.split(".")[0] not in dropped]
+    return FittedBlock(config, tuple(kept + left_out))
+
+
+def _fall_back(block: dict, config: XirangConfig, ds_config: dict) -> tuple[dict, list[LeftOut]]:
+    """The preset's keys this ds_config cannot take, replaced (the user's own keys stay as written)."""
+    from xirang_ds.config.loader import deep_merge
+    from xirang_ds.registry import plugin_for
+
+    over: dict[str, dict] = {}
+    lines: list[LeftOut] = []
+    for name, section in config.enabled_sections().items():
+        cls = plugin_for(section)
+        written = block.get(name) if isinstance(block.get(name), dict) else {}
+        for key, value, reason in (cls.preset_fallbacks(section, ds_config) if cls is not None else []):
+            if key not in written:
+                over.setdefault(name, {})[key] = value
+                lines.append(LeftOut(f"{name}.{key}", reason))
+    return (deep_merge(block, over) if over else block), lines
 
 
 __all__ = ["FittedBlock", "LeftOut", "fit_block"]

@@ -42,10 +42,12 @@ PRESETS: dict[str, dict] = {
                              "keep_fp32_embeddings_and_norms": "measured"},
         "activations": {"enabled": True, "budget": "auto", "options": list(_LOSSLESS_STORAGE + _RECOMPUTE)},
     },
-    # Adds int4 optimizer states and lossy 8-bit / sparse storage of the feed-forward blocks' saved
-    # activations (bounded error, docs/activations.md); offload stays among the options.
+    # Adds int4 optimizer states, bf16 weights with no master (each update rounded stochastically
+    # into them; other dtypes keep their masters) and lossy 8-bit / sparse storage of the feed-forward
+    # blocks' saved activations (bounded error, docs/activations.md); offload stays among the options.
     "aggressive": {
         **_CONSERVATIVE,
+        "grad_release": {"enabled": True, "masters": "none"},
         "optimizer_states": {"enabled": True, "schedule": [{"dtype": "int4"}],
                              "keep_fp32_embeddings_and_norms": "measured"},
         "activations": {"enabled": True, "budget": "auto", "options": list(_LOSSLESS_STORAGE + _RECOMPUTE + _LOSSY),

@@ -188,12 +188,15 @@ class GradReleaseConfig(Section):
     overlap_comm: bool = True
     """Reduce the next bucket while the previous one is applied and backward continues (one
     reduction in flight); ``false`` reduces and applies each bucket synchronously."""
-    masters: Literal["auto", "fp32", "remainders"] = "auto"
+    masters: Literal["auto", "fp32", "remainders", "none"] = "auto"
     """How the fp32 masters of 16-bit parameters are kept between updates: ``fp32`` (4 bytes per
-    element of this rank's shard), or ``remainders``: the bf16 weight the model holds plus the
+    element of this rank's shard); ``remainders``: the bf16 weight the model holds plus the
     master's low 16 bits and one tie bit (2.125 bytes), from which each update rebuilds the master
-    bit for bit, so training is the one with fp32 masters (exact). bf16 only: an fp16 weight is not
-    the top half of an fp32 number. ``auto`` = ``remainders`` with bf16 parameters, else ``fp32``."""
+    bit for bit, so training is the one with fp32 masters (exact); ``none`` (lossy, the aggressive
+    preset): no master, each update steps the bf16 weights widened to fp32 and rounds the result
+    back stochastically (0 bytes; convergence measured in docs/grad_release.md). ``remainders`` and
+    ``none`` need bf16 parameters (an fp16 weight is not the top half of an fp32 number). ``auto`` =
+    ``remainders`` with bf16 parameters, else ``fp32``."""
 
 
 # --------------------------------------------------------------------------------------------

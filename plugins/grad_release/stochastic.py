@@ -1,0 +1,53 @@
+"""bf16 weights without a master: each update's fp32 result rounded stochastically into the weight.
+
+With ``masters: none`` a bucket keeps no master between updates. Its update starts from the bf16
+weight widened to fp32, steps it, and rounds the result back to bf16 *stochastically*: up (away from
+zero) with probability equal to the fraction of a bf16 step the low 16 bits are, down otherwise. The
+expected weight is then the fp32 result, so an update smaller than half a bf16 step still moves the
+weight on average instead of being rounded away every time (round-to-nearest would lose it). This
+is what torchao's low-bit optimizers do with ``bf16_stochastic_round=True``; training is no longer
+the fp32-master run's bit for bit, and docs/grad_release.md has the measured convergence.
+
+The rounding works on the fp32 bits: add a uniform 16-bit integer to the magnitude's low half
+(sign-magnitude: the same add moves both signs away from zero) and clear the low half. A carry is
+the round up; the largest finite numbers can round up to infinity, as in torchao. Infinities and
+NaNs get no noise and stay what they are (a NaN becomes the canonical one).
+
+The noise is a function of the bucket, the step and the rank holding the shard (`noise_seed`), not of
+a generator's running state: stage 0's ranks, which update the same whole bucket, draw the same
+noise and keep identical weights, and a resumed run draws what the uninterrupted one would have.
+"""
+from __future__ import annotations
+
+import torch
+
+CHUNK_NUMEL = 1 << 20
+"""Elements rounded per pass: the noise (4 bytes) and the finite mask (1 byte) are this large."""
+
+_LOW_HALF = 1 << 16
+_HIGH_HALF = -(1 << 16)  # 0xFFFF0000 as int32
+
+
+def noise_seed(bucket: int, step: int, rank: int) -> int:
+    """The seed of a bucket's noise at ``step`` on the rank holding the shard (injective below
+    2**24 steps and 2**16 ranks)."""
+    return (bucket << 40) ^ (rank << 24) ^ step
+
+
+def round_(master: torch.Tensor, out: torch.Tensor, seed: int) -> None:
+    """Round fp32 ``master`` (flat; overwritten) stochastically into bf16 ``out`` (flat, same numel)."""
+    generator = torch.Generator(device=master.device)
+    generator.manual_seed(seed)
+    bits = master.view(torch.int32)
+    for start in range(0, master.numel(), CHUNK_NUMEL):
+        part = bits[start:start + CHUNK_NUMEL]
+        values = master[start:start + CHUNK_NUMEL]
+        noise = torch.randint(0, _LOW_HALF, part.shape, dtype=torch.int32, device=part.device, generator=generator)
+        noise.masked_fill_(~torch.isfinite(values), 0)
+        values.masked_fill_(torch.isnan(values), float("nan"))  # a NaN whose payload is all low bits stays NaN
+        part.add_(noise).bitwise_and_(_HIGH_HALF)
+        del noise
+        out[start:start + CHUNK_NUMEL].copy_(values)  # exact: the low half is zero
+
+
+__all__ = ["CHUNK_NUMEL", "noise_seed", "round_"]

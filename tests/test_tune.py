@@ -56,7 +56,7 @@ class ScriptedRunner:
 def test_search_space_follows_ranks_and_lossless():
     names = [[o.label for o in d] for d in search_space(DS, 2)]
     assert names[0] == ["zero0", "zero1", "zero2"]
-    assert ["", "int8_states", "int4_states"] in names and ["", "grad_release"] in names
+    assert ["", "int8_states", "int4_states"] in names and ["", "grad_release", "grad_release_no_master"] in names
     lossless = [[o.label for o in d] for d in search_space(DS, 1, lossless_only=True)]
     assert lossless[0] == ["zero2"]  # one rank: the user's stage only
     assert all(not o.startswith("int") for d in lossless for o in d)

@@ -103,7 +103,11 @@ def search_space(ds_config: dict, world_size: int, lossless_only: bool = False,
                              lossy=True))
         dims.append(states)
     if "grad_release" in built:
-        dims.append([Option(""), Option("grad_release", {"grad_release": {"enabled": True}})])
+        release = [Option(""), Option("grad_release", {"grad_release": {"enabled": True}})]
+        if (ds_config.get("bf16") or {}).get("enabled") in (True, "true"):  # no master: bf16 weights only
+            release.append(Option("grad_release_no_master", {"grad_release": {"enabled": True, "masters": "none"}},
+                                  lossy=True))
+        dims.append(release)
     if "precision" in built and _low_precision(ds_config):
         dims.append([Option(""), Option("precision", {"precision": {"enabled": True}})])
     if "activations" in built:

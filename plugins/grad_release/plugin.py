@@ -359,7 +359,7 @@ class GradReleasePlugin(Plugin):
         rounded back a chunk at a time), one bucket filling and one reducing, this rank's shard
         held until backward ends when exact clipping uses ``hold``, and the update's temporaries in
         backward, one bucket shard at a time. There is no separate optimizer-step phase."""
-        from xirang_ds.memory.estimator import STEP_PREPARE, _adam_temporaries
+        from xirang_ds.memory.estimator import BACKWARD_START, STEP_PREPARE, _adam_temporaries
         from xirang_ds.plugins.grad_release.layout import auto_bucket_numel
 
         if not numels:
@@ -409,6 +409,10 @@ class GradReleasePlugin(Plugin):
                         GRADIENTS: accum + (lp * part if holds else 0) + lp * max(numels)}
                 if sum(late.values()) > sum(cats.values()):
                     cats = late
+            elif name == BACKWARD_START:
+                # the first gradient autograd makes (the output head's, where the model has one: the
+                # largest parameter) exists whole before its hook copies it into a bucket
+                cats[GRADIENTS] = accum + lp * max(numels)
             elif name in ("optimizer_step", STEP_PREPARE):
                 cats["temporaries"] = 0
                 cats["activations"] = 0

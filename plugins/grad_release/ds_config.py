@@ -24,7 +24,7 @@ from xirang_ds.config.validate import XirangConfigError, describe_value
 CASTABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 """Parameter dtypes DeepSpeed casts to the 16-bit dtype (``engine.py`` ``CASTABLE_DTYPES``)."""
 DTYPE_NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_BF16_MASTERS = {"remainders": "the master's low 16 bits rebuild it only beside its bf16 rounding",
+BF16_MASTERS = {"remainders": "the master's low 16 bits rebuild it only beside its bf16 rounding",
                  "none": "the stochastic rounding of an update is onto bf16 weights"}
 """``masters`` values that only bf16 parameters can take, and why."""
 
@@ -145,10 +145,10 @@ def read_setup(ds_config: dict, config: GradReleaseConfig) -> TrainingSetup:
     if declared is not None and DTYPE_NAMES.get(str(declared)) != param_dtype:
         problems.append(_problem("data_types.param_dtype", declared, "it must match the enabled fp16/bf16 section",
                                  "remove data_types.param_dtype"))
-    if config.masters in _BF16_MASTERS and param_dtype != torch.bfloat16:
+    if config.masters in BF16_MASTERS and param_dtype != torch.bfloat16:
         problems.append(("", f"xirang.grad_release.masters = {config.masters!r} needs bf16 parameters and this "
                              f"ds_config trains in {str(param_dtype).replace('torch.', '')}: "
-                             f"{_BF16_MASTERS[config.masters]}; allowed here: \"auto\" or \"fp32\". Fix: set "
+                             f"{BF16_MASTERS[config.masters]}; allowed here: \"auto\" or \"fp32\". Fix: set "
                              "xirang.grad_release.masters to \"auto\", or enable the \"bf16\" section"))
     skip_nonfinite = config.nonfinite == "skip_step" or (config.nonfinite == "auto" and fp16.enabled)
     if fp16.enabled and config.nonfinite == "raise":
@@ -206,4 +206,4 @@ def make_loss_scaler(setup: TrainingSetup) -> Optional[Any]:
     return CreateLossScaler(torch.float16, fp16.loss_scale, dynamic, fp16.dynamic_loss_scale_args() if dynamic else None)
 
 
-__all__ = ["TrainingSetup", "cast_model", "hand_over", "make_loss_scaler", "parameter_dtype", "read_setup"]
+__all__ = ["BF16_MASTERS", "TrainingSetup", "cast_model", "hand_over", "make_loss_scaler", "parameter_dtype", "read_setup"]

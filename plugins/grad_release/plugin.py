@@ -162,7 +162,7 @@ class GradReleasePlugin(Plugin):
 
         from xirang_ds.integration.megatron_compat import optimizer_configs, unwrap
         from xirang_ds.plugins.grad_release.comm import DataParallelComm
-        from xirang_ds.plugins.grad_release.ds_config import TrainingSetup
+        from xirang_ds.plugins.grad_release.ds_config import BF16_MASTERS, TrainingSetup
         from xirang_ds.plugins.grad_release.megatron import DdpTakeover, norm_counted, problems
         from xirang_ds.plugins.grad_release.pipeline import ReleasePipeline
         from xirang_ds.plugins.grad_release.policy import ReleasePolicy
@@ -170,7 +170,7 @@ class GradReleasePlugin(Plugin):
         self.engine = run
         clip_grads = [float(c.clip_grad) for c in optimizer_configs(run.optimizer)]
         issues = problems(self.config, run, clip_grads)
-        if self.config.masters in ("remainders", "none"):
+        if self.config.masters in BF16_MASTERS:
             issues.append(("xirang.grad_release.masters", f"{self.config.masters!r} is for bf16 parameters' masters, and under "
                            "Megatron grad_release takes over fp32 parameters only (its Float16 optimizer keeps the "
                            "masters); allowed: \"auto\" or \"fp32\". Fix: remove the key"))

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from xirang_ds.config.loader import validate_block
+from xirang_ds.config.loader import deep_merge, validate_block
 from xirang_ds.config.schema import XirangConfig
 from xirang_ds.config.validate import XirangConfigError
 
@@ -93,7 +93,6 @@ def fit_block(block: Any, ds_config: dict) -> FittedBlock:
 
 def _fall_back(block: dict, config: XirangConfig, ds_config: dict) -> tuple[dict, list[LeftOut]]:
     """The preset's keys this ds_config cannot take, replaced (the user's own keys stay as written)."""
-    from xirang_ds.config.loader import deep_merge
     from xirang_ds.registry import plugin_for
 
     over: dict[str, dict] = {}

@@ -9,8 +9,14 @@ Megatron-LM's ``pretrain`` and ``setup_model_and_optimizer`` there still have wh
 use, an anchor that moved makes the check fail (while a pure insertion would have applied), and the
 names in ``megatron_compat.UPSTREAM_NAMES`` are in the source of every tag from core_v0.12.0 to
 core_v0.19.0.
+
+With the upstream files in ``../shared/megatron-lm/`` (or ``XIRANG_MEGATRON_FILES``; skipped without
+them; no clone needed, so CI runs it): each file's blob id is the one MANIFEST.tsv gives, and at each
+tag there (core_v0.16.0 to core_v0.19.0) the patch applies, or not, as docs/megatron.md's table says
+(``APPLIES_AT``), fully where it does, and ``pretrain`` takes the providers only at ``WORKS_ON``.
 """
 import ast
+import csv
 import inspect
 import os
 import re
@@ -181,3 +187,120 @@ def test_megatron_core_names_at_every_checked_tag():
             source = _show(repo, ref, path)
             missing.extend(f"{ref}:{path}: {n!r}" for n in needles if n not in source)
     assert not missing, "megatron-core moved names xirang reads:\n" + "\n".join(missing)
+
+
+# with the upstream files in ../shared (no clone) -----------------------------------------------------
+APPLIES_AT = {"core_v0.16.0": True, "core_v0.16.1": True, "core_v0.17.0": True, "core_v0.17.1": True,
+              "core_v0.18.2": True, "core_v0.19.0": True}
+"""docs/megatron.md's table "Without a clone": the tags in ../shared/megatron-lm/MANIFEST.tsv and whether
+the patch applies there (``git apply --check --unidiff-zero``)."""
+FILES_ENV = "XIRANG_MEGATRON_FILES"
+
+
+def _megatron_files():
+    """The folder of upstream files: $XIRANG_MEGATRON_FILES, else ../shared/megatron-lm of the checkout."""
+    path = os.environ.get(FILES_ENV)
+    if path:
+        if not os.path.isfile(os.path.join(path, "MANIFEST.tsv")):
+            pytest.fail(f"{FILES_ENV}={path} has no MANIFEST.tsv")
+        return path
+    path = os.path.normpath(os.path.join(ROOT, "..", "shared", "megatron-lm"))
+    if not os.path.isfile(os.path.join(path, "MANIFEST.tsv")):
+        pytest.skip(f"no Megatron-LM files at {path} (its MANIFEST.tsv); set {FILES_ENV} to such a folder")
+    return path
+
+
+def _manifest(folder):
+    """{tag: {"commit": upstream commit, "blobs": {path: blob id}}} from the folder's MANIFEST.tsv."""
+    tags = {}
+    with open(os.path.join(folder, "MANIFEST.tsv"), encoding="utf-8", newline="") as f:
+        for row in csv.DictReader(f, delimiter="\t"):
+            entry = tags.setdefault(row["tag"], {"commit": row["commit"], "blobs": {}})
+            assert entry["commit"] == row["commit"], f"MANIFEST.tsv: {row['tag']} has two commits"
+            entry["blobs"][row["path"]] = row["blob"]
+    return tags
+
+
+def _git(cwd, *args):
+    return subprocess.run(["git", "-c", "user.name=x", "-c", "user.email=x", *args], cwd=cwd,
+                          capture_output=True, text=True)
+
+
+def _tag_repo(folder, tag, paths, tmp):
+    """A git repository in tmp holding the tag's files, committed (copied by content: the shared
+    copies are read-only)."""
+    for path in paths:
+        os.makedirs(os.path.dirname(os.path.join(tmp, path)) or tmp, exist_ok=True)
+        with open(os.path.join(folder, tag, path), "rb") as src, open(os.path.join(tmp, path), "wb") as dst:
+            dst.write(src.read())
+    for args in (("init", "-q"), ("add", "-A"), ("commit", "-q", "-m", tag)):
+        done = _git(tmp, *args)
+        assert done.returncode == 0, f"git {' '.join(args)}: {done.stderr}"
+    return tmp
+
+
+def test_megatron_files_match_the_manifest():
+    folder = _megatron_files()
+    tags = _manifest(folder)
+    assert set(tags) == set(APPLIES_AT), f"MANIFEST.tsv's tags {sorted(tags)} are not APPLIES_AT's"
+    assert tags["core_v0.16.1"]["commit"] == PINNED, "the manifest's core_v0.16.1 is not the pinned commit"
+    patched = {h[0] for h in _hunks(open(PATCH, encoding="utf-8").read())}
+    wrong = []
+    for tag, entry in sorted(tags.items()):
+        assert set(entry["blobs"]) == patched, f"{tag}: the manifest lists {sorted(entry['blobs'])}"
+        for path, blob in sorted(entry["blobs"].items()):
+            found = _git(os.path.join(folder, tag), "hash-object", path)
+            if found.returncode or found.stdout.strip() != blob:
+                wrong.append(f"{tag}/{path}: manifest {blob}, git hash-object {found.stdout.strip() or found.stderr}")
+    assert not wrong, "files in " + folder + " differ from upstream:\n" + "\n".join(wrong)
+
+
+def test_applies_at_table_covers_the_pinned_tag():
+    assert APPLIES_AT["core_v0.16.1"], "the patch must apply at the tag it pins"
+    assert set(WORKS_ON) & set(APPLIES_AT) <= {t for t, applies in APPLIES_AT.items() if applies}
+
+
+@pytest.mark.parametrize("tag", sorted(APPLIES_AT))
+def test_patch_applies_at_each_shared_tag_as_documented(tag):
+    folder = _megatron_files()
+    entry = _manifest(folder)[tag]
+    where = f"{tag} ({entry['commit']})"
+    hunks = _hunks(open(PATCH, encoding="utf-8").read())
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = _tag_repo(folder, tag, sorted(entry["blobs"]), tmp)
+        check = _git(repo, "apply", "--check", "--unidiff-zero", PATCH)
+        script = _check(repo, "HEAD")                      # patches/check.sh, the index route, on the same files
+        if not APPLIES_AT[tag]:
+            assert check.returncode != 0, f"{where}: the patch applies; docs/megatron.md says it does not"
+            assert "patch does not apply" in check.stderr, f"{where}: git apply failed otherwise: {check.stderr}"
+            assert "does not apply" in script.stdout, f"{where}: check.sh says {script.stdout}"
+            return
+        assert check.returncode == 0, f"{where}: the patch does not apply: {check.stderr}"
+        assert script.returncode == 0 and "applies" in script.stdout, f"{where}: check.sh says {script.stdout}"
+        originals = {path: open(os.path.join(repo, path), encoding="utf-8").read() for path in entry["blobs"]}
+        applied = _git(repo, "apply", "--unidiff-zero", PATCH)
+        assert applied.returncode == 0, f"{where}: git apply: {applied.stderr}"
+        numstat = _git(repo, "diff", "--numstat").stdout.split("\n")
+        assert sorted(line for line in numstat if line) == sorted(f"2\t0\t{p}" for p in entry["blobs"]), \
+            f"{where}: each file gains two lines and loses none: {numstat}"
+        for path, header, removed, added in hunks:
+            lines = originals[path].splitlines()
+            assert lines.count(removed[0]) == 1, f"{where}: {path}: the anchor of {header} is not one line there"
+            text = open(os.path.join(repo, path), encoding="utf-8").read()
+            assert "\n".join(added) + "\n" in text, f"{where}: {path}: {header} not inserted at its anchor"
+        assert "pretrain = wrap_pretrain(pretrain)" in open(os.path.join(repo, "pretrain_gpt.py")).read(), where
+        training = open(os.path.join(repo, "megatron/training/training.py")).read()
+        assert "optimizer = xirang_prepare_optimizer(optimizer, model)" in training, where
+
+
+@pytest.mark.parametrize("tag", sorted(APPLIES_AT))
+def test_pretrain_takes_the_providers_only_where_documented(tag):
+    """WORKS_ON: the inserted calls find what they use; elsewhere wrap_pretrain refuses (its TypeError)."""
+    folder = _megatron_files()
+    source = open(os.path.join(folder, tag, "megatron", "training", "training.py"), encoding="utf-8").read()
+    pretrain = next(f for f in ast.walk(ast.parse(source)) if isinstance(f, ast.FunctionDef) and f.name == "pretrain")
+    params = {a.arg for a in pretrain.args.args}
+    takes = {"model_provider", "extra_args_provider"} <= params
+    said = "takes" if tag in WORKS_ON else "does not take"
+    assert takes == (tag in WORKS_ON), \
+        f"{tag}: pretrain's parameters are {sorted(params)}; WORKS_ON (docs/megatron.md) says it {said} the providers"

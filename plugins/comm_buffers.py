@@ -103,6 +103,15 @@ class CommBuffersPlugin(Plugin):
     under Megatron-core, sizes the DDP buckets."""
 
     frameworks = ("deepspeed", "megatron")
+    inert_keys = {"megatron": {
+        "arena": (False, "Megatron's DDP allocates its grad buffer once and its buckets are views of it, so there "
+                         "is no bucket allocation to serve from an arena"),
+        "adapt": (False, "Megatron's DDP buckets are views of its grad buffer, sized once when the model is "
+                         "wrapped; they cannot be resized between steps"),
+        "adapt_every_steps": (None, "it paces adapt, which cannot run under Megatron"),
+        "lend_to_activations": (False, "it lends the arena, which Megatron's DDP does not use"),
+    }}
+    """Under Megatron only the bucket sizes apply (docs/megatron.md)."""
 
     def __init__(self, config: CommBuffersConfig, session):
         super().__init__(config, session)

@@ -250,6 +250,22 @@ def test_preset_leaves_off_what_megatron_cannot_run_but_not_what_the_user_names(
     assert named.grad_release.enabled and named.memory_pool.enabled  # run under Megatron when named
 
 
+def test_comm_buffers_keys_that_do_nothing_under_megatron_are_off_or_refused():
+    resolved = xm.validate_for_megatron({"preset": "balanced"})  # the preset's arena and adapt
+    assert resolved.comm_buffers.enabled and not resolved.comm_buffers.arena and not resolved.comm_buffers.adapt
+    sized = xm.validate_for_megatron({"comm_buffers": {"enabled": True, "reduce_bucket_size": 1000, "arena": False}})
+    assert sized.comm_buffers.reduce_bucket_size == 1000 and not sized.comm_buffers.adapt
+    with pytest.raises(XirangConfigError) as e:
+        xm.validate_for_megatron({"preset": "balanced", "monitor": {"warn_at": 1.5},
+                                  "comm_buffers": {"adapt": True, "adapt_every_steps": 5, "lend_to_activations": True}})
+    text = str(e.value)
+    assert "(4 problems)" in text and "xirang.monitor.warn_at" in text  # every problem at once, nothing else
+    assert ("xirang.comm_buffers.adapt: true does nothing under Megatron: Megatron's DDP buckets are views of its "
+            "grad buffer") in text and "Fix: drop the key (or set it to false) for Megatron runs" in text
+    assert "xirang.comm_buffers.adapt_every_steps: 5 does nothing under Megatron" in text
+    assert "xirang.comm_buffers.lend_to_activations: true does nothing under Megatron" in text
+
+
 def test_optimizer_states_refuse_megatron_lm_distributed_checkpoints():
     from xirang_ds.config.loader import validate_block
     from xirang_ds.integration.megatron_conflicts import check_args

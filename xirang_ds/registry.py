@@ -87,6 +87,11 @@ class Plugin:
     """Frameworks where a preset turns the plugin on (None: all of `frameworks`). A plugin whose
     requirements on a framework's settings a preset cannot check in advance leaves that framework
     out: there it runs only when the user names it."""
+    inert_keys: ClassVar[dict[str, dict[str, tuple[Any, str]]]] = {}
+    """framework → {key: (the value that asks for nothing, why the key does nothing there)}: keys of
+    the section that have no effect under that framework. A key the user wrote with another value is an
+    error; the others are set to that value, so the validated section says what runs
+    (`xirang_ds.integration.megatron.validate_for_megatron`). ``None``: any written value is an error."""
 
     def __init__(self, config: Section, session: "Session"):
         self.config = config

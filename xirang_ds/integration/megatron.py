@@ -73,11 +73,41 @@ def validate_for_megatron(block: Any) -> Any:
             logger.info("xirang: preset %r under Megatron: %s are left off (not run under Megatron yet, or only "
                         "when named: docs/megatron.md)",
                         block["preset"], ", ".join(left_off))
-    config = validate_block(block)
-    problems = check_framework(config, FRAMEWORK)
+    block, problems = _inert_keys_off(block)
+    try:
+        config = validate_block(block)
+    except XirangConfigError as e:
+        raise XirangConfigError(problems + list(e.problems)) from None
+    problems += check_framework(config, FRAMEWORK)
     if problems:
         raise XirangConfigError(problems)
     return config
+
+
+def _inert_keys_off(block: Any) -> tuple[Any, list[tuple[str, str]]]:
+    """The block with each section's keys that do nothing under Megatron (`Plugin.inert_keys`) set to
+    the value that asks for nothing, where the user did not write them; the problems of those the user
+    wrote with another value (such a key would be accepted and ignored)."""
+    from xirang_ds import registry
+    from xirang_ds.config.validate import describe_value
+
+    if not isinstance(block, dict):
+        return block, []
+    block, problems = dict(block), []
+    for cls in filter(None, map(registry.plugin_class, sorted(registry.built_sections()))):
+        keys = cls.inert_keys.get(FRAMEWORK) or {}
+        written = block.get(cls.section)
+        if not keys or (written is not None and not isinstance(written, dict)):
+            continue
+        written = written or {}
+        wrong = [(key, off, why) for key, (off, why) in keys.items() if key in written and written[key] != off]
+        for key, off, why in wrong:
+            fix = f"drop the key (or set it to {describe_value(off)})" if off is not None else "drop the key"
+            problems.append((f"{BLOCK_KEY}.{cls.section}.{key}", f"{describe_value(written[key])} does nothing "
+                             f"under Megatron: {why}. Fix: {fix} for Megatron runs"))
+        if not wrong:  # else the section is checked as written, so its own checks do not follow from ours
+            block[cls.section] = {**{k: off for k, (off, _) in keys.items() if off is not None}, **written}
+    return block, problems
 
 
 # 1. arguments ------------------------------------------------------------------------------------

@@ -61,12 +61,23 @@ def _resume(block, rank, world, load_dir, count, stage=2, save_to=None, **kind):
     engine = _engine(block, stage, **kind)
     engine.load_checkpoint(load_dir)
     session = getattr(engine, "xirang", None)
-    out = {"masters": _plain_stage0_masters(engine) if stage == 0 and block is None else None}
+    out = {"masters": _plain_stage0_masters(engine) if stage == 0 and block is None else None,
+           "formats": _state_formats(session)}
     out.update(losses=_steps(engine, rank, world, 2, count), steps=engine.global_steps, lr=engine.get_lr()[0],
                events=[e["kind"] for e in session.events] if session else [])
     if save_to is not None:
         engine.save_checkpoint(save_to)
     return out
+
+
+def _state_formats(session):
+    """The formats of optimizer_states' states as loaded (``None`` without the section)."""
+    from xirang_ds.plugins.optimizer_states.formats import format_of
+
+    plugin = session.plugin("optimizer_states") if session is not None else None
+    if plugin is None or plugin.optimizer is None:
+        return None
+    return sorted({format_of(s) for s in plugin.optimizer.state.values() if s})
 
 
 def _plain_stage0_masters(engine):
@@ -118,13 +129,11 @@ def scenarios(rank, world, tmp):
         out["zero_to_fp32_int8"] = _zero_to_fp32_matches(os.path.join(tmp, "int8"))
     out["int8_into_a_block_without_owners"] = _resume({"monitor": {"enabled": True}}, rank, world,
                                                       os.path.join(tmp, "int8"), 2)
-    if rank == 0:  # what `xirang-ds checkpoint export` does: DeepSpeed's files rewritten in plain layout, in place
-        from xirang_ds.checkpoints.tags import export_deepspeed_files
-
-        out["exported"] = len(export_deepspeed_files(os.path.join(tmp, "int8")))
-    torch.distributed.barrier()
-    out["exported_int8_into_plain_deepspeed"] = _resume(None, rank, world, os.path.join(tmp, "int8"), 2)
-    out["exported_int8_into_int8"] = _resume(INT8, rank, world, os.path.join(tmp, "int8"), 2)
+    # the codes beside plain ZeRO files (deepspeed_files): plain DeepSpeed reads the plain ones as they are, and
+    # optimizer_states its own codes (no take-over, no decoding)
+    out["int8_files"] = sorted(os.listdir(os.path.join(tmp, "int8", "global_step2", "xirang_optimizer_states")))
+    out["int8_into_plain_deepspeed"] = _resume(None, rank, world, os.path.join(tmp, "int8"), 2)
+    out["int8_into_int8"] = _resume(INT8, rank, world, os.path.join(tmp, "int8"), 2)
     out["balanced"] = _run({"preset": "balanced"}, rank, world, os.path.join(tmp, "balanced"), 4)
     out["balanced_into_grad_release"] = _resume(GRAD_RELEASE, rank, world, os.path.join(tmp, "balanced"), 2)
     out["ours_into_plain_deepspeed"] = _resume(None, rank, world, ours, 2)
@@ -183,12 +192,19 @@ def scenarios(rank, world, tmp):
     torch.distributed.barrier()
     out["exported_stage0_into_plain_zero2"] = _resume(None, rank, world, stage0, 2, stage=2)
     out["plain_zero3"] = _run(None, rank, world, os.path.join(tmp, "plain3"), 4, stage=3)
-    out["plain_zero3_into_balanced"] = _resume({"preset": "balanced"}, rank, world, os.path.join(tmp, "plain3"), 2,
-                                               stage=3, save_to=os.path.join(tmp, "balanced3"))
-    balanced3 = os.path.join(tmp, "balanced3")
+    # saved without plain files (codes in DeepSpeed's files), exported below
+    out["plain_zero3_into_balanced"] = _resume({"preset": "balanced", "deepspeed_files": False}, rank, world,
+                                               os.path.join(tmp, "plain3"), 2, stage=3,
+                                               save_to=os.path.join(tmp, "balanced3"))
+    balanced3, beside3 = os.path.join(tmp, "balanced3"), os.path.join(tmp, "balanced3_beside")
     if rank == 0:
         out["zero_to_fp32_balanced3"] = _zero_to_fp32_matches(balanced3)
-    out["balanced3_into_balanced3"] = _resume({"preset": "balanced"}, rank, world, balanced3, 2, stage=3)
+    out["balanced3_into_balanced3"] = _resume({"preset": "balanced"}, rank, world, balanced3, 2, stage=3,
+                                              save_to=beside3)
+    out["beside3_into_plain_deepspeed"] = _resume(None, rank, world, beside3, 2, stage=3)
+    out["beside3_into_balanced3"] = _resume({"preset": "balanced"}, rank, world, beside3, 2, stage=3)
+    if rank == 0:
+        out["zero_to_fp32_beside3"] = _zero_to_fp32_matches(beside3)
     torch.distributed.barrier()
     if rank == 0:  # ZeRO-3: DeepSpeed's files rewritten in plain layout (sub-groups, per-rank param_shapes)
         from xirang_ds.checkpoints.tags import export_deepspeed_files
@@ -234,29 +250,45 @@ def other_world(rank, world, tmp):
     out = {"same": all(same), "checked": len(same), "steps": engine.global_steps,
            "losses": _steps(engine, rank, world, 2, 2)}
     # DeepSpeed's own route to another world size: ds_to_universal, then load_universal
-    import subprocess
-    import sys
-
-    import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
 
-    from xirang_ds.models import BUILTIN_SPECS, build_model
-
-    universal = os.path.join(tmp, "grad_release", "universal")
-    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                    os.path.join(tmp, "grad_release", "global_step2"), "--output_folder", universal,
-                    "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"],
-                   check=True, capture_output=True)
-    model = build_model(BUILTIN_SPECS["gpt-tiny"], seed=0)
-    plain, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(
-        stage=2, dtype="bf16", micro=2, gradient_clipping=0.0, scheduler=copy.deepcopy(SCHEDULER),
-        checkpoint={"load_universal": True}))
-    plain.load_checkpoint(os.path.join(tmp, "grad_release"), tag="universal")
+    plain = _universal(os.path.join(tmp, "grad_release"), stage=2)
     out["universal_masters"] = all(torch.equal(safe_get_full_fp32_param(p).reshape(-1),
                                                saved.params[n].master.reshape(-1))
                                    for n, p in plain.module.named_parameters())
     out["universal_losses"] = _steps(plain, rank, world, 2, 2)
+    # optimizer_states' codes beside plain files at ZeRO-3 (the presets there): taken over at one rank, and
+    # ds_to_universal converts the plain files
+    beside3 = os.path.join(tmp, "balanced3_beside")
+    taken = _resume(INT8, rank, world, beside3, 2, stage=3)
+    out["beside3_one_rank"] = {"events": taken["events"], "losses": taken["losses"],
+                               "universal_losses": _steps(_universal(beside3, stage=3),
+                                                          rank, world, 2, 2)}
     return out
+
+
+def _universal(folder, stage):
+    """Plain DeepSpeed at one rank, loaded from ``ds_to_universal``'s conversion of ``folder``'s latest tag."""
+    import subprocess
+    import sys
+
+    import deepspeed
+
+    from xirang_ds.checkpoints.tags import resolve_tag
+    from xirang_ds.models import BUILTIN_SPECS, build_model
+
+    tag = os.path.basename(resolve_tag(folder, None))
+
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                    os.path.join(folder, tag), "--output_folder", os.path.join(folder, "universal"),
+                    "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                   check=True, capture_output=True)
+    model = build_model(BUILTIN_SPECS["gpt-tiny"], seed=0)
+    plain, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(
+        stage=stage, dtype="bf16", micro=2, gradient_clipping=0.0, scheduler=copy.deepcopy(SCHEDULER),
+        checkpoint={"load_universal": True}))
+    plain.load_checkpoint(folder, tag="universal")
+    return plain
 
 
 def crash_mid_save(rank, world, tmp):
@@ -341,12 +373,30 @@ def test_plain_deepspeed_and_zero_to_fp32_read_a_grad_release_checkpoint(runs):
 
 
 @pytest.mark.distributed
-def test_an_exported_optimizer_states_checkpoint_loads_into_plain_deepspeed_and_back(runs):
-    assert runs[0]["exported"] == 2
+def test_an_optimizer_states_checkpoint_loads_into_plain_deepspeed_and_resumes_its_own_codes(runs):
+    assert runs[0]["int8_files"] == ["rank00000.pt", "rank00001.pt"]  # not named like ZeRO files: tools walk the tag
     for r in runs:
-        assert r["exported_int8_into_plain_deepspeed"]["losses"] == r["int8"][2:]
-        assert r["exported_int8_into_int8"]["losses"] == r["int8"][2:]
-        assert r["exported_int8_into_int8"]["events"] == ["optimizer_state_taken_over"]
+        assert r["int8_into_plain_deepspeed"]["losses"] == r["int8"][2:]  # the codes decoded, as its next step did
+        assert r["int8_into_plain_deepspeed"]["steps"] == 4 and 0 < r["int8_into_plain_deepspeed"]["lr"] < 1e-3
+        own = r["int8_into_int8"]
+        assert own["losses"] == r["int8"][2:] and own["events"] == [] and "int8" in own["formats"]
+        # ZeRO-3 (presets there hold no grad_release): the same, with DeepSpeed's sub-groups
+        assert r["beside3_into_plain_deepspeed"]["losses"] == r["beside3_into_balanced3"]["losses"]
+        assert r["beside3_into_balanced3"]["events"] == [] and "int8" in r["beside3_into_balanced3"]["formats"]
+    assert runs[0]["zero_to_fp32_beside3"] == {"count": 29, "equal": True, "moments": True}
+
+
+def test_deepspeed_writes_zero_files_before_latest():
+    """The codes' save (`xirang_ds.checkpoints.codes`) runs inside ``_save_zero_checkpoint``: a crash there
+    must leave ``latest`` on the previous checkpoint, which holds while DeepSpeed keeps this order."""
+    import inspect
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    source = inspect.getsource(DeepSpeedEngine.save_checkpoint)
+    assert 0 < source.index("self._save_zero_checkpoint(") < source.index("os.path.join(save_dir, 'latest')")
+    assert "self._get_zero_ckpt_name(" in inspect.getsource(DeepSpeedEngine._save_zero_checkpoint)
+    assert "_get_all_zero_checkpoint_names(" in inspect.getsource(DeepSpeedEngine._get_all_zero_checkpoints)
 
 
 @pytest.mark.distributed
@@ -384,7 +434,7 @@ def test_a_stage0_grad_release_checkpoint_exported_for_zero2_loads_into_plain_de
 
 
 @pytest.mark.distributed
-def test_an_exported_zero3_preset_checkpoint_loads_into_plain_deepspeed_zero3(runs):
+def test_a_zero3_preset_checkpoint_saved_without_plain_files_is_exported_for_plain_deepspeed(runs):
     assert runs[0]["exported3"] == 2
     assert runs[0]["zero_to_fp32_exported3"] == {"count": 29, "equal": True, "moments": True}
     for r in runs:  # the moments decoded from int8 are what the preset's own next step decodes
@@ -392,12 +442,15 @@ def test_an_exported_zero3_preset_checkpoint_loads_into_plain_deepspeed_zero3(ru
 
 
 @pytest.mark.distributed
-def test_a_grad_release_checkpoint_resumes_at_another_world_size(runs):
+def test_grad_release_and_zero3_preset_checkpoints_resume_at_another_world_size(runs):
     other = runs[0]["other_world"]
     assert other["same"] and other["checked"] >= 29 and other["steps"] == 2
     assert other["universal_masters"]
     # one rank sees the same batches either way: the take-over and DeepSpeed's universal route agree
     assert other["universal_losses"] == other["losses"]
+    beside3 = other["beside3_one_rank"]  # the same for a ZeRO-3 preset's codes beside plain files
+    assert beside3["events"] == ["optimizer_state_taken_over"]
+    assert beside3["universal_losses"] == beside3["losses"]
 
 
 @pytest.mark.distributed

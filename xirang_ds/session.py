@@ -258,55 +258,34 @@ class Session:
         ZeRO files, all before DeepSpeed writes its files and then ``latest``: a save that dies midway
         leaves ``latest`` on the previous checkpoint."""
         from xirang_ds import __version__
-        from xirang_ds.checkpoints.tags import layout_record, write_marker
+        from xirang_ds.checkpoints.tags import facts_of_run, layout_record, write_marker
 
         client_state = dict(client_state or {})
         client_state[CHECKPOINT_KEY] = self.state_dict()
         tag_dir = os.path.join(save_dir, str(tag) if tag is not None else f"global_step{self.engine.global_steps}")
         marker = {"xirang_ds": __version__, "preset": self.config.preset, "sections": [p.section for p in self.plugins]}
-        facts = self._deepspeed_files_facts()
+        facts = facts_of_run(self)
+        codes_beside = facts is not None and self.plugin("grad_release") is None
         if facts is not None:
             marker["deepspeed_files"] = layout_record(facts)
+        if codes_beside:
+            from xirang_ds.checkpoints import codes
+
+            marker["optimizer_states_codes"] = codes.FOLDER
         if int(getattr(self.engine, "local_rank", self.engine.global_rank)) == 0:
             # by the first rank of every node: each node reads its own copy when checkpoints are node-local
             write_marker(tag_dir, marker)
         if facts is not None and facts.stage == 0:
             return self._save_with_stage0_entry(original, tag_dir, marker, facts, save_dir, tag, client_state,
                                                 *args, **kwargs)
+        if codes_beside:
+            from xirang_ds.checkpoints import codes
+
+            with codes.saving_beside(self.engine, tag_dir, marker, facts):
+                return original(save_dir, tag, client_state, *args, **kwargs)
         if facts is not None:
             client_state.update(self._write_deepspeed_files(save_dir, tag_dir, marker, facts))
         return original(save_dir, tag, client_state, *args, **kwargs)
-
-    def _deepspeed_files_facts(self) -> Optional["RunFacts"]:
-        """What this run's plain DeepSpeed files need (``None``: none are written: ``deepspeed_files`` is
-        off, or no grad_release holds the optimizer state)."""
-        from xirang_ds.checkpoints.tags import RunFacts
-
-        grad_release = self.plugin("grad_release")
-        if not self.config.deepspeed_files or grad_release is None or grad_release.setup.zero_stage not in (0, 1, 2):
-            return None
-        import torch
-
-        dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(grad_release.setup.param_dtype, "fp32")
-        return RunFacts(params={n: p.shape for n, p in self.engine.module.named_parameters() if p.requires_grad},
-                        optimizer_groups=self.engine.optimizer.state_dict()["param_groups"], dtype=dtype,
-                        stage=grad_release.setup.zero_stage, world=grad_release.comm.world,
-                        ds_config=self.requested_ds_config, fused=self._plain_optimizer_fused())
-
-    def _plain_optimizer_fused(self) -> bool:
-        """Whether the run without the block would step a FusedAdam (`RunFacts.fused`): the basic
-        optimizer, or the one optimizer_states replaced; for a ds_config Adam block that it replaced,
-        DeepSpeed's rule (``_configure_basic_optimizer``: FusedAdam unless ``torch_adam``)."""
-        import deepspeed.runtime.engine as ds_engine
-
-        fused = (ds_engine.FusedAdam,) + ((ds_engine.apex.optimizers.FusedAdam,) if ds_engine.APEX_INSTALLED else ())
-        optimizer_states = self.plugin("optimizer_states")
-        basic = self.engine.basic_optimizer if optimizer_states is None else optimizer_states.original
-        if basic is None:
-            spec = self.requested_ds_config.get("optimizer") or {}
-            return (str(spec.get("type", "")).lower() in ("adam", "adamw")
-                    and not (spec.get("params") or {}).get("torch_adam", False))
-        return isinstance(basic, fused)
 
     def _save_with_stage0_entry(self, original, tag_dir: str, marker: dict, facts: "RunFacts", save_dir, tag,
                                 client_state: dict, *args, **kwargs):
@@ -351,10 +330,16 @@ class Session:
         states under optimizer_states and back, another grad_release layout), DeepSpeed loads all but
         the optimizer state and this run's owner takes it over from the whole per-parameter states
         (docs/checkpoints.md)."""
+        import contextlib
+
+        from xirang_ds.checkpoints import codes
+
         options = load_checkpoint_options(self.engine, *args, **kwargs)
         foreign = self._foreign_optimizer_state(options)
         if foreign is None:
-            load_path, client_state = original(*args, **kwargs)
+            own_codes = self._own_codes(options)
+            with codes.loading(self.engine, own_codes) if own_codes else contextlib.nullcontext():
+                load_path, client_state = original(*args, **kwargs)
         else:
             states = self._read_states(*foreign)  # before anything is modified: a refusal leaves the run as it was
             call = {k: v for k, v in options.items() if k != "self"}
@@ -381,12 +366,27 @@ class Session:
             return None  # DeepSpeed's own message for a folder without a checkpoint
         marker = read_marker(tag_dir)
         current = {p.section for p in self.plugins} & set(OWNERS)
+        if self._own_codes(options, tag_dir, marker):
+            return None
         if state_owners(marker) != current:
             return tag_dir, marker
         grad_release = self.plugin("grad_release")
         if grad_release is not None and grad_release.layout_differs(tag_dir):
             return tag_dir, marker
         return None
+
+    def _own_codes(self, options: dict, tag_dir: Optional[str] = None, marker: Optional[dict] = None) -> Optional[str]:
+        """The tag folder whose optimizer_states codes this run resumes as its own (`codes.resumes_own`)."""
+        from xirang_ds.checkpoints import codes
+        from xirang_ds.checkpoints.tags import read_marker, resolve_tag
+
+        if not options["load_optimizer_states"] or options["load_module_only"]:
+            return None
+        tag_dir = tag_dir or resolve_tag(options["load_dir"], options["tag"])
+        if tag_dir is None:
+            return None
+        marker = read_marker(tag_dir) if marker is None else marker
+        return tag_dir if codes.resumes_own(self.engine, {p.section for p in self.plugins}, marker) else None
 
     def _read_states(self, tag_dir: str, marker: dict) -> "ParamStates":
         """The checkpoint's optimizer state per parameter.

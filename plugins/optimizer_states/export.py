@@ -30,7 +30,8 @@ def moment_range(state: dict, moment: str, start: int, end: int) -> torch.Tensor
         return state[moment].reshape(-1)[start:end].float()
     size = state.get("block_size") or 0
     fmt = make_format(format_of(state), int8_block_size=size or 256, int4_block_size=size or 128)
-    return fmt.decode(moment, {k: state[k] for k in fmt.keys(moment)}, start, end).clone()
+    # a view into the decoded blocks (at most two blocks more than asked): the callers copy it once
+    return fmt.decode(moment, {k: state[k] for k in fmt.keys(moment)}, start, end)
 
 
 def torch_layout(state: Optional[dict], numel: int) -> dict:

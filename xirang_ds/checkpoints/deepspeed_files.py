@@ -152,7 +152,7 @@ def _read_zero12(files: list[str], stage: int, dtype: str, shapes: dict[str, tor
                 parts[m].append(moment_range(state, m, a, b))
         numel = sum(t.numel() for t in parts["master"])
         shape = shapes.get(name, torch.Size([numel]))
-        whole = {k: torch.cat(v).view(shape) for k, v in parts.items()}
+        whole = {k: (v[0] if len(v) == 1 else torch.cat(v)).view(shape) for k, v in parts.items()}
         return ParamState(step=steps[group], group=group, **whole)
 
     return ParamStates(f"DeepSpeed ZeRO-{stage} ({dtype})", LazyParams(index, build, lambda name: index[name][0]),
@@ -166,16 +166,17 @@ def _check_moments(state: dict, where: str) -> None:
                                   "(exp_avg, exp_avg_sq) can move to another optimizer")
 
 
-def _read_zero3(tag_dir: str, files: list[str], dtype: str) -> ParamStates:
+def _read_zero3(tag_dir: str, files: list[str], dtype: str, param_shapes: Optional[list] = None) -> ParamStates:
     """ZeRO-3 cuts each param group into sub-groups (``sub_group_size``), one flat partition each;
-    ``param_shapes`` lists the parameters of each sub-group in order, each taking ``ceil(numel / world)``
-    elements of its sub-group's flat on every rank; the basic optimizer's state indexes the sub-groups
-    in order, each param group's ``params`` naming its own."""
+    ``param_shapes`` (default: rank 0's model-states file's) lists the parameters of each sub-group in
+    order, each taking ``ceil(numel / world)`` elements of its sub-group's flat on every rank; the basic
+    optimizer's state indexes the sub-groups in order, each param group's ``params`` naming its own."""
     world = len(files)
-    model_states = os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")
-    if not os.path.isfile(model_states):
-        raise CheckpointReadError(f"{tag_dir}: ZeRO-3 optimizer files without {os.path.basename(model_states)}")
-    param_shapes = _load(model_states)["param_shapes"]
+    if param_shapes is None:
+        model_states = os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")
+        if not os.path.isfile(model_states):
+            raise CheckpointReadError(f"{tag_dir}: ZeRO-3 optimizer files without {os.path.basename(model_states)}")
+        param_shapes = _load(model_states)["param_shapes"]
     osds = [_load(p)["optimizer_state_dict"] for p in files]
     torch_sd = osds[0]["optimizer_state_dict"]
     origin_of_sub, hyper = {}, {}

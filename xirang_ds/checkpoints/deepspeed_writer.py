@@ -68,7 +68,9 @@ def write_zero_files(tag_dir: str, states: ParamStates, groups: Sequence[Sequenc
             padded = -(-total // alignment) * alignment
             part = padded // world
             lo, hi = rank * part, (rank + 1) * part
-            flats = {k: torch.zeros(part, dtype=torch.float32) for k in ("master",) + MOMENTS}
+            flats = {k: torch.empty(part, dtype=torch.float32) for k in ("master",) + MOMENTS}
+            for flat in flats.values():  # the parameters fill the rest
+                flat[max(0, min(part, total - lo)):].zero_()
             mapping: collections.OrderedDict = collections.OrderedDict()
             offset = 0
             for name, numel in zip(names, sizes):
@@ -206,8 +208,8 @@ def _wrapper_scale(states: ParamStates, dtype: str, fused: bool, step: int, ds_c
 def write_zero3_files(tag_dir: str, states: ParamStates, groups: Sequence[Sequence[str]], numels: dict[str, int],
                       shapes: dict[str, torch.Size], torch_groups: Sequence[dict], dtype: str, world: int,
                       sub_group_size: int = int(1e9), ds_config: Optional[dict] = None,
-                      fused: bool = False) -> list[list[str]]:
-    """Write every rank's ZeRO-3 files of ``states`` into ``tag_dir`` (``runtime/zero/stage3.py``'s
+                      fused: bool = False, ranks: Optional[Iterable[int]] = None) -> list[list[str]]:
+    """Write ranks' (default: every rank's) ZeRO-3 files of ``states`` into ``tag_dir`` (``runtime/zero/stage3.py``'s
     layout): each param group cut into sub-groups as DeepSpeed cuts them (``ceil(numel / world)``
     elements per parameter per rank, a sub-group closed once it holds ``sub_group_size``), rank ``r``'s
     optimizer file holding its slice of every parameter in each sub-group's flat, and each rank's
@@ -227,7 +229,7 @@ def write_zero3_files(tag_dir: str, states: ParamStates, groups: Sequence[Sequen
                 current, held = [], 0
     param_groups = [_param_group(tg, states, g, [j for j, (sg, _) in enumerate(subs) if sg == g])
                     for g, tg in enumerate(torch_groups)]
-    for rank in range(world):
+    for rank in (range(world) if ranks is None else ranks):
         flats, state = [], {}
         for j, (_, names) in enumerate(subs):
             parts = {k: [] for k in ("master",) + MOMENTS}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
@@ -83,8 +83,12 @@ def read_states(tag_dir: str, marker: dict, names: Sequence[str], shapes: dict[s
     from xirang_ds.checkpoints.deepspeed_files import read_deepspeed_states
     from xirang_ds.plugins.grad_release.checkpoint import read_param_states
 
+    from xirang_ds.checkpoints import codes
+
     if "grad_release" in state_owners(marker):
         return read_param_states(tag_dir, optimizer_groups)
+    if codes.in_marker(marker):
+        return codes.read_codes(tag_dir, names, shapes)
     return read_deepspeed_states(tag_dir, names, shapes)
 
 
@@ -111,6 +115,50 @@ class RunFacts:
     world: int
     ds_config: Optional[dict] = None
     fused: bool = False
+
+
+def facts_of_run(session: Any) -> Optional[RunFacts]:
+    """What a running session's plain DeepSpeed files need (``None``: none are written: ``deepspeed_files``
+    is off, or DeepSpeed's own files already are plain: neither grad_release at ZeRO 0-2 nor
+    optimizer_states inside DeepSpeed's ZeRO 1-3 optimizer holds the optimizer state)."""
+    if not session.config.deepspeed_files:
+        return None
+    grad_release, engine = session.plugin("grad_release"), session.engine
+    if grad_release is not None and grad_release.setup.zero_stage in (0, 1, 2):
+        dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(grad_release.setup.param_dtype, "fp32")
+        groups, stage, world = (engine.optimizer.state_dict()["param_groups"], grad_release.setup.zero_stage,
+                                grad_release.comm.world)
+    elif (grad_release is None and session.plugin("optimizer_states") is not None
+          and engine.zero_optimization_stage() in (1, 2, 3)):
+        import deepspeed.comm as dist
+
+        dtype = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+        # the groups' hyperparameters (a ZeRO optimizer's state_dict() is its own layout, not torch's)
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.basic_optimizer.param_groups]
+        stage = engine.zero_optimization_stage()
+        world = dist.get_world_size(group=engine.optimizer.dp_process_group)
+    else:
+        return None
+    # a ZeRO-3 parameter is partitioned: its shape is ds_shape
+    params = {n: getattr(p, "ds_shape", p.shape) for n, p in engine.module.named_parameters() if p.requires_grad}
+    return RunFacts(params=params, optimizer_groups=groups, dtype=dtype, stage=stage, world=world,
+                    ds_config=session.requested_ds_config, fused=_plain_optimizer_fused(session))
+
+
+def _plain_optimizer_fused(session: Any) -> bool:
+    """Whether the run without the block would step a FusedAdam (`RunFacts.fused`): the basic
+    optimizer, or the one optimizer_states replaced; for a ds_config Adam block that it replaced,
+    DeepSpeed's rule (``_configure_basic_optimizer``: FusedAdam unless ``torch_adam``)."""
+    import deepspeed.runtime.engine as ds_engine
+
+    fused = (ds_engine.FusedAdam,) + ((ds_engine.apex.optimizers.FusedAdam,) if ds_engine.APEX_INSTALLED else ())
+    optimizer_states = session.plugin("optimizer_states")
+    basic = session.engine.basic_optimizer if optimizer_states is None else optimizer_states.original
+    if basic is None:
+        spec = session.requested_ds_config.get("optimizer") or {}
+        return (str(spec.get("type", "")).lower() in ("adam", "adamw")
+                and not (spec.get("params") or {}).get("torch_adam", False))
+    return isinstance(basic, fused)
 
 
 def write_deepspeed_files(tag_dir: str, marker: dict, facts: RunFacts,
@@ -142,7 +190,7 @@ def write_deepspeed_files(tag_dir: str, marker: dict, facts: RunFacts,
         zero = (facts.ds_config or {}).get("zero_optimization") or {}
         subs = write_zero3_files(tag_dir, states, groups, numels, facts.params, torch_groups, facts.dtype, facts.world,
                                  sub_group_size=int(zero.get("sub_group_size", 1e9)), ds_config=facts.ds_config,
-                                 fused=facts.fused)
+                                 fused=facts.fused, ranks=ranks)
         return [os.path.join(tag_dir, n) for n in sorted(os.listdir(tag_dir)) if "optim_states" in n], subs
     written = write_zero_files(tag_dir, states, groups, numels, torch_groups, facts.stage, facts.dtype, facts.world,
                                ranks=ranks, ds_config=facts.ds_config, fused=facts.fused)
@@ -273,9 +321,14 @@ def describe(tag_dir: str) -> list[str]:
     lines = [f"{tag_dir}: written by " + (f"xirang_ds {marker.get('xirang_ds', '?')} (preset "
                                           f"{marker.get('preset') or 'none'}; sections {', '.join(sections) or 'none'})"
                                           if marker else "plain DeepSpeed")]
+    from xirang_ds.checkpoints import codes
+
     holder = ("grad_release's shards (xirang_grad_release/)" if "grad_release" in owners else
               "DeepSpeed's files, as optimizer_states' int8/int4 codes over its own param groups"
-              if "optimizer_states" in owners else "DeepSpeed's own files")
+              if "optimizer_states" in owners else
+              f"optimizer_states' int8/int4 codes ({codes.FOLDER}/, what a run with optimizer_states resumes "
+              "from), decoded into DeepSpeed's files in plain layout" if codes.in_marker(marker) else
+              "DeepSpeed's own files")
     lines.append(f"  optimizer state: {holder}")
     files = optim_files(tag_dir)
     layout = marker.get("deepspeed_files") or {}
@@ -311,6 +364,7 @@ def _torch_groups(optimizer_groups: Optional[list[dict]], states: ParamStates, c
 
 
 __all__ = ["GRAD_RELEASE_FOLDER", "MARKER", "OWNERS", "RunFacts", "describe", "export_deepspeed_files", "facts_from_files",
+           "facts_of_run",
            "layout_record", "read_marker", "read_states", "resolve_tag", "stage0_optimizer_entry", "state_owners",
            "write_deepspeed_files",
            "write_marker"]

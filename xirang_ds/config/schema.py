@@ -530,14 +530,16 @@ class XirangConfig:
     cap: buffers are reused by size class and the cache never holds more than the most in use at
     once."""
     deepspeed_files: bool = True
-    """Every checkpoint of a run whose grad_release holds the optimizer state also gets plain DeepSpeed's
-    files: at ZeRO 1/2 its ZeRO files (fp32 masters and Adam moments in DeepSpeed's layout,
-    ``param_shapes``, ``zero_to_fp32.py``), each rank writing its own partition; at stage 0 the
-    model-states file's optimizer entry of DeepSpeed's stage-0 optimizer; all before DeepSpeed writes
-    ``latest``. Plain DeepSpeed (and at ZeRO 1/2 ``zero_to_fp32.py`` and ``ds_to_universal``) then read
-    it. Costs 12 bytes per parameter of disk (8 at stage 0 in fp32) and the time to write them
-    (docs/checkpoints.md); ``false`` leaves them out (``xirang-ds checkpoint export`` writes them
-    later). grad_release's own files stay and a run with it resumes from them."""
+    """Every checkpoint of a run whose grad_release (ZeRO 0-2) or optimizer_states (inside DeepSpeed's ZeRO
+    1-3 optimizer) holds the optimizer state also gets plain DeepSpeed's files: at ZeRO 1-3 its ZeRO
+    files (fp32 masters and Adam moments in DeepSpeed's layout, ``param_shapes``, ``zero_to_fp32.py``),
+    each rank writing its own partition; at stage 0 (grad_release) the model-states file's optimizer
+    entry of DeepSpeed's stage-0 optimizer; all before DeepSpeed writes ``latest``. Plain DeepSpeed,
+    ``zero_to_fp32.py`` and ``ds_to_universal`` then read it. optimizer_states' int8/int4 codes move to
+    the tag's ``xirang_optimizer_states/`` folder. Costs 12 bytes per parameter of disk (8 at stage 0 in
+    fp32) and the time to write them (docs/checkpoints.md); ``false`` leaves them out (``xirang-ds
+    checkpoint export`` writes them later). xirang's own files stay and a run with the same sections
+    resumes from them."""
     optimizer_states: OptimizerStatesConfig = field(default_factory=OptimizerStatesConfig)
     """Dynamic-precision optimizer states."""
     grad_release: GradReleaseConfig = field(default_factory=GradReleaseConfig)

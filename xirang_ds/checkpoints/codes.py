@@ -1,0 +1,143 @@
+"""optimizer_states' codes beside plain DeepSpeed files, so every checkpoint of a ZeRO 1-3 run whose
+DeepSpeed optimizer steps `DynamicAdamW` (optimizer_states without grad_release: every preset at
+ZeRO-3, an explicit section at ZeRO 1/2) is also a plain DeepSpeed checkpoint.
+
+With ``deepspeed_files`` (the default), DeepSpeed's own write of each rank's ZeRO file (int8/int4 codes
+over optimizer_states' param groups) goes to the tag's ``xirang_optimizer_states/rank<R>.pt`` instead,
+the same dict; once every rank's is on disk each rank writes its plain ZeRO file under DeepSpeed's name
+(fp32 moments over the user's groups, `tags.write_deepspeed_files`), all before DeepSpeed writes
+``latest``. A run with optimizer_states resumes from the codes (DeepSpeed's own load, pointed at them:
+nothing is decoded or taken over); plain DeepSpeed, ``zero_to_fp32.py``, ``ds_to_universal`` and the
+other owners read the plain files. The codes' file names do not start with DeepSpeed's ZeRO prefixes,
+so DeepSpeed's checkpoint tools, which walk the tag folder, do not take them for ZeRO files.
+
+DeepSpeed internals used (deepspeed 0.19.8 ``runtime/engine.py``; `test_resume` fails when they move):
+``save_checkpoint`` (L4869) calls ``_save_zero_checkpoint`` (L4935) after the model-states files and
+before ``latest`` (L4960); ``_save_zero_checkpoint`` (L5549) names its file with ``_get_zero_ckpt_name``
+(L4331); ``_load_zero_checkpoint`` (L4733) reads the files ``_get_all_zero_checkpoint_names`` (L4785)
+names; ``_get_zero_param_shapes`` is what the model-states files record as ``param_shapes``.
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import re
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from xirang_ds.checkpoints.param_states import ParamStates
+
+FOLDER = "xirang_optimizer_states"
+"""The tag's folder of DynamicAdamW's codes, one DeepSpeed ZeRO file per rank."""
+
+PARAM_SHAPES = "param_shapes.pt"
+"""ZeRO-3's ``param_shapes`` of the codes' sub-groups (the model-states files get the plain ones)."""
+
+_RANK = re.compile(r"^rank(\d+)\.pt$")
+
+
+def path(tag_dir: str, rank: int) -> str:
+    """Rank ``rank``'s file of codes in ``tag_dir``."""
+    return os.path.join(tag_dir, FOLDER, f"rank{rank:05d}.pt")
+
+
+def files(tag_dir: str) -> list[str]:
+    """The codes' files of a tag folder, in rank order (empty: none)."""
+    found = [(int(m.group(1)), p) for p in glob.glob(os.path.join(tag_dir, FOLDER, "rank*.pt"))
+             if (m := _RANK.match(os.path.basename(p)))]
+    return [p for _, p in sorted(found)]
+
+
+def in_marker(marker: dict) -> bool:
+    """Whether the checkpoint's marker says the codes sit beside plain files."""
+    return marker.get("optimizer_states_codes") == FOLDER
+
+
+def read_codes(tag_dir: str, names: Sequence[str], shapes: dict[str, torch.Size]) -> ParamStates:
+    """The optimizer state per parameter, from the codes (cheaper to read than the plain files, and
+    there before them while a save writes them)."""
+    from xirang_ds.checkpoints.deepspeed_files import CheckpointReadError, _dtype, _load, _read_zero3, _read_zero12
+
+    found = files(tag_dir)
+    if not found:
+        raise CheckpointReadError(f"{tag_dir}: no {FOLDER}/rank*.pt although its marker names them")
+    first = _load(found[0])
+    stage = int(first["optimizer_state_dict"]["zero_stage"])
+    dtype = _dtype(first.get("ds_config"))
+    if stage == 3:
+        return _read_zero3(tag_dir, found, dtype, param_shapes=_load(os.path.join(tag_dir, FOLDER, PARAM_SHAPES)))
+    return _read_zero12(found, stage, dtype, shapes)
+
+
+def resumes_own(engine: Any, sections: set[str], marker: dict) -> bool:
+    """Whether a run with ``sections`` resumes the codes of a checkpoint with ``marker`` as its own: its
+    optimizer_states steps inside DeepSpeed's optimizer (no grad_release) at the ZeRO stage and world size
+    that saved them. Elsewhere the codes are taken over, whole parameters."""
+    import deepspeed.comm as dist
+
+    if not in_marker(marker) or "optimizer_states" not in sections or "grad_release" in sections:
+        return False
+    layout = marker.get("deepspeed_files") or {}
+    if layout.get("stage") != engine.zero_optimization_stage() or layout.get("stage") not in (1, 2, 3):
+        return False
+    return layout.get("world") == dist.get_world_size(group=engine.optimizer.dp_process_group)
+
+
+@contextlib.contextmanager
+def saving_beside(engine: Any, tag_dir: str, marker: dict, facts: Any) -> Iterator[None]:
+    """While DeepSpeed's ``save_checkpoint`` runs: its ZeRO file goes to `path` (rank 0 adds ZeRO-3's
+    ``param_shapes``), then, after a barrier, this rank writes its plain files for ``facts``
+    (`tags.RunFacts`), before DeepSpeed writes ``latest``."""
+    import deepspeed.comm as dist
+
+    from xirang_ds.checkpoints import save_atomically
+    from xirang_ds.checkpoints.deepspeed_writer import add_param_shapes
+    from xirang_ds.checkpoints.tags import write_deepspeed_files
+    from xirang_ds.hooks import wrap_method
+
+    rank = dist.get_rank(group=engine.optimizer.dp_process_group)
+
+    def write_plain() -> None:
+        _, groups = write_deepspeed_files(tag_dir, marker, facts, ranks=[rank])
+        if facts.stage in (1, 2) and engine.save_non_zero_checkpoint:  # ZeRO-3's went into each rank's own
+            add_param_shapes(tag_dir, groups, facts.params)
+
+    def save_zero(original: Callable, save_path: str, tag: Any) -> Any:
+        os.makedirs(os.path.join(tag_dir, FOLDER), exist_ok=True)
+        if rank == 0 and engine.zero_optimization_stage() == 3:
+            save_atomically(engine._get_zero_param_shapes(), os.path.join(tag_dir, FOLDER, PARAM_SHAPES))
+        name = wrap_method(engine, "_get_zero_ckpt_name", lambda _original, *_: path(tag_dir, rank))
+        try:
+            result = original(save_path, tag)
+        finally:
+            name.remove()
+        dist.barrier()  # every rank's codes are on disk
+        write_plain()
+        return result
+
+    handle = wrap_method(engine, "_save_zero_checkpoint", save_zero)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def loading(engine: Any, tag_dir: str) -> Iterator[None]:
+    """While DeepSpeed's ``load_checkpoint`` runs: its ZeRO files are the codes beside the plain ones."""
+    from xirang_ds.hooks import wrap_method
+
+    def names(original: Callable, load_dir: str, tag: Any, bf16_mode: bool) -> list[str]:
+        return [path(tag_dir, r) for r in range(len(original(load_dir, tag, bf16_mode)))]
+
+    handle = wrap_method(engine, "_get_all_zero_checkpoint_names", names)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+__all__ = ["FOLDER", "PARAM_SHAPES", "files", "in_marker", "loading", "path", "read_codes", "resumes_own",
+           "saving_beside"]

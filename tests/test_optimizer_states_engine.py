@@ -109,15 +109,12 @@ def _resumed(rank, world, configs, load_dir):
 
 def _load_elsewhere(rank, world, config, load_dir):
     engine = _our_engine(config)
-    try:
-        engine.load_checkpoint(load_dir)
-    except Exception as e:  # DeepSpeed's own ZeRORuntimeException, raised before any state is read
-        return f"{type(e).__name__}: {e}"
-    return None
+    engine.load_checkpoint(load_dir)
+    return {"events": [e["kind"] for e in engine.xirang.events], "steps": engine.global_steps}
 
 
 @pytest.mark.distributed
-def test_checkpoint_resume_is_bit_for_bit_and_converts_or_refuses(tmp_path):
+def test_checkpoint_resume_is_bit_for_bit_and_converts_at_another_format_or_world_size(tmp_path):
     """Codes, scales, the schedule position and the rounding generator travel in the checkpoint."""
     config = ds_config(stage=2, dtype="bf16", gas=2, xirang=INT8_AFTER_2)
     int4 = ds_config(stage=2, dtype="bf16", gas=2, xirang={"optimizer_states": {
@@ -131,9 +128,10 @@ def test_checkpoint_resume_is_bit_for_bit_and_converts_or_refuses(tmp_path):
         # saved as int8, resumed with an int4 schedule: converted by the next update
         assert set(other["formats"]) == {"fp32", "int4"}
         assert abs(other["losses"][0] - f["losses"][3]) < 0.05
-    # another data-parallel world size: ZeRO partitions differ; DeepSpeed says so before loading
-    message = run_ranks(_load_elsewhere, 1, config, str(tmp_path), threads=1)[0]
-    assert "DP world size of 2 but the current world size is 1" in message
+    # another data-parallel world size: ZeRO partitions differ, so the codes (kept beside DeepSpeed's plain
+    # files, docs/checkpoints.md) are taken over whole instead of loaded by DeepSpeed
+    elsewhere = run_ranks(_load_elsewhere, 1, config, str(tmp_path), threads=1)[0]
+    assert elsewhere["events"] == ["optimizer_state_taken_over"] and elsewhere["steps"] > 0
 
 
 def _remove_client_and_tracker(rank, world, steps):

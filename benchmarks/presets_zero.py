@@ -1,10 +1,15 @@
 """Each preset at ZeRO-2 and ZeRO-3 against plain DeepSpeed at the same stage (the results table's
-ds_config: bf16, clipping 1.0, hand-tuned 1e6-element buckets, micro-batch 8), every side in fresh
+ds_config: bf16, clipping 1.0, hand-tuned 1e6-element buckets, micro-batch 8 unless --micro-batch), every side in fresh
 processes: the worst rank's peak, the median step time and the final loss, with what each preset
 left out at that stage (grad_release cannot run at ZeRO-3, so the presets there run without it).
 
     .venv/bin/python benchmarks/presets_zero.py --model gpt-small --steps 10 --world-size 2 \\
         --data ../shared/data/tinyshakespeare.txt --json benchmarks/results/presets_zero.json
+    .venv/bin/python benchmarks/presets_zero.py --model gpt:layers=12,hidden=768,heads=12,seq=256,vocab=50304 \\
+        --micro-batch 2 --steps 6 --world-size 2 --data ../shared/data/tinyshakespeare.txt
+
+(the 162M-parameter GPT of issues 18 and 25; on a 2-core CPU its plain ZeRO-2 side alone runs
+more than ten minutes, so the eight sides take well over an hour).
 
 ``--render JSON`` prints the Markdown table of a saved run.
 """
@@ -19,10 +24,31 @@ from results_table import BASE, TUNED, deep_merge, load_or_run, short_error  # n
 
 PRESETS = ("conservative", "balanced", "aggressive")
 STAGES = (2, 3)
+MODEL_STATES = ("parameters", "gradients", "optimizer_states")
+"""The tracker's categories counted as model states at the peak. The memory pool's reservation is shown
+apart: it holds the int8/int4 states when the pool is on, and the activations' payloads too."""
 
 
-def stage_config(stage: int) -> dict:
+def parameter_count(model: str) -> int:
+    from xirang_ds.models import build_model, parse_model_spec
+
+    import torch
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_model(parse_model_spec(model), seed=0).parameters())
+
+
+def states_per_param(row: dict, params: int) -> str:
+    by = row.get("peak_by_category")
+    if not by or not params:
+        return ""
+    pool = by.get("memory_pool", 0)
+    return f"{sum(by.get(k, 0) for k in MODEL_STATES) / params:.2f}" + (f" + pool {pool / 2**20:.2f} MiB" if pool else "")
+
+
+def stage_config(stage: int, micro_batch: int = BASE["train_micro_batch_size_per_gpu"]) -> dict:
     config = deep_merge(BASE, TUNED)
+    config["train_micro_batch_size_per_gpu"] = micro_batch
     config["zero_optimization"] = {**config["zero_optimization"], "stage": stage}
     if stage == 3:  # ZeRO-3's own buckets at the same size
         config["zero_optimization"].update(stage3_prefetch_bucket_size=1e6, stage3_param_persistence_threshold=0)
@@ -37,14 +63,15 @@ def run(args: argparse.Namespace) -> dict:
     from xirang_ds.bench import run_side
 
     data = {"command": " ".join(["python", "benchmarks/presets_zero.py"] + sys.argv[1:]), "model": args.model,
-            "steps": args.steps, "world_size": args.world_size, "rows": []}
+            "steps": args.steps, "world_size": args.world_size, "micro_batch": args.micro_batch,
+            "parameters": parameter_count(args.model), "rows": []}
     for stage in STAGES:
-        base = stage_config(stage)
+        base = stage_config(stage, args.micro_batch)
         print(f"ZeRO-{stage}: plain DeepSpeed ...", file=sys.stderr, flush=True)
         plain = run_side(args.model, base, args.steps, args.world_size, args.data, 0, False)
         data["rows"].append({"stage": stage, "config": "plain", "peak_bytes": plain.peak_bytes,
                              "step_time_s": plain.step_time_median_s, "final_loss": plain.final_loss,
-                             "peak_phase": plain.peak_phase})
+                             "peak_phase": plain.peak_phase, "peak_by_category": plain.peak_by_category})
         for preset in PRESETS:
             print(f"ZeRO-{stage}: preset {preset} ...", file=sys.stderr, flush=True)
             row = {"stage": stage, "config": preset}
@@ -56,6 +83,7 @@ def run(args: argparse.Namespace) -> dict:
             else:
                 row.update(peak_bytes=ours.peak_bytes, step_time_s=ours.step_time_median_s,
                            final_loss=ours.final_loss, peak_phase=ours.peak_phase,
+                           peak_by_category=ours.peak_by_category,
                            peak_ratio=ours.peak_bytes / plain.peak_bytes,
                            step_time_ratio=ours.step_time_median_s / plain.step_time_median_s,
                            loss_delta=ours.final_loss - plain.final_loss, left_out=left_out(ours.summary))
@@ -66,19 +94,27 @@ def run(args: argparse.Namespace) -> dict:
 def render(data: dict) -> str:
     mib = 2 ** 20
     lines = [f"`{data['model']}`, {data['world_size']} rank(s) over gloo on CPU, bf16, clipping 1.0, 1e6-element "
-             f"buckets, micro-batch 8, {data['steps']} steps, no memory_budget; made by `{data['command']}`.", "",
-             "| ZeRO | configuration | peak (worst rank) | peak ratio | step time ratio | final loss (Δ) | left out |",
-             "|---|---|---|---|---|---|---|"]
+             f"buckets, micro-batch {data.get('micro_batch', 8)}, {data['steps']} steps, no memory_budget; made by "
+             f"`{data['command']}`.", "",
+             "| ZeRO | configuration | peak (worst rank) | peak ratio | model states at the peak (B/param) | "
+             "peak phase | step time ratio | final loss (Δ) | left out |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    params = data.get("parameters", 0)
     for r in data["rows"]:
+        states, phase = states_per_param(r, params), r.get("peak_phase", "")
         if "error" in r:
-            lines.append(f"| {r['stage']} | {r['config']} | error: {r['error']} | | | | |")
+            lines.append(f"| {r['stage']} | {r['config']} | error: {r['error']} | | | | | | |")
         elif r["config"] == "plain":
-            lines.append(f"| {r['stage']} | plain DeepSpeed | {r['peak_bytes'] / mib:.2f} MiB | 1.00 | 1.00 | "
-                         f"{r['final_loss']:.4f} | |")
+            lines.append(f"| {r['stage']} | plain DeepSpeed | {r['peak_bytes'] / mib:.2f} MiB | 1.00 | {states} | "
+                         f"{phase} | 1.00 | {r['final_loss']:.4f} | |")
         else:
             lines.append(f"| {r['stage']} | preset {r['config']} | {r['peak_bytes'] / mib:.2f} MiB | "
-                         f"{r['peak_ratio']:.2f} | {r['step_time_ratio']:.2f} | {r['final_loss']:.4f} "
-                         f"({r['loss_delta']:+.4f}) | {', '.join(r['left_out']) or '-'} |")
+                         f"{r['peak_ratio']:.2f} | {states} | {phase} | {r['step_time_ratio']:.2f} | "
+                         f"{r['final_loss']:.4f} ({r['loss_delta']:+.4f}) | {', '.join(r['left_out']) or '-'} |")
+    if params:
+        lines += ["", f"{params:,} parameters; model states at the peak: the tracker's parameters, gradients and "
+                      "optimizer states in the peak's mix, per parameter, worst rank; the memory pool's reservation "
+                      "(int8/int4 states and activation payloads, when on) beside it."]
     return "\n".join(lines)
 
 
@@ -86,6 +122,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="gpt-small")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--micro-batch", type=int, default=BASE["train_micro_batch_size_per_gpu"])
     p.add_argument("--world-size", type=int, default=2, choices=(1, 2))
     p.add_argument("--data", default=None)
     p.add_argument("--json", default=None)

@@ -258,6 +258,7 @@ class Session:
         ZeRO files, all before DeepSpeed writes its files and then ``latest``: a save that dies midway
         leaves ``latest`` on the previous checkpoint."""
         from xirang_ds import __version__
+        from xirang_ds.checkpoints import codes
         from xirang_ds.checkpoints.tags import facts_of_run, layout_record, write_marker
 
         client_state = dict(client_state or {})
@@ -269,8 +270,6 @@ class Session:
         if facts is not None:
             marker["deepspeed_files"] = layout_record(facts)
         if codes_beside:
-            from xirang_ds.checkpoints import codes
-
             marker["optimizer_states_codes"] = codes.FOLDER
         if int(getattr(self.engine, "local_rank", self.engine.global_rank)) == 0:
             # by the first rank of every node: each node reads its own copy when checkpoints are node-local
@@ -279,8 +278,6 @@ class Session:
             return self._save_with_stage0_entry(original, tag_dir, marker, facts, save_dir, tag, client_state,
                                                 *args, **kwargs)
         if codes_beside:
-            from xirang_ds.checkpoints import codes
-
             with codes.saving_beside(self.engine, tag_dir, marker, facts):
                 return original(save_dir, tag, client_state, *args, **kwargs)
         if facts is not None:
@@ -335,9 +332,9 @@ class Session:
         from xirang_ds.checkpoints import codes
 
         options = load_checkpoint_options(self.engine, *args, **kwargs)
-        foreign = self._foreign_optimizer_state(options)
+        own_codes = self._own_codes(options)
+        foreign = None if own_codes else self._foreign_optimizer_state(options)
         if foreign is None:
-            own_codes = self._own_codes(options)
             with codes.loading(self.engine, own_codes) if own_codes else contextlib.nullcontext():
                 load_path, client_state = original(*args, **kwargs)
         else:
@@ -366,8 +363,6 @@ class Session:
             return None  # DeepSpeed's own message for a folder without a checkpoint
         marker = read_marker(tag_dir)
         current = {p.section for p in self.plugins} & set(OWNERS)
-        if self._own_codes(options, tag_dir, marker):
-            return None
         if state_owners(marker) != current:
             return tag_dir, marker
         grad_release = self.plugin("grad_release")
@@ -375,18 +370,19 @@ class Session:
             return tag_dir, marker
         return None
 
-    def _own_codes(self, options: dict, tag_dir: Optional[str] = None, marker: Optional[dict] = None) -> Optional[str]:
-        """The tag folder whose optimizer_states codes this run resumes as its own (`codes.resumes_own`)."""
+    def _own_codes(self, options: dict) -> Optional[str]:
+        """The tag folder whose optimizer_states codes this run resumes as its own, through DeepSpeed's own
+        load (`codes.resumes_own`); ``None`` otherwise."""
         from xirang_ds.checkpoints import codes
         from xirang_ds.checkpoints.tags import read_marker, resolve_tag
 
         if not options["load_optimizer_states"] or options["load_module_only"]:
             return None
-        tag_dir = tag_dir or resolve_tag(options["load_dir"], options["tag"])
-        if tag_dir is None:
+        tag_dir = resolve_tag(options["load_dir"], options["tag"])
+        if tag_dir is None or not codes.resumes_own(self.engine, {p.section for p in self.plugins},
+                                                     read_marker(tag_dir)):
             return None
-        marker = read_marker(tag_dir) if marker is None else marker
-        return tag_dir if codes.resumes_own(self.engine, {p.section for p in self.plugins}, marker) else None
+        return tag_dir
 
     def _read_states(self, tag_dir: str, marker: dict) -> "ParamStates":
         """The checkpoint's optimizer state per parameter.

@@ -80,10 +80,9 @@ def read_states(tag_dir: str, marker: dict, names: Sequence[str], shapes: dict[s
         optimizer_groups: the basic optimizer's param groups, when the model-states file is not written
             yet (at save).
     """
+    from xirang_ds.checkpoints import codes
     from xirang_ds.checkpoints.deepspeed_files import read_deepspeed_states
     from xirang_ds.plugins.grad_release.checkpoint import read_param_states
-
-    from xirang_ds.checkpoints import codes
 
     if "grad_release" in state_owners(marker):
         return read_param_states(tag_dir, optimizer_groups)

@@ -9,6 +9,9 @@
   the plugin), the peak ratio, the median step-time ratio and the loss difference.
 * ``memory_variants``: the same with edited lists (the embedding on the white list), and a model
   whose states dominate its activations.
+* ``against_autocast``: the plugin against DeepSpeed's ``torch_autocast`` (fp32 parameters and
+  PyTorch's own autocast kernels: the same per-op mixed precision without the plugin's Python
+  kernels), side by side in one bench run, ``--repeats`` runs per row: the step-time ratio.
 * ``loss``: fp32, DeepSpeed bf16 and the plugin trained for ``--loss-steps`` steps from the same
   seed and data (no tracker); the mean loss of the last 20 steps, and its relative difference.
 * ``mechanisms``: one model's forward+backward (no DeepSpeed) under plain fp32, ``torch.autocast``,
@@ -98,6 +101,68 @@ def run_memory(steps: int, matrix: list = MEMORY) -> list[dict]:
                "final_loss": {"deepspeed_bf16": base["final_loss"], "precision": ours["final_loss"]}}
         print(format_result(result), flush=True)
         rows.append(row)
+    return rows
+
+
+AGAINST_AUTOCAST = [  # (model, stage, micro-batch, world size): small ops, where Python costs the most
+    ("gpt-tiny", 0, 8, 1),
+    ("gpt-tiny", 2, 8, 2),
+]
+
+
+def torch_autocast_config(stage: int, micro: int) -> dict:
+    """DeepSpeed's own per-op mixed precision: fp32 parameters, ``torch.autocast`` around forward."""
+    return {**ds(stage, micro, "fp32", block=None), "torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
+
+
+def time_rank(rank: int, world: int, model_text: str, config: dict, steps: int, use_xirang: bool) -> dict:
+    """One rank of one side, without a memory tracker: each step's wall time, and the losses."""
+    import deepspeed
+
+    import xirang_ds
+    from xirang_ds.data import batches, load_tokens
+    from xirang_ds.models import build_model, parse_model_spec
+
+    spec = parse_model_spec(model_text)
+    model = build_model(spec, seed=0)
+    init = xirang_ds.initialize if use_xirang else deepspeed.initialize
+    engine, *_ = init(model=model, model_parameters=model.parameters(), config=config)
+    data = batches(load_tokens(DATA), engine.train_micro_batch_size_per_gpu(), spec.seq, seed=0, vocab=spec.vocab,
+                   rank=rank, world_size=world)
+    times, losses = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        losses.append(optimizer_step(engine, data))
+        times.append(time.perf_counter() - start)
+    return {"times": times, "losses": losses}
+
+
+def run_against_autocast(steps: int, repeats: int) -> list[dict]:
+    """The plugin against DeepSpeed's ``torch_autocast`` (the same fp32 parameters and per-op casts,
+    with PyTorch's built-in autocast kernels), no tracker on either side; the sides alternate
+    ``repeats`` times and each repeat gives one ratio of median step times (first 3 steps not
+    counted)."""
+    from xirang_ds.launch import run_ranks
+
+    rows = []
+    for model, stage, micro, world in AGAINST_AUTOCAST:
+        sides = {"deepspeed_torch_autocast": (torch_autocast_config(stage, micro), False),
+                 "precision": (ds(stage, micro), True)}
+        medians: dict[str, list[float]] = {k: [] for k in sides}
+        losses: dict[str, list[float]] = {}
+        threads = max(1, (os.cpu_count() or 2) // world)
+        for _ in range(repeats):
+            for name, (config, use) in sides.items():
+                per_rank = run_ranks(time_rank, world, model, config, steps, use, threads=threads)
+                step_times = [max(r["times"][i] for r in per_rank) for i in range(steps)]  # the slowest rank
+                medians[name].append(statistics.median(step_times[3:]))
+                losses[name] = per_rank[0]["losses"]
+        ratios = [p / a for p, a in zip(medians["precision"], medians["deepspeed_torch_autocast"])]
+        rows.append({"model": model, "params": n_params(model), "world_size": world, "zero_stage": stage,
+                     "micro_batch": micro, "steps": steps, "step_time_median_s": medians,
+                     "step_time_ratios": ratios, "step_time_ratio_median": statistics.median(ratios),
+                     "final_loss": {k: v[-1] for k, v in losses.items()}})
+        print(model, world, "ranks: step time ratios", [f"{r:.3f}" for r in ratios], flush=True)
     return rows
 
 
@@ -248,6 +313,19 @@ def run_dispatch_overhead(calls: int, rounds: int) -> dict:
     return {"calls": calls, "rounds": rounds, **results}
 
 
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), and whether it computes bf16 natively (AVX512-BF16
+    or AMX): without it, bf16 matmuls take torch's slow reference path and dilute any overhead."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            info = f.read()
+    except OSError:
+        return platform.processor() or "unknown"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    native = "avx512_bf16" in info or "amx_bf16" in info
+    return f"{name}, {os.cpu_count()} cores, bf16 {'native' if native else 'emulated'}"
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
@@ -290,6 +368,17 @@ def tables(result: dict) -> str:
         for k in ("mm", "mm_weight_forward_backward"):
             med = d[k]["median_us_per_call"]
             out.append(f"| {k} | {med['torch_autocast']:.1f} | {med['kernels']:.1f} | {d[k]['overhead_us_per_call']:.1f} |")
+    against = result.get("against_autocast")
+    if against:
+        out += ["", "| model | ZeRO | ranks | micro | DeepSpeed torch_autocast s/step | precision s/step | "
+                    "ratio per repeat | median ratio | final loss (torch_autocast / precision) |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for r in against["rows"]:
+            med = {k: statistics.median(v) for k, v in r["step_time_median_s"].items()}
+            out.append(f"| {r['model']} | {r['zero_stage']} | {r['world_size']} | {r['micro_batch']} | "
+                       f"{med['deepspeed_torch_autocast']:.4f} | {med['precision']:.4f} | "
+                       f"{', '.join(f'{x:.3f}' for x in r['step_time_ratios'])} | {r['step_time_ratio_median']:.3f} | "
+                       f"{r['final_loss']['deepspeed_torch_autocast']:.4f} / {r['final_loss']['precision']:.4f} |")
     return "\n".join(out)
 
 
@@ -299,6 +388,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="steps per side of each memory row")
     parser.add_argument("--loss-steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=3, help="side-by-side bench runs per row (against_autocast)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "precision.json"))
     parser.add_argument("--tables", action="store_true", help="print the markdown tables of --out and exit")
     args = parser.parse_args()
@@ -317,14 +407,16 @@ def main() -> None:
                              "machine": "shared 2-core CPU host, other test suites running (step times noisy)"}
     runs = {"memory": lambda: {"rows": run_memory(args.steps)}, "loss": lambda: run_loss(args.loss_steps),
             "memory_variants": lambda: {"rows": run_memory(args.steps, VARIANTS)},
+            "against_autocast": lambda: {"rows": run_against_autocast(args.steps, args.repeats)},
             "mechanisms": lambda: {**{m: run_mechanisms(m, args.rounds) for m in ("gpt-tiny", "gpt-small")},
                                    "dispatch_overhead": run_dispatch_overhead(2000, args.rounds)}}
     for part in args.parts.split(","):
         load = os.getloadavg()
         result[part] = runs[part]()
         result[part]["command"] = (f".venv/bin/python benchmarks/precision.py --parts {part} --steps {args.steps} "
-                                   f"--loss-steps {args.loss_steps} --rounds {args.rounds}")
+                                   f"--loss-steps {args.loss_steps} --rounds {args.rounds} --repeats {args.repeats}")
         result[part]["load_average_start_end"] = [load, os.getloadavg()]
+        result[part]["cpu"] = cpu_name()
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)

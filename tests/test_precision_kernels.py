@@ -124,6 +124,36 @@ def test_autocasts_own_lists_give_torch_autocasts_results_bit_for_bit():
         assert torch.equal(a, b)
 
 
+def test_only_listed_ops_reach_python(monkeypatch):
+    """The hot path's Python: a GPT's forward and backward call a Python kernel once per call of a
+    listed op it makes (linear, layer_norm, attention, the loss) and never for the rest (embedding,
+    gelu, add, dropout, views, every backward op): those stay PyTorch's autocast fallthrough."""
+    import collections
+
+    from xirang_ds.plugins.precision import kernels
+
+    calls: collections.Counter = collections.Counter()
+    make = kernels._make_kernel
+
+    def counting(op, kind, inst):
+        kernel = make(op, kind, inst)
+
+        def counted(*args, **kwargs):
+            calls[op.__name__] += 1
+            return kernel(*args, **kwargs)
+        return counted
+
+    monkeypatch.setattr(kernels, "_make_kernel", counting)
+    spec = BUILTIN_SPECS["gpt-tiny"]
+    model = build_model(spec)
+    linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+    norms = sum(isinstance(m, nn.LayerNorm) for m in model.modules())
+    gpt_step(model, torch.randint(0, spec.vocab, (2, spec.seq)), installed(policy()))
+    assert dict(calls) == {"linear.default": linears, "layer_norm.default": norms,
+                           "scaled_dot_product_attention.default": spec.layers,
+                           "cross_entropy_loss.default": 1}
+
+
 def live_bf16_weight_copies(tracker: MemoryTracker, model: nn.Module) -> int:
     shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
     return sum(1 for r in tracker.live_records() if r.dtype == "bfloat16" and r.shape in shapes)

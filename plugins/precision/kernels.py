@@ -114,29 +114,42 @@ def _make_kernel(op: torch._ops.OpOverload, kind: str, inst: _Installation) -> C
     policy = inst.policy
     device, low, narrow = policy.device_type, policy.low_dtype, policy.narrow_upcasts
     fp64 = torch.float64
+    call = op._op  # the operator's C++ entry: one Python frame less than ``OpOverload.__call__``
+    autocast_off = torch._C._DisableAutocast
+    push, pop = torch._C._autograd._push_saved_tensors_default_hooks, torch._C._autograd._pop_saved_tensors_default_hooks
 
     def eligible(t: torch.Tensor) -> bool:
         return t.is_floating_point() and t.dtype is not fp64 and t.device.type == device
 
     fixed = low if kind == "low" else torch.float32 if kind == "fp32" else None
 
+    def target(t: torch.Tensor) -> Optional[torch.dtype]:
+        return fixed if eligible(t) else None
+
     def kernel(*args: Any, **kwargs: Any) -> Any:
         to = fixed
         if to is None:  # widest
             to = widest(t.dtype for t in _tensors((args, tuple(kwargs.values()))) if eligible(t))
-        casts = CastSet(inst.weight_scope(), narrow)
-        with torch._C._DisableAutocast():
-            if to is not None:
-                def target(t: torch.Tensor) -> Optional[torch.dtype]:
-                    return to if eligible(t) else None
 
-                args = casts.map(args, target)
-                if kwargs:
-                    kwargs = {k: casts.map(v, target) for k, v in kwargs.items()}
-            if not casts.copies:
-                return op(*args, **kwargs)
-            with casts.saving():
-                return op(*args, **kwargs)
+            def cast_to(t: torch.Tensor) -> Optional[torch.dtype]:
+                return to if eligible(t) else None
+        else:
+            cast_to = target
+        with autocast_off():
+            if to is None:
+                return call(*args, **kwargs)
+            casts = CastSet(inst.weight_scope(), narrow)
+            args = casts.map(args, cast_to)
+            if kwargs:
+                kwargs = {k: casts.map(v, cast_to) for k, v in kwargs.items()}
+            hooks = casts.hooks()
+            if hooks is None:  # nothing cast, or no copy backward could remake
+                return call(*args, **kwargs)
+            push(*hooks)  # ``saved_tensors_hooks`` without its Python frames
+            try:
+                return call(*args, **kwargs)
+            finally:
+                pop()
 
     kernel.__name__ = f"xirang_{kind}_{op.__name__}"
     return kernel

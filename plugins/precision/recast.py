@@ -170,12 +170,12 @@ class CastSet:
             return value
         return out if isinstance(value, list) else tuple(out)
 
-    @contextlib.contextmanager
-    def saving(self) -> Iterator[None]:
-        """Autograd saves a `Recast` instead of any tensor on our copies (others go to outer hooks)."""
+    def hooks(self) -> Optional[tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]]:
+        """The ``(pack, unpack)`` pair under which autograd saves a `Recast` instead of any tensor on
+        our copies (other tensors go to the hooks active outside); None when there is nothing to
+        replace. Kernels push it around the op (``saved_tensors_hooks`` without its Python frames)."""
         if not self.copies or not _HOOKS_ENABLED():
-            yield
-            return
+            return None
         copies, weight_scope = self.copies, self.weight_scope
         outer = _TOP_HOOKS(False)
         null = contextlib.nullcontext
@@ -194,7 +194,16 @@ class CastSet:
                 return packed.unpack(packed.packed)
             return packed
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return pack, unpack
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """Autograd saves a `Recast` instead of any tensor on our copies (others go to outer hooks)."""
+        hooks = self.hooks()
+        if hooks is None:
+            yield
+            return
+        with torch.autograd.graph.saved_tensors_hooks(*hooks):
             yield
 
 

@@ -167,19 +167,7 @@ def run_against_autocast(steps: int, repeats: int) -> list[dict]:
 
 
 def loss_rank(rank: int, world: int, model_text: str, config: dict, steps: int, use_xirang: bool) -> list[float]:
-    import deepspeed
-
-    import xirang_ds
-    from xirang_ds.data import batches, load_tokens
-    from xirang_ds.models import build_model, parse_model_spec
-
-    spec = parse_model_spec(model_text)
-    model = build_model(spec, seed=0)
-    init = xirang_ds.initialize if use_xirang else deepspeed.initialize
-    engine, *_ = init(model=model, model_parameters=model.parameters(), config=config)
-    data = batches(load_tokens(DATA), engine.train_micro_batch_size_per_gpu(), spec.seq, seed=0, vocab=spec.vocab,
-                   rank=rank, world_size=world)
-    return [optimizer_step(engine, data) for _ in range(steps)]
+    return time_rank(rank, world, model_text, config, steps, use_xirang)["losses"]
 
 
 def run_loss(steps: int) -> dict:

@@ -98,6 +98,30 @@ def test_clone_optimizer_steps_like_the_original_and_follows_the_scheduler():
     assert clone.param_groups[0]["lr"] == 0.1 * 0.25  # the lr of the last step, copied from the basic optimizer
 
 
+@pytest.mark.parametrize("foreach", [None, False])
+def test_bucket_optimizers_step_slices_multi_tensor_with_the_flat_steps_bits(foreach):
+    """A bucket steps views of slices where DeepSpeed steps one flat partition: with ``foreach``
+    unset the clone takes torch's multi-tensor path (CPU too) and keeps it through the hyperparameter
+    sync; the bits equal the single-tensor step of the whole. An explicit choice is kept."""
+    torch.manual_seed(0)
+    flat = torch.nn.Parameter(torch.randn(40))
+    basic = torch.optim.AdamW([flat], lr=0.1, weight_decay=0.3, foreach=foreach)
+    master = flat.detach().clone()
+    views = [master[0:7], master[7:30], master[30:40]]
+    group = {k: v for k, v in basic.param_groups[0].items() if k != "params"}
+    clone = clone_optimizer(basic, [{"params": views, **group}])
+    for _ in range(3):
+        g = torch.randn(40)
+        flat.grad = g.clone()
+        for v, (start, end) in zip(views, ((0, 7), (7, 30), (30, 40))):
+            v.grad = g[start:end].clone()
+        sync_hyperparameters(basic.param_groups, clone, [0])
+        basic.step()
+        clone.step()
+    assert clone.param_groups[0]["foreach"] is (True if foreach is None else False)
+    assert torch.equal(flat.detach(), master)
+
+
 def test_clip_divisor_is_deepspeeds_rule():
     assert clip_divisor(0.5, 1.0) == 1.0
     assert clip_divisor(3.0, 1.0) == pytest.approx(3.0 + 1e-6)

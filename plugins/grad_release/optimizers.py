@@ -96,7 +96,27 @@ def clone_optimizer(optimizer: torch.optim.Optimizer, param_groups: Sequence[dic
     for attribute in EXTRA_INIT_ATTRIBUTES.get(cls.__name__, ()):
         if hasattr(optimizer, attribute) and attribute in params:
             kwargs[attribute] = bool(getattr(optimizer, attribute))
-    return cls(list(param_groups), **kwargs)
+    groups = list(param_groups)
+    own: tuple[str, ...] = ()
+    if _leaves_foreach_to_torch(optimizer, groups):
+        kwargs["foreach"], own = True, ("foreach",)
+        groups = [{**g, "foreach": True} for g in groups]
+    clone = cls(groups, **kwargs)
+    clone.xirang_own_keys = own  # kept by `sync_hyperparameters`
+    return clone
+
+
+def _leaves_foreach_to_torch(optimizer: torch.optim.Optimizer, groups: Sequence[dict]) -> bool:
+    """A torch.optim optimizer whose ``foreach`` is unset (None: torch's choice, which is the
+    multi-tensor path on CUDA and the per-tensor Python loop elsewhere). A bucket steps one view per
+    parameter slice where DeepSpeed steps one flat partition, so on CPU the per-tensor loop would cost
+    a dozen Python-dispatched ops per slice; the multi-tensor ops run the same arithmetic per tensor
+    in the same order (the same bits), looped in C++. An explicit ``foreach`` (True or False) is kept."""
+    if not type(optimizer).__module__.startswith("torch.optim") or "foreach" not in optimizer.defaults:
+        return False
+    if any(g.get("foreach") is not None for g in groups) or optimizer.defaults["foreach"] is not None:
+        return False
+    return not any(g.get("differentiable") or g.get("fused") or g.get("capturable") for g in groups)
 
 
 def hyperparameters(group: dict) -> dict:
@@ -106,16 +126,18 @@ def hyperparameters(group: dict) -> dict:
 
 def sync_hyperparameters(source_groups: Sequence[dict], target: torch.optim.Optimizer,
                          sources: Sequence[int]) -> None:
-    """Copy each source group's hyperparameters into the target group built from it.
+    """Copy each source group's hyperparameters into the target group built from it (not the
+    keys `clone_optimizer` chose for the clone itself).
 
     Args:
         source_groups: the basic optimizer's ``param_groups`` (what schedulers move).
         target: a bucket's optimizer.
         sources: for each of the target's groups, the index of its source group.
     """
+    skip = ("params", *getattr(target, "xirang_own_keys", ()))
     for group, index in zip(target.param_groups, sources):
         for key, value in source_groups[index].items():
-            if key != "params":
+            if key not in skip:
                 group[key] = value
 
 

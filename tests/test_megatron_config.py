@@ -250,6 +250,38 @@ def test_preset_leaves_off_what_megatron_cannot_run_but_not_what_the_user_names(
     assert named.grad_release.enabled and named.memory_pool.enabled  # run under Megatron when named
 
 
+def _megatron_preset_table() -> dict:
+    """docs/megatron.md's "Presets under Megatron" table: preset -> (runs, left off)."""
+    import pathlib
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "megatron.md").read_text(encoding="utf-8")
+    section = text.split("### Presets under Megatron", 1)[1].split("\n\n* ", 1)[0]
+    rows = [line.strip("| ").split(" | ") for line in section.splitlines() if line.startswith("| ")][1:]
+    return {r[0]: (r[1].split(", "), r[2].split(", ")) for r in rows}
+
+
+@pytest.mark.parametrize("preset", ["conservative", "balanced", "aggressive"])
+def test_each_preset_under_megatron_runs_what_the_docs_table_says(preset):
+    from xirang_ds import registry
+    from xirang_ds.config.presets import PRESETS
+
+    resolved = xm.validate_for_megatron({"preset": preset})
+    asked = [n for n, s in PRESETS[preset].items() if isinstance(s, dict) and s.get("enabled")]
+    runs = [n for n in asked if getattr(resolved, n).enabled]
+    left_off = [n for n in asked if not getattr(resolved, n).enabled]
+    assert _megatron_preset_table()[preset] == (runs, left_off)
+    for name in runs:  # what runs is built for Megatron, with no key on that does nothing there
+        cls = registry.plugin_class(name)
+        assert "megatron" in cls.frameworks
+        for key, (off, _) in cls.inert_keys.get("megatron", {}).items():
+            if off is not None:  # None: no value asks for nothing (refused when written, else the default)
+                assert getattr(getattr(resolved, name), key) == off
+    for name in left_off:  # left off only where a preset may not turn it on; named, it runs
+        cls = registry.plugin_class(name)
+        assert "megatron" not in (cls.preset_frameworks if cls.preset_frameworks is not None else cls.frameworks)
+        assert getattr(xm.validate_for_megatron({"preset": preset, name: {"enabled": True}}), name).enabled
+
+
 def test_comm_buffers_keys_that_do_nothing_under_megatron_are_off_or_refused():
     resolved = xm.validate_for_megatron({"preset": "balanced"})  # the preset's arena and adapt
     assert resolved.comm_buffers.enabled and not resolved.comm_buffers.arena and not resolved.comm_buffers.adapt

@@ -11,8 +11,22 @@ import os
 import pytest
 import torch
 
-from tests.engine_runs import data_iter, ds_config
+from tests.engine_runs import ds_config
 from xirang_ds.launch import run_ranks
+
+CORPUS_TOKENS = 1_115_394
+"""The token tensor's length: the shared corpus's (tinyshakespeare), whatever corpus is at hand."""
+
+
+def data_iter(micro, seq, rank, world):
+    """Batches of random byte tokens. The token tensor is made after the tracker starts, so it counts
+    against the enforced budget: its size, not the corpus found beside the checkout, must decide
+    whether the hog runs out (the budgets below were set with the shared corpus's 8.9 MB)."""
+    from xirang_ds.data import batches
+
+    tokens = torch.randint(0, 256, (CORPUS_TOKENS,), generator=torch.Generator().manual_seed(0))
+    return batches(tokens, micro, seq, seed=0, rank=rank, world_size=world)
+
 
 HOG_STEP, HOG_MICRO = 2, 2  # the boundary micro-step of step 2: its retry also runs micro-step 1 again
 

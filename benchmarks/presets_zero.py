@@ -8,8 +8,10 @@ left out at that stage (grad_release cannot run at ZeRO-3, so the presets there 
     .venv/bin/python benchmarks/presets_zero.py --model gpt:layers=12,hidden=768,heads=12,seq=256,vocab=50304 \\
         --micro-batch 2 --steps 6 --world-size 2 --data ../shared/data/tinyshakespeare.txt
 
-(the 162M-parameter GPT of issues 18 and 25; on a 2-core CPU its plain ZeRO-2 side alone runs
-more than ten minutes, so the eight sides take well over an hour).
+(the 162M-parameter GPT of issues 18 and 25; on a 2-core CPU without native bf16, such as the
+AMD EPYC this ran on, bf16 matmuls take torch's reference path, about 20x slower than fp32 on
+gpt-small, and its plain ZeRO-2 side alone runs more than ten minutes, so the eight sides take well
+over an hour; `benchmarks/precision.py`'s ``cpu_name`` says which kind a machine is).
 
 ``--render JSON`` prints the Markdown table of a saved run.
 """

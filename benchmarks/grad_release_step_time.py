@@ -23,7 +23,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from precision import cpu_name, ds, time_rank  # noqa: E402
+from precision import alternate_sides, cpu_name, ds  # noqa: E402
 
 
 def config(dtype: str, micro: int, bucket: float, block: dict | None) -> dict:
@@ -33,22 +33,11 @@ def config(dtype: str, micro: int, bucket: float, block: dict | None) -> dict:
 
 
 def run(model: str, world: int, steps: int, repeats: int, dtype: str, micro: int, bucket: float) -> dict:
-    from xirang_ds.launch import run_ranks
-
     sides = {"plain_zero2": (config(dtype, micro, bucket, None), False),
              "grad_release_auto_buckets": (config(dtype, micro, bucket, {"grad_release": {"enabled": True}}), True),
              "grad_release_plain_buckets": (config(dtype, micro, bucket, {"grad_release": {
                  "enabled": True, "bucket_size_numel": int(bucket)}}), True)}
-    medians: dict[str, list[float]] = {k: [] for k in sides}
-    losses: dict[str, float] = {}
-    threads = max(1, (os.cpu_count() or 2) // world)
-    for _ in range(repeats):
-        for name, (cfg, use) in sides.items():
-            per_rank = run_ranks(time_rank, world, model, cfg, steps, use, threads=threads)
-            step_times = [max(r["times"][i] for r in per_rank) for i in range(steps)]
-            medians[name].append(statistics.median(step_times[3:]))
-            losses[name] = per_rank[0]["losses"][-1]
-            print(name, f"{medians[name][-1]:.4f} s/step", flush=True)
+    medians, losses = alternate_sides(sides, model, world, steps, repeats)
     ratios = {k: [t / p for t, p in zip(v, medians["plain_zero2"])] for k, v in medians.items() if k != "plain_zero2"}
     return {"model": model, "world_size": world, "zero_stage": 2, "dtype": dtype, "micro_batch": micro,
             "gradient_clipping": 1.0, "plain_bucket_numel": int(bucket), "steps": steps, "repeats": repeats,
@@ -62,11 +51,10 @@ def render(result: dict) -> str:
              f"{result['micro_batch']}, clipping 1.0, plain buckets {result['plain_bucket_numel']:,} elements:", "",
              "| side | s/step (median of repeats) | ratio to plain per repeat | median ratio |", "|---|---|---|---|"]
     for name, times in result["step_time_median_s"].items():
-        ratios = result["ratio_to_plain"].get(name)
-        lines.append(f"| {name} | {statistics.median(times):.4f} | "
-                     f"{', '.join(f'{r:.3f}' for r in ratios) if ratios else ''} | "
-                     f"{result['ratio_to_plain_median'][name]:.3f} |" if ratios else
-                     f"| {name} | {statistics.median(times):.4f} | | 1.000 |")
+        ratios = result["ratio_to_plain"].get(name, [])
+        median = result["ratio_to_plain_median"].get(name, 1.0)
+        lines.append(f"| {name} | {statistics.median(times):.4f} | {', '.join(f'{r:.3f}' for r in ratios)} | "
+                     f"{median:.3f} |")
     return "\n".join(lines)
 
 

@@ -11,7 +11,7 @@
   whose states dominate its activations.
 * ``against_autocast``: the plugin against DeepSpeed's ``torch_autocast`` (fp32 parameters and
   PyTorch's own autocast kernels: the same per-op mixed precision without the plugin's Python
-  kernels), side by side in one bench run, ``--repeats`` runs per row: the step-time ratio.
+  kernels), no tracker, the two sides alternating ``--repeats`` times: a step-time ratio per repeat.
 * ``loss``: fp32, DeepSpeed bf16 and the plugin trained for ``--loss-steps`` steps from the same
   seed and data (no tracker); the mean loss of the last 20 steps, and its relative difference.
 * ``mechanisms``: one model's forward+backward (no DeepSpeed) under plain fp32, ``torch.autocast``,
@@ -137,32 +137,39 @@ def time_rank(rank: int, world: int, model_text: str, config: dict, steps: int, 
     return {"times": times, "losses": losses}
 
 
-def run_against_autocast(steps: int, repeats: int) -> list[dict]:
-    """The plugin against DeepSpeed's ``torch_autocast`` (the same fp32 parameters and per-op casts,
-    with PyTorch's built-in autocast kernels), no tracker on either side; the sides alternate
-    ``repeats`` times and each repeat gives one ratio of median step times (first 3 steps not
-    counted)."""
+def alternate_sides(sides: dict[str, tuple[dict, bool]], model: str, world: int, steps: int,
+                    repeats: int) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Each side (name -> ds_config, through xirang) trained in fresh ranks by `time_rank`, the sides
+    alternating ``repeats`` times so load hits all alike. Returns, per side, the median step time of
+    each repeat (the slowest rank's, first 3 steps not counted) and rank 0's last loss."""
     from xirang_ds.launch import run_ranks
 
+    medians: dict[str, list[float]] = {k: [] for k in sides}
+    losses: dict[str, float] = {}
+    threads = max(1, (os.cpu_count() or 2) // world)
+    for _ in range(repeats):
+        for name, (config, use) in sides.items():
+            per_rank = run_ranks(time_rank, world, model, config, steps, use, threads=threads)
+            step_times = [max(r["times"][i] for r in per_rank) for i in range(steps)]
+            medians[name].append(statistics.median(step_times[3:]))
+            losses[name] = per_rank[0]["losses"][-1]
+            print(model, name, f"{medians[name][-1]:.4f} s/step", flush=True)
+    return medians, losses
+
+
+def run_against_autocast(steps: int, repeats: int) -> list[dict]:
+    """The plugin against DeepSpeed's ``torch_autocast`` (the same fp32 parameters and per-op casts,
+    with PyTorch's built-in autocast kernels), no tracker on either side, `alternate_sides`: one
+    ratio of median step times per repeat."""
     rows = []
     for model, stage, micro, world in AGAINST_AUTOCAST:
-        sides = {"deepspeed_torch_autocast": (torch_autocast_config(stage, micro), False),
-                 "precision": (ds(stage, micro), True)}
-        medians: dict[str, list[float]] = {k: [] for k in sides}
-        losses: dict[str, list[float]] = {}
-        threads = max(1, (os.cpu_count() or 2) // world)
-        for _ in range(repeats):
-            for name, (config, use) in sides.items():
-                per_rank = run_ranks(time_rank, world, model, config, steps, use, threads=threads)
-                step_times = [max(r["times"][i] for r in per_rank) for i in range(steps)]  # the slowest rank
-                medians[name].append(statistics.median(step_times[3:]))
-                losses[name] = per_rank[0]["losses"]
+        medians, losses = alternate_sides({"deepspeed_torch_autocast": (torch_autocast_config(stage, micro), False),
+                                           "precision": (ds(stage, micro), True)}, model, world, steps, repeats)
         ratios = [p / a for p, a in zip(medians["precision"], medians["deepspeed_torch_autocast"])]
         rows.append({"model": model, "params": n_params(model), "world_size": world, "zero_stage": stage,
                      "micro_batch": micro, "steps": steps, "step_time_median_s": medians,
                      "step_time_ratios": ratios, "step_time_ratio_median": statistics.median(ratios),
-                     "final_loss": {k: v[-1] for k, v in losses.items()}})
-        print(model, world, "ranks: step time ratios", [f"{r:.3f}" for r in ratios], flush=True)
+                     "final_loss": losses})
     return rows
 
 
@@ -376,7 +383,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="steps per side of each memory row")
     parser.add_argument("--loss-steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--repeats", type=int, default=3, help="side-by-side bench runs per row (against_autocast)")
+    parser.add_argument("--repeats", type=int, default=3, help="alternations of the sides per row (against_autocast)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "precision.json"))
     parser.add_argument("--tables", action="store_true", help="print the markdown tables of --out and exit")
     args = parser.parse_args()

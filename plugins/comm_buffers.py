@@ -45,6 +45,7 @@ import logging
 import os
 from typing import Any, Optional
 
+from xirang_ds.compat.deepspeed import gradient_reduction_dtype
 from xirang_ds.config.schema import CommBuffersConfig
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
@@ -275,7 +276,7 @@ class CommBuffersPlugin(Plugin):
         slots = bucket_slots(opt)
         if self.config.arena and slots is not None:
             size = int(opt.reduce_bucket_size)
-            self.arena = Arena(size, slots, opt._gradient_reduction_buffer_dtype(), engine.device)
+            self.arena = Arena(size, slots, gradient_reduction_dtype(opt), engine.device)
             self._mark_arena()
             self.server = self.keep(ArenaServer(opt, self.arena))
             if self.config.lend_to_activations:

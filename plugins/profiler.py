@@ -66,9 +66,9 @@ class ProfilerPlugin(Plugin):
         self._module_handles_from = len(t._handles)
         t.watch_module(self.engine.module)
         if self.cuda and "pickle" in self.config.formats:
-            import torch
+            from xirang_ds.compat.torch import record_memory_history
 
-            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+            record_memory_history(max_entries=1_000_000)
         self._recording = True
 
     def _end(self) -> None:
@@ -93,11 +93,11 @@ class ProfilerPlugin(Plugin):
             formats = [f for f in self.config.formats if not (self.cuda and f == "pickle")]
             self.files = export(self.timeline, self.config.output_dir, f"timeline_rank{rank}", formats)
             if self.cuda and "pickle" in self.config.formats:
-                import torch
+                from xirang_ds.compat.torch import dump_memory_snapshot, record_memory_history
 
                 path = os.path.join(self.config.output_dir, f"timeline_rank{rank}.pickle")
-                torch.cuda.memory._dump_snapshot(path)
-                torch.cuda.memory._record_memory_history(enabled=None)
+                dump_memory_snapshot(path)
+                record_memory_history(enabled=None)
                 self.files["pickle"] = path
         self.session.record_event("profile", step=self.config.step, files=dict(self.files),
                                   peak_bytes=self.report.peak_bytes)

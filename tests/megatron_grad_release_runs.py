@@ -75,7 +75,7 @@ def tp2_grad_release(rank: int, world: int, tmp: str, steps: int) -> dict:
     """TP=2 on 2 ranks: plain Megatron against grad_release (accumulation, one micro-batch with small
     buckets, exact and previous-step clipping), the optimizer state dict round trip, removal, and the
     settings refused."""
-    from xirang_ds.integration.megatron_compat import buffer_tensors
+    from xirang_ds.compat.megatron import buffer_tensors
 
     ex = example()
     created = ex.setup(rank, world, 2)
@@ -163,7 +163,7 @@ def resume(ex: Any, common: list[str], config: str, steps: int, plain: bool = Tr
 def removal(ex: Any, common: list[str], config: str, steps: int) -> dict:
     """``steps`` steps with grad_release, ``session.remove()``, ``steps`` plain ones: the losses of plain
     Megatron over both; DDP's buffer and hooks are back."""
-    from xirang_ds.integration.megatron_compat import buffer_tensors
+    from xirang_ds.compat.megatron import buffer_tensors
 
     model, optimizer, session, run_step = loop(ex, common + ["--xirang-config", config], steps)
     losses = [run_step() for _ in range(steps)]

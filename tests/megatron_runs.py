@@ -65,7 +65,7 @@ def storage_bytes(tensors: Any) -> int:
 
 def count_storages(model: Any, optimizer: Any, session: Any) -> dict:
     """An independent count of what the tracker should find, by role (`train`'s ``inspect``)."""
-    from xirang_ds.integration.megatron_compat import (
+    from xirang_ds.compat.megatron import (
         buffer_tensors,
         global_memory_buffer_tensors,
         inner_optimizers,
@@ -227,7 +227,7 @@ def case_seams(ex: Any, tmp: str) -> dict:
     import torch
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from xirang_ds.integration.megatron_compat import gradient, parallel_layers
+    from xirang_ds.compat.megatron import gradient, parallel_layers
 
     def backward(model: Any) -> None:
         tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -373,7 +373,7 @@ def tp2_activations(rank: int, world: int, tmp: str, steps: int, plans: dict[str
     with Megatron's RNG tracker left alone in recomputation (the control that shows the restore matters)."""
     import torch
 
-    from xirang_ds.integration import megatron_compat
+    from xirang_ds.compat import megatron as megatron_compat
 
     ex = example()
     created = ex.setup(rank, world, 2)
@@ -467,7 +467,7 @@ def _states_inspect(model: Any, optimizer: Any, session: Any) -> dict:
     """Per-rank figures of a run with optimizer_states: formats, bytes, replicated parameters' values."""
     import zlib
 
-    from xirang_ds.integration.megatron_compat import inner_optimizers, unwrap
+    from xirang_ds.compat.megatron import inner_optimizers, unwrap
 
     out: dict = {"inner": [type(o).__name__ for o in inner_optimizers(optimizer)],
                  "replicated": {n: zlib.crc32(p.detach().numpy().tobytes()) for n, p in unwrap(model).named_parameters()
@@ -542,7 +542,7 @@ def states_removal(ex: Any, opts: Any, steps: int) -> dict:
     model, optimizer, session, make_data = ex.build_loop(opts)
     run_step = ex.step_function(opts, model, optimizer, make_data())
     losses = [run_step() for _ in range(steps)]
-    from xirang_ds.integration.megatron_compat import inner_optimizers
+    from xirang_ds.compat.megatron import inner_optimizers
 
     during = [type(o).__name__ for o in inner_optimizers(optimizer)]
     try:

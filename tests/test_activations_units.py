@@ -13,15 +13,15 @@ import torch.nn.functional as F
 from xirang_ds.config.schema import ActivationsConfig
 from xirang_ds.memory.categories import ACTIVATIONS, HOST
 from xirang_ds.memory.tracker import MemoryTracker
+from xirang_ds.models import BUILTIN_SPECS, build_model
 from xirang_ds.plugins.activations import codecs
 from xirang_ds.plugins.activations.codecs import bit_view, encode_int8, encode_lossless, encode_sparse, int8_bound
 from xirang_ds.plugins.activations.handlers import CodecHandler, OffloadHandler
 from xirang_ds.plugins.activations.offload import Offloader
 from xirang_ds.plugins.activations.planner import BudgetError, Choice, Node, estimate_peak, plan
 from xirang_ds.plugins.activations.saved import Eligibility, PackContext
-from xirang_ds.plugins.activations.selection import fixed_plan, find_candidates
+from xirang_ds.plugins.activations.selection import find_candidates, fixed_plan
 from xirang_ds.plugins.activations.storage import Lease, PayloadStorage
-from xirang_ds.models import BUILTIN_SPECS, build_model
 
 
 def _special_fp32(n=4096):
@@ -385,7 +385,7 @@ def test_config_rules():
 
 
 def test_private_torch_apis_still_behave():
-    from xirang_ds.plugins.activations.compat import current_saved_tensors_hooks, is_checkpoint_hook, sac_ignored_ops
+    from xirang_ds.compat.torch import current_saved_tensors_hooks, is_checkpoint_hook, sac_ignored_ops
 
     assert current_saved_tensors_hooks() is None
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):

@@ -7,7 +7,7 @@ With a Megatron-LM clone (``MEGATRON_LM_DIR``, a work tree or a bare repository;
 one): the patch applies at the pinned commit and at the refs docs/megatron.md says it works on,
 Megatron-LM's ``pretrain`` and ``setup_model_and_optimizer`` there still have what the inserted calls
 use, an anchor that moved makes the check fail (while a pure insertion would have applied), and the
-names in ``megatron_compat.UPSTREAM_NAMES`` are in the source of every tag from core_v0.12.0 to
+names in ``xirang_ds.compat.megatron.UPSTREAM_NAMES`` are in the source of every tag from core_v0.12.0 to
 core_v0.19.0.
 
 With the upstream files in ``../shared/megatron-lm/`` (or ``XIRANG_MEGATRON_FILES``; skipped without
@@ -25,8 +25,8 @@ import tempfile
 
 import pytest
 
+from xirang_ds.compat.megatron import UPSTREAM_NAMES
 from xirang_ds.integration import megatron as xm
-from xirang_ds.integration.megatron_compat import UPSTREAM_NAMES
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 PATCH = os.path.join(ROOT, "patches", "megatron-lm-core_v0.16.1.patch")

@@ -18,8 +18,8 @@ from typing import Any, Optional
 
 import torch
 
+from xirang_ds.compat.deepspeed import accumulation_boundary, restore_accumulation_boundary
 from xirang_ds.hooks import wrap_method
-
 
 NUM_ITEMS = "num_items_in_batch"
 """HF Trainer's keyword: the loss is a sum over the micro-batch's tokens divided by this count."""
@@ -107,7 +107,7 @@ class MicroBatchSplitter:
         # the pieces; a mean over the piece's samples averages
         share = 1.0 if NUM_ITEMS in kwargs else 1.0 / k
         engine = self.engine
-        saved_boundary = engine._is_gradient_accumulation_boundary
+        saved_boundary = accumulation_boundary(engine)
         earlier = []
         try:
             engine.set_gradient_accumulation_boundary(False)
@@ -117,7 +117,7 @@ class MicroBatchSplitter:
                 earlier.append(loss.detach())
                 del loss
         finally:
-            engine._is_gradient_accumulation_boundary = saved_boundary
+            restore_accumulation_boundary(engine, saved_boundary)
         output = original(*pieces[-1][0], **pieces[-1][1])
         last = _scalar_loss(output)
         # value: the whole micro-batch's; gradient: only the last piece's share (the rest is applied)

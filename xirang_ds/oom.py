@@ -22,7 +22,8 @@ variable would have held is dropped here, so the retry does not run beside the f
 saved activations. A ``loss.backward()`` on the stand-in raises with the fix.
 
 At ZeRO-3 the interrupted pass also leaves parameters gathered, a prefetch trace recorded part-way and
-sub-modules on ZeRO-3's module stack: `_drop_zero3` releases, invalidates and pops them.
+sub-modules on ZeRO-3's module stack: `xirang_ds.compat.deepspeed.drop_step_gradients` releases, invalidates
+and pops them.
 
 Where nothing can be retried: an update that has begun (grad_release applies its held shards only
 after every rank confirmed its backward, `OomGuard.confirm_update`), the optimizer step, and a
@@ -36,6 +37,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from xirang_ds.compat.deepspeed import (
+    accumulation_boundary,
+    drop_step_gradients,
+    restore_accumulation_boundary,
+    zero_state_missing,
+)
+from xirang_ds.compat.torch import version
 from xirang_ds.hooks import wrap_method
 from xirang_ds.microbatch import loss_of, require_loss, with_loss
 
@@ -102,108 +110,6 @@ class CollectiveGate:
     def remove(self) -> None:
         while self._handles:
             self._handles.pop().remove()
-
-
-# ---------------------------------------------------------------------------------------------
-# gradients of the step, dropped as DeepSpeed drops them when it skips a step
-_ZERO_1_2_STATE = ("averaged_gradients", "ipg_buckets", "params_already_reduced", "micro_step_id",
-                   "reset_partition_gradient_structures", "_release_ipg_buffers",
-                   "_release_preflattened_grad_buffers", "_backward_hook_state")
-"""What `drop_step_gradients` resets in DeepSpeed's ZeRO-1/2 optimizer (checked at attach)."""
-
-
-_ZERO_3_STATE = ("averaged_gradients", "ipg_buckets", "params_already_reduced", "fp16_groups",
-                 "_backward_hook_state", "parameter_offload")
-_ZERO_3_COORDINATOR = ("release_backward_leftovers", "release_and_reset_all", "is_invalid_trace", "_invalidate_trace")
-"""What `drop_step_gradients` resets in DeepSpeed's ZeRO-3 optimizer and its parameter coordinator."""
-
-
-def zero_state_missing(optimizer: Any) -> list[str]:
-    """Names `drop_step_gradients` needs that this DeepSpeed ZeRO optimizer lacks (none for others)."""
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
-        missing = [name for name in _ZERO_3_STATE if not hasattr(optimizer, name)]
-        if not missing:
-            coordinator = optimizer.parameter_offload.get_param_coordinator()
-            missing = [f"coordinator.{name}" for name in _ZERO_3_COORDINATOR if not hasattr(coordinator, name)]
-        return missing
-    if isinstance(optimizer, DeepSpeedZeroOptimizer):
-        return [name for name in _ZERO_1_2_STATE if not hasattr(optimizer, name)]
-    return []
-
-
-def drop_step_gradients(engine: Any) -> None:
-    """Forget every gradient of the step in progress, including an interrupted backward's partial
-    reductions, so its micro-batches can run again from the first."""
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID, DeepSpeedZeroOptimizer
-
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-
-    get_accelerator().synchronize()  # reductions in flight on side streams finish first
-    optimizer = engine.optimizer
-    if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
-        _drop_zero3(engine, optimizer)
-    elif isinstance(optimizer, DeepSpeedZeroOptimizer):
-        optimizer.zero_grad(set_to_none=True)
-        optimizer._release_preflattened_grad_buffers()
-        for group in list(optimizer.averaged_gradients):
-            optimizer.averaged_gradients[group] = None
-            if hasattr(optimizer, "all_grad_tensors"):
-                optimizer.all_grad_tensors[group] = None
-        for bucket in optimizer.ipg_buckets.values():
-            bucket.clear()
-        optimizer.params_already_reduced = [False] * len(optimizer.params_already_reduced)
-        optimizer.reset_partition_gradient_structures()
-        for pending in getattr(optimizer, "previous_reduced_grads", {}).values():
-            pending.clear()
-        if isinstance(getattr(optimizer, "extra_large_param_to_reduce", None), dict):
-            optimizer.extra_large_param_to_reduce.clear()
-        optimizer._release_ipg_buffers()
-        optimizer.micro_step_id = INITIAL_MICRO_STEP_ID
-        if getattr(optimizer, "cpu_offload", False):
-            optimizer.reset_cpu_buffers()
-            optimizer.accumulated_grads_in_cpu = {}
-            optimizer._offload_accumulated_param_ids = set()
-        state = optimizer._backward_hook_state
-        state.backward_active_depth = 0
-        state.reset_for_new_step()
-    elif optimizer is not None and hasattr(optimizer, "zero_grad"):
-        optimizer.zero_grad(set_to_none=True)  # BF16_Optimizer clears its fp32 gradients too
-    engine.zero_grad()
-
-
-def _drop_zero3(engine: Any, optimizer: Any) -> None:
-    """ZeRO-3: release every gathered parameter, forget the interrupted pass's trace and module stack,
-    and clear the gradient partitions' state (as its overflow path does, plus the ipg buckets)."""
-    from deepspeed.runtime.zero import parameter_offload
-
-    module = engine.module
-    coordinator = optimizer.parameter_offload.get_param_coordinator()
-    coordinator.release_backward_leftovers()
-    coordinator.release_and_reset_all(module)
-    if not coordinator.is_invalid_trace():
-        coordinator._invalidate_trace()  # the failed pass recorded part of an order; record anew
-    stack = parameter_offload.FWD_MODULE_STACK
-    if module in stack:  # the interrupted forward's sub-modules are still pushed
-        del stack[len(stack) - stack[::-1].index(module):]
-    for sub in module.modules():
-        if hasattr(sub, "ds_grads_remaining"):
-            sub.ds_grads_remaining = 0
-    for group in optimizer.fp16_groups:  # an interrupted backward leaves some; zero_grad's record_stream
-        for param in group:              # would fail on them on CPU
-            param.grad = None
-    optimizer.zero_grad(set_to_none=True)
-    optimizer.averaged_gradients = {}
-    for bucket in optimizer.ipg_buckets.values():
-        bucket.clear_params()
-    for key in optimizer.params_already_reduced:
-        optimizer.params_already_reduced[key] = False
-    state = optimizer._backward_hook_state
-    state.backward_active_depth = 0
-    state.reset_for_new_step()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,13 +272,13 @@ class OomGuard:
         """This step's earlier micro-batches forward and backward (not a boundary), then the current
         one: forward only (the caller runs its backward) or with its backward."""
         engine = self.engine
-        saved = engine._is_gradient_accumulation_boundary
+        saved = accumulation_boundary(engine)
         try:
             for args, kwargs in self.inputs[:-1]:
                 engine.set_gradient_accumulation_boundary(False)
                 self._backward_inner(self._require_loss(self._forward_inner(*args, **kwargs)))
         finally:
-            engine._is_gradient_accumulation_boundary = saved
+            restore_accumulation_boundary(engine, saved)
         args, kwargs = self.inputs[-1]
         output = self._forward_inner(*args, **kwargs)
         if not with_backward:
@@ -394,7 +300,7 @@ class OomGuard:
         leaf = loss.detach().requires_grad_(True)
         leaf.register_hook(self._direct_backward)
         stand_in = leaf * 1.0
-        self._pending = (loss, leaf, stand_in, stand_in._version)
+        self._pending = (loss, leaf, stand_in, version(stand_in))
         return with_loss(output, stand_in)
 
     def _direct_backward(self, grad: torch.Tensor) -> torch.Tensor:
@@ -407,8 +313,8 @@ class OomGuard:
     def _real_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """What ``engine.backward(loss)`` runs: the real loss for the stand-in; for an expression of the
         stand-in (``loss * w``, or the stand-in scaled in place), the real loss times its gradient."""
-        real, leaf, stand_in, version = self._pending
-        if loss is stand_in and loss._version == version:
+        real, leaf, stand_in, saved_version = self._pending
+        if loss is stand_in and version(loss) == saved_version:
             return real
         if not loss.requires_grad:
             return loss
@@ -420,4 +326,4 @@ class OomGuard:
         return loss if grad is None else real * grad.to(real.dtype)
 
 
-__all__ = ["CollectiveGate", "OomGuard", "PeerOutOfMemoryError", "drop_step_gradients", "zero_state_missing"]
+__all__ = ["CollectiveGate", "OomGuard", "PeerOutOfMemoryError"]

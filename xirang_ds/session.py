@@ -312,14 +312,14 @@ class Session:
 
         from xirang_ds.checkpoints.deepspeed_writer import copy_recovery_script, zero_model_entries
         from xirang_ds.checkpoints.tags import write_deepspeed_files
+        from xirang_ds.compat.deepspeed import shared_params
 
         dist.barrier()  # every rank's shard is on disk
         _, groups = write_deepspeed_files(tag_dir, marker, facts, ranks=[self.plugin("grad_release").comm.rank])
         if self.engine.global_rank == 0:
             copy_recovery_script(save_dir)
         frozen = [(n, p) for n, p in self.engine.module.named_parameters() if not p.requires_grad]
-        # DeepSpeed's own _get_shared_params names the tied weights (runtime/engine.py L5490)
-        return zero_model_entries(groups, facts.params, frozen, self.engine._get_shared_params())
+        return zero_model_entries(groups, facts.params, frozen, shared_params(self.engine))
 
     def _load_checkpoint(self, original, *args, **kwargs):
         """DeepSpeed's load; when the checkpoint's optimizer state belongs to another owner (plain

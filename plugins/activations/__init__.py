@@ -36,11 +36,11 @@ from typing import Any, Optional
 
 import torch
 
+from xirang_ds.compat.torch import uncompiled
 from xirang_ds.config.schema import LOSSY_ACTIVATION_OPTIONS, ActivationsConfig
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
-from xirang_ds.integration.torch_compat import uncompiled
 from xirang_ds.memory.categories import ACTIVATIONS
 from xirang_ds.plugins.activations.head_loss import CHUNK, is_head
 from xirang_ds.plugins.activations.planner import BudgetError, Choice, estimate_peak, format_plan, least_budget, plan
@@ -55,7 +55,7 @@ from xirang_ds.plugins.activations.planning import (
     resolve_budget,
 )
 from xirang_ds.plugins.activations.profile import ROOT, ModuleProfile, Profiler
-from xirang_ds.plugins.activations.selection import PATH, fixed_plan, find_candidates, tolerant_names
+from xirang_ds.plugins.activations.selection import PATH, find_candidates, fixed_plan, tolerant_names
 from xirang_ds.plugins.activations.storage import PayloadStorage, StorageProvider
 from xirang_ds.plugins.activations.wrapper import ModuleWrapper, Runtime
 from xirang_ds.registry import Plugin, register_plugin
@@ -129,7 +129,7 @@ class ActivationsPlugin(Plugin):
         megatron = self.session.framework == "megatron"
         blocks = None
         if megatron:
-            from xirang_ds.integration.megatron_compat import REPLICATED_INPUT_CHILDREN, transformer_layers
+            from xirang_ds.compat.megatron import REPLICATED_INPUT_CHILDREN, transformer_layers
 
             blocks = [name for name, _ in transformer_layers(model)]
             self._replicated_inputs = frozenset(
@@ -199,7 +199,7 @@ class ActivationsPlugin(Plugin):
         rng = arenas = distribute = None
         self._model = uncompiled(engine.module)  # the names prepare_model planned for
         if self.session.framework == "megatron":
-            from xirang_ds.integration import megatron_compat as mc
+            from xirang_ds.compat import megatron as mc
 
             self._model = mc.unwrap(engine.module)
             self._groups = tuple(mc.agreement_groups())

@@ -36,6 +36,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from xirang_ds.compat.torch import (
+    DisableTorchFunctionSubclass,
+    log_softmax_backward_data,
+    make_wrapper_subclass,
+    parse_to,
+    pytree,
+)
+
 CHUNK = "chunk"
 _REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
@@ -108,7 +116,7 @@ class DeferredLogits(torch.Tensor):
     def __new__(cls, call: HeadCall, shape: torch.Size, dtype: torch.dtype, parent: Optional["DeferredLogits"] = None,
                 op: Optional[tuple] = None, tokens: Optional[torch.Tensor] = None, casts: tuple = ()):
         requires_grad = call.hidden.requires_grad or call.weight.requires_grad
-        self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=call.hidden.device,
+        self = make_wrapper_subclass(cls, shape, dtype=dtype, device=call.hidden.device,
                                                    requires_grad=requires_grad)
         self.call, self.parent, self.op, self.tokens, self.casts = call, parent, op, tokens, casts
         return self
@@ -123,7 +131,7 @@ class DeferredLogits(torch.Tensor):
             return self.call.whole(why)
         func, args, kwargs = self.op
         base = self.parent.whole(why)
-        with torch._C.DisableTorchFunctionSubclass():
+        with DisableTorchFunctionSubclass():
             return func(base, *args, **kwargs)
 
     def _derive(self, func: Any, args: tuple, kwargs: dict) -> Optional["DeferredLogits"]:
@@ -138,7 +146,7 @@ class DeferredLogits(torch.Tensor):
             dtype = _CASTS[func]
         elif func is torch.Tensor.to:
             try:
-                device, dtype_to, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+                device, dtype_to, _, memory_format = parse_to(*args, **kwargs)
             except TypeError:
                 return None
             if kwargs.get("copy") or memory_format not in (None, torch.preserve_format):
@@ -155,7 +163,7 @@ class DeferredLogits(torch.Tensor):
                 return None
         elif func in _RESHAPES:
             try:
-                with torch._C.DisableTorchFunctionSubclass():
+                with DisableTorchFunctionSubclass():
                     shape = func(torch.empty(self.shape, device="meta"), *args, **kwargs).shape
             except (TypeError, RuntimeError):
                 return None
@@ -166,7 +174,7 @@ class DeferredLogits(torch.Tensor):
         elif func is torch.Tensor.__getitem__:
             if len(args) != 1 or kwargs or not _keeps_last_dim(args[0], self.ndim):
                 return None
-            with torch._C.DisableTorchFunctionSubclass():
+            with DisableTorchFunctionSubclass():
                 tokens = tokens[args[0]]
             shape = torch.Size((*tokens.shape[:-1], vocab))
             return DeferredLogits(self.call, shape, dtype, self, (func, args, kwargs), tokens, self.casts)
@@ -179,7 +187,7 @@ class DeferredLogits(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
+            with DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if args and isinstance(args[0], DeferredLogits):
             derived = args[0]._derive(func, tuple(args[1:]), kwargs)
@@ -194,9 +202,9 @@ class DeferredLogits(torch.Tensor):
         def real(value: Any) -> Any:
             return value.whole(name) if isinstance(value, DeferredLogits) else value
 
-        args = torch.utils._pytree.tree_map(real, args)
-        kwargs = torch.utils._pytree.tree_map(real, kwargs)
-        with torch._C.DisableTorchFunctionSubclass():
+        args = pytree.tree_map(real, args)
+        kwargs = pytree.tree_map(real, kwargs)
+        with DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
     @classmethod
@@ -298,7 +306,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 g = grad_out[start:start + tokens] if reduction == "none" else grad_out
                 grad_logp = torch.ops.aten.nll_loss_backward(g, logp, target[start:start + tokens], None, enum,
                                                              ignore_index, total)
-                gz = torch.ops.aten._log_softmax_backward_data(grad_logp, logp, 1, logp.dtype)
+                gz = log_softmax_backward_data(grad_logp, logp, 1, logp.dtype)
                 del logp, grad_logp
                 for dtype in reversed((hidden.dtype,) + casts[:-1]):
                     gz = gz.to(dtype)

@@ -28,11 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from xirang_ds.compat.torch import TorchDispatchMode, sac_ignored_ops
 from xirang_ds.memory.tracker import _returns_alias
 from xirang_ds.plugins.activations.codecs import trial, trial_bytes
-from xirang_ds.plugins.activations.compat import sac_ignored_ops
 from xirang_ds.plugins.activations.handlers import OffloadHandler
 from xirang_ds.plugins.activations.recompute import op_key
 from xirang_ds.plugins.activations.saved import Eligibility, PackContext, StorageIds

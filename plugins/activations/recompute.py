@@ -23,6 +23,8 @@ from typing import Any, Callable, ContextManager, Iterator, Optional
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from xirang_ds.compat.torch import op_schema
+
 HEAVY_OPS = frozenset({
     "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution", "aten::_scaled_mm",
     "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
@@ -39,7 +41,7 @@ def op_key(func: Any) -> tuple[str, bool]:
     """``(name with overload, is_heavy)`` of an aten op (cached)."""
     known = _OP_KEYS.get(func)
     if known is None:
-        schema = getattr(func, "_schema", None)
+        schema = op_schema(func)
         base = schema.name if schema is not None else str(func)
         known = (str(func), base in HEAVY_OPS)
         _OP_KEYS[func] = known

@@ -22,7 +22,14 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-from xirang_ds.plugins.activations.compat import HookPair, current_saved_tensors_hooks, is_checkpoint_hook
+from xirang_ds.compat.torch import (
+    HookPair,
+    current_saved_tensors_hooks,
+    is_checkpoint_hook,
+    pop_saved_tensors_hooks,
+    push_saved_tensors_hooks,
+    storage_key,
+)
 
 _KEEP = object()
 
@@ -50,7 +57,7 @@ class StorageIds:
         self._next = itertools.count()
 
     def __call__(self, storage: torch.UntypedStorage) -> int:
-        key = storage._cdata
+        key = storage_key(storage)
         known = self._ids.get(key)
         if known is not None:
             return known
@@ -196,13 +203,13 @@ class PackContext:
             outer = owner._outer
         self._outer = outer
         self.call = self.handler.begin_call()
-        torch._C._autograd._push_saved_tensors_default_hooks(self._pack_hook, self._unpack_hook)
+        push_saved_tensors_hooks(self._pack_hook, self._unpack_hook)
         self.pushed = True
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self.pushed:
-            torch._C._autograd._pop_saved_tensors_default_hooks()
+            pop_saved_tensors_hooks()
             self.pushed = False
         self._seen = {}
         self._ids.clear()

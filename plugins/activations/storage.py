@@ -25,6 +25,8 @@ from typing import Any, Callable, ContextManager, Optional, Protocol
 
 import torch
 
+from xirang_ds.compat.torch import view_base
+
 
 class Lease:
     """``nbytes`` of memory lent to one payload.
@@ -240,7 +242,8 @@ class HostPool:
 
     def put(self, buf: torch.Tensor, event: object = None) -> None:
         """Return a buffer from `get`; with ``event``, reusable only once that copy has completed."""
-        base = buf._base if buf._base is not None else buf
+        base = view_base(buf)
+        base = buf if base is None else base
         if id(base) not in self._out:
             return  # handed out before a `clear`: not the pool's any more
         self._out.discard(id(base))

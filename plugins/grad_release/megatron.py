@@ -53,7 +53,7 @@ def problems(config: Any, run: Any, clip_grads: list[float]) -> list[tuple[str, 
     """
     from megatron.core import parallel_state
 
-    from xirang_ds.integration.megatron_compat import optimizer_members, unwrap
+    from xirang_ds.compat.megatron import optimizer_members, unwrap
 
     out: list[tuple[str, str]] = []
 
@@ -205,9 +205,4 @@ class StateLoan:
             bucket.basic.state.pop(param, None)
 
 
-def queue_end_of_backward(callback: Callable[[], None]) -> None:
-    """Run ``callback`` when the backward in progress finishes (from inside one of its hooks)."""
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
-
-
-__all__ = ["DISARMED_DDP_METHODS", "DdpTakeover", "StateLoan", "norm_counted", "problems", "queue_end_of_backward"]
+__all__ = ["DISARMED_DDP_METHODS", "DdpTakeover", "StateLoan", "norm_counted", "problems"]

@@ -160,7 +160,7 @@ class GradReleasePlugin(Plugin):
         """Take over Megatron DDP's gradient path and Megatron's optimizer step (`megatron.py`)."""
         from megatron.core import parallel_state
 
-        from xirang_ds.integration.megatron_compat import optimizer_configs, unwrap
+        from xirang_ds.compat.megatron import optimizer_configs, unwrap
         from xirang_ds.plugins.grad_release.comm import DataParallelComm
         from xirang_ds.plugins.grad_release.ds_config import BF16_MASTERS, TrainingSetup
         from xirang_ds.plugins.grad_release.megatron import DdpTakeover, norm_counted, problems
@@ -214,7 +214,7 @@ class GradReleasePlugin(Plugin):
         self.pipeline.on_grad(param)
 
     def _begin_megatron_backward(self) -> None:
-        from xirang_ds.plugins.grad_release.megatron import queue_end_of_backward
+        from xirang_ds.compat.torch import queue_end_of_backward
         from xirang_ds.plugins.grad_release.pipeline import Pass
 
         expected = int(self.engine.gradient_accumulation_steps())
@@ -284,7 +284,7 @@ class GradReleasePlugin(Plugin):
                            "--ckpt-format torch (optimizer.state_dict()), which carries grad_release's states")
 
     def _check_engine(self, engine: Any) -> None:
-        from xirang_ds.plugins.grad_release.compat import protocol_holds
+        from xirang_ds.compat.deepspeed import protocol_holds
 
         problems = [("", f"xirang.grad_release: {m}; this DeepSpeed version is not supported")
                     for m in protocol_holds()]
@@ -544,7 +544,7 @@ class GradReleasePlugin(Plugin):
                         f", loss scale now {scale:g}" if self.policy.loss_scaler is not None else "")
 
     def _step(self, original: Any, *args: Any, **kwargs: Any) -> Any:
-        from xirang_ds.plugins.grad_release.compat import step_protocol
+        from xirang_ds.compat.deepspeed import step_protocol
 
         engine = self.engine
         if not engine.is_gradient_accumulation_boundary():
@@ -643,7 +643,7 @@ class GradReleasePlugin(Plugin):
     def remove(self) -> None:
         """Hand the optimizer state back to the engine's basic optimizer, then undo every hook."""
         if self.engine is not None and self.buckets:
-            from xirang_ds.plugins.grad_release.compat import restore_gradient_clipping
+            from xirang_ds.compat.deepspeed import restore_gradient_clipping
             from xirang_ds.plugins.grad_release.handback import hand_back
 
             self.pipeline.discard_all()

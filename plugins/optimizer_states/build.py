@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from xirang_ds.compat.torch import NormBase
 from xirang_ds.config.schema import OptimizerStatesConfig, glob_matches
 from xirang_ds.config.validate import XirangConfigError, describe_value
 from xirang_ds.plugins.optimizer_states.optimizer import DynamicAdamW, config_to_dict
@@ -33,7 +34,7 @@ SPEC_KEYS = ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", 
 """Keys of the ``optimizer.params`` block understood here; the last five only choose an
 implementation (or must be false) and are otherwise ignored."""
 
-_NORM_TYPES: tuple[type, ...] = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm._NormBase,
+_NORM_TYPES: tuple[type, ...] = (torch.nn.LayerNorm, torch.nn.GroupNorm, NormBase,
                                  torch.nn.LocalResponseNorm) + ((torch.nn.RMSNorm,) if hasattr(torch.nn, "RMSNorm") else ())
 _EMBEDDING_TYPES: tuple[type, ...] = (torch.nn.Embedding, torch.nn.EmbeddingBag)
 MEASURED = "measured: "

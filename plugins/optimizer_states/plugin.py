@@ -11,14 +11,13 @@ The states themselves travel in DeepSpeed's checkpoints through the optimizer's 
 (per rank under ZeRO); the plugin's own ``state_dict`` records the settings they were made with.
 
 Under Megatron-core ``prepare_optimizer`` receives Megatron's optimizer and replaces the
-``torch.optim`` object inside each member, over the same param groups (`megatron_compat`); Megatron's
+``torch.optim`` object inside each member, over the same param groups (`megatron.py`); Megatron's
 own ``state_dict``/``load_state_dict`` then carry the states, and ``remove`` hands each member a
 ``torch.optim`` object again.
 """
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 from typing import Any, Optional
 
@@ -60,13 +59,13 @@ class OptimizerStatesPlugin(Plugin):
 
     @classmethod
     def check_ds_config(cls, config: OptimizerStatesConfig, ds_config: dict) -> list[tuple[str, str]]:
-        from xirang_ds.plugins.optimizer_states.deepspeed_compat import ds_config_problems
+        from xirang_ds.plugins.optimizer_states.deepspeed import ds_config_problems
 
         return ds_config_problems(ds_config)
 
     # seams ------------------------------------------------------------------------------------
     def prepare_ds_config(self, ds_config: dict) -> None:
-        from xirang_ds.plugins.optimizer_states.deepspeed_compat import check_ds_config
+        from xirang_ds.plugins.optimizer_states.deepspeed import check_ds_config
 
         check_ds_config(ds_config)
         zero = ds_config.get("zero_optimization") or {}
@@ -81,7 +80,7 @@ class OptimizerStatesPlugin(Plugin):
         self.model = model
         by_id = keep_reasons(model, self.config)  # a keep_fp32 glob matching nothing fails here
         if self.session.framework == "megatron":
-            from xirang_ds.plugins.optimizer_states.megatron_compat import megatron_keep_reasons
+            from xirang_ds.plugins.optimizer_states.megatron import megatron_keep_reasons
 
             by_id = {**megatron_keep_reasons(model, self.config), **by_id}
         self._kept_ids.update(by_id)  # every chunk's (Megatron calls this once per chunk)
@@ -95,7 +94,7 @@ class OptimizerStatesPlugin(Plugin):
                                       "there is no optimizer to replace: add an \"optimizer\" block of type AdamW "
                                       "or Adam to ds_config, or pass a torch.optim.AdamW to initialize")])
         if self.session.framework == "megatron":
-            from xirang_ds.plugins.optimizer_states.megatron_compat import replace_inner
+            from xirang_ds.plugins.optimizer_states.megatron import replace_inner
 
             self._replaced = replace_inner(optimizer, self.config, self._kept_ids)
             self.optimizers = [new for _, _, new, _ in self._replaced]
@@ -132,7 +131,7 @@ class OptimizerStatesPlugin(Plugin):
         return built
 
     def attach(self, engine: Any) -> None:
-        from xirang_ds.plugins.optimizer_states.deepspeed_compat import relink_state_views
+        from xirang_ds.plugins.optimizer_states.deepspeed import relink_state_views
         from xirang_ds.plugins.optimizer_states.optimizer import DynamicAdamW
 
         self.engine = engine
@@ -180,7 +179,7 @@ class OptimizerStatesPlugin(Plugin):
     def _rehome(self) -> None:
         """Move plain quantized buffers into the pool and rebuild DeepSpeed's views of the states
         (the views would otherwise keep the plain buffers alive; Megatron's optimizers hold none)."""
-        from xirang_ds.plugins.optimizer_states.deepspeed_compat import relink_state_views
+        from xirang_ds.plugins.optimizer_states.deepspeed import relink_state_views
 
         moved = [opt.rehome_states() for opt in self.optimizers]
         if any(moved) and self.engine is not None and self.session.framework == "deepspeed":
@@ -192,7 +191,7 @@ class OptimizerStatesPlugin(Plugin):
         for opt in self.optimizers:
             opt.state_pool = None
         if self._replaced:
-            from xirang_ds.plugins.optimizer_states.megatron_compat import restore_inner
+            from xirang_ds.plugins.optimizer_states.megatron import restore_inner
 
             restore_inner(self._replaced)
             self._replaced = []
@@ -200,7 +199,7 @@ class OptimizerStatesPlugin(Plugin):
             return
         if self.engine is None or self.optimizer is None:
             return
-        from xirang_ds.plugins.optimizer_states.deepspeed_compat import swap_basic_optimizer
+        from xirang_ds.plugins.optimizer_states.deepspeed import swap_basic_optimizer
         from xirang_ds.plugins.optimizer_states.export import to_torch_optimizer
 
         replacement = to_torch_optimizer(self.optimizer, into=self.original)

@@ -209,10 +209,10 @@ def check_device_dtype(device_type: str, dtype: torch.dtype, accelerator: Any) -
     native = bool(getattr(accelerator, probe)()) if probe and accelerator is not None else False
     if device_type != "cpu":
         return None if native else f"DeepSpeed's {device_type} accelerator reports that this device cannot run {name}"
-    from torch.utils._python_dispatch import _disable_current_modes
+    from xirang_ds.compat.torch import disable_current_modes
 
     try:
-        with _disable_current_modes():  # a real probe, also under the estimator's FakeTensorMode
+        with disable_current_modes():  # a real probe, also under the estimator's FakeTensorMode
             a = torch.ones(4, 4, dtype=dtype)
             (a @ a).softmax(-1).sum().item()
     except (RuntimeError, TypeError) as e:

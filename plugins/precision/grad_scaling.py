@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 import torch
 
+from xirang_ds.compat.torch import amp_foreach_non_finite_check_and_unscale_, foreach_zero_
 from xirang_ds.hooks import CallbackHandle, wrap_method
 from xirang_ds.plugins.precision.ds_config import PrecisionPlan
 
@@ -150,7 +151,7 @@ class GradScaling:
         self.update_scale(overflow)
         opt.overflow = overflow
         if overflow:
-            torch._foreach_zero_(grads)  # clipping still runs before the (skipped) step; it must see finite zeros
+            foreach_zero_(grads)  # clipping still runs before the (skipped) step; it must see finite zeros
             self._skip_next = True
             self.skipped_steps += 1
 
@@ -174,7 +175,7 @@ class GradScaling:
         found = torch.zeros(1, dtype=torch.float32, device=device)
         if grads:
             inv = torch.full((1,), 1.0 / self.loss_scale, dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+            amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(found, op=dist.ReduceOp.MAX)
         return bool(found.item() > 0)

@@ -36,6 +36,16 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from xirang_ds.compat.torch import (
+    DisableAutocast,
+    OpOverload,
+    destroy_library,
+    op_entry,
+    ops_with_kernel,
+    pop_saved_tensors_hooks,
+    privateuse1_backend_name,
+    push_saved_tensors_hooks,
+)
 from xirang_ds.plugins.precision.op_lists import OpLists
 from xirang_ds.plugins.precision.recast import CastSet, widest
 
@@ -50,7 +60,7 @@ def autocast_key(device_type: str) -> str:
         ValueError: the device type has no autocast support in this torch build.
     """
     key = _AUTOCAST_KEYS.get(device_type)
-    if key is None and device_type == torch._C._get_privateuse1_backend_name():
+    if key is None and device_type == privateuse1_backend_name():
         key = "AutocastPrivateUse1"
     if key is None:
         raise ValueError(f"device type {device_type!r} has no torch autocast support; precision runs on "
@@ -60,8 +70,7 @@ def autocast_key(device_type: str) -> str:
 
 def native_autocast_ops(key: str) -> frozenset[str]:
     """Qualified overloads that have a kernel at ``key`` (PyTorch's own list, read from the dispatcher)."""
-    has = torch._C._dispatch_has_kernel_for_dispatch_key
-    return frozenset(n for n in torch._C._dispatch_get_all_op_names() if has(n, key))
+    return ops_with_kernel(key)
 
 
 @dataclass(frozen=True)
@@ -110,13 +119,13 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(v)
 
 
-def _make_kernel(op: torch._ops.OpOverload, kind: str, inst: _Installation) -> Callable[..., Any]:
+def _make_kernel(op: OpOverload, kind: str, inst: _Installation) -> Callable[..., Any]:
     policy = inst.policy
     device, low, narrow = policy.device_type, policy.low_dtype, policy.narrow_upcasts
     fp64 = torch.float64
-    call = op._op  # the operator's C++ entry: one Python frame less than ``OpOverload.__call__``
-    autocast_off = torch._C._DisableAutocast
-    push, pop = torch._C._autograd._push_saved_tensors_default_hooks, torch._C._autograd._pop_saved_tensors_default_hooks
+    call = op_entry(op)  # the operator's C++ entry: one Python frame less than ``OpOverload.__call__``
+    autocast_off = DisableAutocast
+    push, pop = push_saved_tensors_hooks, pop_saved_tensors_hooks
 
     def eligible(t: torch.Tensor) -> bool:
         return t.is_floating_point() and t.dtype is not fp64 and t.device.type == device
@@ -155,7 +164,7 @@ def _make_kernel(op: torch._ops.OpOverload, kind: str, inst: _Installation) -> C
     return kernel
 
 
-def _overload(qualified: str) -> tuple[str, str, torch._ops.OpOverload]:
+def _overload(qualified: str) -> tuple[str, str, OpOverload]:
     namespace, _, rest = qualified.partition("::")
     name, _, overload = rest.partition(".")
     packet = getattr(getattr(torch.ops, namespace), name)
@@ -203,7 +212,7 @@ class KernelHandle:
         if inst.refs == 0:
             del _INSTALLED[self.key]
             for lib in inst.libraries:
-                lib._destroy()  # torch.library.Library: deregisters; the earlier kernels come back
+                destroy_library(lib)  # the earlier kernels come back
 
 
 def install(policy: CastPolicy, weight_scope: Callable[[], Any]) -> KernelHandle:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from xirang_ds.compat.torch import DisableAutocast, parameter_table
 from xirang_ds.plugins.precision.recast import CastSet
 
 
@@ -51,14 +52,15 @@ def outermost(names: list[str]) -> list[str]:
 @contextlib.contextmanager
 def _swapped_parameters(module: torch.nn.Module, casts: CastSet, dtype: torch.dtype) -> Iterator[None]:
     """The module's own parameters replaced by ``dtype`` copies for the duration of the block."""
-    originals = dict(module._parameters)
+    table = parameter_table(module)
+    originals = dict(table)
     try:
         for name, p in originals.items():
             if p is not None and p.is_floating_point() and p.dtype != dtype:
-                module._parameters[name] = casts.cast(p, dtype)  # bypasses Module.__setattr__ on purpose
+                table[name] = casts.cast(p, dtype)  # bypasses Module.__setattr__ on purpose
         yield
     finally:
-        module._parameters.update(originals)
+        table.update(originals)
 
 
 class ModuleCast:
@@ -92,7 +94,7 @@ class ModuleCast:
             return dtype if t.is_floating_point() and t.dtype is not fp64 and t.device.type == device else None
 
         casts = CastSet(self.weight_scope, self.narrow_upcasts)
-        with torch._C._DisableAutocast():
+        with DisableAutocast():
             args = casts.map(args, target)
             kwargs = {k: casts.map(v, target) for k, v in kwargs.items()}
             swap = _swapped_parameters(self.module, casts, dtype) if self.cast_parameters else contextlib.nullcontext()

@@ -30,6 +30,8 @@ from typing import Iterable, Optional
 
 import torch
 
+from xirang_ds.compat.torch import OpOverload, OpOverloadPacket, all_op_names, op_schema
+
 DEFAULT_TOKEN = "default"
 """The token that stands for a built-in list."""
 REMOVE_PREFIX = "-"
@@ -146,23 +148,23 @@ def split_name(name: str) -> tuple[str, str, Optional[str]]:
     return namespace, op, (overload if dot else None)
 
 
-def _is_out_of_place(overload: torch._ops.OpOverload) -> bool:
-    schema = overload._schema
+def _is_out_of_place(overload: OpOverload) -> bool:
+    schema = op_schema(overload)
     return not schema.is_mutable and not any(a.is_out for a in schema.arguments)
 
 
 @lru_cache(maxsize=None)
-def _packet(namespace: str, op: str) -> Optional[torch._ops.OpOverloadPacket]:
+def _packet(namespace: str, op: str) -> Optional[OpOverloadPacket]:
     try:
         packet = getattr(getattr(torch.ops, namespace), op)
     except (AttributeError, RuntimeError):
         return None
-    return packet if isinstance(packet, torch._ops.OpOverloadPacket) else None
+    return packet if isinstance(packet, OpOverloadPacket) else None
 
 
 @lru_cache(maxsize=1)
 def _all_op_names() -> tuple[str, ...]:
-    names = {n.split("::", 1)[-1].split(".", 1)[0] for n in torch._C._dispatch_get_all_op_names()}
+    names = {n.split("::", 1)[-1].split(".", 1)[0] for n in all_op_names()}
     return tuple(sorted(names))
 
 

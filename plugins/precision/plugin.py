@@ -29,6 +29,7 @@ from typing import Any, Optional
 
 import torch
 
+from xirang_ds.compat.torch import DisableAutocast
 from xirang_ds.config.schema import PrecisionConfig
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
@@ -241,7 +242,7 @@ class PrecisionPlugin(Plugin):
         runtime = PrecisionRuntime(policy, self.rules, self._weight_scope,
                                    widen_fp32_module_weights=not self.plan.on_demand)
         if self.session.framework == "megatron":
-            from xirang_ds.integration.megatron_compat import unwrap
+            from xirang_ds.compat.megatron import unwrap
 
             model = unwrap(engine.module)  # the names of the rules are the GPTModel's
             for handle in runtime.attach(model):
@@ -319,7 +320,7 @@ def _fp32_cross_entropy(original: Any, labels: torch.Tensor, logits: torch.Tenso
     """Megatron's vocab-parallel cross entropy in fp32, autocast off: its max and sum of exponentials
     are all-reduced over the tensor-parallel group, and a bf16 sum over the vocabulary loses the loss's
     low digits (language_module.py ``compute_language_model_loss``)."""
-    with torch._C._DisableAutocast():
+    with DisableAutocast():
         return original(labels, logits.float(), *args, **kwargs)
 
 

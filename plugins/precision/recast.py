@@ -18,12 +18,14 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from xirang_ds.compat.torch import saved_tensors_hooks_enabled, storage_key, top_saved_tensors_hooks, version, view_base
+
 WEIGHT = "weight"
 UPCAST = "upcast"
 _PARAMETER = torch.nn.Parameter
 
-_HOOKS_ENABLED = torch._C._autograd._saved_tensors_hooks_is_enabled
-_TOP_HOOKS = torch._C._autograd._top_saved_tensors_default_hooks
+_HOOKS_ENABLED = saved_tensors_hooks_enabled
+_TOP_HOOKS = top_saved_tensors_hooks
 
 
 FAKE_PARAMETERS: set[int] = set()
@@ -38,7 +40,7 @@ def is_parameter(t: torch.Tensor) -> bool:
     which costs more than the rest of a kernel's bookkeeping. Under the estimator's trace the
     parameters are named in `FAKE_PARAMETERS`.
     """
-    base = t._base
+    base = view_base(t)
     if issubclass(type(t), _PARAMETER) or (base is not None and issubclass(type(base), _PARAMETER)):
         return True
     return bool(FAKE_PARAMETERS) and (id(t) in FAKE_PARAMETERS or (base is not None and id(base) in FAKE_PARAMETERS))
@@ -81,7 +83,7 @@ class Recast:
     def __init__(self, source: torch.Tensor, saved: torch.Tensor, kind: str, scope: Callable[[], Any]) -> None:
         self.source, self.dtype, self.kind, self.scope = source, saved.dtype, kind, scope
         self.size, self.stride, self.offset = saved.size(), saved.stride(), saved.storage_offset()
-        self.version = source._version
+        self.version = version(source)
 
     def unpack(self) -> torch.Tensor:
         """Make the copy again (inside the tracker scope of its kind) and return the saved view.
@@ -89,12 +91,12 @@ class Recast:
         Raises:
             RuntimeError: the source was modified in place after the forward that saved it.
         """
-        if self.source._version != self.version:
+        if version(self.source) != self.version:
             what = ("a parameter was modified in place between forward and backward" if self.kind == WEIGHT else
                     "a 16-bit tensor that an fp32-listed op widened was modified in place before backward; "
                     "avoid the in-place op or set xirang.precision.narrow_saved_upcasts to false")
             raise RuntimeError(f"xirang precision: {what} (version {self.version} at forward, "
-                               f"{self.source._version} now), so its cast cannot be remade exactly")
+                               f"{version(self.source)} now), so its cast cannot be remade exactly")
         with self.scope(), torch.no_grad():
             copy = self.source.detach().to(self.dtype)
         return copy.as_strided(self.size, self.stride, self.offset)
@@ -109,7 +111,7 @@ class _Outer:
 
 def _storage_key(t: torch.Tensor) -> Optional[int]:
     try:
-        return t.untyped_storage()._cdata
+        return storage_key(t.untyped_storage())
     except (RuntimeError, NotImplementedError):
         return None
 

@@ -21,10 +21,12 @@ from typing import Any, Optional
 
 import torch
 
+from xirang_ds.compat.deepspeed import can_relink_hp_params, relink_hp_params
+
 logger = logging.getLogger("xirang_ds")
 
 _NEEDED = ("single_partition_of_fp32_groups", "parallel_partitioned_bit16_groups", "real_dp_process_group",
-           "_link_all_hp_params", "cpu_offload")
+           "cpu_offload")
 
 
 def share_fp32_masters(optimizer: Any) -> Optional[str]:
@@ -39,7 +41,8 @@ def share_fp32_masters(optimizer: Any) -> Optional[str]:
     """
     import deepspeed.comm as dist
 
-    missing = [n for n in _NEEDED if not hasattr(optimizer, n)]
+    missing = [n for n in _NEEDED if not hasattr(optimizer, n)] + ([] if can_relink_hp_params(optimizer) else
+                                                                   ["the per-parameter views of the fp32 partition"])
     if missing:
         return f"the ZeRO optimizer lacks {', '.join(missing)} (a DeepSpeed layout this was not built for)"
     if optimizer.cpu_offload:
@@ -54,7 +57,7 @@ def share_fp32_masters(optimizer: Any) -> Optional[str]:
     for master, part in pairs:
         if master.data_ptr() != part.data_ptr():
             master.data = part.detach()  # same tensor object: the optimizer's param groups and states keep it
-    optimizer._link_all_hp_params()  # fp32 fragments of each parameter, remade as views of the shared memory
+    relink_hp_params(optimizer)  # fp32 fragments of each parameter, remade as views of the shared memory
     return None
 
 

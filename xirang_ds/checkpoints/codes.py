@@ -95,7 +95,7 @@ def saving_beside(engine: Any, tag_dir: str, marker: dict, facts: Any) -> Iterat
     from xirang_ds.checkpoints import save_atomically
     from xirang_ds.checkpoints.deepspeed_writer import add_param_shapes
     from xirang_ds.checkpoints.tags import write_deepspeed_files
-    from xirang_ds.hooks import wrap_method
+    from xirang_ds.compat.deepspeed import around_zero_save, redirect_zero_files, zero_param_shapes
 
     rank = dist.get_rank(group=engine.optimizer.dp_process_group)
 
@@ -107,8 +107,8 @@ def saving_beside(engine: Any, tag_dir: str, marker: dict, facts: Any) -> Iterat
     def save_zero(original: Callable, save_path: str, tag: Any) -> Any:
         os.makedirs(os.path.join(tag_dir, FOLDER), exist_ok=True)
         if rank == 0 and engine.zero_optimization_stage() == 3:
-            save_atomically(engine._get_zero_param_shapes(), os.path.join(tag_dir, FOLDER, PARAM_SHAPES))
-        name = wrap_method(engine, "_get_zero_ckpt_name", lambda _original, *_: path(tag_dir, rank))
+            save_atomically(zero_param_shapes(engine), os.path.join(tag_dir, FOLDER, PARAM_SHAPES))
+        name = redirect_zero_files(engine, lambda: path(tag_dir, rank))
         try:
             result = original(save_path, tag)
         finally:
@@ -117,7 +117,7 @@ def saving_beside(engine: Any, tag_dir: str, marker: dict, facts: Any) -> Iterat
         write_plain()
         return result
 
-    handle = wrap_method(engine, "_save_zero_checkpoint", save_zero)
+    handle = around_zero_save(engine, save_zero)
     try:
         yield
     finally:
@@ -127,12 +127,12 @@ def saving_beside(engine: Any, tag_dir: str, marker: dict, facts: Any) -> Iterat
 @contextlib.contextmanager
 def loading(engine: Any, tag_dir: str) -> Iterator[None]:
     """While DeepSpeed's ``load_checkpoint`` runs: its ZeRO files are the codes beside the plain ones."""
-    from xirang_ds.hooks import wrap_method
+    from xirang_ds.compat.deepspeed import around_zero_file_names
 
     def names(original: Callable, load_dir: str, tag: Any, bf16_mode: bool) -> list[str]:
         return [path(tag_dir, r) for r in range(len(original(load_dir, tag, bf16_mode)))]
 
-    handle = wrap_method(engine, "_get_all_zero_checkpoint_names", names)
+    handle = around_zero_file_names(engine, names)
     try:
         yield
     finally:

@@ -26,11 +26,13 @@ when a release moves them:
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
 from xirang_ds.checkpoints.param_states import Fragment, ParamStates, Slot, load_slots
+from xirang_ds.compat.deepspeed import hp_mapping, relink_hp_params, zero3_param_groups
 
 
 class UnknownOptimizerError(TypeError):
@@ -70,7 +72,7 @@ def _zero12(wrapper: Any, names: dict) -> list[Slot]:
     for flat, group in zip(wrapper.single_partition_of_fp32_groups, wrapper.bit16_groups):
         fragments = []
         for lp in group:
-            mapping = getattr(lp, "_hp_mapping", None)
+            mapping = hp_mapping(lp)
             if mapping is None:
                 continue
             lp_address, hp_address = mapping.lp_fragment_address, mapping.get_hp_fragment_address()
@@ -112,13 +114,9 @@ def load_engine_states(engine: Any, states: ParamStates) -> int:
     wrapper = engine.optimizer
     optimizer, slots = engine_slots(engine)
     zero3 = hasattr(wrapper, "fp32_partitioned_groups_flat")
-    if zero3:  # ZeRO-3 puts its flat partitions into the param groups only around a step
-        wrapper._set_fp32_optimizer_param_groups()
-    try:
+    # ZeRO-3 puts its flat partitions into the param groups only around a step
+    with zero3_param_groups(wrapper) if zero3 else contextlib.nullcontext():
         filled = load_slots(optimizer, slots, states)
-    finally:
-        if zero3:
-            wrapper._clear_fp32_optimizer_param_groups()
     _lp_from_masters(wrapper)
     scaler = getattr(wrapper, "loss_scaler", None)
     for key, value in (states.loss_scale or {}).items():
@@ -134,9 +132,9 @@ def _lp_from_masters(wrapper: Any) -> None:
         if hasattr(wrapper, "single_partition_of_fp32_groups") and hasattr(wrapper, "bit16_groups"):
             for group in wrapper.bit16_groups:
                 for lp in group:
-                    if getattr(lp, "_hp_mapping", None) is not None:
-                        lp._hp_mapping.update_lp()
-            wrapper._link_all_hp_params()
+                    if hp_mapping(lp) is not None:
+                        hp_mapping(lp).update_lp()
+            relink_hp_params(wrapper)
         elif hasattr(wrapper, "fp32_partitioned_groups_flat"):
             for j, fp32 in enumerate(wrapper.fp32_partitioned_groups_flat):
                 if fp32.numel():

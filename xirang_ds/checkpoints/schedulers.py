@@ -17,7 +17,9 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-PER_GROUP = ("base_lrs", "_last_lr", "min_lrs", "max_lrs", "initial_lrs", "base_momentums", "max_momentums")
+from xirang_ds.compat.torch import SCHEDULER_PER_GROUP_LISTS
+
+PER_GROUP = SCHEDULER_PER_GROUP_LISTS
 """Per-group lists torch's schedulers keep in their state."""
 
 

@@ -15,10 +15,10 @@ from typing import Any, Optional
 import deepspeed
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
+from xirang_ds.compat.torch import uncompiled
 from xirang_ds.config.auto import choose_preset
 from xirang_ds.config.fit import fit_block
 from xirang_ds.config.loader import BLOCK_KEY, read_ds_config
-from xirang_ds.integration.torch_compat import uncompiled
 from xirang_ds.registry import OptimizerSpec
 from xirang_ds.session import Session
 

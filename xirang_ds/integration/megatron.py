@@ -171,7 +171,7 @@ def build_session(config: Union[DsConfig, None], world_size: Optional[int] = Non
     if BLOCK_KEY not in data:
         return None
     xcfg = validate_for_megatron(data[BLOCK_KEY])
-    from xirang_ds.integration.megatron_compat import check_version
+    from xirang_ds.compat.megatron import check_version
 
     check_version()
     others = sorted(k for k in data if k != BLOCK_KEY)
@@ -183,7 +183,7 @@ def build_session(config: Union[DsConfig, None], world_size: Optional[int] = Non
 
 def session_of(model: Union[Any, Sequence[Any]]) -> Optional[Session]:
     """The session `prepare_model` attached to a model (or to any chunk of a list), else ``None``."""
-    from xirang_ds.integration.megatron_compat import unwrap
+    from xirang_ds.compat.megatron import unwrap
 
     chunks = model if isinstance(model, (list, tuple)) else [model]
     for chunk in chunks:
@@ -240,7 +240,7 @@ def attach(session: Session, model: Union[Any, Sequence[Any]], optimizer: Any, *
         TypeError: ``optimizer`` is not a Megatron optimizer.
         XirangConfigError: Megatron's optimizer settings clash with the block (both named).
     """
-    from xirang_ds.integration.megatron_compat import is_megatron_optimizer
+    from xirang_ds.compat.megatron import is_megatron_optimizer
     from xirang_ds.integration.megatron_conflicts import check_optimizer
     from xirang_ds.integration.megatron_run import MegatronRun, watch_run
 
@@ -356,7 +356,7 @@ def prepare_optimizer(optimizer: Any, model: Sequence[Any], get_args: Optional[A
     if session is None or optimizer is None:
         return optimizer
     margs = (get_args or _megatron_lm_args)()
-    from xirang_ds.integration.megatron_compat import num_microbatches
+    from xirang_ds.compat.megatron import num_microbatches
     from xirang_ds.integration.megatron_conflicts import check_args
 
     problems = check_args(session.config, margs)

@@ -26,14 +26,14 @@ from typing import Any, Iterable
 
 import torch
 
-from xirang_ds.config.schema import ActivationsConfig, XirangConfig, glob_matches
-from xirang_ds.integration.megatron_compat import (
+from xirang_ds.compat.megatron import (
     OFFLOAD_MODULES,
     RECOMPUTE_MODULES,
     optimizer_configs,
     transformer_layers,
     unwrap,
 )
+from xirang_ds.config.schema import ActivationsConfig, XirangConfig, glob_matches
 
 Issues = list[tuple[str, str]]
 SHOWN = 4

@@ -19,13 +19,13 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
-from xirang_ds.hooks import wrap_method
-from xirang_ds.integration.megatron_compat import (
+from xirang_ds.compat.megatron import (
     buffer_tensors,
     global_memory_buffer_tensors,
     inner_optimizers,
     num_microbatches,
 )
+from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import COMM_BUFFERS, GRADIENTS, OPTIMIZER_STATES, PARAMETERS
 from xirang_ds.memory.engine_roles import TrainingWatch, optimizer_state_tensors
 from xirang_ds.memory.tracker import MemoryTracker

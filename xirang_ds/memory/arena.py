@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from xirang_ds.compat.torch import TorchDispatchMode
 from xirang_ds.hooks import wrap_method
 
 

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from torch.utils import _pytree as pytree
 
+from xirang_ds.compat.torch import buffer_table, parameter_table, pytree
 from xirang_ds.memory.categories import OPTIMIZER_STATES, PARAMETERS
 
 logger = logging.getLogger("xirang_ds")
@@ -125,7 +125,7 @@ class ModelTwin:
             return made[id(t)]
 
         for module in self.skeleton.modules():
-            for table in (module._parameters, module._buffers):
+            for table in (parameter_table(module), buffer_table(module)):
                 for name, t in list(table.items()):
                     if t is not None:
                         table[name] = fake(t)

@@ -1,7 +1,7 @@
 """Connect a `MemoryTracker` to a training loop: phases from hooks, roles from DeepSpeed's buffers.
 
 DeepSpeed keeps model states in its optimizer wrappers under attribute names that differ by ZeRO
-stage and precision mode. `ROLE_ATTRIBUTES` names them, checked against deepspeed 0.16-0.19
+stage and precision mode. `xirang_ds.compat.deepspeed.OPTIMIZER_ATTRIBUTES_BY_ROLE` names them, checked against deepspeed 0.16-0.19
 (``runtime/zero/stage_1_and_2.py``, ``runtime/zero/stage3.py``, ``runtime/bf16_optimizer.py``,
 ``runtime/fp16/{fused,unfused}_optimizer.py``); ``tests/test_tracker_deepspeed.py`` fails when a
 DeepSpeed release moves them, because its byte accounting no longer closes.
@@ -12,26 +12,10 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
+from xirang_ds.compat.deepspeed import OPTIMIZER_ATTRIBUTES_BY_ROLE
 from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import COMM_BUFFERS, GRADIENTS, OPTIMIZER_STATES, PARAMETERS
 from xirang_ds.memory.tracker import MemoryTracker
-
-ROLE_ATTRIBUTES: dict[str, tuple[str, ...]] = {
-    PARAMETERS: (
-        "bit16_groups_flat", "single_partition_of_fp32_groups", "fp16_groups", "fp32_groups",
-        "fp16_groups_flat", "fp32_groups_flat", "fp16_partitioned_groups_flat",
-        "fp32_partitioned_groups_flat", "lp_param_buffer", "bf16_groups", "bf16_groups_flat",
-        "fp32_groups_flat_partition", "bit16_groups",
-    ),
-    GRADIENTS: (
-        "averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer",
-        "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition", "fp32_groups_gradients_flat",
-        "fp32_groups_gradient_flat_partition", "fp32_groups_gradients", "fp32_groups_actual_gradients_flat",
-    ),
-    COMM_BUFFERS: (
-        "ipg_buckets", "ipg_buffer", "_DeepSpeedZeroOptimizer_Stage3__ipg_bucket_flat_buffer",
-    ),
-}
 
 
 def _walk(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -54,7 +38,7 @@ def _walk(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
 def engine_tensors(wrapper: Any, category: str) -> list[torch.Tensor]:
     """Tensors of ``category`` held by a DeepSpeed optimizer wrapper, by attribute name."""
     out: list[torch.Tensor] = []
-    for name in ROLE_ATTRIBUTES[category]:
+    for name in OPTIMIZER_ATTRIBUTES_BY_ROLE[category]:
         out.extend(_walk(getattr(wrapper, name, None)))
     return out
 

@@ -310,12 +310,11 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
     what ``inputs`` makes (a run's own batch: `xirang_ds.memory.calibration`); then a forward whose
     output holds no loss is traced with a stand-in (`Trace.loss_outside`). The ``session``'s plugins
     apply what they change in forward and backward to the fake model meanwhile (`Plugin.trace_context`)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    from xirang_ds.compat.torch import fake_tensor_mode
     from xirang_ds.memory.tracker import MemoryTracker, _tensors
 
     # a live model's copy may keep plain tensor attributes (a cached mask): fakified on first use
-    mode = FakeTensorMode(allow_non_fake_inputs=inputs is not None)
+    mode = fake_tensor_mode(allow_non_fake_inputs=inputs is not None)
     outside = False
     with mode:
         model = _fake_model(build, shape.dtype)
@@ -616,8 +615,7 @@ def _session_for(build: Callable[[], torch.nn.Module], ds_config: dict, world_si
     have edited a copy of the ds_config."""
     import copy
 
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    from xirang_ds.compat.torch import fake_tensor_mode
     from xirang_ds.config.fit import fit_block
     from xirang_ds.config.loader import BLOCK_KEY
     from xirang_ds.session import Session
@@ -626,7 +624,7 @@ def _session_for(build: Callable[[], torch.nn.Module], ds_config: dict, world_si
         return None
     fitted = fit_block(ds_config[BLOCK_KEY], ds_config)  # what initialize would run (a preset fits the ds_config)
     session = Session(fitted.config, copy.deepcopy(ds_config), world_size=world_size, left_out=fitted.left_out)
-    with FakeTensorMode() if fake else contextlib.nullcontext():
+    with fake_tensor_mode() if fake else contextlib.nullcontext():
         session.model = build()
         session.prepare_ds_config()
     return session

@@ -41,6 +41,7 @@ from typing import Any, Callable, ContextManager, Optional
 
 import torch
 
+from xirang_ds.compat.torch import storage_at, storage_key
 from xirang_ds.config.validate import XirangConfigError
 
 SIZE_KEY = "xirang.memory_pool.size"
@@ -61,10 +62,9 @@ def block_storage(base: torch.Tensor, offset: int, nbytes: int) -> torch.Untyped
     """A storage of its own over ``nbytes`` of ``base``'s bytes from ``offset``, owning nothing: a
     block's life is then its storage's (views and aliases keep it), not the Python tensor's.
 
-    ``torch._C._construct_storage_from_data_pointer`` (torch/csrc/Module.cpp, present in torch 2.4 to
-    2.13; tests/test_memory_pool.py fails when a torch release drops it).
+    `xirang_ds.compat.torch.storage_at` (present in torch 2.4 to 2.13).
     """
-    return torch._C._construct_storage_from_data_pointer(base.data_ptr() + offset, base.device, nbytes)
+    return storage_at(base, offset, nbytes)
 
 
 def torch_mempool(device: torch.device) -> Optional[Any]:
@@ -254,7 +254,7 @@ class MemoryPool:
         stream = self._order_after_other_streams()
         storage = block_storage(buffer, offset, nbytes)
         block = torch.empty(0, dtype=dtype, device=self.device).set_(storage, 0, (nbytes // dtype.itemsize,))
-        key = storage._cdata
+        key = storage_key(storage)
         SUBALLOCATIONS[key] = buffer.untyped_storage()
         # the finalizer's arguments hold the reservation: a block outliving close() keeps its bytes
         weakref.finalize(block.untyped_storage(), self._on_block_freed, key, self._generation, offset, stream, buffer)
@@ -265,7 +265,7 @@ class MemoryPool:
         too, and later requests on other streams wait for it (as ``Tensor.record_stream`` does for
         the caching allocator's blocks)."""
         if stream is not None and self.device.type == "cuda":
-            self._block_streams.setdefault(block.untyped_storage()._cdata, set()).add(stream)
+            self._block_streams.setdefault(storage_key(block.untyped_storage()), set()).add(stream)
 
     def _on_block_freed(self, key: int, generation: int, offset: int, stream: Any, buffer: torch.Tensor) -> None:
         from xirang_ds.memory.tracker import SUBALLOCATIONS

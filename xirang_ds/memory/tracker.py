@@ -23,8 +23,15 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
+from xirang_ds.compat.torch import (
+    TorchDispatchMode,
+    current_autograd_node,
+    is_traceable_wrapper_subclass,
+    op_schema,
+    pop_mode_temporarily,
+    storage_key,
+)
 from xirang_ds.memory.categories import (
     ACTIVATIONS,
     CATEGORIES,
@@ -111,13 +118,13 @@ def _storage_of(t: torch.Tensor):
         st = t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # sparse, meta-only or functional wrappers
         return None
-    owner = SUBALLOCATIONS.get(st._cdata)
+    owner = SUBALLOCATIONS.get(storage_key(st))
     return owner if owner is not None else st
 
 
 SUBALLOCATIONS: dict[int, Any] = {}
 """Storages that alias bytes another storage owns (a memory-pool block inside its reservation), by
-``_cdata``, to that owner's storage: the tracker counts and marks the owner, so the bytes count once.
+`storage_key`, to that owner's storage: the tracker counts and marks the owner, so the bytes count once.
 The pool adds a block when it hands it out and drops it when the block's storage dies."""
 
 
@@ -128,7 +135,7 @@ def _returns_alias(func: Any) -> bool:
     """True for ops whose outputs alias an input (views, in-place and out= ops)."""
     known = _ALIASING.get(func)
     if known is None:
-        schema = getattr(func, "_schema", None)
+        schema = op_schema(func)
         known = bool(schema is not None and any(r.alias_info is not None for r in schema.returns))
         _ALIASING[func] = known
     return known
@@ -240,9 +247,7 @@ class MemoryTracker:
         if self._mode is None:
             yield
             return
-        from torch.utils._python_dispatch import _pop_mode_temporarily
-
-        with _pop_mode_temporarily():
+        with pop_mode_temporarily():
             yield
 
     # ----------------------------------------------------------------------------------------
@@ -253,7 +258,7 @@ class MemoryTracker:
         st = _storage_of(t)
         if st is None or (st.nbytes() == 0 if self.fake else st.data_ptr() == 0):
             return None, None
-        return st._cdata, st
+        return storage_key(st), st
 
     def _see(self, t: torch.Tensor, func: Any, category: Optional[str] = None, new: bool = True) -> Optional[Record]:
         if is_traceable_wrapper_subclass(t):  # torchao's quantized states, DTensor: the bytes are inside
@@ -301,7 +306,7 @@ class MemoryTracker:
 
     def _where(self) -> str:
         if self.phase == "backward":
-            node = torch._C._current_autograd_node()
+            node = current_autograd_node()
             if node is not None:
                 return node.name()
         return self.module_stack[-1] if self.module_stack else ""
@@ -332,7 +337,7 @@ class MemoryTracker:
                 if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
                     st = _storage_of(t)
                     if st is not None:
-                        rec = self._live.get(st._cdata)
+                        rec = self._live.get(storage_key(st))
                         if rec is not None:
                             rec.last_used = clock
 

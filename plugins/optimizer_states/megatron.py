@@ -4,7 +4,7 @@ Read in megatron-core 0.16.1 (``megatron/core/optimizer/``):
 
 * ``get_megatron_optimizer`` returns a ``ChainedOptimizer`` whose members (``FP32Optimizer``,
   ``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer``) each hold the ``torch.optim`` Adam or
-  AdamW as ``.optimizer`` (``xirang_ds.integration.megatron_compat.inner_optimizers``). That object is
+  AdamW as ``.optimizer`` (``xirang_ds.compat.megatron.inner_optimizers``). That object is
   replaced by a `DynamicAdamW` over the very same param-group dicts: Megatron's LR scheduler writes
   ``lr``/``weight_decay`` into them, and ``load_state_dict`` matches saved groups to them by
   ``wd_mult``/``lr_mult``/``is_expert_parallel``/``is_decoupled_lr`` (optimizer.py L383
@@ -41,7 +41,7 @@ SECTION = "xirang.optimizer_states"
 def megatron_keep_reasons(model: torch.nn.Module, config: OptimizerStatesConfig) -> dict[int, str]:
     """Reasons to keep fp32 states that only Megatron's layers give (by parameter ``id``): replicated
     on the tensor-parallel group, or the vocab-parallel embedding's shard."""
-    from xirang_ds.integration.megatron_compat import parallel_layers
+    from xirang_ds.compat.megatron import parallel_layers
 
     reasons: dict[int, str] = {}
     if config.keep_fp32_embeddings_and_norms:
@@ -72,7 +72,7 @@ def replace_inner(optimizer: Any, config: OptimizerStatesConfig, kept: dict[int,
     """
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from xirang_ds.integration.megatron_compat import optimizer_members
+    from xirang_ds.compat.megatron import optimizer_members
 
     members = optimizer_members(optimizer)
     problems = []

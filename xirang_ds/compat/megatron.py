@@ -111,7 +111,7 @@ def check_version() -> None:
         warnings.warn(f"xirang_ds's Megatron integration was checked against megatron-core "
                       f"{low[0]}.{low[1]} to {high[0]}.{high[1] - 1} (tested on {TESTED_VERSION}); found "
                       f"{'.'.join(map(str, version))}. If something fails, the names it reads are listed in "
-                      "xirang_ds/integration/megatron_compat.py", stacklevel=2)
+                      "xirang_ds/compat/megatron.py", stacklevel=2)
 
 
 def unwrap(module: Any) -> Any:

@@ -1,15 +1,13 @@
-"""The DeepSpeed internals this plugin touches, in one place, read in deepspeed 0.19.8.
+"""optimizer_states under DeepSpeed: the ds_config it refuses, and the basic optimizer swapped in its wrappers.
 
-* ``_link_all_hp_params`` (``runtime/zero/stage_1_and_2.py`` L824, ``runtime/bf16_optimizer.py``
-  L336): ZeRO 1/2 and the bf16 optimizer keep views of every optimizer-state tensor shaped like
-  the fp32 partition (``utils/tensor_fragment.py`` ``set_optim_state_fragment``) for
-  ``safe_get_full_optimizer_state``; ZeRO 3's method of that name only tags parameters. After a
-  tensor's states change format those views would keep the old fp32 buffers alive, so the links
-  are rebuilt (quantized buffers have another shape and are not linked; DeepSpeed's
-  per-parameter state getters then report no state for them).
-* the basic optimizer's attribute on DeepSpeed's wrappers (``.optimizer`` on ZeRO 1/2/3, the
-  bf16 and the fp16 optimizers; ``engine.basic_optimizer``; ``engine.optimizer`` without a
-  wrapper), swapped when the plugin is removed.
+* DeepSpeed's wrappers hold the basic optimizer as ``.optimizer`` (ZeRO 1/2/3, the bf16 and the fp16
+  optimizers), besides ``engine.basic_optimizer``, or ``engine.optimizer`` without a wrapper; it is
+  swapped when the plugin is removed (`swap_basic_optimizer`).
+* ZeRO 1/2 and the bf16 optimizer keep views of every optimizer-state tensor shaped like the fp32
+  partition for ``safe_get_full_optimizer_state``. After a tensor's states change format those views
+  would keep the old fp32 buffers alive, so the links are rebuilt (`relink_state_views`, through
+  `xirang_ds.compat.deepspeed.relink_hp_params`; quantized buffers have another shape and are not
+  linked, and DeepSpeed's per-parameter state getters then report no state for them).
 
 ``tests/test_optimizer_states_engine.py`` fails when a DeepSpeed release moves these.
 """
@@ -17,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from xirang_ds.compat.deepspeed import relink_hp_params
 from xirang_ds.config.validate import XirangConfigError
 
 SECTION = "xirang.optimizer_states"
@@ -50,9 +49,8 @@ def ds_config_problems(ds_config: dict) -> list[tuple[str, str]]:
 def relink_state_views(engine: Any) -> None:
     """Rebuild DeepSpeed's views of the optimizer states (see the module docstring)."""
     wrapper = getattr(engine, "optimizer", None)
-    relink = getattr(wrapper, "_link_all_hp_params", None)
-    if relink is not None and not getattr(wrapper, "cpu_offload", False):
-        relink()
+    if not getattr(wrapper, "cpu_offload", False):
+        relink_hp_params(wrapper)
 
 
 def swap_basic_optimizer(engine: Any, old: Any, new: Any) -> None:

@@ -31,7 +31,7 @@ from xirang_ds.config.types import format_bytes
 from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import MEMORY_POOL
 from xirang_ds.memory.pool import MemoryPool, PoolTooSmall, align_up
-from xirang_ds.registry import Plugin, register_plugin
+from xirang_ds.registry import SHARED_POOL, Plugin, register_plugin
 
 logger = logging.getLogger("xirang_ds")
 
@@ -45,6 +45,8 @@ class MemoryPoolPlugin(Plugin):
         pool: the pool once attached, else ``None``.
         declared_bytes: persistent bytes clients said they will hold at once.
     """
+
+    provides = frozenset({SHARED_POOL})
 
     frameworks = ("deepspeed", "megatron")
     preset_frameworks = ("deepspeed",)

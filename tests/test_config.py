@@ -222,3 +222,52 @@ def test_ds_config_as_base64_like_deepspeed():
     assert read_ds_config(text) == cfg
     with pytest.raises(XirangConfigError, match="config file not found"):
         read_ds_config("no/such/file.json")
+
+
+# every cross-section rule, each row both ways (xirang_ds.config.rules) ----------------------------------
+_LENDING = {"comm_buffers": {"enabled": True, "lend_to_activations": True}}
+_CROSS_SECTION_CASES = [
+    # (block that breaks the rule, the same block mended, key, fragment of the message)
+    ({"monitor": {"enabled": True, "actions": ["raise_compression"]}},
+     {"monitor": {"enabled": True, "actions": ["raise_compression"]}, "activations": {"enabled": True}},
+     "xirang.monitor.actions", "'raise_compression' acts through the activations plugin"),
+    ({"monitor": {"enabled": True, "actions": ["raise_recompute"]}},
+     {"monitor": {"enabled": True, "actions": ["raise_recompute"]}, "activations": {"enabled": True}},
+     "xirang.monitor.actions", "'raise_recompute' acts through the activations plugin"),
+    ({"monitor": {"enabled": True, "on_oom": "halve_micro_batch"},
+      "grad_release": {"enabled": True, "exact_method": "two_pass"}},
+     {"monitor": {"enabled": True, "on_oom": "halve_micro_batch"},
+      "grad_release": {"enabled": True, "exact_method": "hold"}},
+     "xirang.monitor.on_oom", "applies updates during its second backward"),
+    ({**_LENDING, "grad_release": {"enabled": True}, "activations": {"enabled": True, "compress": ["blocks.0"]}},
+     {**_LENDING, "activations": {"enabled": True, "compress": ["blocks.0"]}},
+     "xirang.comm_buffers.lend_to_activations", "grad_release is on and reduces in its own buckets"),
+    (dict(_LENDING), {**_LENDING, "activations": {"enabled": True, "compress": ["blocks.0"]}},
+     "xirang.comm_buffers.lend_to_activations", "which is off; enable xirang.activations"),
+    ({**_LENDING, "activations": {"enabled": True, "options": ["keep", "recompute"]}},
+     {**_LENDING, "activations": {"enabled": True, "options": ["keep", "compress"]}},
+     "xirang.comm_buffers.lend_to_activations", "has nothing to hold"),
+]
+
+
+def _problems_or_none(block) -> list[tuple[str, str]]:
+    try:
+        load_config({"xirang": block})
+    except XirangConfigError as e:
+        return e.problems
+    return []
+
+
+def test_every_cross_section_rule_has_a_case():
+    from xirang_ds.config.rules import RULES
+
+    messages = [m for _, _, _, m in _CROSS_SECTION_CASES]
+    assert [next(m for m in messages if m in rule.message) for rule in RULES]  # each rule is exercised
+    assert len(RULES) == len(_CROSS_SECTION_CASES)
+
+
+@pytest.mark.parametrize("broken, mended, key, fragment", _CROSS_SECTION_CASES)
+def test_cross_section_rule(broken, mended, key, fragment):
+    found = [(k, m) for k, m in _problems_or_none(broken) if fragment in m]
+    assert [k for k, _ in found] == [key], _problems_or_none(broken)
+    assert not [m for _, m in _problems_or_none(mended) if fragment in m], _problems_or_none(mended)

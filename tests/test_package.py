@@ -21,8 +21,10 @@ def test_import_pulls_in_neither_deepspeed_nor_megatron():
 
 def test_plugins_installed_as_subpackage():
     import xirang_ds.plugins.monitor as monitor
+    import xirang_ds.plugins.profiler as profiler
 
-    assert os.path.dirname(monitor.__file__) == os.path.join(ROOT, "plugins")
+    assert os.path.dirname(profiler.__file__) == os.path.join(ROOT, "plugins")
+    assert os.path.dirname(monitor.__file__) == os.path.join(ROOT, "plugins", "monitor")
 
 
 def test_console_script_validates(tmp_path):

@@ -35,6 +35,24 @@ logger = logging.getLogger("xirang_ds")
 
 ENTRY_POINT_GROUP = "xirang_ds.plugins"
 
+# what a plugin offers the others (`Plugin.provides`); the session's typed accessors find the plugin by these
+UPDATE_IN_BACKWARD = "update_in_backward"
+"""It applies the optimizer update during backward and owns the masters and states meanwhile (grad_release:
+`xirang_ds.session.Session.stepper`)."""
+LOW_BIT_STATES = "low_bit_states"
+"""It keeps the optimizer states in its own formats (optimizer_states: `Session.state_quantizer`)."""
+SHARED_POOL = "shared_pool"
+"""It reserves the pool the others allocate from (memory_pool: `Session.pool_owner`)."""
+ACTIVATION_PLAN = "activation_plan"
+"""It plans the saved activations and can move more of them off the device (activations:
+`Session.activation_planner`)."""
+STORAGE_LENDER = "storage_lender"
+"""It lends idle device memory for other plugins' tensors (comm_buffers' arena: `Session.storage_lender`)."""
+MEMORY_WATCH = "memory_watch"
+"""It checks the device peak against the budget each step and feeds the session's calibrated prediction
+(monitor: `Session.start_calibration`)."""
+FACTS = (UPDATE_IN_BACKWARD, LOW_BIT_STATES, SHARED_POOL, ACTIVATION_PLAN, STORAGE_LENDER, MEMORY_WATCH)
+
 
 @dataclass
 class OptimizerSpec:
@@ -53,6 +71,48 @@ class OptimizerSpec:
     params: dict
 
 
+class FrameworkPath:
+    """What a plugin does under one training framework: the seams where DeepSpeed and Megatron-core differ.
+
+    A plugin that runs under both keeps one subclass per framework beside its shared core (its
+    ``deepspeed.py`` and ``megatron.py``), named in `Plugin.paths`. The core calls ``self.path`` where the
+    frameworks differ and never tests the framework itself; the session drives both runs through the same
+    plugin seams, whose ``engine`` argument is the DeepSpeed engine or the `MegatronRun` that stands in
+    for one (`xirang_ds.integration.megatron_run`). Override what the framework needs; each default
+    does nothing.
+
+    Attributes:
+        plugin: the plugin this path belongs to (its state lives there).
+        session: the plugin's session.
+    """
+
+    def __init__(self, plugin: "Plugin"):
+        self.plugin = plugin
+        self.session = plugin.session
+
+    @classmethod
+    def check(cls, config: Section) -> list[tuple[str, str]]:
+        """Problems of ``config`` under this framework only (`Plugin.check_framework`)."""
+        return []
+
+    def prepare_model(self, model: Any) -> None:
+        """What the plugin does to the model before this framework wraps it, beyond its shared part."""
+
+    def prepare_optimizer(self, optimizer: Any) -> Any:
+        """The optimizer this framework should step (default: unchanged)."""
+        return optimizer
+
+    def attach(self, engine: Any) -> None:
+        """Attach the plugin to this framework's run (the DeepSpeed engine or a ``MegatronRun``)."""
+
+    def describe(self) -> str:
+        """One line on what the plugin does in this run."""
+        return ""
+
+    def remove(self) -> None:
+        """Undo what `attach` did beyond the plugin's kept handles (which the plugin removes)."""
+
+
 class Plugin:
     """Base class of every plugin. Override the seams you need; each default does nothing.
 
@@ -66,7 +126,8 @@ class Plugin:
     * ``prepare_optimizer(optimizer)``: receive the basic optimizer (a ``torch.optim`` object, an
       `OptimizerSpec`, or ``None``) and return it or a replacement.
     * ``attach(engine)``: after ``deepspeed.initialize``; under Megatron-core ``engine`` is a
-      `xirang_ds.integration.megatron_run.MegatronRun` (``session.framework == "megatron"``).
+      `xirang_ds.integration.megatron_run.MegatronRun`; what differs between the two is in the plugin's
+      `FrameworkPath` for each (`Plugin.paths`).
     * ``remove()``: undo everything; the run behaves as without the plugin afterwards.
     * ``state_dict()``/``load_state_dict(state)``: plugin state saved in engine checkpoints.
 
@@ -87,6 +148,11 @@ class Plugin:
     """Frameworks where a preset turns the plugin on (None: all of `frameworks`). A plugin whose
     requirements on a framework's settings a preset cannot check in advance leaves that framework
     out: there it runs only when the user names it."""
+    paths: ClassVar[dict[str, str]] = {}
+    """framework → ``"module:Class"`` of the plugin's `FrameworkPath` there, imported when first used (a
+    Megatron path only under Megatron); empty for a plugin with one way of attaching."""
+    provides: ClassVar[frozenset[str]] = frozenset()
+    """What this plugin offers the others, from `FACTS` (at most one plugin of a run provides each)."""
     inert_keys: ClassVar[dict[str, dict[str, tuple[Any, str]]]] = {}
     """framework → {key: (the value that asks for nothing, why the key does nothing there)}: keys of
     the section that have no effect under that framework. A key the user wrote with another value is an
@@ -97,6 +163,30 @@ class Plugin:
         self.config = config
         self.session = session
         self._handles: list[Any] = []
+        self._path: Optional[FrameworkPath] = None
+
+    @classmethod
+    def path_class(cls, framework: str) -> Optional[type[FrameworkPath]]:
+        """The plugin's `FrameworkPath` class under ``framework``, or ``None`` when it has none there."""
+        target = cls.paths.get(framework)
+        if target is None:
+            return None
+        module, _, name = target.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+    @property
+    def path(self) -> FrameworkPath:
+        """This plugin's path under the session's framework (made on first use).
+
+        Raises:
+            RuntimeError: the plugin names no path for that framework.
+        """
+        if self._path is None:
+            cls = self.path_class(self.session.framework)
+            if cls is None:
+                raise RuntimeError(f"xirang {self.section}: no {self.session.framework} path (Plugin.paths)")
+            self._path = cls(self)
+        return self._path
 
     # seams ---------------------------------------------------------------------------------
     def prepare_ds_config(self, ds_config: dict) -> None:
@@ -123,6 +213,16 @@ class Plugin:
     def state_dict(self) -> dict:
         """Plugin state for checkpoints (plain data)."""
         return {}
+
+    def describe(self) -> str:
+        """One line for the session summary on what the plugin does in this run (after ``attach``); ``""``
+        leaves the plugin out of the summary."""
+        return ""
+
+    def lent_storage(self) -> Any:
+        """With `STORAGE_LENDER`: the `xirang_ds.plugins.activations.storage.StorageProvider` it lends now
+        (``None`` until attached, or when nothing is lent in this run)."""
+        return None
 
     def drop_gradients(self) -> None:
         """Forget every gradient this plugin holds for the step in progress, partial ones of an
@@ -185,7 +285,8 @@ class Plugin:
             ``[(field, message)]`` with fields relative to the section; empty when it can run.
         """
         if framework in cls.frameworks:
-            return []
+            path = cls.path_class(framework)
+            return path.check(config) if path is not None else []
         return [("enabled", f"the {cls.section} plugin does not run under {framework} yet (it supports "
                             f"{', '.join(cls.frameworks)}); set it to false for {framework} runs")]
 

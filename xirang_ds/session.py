@@ -19,7 +19,17 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 from xirang_ds.config.schema import XirangConfig
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import CallbackHandle, wrap_method
-from xirang_ds.registry import Plugin, check_framework, plugins_for
+from xirang_ds.registry import (
+    ACTIVATION_PLAN,
+    LOW_BIT_STATES,
+    MEMORY_WATCH,
+    SHARED_POOL,
+    STORAGE_LENDER,
+    UPDATE_IN_BACKWARD,
+    Plugin,
+    check_framework,
+    plugins_for,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from xirang_ds.checkpoints.param_states import ParamStates
@@ -28,6 +38,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from xirang_ds.memory.calibration import Calibration
     from xirang_ds.memory.engine_roles import TrainingWatch
     from xirang_ds.memory.tracker import MemoryTracker
+    from xirang_ds.plugins.activations import ActivationsPlugin
+    from xirang_ds.plugins.activations.storage import StorageProvider
+    from xirang_ds.plugins.grad_release.plugin import GradReleasePlugin
+    from xirang_ds.plugins.memory_pool import MemoryPoolPlugin
+    from xirang_ds.plugins.optimizer_states.plugin import OptimizerStatesPlugin
 
 logger = logging.getLogger("xirang_ds")
 
@@ -104,11 +119,45 @@ class Session:
         """The attached plugin of a section, or ``None``."""
         return next((p for p in self.plugins if p.section == section), None)
 
+    # what the plugins offer each other (`xirang_ds.registry.FACTS`) ---------------------------------
+    def _provider(self, fact: str) -> Optional[Plugin]:
+        return next((p for p in self.plugins if fact in p.provides), None)
+
+    @property
+    def stepper(self) -> Optional["GradReleasePlugin"]:
+        """The plugin that applies the optimizer update during backward (grad_release), or ``None``."""
+        return self._provider(UPDATE_IN_BACKWARD)
+
+    @property
+    def state_quantizer(self) -> Optional["OptimizerStatesPlugin"]:
+        """The plugin that keeps the optimizer states in its own formats (optimizer_states), or ``None``."""
+        return self._provider(LOW_BIT_STATES)
+
+    @property
+    def pool_owner(self) -> Optional["MemoryPoolPlugin"]:
+        """The plugin whose pool the others allocate from (memory_pool; its ``add_client``), or ``None``."""
+        return self._provider(SHARED_POOL)
+
+    @property
+    def activation_planner(self) -> Optional["ActivationsPlugin"]:
+        """The plugin that plans the saved activations (activations), or ``None``."""
+        return self._provider(ACTIVATION_PLAN)
+
+    def storage_lender(self) -> Optional["StorageProvider"]:
+        """Idle device memory another plugin lends now for encoded activations (comm_buffers' arena between
+        reductions), or ``None``."""
+        lender = self._provider(STORAGE_LENDER)
+        return lender.lent_storage() if lender is not None else None
+
     def pool(self) -> Any:
         """The `xirang_ds.memory.pool.MemoryPool` plugins allocate from, or ``None`` (the
         ``memory_pool`` section is off, or not attached yet: call it from ``attach`` or later)."""
-        plugin = self.plugin("memory_pool")
-        return getattr(plugin, "pool", None)
+        return getattr(self.pool_owner, "pool", None)
+
+    @property
+    def started_tracker(self) -> Optional["MemoryTracker"]:
+        """The shared tracker if something made it (`tracker` makes it on first use), else ``None``."""
+        return self._tracker
 
     @property
     def tracker(self):
@@ -126,14 +175,18 @@ class Session:
         hooks (`xirang_ds.memory.engine_roles`; under Megatron the watch given to `attach`).
         """
         if self._watch is None:
-            from xirang_ds.memory.engine_roles import watch_engine
-
             if self.engine is None:
                 raise RuntimeError("track_memory() needs the engine; call it from Plugin.attach")
-            factory = self._watch_factory or watch_engine
-            self._watch = factory(self.tracker, self.engine, roles=self.memory_roles)
+            self._watch = self.watch(self.tracker, self.engine, roles=self.memory_roles)
             self.tracker.start()
         return self.tracker
+
+    def watch(self, tracker: "MemoryTracker", engine: Any, **kwargs: Any) -> "TrainingWatch":
+        """A `TrainingWatch` driving ``tracker`` from ``engine``'s phases, as this run's framework gives it
+        (the ``watch`` given to `attach`; `xirang_ds.memory.engine_roles.watch_engine` by default)."""
+        from xirang_ds.memory.engine_roles import watch_engine
+
+        return (self._watch_factory or watch_engine)(tracker, engine, **kwargs)
 
     def open_peak_window(self) -> Any:
         """A window on this rank's device peak for one reader (the monitor, comm_buffers, the bench):
@@ -193,12 +246,17 @@ class Session:
         for p in self.plugins:
             p.prepare_ddp_config(ddp_config)
 
-    def prepare_model(self, model: Any) -> None:
-        self.model = model
-        if self.framework == "deepspeed" and self.plugin("monitor") is not None:
+    def start_calibration(self, model: Any) -> None:
+        """Calibrate this run's peak prediction on its first steady measured step, when a plugin watches the
+        peak (`xirang_ds.registry.MEMORY_WATCH`); call it with the model as built, before any plugin hooks it
+        (the DeepSpeed integration does; `xirang_ds.memory.calibration` traces a DeepSpeed run)."""
+        if self._provider(MEMORY_WATCH) is not None:
             from xirang_ds.memory.calibration import Calibration
 
-            self.calibration = Calibration(self, model)  # the model's structure, before anyone hooks it
+            self.calibration = Calibration(self, model)
+
+    def prepare_model(self, model: Any) -> None:
+        self.model = model
         for p in self.plugins:
             p.prepare_model(model)
 
@@ -207,22 +265,24 @@ class Session:
             optimizer = p.prepare_optimizer(optimizer)
         return optimizer
 
-    def attach(self, engine: Any, watch: Optional[WatchFactory] = None) -> None:
+    def attach(self, engine: Any, watch: Optional[WatchFactory] = None, checkpoints: bool = False) -> None:
         """Attach every plugin to ``engine``.
 
         Args:
             engine: the DeepSpeed engine, or under Megatron the integration's ``MegatronRun``.
             watch: ``watch(tracker, engine)`` builds the `TrainingWatch` behind `track_memory`;
                 default: `xirang_ds.memory.engine_roles.watch_engine` (DeepSpeed's buffers by role).
+            checkpoints: the engine's ``save_checkpoint``/``load_checkpoint`` carry the plugins' state
+                (DeepSpeed; Megatron saves its own, docs/megatron.md).
         """
         self.engine = engine
         self._watch_factory = watch
         engine.xirang = self
-        if self.framework == "deepspeed":  # Megatron saves its own checkpoints (docs/megatron.md)
+        if checkpoints:
             self._handles.append(wrap_method(engine, "save_checkpoint", self._save_checkpoint))
         for p in self.plugins:
             p.attach(engine)
-        if self.framework == "deepspeed":  # outermost: it decides how the plugins' wrappers load
+        if checkpoints:  # outermost: it decides how the plugins' wrappers load
             from xirang_ds.checkpoints.schedulers import install
 
             self._handles.append(wrap_method(engine, "load_checkpoint", self._load_checkpoint))
@@ -266,7 +326,7 @@ class Session:
         tag_dir = os.path.join(save_dir, str(tag) if tag is not None else f"global_step{self.engine.global_steps}")
         marker = {"xirang_ds": __version__, "preset": self.config.preset, "sections": [p.section for p in self.plugins]}
         facts = facts_of_run(self)
-        codes_beside = facts is not None and self.plugin("grad_release") is None
+        codes_beside = facts is not None and self.stepper is None
         if facts is not None:
             marker["deepspeed_files"] = layout_record(facts)
         if codes_beside:
@@ -315,7 +375,7 @@ class Session:
         from xirang_ds.compat.deepspeed import shared_params
 
         dist.barrier()  # every rank's shard is on disk
-        _, groups = write_deepspeed_files(tag_dir, marker, facts, ranks=[self.plugin("grad_release").comm.rank])
+        _, groups = write_deepspeed_files(tag_dir, marker, facts, ranks=[self.stepper.comm.rank])
         if self.engine.global_rank == 0:
             copy_recovery_script(save_dir)
         frozen = [(n, p) for n, p in self.engine.module.named_parameters() if not p.requires_grad]
@@ -365,8 +425,8 @@ class Session:
         current = {p.section for p in self.plugins} & set(OWNERS)
         if state_owners(marker) != current:
             return tag_dir, marker
-        grad_release = self.plugin("grad_release")
-        if grad_release is not None and grad_release.layout_differs(tag_dir):
+        stepper = self.stepper
+        if stepper is not None and stepper.layout_differs(tag_dir):
             return tag_dir, marker
         return None
 
@@ -407,7 +467,7 @@ class Session:
             raise XirangConfigError([("checkpoint", f"{tag_dir} (written by {written}) cannot be taken over by this "
                                       f"run's sections ({running}): {e}. {fix}")],
                                     title="cannot resume from this checkpoint") from None
-        if self.plugin("grad_release") is None:
+        if self.stepper is None:
             from xirang_ds.checkpoints.deepspeed_slots import UnknownOptimizerError, engine_slots
 
             try:
@@ -427,9 +487,9 @@ class Session:
         """Put the whole per-parameter states into whichever optimizer steps this run."""
         from xirang_ds.checkpoints.deepspeed_slots import load_engine_states
 
-        grad_release = self.plugin("grad_release")
-        if grad_release is not None:
-            grad_release.take_over(states)
+        stepper = self.stepper
+        if stepper is not None:
+            stepper.take_over(states)
         else:
             load_engine_states(self.engine, states)
 
@@ -443,9 +503,9 @@ class Session:
         if self.preset_choice:
             lines.append(f"  {self.preset_choice}")
         for p in self.plugins:
-            describe = getattr(p, "describe", None)
-            if describe is not None:
-                lines.append(f"  {p.section}: {describe()}")
+            line = p.describe()
+            if line:
+                lines.append(f"  {p.section}: {line}")
         if self.calibration is not None:
             lines.append(f"  {self.calibration.describe()}")
         lines += [f"  {line}" for line in self.summary_left_out()]

@@ -30,13 +30,11 @@ no provider lends are blocks of ``session.pool()``.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any, Optional
 
 import torch
 
-from xirang_ds.compat.torch import uncompiled
 from xirang_ds.config.schema import LOSSY_ACTIVATION_OPTIONS, ActivationsConfig
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
@@ -58,7 +56,7 @@ from xirang_ds.plugins.activations.profile import ROOT, ModuleProfile, Profiler
 from xirang_ds.plugins.activations.selection import PATH, find_candidates, fixed_plan, tolerant_names
 from xirang_ds.plugins.activations.storage import PayloadStorage, StorageProvider
 from xirang_ds.plugins.activations.wrapper import ModuleWrapper, Runtime
-from xirang_ds.registry import Plugin, register_plugin
+from xirang_ds.registry import ACTIVATION_PLAN, Plugin, register_plugin
 
 logger = logging.getLogger("xirang_ds")
 
@@ -78,16 +76,11 @@ class ActivationsPlugin(Plugin):
         plan_text: the plan table logged on rank 0.
     """
 
-    frameworks = ("deepspeed", "megatron")
+    provides = frozenset({ACTIVATION_PLAN})
 
-    @classmethod
-    def check_framework(cls, config: ActivationsConfig, framework: str) -> list[tuple[str, str]]:
-        problems = super().check_framework(config, framework)
-        if framework == "deepspeed" and config.distribute_saved_inputs:
-            problems.append(("distribute_saved_inputs", "true under DeepSpeed, which has no tensor-parallel group "
-                                                        "to distribute over (it is Megatron-core's "
-                                                        "distribute_saved_activations). Fix: set it to false"))
-        return problems
+    frameworks = ("deepspeed", "megatron")
+    paths = {"deepspeed": "xirang_ds.plugins.activations.deepspeed:DeepSpeedActivations",
+             "megatron": "xirang_ds.plugins.activations.megatron:MegatronActivations"}
 
     def __init__(self, config: ActivationsConfig, session: Any):
         super().__init__(config, session)
@@ -120,40 +113,19 @@ class ActivationsPlugin(Plugin):
         """Process groups the profiles and the plan are agreed over."""
         self._bandwidth: Optional[float] = None
         self.options: tuple[str, ...] = config.options
-        self._replicated_inputs: frozenset = frozenset()
+        self.replicated_inputs: frozenset = frozenset()
         """Under Megatron: modules whose inputs are identical on every tensor-parallel rank."""
 
     # seams ----------------------------------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module) -> None:
         problems: list[tuple[str, str]] = []
-        megatron = self.session.framework == "megatron"
-        blocks = None
-        if megatron:
-            from xirang_ds.compat.megatron import REPLICATED_INPUT_CHILDREN, transformer_layers
-
-            blocks = [name for name, _ in transformer_layers(model)]
-            self._replicated_inputs = frozenset(
-                blocks + [f"{b}.{child}" for b in blocks for child in REPLICATED_INPUT_CHILDREN])
-            if self.config.distribute_saved_inputs and getattr(getattr(model, "config", None), "sequence_parallel",
-                                                               False):
-                problems.append((f"{PATH}.distribute_saved_inputs",
-                                 "true with Megatron's sequence parallelism (--sequence-parallel): the layers' inputs "
-                                 "are already split over the tensor-parallel group, not identical on its ranks. Fix: "
-                                 "set distribute_saved_inputs to false"))
-        zero = self.session.ds_config.get("zero_optimization") or {}
-        zero3 = isinstance(zero, dict) and zero.get("stage") == 3
-        without_chunk = None
-        if megatron:
-            without_chunk = "under Megatron-core (its output layer and vocab-parallel cross-entropy are its own)"
-        elif zero3:
-            without_chunk = ("with ZeRO stage 3 (it releases the head's gathered weight when the head's forward "
-                             "returns, before the loss needs it)")
+        path = self.path
+        blocks = path.blocks(model, problems)
+        without_chunk, without_selective = path.without_chunk(), path.without_selective()
         heads = CHUNK in self.config.options and without_chunk is None
         self._candidates = (find_candidates(model, self.config, problems, blocks, heads=heads)
                             if self.config.planner else [])
-        # under Megatron the file's DeepSpeed keys (activation_checkpointing) do not apply
-        self._fixed, self._ds_settings = fixed_plan(model, self.config, {} if megatron else self.session.ds_config,
-                                                    problems)
+        self._fixed, self._ds_settings = fixed_plan(model, self.config, path.ds_config(), problems)
         self.options = self.config.options
         modules = dict(model.named_modules())
         for name, option in self._fixed.items():
@@ -170,16 +142,6 @@ class ActivationsPlugin(Plugin):
             fixed_heads = [n for n, o in self._fixed.items() if o == CHUNK]
             planned = [n for n in self._candidates if is_head(modules[n])] if CHUNK in self.config.options else []
             self._heads = frozenset(fixed_heads + planned)
-        without_selective = None
-        if megatron:
-            # local attention masks the baddbmm output in place (transformer/utils.py
-            # attention_mask_func: masked_fill_), and torch refuses a mutated selective-checkpoint cache.
-            without_selective = ("under Megatron-core (local attention masks the cached attention scores in "
-                                 "place, which selective checkpointing refuses)")
-        elif isinstance(zero, dict) and zero.get("stage") == 3:
-            # ZeRO-3's own linear function and selective checkpointing's op cache do not give
-            # bit-identical gradients (measured); full recompute, compress and offload do.
-            without_selective = "with ZeRO stage 3 (its gradients are not bit-identical there)"
         if without_selective is not None:
             self.options = tuple(o for o in self.options if o != "selective_recompute")
             for name, option in self._fixed.items():
@@ -196,21 +158,8 @@ class ActivationsPlugin(Plugin):
         self._engine = engine
         acc = get_accelerator()
         tracker = self.session.tracker
-        rng = arenas = distribute = None
-        self._model = uncompiled(engine.module)  # the names prepare_model planned for
-        if self.session.framework == "megatron":
-            from xirang_ds.compat import megatron as mc
-
-            self._model = mc.unwrap(engine.module)
-            self._groups = tuple(mc.agreement_groups())
-            rng, arenas = (mc.rng_tracker_states, mc.set_rng_tracker_states), mc.global_memory_buffer_tensors
-            if self.config.distribute_saved_inputs and engine.tp_world_size > 1:
-                from megatron.core import parallel_state
-
-                from xirang_ds.plugins.activations.handlers import ShardHandler
-
-                distribute = ShardHandler(parallel_state.get_tensor_model_parallel_group(),
-                                          lambda: tracker.scope(ACTIVATIONS))
+        parts = self.path.run_parts(engine)
+        self._model, self._groups = parts.model, parts.groups  # the model whose names prepare_model planned for
         host_budget = self.session.config.host_memory_budget
         self.runtime = Runtime(
             torch.device(engine.device), self.config.min_tensor_bytes, self.config.offload_prefetch,
@@ -218,22 +167,23 @@ class ActivationsPlugin(Plugin):
             lambda: tracker.scope(ACTIVATIONS),
             mark=lambda t: tracker.mark([t], ACTIVATIONS) if tracker.active else None,
             synchronize=acc.synchronize if self._ds_settings.get("synchronize") else None,
-            timings=self.recompute_timings if self._ds_settings.get("profile") else None, rng=rng, arenas=arenas,
-            distribute=distribute, host_budget_bytes=None if host_budget == "auto" else int(host_budget))
+            timings=self.recompute_timings if self._ds_settings.get("profile") else None, rng=parts.rng,
+            arenas=parts.arenas, distribute=parts.distribute,
+            host_budget_bytes=None if host_budget == "auto" else int(host_budget))
         model = self._model
         check_memory_budget(self.session.config.memory_budget, engine)
         self.runtime.eligible.refresh(model)
         modules = dict(model.named_modules())
         for name in list(self._fixed) + [c for c in self._candidates if c not in self._fixed]:
             self.wrappers[name] = ModuleWrapper(name, modules[name], self.runtime)
-            self.wrappers[name].distributable = name in self._replicated_inputs
+            self.wrappers[name].distributable = name in self.replicated_inputs
             self.wrappers[name].head = name in self._heads
             self.wrappers[name].chunk_tokens = (None if self.config.chunk_tokens == "auto"
                                                 else int(self.config.chunk_tokens))  # profiled with it
         self.keep(wrap_method(model, "forward", self._root_forward))
-        lenders = [p.storage_provider for p in self.session.plugins if getattr(p, "storage_provider", None)]
-        if lenders:
-            self.set_storage_provider(lenders[0])  # e.g. the comm_buffers arena between reductions
+        lender = self.session.storage_lender()
+        if lender is not None:
+            self.set_storage_provider(lender)  # e.g. the comm_buffers arena between reductions
         if self._ds_settings.get("profile"):
             self.keep(wrap_method(engine, "step", self._step))
         free = [c for c in self._candidates if c not in self._fixed and not any(
@@ -261,7 +211,7 @@ class ActivationsPlugin(Plugin):
             return pool.allocate(nbytes, what="activations payload")
 
         self.runtime.storage.allocator = allocate
-        self.session.plugin("memory_pool").add_client("activations", ready=lambda: self.state != "profiling")
+        self.session.pool_owner.add_client("activations", ready=lambda: self.state != "profiling")
 
     def remove(self) -> None:
         for wrapper in self.wrappers.values():

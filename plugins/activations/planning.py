@@ -189,12 +189,8 @@ class OtherPeak:
             if not tracker.active:
                 from xirang_ds.memory.tracker import MemoryTracker
 
-                if session.framework == "megatron":
-                    from xirang_ds.integration.megatron_run import watch_run as watch
-                else:
-                    from xirang_ds.memory.engine_roles import watch_engine as watch
                 tracker = MemoryTracker()
-                self._watch = (tracker, watch(tracker, engine))
+                self._watch = (tracker, session.watch(tracker, engine))
                 tracker.start()
             self._window = tracker.open_window()
         else:

@@ -11,7 +11,7 @@ DDP methods that would touch it (``zero_grad_buffer``, ``start_grad_sync``, ``fi
 Megatron's data-parallel group, and the run's ``step`` returns the outcome of the update already
 applied (`MegatronRun.applied_update`) instead of calling Megatron's optimizer step.
 
-What differs from the DeepSpeed path (`plugin.py`):
+What differs from the DeepSpeed path (`deepspeed.py`):
 
 * **Backward is Megatron's.** The schedule calls ``torch.autograd.backward`` itself, so a backward's
   start is its first gradient (a post-accumulate-grad hook) and its end a callback queued on
@@ -33,11 +33,13 @@ What differs from the DeepSpeed path (`plugin.py`):
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
-from xirang_ds.hooks import wrap_method
+from xirang_ds.config.validate import XirangConfigError
+from xirang_ds.hooks import CallbackHandle, wrap_method
+from xirang_ds.registry import FrameworkPath
 
 DISARMED_DDP_METHODS = ("zero_grad_buffer", "start_grad_sync", "finish_grad_sync", "scale_gradients")
 """Megatron DDP methods that read or write the gradient buffer (distributed_data_parallel.py)."""
@@ -205,4 +207,144 @@ class StateLoan:
             bucket.basic.state.pop(param, None)
 
 
-__all__ = ["DISARMED_DDP_METHODS", "DdpTakeover", "StateLoan", "norm_counted", "problems"]
+class MegatronRelease(FrameworkPath):
+    """Megatron-core's DDP gradient path and optimizer step, taken over (the module docstring)."""
+
+    @classmethod
+    def check(cls, config: Any) -> list[tuple[str, str]]:
+        if config.exact_method == "two_pass":
+            return [("exact_method", "xirang.grad_release.exact_method = \"two_pass\" runs backward twice, "
+                                     "and under Megatron backward is Megatron's schedule's; allowed there: "
+                                     "\"hold\". Fix: set exact_method to \"hold\"")]
+        return []
+
+    def attach(self, run: Any) -> None:
+        """Take over Megatron DDP's gradient path and Megatron's optimizer step."""
+        from megatron.core import parallel_state
+
+        from xirang_ds.compat.megatron import optimizer_configs, unwrap
+        from xirang_ds.plugins.grad_release.comm import DataParallelComm
+        from xirang_ds.plugins.grad_release.ds_config import BF16_MASTERS, TrainingSetup
+        from xirang_ds.plugins.grad_release.policy import ReleasePolicy
+
+        p = self.plugin
+        p.engine = run
+        clip_grads = [float(c.clip_grad) for c in optimizer_configs(run.optimizer)]
+        issues = problems(p.config, run, clip_grads)
+        if p.config.masters in BF16_MASTERS:
+            issues.append(("xirang.grad_release.masters", f"{p.config.masters!r} is for bf16 parameters' masters, "
+                           "and under Megatron grad_release takes over fp32 parameters only (its Float16 optimizer "
+                           "keeps the masters); allowed: \"auto\" or \"fp32\". Fix: remove the key"))
+        if issues:
+            raise XirangConfigError(issues)
+        p.setup = TrainingSetup(zero_stage=0, param_dtype=torch.float32,
+                                gradient_clipping=clip_grads[0] if clip_grads else 0.0,
+                                comm_dtype=torch.float32, fp16=None,
+                                skip_nonfinite=p.config.nonfinite == "skip_step")
+        p.comm = DataParallelComm(parallel_state.get_data_parallel_group(), dist=torch.distributed)
+        tp_comm = DataParallelComm(parallel_state.get_tensor_model_parallel_group(), dist=torch.distributed)
+        model = unwrap(run.module)
+        p.buckets = p.plan_buckets(model, list(run.basic_optimizers), sharded=False)
+        tp_rank = tp_comm.rank
+        for bucket in p.buckets:
+            bucket.norm_counted = [norm_counted(param, tp_rank) for param in bucket.params]
+        total = sum(param.numel() for b in p.buckets for param in b.params)
+        p.policy = ReleasePolicy(p.comm, False, p.setup.gradient_clipping, p.config.clipping,
+                                 p.config.exact_method, p.setup.skip_nonfinite, None, total,
+                                 norm_comms=[tp_comm])
+        p.start_pipeline(self._on_grad)
+        if hasattr(run.module, "param_to_bucket_group"):  # Megatron DDP
+            p.freed_bytes = p.keep(DdpTakeover(run.module)).freed_bytes
+        run.applied_update = self._update
+        p.keep(CallbackHandle(lambda: setattr(run, "applied_update", None)))
+        p.keep(wrap_method(run.optimizer, "state_dict", self._state_dict))
+        p.keep(wrap_method(run.optimizer, "load_state_dict", self._load_state_dict))
+        p.keep(wrap_method(run.optimizer, "sharded_state_dict", self._sharded_state_dict))
+
+    # backward and step ------------------------------------------------------------------------
+    def _on_grad(self, param: torch.Tensor) -> None:
+        p = self.plugin
+        if p.pipeline.kind is None:
+            self._begin_backward()
+        p.pipeline.on_grad(param)
+
+    def _begin_backward(self) -> None:
+        from xirang_ds.compat.torch import queue_end_of_backward
+        from xirang_ds.plugins.grad_release.pipeline import Pass
+
+        p = self.plugin
+        expected = int(p.engine.gradient_accumulation_steps())
+        micro = p._micro + 1
+        if micro > expected:
+            raise RuntimeError(f"xirang.grad_release: backward number {micro} since the last optimizer.step(), but a "
+                               f"step has {expected} micro-batch(es) (Megatron's num_microbatches) and the update was "
+                               "applied in the last one. Call optimizer.step() after each forward_backward_func, or "
+                               "pass attach(num_microbatches=...) the number the schedule runs")
+        kind = p.policy.passes(micro == expected)[0]
+        p.pipeline.begin(kind, p.policy.rule() if kind in (Pass.FUSED, Pass.UPDATE) else None)
+        queue_end_of_backward(self._end_backward)
+
+    def _end_backward(self) -> None:
+        p = self.plugin
+        kind = p.pipeline.kind
+        try:
+            sumsq = p.pipeline.finish()
+        except BaseException:
+            p.pipeline.abort()
+            raise
+        p._micro += 1
+        p.after_pass(kind, sumsq)
+
+    def _update(self) -> tuple[bool, Optional[float], None]:
+        """``optimizer.step()`` after the update was applied in backward: Megatron's return value."""
+        p = self.plugin
+        expected = int(p.engine.gradient_accumulation_steps())
+        micro, p._micro = p._micro, 0
+        if micro != expected:
+            p.pipeline.discard_all()
+            raise RuntimeError(f"xirang.grad_release: optimizer.step() after {micro} backward pass(es), but a step "
+                               f"has {expected} micro-batch(es) (Megatron's num_microbatches); the update is applied "
+                               f"in backward number {expected}, so this step's gradients were dropped. Pass "
+                               "attach(num_microbatches=...) the number the schedule runs")
+        outcome, p.policy.outcome = p.policy.outcome, None
+        if outcome is None:
+            return True, None, None
+        return not outcome.skipped, outcome.grad_norm, None
+
+    # checkpoints ------------------------------------------------------------------------------------
+    def _state_dict(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        """Megatron's optimizer state dict holding the buckets' states, as its own step would hold them."""
+        loan = StateLoan(self.plugin.buckets)
+        loan.lend()
+        try:
+            state = original(*args, **kwargs)
+        finally:
+            loan.clear()
+        return state
+
+    def _load_state_dict(self, original: Any, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        """Megatron loads the states into its torch optimizers; they move into the buckets (a checkpoint of
+        plain Megatron, or one saved with grad_release: the same layout)."""
+        p = self.plugin
+        p.pipeline.discard_all()
+        result = original(state_dict, *args, **kwargs)
+        for bucket in p.buckets:
+            bucket.build_masters()  # fresh optimizers; a parameter without a saved state starts fresh
+        StateLoan(p.buckets).take_back()
+        return result
+
+    def _sharded_state_dict(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("xirang.grad_release: Megatron's distributed checkpoint (sharded_state_dict; Megatron-LM "
+                           "--ckpt-format torch_dist) is not supported under grad_release. Fix: save with "
+                           "--ckpt-format torch (optimizer.state_dict()), which carries grad_release's states")
+
+    def describe(self) -> str:
+        p = self.plugin
+        clip = (f"clipping {p.setup.gradient_clipping} ({p.config.clipping}, norm over the tensor-parallel "
+                "group)" if p.setup.gradient_clipping > 0 else "no clipping")
+        return (f"step in backward instead of Megatron DDP's gradient buffer ({p.freed_bytes:,} bytes freed) "
+                f"and optimizer step, over {p.comm.world} data-parallel rank(s): {len(p.buckets)} buckets of "
+                f"<= {p.bucket_numel:,} elements, optimizer states replicated, {clip}")
+
+
+__all__ = ["DISARMED_DDP_METHODS", "DdpTakeover", "MegatronRelease", "StateLoan", "norm_counted", "problems"]

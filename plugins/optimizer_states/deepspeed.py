@@ -13,10 +13,16 @@
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+import torch
 
 from xirang_ds.compat.deepspeed import relink_hp_params
 from xirang_ds.config.validate import XirangConfigError
+from xirang_ds.registry import FrameworkPath, OptimizerSpec
+
+logger = logging.getLogger("xirang_ds")
 
 SECTION = "xirang.optimizer_states"
 
@@ -73,3 +79,77 @@ def swap_basic_optimizer(engine: Any, old: Any, new: Any) -> None:
     if not found:
         raise RuntimeError(f"xirang optimizer_states: cannot find the basic optimizer in {type(wrapper).__name__}; "
                            "this DeepSpeed version is not supported")
+
+
+class DeepSpeedStates(FrameworkPath):
+    """`DynamicAdamW` as DeepSpeed's basic optimizer: built from the ``optimizer`` block or the client's."""
+
+    def keep_reasons(self, model: torch.nn.Module) -> dict[int, str]:
+        """No reasons beyond the section's own (`build.keep_reasons`)."""
+        return {}
+
+    def prepare_optimizer(self, optimizer: Any) -> Any:
+        from xirang_ds.plugins.optimizer_states import build
+
+        p = self.plugin
+        if isinstance(optimizer, OptimizerSpec):
+            p.source = f"ds_config optimizer {optimizer.type}"
+            return self._capture(build.from_spec(optimizer.type, optimizer.params, p.config, p.model))
+        if isinstance(optimizer, torch.optim.Optimizer):
+            p.source = f"client {type(optimizer).__name__}"
+            p.original = optimizer
+            p.optimizer = build.from_client(optimizer, p.config, p.model)
+            p.optimizers = [p.optimizer]
+            return p.optimizer
+        if callable(optimizer):  # a client callable: build theirs, then replace it
+            p.source = "client callable"
+
+            def make(params: Any) -> Any:
+                p.original = optimizer(params)
+                return build.from_client(p.original, p.config, p.model)
+
+            return self._capture(make)
+        raise XirangConfigError([("optimizer", build.unsupported_message(type(optimizer).__name__))])
+
+    def _capture(self, make: Any) -> Any:
+        p = self.plugin
+
+        def built(params: Any) -> Any:
+            p.optimizer = make(params)
+            p.optimizers = [p.optimizer]
+            return p.optimizer
+
+        built.__name__ = built.__qualname__ = "DynamicAdamW"
+        return built
+
+    def attach(self, engine: Any) -> None:
+        from xirang_ds.plugins.optimizer_states.optimizer import DynamicAdamW
+
+        p = self.plugin
+        if not isinstance(getattr(engine, "basic_optimizer", None), DynamicAdamW):
+            raise RuntimeError("xirang optimizer_states: DeepSpeed did not take the optimizer this plugin built "
+                               f"(basic optimizer: {type(getattr(engine, 'basic_optimizer', None)).__name__})")
+        p.optimizer = engine.basic_optimizer
+        p.optimizers = [p.optimizer]
+        p.keep(p.optimizer.register_format_change_hook(lambda opt, param, old, new: relink_state_views(engine)))
+        p.use_pool()
+        if engine.global_rank == 0:
+            logger.info("xirang optimizer_states: %s replaced by DynamicAdamW; %d parameter(s) keep fp32 states",
+                        p.source, len(p.keep_reasons))
+
+    def states_moved(self) -> None:
+        """Quantized buffers moved into the pool: DeepSpeed's views of the states are rebuilt."""
+        relink_state_views(self.plugin.engine)
+
+    def remove(self) -> None:
+        """Hand the engine a ``torch.optim`` Adam/AdamW with the states decoded to fp32."""
+        from xirang_ds.plugins.optimizer_states.export import to_torch_optimizer
+
+        p = self.plugin
+        if p.engine is None or p.optimizer is None:
+            return
+        replacement = to_torch_optimizer(p.optimizer, into=p.original)
+        swap_basic_optimizer(p.engine, p.optimizer, replacement)
+
+
+__all__ = ["DeepSpeedStates", "check_ds_config", "ds_config_problems", "relink_state_views", "swap_basic_optimizer"]

@@ -2,7 +2,7 @@
 for reading a checkpoint without it."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 

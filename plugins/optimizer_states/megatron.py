@@ -25,6 +25,7 @@ Read in megatron-core 0.16.1 (``megatron/core/optimizer/``):
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -34,8 +35,10 @@ from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
 from xirang_ds.plugins.optimizer_states.build import MEASURED, _client_kind, _group_decoupled, settings_from_client
 from xirang_ds.plugins.optimizer_states.optimizer import DynamicAdamW, config_to_dict
+from xirang_ds.registry import FrameworkPath
 
 SECTION = "xirang.optimizer_states"
+logger = logging.getLogger("xirang_ds")
 
 
 def megatron_keep_reasons(model: torch.nn.Module, config: OptimizerStatesConfig) -> dict[int, str]:
@@ -137,3 +140,35 @@ def restore_inner(replaced: list[Replaced]) -> None:
         handle.remove()
         if member.optimizer is new:
             member.optimizer = to_torch_optimizer(new, into=original)
+
+
+class MegatronStates(FrameworkPath):
+    """`DynamicAdamW` in place of the ``torch.optim`` object inside each member of Megatron's optimizer."""
+
+    def keep_reasons(self, model: torch.nn.Module) -> dict[int, str]:
+        return megatron_keep_reasons(model, self.plugin.config)
+
+    def prepare_optimizer(self, optimizer: Any) -> Any:
+        p = self.plugin
+        p.replaced = replace_inner(optimizer, p.config, p.kept_ids)
+        p.optimizers = [new for _, _, new, _ in p.replaced]
+        p.optimizer = p.optimizers[0] if p.optimizers else None
+        p.source = f"Megatron's {', '.join(sorted({type(old).__name__ for _, old, _, _ in p.replaced}))}"
+        return optimizer
+
+    def attach(self, run: Any) -> None:
+        p = self.plugin
+        p.use_pool()
+        if run.global_rank == 0:
+            logger.info("xirang optimizer_states: %s replaced by DynamicAdamW in %d member(s) of Megatron's "
+                        "optimizer; %d parameter(s) keep fp32 states", p.source, len(p.replaced), len(p.keep_reasons))
+
+    def states_moved(self) -> None:
+        """Megatron's optimizers hold no views of the states: nothing to rebuild."""
+
+    def remove(self) -> None:
+        """Each member gets its ``torch.optim`` object back, holding the states decoded to fp32."""
+        p = self.plugin
+        if p.replaced:
+            restore_inner(p.replaced)
+            p.replaced = []

@@ -26,7 +26,7 @@ import torch
 from xirang_ds.config.schema import OptimizerStatesConfig
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
-from xirang_ds.registry import OptimizerSpec, Plugin, register_plugin
+from xirang_ds.registry import LOW_BIT_STATES, Plugin, register_plugin
 
 logger = logging.getLogger("xirang_ds")
 
@@ -41,15 +41,21 @@ class OptimizerStatesPlugin(Plugin):
         keep_reasons: why each kept parameter (by name) keeps fp32 states.
     """
 
+    provides = frozenset({LOW_BIT_STATES})
+
     frameworks = ("deepspeed", "megatron")
+    paths = {"deepspeed": "xirang_ds.plugins.optimizer_states.deepspeed:DeepSpeedStates",
+             "megatron": "xirang_ds.plugins.optimizer_states.megatron:MegatronStates"}
 
     def __init__(self, config: OptimizerStatesConfig, session):
         super().__init__(config, session)
         self.optimizer = None
         self.optimizers: list[Any] = []
         """Every `DynamicAdamW` built (one per member of Megatron's optimizer; else the one)."""
-        self._kept_ids: dict[int, str] = {}
-        self._replaced: list = []
+        self.kept_ids: dict[int, str] = {}
+        """Why a parameter keeps fp32 states, by ``id`` (every model chunk's)."""
+        self.replaced: list = []
+        """Megatron: each member's original optimizer and its replacement (`megatron.Replaced`)."""
         self.original: Optional[torch.optim.Optimizer] = None
         self.source = ""
         self.model: Optional[torch.nn.Module] = None
@@ -79,88 +85,28 @@ class OptimizerStatesPlugin(Plugin):
 
         self.model = model
         by_id = keep_reasons(model, self.config)  # a keep_fp32 glob matching nothing fails here
-        if self.session.framework == "megatron":
-            from xirang_ds.plugins.optimizer_states.megatron import megatron_keep_reasons
-
-            by_id = {**megatron_keep_reasons(model, self.config), **by_id}
-        self._kept_ids.update(by_id)  # every chunk's (Megatron calls this once per chunk)
+        by_id = {**self.path.keep_reasons(model), **by_id}
+        self.kept_ids.update(by_id)  # every chunk's (Megatron calls this once per chunk)
         self.keep_reasons.update({name: by_id[id(p)] for name, p in model.named_parameters() if id(p) in by_id})
 
     def prepare_optimizer(self, optimizer: Any) -> Any:
-        from xirang_ds.plugins.optimizer_states import build
-
         if optimizer is None:
             raise XirangConfigError([("xirang.optimizer_states.enabled",
                                       "there is no optimizer to replace: add an \"optimizer\" block of type AdamW "
                                       "or Adam to ds_config, or pass a torch.optim.AdamW to initialize")])
-        if self.session.framework == "megatron":
-            from xirang_ds.plugins.optimizer_states.megatron import replace_inner
-
-            self._replaced = replace_inner(optimizer, self.config, self._kept_ids)
-            self.optimizers = [new for _, _, new, _ in self._replaced]
-            self.optimizer = self.optimizers[0] if self.optimizers else None
-            self.source = f"Megatron's {', '.join(sorted({type(old).__name__ for _, old, _, _ in self._replaced}))}"
-            return optimizer
-        if isinstance(optimizer, OptimizerSpec):
-            self.source = f"ds_config optimizer {optimizer.type}"
-            make = build.from_spec(optimizer.type, optimizer.params, self.config, self.model)
-            return self._capture(make)
-        if isinstance(optimizer, torch.optim.Optimizer):
-            self.source = f"client {type(optimizer).__name__}"
-            self.original = optimizer
-            self.optimizer = build.from_client(optimizer, self.config, self.model)
-            self.optimizers = [self.optimizer]
-            return self.optimizer
-        if callable(optimizer):  # a client callable: build theirs, then replace it
-            self.source = "client callable"
-
-            def make(params: Any) -> Any:
-                self.original = optimizer(params)
-                return build.from_client(self.original, self.config, self.model)
-
-            return self._capture(make)
-        raise XirangConfigError([("optimizer", build.unsupported_message(type(optimizer).__name__))])
-
-    def _capture(self, make: Any) -> Any:
-        def built(params: Any) -> Any:
-            self.optimizer = make(params)
-            self.optimizers = [self.optimizer]
-            return self.optimizer
-
-        built.__name__ = built.__qualname__ = "DynamicAdamW"
-        return built
+        return self.path.prepare_optimizer(optimizer)
 
     def attach(self, engine: Any) -> None:
-        from xirang_ds.plugins.optimizer_states.deepspeed import relink_state_views
-        from xirang_ds.plugins.optimizer_states.optimizer import DynamicAdamW
-
         self.engine = engine
-        if self.session.framework == "megatron":
-            self._use_pool()
-            if engine.global_rank == 0:
-                logger.info("xirang optimizer_states: %s replaced by DynamicAdamW in %d member(s) of Megatron's "
-                            "optimizer; %d parameter(s) keep fp32 states", self.source, len(self._replaced),
-                            len(self.keep_reasons))
-            return
-        if not isinstance(getattr(engine, "basic_optimizer", None), DynamicAdamW):
-            raise RuntimeError("xirang optimizer_states: DeepSpeed did not take the optimizer this plugin built "
-                               f"(basic optimizer: {type(getattr(engine, 'basic_optimizer', None)).__name__})")
-        self.optimizer = engine.basic_optimizer
-        self.optimizers = [self.optimizer]
-        self.keep(self.optimizer.register_format_change_hook(lambda opt, p, old, new: relink_state_views(engine)))
-        self._use_pool()
-        if engine.global_rank == 0:
-            kept = len(self.keep_reasons)
-            logger.info("xirang optimizer_states: %s replaced by DynamicAdamW; %d parameter(s) keep fp32 states",
-                        self.source, kept)
+        self.path.attach(engine)
 
-    def _use_pool(self) -> None:
+    def use_pool(self) -> None:
         """int8/int4 codes and scales come from the memory pool when the section is on (persistent
         blocks); the pool is told the most bytes they hold at once and the largest buffer."""
         pool = self.session.pool()
         if pool is None:
             return
-        if self.session.plugin("grad_release") is not None:
+        if self.session.stepper is not None:
             # grad_release steps its own copy of this optimizer over its shards (clone_optimizer), so
             # these states are never made here: reserving for them would only hold idle bytes
             logger.info("xirang optimizer_states: grad_release holds the optimizer states; they are not pooled")
@@ -168,42 +114,26 @@ class OptimizerStatesPlugin(Plugin):
         demands = [quantized_demand(opt) for opt in self.optimizers]  # Megatron: one per member
         for opt in self.optimizers:
             opt.state_pool = pool
-        self.session.plugin("memory_pool").add_client("optimizer_states",
-                                                      persistent_bytes=sum(total for total, _ in demands),
-                                                      largest_bytes=max((big for _, big in demands), default=0))
+        self.session.pool_owner.add_client("optimizer_states", persistent_bytes=sum(total for total, _ in demands),
+                                           largest_bytes=max((big for _, big in demands), default=0))
         if pool.warmup:
             pool.on_reserved.append(lambda _: self._rehome())
         else:  # DeepSpeed's wrappers may have made the states at initialize, before the pool existed
             self._rehome()
 
     def _rehome(self) -> None:
-        """Move plain quantized buffers into the pool and rebuild DeepSpeed's views of the states
-        (the views would otherwise keep the plain buffers alive; Megatron's optimizers hold none)."""
-        from xirang_ds.plugins.optimizer_states.deepspeed import relink_state_views
-
+        """Move plain quantized buffers into the pool; the framework's path then rebuilds its views of the
+        states (DeepSpeed's would otherwise keep the plain buffers alive; Megatron's optimizers hold none)."""
         moved = [opt.rehome_states() for opt in self.optimizers]
-        if any(moved) and self.engine is not None and self.session.framework == "deepspeed":
-            relink_state_views(self.engine)
+        if any(moved) and self.engine is not None:
+            self.path.states_moved()
 
     def remove(self) -> None:
-        """Hand the engine a ``torch.optim`` Adam/AdamW with the states decoded to fp32."""
+        """Hand the framework a ``torch.optim`` Adam/AdamW with the states decoded to fp32."""
         super().remove()
         for opt in self.optimizers:
             opt.state_pool = None
-        if self._replaced:
-            from xirang_ds.plugins.optimizer_states.megatron import restore_inner
-
-            restore_inner(self._replaced)
-            self._replaced = []
-            self.engine = None
-            return
-        if self.engine is None or self.optimizer is None:
-            return
-        from xirang_ds.plugins.optimizer_states.deepspeed import swap_basic_optimizer
-        from xirang_ds.plugins.optimizer_states.export import to_torch_optimizer
-
-        replacement = to_torch_optimizer(self.optimizer, into=self.original)
-        swap_basic_optimizer(self.engine, self.optimizer, replacement)
+        self.path.remove()
         self.engine = None
 
     # estimate -----------------------------------------------------------------------------------
@@ -213,7 +143,7 @@ class OptimizerStatesPlugin(Plugin):
         from xirang_ds.plugins.optimizer_states.build import MEASURED, keep_reasons
 
         model = self.session.model
-        if model is None or self.session.plugin("grad_release") is not None:
+        if model is None or self.session.stepper is not None:
             return shape  # grad_release hands DeepSpeed stage 0 and models its own layout
         reasons = keep_reasons(model, self.config)
         params = [p for p in model.parameters() if p.requires_grad]

@@ -12,13 +12,14 @@ Seams (in plugin order 20, before anything reads dtypes):
 * ``attach``: `runtime.PrecisionRuntime` installs the kernels (`kernels.install`), wraps the root
   module's ``forward`` in ``torch.autocast`` (inside DeepSpeed's forward, which would otherwise
   switch an outer autocast off) and the ruled modules (`modules.ModuleCast`); then loss scaling
-  (`grad_scaling.GradScaling`). Weight copies are counted as ``parameters`` by the tracker.
+  (`grad_scaling.GradScaling`), on DeepSpeed's path (`deepspeed.DeepSpeedPrecision`). Weight copies
+  are counted as ``parameters`` by the tracker.
 * ``remove``: everything above is undone; PyTorch's own autocast kernels come back.
 
-Under Megatron-core (docs/megatron.md) there is no ds_config to edit: ``prepare_model`` decides the
-plan (bf16, on-demand copies; fp16 and ``persistent`` are refused by `check_framework`), and
-``attach`` puts the same runtime on the model chunk inside Megatron's DDP, with Megatron's
-tensor-parallel linears run whole in bf16 (`modules`) and the vocab-parallel cross entropy in fp32.
+Under Megatron-core (docs/megatron.md; `megatron.MegatronPrecision`) there is no ds_config to edit:
+``prepare_model`` decides the plan (bf16, on-demand copies; fp16 and ``persistent`` are refused by
+`check_framework`), and ``attach`` puts the same runtime on the model chunk inside Megatron's DDP, with
+Megatron's tensor-parallel linears run whole in bf16 (`modules`) and the vocab-parallel cross entropy in fp32.
 """
 from __future__ import annotations
 
@@ -29,10 +30,8 @@ from typing import Any, Optional
 
 import torch
 
-from xirang_ds.compat.torch import DisableAutocast
 from xirang_ds.config.schema import PrecisionConfig
 from xirang_ds.config.validate import XirangConfigError
-from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import PARAMETERS
 from xirang_ds.plugins.precision.apex_lists import apex_registrations
 from xirang_ds.plugins.precision.ds_config import PrecisionPlan, check_device_dtype, edit_ds_config, plan
@@ -41,7 +40,6 @@ from xirang_ds.plugins.precision.kernels import CastPolicy, autocast_key
 from xirang_ds.plugins.precision.op_lists import OpLists, build_op_lists
 from xirang_ds.plugins.precision.recast import fake_parameters
 from xirang_ds.plugins.precision.runtime import PATH, ModelRules, PrecisionRuntime, model_rules
-from xirang_ds.plugins.precision.zero_masters import share_fp32_masters
 from xirang_ds.registry import Plugin, register_plugin
 
 logger = logging.getLogger("xirang_ds")
@@ -80,23 +78,8 @@ class PrecisionPlugin(Plugin):
     """
 
     frameworks = ("deepspeed", "megatron")
-
-    @classmethod
-    def check_framework(cls, config: PrecisionConfig, framework: str) -> list[tuple[str, str]]:
-        """Under Megatron: bf16 with on-demand copies only (fp16's loss scaling and the persistent
-        layout are DeepSpeed's engine's; Megatron's own ``--fp16``/``--bf16`` are its counterparts)."""
-        problems = super().check_framework(config, framework)
-        if framework == "megatron" and config.enabled:
-            if config.dtype == "fp16":
-                problems.append(("dtype", "'fp16' is not available under Megatron-core (allowed there: 'bf16', "
-                                          "'auto'): its loss scaling runs on DeepSpeed's engine; use bf16, or "
-                                          "Megatron's own --fp16 with xirang.precision disabled"))
-            if config.weight_copies == "persistent":
-                problems.append(("weight_copies", "'persistent' is not available under Megatron-core (allowed "
-                                                  "there: 'on_demand', 'auto'): it is DeepSpeed's 16-bit layout; "
-                                                  "use 'on_demand', or Megatron's own --bf16 with "
-                                                  "xirang.precision disabled"))
-        return problems
+    paths = {"deepspeed": "xirang_ds.plugins.precision.deepspeed:DeepSpeedPrecision",
+             "megatron": "xirang_ds.plugins.precision.megatron:MegatronPrecision"}
 
     def __init__(self, config: PrecisionConfig, session: Any) -> None:
         super().__init__(config, session)
@@ -105,9 +88,10 @@ class PrecisionPlugin(Plugin):
         self.device_type = ""
         self.rules = ModelRules()
         self.scaling: Optional[GradScaling] = None
+        self.runtime: Optional[PrecisionRuntime] = None
         self.masters_shared = False
         self._tracker: Any = None
-        self._pending_state: Optional[dict] = None
+        self.pending_state: Optional[dict] = None
         self._traced = False  # the estimator's trace ran under this policy (`trace_context`)
 
     # seams ----------------------------------------------------------------------------------
@@ -122,7 +106,7 @@ class PrecisionPlugin(Plugin):
 
         accelerator = get_accelerator()
         world_size = self.session.world_size  # the launcher's at initialize, the estimate's in the estimator
-        stepper = self.session.plugin("grad_release")
+        stepper = self.session.stepper
         decided, problems = plan(self.config, ds_config, world_size=world_size)
         if (decided is not None and not decided.on_demand and stepper is None
                 and not deepspeed_runs(accelerator, decided.dtype)):
@@ -138,16 +122,16 @@ class PrecisionPlugin(Plugin):
                                  f"refuses on this {accelerator.device_name()} device; set it to \"on_demand\" "
                                  "or \"auto\""))
         problems = [(p if p.startswith("xirang.") else f"ds_config.{p}", m) for p, m in problems]
-        lists, device_type = self._lists_and_device(accelerator, problems)
+        lists, device_type = self.lists_and_device(accelerator, problems)
         problems += loss_scale_conflicts(decided, stepper)
         if decided is not None and stepper is not None and decided.check_overflow:
             # The step runs inside backward, bucket by bucket: gradients are gone by the boundary where
             # the check would run. grad_release's own ``nonfinite`` setting decides instead.
             decided = dataclasses.replace(decided, check_overflow=False)
-        self._decide(decided, lists, device_type, accelerator, problems)
+        self.decide(decided, lists, device_type, accelerator, problems)
         edit_ds_config(ds_config, decided)
 
-    def _lists_and_device(self, accelerator: Any, problems: list) -> tuple[OpLists, str]:
+    def lists_and_device(self, accelerator: Any, problems: list) -> tuple[OpLists, str]:
         """The op lists (with Apex registrations) and the autocast device; problems are appended."""
         registered = apex_registrations(PATH, problems)
         lists = build_op_lists(self.config.low_precision_ops, self.config.fp32_ops, PATH, problems, registered)
@@ -158,7 +142,7 @@ class PrecisionPlugin(Plugin):
             problems.append((PATH, str(e)))
         return lists, device_type
 
-    def _decide(self, decided: Optional[PrecisionPlan], lists: OpLists, device_type: str, accelerator: Any,
+    def decide(self, decided: Optional[PrecisionPlan], lists: OpLists, device_type: str, accelerator: Any,
                 problems: list) -> None:
         """Check the device runs the dtype, raise every problem, else keep plan, lists and device."""
         if decided is not None and not problems:
@@ -169,18 +153,6 @@ class PrecisionPlugin(Plugin):
             raise XirangConfigError(problems)
         self.plan, self.lists, self.device_type = decided, lists, device_type
 
-    def _plan_for_megatron(self) -> None:
-        """Megatron-core: bf16 with on-demand copies (`check_framework` refused the rest). No overflow
-        check: Megatron's FP32Optimizer has none and its own bf16 mode skips no step either."""
-        from deepspeed.accelerator import get_accelerator
-
-        accelerator = get_accelerator()
-        decided, problems = plan(dataclasses.replace(self.config, weight_copies="on_demand"), {})
-        if decided is not None:
-            decided = dataclasses.replace(decided, check_overflow=False)
-        lists, device_type = self._lists_and_device(accelerator, problems)
-        self._decide(decided, lists, device_type, accelerator, problems)
-
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Check the parameters are fp32 masters and resolve the module rules (`runtime.model_rules`).
 
@@ -188,8 +160,7 @@ class PrecisionPlugin(Plugin):
             XirangConfigError: 16-bit parameters, a glob matching no module, or a Megatron layer
                 with ``gradient_accumulation_fusion``.
         """
-        if self.session.framework == "megatron" and self.plan is None:
-            self._plan_for_megatron()
+        self.path.prepare_model(model)
         rules, problems = model_rules(model, self.config.fp32_modules, require_fp32=self.plan.on_demand)
         if problems:
             raise XirangConfigError(problems)
@@ -235,34 +206,14 @@ class PrecisionPlugin(Plugin):
         return phases if self._traced else None
 
     def attach(self, engine: Any) -> None:
-        """Install kernels, autocast and module rules on ``engine.module``, and loss scaling."""
+        """Install kernels, autocast and module rules on the framework's model (`deepspeed.DeepSpeedPrecision`,
+        `megatron.MegatronPrecision`), and under DeepSpeed loss scaling."""
         self.engine = engine
         self._tracker = self.session.tracker
         policy = CastPolicy(self.lists, self.device_type, self.plan.dtype, self.config.narrow_saved_upcasts)
-        runtime = PrecisionRuntime(policy, self.rules, self._weight_scope,
-                                   widen_fp32_module_weights=not self.plan.on_demand)
-        if self.session.framework == "megatron":
-            from xirang_ds.compat.megatron import unwrap
-
-            model = unwrap(engine.module)  # the names of the rules are the GPTModel's
-            for handle in runtime.attach(model):
-                self.keep(handle)
-            if hasattr(model, "compute_language_model_loss"):
-                self.keep(wrap_method(model, "compute_language_model_loss", _fp32_cross_entropy))
-            return
-        for handle in runtime.attach(engine.module):
-            self.keep(handle)
-        self.scaling = GradScaling(engine, self.plan)
-        for handle in self.scaling.attach():
-            self.keep(handle)
-        if self.plan.on_demand and self.plan.zero_stage in (1, 2):
-            reason = share_fp32_masters(engine.optimizer)
-            self.masters_shared = reason is None
-            if reason is not None and engine.global_rank == 0:
-                logger.info("xirang precision: fp32 masters stay a separate copy: %s", reason)
-        if self._pending_state is not None:
-            self.scaling.load_state_dict(self._pending_state)
-            self._pending_state = None
+        self.runtime = PrecisionRuntime(policy, self.rules, self._weight_scope,
+                                        widen_fp32_module_weights=not self.plan.on_demand)
+        self.path.attach(engine)
 
     def _weight_scope(self) -> Any:
         tracker = self._tracker
@@ -288,7 +239,7 @@ class PrecisionPlugin(Plugin):
 
     def describe(self) -> str:
         """One line for the session summary (after ``attach``)."""
-        p, stepper = self.plan, self.session.plugin("grad_release")
+        p, stepper = self.plan, self.session.stepper
         if p.on_demand:
             layout = "fp32 masters kept once, 16-bit weight copies made per op and again in backward"
             scale = ("dynamic loss scale" if p.loss_scale and p.loss_scale.static_scale is None else
@@ -310,18 +261,10 @@ class PrecisionPlugin(Plugin):
 
     def load_state_dict(self, state: dict) -> None:
         if self.scaling is None:
-            self._pending_state = state.get("loss_scaler")
+            self.pending_state = state.get("loss_scaler")
             return
         self.scaling.load_state_dict(state.get("loss_scaler"))
         self.scaling.skipped_steps = int(state.get("skipped_steps", 0))
-
-
-def _fp32_cross_entropy(original: Any, labels: torch.Tensor, logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-    """Megatron's vocab-parallel cross entropy in fp32, autocast off: its max and sum of exponentials
-    are all-reduced over the tensor-parallel group, and a bf16 sum over the vocabulary loses the loss's
-    low digits (language_module.py ``compute_language_model_loss``)."""
-    with DisableAutocast():
-        return original(labels, logits.float(), *args, **kwargs)
 
 
 __all__ = ["PrecisionPlugin", "deepspeed_runs", "loss_scale_conflicts"]

@@ -122,12 +122,12 @@ def facts_of_run(session: Any) -> Optional[RunFacts]:
     optimizer_states inside DeepSpeed's ZeRO 1-3 optimizer holds the optimizer state)."""
     if not session.config.deepspeed_files:
         return None
-    grad_release, engine = session.plugin("grad_release"), session.engine
+    grad_release, engine = session.stepper, session.engine
     if grad_release is not None and grad_release.setup.zero_stage in (0, 1, 2):
         dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(grad_release.setup.param_dtype, "fp32")
         groups, stage, world = (engine.optimizer.state_dict()["param_groups"], grad_release.setup.zero_stage,
                                 grad_release.comm.world)
-    elif (grad_release is None and session.plugin("optimizer_states") is not None
+    elif (grad_release is None and session.state_quantizer is not None
           and engine.zero_optimization_stage() in (1, 2, 3)):
         import deepspeed.comm as dist
 
@@ -151,7 +151,7 @@ def _plain_optimizer_fused(session: Any) -> bool:
     import deepspeed.runtime.engine as ds_engine
 
     fused = (ds_engine.FusedAdam,) + ((ds_engine.apex.optimizers.FusedAdam,) if ds_engine.APEX_INSTALLED else ())
-    optimizer_states = session.plugin("optimizer_states")
+    optimizer_states = session.state_quantizer
     basic = session.engine.basic_optimizer if optimizer_states is None else optimizer_states.original
     if basic is None:
         spec = session.requested_ds_config.get("optimizer") or {}

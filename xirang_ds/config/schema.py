@@ -571,38 +571,10 @@ class XirangConfig:
         return {name: s for name, s in self.sections().items() if s.enabled}
 
     def check(self) -> Issues:
-        """Rules across sections."""
-        issues: Issues = []
-        if self.monitor.enabled:
-            for action in ("raise_compression", "raise_recompute"):
-                if action in self.monitor.actions and not self.activations.enabled:
-                    issues.append(("monitor.actions", f"{action!r} acts through the activations plugin; "
-                                                      "enable xirang.activations or remove the action"))
-        if (self.monitor.enabled and self.monitor.on_oom == "halve_micro_batch" and self.grad_release.enabled
-                and self.grad_release.exact_method == "two_pass"):
-            issues.append(("monitor.on_oom", "'halve_micro_batch' retries a failed backward, but grad_release's "
-                                             "exact_method 'two_pass' applies updates during its second backward, "
-                                             "where an error would leave a half-applied step; set "
-                                             "grad_release.exact_method to \"host\" or \"hold\", or on_oom to "
-                                             "\"raise\""))
-        if self.comm_buffers.enabled and self.comm_buffers.lend_to_activations:
-            a = self.activations
-            packing = ("compress", "quantize", "sparsify")
-            if self.grad_release.enabled:
-                issues.append(("comm_buffers.lend_to_activations", "lends DeepSpeed's ZeRO reduction arena, but "
-                                                                   "grad_release is on and reduces in its own "
-                                                                   "buckets (there is no arena); turn one of them "
-                                                                   "off"))
-            if not a.enabled:
-                issues.append(("comm_buffers.lend_to_activations", "lends the arena to the activations plugin, which "
-                                                                   "is off; enable xirang.activations or set it to "
-                                                                   "false"))
-            elif not any(getattr(a, o) for o in packing) and not (a.planner and set(a.options) & set(packing)):
-                issues.append(("comm_buffers.lend_to_activations",
-                               "has nothing to hold: only modules under compress, quantize or sparsify store "
-                               "their tensors in lent memory, and xirang.activations uses none of them; add "
-                               "\"compress\" to activations.options (or a compress list), or set it to false"))
-        return issues
+        """Rules across sections (`xirang_ds.config.rules`)."""
+        from xirang_ds.config.rules import check
+
+        return check(self)
 
 
 SECTION_NAMES = ("optimizer_states", "grad_release", "precision", "activations", "comm_buffers",

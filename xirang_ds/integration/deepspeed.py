@@ -90,6 +90,7 @@ def initialize(
     session.preset_choice = preset_choice
     session.model = uncompiled(model)  # a model compiled before initialize: plugins attach to its modules inside
     session.prepare_ds_config()
+    session.start_calibration(session.model)  # the model's structure, before any plugin hooks it
     session.prepare_model(session.model)
 
     # The basic optimizer: the client's, or the ds_config block as a spec a plugin may replace.
@@ -102,7 +103,7 @@ def initialize(
         chosen = optimizer  # no plugin replaced it: DeepSpeed builds it from the block as usual
     passthrough.update(optimizer=chosen, config=session.ds_config, config_params=None)
     engine, opt, loader, sched = _call_with_dict(passthrough, from_args)
-    session.attach(engine)
+    session.attach(engine, checkpoints=True)
     if engine.global_rank == 0:
         logger.info(session.summary())
     return engine, opt, loader, sched

@@ -338,7 +338,7 @@ class Calibration:
         from xirang_ds.memory.estimator import estimate_run
 
         session = self.session
-        tracker = session._tracker
+        tracker = session.started_tracker
         try:
             with tracker.paused() if tracker is not None else contextlib.nullcontext():
                 est = estimate_run(self.twin.build, session.requested_ds_config, world_size=session.world_size,

@@ -45,12 +45,10 @@ import logging
 import os
 from typing import Any, Optional
 
-from xirang_ds.compat.deepspeed import gradient_reduction_dtype
 from xirang_ds.config.schema import CommBuffersConfig
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
-from xirang_ds.hooks import wrap_method
-from xirang_ds.registry import Plugin, register_plugin
+from xirang_ds.registry import STORAGE_LENDER, Plugin, register_plugin
 
 logger = logging.getLogger("xirang_ds")
 
@@ -104,6 +102,8 @@ class CommBuffersPlugin(Plugin):
     under Megatron-core, sizes the DDP buckets."""
 
     frameworks = ("deepspeed", "megatron")
+    paths = {"deepspeed": "xirang_ds.plugins.comm_buffers.deepspeed:DeepSpeedBuffers",
+             "megatron": "xirang_ds.plugins.comm_buffers.megatron:MegatronBuffers"}
     inert_keys = {"megatron": {
         "arena": (False, "Megatron's DDP allocates its grad buffer once and its buckets are views of it, so there "
                          "is no bucket allocation to serve from an arena"),
@@ -114,6 +114,8 @@ class CommBuffersPlugin(Plugin):
     }}
     """Under Megatron only the bucket sizes apply (docs/megatron.md)."""
 
+    provides = frozenset({STORAGE_LENDER})
+
     def __init__(self, config: CommBuffersConfig, session):
         super().__init__(config, session)
         self.decisions: dict[str, dict] = {}
@@ -121,10 +123,8 @@ class CommBuffersPlugin(Plugin):
         self.arena = None
         self.server = None
         self.reductions = 0
-        self._window = None
         self.lender = None
-        self.storage_provider = None
-        """Memory lent to the activations plugin (`ArenaLender`), found by it at its attach."""
+        """Memory lent to the activations plugin (`ArenaLender`), found by it at its attach (`lent_storage`)."""
 
     # ds_config --------------------------------------------------------------------------------
     def prepare_ds_config(self, ds_config: dict) -> None:
@@ -138,7 +138,7 @@ class CommBuffersPlugin(Plugin):
         elem = 2 if any(ds_config.get(k, {}).get("enabled") in (True, "true") for k in ("bf16", "fp16")) else 4
         overlap = bool(zero.get("overlap_comm", stage == 3))
         buffers = 2 if overlap else 1
-        budget = self._budget_bytes()
+        budget = self.budget_bytes()
         latency, bandwidth = self._link()
         largest = max(p.numel() for p in params)
         total = sum(p.numel() for p in params)
@@ -161,13 +161,13 @@ class CommBuffersPlugin(Plugin):
             requested = getattr(self.config, key, "auto") if key != "stage3_prefetch_bucket_size" else "auto"
             if key in zero and zero[key] != "auto":
                 self.decisions[key] = {"value": int(float(zero[key])), "auto": n, "why": why, "kept": True}
-                self._log(f"{key}: keeping the value you set ({int(float(zero[key])):,} elements); auto would pick "
+                self.log(f"{key}: keeping the value you set ({int(float(zero[key])):,} elements); auto would pick "
                           f"{n:,} ({why})")
                 continue
             value = n if requested == "auto" else int(requested)
             zero[key] = value
             self.decisions[key] = {"value": value, "auto": n, "why": why, "kept": False}
-            self._log(f"{key}: {value:,} elements = {format_bytes(value * elem)} per buffer "
+            self.log(f"{key}: {value:,} elements = {format_bytes(value * elem)} per buffer "
                       f"({'auto: ' + why if requested == 'auto' else 'from xirang.comm_buffers'}; "
                       f"DeepSpeed's default is {DEEPSPEED_DEFAULT_BUCKET:,})")
 
@@ -214,7 +214,7 @@ class CommBuffersPlugin(Plugin):
                                           "\"auto\"")])
             self.decisions["bucket_size"] = {"value": None, "auto": None, "kept": True,
                                              "why": "overlap_grad_reduce is off: one bucket after backward"}
-            self._log("Megatron DDP: overlap_grad_reduce is off, so all gradients reduce in one bucket after "
+            self.log("Megatron DDP: overlap_grad_reduce is off, so all gradients reduce in one bucket after "
                       "backward; nothing to size")
             return
         dtype = getattr(getattr(model, "config", None), "params_dtype", None) or params[0].dtype
@@ -222,7 +222,7 @@ class CommBuffersPlugin(Plugin):
         latency, bandwidth = self._link()
         largest = max(p.numel() for p in params)
         total = sum(p.numel() for p in params)
-        n, why = auto_bucket_numel(largest, total, elem, 1, self._budget_bytes(),
+        n, why = auto_bucket_numel(largest, total, elem, 1, self.budget_bytes(),
                                    self.config.max_fraction_of_budget, latency, bandwidth, _data_parallel_size())
         if ddp_config.bucket_size is not None:
             kept = int(ddp_config.bucket_size)
@@ -231,17 +231,17 @@ class CommBuffersPlugin(Plugin):
                                           f"is {int(requested):,} but {knob} is set to {kept:,}; set one of them "
                                           "(or both to the same value)")])
             self.decisions["bucket_size"] = {"value": kept, "auto": n, "why": why, "kept": True}
-            self._log(f"Megatron DDP bucket_size: keeping the value you set ({kept:,} elements); auto would pick "
+            self.log(f"Megatron DDP bucket_size: keeping the value you set ({kept:,} elements); auto would pick "
                       f"{n:,} ({why})")
             return
         value = n if requested == "auto" else int(requested)
         ddp_config.bucket_size = value
         self.decisions["bucket_size"] = {"value": value, "auto": n, "why": why, "kept": False}
-        self._log(f"Megatron DDP bucket_size: {value:,} elements = {format_bytes(value * elem)} per bucket "
+        self.log(f"Megatron DDP bucket_size: {value:,} elements = {format_bytes(value * elem)} per bucket "
                   f"({'auto: ' + why if requested == 'auto' else 'from xirang.comm_buffers'}; Megatron's default "
                   f"is max(40,000,000, 1,000,000 x data-parallel size))")
 
-    def _budget_bytes(self) -> int:
+    def budget_bytes(self) -> int:
         budget = self.session.config.memory_budget
         if budget != "auto":
             return int(budget)
@@ -265,58 +265,22 @@ class CommBuffersPlugin(Plugin):
             bandwidth = float(self.config.collective_bandwidth_gbps) * 1e9
         return latency, bandwidth
 
-    # engine ---------------------------------------------------------------------------------------
     def attach(self, engine: Any) -> None:
-        from xirang_ds.memory.arena import Arena, ArenaServer, bucket_slots
-
         self.engine = engine
-        if self.session.framework == "megatron":
-            return  # Megatron's grad buffer is allocated once by its DDP; buckets are views of it
-        opt = engine.optimizer
-        slots = bucket_slots(opt)
-        if self.config.arena and slots is not None:
-            size = int(opt.reduce_bucket_size)
-            self.arena = Arena(size, slots, gradient_reduction_dtype(opt), engine.device)
-            self._mark_arena()
-            self.server = self.keep(ArenaServer(opt, self.arena))
-            if self.config.lend_to_activations:
-                self._start_lending(opt)
-        if slots is not None and hasattr(opt, "reduce_ipg_grads"):
-            self.keep(wrap_method(opt, "reduce_ipg_grads", self._count))
-        if (self.config.adapt or self.lender is not None) and slots is not None:
-            self.keep(wrap_method(engine, "step", self._step))
-            self._window = self.session.open_peak_window()
+        self.path.attach(engine)
 
-    def _start_lending(self, opt: Any) -> None:
-        from xirang_ds.memory.arena import ArenaLender
+    def adapt(self) -> Optional[dict]:
+        """One adaptation decision now (every ``adapt_every_steps`` steps it runs by itself): the change made,
+        or ``None``."""
+        return self.path.adapt()
 
-        if len(getattr(opt, "ipg_buckets", {}) or {}) != 1:
-            self._log(f"lend_to_activations: not lending ({len(opt.ipg_buckets)} communication dtypes, so the "
-                      "arena holds one bucket per dtype; lending handles one)")
-            return
-        from xirang_ds.memory.arena import reductions_ordered
-
-        unsafe = reductions_ordered() if getattr(opt, "reduction_stream", None) is not None else None
-        if unsafe is not None:
-            self._log(f"lend_to_activations: not lending ({unsafe})")
-            return
-        self.lender = self.storage_provider = self.keep(ArenaLender(opt, self.arena))
-        self._log(f"lending the arena ({format_bytes(self.arena.nbytes)}) to saved activations between reductions")
-
-    def _mark_arena(self) -> None:
-        tracker = self.session._tracker
-        if tracker is not None and self.arena is not None:
-            tracker.mark([self.arena.buffer], "comm_buffers")
-
-    def _count(self, original, *args: Any, **kwargs: Any) -> Any:
-        self.reductions += 1
-        return original(*args, **kwargs)
+    def lent_storage(self) -> Any:
+        return self.lender
 
     def describe(self) -> str:
         parts = [f"{k}={v['value']:,}" if v["value"] is not None else f"{k}: {v['why']}"
                  for k, v in self.decisions.items()]
-        if self.session.framework == "megatron" and self.decisions:
-            parts.append("Megatron DDP buckets are views of its persistent grad buffer (no arena, no resizing)")
+        parts += self.path.describe_parts()
         if self.arena is not None:
             parts.append(f"arena {format_bytes(self.arena.nbytes)} ({self.arena.slots} slot(s), allocated once)")
         if self.lender is not None:
@@ -325,69 +289,7 @@ class CommBuffersPlugin(Plugin):
                          f"high-water {format_bytes(st.high_water)}, {format_bytes(st.evicted_bytes)} moved to host")
         return ", ".join(parts) or "no trainable parameters"
 
-    # adapting -------------------------------------------------------------------------------------
-    def _step(self, original, *args: Any, **kwargs: Any) -> Any:
-        before = self.engine.global_steps
-        result = original(*args, **kwargs)
-        if self.engine.global_steps != before:
-            if self.lender is not None:
-                self.lender.stats.end_step(self.engine.global_steps)
-            if self.config.adapt and self.engine.global_steps % self.config.adapt_every_steps == 0:
-                self.adapt()
-            self.reductions = 0
-        return result
-
-    def _peak(self) -> int:
-        if self._window is None:  # adapt() called by hand before any step opened one
-            self._window = self.session.open_peak_window()
-        peak = self._window.peak_bytes  # since the previous decision, not an all-time peak
-        self._window.reset()
-        return peak
-
-    def adapt(self) -> Optional[dict]:
-        """One adaptation decision (all ranks decide alike: the inputs are agreed by all_reduce)."""
-        import torch
-
-        opt = self.engine.optimizer
-        size = int(opt.reduce_bucket_size)
-        budget = self._budget_bytes()
-        peak = self._peak()
-        stats = torch.tensor([peak, self.reductions], dtype=torch.float64)
-        import deepspeed.comm as dist
-
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            stats = stats.to(self.engine.device)
-            dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-        peak, reductions = int(stats[0].item()), int(stats[1].item())
-        extra = size * self.elem_bytes * self.buffers
-        new, reason = size, None
-        if peak > PRESSURE * budget and size > self.floor:
-            new = max(self.floor, size // 2)
-            reason = f"step peak {format_bytes(peak)} is above {PRESSURE:.0%} of the budget {format_bytes(budget)}"
-        elif reductions > MAX_REDUCTIONS_PER_STEP and size * 2 <= self.cap and peak + extra < PRESSURE * budget:
-            new = size * 2
-            reason = f"{reductions} reductions in the last backward (> {MAX_REDUCTIONS_PER_STEP}) with headroom"
-        if new == size:
-            return None
-        opt.reduce_bucket_size = new
-        change = {"step": self.engine.global_steps, "from": size, "to": new, "why": reason}
-        self.changes.append(change)
-        self.session.record_event("comm_buffers_resize", **change)
-        if self.arena is not None:
-            from xirang_ds.memory.arena import Arena
-
-            self._replace_arena(Arena(new, self.arena.slots, self.arena.dtype, self.arena.device))
-        self._log(f"step {change['step']}: reduce_bucket_size {size:,} -> {new:,} elements ({reason})")
-        return change
-
-    def _replace_arena(self, arena: Any) -> None:
-        self.arena = arena
-        self.server.replace(arena)
-        if self.lender is not None:
-            self.lender.replace(arena)
-        self._mark_arena()
-
-    def _log(self, message: str) -> None:
+    def log(self, message: str) -> None:
         if int(os.environ.get("RANK", "0")) == 0:
             logger.info("comm_buffers: %s", message)
 
@@ -412,7 +314,7 @@ class CommBuffersPlugin(Plugin):
             if self.arena is not None:
                 from xirang_ds.memory.arena import Arena
 
-                self._replace_arena(Arena(int(size), self.arena.slots, self.arena.dtype, self.arena.device))
+                self.path.replace_arena(Arena(int(size), self.arena.slots, self.arena.dtype, self.arena.device))
         self.changes = list(state.get("changes", []))
 
     def adjust_estimate(self, phases: dict, shape: Any, numels: list) -> Optional[dict]:

@@ -40,7 +40,7 @@ from xirang_ds.config.schema import MonitorConfig
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import CallbackHandle, wrap_method
-from xirang_ds.registry import Plugin, register_plugin
+from xirang_ds.registry import MEMORY_WATCH, Plugin, register_plugin
 
 logger = logging.getLogger("xirang_ds")
 
@@ -79,24 +79,8 @@ class MonitorPlugin(Plugin):
     memory_neutral = True
     frameworks = ("deepspeed", "megatron")
 
-    MEGATRON_ACTIONS = ("empty_cache",)
-    """Actions available under Megatron-core: ``checkpoint`` needs DeepSpeed's ``save_checkpoint``
-    and ``halve_micro_batch`` splits inside ``engine.forward``; Megatron has neither."""
-
-    @classmethod
-    def check_framework(cls, config: MonitorConfig, framework: str) -> list[tuple[str, str]]:
-        issues = super().check_framework(config, framework)
-        if framework == "megatron":
-            if config.on_oom != "raise":
-                issues.append(("on_oom", f"{config.on_oom!r} runs the step's micro-batches again inside "
-                                         "engine.forward and engine.backward, which Megatron's schedule does not "
-                                         "call; allowed there: 'raise'. Fix: set on_oom to \"raise\" for Megatron runs"))
-            for action in config.actions:
-                if action not in cls.MEGATRON_ACTIONS:
-                    issues.append(("actions", f"{action!r} is not available with Megatron-core (allowed there: "
-                                              f"{', '.join(map(repr, cls.MEGATRON_ACTIONS))}); remove it for "
-                                              "Megatron runs (Megatron saves checkpoints with --save-interval)"))
-        return issues
+    paths = {"megatron": "xirang_ds.plugins.monitor.megatron:MegatronMonitor"}
+    provides = frozenset({MEMORY_WATCH})
 
     def __init__(self, config: MonitorConfig, session):
         super().__init__(config, session)
@@ -326,7 +310,7 @@ class MonitorPlugin(Plugin):
                       logging.WARNING)
             return True
         if action in ("raise_recompute", "raise_compression"):
-            activations = self.session.plugin("activations")
+            activations = self.session.activation_planner
             changed = activations.raise_recompute() if action == "raise_recompute" else activations.raise_compression()
             self._log(f"step {step}: memory above act_at; " + (
                 f"{action}: the activation plan moved one more module off the device" if changed else

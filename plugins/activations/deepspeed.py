@@ -1,0 +1,71 @@
+"""activations under DeepSpeed: the engine's module (inside ``torch.compile``'s wrapper), its ds_config's
+``activation_checkpointing`` keys, and what ZeRO-3 rules out."""
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from xirang_ds.compat.torch import uncompiled
+from xirang_ds.config.schema import ActivationsConfig
+from xirang_ds.registry import FrameworkPath
+
+
+class RunParts(NamedTuple):
+    """What the activations runtime needs of the framework's run."""
+
+    model: torch.nn.Module
+    """The model whose module names the plan uses."""
+    groups: tuple
+    """Process groups the profiles and the plan are agreed over (``(None,)``: the world)."""
+    rng: Any = None
+    """``(get, set)`` of extra generator states a recomputation restores (Megatron's RNG tracker)."""
+    arenas: Any = None
+    """Returns tensors of persistent arenas the profile does not count as activations."""
+    distribute: Any = None
+    """A handler that splits saved inputs over the tensor-parallel group, or ``None``."""
+
+
+class DeepSpeedActivations(FrameworkPath):
+    """The DeepSpeed engine's module."""
+
+    @classmethod
+    def check(cls, config: ActivationsConfig) -> list[tuple[str, str]]:
+        if config.distribute_saved_inputs:
+            return [("distribute_saved_inputs", "true under DeepSpeed, which has no tensor-parallel group to "
+                                                "distribute over (it is Megatron-core's "
+                                                "distribute_saved_activations). Fix: set it to false")]
+        return []
+
+    def blocks(self, model: torch.nn.Module, problems: list) -> Optional[list[str]]:
+        """The model's repeated blocks, when the framework names them (``None``: found structurally)."""
+        return None
+
+    def _zero3(self) -> bool:
+        zero = self.session.ds_config.get("zero_optimization") or {}
+        return isinstance(zero, dict) and zero.get("stage") == 3
+
+    def without_chunk(self) -> Optional[str]:
+        """Why the chunked head cannot run here (``None``: it can)."""
+        if self._zero3():
+            return ("with ZeRO stage 3 (it releases the head's gathered weight when the head's forward "
+                    "returns, before the loss needs it)")
+        return None
+
+    def without_selective(self) -> Optional[str]:
+        """Why selective recompute cannot run here (``None``: it can)."""
+        if self._zero3():
+            # ZeRO-3's own linear function and selective checkpointing's op cache do not give
+            # bit-identical gradients (measured); full recompute, compress and offload do.
+            return "with ZeRO stage 3 (its gradients are not bit-identical there)"
+        return None
+
+    def ds_config(self) -> dict:
+        """The ds_config whose ``activation_checkpointing`` keys the fixed plan reads."""
+        return self.session.ds_config
+
+    def run_parts(self, engine: Any) -> RunParts:
+        return RunParts(model=uncompiled(engine.module), groups=(None,))
+
+
+__all__ = ["DeepSpeedActivations", "RunParts"]

@@ -1,0 +1,66 @@
+"""activations under Megatron-core: its TransformerLayers are the candidates, saved inputs may be split
+over the tensor-parallel group, recomputation restores Megatron's RNG tracker, and the plan is agreed over
+the groups whose ranks must decide alike (`xirang_ds.compat.megatron`)."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from xirang_ds.memory.categories import ACTIVATIONS
+from xirang_ds.plugins.activations.deepspeed import RunParts
+from xirang_ds.plugins.activations.selection import PATH
+from xirang_ds.registry import FrameworkPath
+
+
+class MegatronActivations(FrameworkPath):
+    """The model chunk inside Megatron's DDP / Float16Module."""
+
+    def blocks(self, model: torch.nn.Module, problems: list) -> Optional[list[str]]:
+        """Every ``TransformerLayer``; the modules whose inputs are identical on every tensor-parallel rank
+        are remembered for ``distribute_saved_inputs``, which sequence parallelism rules out."""
+        from xirang_ds.compat.megatron import REPLICATED_INPUT_CHILDREN, transformer_layers
+
+        p = self.plugin
+        blocks = [name for name, _ in transformer_layers(model)]
+        children = [f"{b}.{child}" for b in blocks for child in REPLICATED_INPUT_CHILDREN]
+        p.replicated_inputs = frozenset(blocks + children)
+        if p.config.distribute_saved_inputs and getattr(getattr(model, "config", None), "sequence_parallel", False):
+            problems.append((f"{PATH}.distribute_saved_inputs",
+                             "true with Megatron's sequence parallelism (--sequence-parallel): the layers' inputs "
+                             "are already split over the tensor-parallel group, not identical on its ranks. Fix: "
+                             "set distribute_saved_inputs to false"))
+        return blocks
+
+    def without_chunk(self) -> Optional[str]:
+        return "under Megatron-core (its output layer and vocab-parallel cross-entropy are its own)"
+
+    def without_selective(self) -> Optional[str]:
+        # local attention masks the baddbmm output in place (transformer/utils.py attention_mask_func:
+        # masked_fill_), and torch refuses a mutated selective-checkpoint cache
+        return ("under Megatron-core (local attention masks the cached attention scores in place, which "
+                "selective checkpointing refuses)")
+
+    def ds_config(self) -> dict:
+        """None: the file's DeepSpeed keys (``activation_checkpointing``) do not apply under Megatron."""
+        return {}
+
+    def run_parts(self, run: Any) -> RunParts:
+        from xirang_ds.compat import megatron as mc
+
+        p = self.plugin
+        distribute = None
+        if p.config.distribute_saved_inputs and run.tp_world_size > 1:
+            from megatron.core import parallel_state
+
+            from xirang_ds.plugins.activations.handlers import ShardHandler
+
+            tracker = self.session.tracker
+            distribute = ShardHandler(parallel_state.get_tensor_model_parallel_group(),
+                                      lambda: tracker.scope(ACTIVATIONS))
+        return RunParts(model=mc.unwrap(run.module), groups=tuple(mc.agreement_groups()),
+                        rng=(mc.rng_tracker_states, mc.set_rng_tracker_states),
+                        arenas=mc.global_memory_buffer_tensors, distribute=distribute)
+
+
+__all__ = ["MegatronActivations"]

@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from tests.megatron_runs import example, write_block
+from tests.harness.megatron_runs import example, write_block
 
 CLIP = 0.05
 """A limit below the example's gradient norms (about 0.4 to 1.6 in its first steps), so every step clips."""

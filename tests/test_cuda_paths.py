@@ -61,7 +61,7 @@ def test_a_pool_block_alias_keeps_its_bytes_on_cuda():
 
 def _grad_release(rank, world, method, masters="auto"):
     import xirang_ds
-    from tests.engine_runs import data_iter, ds_config
+    from tests.harness.engine_runs import data_iter, ds_config
     from xirang_ds.bench import optimizer_step
     from xirang_ds.models import BUILTIN_SPECS, build_model
 

@@ -11,22 +11,115 @@ dropout 0.1, 2 micro-batches per step, 3 steps, through ``examples/megatron_gpt.
   the TP group in backward), bit-identical losses, fewer activation bytes than plain recompute;
   refused under DeepSpeed and with sequence parallelism.
 """
+from __future__ import annotations
+
+import os
+from typing import Any
+
 import pytest
 import torch
 
-from tests.harness import megatron_runs
+from tests.harness.megatron_runs import assert_same_memory, config_error, example, gpt, write_block
 from xirang_ds.launch import run_ranks
 
 pytest.importorskip("megatron.core")
 
+
 STEPS = 3
+
 LOSSLESS = ("keep", "recompute", "compress", "offload", "recompute_offload", "recompute_distributed", "planner")
+
+ACTIVATION_PLANS = {
+    "keep": {"planner": False, "keep": ["decoder.layers.*"]},
+    "recompute": {"planner": False, "recompute": ["decoder.layers.*"]},
+    "compress": {"planner": False, "compress": ["decoder.layers.*"]},
+    "offload": {"planner": False, "offload": ["decoder.layers.*"]},
+    "recompute_offload": {"planner": False, "recompute_offload": ["decoder.layers.*"]},
+    "recompute_distributed": {"planner": False, "recompute": ["decoder.layers.*"], "distribute_saved_inputs": True},
+    "planner": {"budget_fraction": 0.5, "options": ["keep", "recompute", "compress", "offload"]},
+}
+"""The lossless activation plans `tp2_activations` runs (the ``"activations"`` section of each)."""
+
+
+def tp2_activations(rank: int, world: int, tmp: str, steps: int, plans: dict[str, dict]) -> dict:
+    """TP=2 on 2 ranks with dropout on: plain Megatron, then each activations plan; and full recompute
+    with Megatron's RNG tracker left alone in recomputation (the control that shows the restore matters)."""
+    import torch
+
+    from xirang_ds.integration import megatron_compat
+
+    ex = example()
+    created = ex.setup(rank, world, 2)
+
+    def plan_of(model: Any, optimizer: Any, session: Any) -> dict:
+        plugin = session.plugin("activations")
+        arena = megatron_compat.global_memory_buffer_tensors()
+        distribute = plugin.runtime.distribute
+        return {"plan": dict(plugin.plan), "state": plugin.state, "candidates": list(plugin._candidates),
+                "sharded_bytes": distribute.sharded_bytes if distribute is not None else 0,
+                "layers": [name for name, _ in megatron_compat.transformer_layers(megatron_compat.unwrap(model))],
+                "arena_view_packable": [plugin.runtime.eligible(t.view(-1)[: t.numel() // 2]) for t in arena],
+                "plain_tensor_packable": plugin.runtime.eligible(torch.ones(4096))}
+
+    try:
+        common = ["--steps", str(steps), "--overlap-grad-reduce", "--dropout", "0.1"]
+        out = {"plain": ex.train(ex.parse_args(common))}
+        for name, section in plans.items():
+            block = {"monitor": {"enabled": True}, "activations": {"enabled": True, **section}}
+            config = write_block(os.path.join(tmp, f"{name}{rank}.json"), block)
+            out[name] = ex.train(ex.parse_args(common + ["--xirang-config", config]), plan_of)
+        get, set_ = megatron_compat.rng_tracker_states, megatron_compat.set_rng_tracker_states
+        megatron_compat.rng_tracker_states, megatron_compat.set_rng_tracker_states = dict, lambda states: None
+        try:
+            config = write_block(os.path.join(tmp, f"norng{rank}.json"),
+                                 {"monitor": {"enabled": True}, "activations": {"enabled": True,
+                                                                                **plans["recompute"]}})
+            out["recompute_without_tracker"] = ex.train(ex.parse_args(common + ["--xirang-config", config]))
+        finally:
+            megatron_compat.rng_tracker_states, megatron_compat.set_rng_tracker_states = get, set_
+        out["removal"] = activations_removal(ex, write_block(os.path.join(tmp, f"removal{rank}.json"), {
+            "activations": {"enabled": True, **plans["recompute"]}}))
+        out["bad_glob"] = config_error(ex, {"activations": {"enabled": True, "planner": False,
+                                                            "recompute": ["decoder.layer.*"]}}, tmp)
+        out["selective"] = config_error(ex, {"activations": {"enabled": True, "planner": False,
+                                                             "selective_recompute": ["decoder.layers.0"]}}, tmp)
+        out["distribute_with_sp"] = distribute_with_sequence_parallel()
+        return out
+    finally:
+        ex.teardown(created)
+
+
+def distribute_with_sequence_parallel() -> str:
+    """``distribute_saved_inputs`` on a model whose config has sequence parallelism: the message."""
+    from xirang_ds.config.validate import XirangConfigError
+    from xirang_ds.integration import megatron as xm
+
+    session = xm.build_session({"xirang": {"activations": {"enabled": True, "planner": False,
+                                                           "recompute": ["decoder.layers.*"],
+                                                           "distribute_saved_inputs": True}}})
+    model = gpt(num_layers=2)
+    model.config.sequence_parallel = True  # its layers' inputs are split over TP, not replicated
+    try:
+        xm.prepare_model(session, model)
+        return ""
+    except XirangConfigError as e:
+        return str(e)
+    finally:
+        session.remove()
+
+
+def activations_removal(ex: Any, config: str) -> dict:
+    """Build with an activations plan, remove the session: which forwards are still replaced."""
+    model, optimizer, session = ex.build(ex.parse_args(["--xirang-config", config]), 2)
+    replaced_before = sorted(n for n, m in model.named_modules() if "forward" in vars(m))
+    session.remove()
+    return {"before": replaced_before, "after": sorted(n for n, m in model.named_modules() if "forward" in vars(m))}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return run_ranks(megatron_runs.tp2_activations, 2, str(tmp_path_factory.mktemp("act")), STEPS,
-                     megatron_runs.ACTIVATION_PLANS)
+    return run_ranks(tp2_activations, 2, str(tmp_path_factory.mktemp("act")), STEPS,
+                     ACTIVATION_PLANS)
 
 
 def _activations(run):
@@ -53,7 +146,7 @@ def test_recompute_restores_megatron_rng_tracker(runs):
 def test_activation_bytes_per_rank_drop(runs):
     for r in runs:
         plain = _activations(r["plain"])
-        megatron_runs.assert_same_memory(r["keep"]["memory"], r["plain"]["memory"])
+        assert_same_memory(r["keep"]["memory"], r["plain"]["memory"])
         assert _activations(r["compress"]) < plain
         assert _activations(r["recompute"]) < 0.6 * plain
         assert _activations(r["offload"]) < 0.1 * plain

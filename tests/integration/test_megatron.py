@@ -9,27 +9,118 @@ DDP and optimizer, through ``examples/megatron_gpt.py``.
   one Megatron documents (column-parallel on dim 0, row-parallel on dim 1, the rest replicated).
 * comm_buffers sizes Megatron DDP's buckets by its rule without changing a loss or a byte.
 """
+from __future__ import annotations
+
 import math
 import os
+from typing import Any
 
 import pytest
 
-from tests.harness import megatron_runs
+from tests.harness.megatron_runs import assert_same_memory, example, write_block
 from xirang_ds.launch import run_ranks
 
 pytest.importorskip("megatron.core")
 
+
 STEPS = 3
+
+
+def storage_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None and t.numel():
+            st = t.untyped_storage()
+            seen[st._cdata] = st.nbytes()
+    return sum(seen.values())
+
+
+def count_storages(model: Any, optimizer: Any, session: Any) -> dict:
+    """An independent count of what the tracker should find, by role (`train`'s ``inspect``)."""
+    from xirang_ds.integration.megatron_compat import (
+        buffer_tensors,
+        global_memory_buffer_tensors,
+        inner_optimizers,
+        parallel_layers,
+        unwrap,
+    )
+    from xirang_ds.memory.engine_roles import optimizer_state_tensors
+
+    grads, _ = buffer_tensors([model])
+    states = [t for opt in inner_optimizers(optimizer) for t in optimizer_state_tensors(opt)]
+    params = list(model.parameters())
+    return {
+        "params_bytes": storage_bytes(params),
+        "grad_buffer_bytes": storage_bytes(grads),
+        "main_grad_numel": sum(p.main_grad.numel() for p in params),
+        "states_bytes": storage_bytes(states),
+        "arena_bytes": storage_bytes(global_memory_buffer_tensors()),
+        "param_shapes": {n: [list(p.shape), bool(getattr(p, "tensor_model_parallel", False)),
+                             int(getattr(p, "partition_dim", -1))] for n, p in unwrap(model).named_parameters()},
+        "layer_kinds": {name: kind for name, _, kind in parallel_layers(unwrap(model))},
+        "buckets": sum(len(group.buckets) for group in model.bucket_groups),
+        "bucket_size": model.ddp_config.bucket_size,
+        "monitor": list(session.plugin("monitor").history) if session and session.plugin("monitor") else [],
+        "profile_files": dict(session.plugin("profiler").files) if session and session.plugin("profiler") else {},
+    }
+
+
+def tp2_runs(rank: int, world: int, tmp: str, steps: int) -> dict:
+    """TP=2 on 2 ranks: plain Megatron, then the lossless plugins (comm_buffers, profiler, monitor)."""
+    ex = example()
+    created = ex.setup(rank, world, 2)
+    try:
+        common = ["--steps", str(steps), "--overlap-grad-reduce"]
+        plain = ex.train(ex.parse_args(common), count_storages)
+        block = {"memory_budget": "64MB", "comm_buffers": {"enabled": True},
+                 "monitor": {"enabled": True, "warn_at": 0.5, "act_at": 0.9},
+                 "profiler": {"enabled": True, "step": 2, "output_dir": os.path.join(tmp, "trace"),
+                              "formats": ["json"]}}
+        config = write_block(os.path.join(tmp, f"xirang{rank}.json"), block, bf16={"enabled": True})
+        xirang = ex.train(ex.parse_args(common + ["--xirang-config", config]), count_storages)
+        return {"plain": plain, "xirang": xirang, "removal": removal_check(ex, config)}
+    finally:
+        ex.teardown(created)
+
+
+def removal_check(ex: Any, config: str) -> dict:
+    """Build with the session attached, remove it, and report what is left on the objects."""
+    model, optimizer, session = ex.build(ex.parse_args(["--xirang-config", config, "--overlap-grad-reduce"]), 2)
+    session.track_memory()
+    wrapped = "step" in vars(optimizer)
+    session.remove()
+    params = list(model.parameters())
+    return {"wrapped_before": wrapped, "step_wrapped_after": "step" in vars(optimizer),
+            "session_left_on_model": hasattr(model.module, "xirang"),
+            "forward_hooks": len(model._forward_hooks) + len(model._forward_pre_hooks),
+            "grad_hooks": sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in params),
+            "tracker_active": session.tracker.active}
+
+
+def dp2_runs(rank: int, world: int, tmp: str, steps: int) -> dict:
+    """TP=1 on 2 ranks (data parallel 2): the TP=2 run's reference, and DDP bucket sizing."""
+    ex = example()
+    created = ex.setup(rank, world, 1)
+    try:
+        common = ["--steps", str(steps), "--micro-batch-size", "2", "--overlap-grad-reduce"]
+        reference = ex.train(ex.parse_args(common), count_storages)
+        block = {"comm_buffers": {"enabled": True, "collective_latency_us": 1, "collective_bandwidth_gbps": 1}}
+        config = write_block(os.path.join(tmp, f"buckets{rank}.json"), block)
+        sized = ex.train(ex.parse_args(common + ["--xirang-config", config]), count_storages)
+        return {"reference": reference, "sized": sized}
+    finally:
+        ex.teardown(created)
 
 
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
-    return run_ranks(megatron_runs.tp2_runs, 2, str(tmp_path_factory.mktemp("tp2")), STEPS)
+    return run_ranks(tp2_runs, 2, str(tmp_path_factory.mktemp("tp2")), STEPS)
 
 
 @pytest.fixture(scope="module")
 def dp2(tmp_path_factory):
-    return run_ranks(megatron_runs.dp2_runs, 2, str(tmp_path_factory.mktemp("dp2")), STEPS)
+    return run_ranks(dp2_runs, 2, str(tmp_path_factory.mktemp("dp2")), STEPS)
 
 
 @pytest.mark.distributed
@@ -38,7 +129,7 @@ def test_lossless_plugins_keep_losses_and_bytes(tp2):
         plain, xirang = r["plain"], r["xirang"]
         assert xirang["plugins"] == ["comm_buffers", "profiler", "monitor"]
         assert xirang["losses"] == plain["losses"]
-        megatron_runs.assert_same_memory(xirang["memory"], plain["memory"])
+        assert_same_memory(xirang["memory"], plain["memory"])
     assert tp2[0]["xirang"]["losses"] == tp2[1]["xirang"]["losses"]  # both TP ranks see the same loss
 
 
@@ -96,7 +187,7 @@ def test_comm_buffers_sizes_megatron_ddp_buckets(tp2, dp2):
         assert sized["bucket_size"] == largest == 256 * 64
         assert reference["buckets"] == 1 < sized["buckets"]
         assert sized["losses"] == reference["losses"]
-        megatron_runs.assert_same_memory(sized["memory"], reference["memory"])
+        assert_same_memory(sized["memory"], reference["memory"])
         assert sized["grad_buffer_bytes"] == reference["grad_buffer_bytes"]
 
 

@@ -3,18 +3,22 @@ arguments (argparse's error names the flag and every problem), plugins that cann
 refused by name, Megatron settings that clash with the block refused with both named, and the
 Megatron-LM glue (`wrap_pretrain`, the model provider, the optimizer hook) in Megatron-LM's order.
 """
+from __future__ import annotations
+
 import argparse
 import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
-from tests.harness import megatron_runs
+from tests.harness.megatron_runs import example, gpt, write_block
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.integration import megatron as xm
 from xirang_ds.launch import run_ranks
+
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -27,6 +31,206 @@ def _parse(tmp_path, content, capsys):
         parser.parse_args(["--xirang-config", str(path)])
     assert exit_info.value.code == 2
     return capsys.readouterr().err
+
+
+def single_rank(rank: int, world: int, tmp: str, cases: dict[str, dict]) -> dict:
+    """One rank, TP=1: run each case in Megatron's state; ``{key: its result}``. A key ``name`` or
+    ``name:label`` runs ``case_<name>(ex, tmp, **kwargs)`` of this module."""
+    ex = example()
+    created = ex.setup(rank, world, 1)
+    try:
+        return {key: globals()[f"case_{key.split(':')[0]}"](ex, tmp, **kwargs) for key, kwargs in cases.items()}
+    finally:
+        ex.teardown(created)
+
+
+def case_conflicts(ex: Any, tmp: str) -> dict:
+    """Conflict rules against real TransformerConfigs and Megatron optimizers: each message, or ''."""
+    import dataclasses
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from xirang_ds.config.loader import validate_block
+    from xirang_ds.config.schema import ActivationsConfig, OptimizerStatesConfig, PrecisionConfig
+    from xirang_ds.integration.megatron_conflicts import check_model, check_optimizer
+
+    base = validate_block({})
+
+    def with_activations(**fields: Any) -> Any:
+        return dataclasses.replace(base, activations=ActivationsConfig(enabled=True, **fields))
+
+    def message(issues: list) -> str:
+        return " | ".join(f"{path}: {text}" for path, text in issues)
+
+    full_block = gpt(recompute_granularity="full", recompute_method="block", recompute_num_layers=2)
+    uniform = gpt(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    selective = gpt(recompute_granularity="selective", recompute_modules=["core_attn"])
+    plain = gpt()
+    out = {
+        "auto_vs_block": message(check_model(with_activations(), full_block)),
+        "late_layers_vs_block": message(check_model(
+            with_activations(candidates=("decoder.layers.2", "decoder.layers.3")), full_block)),
+        "compress_mlp_vs_block": message(check_model(
+            with_activations(planner=False, compress=("decoder.layers.1.mlp",)), full_block)),
+        "mlp_vs_selective": message(check_model(
+            with_activations(planner=False, recompute=("decoder.layers.*.mlp",)), selective)),
+        "layer_vs_selective": message(check_model(
+            with_activations(planner=False, offload=("decoder.layers.3",)), selective)),
+        "auto_vs_uniform": message(check_model(with_activations(), uniform)),
+        "auto_vs_none": message(check_model(with_activations(), plain)),
+        "disabled_vs_block": message(check_model(base, full_block)),
+        "precision_vs_bf16": message(check_model(
+            dataclasses.replace(base, precision=PrecisionConfig(enabled=True)), gpt(bf16=True))),
+        "precision_vs_fp32": message(check_model(
+            dataclasses.replace(base, precision=PrecisionConfig(enabled=True)), plain)),
+    }
+    ddp = DistributedDataParallel(plain.config, DistributedDataParallelConfig(), plain)
+    states = dataclasses.replace(base, optimizer_states=OptimizerStatesConfig(enabled=True))
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0), [ddp])
+    out["states_vs_fp32_adam"] = message(check_optimizer(states, optimizer))
+    import torch
+
+    for member in optimizer.chained_optimizers:  # what --use-precision-aware-optimizer --exp-avg-dtype bf16 set
+        member.config.use_precision_aware_optimizer = True
+        member.config.exp_avg_dtype = torch.bfloat16
+    out["states_vs_bf16_exp_avg"] = message(check_optimizer(states, optimizer))
+    return out
+
+
+def case_seams(ex: Any, tmp: str) -> dict:
+    """The seams docs/megatron.md gives plugins: the TP layers by kind, and `gradient` before and
+    after Megatron's DDP takes the gradients over."""
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from xirang_ds.integration.megatron_compat import gradient, parallel_layers
+
+    def backward(model: Any) -> None:
+        tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+        mask = torch.triu(torch.ones(32, 32, dtype=torch.bool), 1).view(1, 1, 32, 32)
+        model(tokens, torch.arange(32).unsqueeze(0).expand(2, 32), mask, labels=tokens).mean().backward()
+
+    plain = gpt(num_layers=1)
+    backward(plain)
+    wrapped = gpt(num_layers=1)
+    ddp = DistributedDataParallel(wrapped.config, DistributedDataParallelConfig(), wrapped)
+    backward(ddp)
+    return {
+        "kinds": {name: kind for name, _, kind in parallel_layers(plain)},
+        "plain_is_grad": all(gradient(p) is p.grad is not None for p in plain.parameters()),
+        "ddp_grad_dropped": all(p.grad is None for p in wrapped.parameters()),
+        "ddp_is_main_grad": all(gradient(p) is p.main_grad for p in wrapped.parameters()),
+        "same_values": all(torch.equal(gradient(a), gradient(b))
+                           for a, b in zip(plain.parameters(), wrapped.parameters())),
+    }
+
+
+def case_comm_buffers_errors(ex: Any, tmp: str) -> dict:
+    """comm_buffers against DistributedDataParallelConfig: explicit values on both sides, no overlap."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from xirang_ds.config.validate import XirangConfigError
+    from xirang_ds.integration import megatron as xm
+
+    def attempt(block: dict, **ddp: Any) -> str:
+        session = xm.build_session({"xirang": {"comm_buffers": {"enabled": True, **block}}})
+        config = DistributedDataParallelConfig(**ddp)
+        try:
+            xm.prepare_model(session, gpt(num_layers=1), config)
+        except XirangConfigError as e:
+            return str(e)
+        return f"ok bucket_size={config.bucket_size}"
+
+    return {
+        "both_set": attempt({"reduce_bucket_size": 5000}, overlap_grad_reduce=True, bucket_size=4000),
+        "same_value": attempt({"reduce_bucket_size": 4000}, overlap_grad_reduce=True, bucket_size=4000),
+        "user_kept": attempt({}, overlap_grad_reduce=True, bucket_size=4000),
+        "no_overlap": attempt({"reduce_bucket_size": 5000}, overlap_grad_reduce=False),
+        "no_overlap_auto": attempt({}, overlap_grad_reduce=False),
+        "allgather": attempt({"allgather_bucket_size": 5000}, overlap_grad_reduce=True),
+    }
+
+
+def case_megatron_lm_glue(ex: Any, tmp: str, flags: list, block: dict | None = None,
+                          global_batch_size: int | None = None) -> dict:
+    """Megatron-LM's order of calls with the glue the patch inserts: parse arguments with the
+    ``extra_args_provider``, build through the wrapped model provider, let ``get_model``'s bucket
+    logic read ``args``, wrap DDP, build the optimizer, call ``prepare_optimizer``, train two steps.
+    With ``global_batch_size``, Megatron's micro-batch calculator is initialised first, as
+    Megatron-LM's ``initialize_megatron`` does.
+
+    The argument names ``get_model`` reads (``ddp_bucket_size``, ``overlap_grad_reduce``, ...) are
+    Megatron-LM's (training.py core_v0.16.1 L1290-1322); its parser is not importable on CPU, so the
+    few arguments it would supply are declared here.
+    """
+    from megatron.core import num_microbatches_calculator as calculator
+
+    if global_batch_size is not None:
+        calculator.init_num_microbatches_calculator(0, None, global_batch_size, 2, 1)
+    try:
+        return _glue(tmp, flags, block)
+    finally:
+        calculator.destroy_num_microbatches_calculator()
+
+
+def _glue(tmp: str, flags: list, block: dict | None) -> dict:
+    import argparse
+
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from xirang_ds.integration import megatron as xm
+
+    parser = argparse.ArgumentParser()
+    for flag in ("--ddp-bucket-size", "--ddp-num-buckets", "--micro-batch-size"):
+        parser.add_argument(flag, type=int, default=None)
+    for flag in ("--overlap-grad-reduce", "--use-distributed-optimizer", "--accumulate-allreduce-grads-in-fp32"):
+        parser.add_argument(flag, action="store_true")
+    parser = xm.extra_args_provider(None)(parser)
+    argv = list(flags)
+    if block is not None:
+        argv += ["--xirang-config", write_block(os.path.join(tmp, f"glue{len(os.listdir(tmp))}.json"), block)]
+    args = parser.parse_args(argv)
+    provider = xm.wrap_model_provider(lambda pre_process=True, post_process=True, **_: gpt(num_layers=2),
+                                      get_args=lambda: args)
+    model = provider(pre_process=True, post_process=True)
+    bucket_from_args = args.ddp_bucket_size
+    ddp_config = xm.ddp_config_from_args(args, model)
+    if ddp_config.bucket_size is None and ddp_config.overlap_grad_reduce:
+        ddp_config.bucket_size = 40_000_000  # get_model's default
+    chunks = [DistributedDataParallel(model.config, ddp_config, model)]
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0), chunks)
+    optimizer = xm.prepare_optimizer(optimizer, chunks, get_args=lambda: args)
+    session = xm.session_of(chunks)
+    late = provider(pre_process=True, post_process=True)  # e.g. MoE upcycling's dense copy
+    steps = _two_steps(chunks[0], optimizer)
+    out = {"session": session is not None, "bucket_from_args": bucket_from_args,
+           "late_model_prepared": getattr(late, "xirang", None) is not None, "losses": steps}
+    if session is not None:
+        out.update(plugins=[p.section for p in session.plugins], global_steps=session.engine.global_steps,
+                   micro_batch_size=session.engine.train_micro_batch_size_per_gpu())
+        session.remove()
+    return out
+
+
+def _two_steps(model: Any, optimizer: Any) -> list[float]:
+    import torch
+
+    seq, batch = 32, 2
+    tokens = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(0))
+    position_ids = torch.arange(seq).unsqueeze(0).expand(batch, seq)
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1).view(1, 1, seq, seq)
+    losses = []
+    for _ in range(2):
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = model(tokens, position_ids, mask, labels=tokens).mean()
+        loss.backward()
+        model.finish_grad_sync()
+        optimizer.step()
+        losses.append(float(loss))
+    return losses
 
 
 def test_import_stays_light():
@@ -161,7 +365,7 @@ def megatron_cases(tmp_path_factory):
         "megatron_lm_glue:released": {"flags": ["--overlap-grad-reduce", "--micro-batch-size", "2"],
                                       "block": {"grad_release": {"enabled": True}}, "global_batch_size": 2},
     }
-    return run_ranks(megatron_runs.single_rank, 1, tmp, cases)[0]
+    return run_ranks(single_rank, 1, tmp, cases)[0]
 
 
 RECOMPUTE_BLOCK = ("TransformerConfig recompute_granularity='full', recompute_method='block', recompute_num_layers=2 "

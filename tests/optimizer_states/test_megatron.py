@@ -10,20 +10,130 @@ gloo, Megatron's DDP and its FP32Optimizer around torch.optim.AdamW, through ``e
   exactly like plain Megatron; Megatron's distributed checkpoint is refused with the fix; a bad glob
   names key, value and fix.
 """
+from __future__ import annotations
+
+import os
+from typing import Any
+
 import pytest
 
-from tests.harness import megatron_runs
+from tests.harness.megatron_runs import config_error, example, write_block
 from xirang_ds.launch import run_ranks
 
 pytest.importorskip("megatron.core")
 
+
 STEPS = 5
+
+STATE_SCHEDULES = {
+    "fp32": {"schedule": [{"dtype": "fp32"}]},
+    "int8": {"schedule": [{"dtype": "int8"}]},
+    "int4": {"schedule": [{"dtype": "int4"}]},
+}
+"""The optimizer_states sections `tp2_optimizer_states` runs."""
+
+
+def _states_inspect(model: Any, optimizer: Any, session: Any) -> dict:
+    """Per-rank figures of a run with optimizer_states: formats, bytes, replicated parameters' values."""
+    import zlib
+
+    from xirang_ds.integration.megatron_compat import inner_optimizers, unwrap
+
+    out: dict = {"inner": [type(o).__name__ for o in inner_optimizers(optimizer)],
+                 "replicated": {n: zlib.crc32(p.detach().numpy().tobytes()) for n, p in unwrap(model).named_parameters()
+                                if not getattr(p, "tensor_model_parallel", False)}}
+    plugin = session.plugin("optimizer_states") if session else None
+    if plugin is not None:
+        opts = plugin.optimizers
+        quantized = [(o, p) for o in opts for p, s in o.state.items() if s and o.state_format(p) != "fp32"]
+        out.update(formats=[o.format_numel() for o in opts], held=sum(o.state_nbytes() for o in opts),
+                   quantized_numel=sum(p.numel() for _, p in quantized),
+                   quantized_bytes=sum(o.state_nbytes(p) for o, p in quantized),
+                   kept=dict(plugin.keep_reasons))
+    return out
+
+
+def tp2_optimizer_states(rank: int, world: int, tmp: str, steps: int, schedules: dict[str, dict]) -> dict:
+    """TP=2 on 2 ranks: plain Megatron, then each optimizer_states schedule; a checkpoint round trip
+    through Megatron's optimizer state_dict; removal mid-run; bad input."""
+    ex = example()
+    created = ex.setup(rank, world, 2)
+    try:
+        common = ["--steps", str(steps), "--overlap-grad-reduce"]
+        out = {"plain": ex.train(ex.parse_args(common), _states_inspect)}
+        for name, section in schedules.items():
+            config = write_block(os.path.join(tmp, f"{name}{rank}.json"),
+                                 {"optimizer_states": {"enabled": True, **section}})
+            out[name] = ex.train(ex.parse_args(common + ["--xirang-config", config]), _states_inspect)
+        config = write_block(os.path.join(tmp, f"resume{rank}.json"), {"optimizer_states": {
+            "enabled": True, "stochastic_rounding": True, "schedule": [{"dtype": "fp32", "until_step": 2},
+                                                                       {"dtype": "int8"}]}})
+        out["resume"] = states_resume(ex, ex.parse_args(["--xirang-config", config]), 3, 2)
+        config = write_block(os.path.join(tmp, f"removal{rank}.json"),
+                             {"optimizer_states": {"enabled": True, **schedules["fp32"]}})
+        out["removal"] = states_removal(ex, ex.parse_args(["--xirang-config", config]), 2)
+        out["bad_glob"] = config_error(ex, {"optimizer_states": {"enabled": True, "keep_fp32": ["decoder.layer.*"]}},
+                                       tmp)
+        return out
+    finally:
+        ex.teardown(created)
+
+
+def states_resume(ex: Any, opts: Any, before: int, after: int) -> dict:
+    """Train ``before`` steps, save model and Megatron optimizer state dicts, train ``after`` more; then a
+    fresh build loads both and trains the same ``after`` steps on the same batches."""
+    import copy
+
+    model, optimizer, session, make_data = ex.build_loop(opts)
+    run_step = ex.step_function(opts, model, optimizer, make_data())
+    for _ in range(before):
+        run_step()
+    saved_model = copy.deepcopy(model.module.state_dict())
+    saved_optimizer = copy.deepcopy(optimizer.state_dict())
+    continued = [run_step() for _ in range(after)]
+    formats = session.plugin("optimizer_states").optimizer.format_numel()
+    session.remove()
+    model, optimizer, session, make_data = ex.build_loop(opts)
+    data = make_data()
+    for _ in range(before * opts.num_microbatches):
+        next(data)
+    model.module.load_state_dict(saved_model)
+    optimizer.load_state_dict(saved_optimizer)
+    run_step = ex.step_function(opts, model, optimizer, data)
+    resumed = [run_step() for _ in range(after)]
+    session.remove()
+    codes = sorted({str(t.dtype) for st in saved_optimizer["state"].values() for k, t in st.items()
+                    if k.endswith("_codes")})
+    return {"continued": continued, "resumed": resumed, "formats": formats, "saved_codes": codes}
+
+
+def states_removal(ex: Any, opts: Any, steps: int) -> dict:
+    """Train ``steps`` with the plugin, remove it, train ``steps`` more; and plain Megatron for 2 x ``steps``."""
+    model, optimizer, session, make_data = ex.build_loop(opts)
+    run_step = ex.step_function(opts, model, optimizer, make_data())
+    losses = [run_step() for _ in range(steps)]
+    from xirang_ds.integration.megatron_compat import inner_optimizers
+
+    during = [type(o).__name__ for o in inner_optimizers(optimizer)]
+    try:
+        optimizer.sharded_state_dict({})
+        sharded = ""
+    except RuntimeError as e:
+        sharded = str(e)
+    session.remove()
+    after = [type(o).__name__ for o in inner_optimizers(optimizer)]
+    losses += [run_step() for _ in range(steps)]
+    plain_opts = ex.parse_args([])
+    model, optimizer, _, make_data = ex.build_loop(plain_opts)
+    run_step = ex.step_function(plain_opts, model, optimizer, make_data())
+    return {"losses": losses, "plain": [run_step() for _ in range(2 * steps)], "during": during, "after": after,
+            "sharded": sharded, "sharded_after_removal": "sharded_state_dict" in vars(optimizer.chained_optimizers[0])}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return run_ranks(megatron_runs.tp2_optimizer_states, 2, str(tmp_path_factory.mktemp("states")), STEPS,
-                     megatron_runs.STATE_SCHEDULES)
+    return run_ranks(tp2_optimizer_states, 2, str(tmp_path_factory.mktemp("states")), STEPS,
+                     STATE_SCHEDULES)
 
 
 def _states(run):

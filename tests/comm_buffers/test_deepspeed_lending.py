@@ -15,8 +15,8 @@ from xirang_ds.bench import optimizer_step
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.launch import run_ranks
 
-PLAN = {"enabled": True, "planner": False, "compress": ["blocks.*"]}
 
+PLAN = {"enabled": True, "planner": False, "compress": ["blocks.*"]}
 
 QUANTIZED = {"enabled": True, "planner": False, "quantize": ["blocks.*"], "tolerant": ["blocks.*"]}
 
@@ -199,55 +199,3 @@ def test_lending_on_cuda(overlap):
         assert ours[0]["losses"] == plain[0]["losses"]
         assert all(a.equal(b) for a, b in zip(ours[0]["params"], plain[0]["params"]))
         assert (sum(s["evicted_bytes"] for s in ours[0]["stats"]["steps"][1:]) > 0) == naive
-
-
-def test_the_installed_deepspeed_reduces_on_the_stream_lending_orders_after(monkeypatch):
-    """Lending orders each forward's first lease after DeepSpeed's ``reduction_stream``; this fails when
-    a DeepSpeed release moves the reduction off that stream, and lending is then refused with the
-    reason (not silently unsafe)."""
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    from xirang_ds.memory.arena import reductions_ordered
-
-    assert reductions_ordered() is None
-
-    def average_tensor(self, tensor, communication_data_type):  # a release that reduces elsewhere
-        return tensor
-
-    monkeypatch.setattr(DeepSpeedZeroOptimizer, "average_tensor", average_tensor)
-    assert "no longer reduces buckets on DeepSpeedZeroOptimizer.reduction_stream" in reductions_ordered()
-
-
-@pytest.mark.gpu
-def test_a_lease_waits_for_the_reduction_stream():
-    """The reduction stream is still busy with the bucket when forward leases it: the lease's write
-    lands after the reduction's (the current stream waits for the reduction stream)."""
-    import torch
-
-    from xirang_ds.memory.arena import Arena, ArenaLender
-
-    class Bucket:
-        elements, index = 0, 0
-
-    class Optimizer:  # the attributes ArenaLender reads of DeepSpeed's ZeRO-1/2 optimizer
-        ready_for_gradients = False
-        reduce_bucket_size = 1 << 20
-        contiguous_gradients = True
-        overlap_comm = True
-        reduction_stream = torch.cuda.Stream()
-
-        def reduce_independent_p_g_buckets_and_remove_grads(self, param, i):
-            return None
-
-    opt = Optimizer()
-    arena = Arena(1 << 20, 1, torch.uint8, "cuda")
-    lender = ArenaLender(opt, arena)
-    with torch.cuda.stream(opt.reduction_stream):  # a reduction still running on the bucket
-        torch.cuda._sleep(50_000_000)
-        arena.buffer.fill_(1)
-    lease = lender.lease(4096, torch.device("cuda"))
-    assert lease is not None
-    lease.buffer.fill_(2)
-    torch.cuda.synchronize()
-    assert torch.all(lease.buffer == 2)
-    lender.remove()

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.harness.checks import megatron_built_and_removed, replaced_methods
 from tests.harness.megatron_runs import assert_same_memory, config_error, example, gpt, write_block
 from xirang_ds.launch import run_ranks
 
@@ -110,10 +111,7 @@ def distribute_with_sequence_parallel() -> str:
 
 def activations_removal(ex: Any, config: str) -> dict:
     """Build with an activations plan, remove the session: which forwards are still replaced."""
-    model, optimizer, session = ex.build(ex.parse_args(["--xirang-config", config]), 2)
-    replaced_before = sorted(n for n, m in model.named_modules() if "forward" in vars(m))
-    session.remove()
-    return {"before": replaced_before, "after": sorted(n for n, m in model.named_modules() if "forward" in vars(m))}
+    return megatron_built_and_removed(ex, ["--xirang-config", config], lambda model, *_: replaced_methods(model))
 
 
 @pytest.fixture(scope="module")

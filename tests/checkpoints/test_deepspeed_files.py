@@ -17,7 +17,7 @@ FUSED = [(0, "bf16_fused"), (0, "fp16_fused")]
 
 
 TAKEN_OVER = [(0, "fp32"), (0, "bf16"), (1, "fp16"), (2, "fp32")]
-"""Layouts also loaded by grad_release (ZeRO-2 bf16 and ZeRO-3 are in tests/test_resume.py)."""
+"""Layouts also loaded by grad_release (ZeRO-2 bf16 and ZeRO-3 are in tests/checkpoints/test_deepspeed_resume.py)."""
 
 
 def save_every_layout(rank, world, tmp):

@@ -21,7 +21,7 @@ SCHEDULER = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr
 
 
 def _engine(block, stage=2, dtype="bf16", fused=False):
-    """``fused``: the model's optimizer is DeepSpeed's FusedAdam (a stand-in on CPU, tests/engine_runs.py)."""
+    """``fused``: the model's optimizer is DeepSpeed's FusedAdam (a stand-in on CPU, tests/harness/engine_runs.py)."""
     import deepspeed
 
     import xirang_ds

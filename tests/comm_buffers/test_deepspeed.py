@@ -3,6 +3,7 @@ unchanged, adaptation between steps, checkpoint round trip."""
 import pytest
 
 from tests.harness import engine_runs
+from tests.harness.checks import assert_resumed, resume_in_fresh_processes
 from tests.harness.engine_runs import data_iter, ds_config
 from xirang_ds.launch import run_ranks
 
@@ -108,9 +109,6 @@ def test_checkpoint_round_trip(tmp_path):
     config = ds_config(stage=2, dtype="bf16", xirang={"comm_buffers": {"enabled": True}})
     for key in ("reduce_bucket_size", "allgather_bucket_size"):
         config["zero_optimization"].pop(key)
-    full = run_ranks(engine_runs.train, 2, config, 4)
-    run_ranks(engine_runs.train, 2, config, 2, "gpt-tiny", True, 0, str(tmp_path))
-    resumed = run_ranks(engine_runs.train, 2, config, 2, "gpt-tiny", True, 0, None, str(tmp_path), 2)
-    for f, r in zip(full, resumed):
-        assert r["losses"] == f["losses"][2:]
+    for f, r in resume_in_fresh_processes(engine_runs.train, 2, str(tmp_path), config, skip=2):
+        assert_resumed(f, r, at=2)
         assert r["session_state"]["comm_buffers"]["reduce_bucket_size"] > 0

@@ -17,7 +17,6 @@ Megatron's DDP and FP32Optimizer around torch.optim.AdamW.
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import os
 from typing import Any, Callable, Optional
@@ -25,6 +24,7 @@ from typing import Any, Callable, Optional
 import pytest
 import torch
 
+from tests.harness.checks import megatron_removal_against_plain, megatron_state_dict_round_trip
 from tests.harness.megatron_runs import example, write_block
 from xirang_ds.launch import run_ranks
 
@@ -160,25 +160,14 @@ def resume(ex: Any, common: list[str], config: str, steps: int, plain: bool = Tr
     """Megatron's ``optimizer.state_dict()`` after ``steps`` steps, then ``steps`` more: the same from
     a fresh run loading it (with grad_release, and plain Megatron loading the same dict)."""
     with_gr = common + ["--xirang-config", config]
-    model, optimizer, session, run_step = loop(ex, with_gr, steps)
-    for _ in range(steps):
-        run_step()
-    saved_model = copy.deepcopy(model.module.state_dict())
-    saved = copy.deepcopy(optimizer.state_dict())  # torch returns the live state tensors
+    load_into = {"resumed": with_gr, "resumed_plain": common} if plain else {"resumed": with_gr}
+    run = megatron_state_dict_round_trip(ex, with_gr, steps, steps, load_into)
+    saved = run["saved_optimizer"]
     keys = sorted(saved["state"][0]) if saved.get("state") else []
     saved_bytes = sum(t.numel() * t.element_size() for st in saved.get("state", {}).values()
                       for t in st.values() if isinstance(t, torch.Tensor))
-    continued = [run_step() for _ in range(steps)]
-    session.remove()
-    out = {"continued": continued, "state_keys": keys, "states": len(saved.get("state", {})), "bytes": saved_bytes}
-    for name, argv in (("resumed", with_gr), ("resumed_plain", common))[:2 if plain else 1]:
-        model, optimizer, session, run_step = loop(ex, argv, steps, skip=steps)
-        model.module.load_state_dict(saved_model)
-        optimizer.load_state_dict(copy.deepcopy(saved))  # loading may keep references too
-        out[name] = [run_step() for _ in range(steps)]
-        if session is not None:
-            session.remove()
-    return out
+    return {"continued": run["continued"], "state_keys": keys, "states": len(saved.get("state", {})),
+            "bytes": saved_bytes, **{name: run[name] for name in load_into}}
 
 
 def removal(ex: Any, common: list[str], config: str, steps: int) -> dict:
@@ -186,19 +175,21 @@ def removal(ex: Any, common: list[str], config: str, steps: int) -> dict:
     Megatron over both; DDP's buffer and hooks are back."""
     from xirang_ds.integration.megatron_compat import buffer_tensors
 
-    model, optimizer, session, run_step = loop(ex, common + ["--xirang-config", config], steps)
-    losses = [run_step() for _ in range(steps)]
-    grads, _ = buffer_tensors([model])
-    during = {"buffer_bytes": sum(g.untyped_storage().nbytes() for g in grads),
-              "ddp_hooked_params": len(model.param_to_bucket_group)}
-    session.remove()
-    losses += [run_step() for _ in range(steps)]
-    after = {"buffer_bytes": sum(g.untyped_storage().nbytes() for g in grads),
-             "ddp_hooked_params": len(model.param_to_bucket_group),
-             "grad_hooks": sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters()),
-             "wrapped": sorted(vars(model).keys() & {"zero_grad_buffer", "finish_grad_sync", "start_grad_sync"})}
-    model, optimizer, _, run_step = loop(ex, common, steps)
-    return {"losses": losses, "plain": [run_step() for _ in range(2 * steps)], "during": during, "after": after}
+    buffers: list = []
+
+    def during(model: Any, optimizer: Any) -> dict:
+        buffers.extend(buffer_tensors([model])[0])  # the same tensors are measured again after removal
+        return {"buffer_bytes": sum(g.untyped_storage().nbytes() for g in buffers),
+                "ddp_hooked_params": len(model.param_to_bucket_group)}
+
+    def after(model: Any, optimizer: Any) -> dict:
+        return {"buffer_bytes": sum(g.untyped_storage().nbytes() for g in buffers),
+                "ddp_hooked_params": len(model.param_to_bucket_group),
+                "grad_hooks": sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {})
+                                  for p in model.parameters()),
+                "wrapped": sorted(vars(model).keys() & {"zero_grad_buffer", "finish_grad_sync", "start_grad_sync"})}
+
+    return megatron_removal_against_plain(ex, common + ["--xirang-config", config], common, steps, during, after)
 
 
 def nonfinite(ex: Any, common: list[str], config: str) -> dict:

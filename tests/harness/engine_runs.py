@@ -73,8 +73,9 @@ def data_iter(micro: int, seq: int, rank: int, world: int, seed: int = 0):
 
 def train(rank: int, world: int, config: dict, steps: int, model_name: str = "gpt-tiny",
           use_xirang: bool = True, seed: int = 0, save_dir: Optional[str] = None,
-          load_dir: Optional[str] = None, skip_batches: int = 0) -> dict:
-    """Train ``steps`` optimizer steps; return losses per step and what xirang did."""
+          load_dir: Optional[str] = None, skip: int = 0) -> dict:
+    """Train ``steps`` optimizer steps (after loading ``load_dir`` and dropping ``skip`` micro-batches);
+    return losses per step and what xirang did."""
     import deepspeed
 
     import xirang_ds
@@ -86,7 +87,7 @@ def train(rank: int, world: int, config: dict, steps: int, model_name: str = "gp
     if load_dir is not None:
         engine.load_checkpoint(load_dir)
     data = data_iter(engine.train_micro_batch_size_per_gpu(), spec.seq, rank, world, seed)
-    for _ in range(skip_batches):
+    for _ in range(skip):
         next(data)
     losses = [optimizer_step(engine, data) for _ in range(steps)]
     if save_dir is not None:

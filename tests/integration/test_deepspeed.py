@@ -5,6 +5,7 @@ import json
 import pytest
 
 from tests.harness import engine_runs
+from tests.harness.checks import assert_resumed, resume_in_fresh_processes
 from tests.harness.engine_runs import ds_config
 from xirang_ds.launch import run_ranks
 
@@ -134,11 +135,8 @@ def test_bad_block_fails_before_deepspeed_runs():
 def test_checkpoint_round_trip_carries_plugin_state(tmp_path):
     """Save after 2 steps, resume in fresh processes: the resumed losses equal the uninterrupted run."""
     config = ds_config(stage=2, dtype="bf16", xirang=MONITOR)
-    full = run_ranks(engine_runs.train, 2, config, 4)
-    run_ranks(engine_runs.train, 2, config, 2, "gpt-tiny", True, 0, str(tmp_path))
-    resumed = run_ranks(engine_runs.train, 2, config, 2, "gpt-tiny", True, 0, None, str(tmp_path), 2)
-    for f, r in zip(full, resumed):
-        assert r["losses"] == f["losses"][2:]
+    for f, r in resume_in_fresh_processes(engine_runs.train, 2, str(tmp_path), config, skip=2):
+        assert_resumed(f, r, at=2)
         assert r["global_steps"] == 4
         assert r["session_state"]["monitor"] == f["session_state"]["monitor"]  # episode state resumed too
         assert r["session_state"]["monitor"] == {"pieces": 1, "level": "ok", "episode": 0, "in_episode": False,

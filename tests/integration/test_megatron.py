@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.harness.checks import megatron_built_and_removed
 from tests.harness.megatron_runs import assert_same_memory, example, write_block
 from xirang_ds.launch import run_ranks
 
@@ -85,17 +86,16 @@ def tp2_runs(rank: int, world: int, tmp: str, steps: int) -> dict:
 
 
 def removal_check(ex: Any, config: str) -> dict:
-    """Build with the session attached, remove it, and report what is left on the objects."""
-    model, optimizer, session = ex.build(ex.parse_args(["--xirang-config", config, "--overlap-grad-reduce"]), 2)
-    session.track_memory()
-    wrapped = "step" in vars(optimizer)
-    session.remove()
-    params = list(model.parameters())
-    return {"wrapped_before": wrapped, "step_wrapped_after": "step" in vars(optimizer),
-            "session_left_on_model": hasattr(model.module, "xirang"),
-            "forward_hooks": len(model._forward_hooks) + len(model._forward_pre_hooks),
-            "grad_hooks": sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in params),
-            "tracker_active": session.tracker.active}
+    """Build with the session attached (its tracker on), remove it: what is left on the objects."""
+    def left(model: Any, optimizer: Any, session: Any) -> dict:
+        params = list(model.parameters())
+        return {"step_wrapped": "step" in vars(optimizer), "session_on_model": hasattr(model.module, "xirang"),
+                "forward_hooks": len(model._forward_hooks) + len(model._forward_pre_hooks),
+                "grad_hooks": sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in params),
+                "tracker_active": session.tracker.active}
+
+    return megatron_built_and_removed(ex, ["--xirang-config", config, "--overlap-grad-reduce"], left,
+                                      prepare=lambda session: session.track_memory())
 
 
 def dp2_runs(rank: int, world: int, tmp: str, steps: int) -> dict:
@@ -205,5 +205,6 @@ def test_monitor_agrees_and_profiler_writes_each_rank(tp2):
 @pytest.mark.distributed
 def test_remove_restores_megatron_objects(tp2):
     for r in tp2:
-        assert r["removal"] == {"wrapped_before": True, "step_wrapped_after": False, "session_left_on_model": False,
-                                "forward_hooks": 0, "grad_hooks": 0, "tracker_active": False}
+        assert r["removal"]["before"]["step_wrapped"] is True
+        assert r["removal"]["after"] == {"step_wrapped": False, "session_on_model": False, "forward_hooks": 0,
+                                         "grad_hooks": 0, "tracker_active": False}

@@ -36,7 +36,7 @@ WORKS_ON = ("core_v0.16.0", "core_v0.16.1", "core_v0.17.0", "core_v0.17.1")
 """Megatron-LM tags where the patch applies and the inserted calls find what they use."""
 APPLIES_BUT_REFUSED = ("core_v0.18.0", "core_v0.19.0")
 """Tags where the lines still match but pretrain() no longer takes the providers: wrap_pretrain
-raises its TypeError there (tests/test_megatron_config.py)."""
+raises its TypeError there (tests/integration/test_megatron_config.py)."""
 DOES_NOT_APPLY = ("core_v0.15.0", "core_v0.14.0")
 COMPAT_TAGS = ("core_v0.12.0", "core_v0.13.0", "core_v0.14.0", "core_v0.15.0", "core_v0.16.0", "core_v0.16.1",
                "core_v0.17.0", "core_v0.18.0", "core_v0.19.0")

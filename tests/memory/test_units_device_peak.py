@@ -1,6 +1,6 @@
 """The device peak counter's one owner (`xirang_ds.memory.device_peak`): every reader's window keeps
 its own peak whoever resets; tested against an allocator stand-in with CUDA's semantics (one peak per
-process, reset for everybody), and on CUDA in tests/test_gpu.py."""
+process, reset for everybody), and on CUDA in tests/memory/test_gpu.py."""
 import pytest
 
 from xirang_ds.memory.device_peak import DevicePeak, device_peak

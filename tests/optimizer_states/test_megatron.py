@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.harness.checks import megatron_removal_against_plain, megatron_state_dict_round_trip
 from tests.harness.megatron_runs import config_error, example, write_block
 from xirang_ds.launch import run_ranks
 
@@ -68,10 +69,10 @@ def tp2_optimizer_states(rank: int, world: int, tmp: str, steps: int, schedules:
         config = write_block(os.path.join(tmp, f"resume{rank}.json"), {"optimizer_states": {
             "enabled": True, "stochastic_rounding": True, "schedule": [{"dtype": "fp32", "until_step": 2},
                                                                        {"dtype": "int8"}]}})
-        out["resume"] = states_resume(ex, ex.parse_args(["--xirang-config", config]), 3, 2)
+        out["resume"] = states_resume(ex, ["--xirang-config", config], 3, 2)
         config = write_block(os.path.join(tmp, f"removal{rank}.json"),
                              {"optimizer_states": {"enabled": True, **schedules["fp32"]}})
-        out["removal"] = states_removal(ex, ex.parse_args(["--xirang-config", config]), 2)
+        out["removal"] = states_removal(ex, ["--xirang-config", config], 2)
         out["bad_glob"] = config_error(ex, {"optimizer_states": {"enabled": True, "keep_fp32": ["decoder.layer.*"]}},
                                        tmp)
         return out
@@ -79,55 +80,36 @@ def tp2_optimizer_states(rank: int, world: int, tmp: str, steps: int, schedules:
         ex.teardown(created)
 
 
-def states_resume(ex: Any, opts: Any, before: int, after: int) -> dict:
-    """Train ``before`` steps, save model and Megatron optimizer state dicts, train ``after`` more; then a
-    fresh build loads both and trains the same ``after`` steps on the same batches."""
-    import copy
-
-    model, optimizer, session, make_data = ex.build_loop(opts)
-    run_step = ex.step_function(opts, model, optimizer, make_data())
-    for _ in range(before):
-        run_step()
-    saved_model = copy.deepcopy(model.module.state_dict())
-    saved_optimizer = copy.deepcopy(optimizer.state_dict())
-    continued = [run_step() for _ in range(after)]
-    formats = session.plugin("optimizer_states").optimizer.format_numel()
-    session.remove()
-    model, optimizer, session, make_data = ex.build_loop(opts)
-    data = make_data()
-    for _ in range(before * opts.num_microbatches):
-        next(data)
-    model.module.load_state_dict(saved_model)
-    optimizer.load_state_dict(saved_optimizer)
-    run_step = ex.step_function(opts, model, optimizer, data)
-    resumed = [run_step() for _ in range(after)]
-    session.remove()
-    codes = sorted({str(t.dtype) for st in saved_optimizer["state"].values() for k, t in st.items()
+def states_resume(ex: Any, argv: list[str], before: int, after: int) -> dict:
+    """Megatron's model and optimizer state dicts after ``before`` steps, then ``after`` more: the same
+    from a fresh build loading them; the formats held and the code dtypes saved."""
+    run = megatron_state_dict_round_trip(ex, argv, before, after,
+                                         inspect=lambda session: session.plugin("optimizer_states").optimizer.format_numel())
+    codes = sorted({str(t.dtype) for st in run["saved_optimizer"]["state"].values() for k, t in st.items()
                     if k.endswith("_codes")})
-    return {"continued": continued, "resumed": resumed, "formats": formats, "saved_codes": codes}
+    return {"continued": run["continued"], "resumed": run["resumed"], "formats": run["inspected"], "saved_codes": codes}
 
 
-def states_removal(ex: Any, opts: Any, steps: int) -> dict:
+def states_removal(ex: Any, argv: list[str], steps: int) -> dict:
     """Train ``steps`` with the plugin, remove it, train ``steps`` more; and plain Megatron for 2 x ``steps``."""
-    model, optimizer, session, make_data = ex.build_loop(opts)
-    run_step = ex.step_function(opts, model, optimizer, make_data())
-    losses = [run_step() for _ in range(steps)]
     from xirang_ds.integration.megatron_compat import inner_optimizers
 
-    during = [type(o).__name__ for o in inner_optimizers(optimizer)]
-    try:
-        optimizer.sharded_state_dict({})
-        sharded = ""
-    except RuntimeError as e:
-        sharded = str(e)
-    session.remove()
-    after = [type(o).__name__ for o in inner_optimizers(optimizer)]
-    losses += [run_step() for _ in range(steps)]
-    plain_opts = ex.parse_args([])
-    model, optimizer, _, make_data = ex.build_loop(plain_opts)
-    run_step = ex.step_function(plain_opts, model, optimizer, make_data())
-    return {"losses": losses, "plain": [run_step() for _ in range(2 * steps)], "during": during, "after": after,
-            "sharded": sharded, "sharded_after_removal": "sharded_state_dict" in vars(optimizer.chained_optimizers[0])}
+    def during(model: Any, optimizer: Any) -> dict:
+        try:
+            optimizer.sharded_state_dict({})
+            sharded = ""
+        except RuntimeError as e:
+            sharded = str(e)
+        return {"inner": [type(o).__name__ for o in inner_optimizers(optimizer)], "sharded": sharded}
+
+    def after(model: Any, optimizer: Any) -> dict:
+        return {"inner": [type(o).__name__ for o in inner_optimizers(optimizer)],
+                "sharded_wrapped": "sharded_state_dict" in vars(optimizer.chained_optimizers[0])}
+
+    run = megatron_removal_against_plain(ex, argv, [], steps, during, after)
+    return {"losses": run["losses"], "plain": run["plain"], "during": run["during"]["inner"],
+            "after": run["after"]["inner"], "sharded": run["during"]["sharded"],
+            "sharded_after_removal": run["after"]["sharded_wrapped"]}
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests.harness.checks import megatron_built_and_removed, replaced_methods
 from tests.harness.megatron_runs import example, write_block
 from xirang_ds.launch import run_ranks
 
@@ -43,11 +44,8 @@ def tp2_precision(rank: int, world: int, tmp: str, steps: int) -> dict:
         out = {"plain": ex.train(ex.parse_args(common))}
         config = write_block(os.path.join(tmp, f"precision{rank}.json"), {"precision": {"enabled": True}})
         out["bf16"] = ex.train(ex.parse_args(common + ["--xirang-config", config]), rules)
-        model, optimizer, session = ex.build(ex.parse_args(["--xirang-config", config]), 2)
-        wrapped = sorted(n for n, m in model.named_modules() if vars(m).keys() & {"forward", "compute_language_model_loss"})
-        session.remove()
-        out["removal"] = {"before": wrapped, "after": sorted(
-            n for n, m in model.named_modules() if vars(m).keys() & {"forward", "compute_language_model_loss"})}
+        out["removal"] = megatron_built_and_removed(ex, ["--xirang-config", config], lambda model, *_: replaced_methods(
+            model, ("forward", "compute_language_model_loss")))
         refused = {}
         for key, value in (("dtype", "fp16"), ("weight_copies", "persistent")):
             try:

@@ -34,7 +34,7 @@ def test_dry_run_prints_the_plan_and_accepts_a_complete_preparation(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     for part in ("pytest -m gpu", "bench_presets.py", "pretrain_gpt.py", "deadline 470 s"):
         assert part in r.stdout
-    assert "tests/test_gpu.py" in r.stdout  # the gpu test files are found by their marks
+    assert "tests/memory/test_gpu.py" in r.stdout  # the gpu test files are found by their marks
     assert "wheels: all 8 present and matching" in r.stdout
     assert "no .gpu/megatron-lm.tar.gz" in r.stdout  # said, not fatal: the Megatron-LM steps are skipped
 

@@ -1,7 +1,5 @@
 """comm_buffers without an engine: the bucket sizing rule, and the DeepSpeed seam lending relies on
 (engines: test_deepspeed.py and test_deepspeed_lending.py; CUDA: test_gpu.py)."""
-
-
 from xirang_ds.plugins.comm_buffers import auto_bucket_numel
 
 

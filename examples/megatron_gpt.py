@@ -10,7 +10,7 @@ A plain megatron-core loop (parallel_state, GPTModel, Megatron's DDP and optimiz
 by `xirang_megatron.add_arguments`, exactly as in Megatron-LM. The same ds_config file a DeepSpeed
 run uses works: only its "xirang" block is read.
 
-On CPU (no CUDA) it installs the test shim ``tests/megatron_shim.py`` for megatron-core's CUDA-only
+On CPU (no CUDA) it installs the test shim ``tests/harness/megatron_shim.py`` for megatron-core's CUDA-only
 calls and runs Megatron's fp32 optimizer without gradient clipping by default (its clipping is
 CUDA-only; ``--clip-grad`` sets it, which on CPU only xirang.grad_release can honour).
 At the end each rank reports the last step's peak with its per-category breakdown, measured by the
@@ -231,7 +231,7 @@ def setup(rank: int, world: int, tp: int) -> bool:
     import torch.distributed as dist
 
     if not torch.cuda.is_available():
-        from tests.megatron_shim import install
+        from tests.harness.megatron_shim import install
 
         install()
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))

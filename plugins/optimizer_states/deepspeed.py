@@ -9,7 +9,7 @@
   `xirang_ds.compat.deepspeed.relink_hp_params`; quantized buffers have another shape and are not
   linked, and DeepSpeed's per-parameter state getters then report no state for them).
 
-``tests/test_optimizer_states_engine.py`` fails when a DeepSpeed release moves these.
+``tests/optimizer_states/test_deepspeed.py`` fails when a DeepSpeed release moves these.
 """
 from __future__ import annotations
 

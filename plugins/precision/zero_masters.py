@@ -12,7 +12,7 @@ itself, and its all-gather hands the other ranks their slices as before. Results
 DeepSpeed lines this relies on (0.19.8, ``runtime/zero/stage_1_and_2.py``): ``__init__``
 "weights_partition = self.parallel_partitioned_bit16_groups[i][partition_id].detach().clone()",
 ``_link_all_hp_params``, ``step`` "bit16_partitions[partition_id].data.copy_(fp32_partition.data)".
-``tests/test_precision_engine.py`` fails (bytes or losses) if a release changes them.
+``tests/precision/test_deepspeed.py`` fails (bytes or losses) if a release changes them.
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ site="${XIRANG_GPU_SITE:-/tmp/xirang-gpu-site}"
 deadline_s=470
 model="gpt:layers=16,hidden=2048,heads=16,seq=1024,vocab=50304"   # 0.91B parameters
 required=(deepspeed megatron_core pydantic pydantic_core annotated_types typing_inspection hjson typing_extensions)
-gpu_tests=$(cd "$root" && grep -l "mark.gpu" tests/test_*.py | tr '\n' ' ')
+gpu_tests=$(cd "$root" && grep -l "mark.gpu" tests/*/test_*.py | tr '\n' ' ')
 megatron_args=(--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
     --max-position-embeddings 1024 --micro-batch-size 4 --global-batch-size 4 --train-iters 10
     --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.01 --clip-grad 1.0

@@ -12,7 +12,7 @@ deepspeed 0.19.8), so a checkpoint's `ParamStates` can be loaded into them.
 * Stage 0 fp32: the parameters themselves.
 
 The DeepSpeed internals read or called, as of deepspeed 0.19.8 (the version ``constraints.txt`` pins;
-``setup.py`` allows 0.16 to 0.20); `tests/test_checkpoint_files.py` and `tests/test_resume.py` fail
+``setup.py`` allows 0.16 to 0.20); `tests/checkpoints/test_deepspeed_files.py` and `tests/checkpoints/test_deepspeed_resume.py` fail
 when a release moves them:
 
 | internal | where (0.19.8) |

@@ -6,7 +6,7 @@
 * `xirang_ds.compat.apex`: NVIDIA Apex's amp registries, read when Apex is importable.
 
 Each module names its version range, the release its names were read in, and each name's upstream
-file and line. ``tests/test_compat.py`` checks two things: every name listed there still resolves in the
+file and line. ``tests/structure/test_compat.py`` checks two things: every name listed there still resolves in the
 installed packages, and no module of ``xirang_ds`` or ``xirang_ds.plugins`` outside this folder reaches a
 private name of another package itself (an attribute, an import, or a ``getattr``/``setattr``/
 ``wrap_method`` string that starts with one underscore and that xirang_ds does not define).

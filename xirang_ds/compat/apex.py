@@ -19,7 +19,7 @@ UPSTREAM_NAMES: dict[str, str] = {
     "apex.amp.utils.maybe_half": "apex/amp/utils.py",
     "apex.amp.utils.maybe_float": "apex/amp/utils.py",
 }
-"""Dotted path in Apex → its file (``tests/test_compat.py`` resolves them when Apex is importable)."""
+"""Dotted path in Apex → its file (``tests/structure/test_compat.py`` resolves them when Apex is importable)."""
 
 
 class AmpRegistrations(NamedTuple):

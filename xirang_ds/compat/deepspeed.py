@@ -2,7 +2,7 @@
 
 setup.py allows ``deepspeed>=0.16,<0.21``; the names were read in 0.19.8 (the tested version), with the
 lines below at that release. `UPSTREAM_NAMES` lists, per file of the installed package, the lines relied
-on; ``tests/test_compat.py`` reads them in the installed DeepSpeed and fails when one moves.
+on; ``tests/structure/test_compat.py`` reads them in the installed DeepSpeed and fails when one moves.
 
 grad_release's engine protocol (``runtime/engine.py``):
 
@@ -20,7 +20,7 @@ grad_release's engine protocol (``runtime/engine.py``):
   of the ds_config says 0 while grad_release clips, and `restore_gradient_clipping` gives the
   engine the user's value back when grad_release is removed.
 
-``tests/test_grad_release_units.py::test_deepspeed_protocol_still_holds`` also runs `protocol_holds`.
+``tests/grad_release/test_units.py::test_deepspeed_protocol_still_holds`` also runs `protocol_holds`.
 """
 from __future__ import annotations
 

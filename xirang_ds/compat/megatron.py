@@ -2,7 +2,7 @@
 
 The integration runs on megatron-core 0.16.1 (what installs for Python 3.11 here) and its names were
 read in the source of Megatron-LM's tags ``core_v0.12.0`` to ``core_v0.19.0``. `UPSTREAM_NAMES` lists,
-per file, the lines this module relies on; ``tests/test_megatron_patch.py`` reads each tag's source
+per file, the lines this module relies on; ``tests/integration/test_megatron_patch.py`` reads each tag's source
 (when a Megatron-LM checkout is available) and fails when one of them moves. Line numbers below are at
 ``core_v0.16.1`` (commit 55ac7082517c3878ae653c07c09c534b8aed49f6).
 """

@@ -1,7 +1,7 @@
 """Every private PyTorch name xirang_ds uses, in one version-guarded place.
 
 setup.py allows ``torch>=2.4``; the names below were read in torch 2.13.0 (the tested version), and the
-file and line of each in that release are in `UPSTREAM_NAMES`. ``tests/test_compat.py`` resolves every
+file and line of each in that release are in `UPSTREAM_NAMES`. ``tests/structure/test_compat.py`` resolves every
 one of them in the installed torch, so a release that moves one fails there and not in a training run;
 the same test fails when package code outside ``xirang_ds/compat/`` reaches a private name itself.
 
@@ -66,7 +66,7 @@ UPSTREAM_NAMES: dict[str, Any] = {
     "torch.utils.checkpoint._recomputation_hook": "torch/utils/checkpoint.py L1088 (its pack hook's qualname)",
     "torch.utils.checkpoint.SAC_IGNORED_OPS": "torch/utils/checkpoint.py L1328",
 }
-"""Dotted path in torch → where it is in torch 2.13.0 (``tests/test_compat.py`` resolves every path); a file
+"""Dotted path in torch → where it is in torch 2.13.0 (``tests/structure/test_compat.py`` resolves every path); a file
 of the installed torch → lines that must be in it."""
 
 SCHEDULER_PER_GROUP_LISTS = ("base_lrs", "_last_lr", "min_lrs", "max_lrs", "initial_lrs", "base_momentums",

@@ -2,7 +2,7 @@
 
     python -m xirang_ds.config.reference --write README.md
 
-rewrites the part of README.md between the markers below; ``tests/test_reference.py`` fails when
+rewrites the part of README.md between the markers below; ``tests/tools/test_package.py`` fails when
 the README is stale.
 """
 from __future__ import annotations

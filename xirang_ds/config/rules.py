@@ -2,7 +2,7 @@
 
 A rule names the key its problem is reported on, the sections it involves, when it applies and what it
 says (the key, the value, what is allowed and the fix). `XirangConfig.check` runs the table;
-``tests/test_config.py`` runs each row both ways. Rules between a section and the ds_config are each
+``tests/config/test_units.py`` runs each row both ways. Rules between a section and the ds_config are each
 plugin's `check_ds_config`; rules between a section and a framework are its `FrameworkPath.check`.
 """
 from __future__ import annotations

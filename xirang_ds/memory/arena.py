@@ -178,7 +178,7 @@ class ArenaLender:
     synchronizes the device in its epilogue (0.19.8 does, ``independent_gradient_partition_epilogue``,
     on devices that do not resolve data dependencies). `reductions_ordered` says whether the
     installed DeepSpeed still keeps its reductions on that stream; lending is refused with that reason
-    when it does not (``tests/test_comm_lending.py`` reads DeepSpeed's source).
+    when it does not (``tests/comm_buffers/test_deepspeed_lending.py`` reads DeepSpeed's source).
 
     **Never overwritten.** Whatever the plan, before DeepSpeed copies a gradient into the bucket
     (``reduce_independent_p_g_buckets_and_remove_grads``), the lender computes the byte range the

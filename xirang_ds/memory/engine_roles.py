@@ -3,7 +3,7 @@
 DeepSpeed keeps model states in its optimizer wrappers under attribute names that differ by ZeRO
 stage and precision mode. `xirang_ds.compat.deepspeed.OPTIMIZER_ATTRIBUTES_BY_ROLE` names them, checked against deepspeed 0.16-0.19
 (``runtime/zero/stage_1_and_2.py``, ``runtime/zero/stage3.py``, ``runtime/bf16_optimizer.py``,
-``runtime/fp16/{fused,unfused}_optimizer.py``); ``tests/test_tracker_deepspeed.py`` fails when a
+``runtime/fp16/{fused,unfused}_optimizer.py``); ``tests/memory/test_deepspeed_tracker.py`` fails when a
 DeepSpeed release moves them, because its byte accounting no longer closes.
 """
 from __future__ import annotations

@@ -1,0 +1,114 @@
+"""comm_buffers on real DeepSpeed engines: explicit keys kept, the arena allocated once and reused, numerics
+unchanged, adaptation between steps, checkpoint round trip."""
+import pytest
+
+from tests.harness import engine_runs
+from tests.harness.checks import assert_resumed, resume_in_fresh_processes
+from tests.harness.engine_runs import data_iter, ds_config
+from xirang_ds.launch import run_ranks
+
+
+def _run(rank, world, stage, overlap, xirang, steps=3, budget=None):
+    import xirang_ds
+    from xirang_ds.memory.tracker import MemoryTracker
+    from xirang_ds.models import BUILTIN_SPECS, build_model
+
+    spec = BUILTIN_SPECS["gpt-tiny"]
+    model = build_model(spec)
+    zero_extra = {"overlap_comm": overlap}
+    config = ds_config(stage=stage, dtype="bf16", micro=4, xirang=xirang)
+    config["zero_optimization"].update(zero_extra)
+    if xirang is not None:
+        for key in ("reduce_bucket_size", "allgather_bucket_size"):
+            config["zero_optimization"].pop(key)  # left unset: auto
+        if budget:
+            config["xirang"]["memory_budget"] = budget
+    init = xirang_ds.initialize
+    engine, *_ = init(model=model, model_parameters=model.parameters(), config=config)
+    session = getattr(engine, "xirang", None)
+    tracker = session.track_memory() if session else None
+    plugin = session.plugin("comm_buffers") if session else None
+    data = data_iter(4, spec.seq, rank, world)
+    losses, per_step = [], []
+    for _ in range(steps):
+        start = len(tracker.records) if tracker else 0
+        window = tracker.open_window() if tracker else None
+        x, y = next(data)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        if tracker:
+            created = [r for r in tracker.records[start:]]
+            per_step.append((len(created), sum(r.nbytes for r in created), window.peak_bytes))
+            window.close()
+    out = {"losses": losses, "per_step": per_step, "bucket": int(engine.optimizer.reduce_bucket_size)}
+    if plugin is not None:
+        out.update(served=plugin.arena.served if plugin.arena else 0, misses=plugin.server.misses if plugin.server else 0,
+                   arena_bytes=plugin.arena.nbytes if plugin.arena else 0, changes=plugin.changes,
+                   decisions=plugin.decisions)
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage, overlap", [(1, False), (2, False), (2, True)])
+def test_arena_same_numerics_and_stable_allocations(stage, overlap):
+    xirang = {"comm_buffers": {"enabled": True, "adapt": False}}
+    ours = run_ranks(_run, 2, stage, overlap, xirang)
+    plain = run_ranks(_run, 2, stage, overlap, None)
+    for o, p in zip(ours, plain):
+        assert o["losses"] == p["losses"]  # bucket size and arena change no arithmetic
+        assert o["served"] == 3 * (2 if overlap else 1) and o["misses"] == 0
+        # steps 2 and 3 allocate exactly alike, and never a bucket-sized block
+        assert o["per_step"][1] == o["per_step"][2]
+        bucket_bytes = o["bucket"] * 2
+        assert o["arena_bytes"] == bucket_bytes * (2 if overlap else 1)
+
+
+def _kept(rank, world):
+    import xirang_ds
+    from xirang_ds.models import BUILTIN_SPECS, build_model
+
+    model = build_model(BUILTIN_SPECS["gpt-tiny"])
+    config = ds_config(stage=2, bucket=2e5, xirang={"comm_buffers": {"enabled": True}})
+    engine, *_ = xirang_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine.xirang.plugin("comm_buffers").decisions, int(engine.optimizer.reduce_bucket_size)
+
+
+def test_explicit_keys_are_kept_and_auto_is_reported():
+    decisions, size = run_ranks(_kept, 1)[0]
+    assert size == 200_000
+    assert decisions["reduce_bucket_size"]["kept"] is True
+    assert decisions["reduce_bucket_size"]["auto"] != 200_000
+
+
+@pytest.mark.distributed
+def test_adapts_under_memory_pressure_without_changing_numerics():
+    """A budget just above the step peak: the bucket halves (logged, agreed by both ranks) and the
+    losses stay those of plain DeepSpeed."""
+    xirang = {"comm_buffers": {"enabled": True, "adapt_every_steps": 1, "max_fraction_of_budget": 0.5}}
+    ours = run_ranks(_run, 2, 2, False, xirang, 4, "6MB")
+    plain = run_ranks(_run, 2, 2, False, None, 4)
+    for o, p in zip(ours, plain):
+        assert o["losses"] == p["losses"]
+        assert o["changes"] and all(c["to"] < c["from"] for c in o["changes"])
+        assert o["changes"][0]["to"] == o["changes"][0]["from"] // 2
+        assert "above 90% of the budget" in o["changes"][0]["why"]
+    assert ours[0]["changes"] == ours[1]["changes"]
+
+
+def test_bucket_below_largest_parameter_is_an_error():
+    from xirang_ds.launch import run_ranks as rr
+
+    with pytest.raises(RuntimeError, match="smaller than the largest parameter"):
+        rr(_run, 1, 2, False, {"comm_buffers": {"enabled": True, "reduce_bucket_size": 10}})
+
+
+@pytest.mark.distributed
+def test_checkpoint_round_trip(tmp_path):
+    config = ds_config(stage=2, dtype="bf16", xirang={"comm_buffers": {"enabled": True}})
+    for key in ("reduce_bucket_size", "allgather_bucket_size"):
+        config["zero_optimization"].pop(key)
+    for f, r in resume_in_fresh_processes(engine_runs.train, 2, str(tmp_path), config, skip=2):
+        assert_resumed(f, r, at=2)
+        assert r["session_state"]["comm_buffers"]["reduce_bucket_size"] > 0

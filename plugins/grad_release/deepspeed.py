@@ -164,7 +164,7 @@ class DeepSpeedRelease(FrameworkPath):
         """DeepSpeed loads weights, hyperparameters and counters; then this rank's file, unless told not to."""
         from xirang_ds.checkpoints.tags import resolve_tag
         from xirang_ds.plugins.grad_release.checkpoint import load_rank_state, saved_basic_groups
-        from xirang_ds.session import load_checkpoint_options
+        from xirang_ds.checkpoints.engine_files import load_checkpoint_options
 
         p = self.plugin
         options = load_checkpoint_options(p.engine, *args, **kwargs)

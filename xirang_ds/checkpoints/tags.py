@@ -22,7 +22,7 @@ OWNERS = ("grad_release", "optimizer_states")
 """Sections that change who holds the optimizer state, or its layout: grad_release holds fp32 masters
 and states in its own shards (the tag's xirang_grad_release/ folder), optimizer_states holds
 DynamicAdamW's codes over its own param groups in DeepSpeed's files. A resume whose checkpoint differs
-from the run in these is a take-over (`xirang_ds.session.Session._load_checkpoint`)."""
+from the run in these is a take-over (`xirang_ds.checkpoints.engine_files.load`)."""
 
 
 def resolve_tag(load_dir: str, tag: Optional[str]) -> Optional[str]:

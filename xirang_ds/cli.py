@@ -8,8 +8,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 USAGE_ERROR = 2
 
@@ -53,7 +54,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
 
 def register_command(name: str, help_text: str, setup: Callable[[argparse.ArgumentParser], None],
                      run: Callable[[argparse.Namespace], int]) -> None:
-    """Add a subcommand; modules in `_load_commands` call this at import."""
+    """Add a subcommand (a third-party module may add its own at import, before `build_parser`)."""
     COMMANDS[name] = (help_text, setup, run)
 
 
@@ -70,6 +71,235 @@ def _setup_validate(p: argparse.ArgumentParser) -> None:
 register_command("validate", "check a ds_config's \"xirang\" block", _setup_validate, _cmd_validate)
 
 
+# the other subcommands: each _setup_* adds arguments, each _run_* returns the exit status; heavy imports
+# (torch, deepspeed) happen inside the run functions
+def _setup_bench(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="gpt-small | gpt:layers=4,hidden=256,heads=8,seq=128,vocab=256 | "
+                                                   "package.module:factory")
+    p.add_argument("--ds-config", required=True, help="ds_config with a \"xirang\" block")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps per side (default 20)")
+    p.add_argument("--world-size", type=int, default=1, choices=(1, 2), help="ranks (gloo on CPU)")
+    p.add_argument("--data", default=None, help="text file (default: the standard library's docstrings)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--baseline-config", default=None,
+                   help="ds_config for the baseline (default: --ds-config without its block)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON")
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from xirang_ds.bench import format_result, run_bench, write_json
+    from xirang_ds.config.fit import fit_block
+    from xirang_ds.config.loader import BLOCK_KEY, read_ds_config
+    from xirang_ds.models import parse_model_spec
+
+    parse_model_spec(args.model)  # fail fast on a bad spec
+    ds_config = read_ds_config(args.ds_config)
+    if BLOCK_KEY not in ds_config:
+        raise UsageError(f"{args.ds_config} has no \"xirang\" block: nothing to compare")
+    fit_block(ds_config[BLOCK_KEY], ds_config)  # every clash with the ds_config before any rank starts
+    if args.steps < 2:
+        raise UsageError("--steps must be at least 2 (the first step is not timed)")
+    if args.data and not os.path.isfile(args.data):
+        raise UsageError(f"--data file not found: {args.data!r}")
+    baseline = read_ds_config(args.baseline_config) if args.baseline_config else None
+    result = run_bench(args.model, ds_config, steps=args.steps, world_size=args.world_size, data_path=args.data,
+                       seed=args.seed, baseline_config=baseline)
+    print(format_result(result))
+    if args.json:
+        write_json(result, args.json)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def _setup_report(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="timeline_rank<R>.json written by the profiler")
+    p.add_argument("--html", default=None, help="write the HTML page here (default: beside the trace)")
+    p.add_argument("--png", default=None, help="write the PNG plot here (default: beside the trace)")
+    p.add_argument("--pickle", default=None, help="write a PyTorch memory_viz snapshot here")
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from xirang_ds.memory.report import breakdown_table
+    from xirang_ds.memory.timeline import Timeline, TraceError
+    from xirang_ds.memory.tracker import PeakReport
+
+    try:
+        timeline = Timeline.load(args.trace)
+        stem = os.path.splitext(args.trace)[0]
+        written = [timeline.save_html(args.html or stem + ".html"), timeline.save_png(args.png or stem + ".png")]
+        if args.pickle:
+            written.append(timeline.save_memory_viz(args.pickle))
+    except TraceError as e:
+        raise UsageError(str(e)) from None
+    peak = timeline.peak
+    print(breakdown_table(PeakReport(peak["peak_bytes"], peak["peak_by_category"], peak["peak_phase"],
+                                     peak["phase_peaks"])))
+    print("wrote " + ", ".join(written))
+    return 0
+
+
+def _setup_estimate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="gpt-small | gpt:layers=4,hidden=256,heads=8,seq=128,vocab=256 | "
+                                                   "package.module:factory")
+    p.add_argument("--ds-config", required=True, help="ds_config (JSON/YAML)")
+    p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="device the run will use (changes the optimizer's temporaries)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="then run 3 real steps here, measure, and report the error per category")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON")
+
+
+def _run_estimate(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from xirang_ds.config.loader import read_ds_config
+    from xirang_ds.memory.estimator import estimate_spec, format_estimate, recalibrate
+    from xirang_ds.models import parse_model_spec
+
+    parse_model_spec(args.model)
+    ds_config = read_ds_config(args.ds_config)
+    if args.world_size < 1:
+        raise UsageError(f"--world-size must be >= 1; got {args.world_size}")
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    est = estimate_spec(args.model, ds_config, args.world_size, device)  # resolves "preset": "auto", checks the block
+    out = est.as_dict()
+    print(format_estimate(est))
+    if args.calibrate:
+        from xirang_ds.bench import run_side
+
+        side = run_side(args.model, ds_config, 3, args.world_size, None, 0, "xirang" in ds_config)
+        cal = recalibrate(est, side.peak_by_category, side.peak_bytes)
+        out["calibration"] = cal
+        print(f"\nmeasured over 3 steps: {side.peak_bytes:,} bytes ({side.peak_phase}); "
+              f"estimate error {cal['error']:+.2%}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _setup_tune(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="gpt-small | gpt:layers=4,hidden=256,heads=8,seq=128,vocab=256 | "
+                                                   "package.module:factory")
+    p.add_argument("--ds-config", required=True, help="the ds_config to start from (its \"xirang\" block's autotune "
+                                                      "section gives the defaults below)")
+    p.add_argument("--budget", default=None, help="per-rank memory budget: 40GB, 512MiB, 5e8 "
+                                                  "(default: xirang.memory_budget)")
+    p.add_argument("--world-size", type=int, default=1, choices=(1, 2), help="ranks (gloo on CPU)")
+    p.add_argument("--objective", default=None, choices=("fastest", "largest_micro_batch"))
+    p.add_argument("--measure-top", type=int, default=None, help="candidates measured for real")
+    p.add_argument("--time-limit", type=float, default=None, help="seconds for the whole search")
+    p.add_argument("--lossless", action="store_true", help="only options that leave the numbers unchanged")
+    p.add_argument("--profile-steps", type=int, default=4, help="steps per profiling run (default 4)")
+    p.add_argument("--measure-steps", type=int, default=6, help="steps per measured candidate (default 6)")
+    p.add_argument("--data", default=None, help="text file (default: the standard library's docstrings)")
+    p.add_argument("--out", default=None, help="where the winning ds_config goes (default: xirang.autotune.output)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the search report as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _run_tune(args: argparse.Namespace) -> int:
+    import json
+
+    from xirang_ds.config.loader import BLOCK_KEY, read_ds_config, validate_block
+    from xirang_ds.config.types import format_bytes, parse_byte_size
+    from xirang_ds.models import parse_model_spec
+    from xirang_ds.tune import format_result, winning_ds_config, write_json
+
+    parse_model_spec(args.model)
+    ds_config = read_ds_config(args.ds_config)
+    block = dict(ds_config.get(BLOCK_KEY, {}) or {})
+    section = dict(block.pop("autotune", {}) or {})
+    section.pop("enabled", None)
+    settings = validate_block({"autotune": section}).autotune
+    config = validate_block(block)
+    if args.budget is not None:
+        budget = parse_byte_size(str(args.budget))
+        if budget is None or budget <= 0:
+            raise UsageError(f"--budget: {args.budget!r} is not a size; write it like 40GB, 512MiB or 5e8")
+    elif isinstance(config.memory_budget, int):
+        budget = int(config.memory_budget)
+    else:
+        raise UsageError("no budget: pass --budget (for example --budget 40GB) or set xirang.memory_budget in "
+                         f"{args.ds_config}")
+    if args.data and not os.path.isfile(args.data):
+        raise UsageError(f"--data file not found: {args.data!r}")
+    try:
+        result = _tune(args, ds_config, budget, settings)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    print(format_result(result))
+    if args.json:
+        write_json(result, args.json)
+        print(f"wrote {args.json}")
+    if result.winner is None:
+        return 1
+    out = args.out or settings.output
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump(winning_ds_config(ds_config, result), f, indent=2)
+    print(f"wrote {out} (winner {result.winner.name}, measured peak {format_bytes(result.winner.measured_peak)})")
+    return 0
+
+
+def _tune(args: argparse.Namespace, ds_config: dict, budget: int, settings: Any) -> Any:
+    import sys
+
+    from xirang_ds.tune import Progress, tune
+
+    return tune(args.model, ds_config, budget, world_size=args.world_size,
+                objective=args.objective or settings.objective, measure_top=args.measure_top or settings.measure_top,
+                time_limit_s=args.time_limit or settings.time_limit_s, lossless_only=args.lossless,
+                profile_steps=args.profile_steps, measure_steps=args.measure_steps, data=args.data,
+                progress=Progress(None if args.quiet else sys.stderr))
+
+
+def _setup_checkpoint(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=("show", "export"),
+                   help="show: what wrote a checkpoint and what can load it; export: write plain DeepSpeed's ZeRO "
+                        "files (and zero_to_fp32.py) beside xirang's, in place")
+    p.add_argument("save_dir", help="the folder engine.save_checkpoint wrote (it holds 'latest')")
+    p.add_argument("--tag", default=None, help="checkpoint tag (default: the one 'latest' names)")
+    p.add_argument("--stage", type=int, default=None, help="export: ZeRO stage to write for (default: the run's)")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="export: data-parallel ranks to write for (default: the run's)")
+    p.add_argument("--fused-adam", action="store_true", default=None,
+                   help="export: the loading run steps DeepSpeed's FusedAdam (an Adam block without torch_adam on a "
+                        "GPU): its steps are ints, and at stage 0 in bf16/fp16 DeepSpeed wraps it in FP16_Optimizer "
+                        "(default: as recorded at save)")
+
+
+def _run_checkpoint(args: argparse.Namespace) -> int:
+    from xirang_ds.checkpoints.tags import describe, export_deepspeed_files, resolve_tag
+
+    tag_dir = resolve_tag(args.save_dir, args.tag)
+    if tag_dir is None:
+        raise UsageError(f"{args.save_dir}: no checkpoint{f' tag {args.tag!r}' if args.tag else ''} (no 'latest' "
+                         "file or no such folder)")
+    if args.action == "export":
+        written = export_deepspeed_files(args.save_dir, os.path.basename(tag_dir), stage=args.stage,
+                                         world=args.world_size, fused=args.fused_adam)
+        print(f"{tag_dir}: wrote {len(written)} file(s)" if written else
+              f"{tag_dir}: its optimizer state is already in DeepSpeed's own files; nothing to write")
+    for line in describe(tag_dir):
+        print(line)
+    return 0
+
+
+register_command("checkpoint", "show what wrote a checkpoint and what can load it, or export DeepSpeed's own "
+                 "files for it", _setup_checkpoint, _run_checkpoint)
+register_command("estimate", "predict a rank's peak memory and its breakdown before running", _setup_estimate,
+                 _run_estimate)
+register_command("bench", "train plain DeepSpeed and DeepSpeed with the block side by side", _setup_bench,
+                 _run_bench)
+register_command("tune", "search the block's options for the fastest configuration under a memory budget",
+                 _setup_tune, _run_tune)
+register_command("report", "render a recorded memory timeline as HTML and PNG", _setup_report, _run_report)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xirang-ds", description="xirang_ds: less device memory for "
                                      "DeepSpeed and Megatron-core training.")
@@ -77,24 +307,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"xirang_ds {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    _load_commands()
     for name, (help_text, setup, run) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         setup(p)
         p.set_defaults(run=run)
     return parser
-
-
-def _load_commands() -> None:
-    """Import the modules that register the other subcommands (they import torch lazily)."""
-    import importlib
-
-    for module in ("xirang_ds.commands",):
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -42,7 +42,7 @@ from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import ACTIVATIONS
 from xirang_ds.plugins.activations.head_loss import CHUNK, is_head
 from xirang_ds.plugins.activations.planner import BudgetError, Choice, estimate_peak, format_plan, least_budget, plan
-from xirang_ds.plugins.activations.planning import (
+from xirang_ds.plugins.activations.pricing import (
     OtherPeak,
     agree,
     build_tree,

@@ -208,7 +208,7 @@ class Profiler:
         self.synchronize = synchronize
         self.trial_stretch: Optional[Callable[[bool], None]] = None
         """Begins (True) and ends (False) a stretch the planner's measured peak leaves out: the trials
-        are this pass's own transient, which no planned step pays (`planning.OtherPeak.exclude`)."""
+        are this pass's own transient, which no planned step pays (`pricing.OtherPeak.exclude`)."""
         self.trial_room: Optional[Callable[[], int]] = None
         """Device bytes ``memory_budget`` leaves now; a trial that might not fit runs on a host copy."""
         self.host_tier: Callable[[], Any] = contextlib.nullcontext

@@ -101,7 +101,7 @@ class Runtime:
         self.profiler: Optional[Profiler] = None
         self.head_stretch: Optional[Callable[[bool], None]] = None
         """While profiling with an ``auto`` budget: told when an output head's whole loss begins
-        (``True``) and ends (``False``), in forward and in backward (`planning.OtherPeak.exclude`)."""
+        (``True``) and ends (``False``), in forward and in backward (`pricing.OtherPeak.exclude`)."""
         self.head_room: Optional[Callable[[], int]] = None
         """While profiling with an ``auto`` budget: device bytes the memory budget leaves now; a head
         whose whole logits would not fit there is profiled chunked (`ModuleWrapper._cross_entropy`)."""

@@ -1,5 +1,5 @@
-"""From profiles to a plan: ranks agree on the measurements, the tree of candidates and fixed
-modules is priced, and the budget is resolved."""
+"""The planner's inputs, priced from the profiles: ranks agree on the measurements, the tree of candidates
+and fixed modules gets each option's cost, and the budget is resolved (`planner` then chooses)."""
 from __future__ import annotations
 
 import zlib

@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Optional
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Optional, Protocol, runtime_checkable
 
 from xirang_ds.config.schema import Section, XirangConfig
 
@@ -71,15 +71,40 @@ class OptimizerSpec:
     params: dict
 
 
+@runtime_checkable
+class TrainingRun(Protocol):
+    """What every plugin seam's ``engine`` offers under both frameworks: the DeepSpeed engine, and the
+    `xirang_ds.integration.megatron_run.MegatronRun` that stands in for one under Megatron-core (tested
+    against both in ``tests/structure/test_plugin_seams.py``). Shared plugin code reads only these; a
+    path reads whatever its framework's run has besides."""
+
+    module: Any
+    """The model (under DeepSpeed the engine's module; under Megatron the first chunk, wrapped by DDP)."""
+    optimizer: Any
+    """The optimizer the run steps (DeepSpeed's wrapper; Megatron's optimizer)."""
+    device: Any
+    global_rank: int
+    world_size: int
+    global_steps: int
+    """Optimizer steps taken."""
+
+    def step(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def train_micro_batch_size_per_gpu(self) -> Any: ...
+
+    def gradient_accumulation_steps(self) -> Any: ...
+
+    def zero_optimization_stage(self) -> int: ...
+
+
 class FrameworkPath:
     """What a plugin does under one training framework: the seams where DeepSpeed and Megatron-core differ.
 
     A plugin that runs under both keeps one subclass per framework beside its shared core (its
     ``deepspeed.py`` and ``megatron.py``), named in `Plugin.paths`. The core calls ``self.path`` where the
     frameworks differ and never tests the framework itself; the session drives both runs through the same
-    plugin seams, whose ``engine`` argument is the DeepSpeed engine or the `MegatronRun` that stands in
-    for one (`xirang_ds.integration.megatron_run`). Override what the framework needs; each default
-    does nothing.
+    plugin seams, whose ``engine`` argument is a `TrainingRun` (the DeepSpeed engine, or the `MegatronRun`
+    that stands in for one). Override what the framework needs; each default does nothing.
 
     Attributes:
         plugin: the plugin this path belongs to (its state lives there).

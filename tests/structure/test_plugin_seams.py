@@ -78,3 +78,39 @@ def test_no_framework_branch_in_plugins_or_the_session():
                        + "\n".join(found))
     probe = ast.parse('if self.session.framework == "megatron":\n    pass\n')
     assert _framework_comparisons(probe) == [1]  # the scan sees the form it forbids
+
+
+def _instance_attributes(cls: type) -> set[str]:
+    """The class's names and the attributes its methods (or a base's, torch's ``Module`` aside) assign on
+    ``self``."""
+    import inspect
+
+    names = set(dir(cls))
+    for klass in cls.__mro__:
+        if klass.__module__.startswith(("torch.", "builtins")):
+            continue
+        for node in ast.walk(ast.parse(inspect.getsource(klass))):
+            if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                    and isinstance(node.value, ast.Name) and node.value.id == "self"):
+                names.add(node.attr)
+            elif (isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store)
+                  and ast.unparse(node.value) == "self.__dict__" and isinstance(node.slice, ast.Constant)):
+                names.add(node.slice.value)  # DeepSpeedEngine: self.__dict__["module"] = model
+    return names
+
+
+@pytest.mark.parametrize("run_class", ["deepspeed.runtime.engine:DeepSpeedEngine",
+                                       "xirang_ds.integration.megatron_run:MegatronRun"])
+def test_both_runs_offer_what_shared_plugin_code_reads(run_class):
+    """The ``engine`` every seam receives satisfies `TrainingRun` under both frameworks."""
+    import importlib
+
+    from xirang_ds.registry import TrainingRun
+
+    module, _, name = run_class.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    wanted = {n for n in TrainingRun.__annotations__} | {n for n, v in vars(TrainingRun).items()
+                                                          if callable(v) and not n.startswith("_")}
+    assert wanted >= {"module", "optimizer", "global_steps", "step", "zero_optimization_stage"}
+    missing = sorted(wanted - _instance_attributes(cls))
+    assert not missing, f"{name} lacks {missing}"

@@ -1,9 +1,10 @@
 """Exact device-memory tracker: every live storage, its size, its category and its lifetime.
 
-A ``TorchDispatchMode`` sees every tensor an op returns; each new storage of the tracked device
-type gets a `Record` and a ``weakref.finalize`` that closes it when the storage dies. Storages are
-keyed by their C++ ``StorageImpl`` (``_cdata``), so views (ZeRO's parameters are views of one flat
-buffer) count once. Tensors that existed before tracking started are seeded explicitly.
+A ``TorchDispatchMode`` (`xirang_ds.memory.dispatch`) sees every tensor an op returns; each new storage
+of the tracked device type gets a `Record` and a ``weakref.finalize`` that closes it when the storage
+dies. Storages are keyed by their C++ ``StorageImpl`` (``_cdata``), so views (ZeRO's parameters are views
+of one flat buffer) count once (`xirang_ds.memory.storages`). Tensors that existed before tracking
+started are seeded explicitly. Peaks are kept per measurement window (`xirang_ds.memory.window`).
 
 On CPU this is the measurement (DESIGN.md §4): the same step gives the same peak to the byte, run
 after run. On CUDA the same records give categories, and `allocator_stats` adds the caching
@@ -19,154 +20,22 @@ import contextlib
 import itertools
 import threading
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
 from xirang_ds.compat.torch import (
-    TorchDispatchMode,
     current_autograd_node,
     is_traceable_wrapper_subclass,
-    op_schema,
     pop_mode_temporarily,
     storage_key,
 )
-from xirang_ds.memory.categories import (
-    ACTIVATIONS,
-    CATEGORIES,
-    DEVICE_CATEGORIES,
-    HOST,
-    PRIORITY,
-    TEMPORARIES,
-)
+from xirang_ds.memory.categories import ACTIVATIONS, CATEGORIES, HOST, PRIORITY
+from xirang_ds.memory.dispatch import _Mode, _returns_alias
+from xirang_ds.memory.storages import SUBALLOCATIONS, Record, _inner_tensors, _storage_of, _tensors
+from xirang_ds.memory.window import PeakReport, Window
 
 PHASES = ("setup", "forward", "backward", "optimizer_step", "idle")
-
-
-@dataclass
-class Record:
-    """One storage's life.
-
-    Attributes:
-        serial: creation order (unique for the tracker's life).
-        nbytes: size of the storage in bytes.
-        created, freed: event clock at creation and free (``freed`` is None while alive).
-        last_used: event clock of the last op that read or wrote it (timeline mode only).
-        phase: phase at creation.
-        category: role, or None until `resolve`.
-        module: module (forward) or autograd node (backward) that created it.
-        op: the op that created it, or ``"seed"``.
-        shape, dtype: of the first tensor seen on the storage.
-    """
-
-    serial: int
-    nbytes: int
-    created: int
-    phase: str
-    category: Optional[str] = None
-    module: str = ""
-    op: str = ""
-    shape: tuple = ()
-    dtype: str = ""
-    freed: Optional[int] = None
-    last_used: int = -1
-    ptr: int = 0
-    host: bool = False
-
-    def resolved_category(self) -> str:
-        return self.category or TEMPORARIES
-
-
-@dataclass
-class PeakReport:
-    """The state of memory at the peak of a measurement window.
-
-    Attributes:
-        peak_bytes: device bytes live at the peak.
-        by_category: device bytes per category at the peak (``host`` holds host-tier bytes).
-        phase: phase in which the peak happened.
-        phase_peaks: highest live device bytes in each phase.
-        top: the largest live records at the peak.
-        baseline_bytes: device bytes live when the window began.
-    """
-
-    peak_bytes: int
-    by_category: dict[str, int]
-    phase: str
-    phase_peaks: dict[str, int]
-    top: list[Record] = field(default_factory=list)
-    baseline_bytes: int = 0
-
-    def as_dict(self) -> dict:
-        return {
-            "peak_bytes": self.peak_bytes,
-            "peak_by_category": dict(self.by_category),
-            "peak_phase": self.phase,
-            "phase_peaks": dict(self.phase_peaks),
-            "baseline_bytes": self.baseline_bytes,
-            "top_tensors": [
-                {"nbytes": r.nbytes, "category": r.resolved_category(), "shape": list(r.shape),
-                 "dtype": r.dtype, "module": r.module, "op": r.op, "phase": r.phase}
-                for r in self.top
-            ],
-        }
-
-
-def _storage_of(t: torch.Tensor):
-    try:
-        st = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # sparse, meta-only or functional wrappers
-        return None
-    owner = SUBALLOCATIONS.get(storage_key(st))
-    return owner if owner is not None else st
-
-
-SUBALLOCATIONS: dict[int, Any] = {}
-"""Storages that alias bytes another storage owns (a memory-pool block inside its reservation), by
-`storage_key`, to that owner's storage: the tracker counts and marks the owner, so the bytes count once.
-The pool adds a block when it hands it out and drops it when the block's storage dies."""
-
-
-_ALIASING: dict[Any, bool] = {}
-
-
-def _returns_alias(func: Any) -> bool:
-    """True for ops whose outputs alias an input (views, in-place and out= ops)."""
-    known = _ALIASING.get(func)
-    if known is None:
-        schema = op_schema(func)
-        known = bool(schema is not None and any(r.alias_info is not None for r in schema.returns))
-        _ALIASING[func] = known
-    return known
-
-
-class _Mode(TorchDispatchMode):
-    def __init__(self, tracker: "MemoryTracker"):
-        super().__init__()
-        self.tracker = tracker
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        tracker = self.tracker
-        if tracker.record_uses:
-            tracker._use(args, kwargs)
-        # An output that aliases an input is not a new storage: only a known storage is looked
-        # at (it may have been resized in place); an untracked one stays untracked.
-        new = not _returns_alias(func)
-        if isinstance(out, torch.Tensor):
-            tracker._see(out, func, new=new)
-        elif isinstance(out, (tuple, list)):
-            for t in out:
-                if isinstance(t, torch.Tensor):
-                    tracker._see(t, func, new=new)
-                elif isinstance(t, (tuple, list)):
-                    for u in t:
-                        if isinstance(u, torch.Tensor):
-                            tracker._see(u, func, new=new)
-        # In-place ops that resize an argument (resize_, set_) return it, so `_see` catches the
-        # new size through the output; out= ops return their out tensor likewise.
-        return out
 
 
 class MemoryTracker:
@@ -518,115 +387,6 @@ class MemoryTracker:
             self._handles.append(module.register_forward_hook(leave))
 
 
-class Window:
-    """Peak bookkeeping from a start point: bytes, phase, per-phase peaks (see `open_window`)."""
-
-    def __init__(self, tracker: MemoryTracker):
-        self.tracker = tracker
-        self.reset()
-
-    @property
-    def live_bytes(self) -> int:
-        """Bytes the tracker counts live now."""
-        return self.tracker.live_bytes
-
-    def reset(self) -> None:
-        t = self.tracker
-        with t._lock:
-            self.start_clock = t.clock
-            self.baseline_bytes = t.live_bytes
-            self.peak_bytes = t.live_bytes
-            self.peak_clock = t.clock
-            self.peak_phase = t.phase
-            self.phase_peaks: dict[str, int] = {}
-            self.phase_peak_clocks: dict[str, int] = {}
-            """The event clock of each phase's peak (`phase_peaks`)."""
-            if t._windows:
-                t._prune()
-
-    @property
-    def phases(self) -> list[tuple[int, str]]:
-        """Phase changes seen in this window, starting with the phase at its start."""
-        log = self.tracker.phase_log
-        before = [p for p in log if p[0] <= self.start_clock]
-        first = (self.start_clock, before[-1][1] if before else self.tracker.phase)
-        return [first] + [p for p in log if p[0] > self.start_clock]
-
-    def report(self, top: int = 10) -> PeakReport:
-        """The window's peak with its breakdown by category, its phase and the largest tensors."""
-        t = self.tracker
-        at_peak = t.live_records(self.peak_clock)
-        device = sorted((r for r in at_peak if not r.host), key=lambda r: r.nbytes, reverse=True)
-        return PeakReport(peak_bytes=self.peak_bytes, by_category=t.by_category(at_peak), phase=self.peak_phase,
-                          phase_peaks=dict(self.phase_peaks), top=device[:top], baseline_bytes=self.baseline_bytes)
-
-    def category_peaks(self) -> dict[str, int]:
-        """The highest live bytes of each category over the window, each at its own moment (the
-        activations peak at the end of forward while the overall peak may be in the optimizer step);
-        ``host`` holds the host tier's highest."""
-        t = self.tracker
-        live = {c: 0 for c in CATEGORIES}
-        events = []
-        with t._lock:
-            for r in t.records:
-                if r.freed is not None and r.freed <= self.start_clock:
-                    continue
-                c = HOST if r.host else r.resolved_category()
-                if r.created <= self.start_clock:
-                    live[c] += r.nbytes
-                else:
-                    events.append((r.created, r.nbytes, c))
-                if r.freed is not None:
-                    events.append((r.freed, -r.nbytes, c))
-        peaks = dict(live)
-        for _, delta, c in sorted(events):  # every allocation and free has its own clock value
-            live[c] += delta
-            if live[c] > peaks[c]:
-                peaks[c] = live[c]
-        return peaks
-
-    def most_at_once(self) -> dict[str, int]:
-        """Per device category, the most bytes of it alive at the same time in this window.
-
-        The breakdown at the peak (`report`) shows each category at one moment; a category can be
-        larger at another (gradients at the end of backward while the peak is at its start).
-        Categories are resolved as they are now (roles given after creation count). The device
-        part of `category_peaks`.
-        """
-        peaks = self.category_peaks()
-        return {c: peaks[c] for c in DEVICE_CATEGORIES}
-
-    def close(self) -> None:
-        self.tracker.close_window(self)
-
-
-def _inner_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
-    """The plain tensors a wrapper subclass holds (``__tensor_flatten__``), recursively."""
-    names, _ = t.__tensor_flatten__()
-    for name in names:
-        inner = getattr(t, name)
-        if is_traceable_wrapper_subclass(inner):
-            yield from _inner_tensors(inner)
-        else:
-            yield inner
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in nested lists, tuples, dicts and optimizer states (wrapper subclasses as the
-    plain tensors inside them)."""
-    if isinstance(obj, torch.Tensor):
-        if is_traceable_wrapper_subclass(obj):
-            yield from _inner_tensors(obj)
-        else:
-            yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple, set)) or hasattr(obj, "__iter__") and not isinstance(obj, (str, bytes)):
-        for v in obj:
-            yield from _tensors(v)
-
-
 def default_device_type() -> str:
     """The device type memory is measured on: DeepSpeed's accelerator when loaded, else CUDA/CPU."""
     import sys
@@ -637,3 +397,9 @@ def default_device_type() -> str:
         name = get_accelerator().device_name()
         return "cpu" if name == "cpu" else torch.device(name).type
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# The moved names stay importable from here (`xirang_ds.memory.pool` fills ``SUBALLOCATIONS``; the
+# activations plugin's profile reads ``_returns_alias``; the estimator's trace walks outputs with ``_tensors``).
+__all__ = ["PHASES", "SUBALLOCATIONS", "MemoryTracker", "PeakReport", "Record", "Window", "_returns_alias", "_tensors",
+           "default_device_type"]

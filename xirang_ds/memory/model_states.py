@@ -1,0 +1,120 @@
+"""The analytic half of the estimate: model states, the optimizer step and ZeRO 3's gathered working set.
+
+By ZeRO stage and dtype, following DeepSpeed's buffers (flat 16-bit parameters, fp32 partitions, states
+over the partition, fp32 gradient partitions at the step) and the optimizer implementation's temporaries
+(torch's single-tensor Adam on CPU, foreach on CUDA, none for fused kernels). Each term is a dict of bytes
+by category (`_cat`, `_add`), the form the phases of `xirang_ds.memory.estimator` are summed in.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from xirang_ds.memory.categories import CATEGORIES
+from xirang_ds.memory.run_shape import RunShape, _fullest_rank, partition_numel
+
+
+def _cat(**parts: int) -> dict[str, int]:
+    out = {c: 0 for c in CATEGORIES}
+    for k, v in parts.items():
+        out[k] += int(v)
+    return out
+
+
+def _add(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {c: a.get(c, 0) + b.get(c, 0) for c in CATEGORIES}
+
+
+def model_states(shape: RunShape, numels: list[int]) -> dict[str, int]:
+    """Resident bytes between steps: parameters (16-bit and fp32 master) and optimizer states."""
+    total = sum(numels)
+    lp = shape.lp_bytes
+    part = partition_numel(total, shape.world_size)
+    padded = part * shape.world_size
+    groups = 1
+    if shape.stage == 0:
+        master = 4 * total if shape.dtype != torch.float32 else 0
+        return _cat(parameters=lp * total + master, optimizer_states=8 * total + 4 * len(numels))
+    if shape.stage in (1, 2):
+        master = 0 if shape.shared_masters else 4 * part
+        return _cat(parameters=lp * padded + master, optimizer_states=8 * part + 4 * groups)
+    # ZeRO 3: 16-bit partition, fp32 partition, states over the partition
+    return _cat(parameters=lp * part + 4 * part, optimizer_states=8 * part + 4 * groups)
+
+
+def _adam_temporaries(shape: RunShape, tensors: list[int]) -> int:
+    """Peak temporaries of one Adam step over tensors of these numels (fp32)."""
+    if shape.adam_impl == "fused" or not tensors:
+        return 0
+    if shape.adam_impl == "foreach":
+        return 4 * sum(tensors)  # _foreach_sqrt of every exp_avg_sq, then in-place ops
+    return 2 * 4 * max(tensors)  # sqrt() and its quotient, one tensor at a time
+
+
+def _optimizer_step(shape: RunShape, states: dict, numels: list[int]) -> tuple[dict, Optional[dict]]:
+    """``engine.step()`` at the boundary: the wrapper's preparation of the gradients (``None`` where
+    it allocates nothing), then the basic optimizer's update.
+
+    ZeRO 1-3 (stage_1_and_2.py / stage3.py ``step``): the reduced 16-bit gradient partition is
+    flattened into a copy, the copy upcast to the fp32 gradient of the master partition, then the
+    16-bit gradients are freed before the update. ZeRO 0 in 16 bits with DeepSpeed's fused Adam
+    (``FP16_Optimizer``): every gradient upcast one by one, then flattened into one fp32 gradient.
+    ZeRO 0 with torch's Adam (``FP16_UnfusedOptimizer``) upcasts into each master's ``.grad``.
+    """
+    total = sum(numels)
+    lp = shape.lp_bytes
+    part = partition_numel(total, shape.world_size)
+    sixteen = shape.dtype != torch.float32
+    if shape.stage == 0:
+        grads = lp * total + (4 * total if sixteen else 0)
+        update = _add(states, _cat(gradients=grads, temporaries=_adam_temporaries(shape, numels)))
+        prepare = None
+        if sixteen and shape.adam_impl == "fused":
+            prepare = _add(states, _cat(gradients=lp * total + 4 * total, temporaries=4 * total))
+        return update, prepare
+    resident = _cat()
+    if shape.stage == 3:  # the 16-bit gradient partition and the reduction bucket stay allocated
+        resident = _cat(gradients=lp * part, comm_buffers=lp * shape.reduce_bucket)
+        prepare = _add(_add(states, resident), _cat(gradients=4 * part if sixteen else 0, temporaries=lp * part))
+    else:
+        # group by group: its 16-bit gradients flattened and upcast, then freed before the next group's
+        rank = _fullest_rank(shape, numels)
+        parts = [partition_numel(sum(numels[i] for i in g), shape.world_size)
+                 for g in (shape.groups or (tuple(range(len(numels))),))]
+        points = [_cat(gradients=lp * sum(rank.by_group[g:]) + (4 * sum(parts[:g + 1]) if sixteen else 0),
+                       temporaries=lp * parts[g]) for g in range(len(parts))]
+        prepare = _add(states, max(points, key=lambda c: sum(c.values())))
+    update = _add(_add(states, resident), _cat(gradients=4 * part, temporaries=_adam_temporaries(shape, [part])))
+    return update, prepare
+
+
+def _stage3_working_set(shape: RunShape, numels: list[int], fwd: dict, bwd: dict) -> tuple[dict, dict]:
+    """ZeRO 3: parameters live as partitions; the trace counted them whole, gathered. Replace the
+    whole 16-bit parameters by the gathered working set and add the persistent reduction buffers.
+
+    The working set at the end of forward, where activations peak, is what the parameter coordinator
+    keeps (partitioned_param_coordinator.py ``__params_to_release``, once the trace is complete, from
+    the second step): a parameter released after its forward is kept gathered when its next use (in
+    backward) comes within ``stage3_max_reuse_distance`` elements of fetches, about twice the
+    parameters after it in forward; with DeepSpeed's default (1e9) every model under 5e8
+    parameters stays gathered from forward to backward. Beside them: the prefetch bucket and the
+    module in use, and the persistent small parameters (``stage3_param_persistence_threshold``).
+    On one rank the partition is the whole parameter and nothing is gathered."""
+    lp = shape.lp_bytes
+    total = sum(numels)
+    persistent = sum(x for x in numels if x <= shape.persistence_threshold)
+    released = [x for x in numels if x > shape.persistence_threshold]
+    kept, after = 0, 0
+    for x in reversed(released):  # parameters in forward order: the last ones are reused soonest
+        if 2 * after < shape.max_reuse_distance:
+            kept += x
+        after += x
+    largest = max(numels)
+    gathered = min(sum(released), kept + max(shape.prefetch_bucket, largest) + largest) + persistent
+    if shape.world_size == 1:
+        gathered = 0  # one rank's partition is the whole parameter: gathering allocates nothing
+    extra = _cat(parameters=lp * gathered,
+                 comm_buffers=lp * shape.reduce_bucket,
+                 gradients=lp * partition_numel(total, shape.world_size))
+    return _add(fwd, extra), _add(bwd, extra)

@@ -1,0 +1,130 @@
+"""What the estimate reads from a ds_config, and how ZeRO 1/2 splits the parameters over the ranks.
+
+A module of its own because both halves of the estimate read it: the fake trace
+(`xirang_ds.memory.trace`) emulates ZeRO 2's gradient partition of the fullest rank, and the analytic
+model states (`xirang_ds.memory.model_states`) size the flat buffers and partitions by it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+DEFAULT_REDUCE_BUCKET = int(5e8)
+DEFAULT_ALLGATHER_BUCKET = int(5e8)
+DEFAULT_PREFETCH_BUCKET = int(5e7)
+DEFAULT_PERSISTENCE_THRESHOLD = int(1e5)
+DEFAULT_MAX_REUSE_DISTANCE = int(1e9)
+
+
+def partition_numel(total: int, world_size: int) -> int:
+    """One rank's share of ``total`` elements in ZeRO's flat buffers (padded to 2 x ranks)."""
+    n = max(world_size, 1)
+    return int(math.ceil(total / (2 * n)) * 2 * n) // n
+
+
+class EstimateError(ValueError):
+    """The ds_config or model cannot be estimated (the message says why)."""
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What the estimate needs from a ds_config, with DeepSpeed's defaults applied."""
+
+    micro_batch: int
+    grad_accum: int
+    world_size: int
+    stage: int
+    dtype: torch.dtype
+    reduce_bucket: int
+    allgather_bucket: int
+    overlap_comm: bool
+    contiguous_gradients: bool
+    prefetch_bucket: int
+    persistence_threshold: int
+    max_reuse_distance: int
+    offloaded: tuple[str, ...]  # the zero_optimization offload sections with a device other than none
+    optimizer: str
+    adam_impl: str  # "single_tensor" | "foreach" | "fused"
+    device: str
+    shared_masters: bool = False  # ZeRO 1/2's fp32 partition is a view of fp32 parameters, not a copy
+    groups: Optional[tuple[tuple[int, ...], ...]] = None
+    """DeepSpeed's parameter groups as indices into the trainable parameters, when a plugin splits them
+    (optimizer_states keeps fp32 states in groups of their own); ZeRO 1/2 flattens and partitions each
+    group on its own. ``None``: one group."""
+
+    @classmethod
+    def from_ds_config(cls, ds: dict, world_size: int = 1, device: str = "cpu") -> "RunShape":
+        gas = int(ds.get("gradient_accumulation_steps", 1) or 1)
+        micro = ds.get("train_micro_batch_size_per_gpu")
+        if micro in (None, "auto"):
+            total = ds.get("train_batch_size")
+            if total in (None, "auto"):
+                raise EstimateError("ds_config sets neither train_micro_batch_size_per_gpu nor train_batch_size")
+            micro = int(total) // (gas * world_size)
+        zero = ds.get("zero_optimization", {}) or {}
+        stage = int(zero.get("stage", 0))
+        if ds.get("bf16", {}).get("enabled") in (True, "true"):
+            dtype = torch.bfloat16
+        elif ds.get("fp16", {}).get("enabled") in (True, "true"):
+            dtype = torch.float16
+        else:
+            dtype = torch.float32
+        opt = ds.get("optimizer", {}) or {}
+        params = opt.get("params", {}) or {}
+        name = str(opt.get("type", "AdamW"))
+        if params.get("torch_adam"):
+            impl = "foreach" if device == "cuda" else "single_tensor"
+        else:
+            impl = "fused"  # DeepSpeed's FusedAdam (GPU) / CPUAdam: no step temporaries
+        return cls(micro_batch=int(micro), grad_accum=gas, world_size=world_size, stage=stage, dtype=dtype,
+                   reduce_bucket=int(float(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET))),
+                   allgather_bucket=int(float(zero.get("allgather_bucket_size", DEFAULT_ALLGATHER_BUCKET))),
+                   overlap_comm=bool(zero.get("overlap_comm", stage == 3)),
+                   contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
+                   prefetch_bucket=int(float(zero.get("stage3_prefetch_bucket_size", DEFAULT_PREFETCH_BUCKET))),
+                   persistence_threshold=int(float(zero.get("stage3_param_persistence_threshold",
+                                                            DEFAULT_PERSISTENCE_THRESHOLD))),
+                   max_reuse_distance=int(float(zero.get("stage3_max_reuse_distance", DEFAULT_MAX_REUSE_DISTANCE))),
+                   offloaded=tuple(k for k in ("offload_optimizer", "offload_param")
+                                   if str((zero.get(k) or {}).get("device", "none")) != "none"),
+                   optimizer=name, adam_impl=impl, device=device)
+
+    @property
+    def lp_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class _Partition:
+    numel: int
+    params: tuple[int, ...]
+    by_group: tuple[int, ...] = ()  # the numel it keeps whole in each group
+
+
+def _fullest_rank(shape: RunShape, numels: list[int]) -> _Partition:
+    """The rank whose ZeRO 1/2 gradient partition is largest: each group's flat 16-bit buffer is split
+    evenly in parameter order, and a rank keeps the gradients of every parameter that reaches into its
+    range whole (stage_1_and_2.py ``params_in_partition``; ``grads_in_partition`` is their sum), in
+    every group."""
+    n = max(shape.world_size, 1)
+    groups = shape.groups or (tuple(range(len(numels))),)
+    best = _Partition(0, (), (0,) * len(groups))
+    for r in range(n):
+        inside, sizes = [], []
+        for group in groups:
+            part = partition_numel(sum(numels[i] for i in group), n)
+            lo, hi = r * part, (r + 1) * part
+            start, kept = 0, 0
+            for i in group:
+                if start < hi and start + numels[i] > lo:
+                    inside.append(i)
+                    kept += numels[i]
+                start += numels[i]
+            sizes.append(kept)
+        if sum(sizes) > best.numel:
+            best = _Partition(sum(sizes), tuple(inside), tuple(sizes))
+    return best

@@ -1,6 +1,7 @@
 """``xirang-ds tune``: the fastest block (or the largest micro-batch) that fits a memory budget.
 
-The search has three stages, each cheaper in count than the one before:
+The search space is `xirang_ds.tune.space`, the cost model `xirang_ds.tune.cost`. The search has three
+stages, each cheaper in count than the one before:
 
 1. **Predict memory for every candidate** of the joint space (ZeRO stage × optimizer-state format ×
    grad_release × every other built plugin's options × micro-batch) with the estimator: a fake
@@ -26,7 +27,6 @@ the cost model's error against each measured candidate.
 from __future__ import annotations
 
 import copy
-import itertools
 import json
 import math
 import sys
@@ -36,122 +36,15 @@ from typing import Any, Callable, Optional
 
 from xirang_ds.config.loader import BLOCK_KEY, deep_merge
 from xirang_ds.config.types import format_bytes
-from xirang_ds.registry import built_sections
-
-SEARCHED = ("optimizer_states", "grad_release", "precision", "activations")
-"""Sections whose options the tuner chooses (comm_buffers is always on in its adaptive mode)."""
-
-
-@dataclass(frozen=True)
-class Option:
-    """One value of one dimension: a label, what it writes into the ds_config, and whether it
-    changes the numbers training computes (lossy) or only where and when they live."""
-
-    label: str
-    block: dict = field(default_factory=dict)  # sections laid over the candidate's block
-    ds: dict = field(default_factory=dict)  # keys laid over the ds_config (ZeRO stage, micro-batch)
-    lossy: bool = False
-
-
-@dataclass
-class Candidate:
-    """A point of the joint space and what is known about it."""
-
-    options: tuple[Option, ...]
-    ds_config: dict
-    micro_batch: int
-    predicted_peak: Optional[int] = None
-    predicted_time_s: Optional[float] = None
-    rejected: Optional[str] = None
-    measured_peak: Optional[int] = None
-    measured_time_s: Optional[float] = None
-    measured_loss: Optional[float] = None
-    error: Optional[str] = None
-
-    @property
-    def name(self) -> str:
-        parts = [o.label for o in self.options if o.label]
-        return "+".join(parts) or "base"
-
-    def as_dict(self) -> dict:
-        return {"name": self.name, "micro_batch": self.micro_batch, "predicted_peak_bytes": self.predicted_peak,
-                "predicted_step_time_s": self.predicted_time_s, "rejected": self.rejected,
-                "measured_peak_bytes": self.measured_peak, "measured_step_time_s": self.measured_time_s,
-                "measured_final_loss": self.measured_loss, "error": self.error,
-                "block": self.ds_config.get(BLOCK_KEY, {})}
-
-
-def search_space(ds_config: dict, world_size: int, lossless_only: bool = False,
-                 micro_batches: Optional[list[int]] = None) -> list[list[Option]]:
-    """The dimensions of the joint space for this ds_config, each with its default first.
-
-    The ZeRO stage varies over 0-2 on several ranks (the stage the user wrote stays a candidate);
-    stage 3 is searched only when the user asked for it, since most plugins refuse it.
-    """
-    built = built_sections()
-    zero = ds_config.get("zero_optimization", {}) or {}
-    user_stage = int(zero.get("stage", 0))
-    stages = sorted({user_stage} | ({0, 1, 2} if world_size > 1 else set()))
-    dims: list[list[Option]] = [[Option(f"zero{s}", ds={"zero_optimization": {"stage": s}}) for s in stages]]
-    if micro_batches:
-        dims.append([Option(f"mb{m}", ds={"train_micro_batch_size_per_gpu": m}) for m in micro_batches])
-    if "optimizer_states" in built:
-        states = [Option("")]
-        states.append(Option("int8_states", {"optimizer_states": {"enabled": True, "schedule": [{"dtype": "int8"}]}},
-                             lossy=True))
-        states.append(Option("int4_states", {"optimizer_states": {"enabled": True, "schedule": [{"dtype": "int4"}]}},
-                             lossy=True))
-        dims.append(states)
-    if "grad_release" in built:
-        release = [Option(""), Option("grad_release", {"grad_release": {"enabled": True}})]
-        if (ds_config.get("bf16") or {}).get("enabled") in (True, "true"):  # no master: bf16 weights only
-            release.append(Option("grad_release_no_master", {"grad_release": {"enabled": True, "masters": "none"}},
-                                  lossy=True))
-        dims.append(release)
-    if "precision" in built and _low_precision(ds_config):
-        dims.append([Option(""), Option("precision", {"precision": {"enabled": True}})])
-    if "activations" in built:
-        dims.append([Option(""), Option("act_lossless", {"activations": {"enabled": True}})])
-    if lossless_only:
-        dims = [[o for o in d if not o.lossy] for d in dims]
-    return dims
-
-
-def _low_precision(ds_config: dict) -> bool:
-    return any((ds_config.get(k) or {}).get("enabled") in (True, "true") for k in ("bf16", "fp16"))
-
-
-def base_config(ds_config: dict, budget: int) -> dict:
-    """The user's ds_config with the searched sections cleared, adaptive buffers on and the budget
-    written into the block (the activation planner and the monitor read it)."""
-    out = copy.deepcopy(ds_config)
-    block = dict(out.get(BLOCK_KEY, {}) or {})
-    block.pop("preset", None)
-    # searched sections are the tuner's; the monitor and profiler stay out of trials (an action
-    # such as halve_micro_batch would change what is measured) and come back in the output
-    for name in SEARCHED + ("autotune", "monitor", "profiler"):
-        block.pop(name, None)
-    if "comm_buffers" in built_sections():
-        block["comm_buffers"] = deep_merge({"enabled": True}, block.get("comm_buffers", {}) or {})
-    block["memory_budget"] = int(budget)
-    out[BLOCK_KEY] = block
-    return out
-
-
-def candidates(ds_config: dict, dims: list[list[Option]]) -> list[Candidate]:
-    base = base_config(ds_config, ds_config[BLOCK_KEY]["memory_budget"]) if BLOCK_KEY in ds_config else ds_config
-    out = []
-    for combo in itertools.product(*dims):
-        cfg = copy.deepcopy(base)
-        for o in combo:
-            cfg = deep_merge(cfg, o.ds)
-            cfg[BLOCK_KEY] = deep_merge(cfg.get(BLOCK_KEY, {}), o.block)
-        out.append(Candidate(tuple(combo), cfg, int(cfg.get("train_micro_batch_size_per_gpu", 1))))
-    return out
-
-
-# ------------------------------------------------------------------------------------------------
-# the progress bar
+from xirang_ds.tune.cost import (
+    _grow_micro_batch,
+    _mb_scale,
+    _micro_batch,
+    planned_peak,
+    planner_line,
+    stage_calibration,
+)
+from xirang_ds.tune.space import SEARCHED, Candidate, Option, base_config, candidates, search_space
 
 
 class Progress:
@@ -229,88 +122,43 @@ def _estimate(model: str, cfg: dict, world_size: int, device: str) -> tuple[int,
     return est.predicted_peak_bytes, unmodelled, {p: v["total"] for p, v in est.phases.items()}
 
 
-def stage_calibration(profile: dict) -> dict[str, float]:
-    """A profiled base's calibration, as a session calibrates its own prediction
-    (`xirang_ds.memory.calibration.phase_factors`): per phase, measured over estimated, where the
-    run measured its phases; else one factor for the total."""
-    from xirang_ds.memory.calibration import PHASES, phase_factors
-
-    measured = {p: b for p, b in (profile.get("phase_peaks") or {}).items() if p in PHASES}
-    if not measured:
-        measured = {"peak": profile["peak_bytes"]}
-    return phase_factors(measured, profile["predicted_phases"])
-
-
-def _grow_micro_batch(c: Candidate, peak_at: Callable[[dict], int], budget: int, max_doublings: int = 12) -> None:
-    """Double the candidate's micro-batch while ``peak_at(ds_config)`` fits (halve it while it does not)."""
-    def at(mb: int) -> tuple[dict, int]:
-        cfg = deep_merge(c.ds_config, {"train_micro_batch_size_per_gpu": mb})
-        return cfg, peak_at(cfg)
-
-    mb, peak = c.micro_batch, c.predicted_peak
-    while peak > budget and mb > 1:
-        mb = mb // 2
-        c.ds_config, peak = at(mb)
-    for _ in range(max_doublings):
-        if peak > budget:
-            break
-        cfg, bigger = at(mb * 2)
-        if bigger > budget:
-            break
-        mb, peak, c.ds_config = mb * 2, bigger, cfg
-    c.micro_batch, c.predicted_peak = mb, peak
-
-
-def _mb_scale(profiles: dict, stage: int, mb0: int, mb1: int, mb: int) -> float:
-    """Step time at ``mb`` over step time at ``mb0``: the line through the two profiled points when
-    there are two, else proportional to the micro-batch."""
-    t0 = profiles.get(f"zero{stage}", {}).get("step_time_s")
-    t1 = profiles.get(f"zero{stage}@mb{mb1}", {}).get("step_time_s")
-    if mb == mb0:
-        return 1.0
-    if t0 and t1 and mb1 != mb0:
-        slope = (t1 - t0) / (mb1 - mb0)
-        return max(t0 + slope * (mb - mb0), 1e-9) / t0
-    return mb / mb0
-
-
-def _micro_batch(cfg: dict) -> int:
-    return int(cfg.get("train_micro_batch_size_per_gpu", 1) or 1)
-
-
-def planned_peak(other: float, keep: float, least: float, budget: int) -> tuple[int, float]:
-    """The step peak with the activation planner under ``budget``, and how far its plan goes.
-
-    The planner (``budget: auto``) keeps saved activations under ``budget`` minus what the rank
-    needs besides them (``other``), down to the least any plan needs; ``keep``: saved bytes with
-    every module kept. Returns ``(peak, fraction)``: ``fraction`` 0 keeps everything, 1 is the
-    least plan; a budget the least plan does not fit shows as a peak above it.
-    """
-    activations = max(least, min(keep, budget - other))
-    fraction = 0.0 if keep <= least else (keep - activations) / (keep - least)
-    return int(other + activations), fraction
-
-
-def planner_line(profiles: dict, label: str, mb0: int, mb1: int) -> Optional[Callable[[int], tuple[float, float, float]]]:
-    """``mb -> (other, keep, least)`` from the planner's figures at one or two profiled micro-batches:
-    the line through both points, or proportional to the micro-batch from one (``other`` then
-    stays as measured: it is mostly model states)."""
-    f0 = profiles.get(label, {}).get("activation_figures")
-    if not f0 or f0.get("other_peak_bytes") is None:
-        return None
-    f1 = profiles.get(f"{label}@mb{mb1}", {}).get("activation_figures")
-    keys = ("other_peak_bytes", "keep_bytes", "least_bytes")
-    if f1 and f1.get("other_peak_bytes") is not None and mb1 != mb0:
-        def at(mb: int) -> tuple[float, float, float]:
-            return tuple(f0[k] + (f1[k] - f0[k]) * (mb - mb0) / (mb1 - mb0) for k in keys)  # type: ignore
-    else:
-        def at(mb: int) -> tuple[float, float, float]:
-            return f0["other_peak_bytes"], f0["keep_bytes"] * mb / mb0, f0["least_bytes"] * mb / mb0
-    return at
-
-
 def _stage(c: Candidate) -> int:
     return int((c.ds_config.get("zero_optimization") or {}).get("stage", 0))
+
+
+@dataclass
+class _Search:
+    """One `tune` call: its inputs, and what its phases hand each other."""
+
+    model: str
+    budget: int
+    world_size: int
+    objective: str
+    device: str
+    time_limit_s: float
+    runner: Runner
+    progress: Progress
+    user: dict
+    """The user's ds_config with ``memory_budget`` set in its block."""
+    user_stage: int
+    user_mb: int
+    grow: bool
+    """``largest_micro_batch`` without fixed micro-batches: each combination's micro-batch doubles while it fits."""
+    start: float = field(default_factory=time.perf_counter)
+    far_mb: int = 0
+    """The base's largest micro-batch (the step-time line's second point; the user's when not growing)."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    unmodelled_of: dict[int, list[str]] = field(default_factory=dict)
+    """By candidate ``id``: sections the estimator does not model for it."""
+    phases_of: dict[int, dict[str, int]] = field(default_factory=dict)
+    """By candidate ``id``: the estimator's phases."""
+
+    def estimate(self, cfg: dict) -> tuple[int, list[str], dict[str, int]]:
+        return _estimate(self.model, cfg, self.world_size, self.device)
+
+    def out_of_time(self) -> bool:
+        return time.perf_counter() - self.start > self.time_limit_s
 
 
 def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objective: str = "fastest",
@@ -318,54 +166,65 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
          lossless_only: bool = False, micro_batches: Optional[list[int]] = None, data: Optional[str] = None,
          seed: int = 0, device: str = "cpu", progress: Optional[Progress] = None,
          runner: Optional[Runner] = None) -> TuneResult:
-    """Search the joint space under ``budget`` bytes per rank (see the module docstring)."""
-    from xirang_ds.config.validate import XirangConfigError
-    from xirang_ds.memory.estimator import EstimateError
-
-    progress = progress or Progress(None)
-    runner = runner or _default_runner(model, world_size, data, seed)
-    start = time.perf_counter()
-    seconds: dict[str, float] = {}
-    notes: list[str] = []
-    grow = objective == "largest_micro_batch" and not micro_batches
-    dims = search_space(ds_config, world_size, lossless_only, micro_batches)
+    """Search the joint space under ``budget`` bytes per rank (see the module docstring): predict, profile,
+    rank, measure."""
     user = copy.deepcopy(ds_config)
     user.setdefault(BLOCK_KEY, {})
     user[BLOCK_KEY] = dict(user[BLOCK_KEY], memory_budget=int(budget))
-    pool = candidates(user, dims)
+    user_mb = int(ds_config.get("train_micro_batch_size_per_gpu", 1) or 1)
+    search = _Search(model, budget, world_size, objective, device, time_limit_s,
+                     runner or _default_runner(model, world_size, data, seed), progress or Progress(None), user,
+                     int((ds_config.get("zero_optimization") or {}).get("stage", 0)), user_mb,
+                     grow=objective == "largest_micro_batch" and not micro_batches, far_mb=user_mb)
+    pool = candidates(user, search_space(ds_config, world_size, lossless_only, micro_batches))
+    live = _predict(search, pool)
+    profiles = _profile(search, live, profile_steps)
+    fitting, calibration = _rank(search, pool, live, profiles)
+    winner = _measure(search, fitting, measure_top, measure_steps)
+    return TuneResult(budget, objective, world_size, model, pool, profiles, calibration, winner, search.seconds,
+                      search.notes)
 
-    # 1. predict memory
-    unmodelled_of: dict[int, list[str]] = {}
-    phases_of: dict[int, dict[str, int]] = {}
+
+def _predict(search: _Search, pool: list[Candidate]) -> list[Candidate]:
+    """1. The estimate of every candidate (a rejected one keeps its reason); the live candidates. Growing, the
+    base's largest micro-batch too.
+
+    Raises:
+        ValueError: no candidate is valid.
+    """
+    from xirang_ds.config.validate import XirangConfigError
+    from xirang_ds.memory.estimator import EstimateError
+
+    progress = search.progress
     for i, c in enumerate(pool):
         progress.update(i, len(pool), "estimate", c.name)
         try:
-            c.predicted_peak, unmodelled_of[id(c)], phases_of[id(c)] = _estimate(model, c.ds_config, world_size,
-                                                                                   device)
+            c.predicted_peak, search.unmodelled_of[id(c)], search.phases_of[id(c)] = search.estimate(c.ds_config)
         except (XirangConfigError, EstimateError, ValueError) as e:
             c.rejected = " ".join(str(e).split())[:300]
     progress.update(len(pool), len(pool), "estimate")
     live = [c for c in pool if c.rejected is None]
-    user_stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
-    user_mb = int(ds_config.get("train_micro_batch_size_per_gpu", 1) or 1)
-    raw = lambda cfg: _estimate(model, cfg, world_size, device)[0]  # noqa: E731
-    far_mb = user_mb
-    if grow:  # the base's largest micro-batch: the second point of the step-time line
+    if search.grow:  # the base's largest micro-batch: the second point of the step-time line
         for c in live:
-            if not any(o.block for o in c.options) and _stage(c) == user_stage:
+            if not any(o.block for o in c.options) and _stage(c) == search.user_stage:
                 plain = Candidate(c.options, copy.deepcopy(c.ds_config), c.micro_batch, c.predicted_peak)
-                _grow_micro_batch(plain, raw, budget)
-                far_mb = plain.micro_batch
-    seconds["estimate"] = time.perf_counter() - start
+                _grow_micro_batch(plain, lambda cfg: search.estimate(cfg)[0], search.budget)
+                search.far_mb = plain.micro_batch
+    search.seconds["estimate"] = time.perf_counter() - search.start
     if not live:
         raise ValueError("no candidate is valid for this ds_config: " + pool[0].rejected if pool else "empty space")
+    return live
 
-    # 2. profile the base at each stage and each option alone (at the user's stage and micro-batch)
+
+def _profile(search: _Search, live: list[Candidate], profile_steps: int) -> dict[str, dict]:
+    """2. A few real steps of the base at each stage and of each option alone (at the user's stage and
+    micro-batch); growing, a second point at the base's largest micro-batch. Profiles by label."""
     t0 = time.perf_counter()
     profiles: dict[str, dict] = {}
     jobs: list[tuple[str, dict]] = []
     stages = sorted({_stage(c) for c in live})
-    base = base_config(user, budget)
+    base = base_config(search.user, search.budget)
+    user_stage, user_mb, far_mb, grow = search.user_stage, search.user_mb, search.far_mb, search.grow
     for s in stages:
         jobs.append((f"zero{s}", deep_merge(base, {"zero_optimization": {"stage": s}})))
     # step time is a + b * micro-batch: a second point at the largest micro-batch the base fits
@@ -381,13 +240,13 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
             # the planner's needs besides activations grow with the micro-batch: a second point
             jobs.append((f"{o.label}@mb{far_mb}", deep_merge(cfg, {"train_micro_batch_size_per_gpu": far_mb})))
     for i, (label, cfg) in enumerate(jobs):
-        progress.update(i, len(jobs), "profile", label)
-        if time.perf_counter() - start > time_limit_s:
-            notes.append(f"time limit reached while profiling; {label} and later not profiled")
+        search.progress.update(i, len(jobs), "profile", label)
+        if search.out_of_time():
+            search.notes.append(f"time limit reached while profiling; {label} and later not profiled")
             break
         try:
-            side = runner(cfg, profile_steps)
-            est, _, phases = _estimate(model, cfg, world_size, device)
+            side = search.runner(cfg, profile_steps)
+            est, _, phases = search.estimate(cfg)
             profiles[label] = {"peak_bytes": side.peak_bytes, "step_time_s": side.step_time_median_s,
                                "final_loss": side.final_loss, "predicted_peak_bytes": est,
                                "predicted_phases": phases, "phase_peaks": dict(getattr(side, "phase_peaks", {}) or {})}
@@ -396,11 +255,20 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
                 profiles[label]["activation_figures"] = reach
         except Exception as e:  # a failing option costs only itself
             profiles[label] = {"error": " ".join(str(e).split())[-300:]}
-    progress.update(len(jobs), len(jobs), "profile")
-    seconds["profile"] = time.perf_counter() - t0
+    search.progress.update(len(jobs), len(jobs), "profile")
+    search.seconds["profile"] = time.perf_counter() - t0
+    return profiles
 
+
+def _rank(search: _Search, pool: list[Candidate], live: list[Candidate], profiles: dict[str, dict]
+          ) -> tuple[list[Candidate], dict[str, float]]:
+    """The cost model of every live candidate (calibrated peak, step time; growing, its largest micro-batch)
+    and those predicted to fit, best first; with the calibration each stage's factors make of its base."""
     from xirang_ds.memory.calibration import calibrated_peak
 
+    model, world_size, device, budget = search.model, search.world_size, search.device, search.budget
+    user_stage, user_mb, far_mb, grow = search.user_stage, search.user_mb, search.far_mb, search.grow
+    stages = sorted({_stage(c) for c in live})
     factors = {f"zero{s}": stage_calibration(profiles[f"zero{s}"])
                for s in stages if "peak_bytes" in profiles.get(f"zero{s}", {})}
     calibration = {k: calibrated_peak(profiles[k]["predicted_phases"], f) / profiles[k]["predicted_peak_bytes"]
@@ -412,7 +280,7 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
             c.rejected = f"the base at {stage_key} failed to run: {profiles.get(stage_key, {}).get('error', '')}"
             continue
         time_ratio, peak_ratio = 1.0, 1.0
-        calibrated = calibrated_peak(phases_of[id(c)], factors[stage_key])
+        calibrated = calibrated_peak(search.phases_of[id(c)], factors[stage_key])
         planner = None
         for o in c.options:
             if not o.block:
@@ -424,7 +292,7 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
             time_ratio *= prof["step_time_s"] / ref["step_time_s"]
             if "activation_figures" in prof and grow:
                 planner = o.label  # the planner is modelled below from its figures, not by a ratio
-            elif next(iter(o.block)) in unmodelled_of.get(id(c), []):
+            elif next(iter(o.block)) in search.unmodelled_of.get(id(c), []):
                 peak_ratio *= prof["peak_bytes"] / ref["peak_bytes"]
         if c.rejected is not None:
             continue
@@ -458,46 +326,50 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
 
     def rank_key(c: Candidate) -> tuple:
         per_sample = (c.predicted_time_s or math.inf) / c.micro_batch
-        return (-c.micro_batch, per_sample) if objective == "largest_micro_batch" else (c.predicted_time_s, 0)
+        return (-c.micro_batch, per_sample) if search.objective == "largest_micro_batch" else (c.predicted_time_s, 0)
 
     fitting.sort(key=rank_key)
-    notes.append(f"{len(pool)} candidates, {len(pool) - len(live)} rejected by the plugins, "
+    search.notes.append(f"{len(pool)} candidates, {len(pool) - len(live)} rejected by the plugins, "
                  f"{len(fitting)} predicted to fit {format_bytes(budget)}")
+    return fitting, calibration
 
-    # 3. measure the best few for real
+
+def _measure(search: _Search, fitting: list[Candidate], measure_top: int, measure_steps: int
+             ) -> Optional[Candidate]:
+    """3. The ``measure_top`` best predicted candidates run for real (the next few once when none of them fits);
+    the winner: the fastest measured one that fits, or ``None``."""
     t0 = time.perf_counter()
     chosen = fitting[:measure_top]
     i = 0
     while i < len(chosen):
         c = chosen[i]
-        progress.update(i, len(chosen), "measure", c.name)
-        if time.perf_counter() - start > time_limit_s:
-            notes.append(f"time limit reached; {c.name} and later not measured")
+        search.progress.update(i, len(chosen), "measure", c.name)
+        if search.out_of_time():
+            search.notes.append(f"time limit reached; {c.name} and later not measured")
             break
         try:
-            side = runner(c.ds_config, measure_steps)
+            side = search.runner(c.ds_config, measure_steps)
             c.measured_peak, c.measured_time_s, c.measured_loss = (side.peak_bytes, side.step_time_median_s,
                                                                    side.final_loss)
         except Exception as e:
             c.error = " ".join(str(e).split())[-300:]
         i += 1
         if i == len(chosen) == measure_top and not any(
-                m.measured_peak is not None and m.measured_peak <= budget for m in chosen):
+                m.measured_peak is not None and m.measured_peak <= search.budget for m in chosen):
             chosen = fitting[:2 * measure_top]  # none of the best fits for real: measure the next few once
             if len(chosen) > i:
-                notes.append(f"none of the {measure_top} best predicted candidates fit when measured; measured "
-                             f"the next {len(chosen) - i}")
-    progress.update(len(chosen), len(chosen), "measure")
-    seconds["measure"] = time.perf_counter() - t0
-    seconds["total"] = time.perf_counter() - start
-    ok = [c for c in chosen if c.measured_peak is not None and c.measured_peak <= budget]
+                search.notes.append(f"none of the {measure_top} best predicted candidates fit when measured; "
+                                    f"measured the next {len(chosen) - i}")
+    search.progress.update(len(chosen), len(chosen), "measure")
+    search.seconds["measure"] = time.perf_counter() - t0
+    search.seconds["total"] = time.perf_counter() - search.start
+    ok = [c for c in chosen if c.measured_peak is not None and c.measured_peak <= search.budget]
 
     def measured_key(c: Candidate) -> tuple:
         per_sample = c.measured_time_s / c.micro_batch
-        return (-c.micro_batch, per_sample) if objective == "largest_micro_batch" else (c.measured_time_s, 0)
+        return (-c.micro_batch, per_sample) if search.objective == "largest_micro_batch" else (c.measured_time_s, 0)
 
-    winner = min(ok, key=measured_key) if ok else None
-    return TuneResult(budget, objective, world_size, model, pool, profiles, calibration, winner, seconds, notes)
+    return min(ok, key=measured_key) if ok else None
 
 
 def winning_ds_config(user_ds_config: dict, result: TuneResult) -> dict:
@@ -544,5 +416,6 @@ def write_json(result: TuneResult, path: str) -> None:
         json.dump(result.as_dict(), f, indent=2)
 
 
-__all__ = ["Option", "Candidate", "TuneResult", "Progress", "search_space", "tune", "winning_ds_config",
-           "format_result"]
+# `_mb_scale`, `planned_peak`, `planner_line` and `SEARCHED` stay importable from here (the tests read them)
+__all__ = ["SEARCHED", "Candidate", "Option", "Progress", "TuneResult", "_mb_scale", "format_result", "planned_peak",
+           "planner_line", "search_space", "tune", "winning_ds_config", "write_json"]

@@ -330,7 +330,7 @@ def _rank(search: _Search, pool: list[Candidate], live: list[Candidate], profile
 
     fitting.sort(key=rank_key)
     search.notes.append(f"{len(pool)} candidates, {len(pool) - len(live)} rejected by the plugins, "
-                 f"{len(fitting)} predicted to fit {format_bytes(budget)}")
+                        f"{len(fitting)} predicted to fit {format_bytes(budget)}")
     return fitting, calibration
 
 

@@ -280,7 +280,8 @@ class CommBuffersPlugin(Plugin):
     def describe(self) -> str:
         parts = [f"{k}={v['value']:,}" if v["value"] is not None else f"{k}: {v['why']}"
                  for k, v in self.decisions.items()]
-        parts += self.path.describe_parts()
+        if self.path.describe():
+            parts.append(self.path.describe())
         if self.arena is not None:
             parts.append(f"arena {format_bytes(self.arena.nbytes)} ({self.arena.slots} slot(s), allocated once)")
         if self.lender is not None:

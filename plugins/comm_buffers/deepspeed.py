@@ -132,8 +132,5 @@ class DeepSpeedBuffers(FrameworkPath):
             p.lender.replace(arena)
         self._mark_arena()
 
-    def describe_parts(self) -> list[str]:
-        return []
-
 
 __all__ = ["DeepSpeedBuffers"]

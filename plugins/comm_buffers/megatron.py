@@ -14,10 +14,10 @@ from xirang_ds.registry import FrameworkPath
 class MegatronBuffers(FrameworkPath):
     """Nothing to attach: the sizes were decided before Megatron's DDP wrapped the model."""
 
-    def describe_parts(self) -> list[str]:
+    def describe(self) -> str:
         if not self.plugin.decisions:
-            return []
-        return ["Megatron DDP buckets are views of its persistent grad buffer (no arena, no resizing)"]
+            return ""
+        return "Megatron DDP buckets are views of its persistent grad buffer (no arena, no resizing)"
 
     def adapt(self) -> Any:
         """Nothing to adapt: Megatron's buckets are views of a buffer sized once."""

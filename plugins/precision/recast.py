@@ -24,8 +24,6 @@ WEIGHT = "weight"
 UPCAST = "upcast"
 _PARAMETER = torch.nn.Parameter
 
-_HOOKS_ENABLED = saved_tensors_hooks_enabled
-_TOP_HOOKS = top_saved_tensors_hooks
 
 
 FAKE_PARAMETERS: set[int] = set()
@@ -176,10 +174,10 @@ class CastSet:
         """The ``(pack, unpack)`` pair under which autograd saves a `Recast` instead of any tensor on
         our copies (other tensors go to the hooks active outside); None when there is nothing to
         replace. Kernels push it around the op (``saved_tensors_hooks`` without its Python frames)."""
-        if not self.copies or not _HOOKS_ENABLED():
+        if not self.copies or not saved_tensors_hooks_enabled():
             return None
         copies, weight_scope = self.copies, self.weight_scope
-        outer = _TOP_HOOKS(False)
+        outer = top_saved_tensors_hooks(False)
         null = contextlib.nullcontext
 
         def pack(t: torch.Tensor) -> Any:

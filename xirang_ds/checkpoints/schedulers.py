@@ -19,9 +19,6 @@ from typing import Any, Callable
 
 from xirang_ds.compat.torch import SCHEDULER_PER_GROUP_LISTS
 
-PER_GROUP = SCHEDULER_PER_GROUP_LISTS
-"""Per-group lists torch's schedulers keep in their state."""
-
 
 def fit_scheduler_groups(scheduler: Any, groups: int) -> list[str]:
     """Make each per-group list of ``scheduler`` as long as ``groups``: a list of one value, or of equal
@@ -33,7 +30,7 @@ def fit_scheduler_groups(scheduler: Any, groups: int) -> list[str]:
             group), naming it and the fix.
     """
     fitted = []
-    for name in PER_GROUP:
+    for name in SCHEDULER_PER_GROUP_LISTS:  # the per-group lists torch's schedulers keep in their state
         values = getattr(scheduler, name, None)
         if not isinstance(values, list) or len(values) in (0, groups):
             continue
@@ -84,4 +81,4 @@ def install() -> Callable[[], None]:
     return uninstall
 
 
-__all__ = ["PER_GROUP", "fit_scheduler_groups", "install"]
+__all__ = ["fit_scheduler_groups", "install"]

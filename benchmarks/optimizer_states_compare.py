@@ -1,8 +1,11 @@
-"""Side by side on one tensor: optimizer-state bytes per parameter and update time per parameter of
-torch AdamW, DynamicAdamW in each format, torchao AdamW8bit/AdamW4bit and bitsandbytes AdamW8bit.
+"""Side by side on the same tensors: optimizer-state bytes per parameter and update time per parameter
+of torch AdamW, DynamicAdamW in each format (eager, and with ``fused: true``: one compiled kernel per
+chunk), torchao AdamW8bit/AdamW4bit and bitsandbytes AdamW8bit.
 
     .venv/bin/python benchmarks/optimizer_states_compare.py --numel 4194304 --rounds 15 \
         --threads 1 --json benchmarks/results/optimizer_states_compare.json
+    .venv/bin/python benchmarks/optimizer_states_compare.py --shapes 1024x1024,1024x1024,1024x1024,\
+        1024x1024,4096x4096 --rounds 9 --threads 2 --json benchmarks/results/optimizer_states_fused.json
 
 Bytes: every tensor the optimizer keeps in ``state`` after a step (torchao's tensor subclasses are
 opened into codes, scales and map). Time: the optimizers step in turn within each round, so a
@@ -12,6 +15,7 @@ step, with state creation and torchao's compilation, is not timed).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import statistics
@@ -22,6 +26,7 @@ from typing import Any, Callable
 import torch
 
 from xirang_ds.bench import write_json
+
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of every tensor in ``optimizer.state``; tensor subclasses counted by their parts."""
@@ -48,7 +53,10 @@ def candidates() -> dict[str, Callable[[list], torch.optim.Optimizer]]:
     }
     for dtype in ("fp32", "bf16", "int8", "int4"):
         out[f"xirang DynamicAdamW {dtype}"] = (
-            lambda ps, d=dtype: DynamicAdamW(ps, states={"schedule": [{"dtype": d}]}))
+            lambda ps, d=dtype: DynamicAdamW(ps, states={"schedule": [{"dtype": d}], "fused": False}))
+    for dtype in ("bf16", "int8", "int4"):
+        out[f"xirang DynamicAdamW {dtype} fused"] = (
+            lambda ps, d=dtype: DynamicAdamW(ps, states={"schedule": [{"dtype": d}], "fused": True}))
     try:
         from torchao.optim import AdamW4bit, AdamW8bit
 
@@ -65,21 +73,24 @@ def candidates() -> dict[str, Callable[[list], torch.optim.Optimizer]]:
     return out
 
 
-def run(numel: int, rounds: int, threads: int) -> dict[str, Any]:
+def run(shapes: list[tuple[int, ...]], rounds: int, threads: int) -> dict[str, Any]:
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
     makers = candidates()
+    numel = sum(math.prod(s) for s in shapes)
     params, opts = {}, {}
     for name, make in makers.items():
-        p = torch.nn.Parameter(torch.randn(numel, generator=gen) * 0.02)
-        p.grad = torch.randn(numel, generator=gen) * 1e-3
-        opt = make([p])
-        opt.step()  # creates states (and compiles torchao's step)
-        params[name], opts[name] = p, opt
+        ps = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.02) for s in shapes]
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+        opt = make(ps)
+        opt.step()  # creates states (and compiles torchao's step and the fused kernels)
+        params[name], opts[name] = ps, opt
     times: dict[str, list[float]] = {name: [] for name in makers}
     for _ in range(rounds):
         for name, opt in opts.items():
-            params[name].grad = torch.randn(numel, generator=gen) * 1e-3
+            for p in params[name]:
+                p.grad = torch.randn(p.shape, generator=gen) * 1e-3
             start = time.perf_counter()
             opt.step()
             times[name].append(time.perf_counter() - start)
@@ -89,22 +100,26 @@ def run(numel: int, rounds: int, threads: int) -> dict[str, Any]:
         rows[name] = {"state_bytes_per_param": state_bytes(opts[name]) / numel,
                       "update_ns_per_param": med * 1e9 / numel,
                       "update_ns_per_param_all_rounds": [t * 1e9 / numel for t in times[name]]}
-    return {"numel": numel, "rounds": rounds, "threads": threads, "torch": torch.__version__,
+    return {"shapes": [list(s) for s in shapes], "numel": numel, "rounds": rounds, "threads": threads,
+            "torch": torch.__version__,
             "machine": f"{platform.machine()}, {os.cpu_count()} cpu(s)", "results": rows}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--numel", type=int, default=1 << 22)
+    parser.add_argument("--numel", type=int, default=1 << 22, help="one tensor of this many elements")
+    parser.add_argument("--shapes", default=None, help="tensors instead, e.g. 1024x1024,4096x4096")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    result = run(args.numel, args.rounds, args.threads)
+    shapes = ([tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")] if args.shapes
+              else [(args.numel,)])
+    result = run(shapes, args.rounds, args.threads)
     width = max(map(len, result["results"]))
     print(f"{'optimizer'.ljust(width)}  state B/param  update ns/param  ({args.threads} thread(s), "
-          f"{args.numel:,} elements, median of {args.rounds})")
+          f"{result['numel']:,} elements, median of {args.rounds})")
     for name, row in result["results"].items():
         print(f"{name.ljust(width)}  {row['state_bytes_per_param']:13.4f}  {row['update_ns_per_param']:15.2f}")
     if args.json:

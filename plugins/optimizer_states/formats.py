@@ -75,6 +75,12 @@ class StateFormat(abc.ABC):
         """State keys this format stores for ``moment``."""
         return (moment,)
 
+    def window(self, moment: str, buffers: Buffers, start: int, end: int) -> Buffers:
+        """Views of the buffers that hold elements ``[start, end)`` (``start`` on a block boundary):
+        ``decode(moment, window, 0, end - start)`` and ``encode(moment, values, window, 0)`` then
+        read and write that chunk alone (the fused kernel's inputs)."""
+        return {moment: buffers[moment].view(-1)[start:end]}
+
     @staticmethod
     def nbytes(buffers: Buffers) -> int:
         """Bytes held by the buffers."""
@@ -151,6 +157,16 @@ class BlockQuantFormat(StateFormat):
 
     def keys(self, moment: str) -> tuple[str, ...]:
         return (f"{moment}_codes", f"{moment}_scales")
+
+    def window(self, moment: str, buffers: Buffers, start: int, end: int) -> Buffers:
+        b = self.block_size
+        if start % b:
+            raise ValueError(f"chunks must start on a block boundary; start={start}, block_size={b}")
+        codes_key, scales_key = self.keys(moment)
+        first, last = start // b, math.ceil(end / b)
+        per_byte = 8 // self.bits
+        return {codes_key: buffers[codes_key][first * b // per_byte:last * b // per_byte],
+                scales_key: buffers[scales_key][first:last]}
 
     def zeros(self, moment: str, numel: int, device: torch.device, empty: Optional[Empty] = None) -> Buffers:
         blocks = math.ceil(numel / self.block_size)

@@ -31,6 +31,7 @@ from torch.utils.hooks import RemovableHandle
 
 from xirang_ds.config.schema import STATE_DTYPE_ORDER, OptimizerStatesConfig
 from xirang_ds.plugins.optimizer_states.formats import MOMENTS, StateFormat, format_of, make_format
+from xirang_ds.plugins.optimizer_states.fused import FusedStep
 from xirang_ds.plugins.optimizer_states.schedule import Measurement, Policy, make_policy
 from xirang_ds.plugins.optimizer_states.update import AdamHyper, adam_chunk_
 
@@ -129,6 +130,7 @@ class DynamicAdamW(torch.optim.Optimizer):
         self.policy: Policy = make_policy(config)
         self._formats: dict[tuple[str, int], StateFormat] = {}
         self._generators: dict[str, torch.Generator] = {}
+        self.fused = FusedStep(config.fused)  # where a chunk's update is one compiled kernel
         self._format_hooks: OrderedDict[int, Callable[["DynamicAdamW", torch.Tensor, str, str], None]] = \
             OrderedDict()  # weak-referencable, as RemovableHandle needs
         self.format_changes: list[tuple[int, str, str, int]] = []
@@ -262,10 +264,12 @@ class DynamicAdamW(torch.optim.Optimizer):
         flat_g = _flat(p.grad)
         n = flat_p.numel()
         chunk = _lcm(self.config.chunk_numel, src.block_size, dst.block_size)
+        fuse = not measure and generator is None and src is dst and self.fused.applies(src, flat_p, flat_g)
+        done = self.fused.run(src, flat_p, flat_g, src_buf, step, hyper, chunk) if fuse else 0  # eager does the rest
         # |m|^2, |v|^2, |du|^2, |u|^2 summed on the device: one host sync per tensor and measurement, not four per chunk
         sums = torch.zeros(4, dtype=torch.float64, device=flat_p.device) if measure else None
         quantized = dst.name.startswith("int")
-        for start in range(0, n, chunk):
+        for start in range(done, n, chunk):
             end = min(n, start + chunk)
             p32 = flat_p[start:end] if flat_p.dtype == torch.float32 else flat_p[start:end].float()
             g32 = flat_g[start:end] if flat_g.dtype == torch.float32 else flat_g[start:end].float()

@@ -99,6 +99,8 @@ class OptimizerStatesPlugin(Plugin):
     def attach(self, engine: Any) -> None:
         self.engine = engine
         self.path.attach(engine)
+        for opt in self.optimizers:  # `fused: true` where compile is unavailable fails here, not mid-step
+            opt.fused.enabled(torch.device(engine.device).type)
 
     def use_pool(self) -> None:
         """int8/int4 codes and scales come from the memory pool when the section is on (persistent
@@ -215,7 +217,8 @@ class OptimizerStatesPlugin(Plugin):
         moved = sum(m[4] for m in checks)
         return (f"DynamicAdamW ({self.config.policy} policy) from {self.source}; states: {formats}; "
                 f"{format_bytes(held)} on this rank; {len(self.keep_reasons) - measured} parameter(s) kept fp32"
-                + (f", {measured} embedding(s) measured ({len(checks)} check(s), {moved} moved)" if measured else ""))
+                + (f", {measured} embedding(s) measured ({len(checks)} check(s), {moved} moved)" if measured else "")
+                + f"; {self.optimizers[0].fused.describe()}")
 
     def state_dict(self) -> dict:
         from xirang_ds.plugins.optimizer_states.optimizer import config_to_dict
@@ -227,7 +230,8 @@ class OptimizerStatesPlugin(Plugin):
 
         self._rehome()  # the loaded states are plain copies
         self.loaded_config = state.get("config")
-        if self.loaded_config is not None and self.loaded_config != config_to_dict(self.config):
+        layout = {k: v for k, v in config_to_dict(self.config).items() if k != "fused"}  # how states are kept
+        if self.loaded_config is not None and {k: v for k, v in self.loaded_config.items() if k != "fused"} != layout:
             if self.engine is not None and self.engine.global_rank == 0:
                 logger.info("xirang optimizer_states: the checkpoint's states were made with other settings; "
                             "each tensor is converted to the format the current settings pick at its next step")

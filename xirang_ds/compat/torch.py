@@ -53,6 +53,9 @@ UPSTREAM_NAMES: dict[str, Any] = {
     "torch.utils._pytree.tree_map": "torch/utils/_pytree.py L1537",
     "torch._subclasses.fake_tensor.FakeTensorMode": "torch/_subclasses/fake_tensor.py L1432",
     "torch._dynamo.eval_frame.OptimizedModule": "torch/_dynamo/eval_frame.py L430 (._orig_mod, L465)",
+    "torch._dynamo.is_dynamo_supported": "torch/_dynamo/eval_frame.py L1641",
+    "torch.utils._triton.has_triton": "torch/utils/_triton.py L178",
+    "torch.utils._python_dispatch._get_current_dispatch_mode": "torch/utils/_python_dispatch.py L270",
     "torch.nn.modules.batchnorm._NormBase": "torch/nn/modules/batchnorm.py L25",
     "torch.nn.Module._parameters": "torch/nn/modules/module.py (the module's own parameter table)",
     "torch.nn.Module._buffers": "torch/nn/modules/module.py (the module's own buffer table)",
@@ -121,6 +124,35 @@ def uncompiled(module: Any) -> Any:
     while isinstance(module, OptimizedModule):
         module = module._orig_mod
     return module
+
+
+def compile_unavailable(device_type: str) -> Optional[str]:
+    """Why ``torch.compile`` (Dynamo and Inductor) cannot build kernels for ``device_type``, or ``None``
+    when it can: Dynamo unsupported on this Python, no Triton for a GPU, no C++ compiler for the CPU."""
+    import shutil
+
+    import torch._dynamo
+    from torch.utils._triton import has_triton
+
+    if not torch._dynamo.is_dynamo_supported():
+        return f"torch.compile is not supported by torch {torch.__version__} on this Python"
+    if device_type == "cpu":
+        import os
+
+        cxx = os.environ.get("CXX", "g++")
+        found = shutil.which(cxx) or shutil.which("c++")
+        return None if found else f"no C++ compiler ({cxx}) for Inductor's CPU kernels"
+    if not has_triton():
+        return f"Triton is not installed (or does not support this {device_type} device): Inductor cannot build kernels"
+    return None
+
+
+def dispatch_mode_active() -> bool:
+    """A ``TorchDispatchMode`` is active (the memory tracker, a FakeTensorMode): Dynamo does not trace
+    under one, so compiled code must run its eager twin."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode() is not None
 
 
 # autograd ------------------------------------------------------------------------------------------
@@ -230,8 +262,8 @@ def dump_memory_snapshot(path: str) -> None:
 __all__ = [
     "DisableAutocast", "DisableTorchFunctionSubclass", "NormBase", "OpOverload", "OpOverloadPacket",
     "SCHEDULER_PER_GROUP_LISTS", "TorchDispatchMode", "UPSTREAM_NAMES", "all_op_names", "amp_foreach_non_finite_check_and_unscale_",
-    "buffer_table", "current_autograd_node", "current_saved_tensors_hooks", "destroy_library",
-    "disable_current_modes", "dump_memory_snapshot", "fake_tensor_mode", "foreach_zero_", "is_checkpoint_hook",
+    "buffer_table", "compile_unavailable", "current_autograd_node", "current_saved_tensors_hooks", "destroy_library",
+    "disable_current_modes", "dispatch_mode_active", "dump_memory_snapshot", "fake_tensor_mode", "foreach_zero_", "is_checkpoint_hook",
     "is_traceable_wrapper_subclass", "log_softmax_backward_data", "make_wrapper_subclass", "op_entry", "op_schema",
     "ops_with_kernel", "parameter_table", "parse_to", "pop_mode_temporarily", "pop_saved_tensors_hooks",
     "privateuse1_backend_name", "push_saved_tensors_hooks", "pytree", "queue_end_of_backward",

@@ -70,6 +70,13 @@ class OptimizerStatesConfig(Section):
     chunk_numel: Annotated[int, Range(4096, 2**30), MultipleOf(4096)] = 131072
     """Elements updated at a time: the step's temporaries are at most 16 bytes per element of a
     chunk (8 for fp32), whatever the size of the tensor."""
+    fused: Union[bool, Literal["auto"]] = "auto"
+    """Run each chunk's decode, update and encode of bf16, int8 and int4 states as one
+    ``torch.compile``'d kernel (Triton on GPUs, C++ on the CPU), within a code step of the eager
+    update: ``"auto"`` compiles on GPUs and stays eager on the CPU (where each format's kernel takes
+    seconds to build) or where compile is unavailable; ``true`` compiles on every device and is an
+    error where it cannot; ``false`` is always eager. fp32 states are always eager (bit-identical to
+    ``torch.optim.AdamW``)."""
     min_numel: NonNegativeInt = 4096
     """Parameters with fewer elements keep fp32 states."""
     keep_fp32: tuple[Glob, ...] = ()

@@ -1,0 +1,173 @@
+"""The fused update: decode, Adam and encode of a chunk as one compiled kernel.
+
+The eager update (`DynamicAdamW._run_chunks`) runs a chunk as separate ATen ops: 68 per int8 chunk
+of 131,072 elements, 88 per int4 chunk, each a kernel launch on a GPU. Here the same three steps,
+written with the same `formats` code, are traced by ``torch.compile`` (Inductor: Triton on a GPU,
+C++ on the CPU) into one kernel per chunk, which reads each byte of state once and writes it once.
+On the CPU Inductor emits one ``cpp_fused_*`` call per bf16 or int8 chunk and three per int4 chunk
+(two unpack the nibbles of each moment); ``tests/optimizer_states/test_fused.py`` counts them.
+
+* One graph per format and chunk length, cached by Dynamo, so every tensor of a run reuses it. The
+  last, shorter chunk of a tensor runs eagerly: a graph with a dynamic length took minutes to build
+  on the CPU, and one per length would be built for nearly every tensor shape.
+* The hyperparameters and the step's bias corrections go in as one small fp32 tensor: a new step
+  or learning rate is not a new graph. Adam and AdamW, ``maximize`` and ``bias_correction`` share
+  the graph through neutral values (a decay of 1, an L2 term of 0, a sign of 1), which are exact.
+* Not bit-identical to the eager path: ATen's CPU ``lerp`` uses a fused multiply-add and Inductor's
+  does not, so a value on a rounding boundary of the format can land on the neighbouring code
+  (the test bounds the difference: parameters within ``1e-6`` plus ``lr`` ``5e-3`` relative,
+  states within one code step).
+* fp32 states always take the eager path: it equals ``torch.optim.AdamW`` bit for bit.
+* The eager path also runs a tensor whose step draws stochastic rounding, measures for the
+  stability policy or changes format; a parameter that is not fp32; and any step taken under a
+  ``TorchDispatchMode`` (the memory tracker), where Dynamo does not trace.
+
+``fused: "auto"`` compiles on GPUs, where the eager path's launches cost most, and stays eager on
+the CPU: there each format's graph takes 4-15 s to build (and needs a C++ compiler) before the
+update gets faster (one step over 4 tensors of 1024x1024 and one of 4096x4096, 2 threads,
+``benchmarks/optimizer_states_compare.py``: int8 14.39 -> 8.60 ns/parameter, int4 18.98 -> 14.82,
+bf16 5.33 -> 3.26; bitsandbytes AdamW8bit 25.03, torchao AdamW8bit 46.66). ``fused: true`` pays that
+once on a long CPU run.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from xirang_ds.compat.torch import compile_unavailable, dispatch_mode_active
+from xirang_ds.plugins.optimizer_states.formats import Buffers, StateFormat
+from xirang_ds.plugins.optimizer_states.update import AdamHyper
+
+FUSED_FORMATS = frozenset({"bf16", "int8", "int4"})
+"""State formats the fused kernel updates (fp32 stays on the bit-exact eager path)."""
+
+
+class FusedUnavailable(RuntimeError):
+    """``fused: true`` and the kernel cannot be compiled here (the message says why and the fix)."""
+
+
+def hyper_tensor(h: AdamHyper, step: int, device: torch.device) -> torch.Tensor:
+    """The kernel's scalars as one fp32 tensor on ``device``: decay, L2 factor, gradient sign,
+    ``1 - beta1``, ``beta2``, ``1 - beta2``, step size, ``sqrt(1 - beta2 ** step)``, eps (computed
+    in double on the host, as the eager path computes its Python scalars)."""
+    bc1, bc2 = (1 - h.beta1 ** step, 1 - h.beta2 ** step) if h.bias_correction else (1.0, 1.0)
+    values = [1 - h.lr * h.weight_decay if h.decoupled else 1.0, 0.0 if h.decoupled else h.weight_decay,
+              -1.0 if h.maximize else 1.0, 1 - h.beta1, h.beta2, 1 - h.beta2, h.lr / bc1, bc2 ** 0.5, h.eps]
+    return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
+
+
+def chunk_step(fmt: StateFormat, p: torch.Tensor, g: torch.Tensor, m_buf: Buffers, v_buf: Buffers,
+               scalars: torch.Tensor) -> None:
+    """One chunk's update in place: ``p`` (fp32), its gradient ``g`` and the moments' buffers
+    (`StateFormat.window` views), in `update.adam_chunk_`'s order of operations."""
+    decay, l2, sign, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps = scalars.unbind()
+    n = p.numel()
+    g = g.float() * sign
+    g = g + l2 * p
+    p.mul_(decay)
+    m = fmt.decode("exp_avg", m_buf, 0, n)
+    v = fmt.decode("exp_avg_sq", v_buf, 0, n)
+    m.lerp_(g, one_minus_beta1)
+    v.mul_(beta2).addcmul_(g, g * one_minus_beta2)
+    denom = (v.sqrt() / bc2_sqrt).add_(eps)
+    p.sub_(step_size * (m / denom))
+    fmt.encode("exp_avg", m, m_buf, 0)
+    fmt.encode("exp_avg_sq", v, v_buf, 0)
+
+
+_KERNEL: Optional[Callable[..., None]] = None
+"""`chunk_step` compiled (static shapes: Dynamo keeps one graph per format and chunk length)."""
+
+
+class FusedStep:
+    """Where and how `DynamicAdamW` runs the fused kernel.
+
+    Args:
+        setting: the section's ``fused``: ``"auto"`` (compiled on GPUs, eager on the CPU), ``True``
+            (compiled on every device; an error where it cannot be), ``False`` (always eager).
+
+    Attributes:
+        chunks: chunks updated by the compiled kernel so far.
+        eager: ``{device type: reason}`` for the devices this optimizer keeps eager.
+    """
+
+    def __init__(self, setting: Union[bool, str]):
+        self.setting = setting
+        self.chunks = 0
+        self.eager: dict[str, str] = {}
+        self._compiled: set[tuple[str, str]] = set()
+
+    def applies(self, fmt: StateFormat, p: torch.Tensor, g: torch.Tensor) -> bool:
+        """The kernel updates this tensor now (format, dtypes, device, no dispatch mode)."""
+        return (fmt.name in FUSED_FORMATS and p.dtype == torch.float32 and g.dtype.is_floating_point
+                and self.enabled(p.device.type) and not dispatch_mode_active())
+
+    def enabled(self, device_type: str) -> bool:
+        """The kernel runs on this device type (decided once; the reason is kept when not).
+
+        Raises:
+            FusedUnavailable: ``fused: true`` and compile is unavailable for the device.
+        """
+        if device_type in self.eager:
+            return False
+        reason = None
+        if self.setting is False:
+            reason = "fused: false"
+        elif self.setting == "auto" and device_type == "cpu":
+            reason = "fused: auto stays eager on the CPU (set true to compile there)"
+        else:
+            missing = compile_unavailable(device_type)
+            if missing and self.setting is True:
+                raise FusedUnavailable(f"xirang.optimizer_states.fused: true cannot compile the update on "
+                                       f"{device_type}: {missing}. Fix: install what is missing, or set "
+                                       f"\"fused\": \"auto\" (eager where compile is unavailable) or false")
+            reason = f"fused: auto, and {missing}" if missing else None
+        if reason:
+            self.eager[device_type] = reason
+        return reason is None
+
+    def run(self, fmt: StateFormat, flat_p: torch.Tensor, flat_g: torch.Tensor, buffers: Buffers, step: int,
+            hyper: AdamHyper, chunk: int) -> int:
+        """Update a tensor's full chunks with the compiled kernel, in order; the number of leading
+        elements done. The caller updates the rest eagerly: the last, shorter chunk (a graph per
+        length, or one with a dynamic length, costs more to compile than it saves), or everything
+        from the chunk where ``fused: auto`` could not compile (this device then stays eager)."""
+        full = flat_p.numel() // chunk * chunk
+        scalars = hyper_tensor(hyper, step, flat_p.device) if full else None
+        for start in range(0, full, chunk):
+            end = start + chunk
+            args = (fmt, flat_p[start:end], flat_g[start:end], fmt.window("exp_avg", buffers, start, end),
+                    fmt.window("exp_avg_sq", buffers, start, end), scalars)
+            key = (flat_p.device.type, fmt.name)
+            if key in self._compiled:
+                _KERNEL(*args)
+            elif not self._first_call(key, args):
+                return start
+            self.chunks += 1
+        return full
+
+    def _first_call(self, key: tuple[str, str], args: tuple[Any, ...]) -> bool:
+        """Compile (or load) the kernel on its first use for a device and format. A failure there
+        happens before the kernel runs, so nothing was written: ``auto`` goes eager, ``true`` raises."""
+        global _KERNEL
+        try:
+            if _KERNEL is None:
+                _KERNEL = torch.compile(chunk_step, dynamic=False, fullgraph=True)
+            _KERNEL(*args)
+        except Exception as error:  # noqa: BLE001 (Dynamo and Inductor raise many kinds)
+            if self.setting is True:
+                raise FusedUnavailable(f"xirang.optimizer_states.fused: true failed to compile the {key[1]} update "
+                                       f"on {key[0]}: {type(error).__name__}: {error}. Fix: set \"fused\": "
+                                       f"\"auto\" or false") from error
+            self.eager[key[0]] = f"fused: auto, and compiling failed ({type(error).__name__}: {error})"
+            return False
+        self._compiled.add(key)
+        return True
+
+    def describe(self) -> str:
+        """One line: how many chunks the compiled kernel updated, and why a device stays eager."""
+        eager = "; ".join(f"eager on {device}: {why}" for device, why in self.eager.items())
+        if self.chunks:
+            return f"fused update: {self.chunks:,} chunk(s) compiled" + (f" ({eager})" if eager else "")
+        return eager or f"fused: {self.setting!r}, no chunk updated yet"

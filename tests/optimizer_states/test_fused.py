@@ -1,0 +1,196 @@
+"""The fused update (`plugins/optimizer_states/fused.py`) on the CPU, where Inductor emits C++: the
+same training as the eager path within a stated tolerance, one to three kernels per chunk, a constant number
+of other ops per tensor, and the eager fallbacks."""
+import pytest
+import torch
+
+from tests.optimizer_states.test_units import one_thread  # noqa: F401  (autouse: one thread per test)
+from xirang_ds.compat.torch import TorchDispatchMode
+from xirang_ds.plugins.optimizer_states import DynamicAdamW
+from xirang_ds.plugins.optimizer_states import fused as fused_module
+from xirang_ds.plugins.optimizer_states.formats import make_format
+from xirang_ds.plugins.optimizer_states.fused import FusedStep, FusedUnavailable, chunk_step, hyper_tensor
+from xirang_ds.plugins.optimizer_states.update import AdamHyper
+
+CHUNK = 4096
+SHAPES = [(40, 410), (96, 256)]
+"""Four full chunks and a last one of 16 elements, and six full chunks."""
+
+
+def _train(dtype, fused, steps=6, adam_w_mode=True, maximize=False):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    opt = DynamicAdamW(params, lr=1e-3, weight_decay=0.1, adam_w_mode=adam_w_mode, maximize=maximize,
+                       states={"schedule": [{"dtype": dtype}], "min_numel": 0, "chunk_numel": CHUNK, "fused": fused})
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in params:  # a few large entries among small ones, as in trained layers
+            p.grad = torch.randn(p.shape, generator=gen) * torch.rand(p.shape, generator=gen).pow(8) * 1e-2
+        opt.step()
+    return params, opt
+
+
+def _distance(a, b):
+    return torch.sqrt(sum((x - y).double().square().sum() for x, y in zip(a, b))).item()
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4", "bf16"])
+def test_fused_trains_like_the_eager_path_within_a_small_fraction_of_the_formats_own_error(dtype):
+    eager, eager_opt = _train(dtype, False)
+    fused, opt = _train(dtype, True)
+    fp32, _ = _train("fp32", False)
+    assert opt.fused.chunks == 6 * 10 and eager_opt.fused.chunks == 0  # the short last chunk runs eagerly
+    # Not bit-identical (ATen's CPU lerp uses a fused multiply-add, Inductor's does not), so a value on
+    # a rounding boundary may take the neighbouring code: measured 0.1-0.5% of the format's own error
+    assert _distance(fused, eager) <= 0.02 * _distance(eager, fp32)
+    for p, q in zip(fused, eager):
+        assert (p - q).abs().max() <= 1e-6 + 5e-3 * 1e-3 * 6 ** 0.5 * 10
+        fmt = make_format(dtype)
+        for moment in ("exp_avg", "exp_avg_sq"):
+            keys = fmt.keys(moment)
+            a = fmt.decode(moment, {k: opt.state[p][k] for k in keys}, 0, p.numel())
+            b = fmt.decode(moment, {k: eager_opt.state[q][k] for k in keys}, 0, q.numel())
+            # the scales may differ in their last bit; beyond that, a code moved at a few elements
+            moved = (a - b).abs() > 1e-5 * b.abs() + 1e-30
+            assert moved.float().mean() <= 0.01, (dtype, moment, moved.float().mean())
+
+
+def test_adam_and_maximize_share_the_graph_through_neutral_values():
+    for kwargs in ({"adam_w_mode": False}, {"maximize": True}):
+        eager, _ = _train("int8", False, steps=3, **kwargs)
+        fused, opt = _train("int8", True, steps=3, **kwargs)
+        fp32, _ = _train("fp32", False, steps=3, **kwargs)
+        assert opt.fused.chunks == 3 * 10
+        assert _distance(fused, eager) <= 0.02 * _distance(eager, fp32), kwargs
+
+
+class _CountOps(TorchDispatchMode):
+    """ATen ops that launch work (views only make metadata)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_of_one_step(numel, fused, monkeypatch):
+    """ATen ops of one int8 step of one tensor, the compiled kernel replaced by a counting stub (a
+    dispatch mode would otherwise send the step down the eager path)."""
+    calls = []
+    monkeypatch.setattr(fused_module, "dispatch_mode_active", lambda: False)
+    monkeypatch.setattr(fused_module, "_KERNEL", lambda *args: calls.append(args[1].numel()))
+    p = torch.nn.Parameter(torch.zeros(numel))
+    opt = DynamicAdamW([p], lr=1e-3, states={"schedule": [{"dtype": "int8"}], "min_numel": 0,
+                                             "chunk_numel": CHUNK, "fused": fused})
+    opt.fused._compiled.add(("cpu", "int8"))
+    p.grad = torch.ones(numel)
+    opt.step()  # states created
+    calls.clear()
+    with _CountOps() as counter:
+        opt.step()
+    return counter.ops, len(calls)
+
+
+def test_ops_per_step_are_constant_per_tensor_and_one_kernel_per_chunk(monkeypatch):
+    small, small_calls = _ops_of_one_step(2 * CHUNK, True, monkeypatch)
+    large, large_calls = _ops_of_one_step(16 * CHUNK, True, monkeypatch)
+    assert (small_calls, large_calls) == (2, 16)  # one kernel call per chunk
+    assert small == large <= 8  # the step counter, the scalars' tensor: none per chunk
+    eager_small, _ = _ops_of_one_step(2 * CHUNK, False, monkeypatch)
+    eager_large, _ = _ops_of_one_step(16 * CHUNK, False, monkeypatch)
+    assert (eager_large - eager_small) / 14 >= 40  # eager: 44 ops per int8 chunk besides views
+
+
+def test_inductor_emits_one_kernel_per_bf16_and_int8_chunk_and_three_per_int4_chunk():
+    from torch._inductor.utils import run_and_get_code
+
+    for dtype, kernels in (("bf16", 1), ("int8", 1), ("int4", 3)):
+        fmt = make_format(dtype)
+        p, g = torch.randn(CHUNK), torch.randn(CHUNK)
+        bufs = {m: fmt.zeros(m, CHUNK, p.device) for m in ("exp_avg", "exp_avg_sq")}
+        scalars = hyper_tensor(AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True), 1, p.device)
+        kernel = torch.compile(chunk_step, dynamic=False, fullgraph=True)
+        _, codes = run_and_get_code(kernel, fmt, p, g, bufs["exp_avg"], bufs["exp_avg_sq"], scalars)
+        body = codes[-1].split("def call(", 1)[1].split("return ", 1)[0]
+        assert body.count("cpp_fused_") == kernels, (dtype, body)  # int4: two of them unpack the nibbles
+
+
+def test_eager_under_a_dispatch_mode_and_auto_eager_on_the_cpu():
+    eager, _ = _train("int8", False, steps=2)
+    with _CountOps():  # what the memory tracker is: Dynamo does not trace under it
+        traced, opt = _train("int8", True, steps=2)
+    assert opt.fused.chunks == 0 and all(torch.equal(a, b) for a, b in zip(traced, eager))
+    auto = FusedStep("auto")
+    assert not auto.enabled("cpu") and "CPU" in auto.describe()
+
+
+def test_unavailable_compile_is_an_error_with_true_and_eager_with_auto(monkeypatch):
+    monkeypatch.setattr(fused_module, "compile_unavailable", lambda device: "Triton is not installed")
+    with pytest.raises(FusedUnavailable, match=r"optimizer_states.fused: true .*Triton is not installed.*Fix"):
+        FusedStep(True).enabled("cuda")
+    auto = FusedStep("auto")
+    assert not auto.enabled("cuda") and "Triton is not installed" in auto.describe()
+
+
+def test_a_failed_compile_leaves_auto_on_the_eager_path_and_true_raises(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(fused_module, "_KERNEL", broken)
+    monkeypatch.setattr(FusedStep, "enabled", lambda self, device_type: self.setting is not False)
+    eager, _ = _train("int8", False, steps=2)
+    fallen, opt = _train("int8", "auto", steps=2)
+    assert all(torch.equal(a, b) for a, b in zip(fallen, eager))
+    assert opt.fused.chunks == 0 and "no compiler" in opt.fused.eager["cpu"]
+    with pytest.raises(FusedUnavailable, match="failed to compile the int8 update on cpu: RuntimeError: no compiler"):
+        _train("int8", True, steps=1)
+
+
+def test_a_bad_fused_value_is_a_config_error():
+    import xirang_ds
+
+    with pytest.raises(xirang_ds.XirangConfigError, match=r"optimizer_states\.fused"):
+        DynamicAdamW([torch.nn.Parameter(torch.zeros(4))], states={"fused": "yes"})
+
+
+def _engine_runs(rank, world, save_dir):
+    import xirang_ds
+    from tests.harness.engine_runs import data_iter, ds_config
+    from xirang_ds.bench import optimizer_step
+    from xirang_ds.models import BUILTIN_SPECS, build_model
+
+    def engine(fused):
+        block = {"optimizer_states": {"enabled": True, "schedule": [{"dtype": "int8"}], "chunk_numel": CHUNK,
+                                      "fused": fused}}
+        model = build_model(BUILTIN_SPECS["gpt-tiny"])
+        return xirang_ds.initialize(model=model, model_parameters=model.parameters(),
+                                    config=ds_config(stage=2, dtype="bf16", gas=2, xirang=block))[0]
+
+    def steps(e, data, n):
+        return [optimizer_step(e, data) for _ in range(n)]
+
+    eager = steps(engine(False), data_iter(4, 64, rank, world), 4)
+    full = engine(True)
+    fused = steps(full, data_iter(4, 64, rank, world), 4)
+    first = engine(True)
+    data = data_iter(4, 64, rank, world)
+    saved = steps(first, data, 2)
+    first.save_checkpoint(save_dir)
+    resumed = engine(True)
+    resumed.load_checkpoint(save_dir)
+    return {"eager": eager, "fused": fused, "saved": saved, "resumed": steps(resumed, data, 2),
+            "chunks": full.basic_optimizer.fused.chunks, "summary": full.xirang.plugin("optimizer_states").describe()}
+
+
+@pytest.mark.distributed
+def test_fused_inside_deepspeed_zero2_with_accumulation_on_2_ranks_and_resume(tmp_path):
+    from xirang_ds.launch import run_ranks
+
+    for out in run_ranks(_engine_runs, 2, str(tmp_path), threads=1):
+        assert out["chunks"] > 0 and "chunk(s) compiled" in out["summary"]
+        assert out["fused"] != out["eager"]  # the compiled kernel ran (not bit-identical, see above)
+        assert max(abs(a - b) / abs(b) for a, b in zip(out["fused"], out["eager"])) < 1e-3
+        assert out["saved"] + out["resumed"] == out["fused"]  # the checkpoint resumes bit for bit

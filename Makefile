@@ -7,7 +7,7 @@ export PYTHONWARNINGS ?= ignore
 # The shared corpus beside the checkout when present; otherwise the bench trains on stdlib docstrings.
 DEMO_DATA := $(if $(wildcard ../shared/data/tinyshakespeare.txt),--data ../shared/data/tinyshakespeare.txt,)
 
-.PHONY: demo test venv reference clean
+.PHONY: demo test venv bench-env reference clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,11 @@ $(STAMP): setup.py constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/deepspeed --num_gpus 2 examples/train_gpt.py --ds-config configs/demo.json --steps 30
 	$(VENV)/bin/xirang-ds bench --model gpt-small --ds-config configs/demo.json --world-size 2 --steps 10 $(DEMO_DATA)
+
+# torchao and bitsandbytes for the peers' rows of benchmarks/results_table.py and the optimizer_states
+# benchmarks (without them those rows are left out); not needed by `make test`.
+bench-env: $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt -e ".[bench]"
 
 test: $(STAMP)
 	$(PY) -m pytest

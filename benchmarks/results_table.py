@@ -5,6 +5,7 @@ One invocation runs every row in fresh processes, one after the other, with the 
 and seed (``xirang_ds.bench.run_side``, the machinery of ``xirang-ds bench``), writes the JSON and
 prints the Markdown table; ``--readme`` also replaces the table between the README's markers.
 
+    make bench-env    # torchao and bitsandbytes for the peers' rows (left out without them)
     .venv/bin/python benchmarks/results_table.py --steps 30 --world-size 2 \\
         --data ../shared/data/tinyshakespeare.txt --json benchmarks/results/results_table.json --readme
     .venv/bin/python benchmarks/results_table.py --render benchmarks/results/results_table.json --readme

@@ -38,6 +38,8 @@ from xirang_ds.integration import megatron as xirang_megatron  # noqa: E402
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tensor-model-parallel-size", "--tp", type=int, default=2, dest="tp")
+    p.add_argument("--pipeline-model-parallel-size", "--pp", type=int, default=1, dest="pp",
+                   help="pipeline stages (Megatron's 1F1B schedule over point-to-point sends)")
     p.add_argument("--world-size", type=int, default=2, help="ranks to start when not under torchrun")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps")
     p.add_argument("--micro-batch-size", type=int, default=4)
@@ -63,11 +65,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def build(opts: argparse.Namespace, tp_size: int) -> tuple[Any, Any, Any]:
-    """GPTModel → (xirang prepare_model) → Megatron DDP → Megatron optimizer → (xirang attach).
+    """GPTModel (this pipeline stage's layers) → (xirang prepare_model) → Megatron DDP → Megatron
+    optimizer → (xirang attach).
 
     Returns:
         ``(model, optimizer, session)``; ``session`` is None without ``--xirang-config``.
     """
+    from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -82,9 +86,12 @@ def build(opts: argparse.Namespace, tp_size: int) -> tuple[Any, Any, Any]:
         ffn_hidden_size=opts.ffn_hidden_size, tensor_model_parallel_size=tp_size, use_cpu_initialization=True,
         hidden_dropout=opts.dropout, attention_dropout=opts.dropout, gradient_accumulation_fusion=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, apply_rope_fusion=False)  # the fused kernels need Apex or TE
+        persist_layer_norm=False, apply_rope_fusion=False,  # the fused kernels need Apex or TE
+        pipeline_model_parallel_size=opts.pp, pipeline_dtype=torch.float32 if opts.pp > 1 else None)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=256,
-                     max_sequence_length=opts.seq_length)
+                     max_sequence_length=opts.seq_length,
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage())
     if on_gpu:
         model.cuda(torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=opts.overlap_grad_reduce,
@@ -125,6 +132,7 @@ def train(opts: argparse.Namespace, inspect: Optional[Callable[[Any, Any, Any], 
         times.append(time.perf_counter() - start)
     result = {"losses": losses, "median_step_s": sorted(times)[len(times) // 2],
               "rank": torch.distributed.get_rank(), "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+              "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
               "plugins": [p.section for p in session.plugins] if session else [],
               "summary": session.summary() if session else "plain Megatron (no --xirang-config)"}
     if window is not None:
@@ -201,9 +209,21 @@ def step_function(opts: argparse.Namespace, model: Any, optimizer: Any, data: An
                                  num_microbatches=opts.num_microbatches, seq_length=seq,
                                  micro_batch_size=opts.micro_batch_size, forward_only=False)
         optimizer.step()
-        return sum(float(m["lm loss"]) for m in micro) / len(micro)
+        return _stage_loss(micro)
 
     return run_step
+
+
+def _stage_loss(micro: list) -> float:
+    """The step's mean loss; under pipeline parallelism only the last stage has it, and it sends it to
+    the other stages of its pipeline."""
+    from megatron.core import parallel_state
+
+    loss = torch.tensor(sum(float(m["lm loss"]) for m in micro) / len(micro) if micro else 0.0, dtype=torch.float64)
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        torch.distributed.broadcast(loss, parallel_state.get_pipeline_model_parallel_last_rank(),
+                                    group=parallel_state.get_pipeline_model_parallel_group())
+    return float(loss)
 
 
 def _tracker(session: Any, model: Any, optimizer: Any) -> tuple[Any, Any, Any]:
@@ -222,7 +242,7 @@ def _tracker(session: Any, model: Any, optimizer: Any) -> tuple[Any, Any, Any]:
     return tracker, watch, run
 
 
-def setup(rank: int, world: int, tp: int) -> bool:
+def setup(rank: int, world: int, tp: int, pp: int = 1) -> bool:
     """Process group (if none yet) and Megatron's parallel state; on CPU, the test shim first.
 
     Returns:
@@ -242,7 +262,7 @@ def setup(rank: int, world: int, tp: int) -> bool:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     return created
 
 
@@ -258,7 +278,7 @@ def teardown(created: bool) -> None:
 
 def run_rank(rank: int, world: int, opts: argparse.Namespace) -> dict:
     """One rank of `main` under `xirang_ds.launch.run_ranks`: `setup`, `train`, `teardown`."""
-    created = setup(rank, world, opts.tp)
+    created = setup(rank, world, opts.tp, opts.pp)
     try:
         return train(opts)
     finally:
@@ -284,7 +304,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         import torch.distributed as dist
 
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        setup(rank, world, opts.tp)
+        setup(rank, world, opts.tp, opts.pp)
         try:
             mine = train(opts)
             results: list[Any] = [None] * world

@@ -1,4 +1,5 @@
-"""precision under Megatron-core: bf16 with on-demand copies on the GPTModel, its loss kept in fp32.
+"""precision under Megatron-core: bf16 with on-demand copies on the GPTModel, its loss kept in fp32, and
+under pipeline parallelism each stage's output sent in ``config.pipeline_dtype``.
 
 fp16's loss scaling and the persistent 16-bit layout are DeepSpeed's engine's; Megatron's own
 ``--fp16``/``--bf16`` are their counterparts, so only bf16 with on-demand copies runs here. There is no
@@ -7,6 +8,7 @@ overflow check: Megatron's FP32Optimizer has none and its own bf16 mode skips no
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -60,6 +62,20 @@ class MegatronPrecision(FrameworkPath):
             p.keep(handle)
         if hasattr(model, "compute_language_model_loss"):
             p.keep(wrap_method(model, "compute_language_model_loss", fp32_cross_entropy))
+        boundary = getattr(getattr(model, "config", None), "pipeline_dtype", None)
+        if boundary is not None and not getattr(model, "post_process", True):
+            p.keep(wrap_method(model, "forward", functools.partial(send_as, boundary)))
+
+
+def send_as(dtype: torch.dtype, original: Any, *args: Any, **kwargs: Any) -> Any:
+    """A pipeline stage's output in ``config.pipeline_dtype``, the dtype of the buffers Megatron's
+    point-to-point receives fill: under bf16 ops a stage ends in bf16, and a bf16 tensor sent into an
+    fp32 buffer fills it with garbage. The cast up is exact, and its backward turns the fp32 gradient
+    the next stage sends back into the dtype the stage's graph produced."""
+    out = original(*args, **kwargs)
+    if isinstance(out, torch.Tensor) and out.is_floating_point() and out.dtype != dtype:
+        return out.to(dtype)
+    return out
 
 
 def fp32_cross_entropy(original: Any, labels: torch.Tensor, logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -70,4 +86,4 @@ def fp32_cross_entropy(original: Any, labels: torch.Tensor, logits: torch.Tensor
         return original(labels, logits.float(), *args, **kwargs)
 
 
-__all__ = ["MegatronPrecision", "fp32_cross_entropy"]
+__all__ = ["MegatronPrecision", "fp32_cross_entropy", "send_as"]

@@ -7,6 +7,9 @@ test process only (the package never imports this module; ``examples/megatron_gp
 * ``torch.cuda.current_device()`` returns ``"cpu"``: used as ``device=`` by RoPE, by
   ``GlobalMemoryBuffer.get_tensor`` (local-spec attention) and by the grad buffers
   (``distributed/param_and_grad_buffer.py``).
+* ``torch.cuda.synchronize()`` does nothing: the pipeline's batched point-to-point sends
+  (``batch_p2p_sync``) and the distributed checkpoint's writer (``filesystem_async.preload_tensors``)
+  call it; on CPU there is nothing to wait for.
 * The CUDA RNG calls of ``tensor_parallel/random.py`` (``torch.cuda.get_rng_state``,
   ``torch.cuda.manual_seed``, ``_set_cuda_rng_state``) use the CPU generator, so the RNG tracker's
   ``fork`` and ``model_parallel_cuda_manual_seed`` keep their meaning (``fork``'s warning that the CPU
@@ -70,6 +73,7 @@ def install() -> None:
         return
     _INSTALLED = True
     torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda device=None: None
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     torch.cuda.random.get_rng_state = torch.cuda.get_rng_state
     torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))

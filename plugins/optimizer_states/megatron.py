@@ -14,10 +14,14 @@ Read in megatron-core 0.16.1 (``megatron/core/optimizer/``):
   L998-L1011): codes, scales, formats and the rounding generator travel in Megatron's checkpoint as
   `DynamicAdamW.state_dict` writes them.
 * Megatron's distributed checkpoints (``sharded_state_dict``, Megatron-LM ``--ckpt-format torch_dist``)
-  map every state tensor onto the parameter's shape and fill empty states with fp32 zeros through
-  ``init_state_fn`` before loading; quantized codes do not have the parameter's shape, so that path is
-  refused with the fix (``--ckpt-format torch``, which saves through ``state_dict``) rather than
-  writing a checkpoint that cannot be read.
+  map every state tensor onto the parameter's shape (``optim_state_to_sharding_state``). While a member
+  builds that dict, `sharded_in_torch_layout` has its `DynamicAdamW` answer ``state_dict()`` in
+  ``torch.optim.AdamW`` layout: each state decoded to fp32 and shaped like its parameter. The checkpoint
+  is then plain Megatron's, loadable without the block, and a plain checkpoint loads with it. Loaded
+  states are fp32; each tensor's next update encodes them in the format the policy picks, from the same
+  values its codes decoded to, so the run resumes bit for bit (the stability policy's window restarts,
+  and an embedding moved out of fp32 by measurement returns there until its next measurement). Saving
+  and loading hold every state in fp32 at once (8 bytes per parameter), as plain Megatron's do.
 * Tensor parallelism: every rank steps its own shard. A parameter replicated on the tensor-parallel
   group (norms, row-parallel biases, position embeddings: ``tensor_model_parallel`` unset) must stay
   bit-identical on every rank of the group, so its states stay fp32, and so does the vocab-parallel
@@ -25,6 +29,7 @@ Read in megatron-core 0.16.1 (``megatron/core/optimizer/``):
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -34,6 +39,7 @@ from xirang_ds.config.schema import OptimizerStatesConfig
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
 from xirang_ds.plugins.optimizer_states.build import MEASURED, _client_kind, _group_decoupled, settings_from_client
+from xirang_ds.plugins.optimizer_states.export import decode_state
 from xirang_ds.plugins.optimizer_states.optimizer import DynamicAdamW, config_to_dict
 from xirang_ds.registry import FrameworkPath
 
@@ -60,7 +66,7 @@ def megatron_keep_reasons(model: torch.nn.Module, config: OptimizerStatesConfig)
 
 
 Replaced = tuple[Any, torch.optim.Optimizer, DynamicAdamW, Any]
-"""``(member, original torch optimizer, replacement, handle of the sharded_state_dict guard)``."""
+"""``(member, original torch optimizer, replacement, handle of the sharded_state_dict wrapper)``."""
 
 
 def replace_inner(optimizer: Any, config: OptimizerStatesConfig, kept: dict[int, str]) -> list[Replaced]:
@@ -109,15 +115,26 @@ def replace_inner(optimizer: Any, config: OptimizerStatesConfig, kept: dict[int,
             if state:
                 new.state[p] = dict(state)  # torch.optim.Adam(W) states are this optimizer's fp32 format
         member.optimizer = new
-        out.append((member, inner, new, wrap_method(member, "sharded_state_dict", _refuse_sharded)))
+        out.append((member, inner, new, wrap_method(member, "sharded_state_dict",
+                                                    functools.partial(sharded_in_torch_layout, new))))
     return out
 
 
-def _refuse_sharded(original: Any, *args: Any, **kwargs: Any) -> Any:
-    raise RuntimeError("xirang optimizer_states: Megatron's distributed checkpoint (sharded_state_dict, Megatron-LM "
-                       "--ckpt-format torch_dist) needs every optimizer state shaped like its parameter, and the "
-                       "quantized states are not; save with --ckpt-format torch (optimizer.state_dict(), which "
-                       "carries them), or set xirang.optimizer_states.enabled to false")
+def sharded_in_torch_layout(optimizer: DynamicAdamW, original: Any, *args: Any, **kwargs: Any) -> Any:
+    """A member's ``sharded_state_dict`` built while ``optimizer.state_dict()`` answers in
+    ``torch.optim.AdamW`` layout (states Megatron's ``init_state_fn`` made for loading are that already)."""
+    def torch_layout_state_dict(state_dict: Any) -> dict:
+        out = state_dict()
+        by_index = dict(zip((i for g in out["param_groups"] for i in g["params"]),
+                            (p for g in optimizer.param_groups for p in g["params"])))
+        out["state"] = {i: decode_state(st, by_index[i]) if "format" in st else st for i, st in out["state"].items()}
+        return out
+
+    handle = wrap_method(optimizer, "state_dict", torch_layout_state_dict)
+    try:
+        return original(*args, **kwargs)
+    finally:
+        handle.remove()
 
 
 def kept_steps(member: Any, kept: dict[int, str]) -> list[torch.Tensor]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 from typing import Any, Callable, Optional
 
 import torch
@@ -107,6 +108,48 @@ def megatron_state_dict_round_trip(ex: Any, argv: list[str], before: int, after:
         if session is not None:
             session.remove()
     out["saved_optimizer"] = saved_optimizer
+    return out
+
+
+def megatron_dist_checkpoint_round_trip(ex: Any, argv: list[str], before: int, after: int, directory: str,
+                                        load_into: dict[str, list[str]]) -> dict:
+    """As `megatron_state_dict_round_trip`, through Megatron's distributed checkpoint (``sharded_state_dict``
+    and ``dist_checkpointing.save``/``load``, Megatron-LM's ``--ckpt-format torch_dist``) in ``directory``
+    (shared by the ranks).
+
+    Returns:
+        ``{"continued": losses, <name>: losses, ...}``.
+    """
+    import torch
+    from megatron.core import dist_checkpointing
+
+    opts = ex.parse_args(argv)
+    model, optimizer, session, make_data = ex.build_loop(opts)
+    run_step = ex.step_function(opts, model, optimizer, make_data())
+    for _ in range(before):
+        run_step()
+    os.makedirs(directory, exist_ok=True)
+    torch.distributed.barrier()
+    model_state = model.module.sharded_state_dict()
+    dist_checkpointing.save({"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state)}, directory)
+    out: dict = {"continued": [run_step() for _ in range(after)]}
+    if session is not None:
+        session.remove()
+    for name, resume_argv in load_into.items():
+        opts = ex.parse_args(resume_argv)
+        model, optimizer, session, make_data = ex.build_loop(opts)
+        data = make_data()
+        for _ in range(before * opts.num_microbatches):
+            next(data)
+        model_state = model.module.sharded_state_dict()
+        loaded = dist_checkpointing.load({"model": model_state, "optimizer": optimizer.sharded_state_dict(
+            model_state, is_loading=True)}, directory)
+        model.module.load_state_dict(loaded["model"])
+        optimizer.load_state_dict(loaded["optimizer"])
+        run_step = ex.step_function(opts, model, optimizer, data)
+        out[name] = [run_step() for _ in range(after)]
+        if session is not None:
+            session.remove()
     return out
 
 

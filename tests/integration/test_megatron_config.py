@@ -19,7 +19,6 @@ from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.integration import megatron as xm
 from xirang_ds.launch import run_ranks
 
-
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
@@ -502,19 +501,19 @@ def test_comm_buffers_keys_that_do_nothing_under_megatron_are_off_or_refused():
     assert "xirang.comm_buffers.lend_to_activations: true does nothing under Megatron" in text
 
 
-def test_optimizer_states_refuse_megatron_lm_distributed_checkpoints():
+def test_megatron_lm_checkpoint_formats_optimizer_states_and_grad_release_save_with():
     from xirang_ds.config.loader import validate_block
     from xirang_ds.integration.megatron_conflicts import check_args
 
     states = validate_block({"optimizer_states": {"enabled": True}})
-    issues = check_args(states, argparse.Namespace(save="/ckpt", ckpt_format="torch_dist"))
+    for fmt in ("torch", "torch_dist", "zarr"):  # torch_dist: the states go in torch layout (test_megatron.py)
+        assert check_args(states, argparse.Namespace(save="/ckpt", ckpt_format=fmt)) == []
+    issues = check_args(states, argparse.Namespace(save="/ckpt", ckpt_format="torch_dcp"))
     assert issues == [("xirang.optimizer_states.enabled",
-                       "Megatron-LM would save a distributed checkpoint (--ckpt-format torch_dist), which maps every "
-                       "optimizer state onto its parameter's shape, and quantized states are not shaped so; use "
-                       "--ckpt-format torch (Megatron's optimizer state_dict carries them), or set "
-                       "xirang.optimizer_states.enabled to false")]
-    assert check_args(states, argparse.Namespace(save="/ckpt", ckpt_format="torch")) == []
-    assert check_args(states, argparse.Namespace(save=None, ckpt_format="torch_dist")) == []  # nothing saved
+                       "Megatron-LM would save with --ckpt-format torch_dcp, which does not build the optimizer's "
+                       "sharded_state_dict where optimizer_states writes its states in torch layout; use "
+                       "--ckpt-format torch_dist or torch, or set xirang.optimizer_states.enabled to false")]
+    assert check_args(states, argparse.Namespace(save=None, ckpt_format="torch_dcp")) == []  # nothing saved
     assert check_args(validate_block({}), argparse.Namespace(save="/ckpt", ckpt_format="torch_dist")) == []
     released = validate_block({"grad_release": {"enabled": True}})
     issues = check_args(released, argparse.Namespace(save="/ckpt", ckpt_format="torch_dist"))

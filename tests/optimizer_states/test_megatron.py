@@ -7,8 +7,9 @@ gloo, Megatron's DDP and its FP32Optimizer around torch.optim.AdamW, through ``e
   per quantized element; parameters replicated on the TP group stay bit-identical on both ranks.
 * Megatron's optimizer ``state_dict`` / ``load_state_dict`` round trip resumes bit for bit (int8 codes,
   a format change and stochastic rounding included); removal hands Megatron a torch AdamW that continues
-  exactly like plain Megatron; Megatron's distributed checkpoint is refused with the fix; a bad glob
-  names key, value and fix.
+  exactly like plain Megatron; Megatron's distributed checkpoint (torch_dist) carries the states in
+  torch layout, resumes bit for bit and crosses with plain Megatron both ways; a bad glob names key,
+  value and fix.
 """
 from __future__ import annotations
 
@@ -17,7 +18,11 @@ from typing import Any
 
 import pytest
 
-from tests.harness.checks import megatron_removal_against_plain, megatron_state_dict_round_trip
+from tests.harness.checks import (
+    megatron_dist_checkpoint_round_trip,
+    megatron_removal_against_plain,
+    megatron_state_dict_round_trip,
+)
 from tests.harness.megatron_runs import config_error, example, write_block
 from xirang_ds.launch import run_ranks
 
@@ -70,6 +75,7 @@ def tp2_optimizer_states(rank: int, world: int, tmp: str, steps: int, schedules:
             "enabled": True, "stochastic_rounding": True, "schedule": [{"dtype": "fp32", "until_step": 2},
                                                                        {"dtype": "int8"}]}})
         out["resume"] = states_resume(ex, ["--xirang-config", config], 3, 2)
+        out["torch_dist"] = states_torch_dist(ex, tmp, rank)
         config = write_block(os.path.join(tmp, f"removal{rank}.json"),
                              {"optimizer_states": {"enabled": True, **schedules["fp32"]}})
         out["removal"] = states_removal(ex, ["--xirang-config", config], 2)
@@ -90,17 +96,29 @@ def states_resume(ex: Any, argv: list[str], before: int, after: int) -> dict:
     return {"continued": run["continued"], "resumed": run["resumed"], "formats": run["inspected"], "saved_codes": codes}
 
 
+def states_torch_dist(ex: Any, tmp: str, rank: int) -> dict:
+    """Megatron's distributed checkpoint (torch_dist) after 3 steps, int8 with stochastic rounding from step
+    3 on (and one state format change behind it): resumed with the block, and by plain Megatron; plain
+    Megatron's own checkpoint resumed with fp32 states."""
+    int8 = write_block(os.path.join(tmp, f"dist_int8_{rank}.json"), {"optimizer_states": {
+        "enabled": True, "stochastic_rounding": True, "schedule": [{"dtype": "fp32", "until_step": 2},
+                                                                   {"dtype": "int8"}]}})
+    fp32 = write_block(os.path.join(tmp, f"dist_fp32_{rank}.json"),
+                       {"optimizer_states": {"enabled": True, "schedule": [{"dtype": "fp32"}]}})
+    ours = megatron_dist_checkpoint_round_trip(ex, ["--xirang-config", int8], 3, 3, os.path.join(tmp, "dist_ours"),
+                                               {"resumed": ["--xirang-config", int8], "plain": []})
+    plain = megatron_dist_checkpoint_round_trip(ex, [], 3, 2, os.path.join(tmp, "dist_plain"),
+                                                {"fp32_states": ["--xirang-config", fp32]})
+    return {"ours": ours, "plain": plain}
+
+
 def states_removal(ex: Any, argv: list[str], steps: int) -> dict:
     """Train ``steps`` with the plugin, remove it, train ``steps`` more; and plain Megatron for 2 x ``steps``."""
     from xirang_ds.compat.megatron import inner_optimizers
 
     def during(model: Any, optimizer: Any) -> dict:
-        try:
-            optimizer.sharded_state_dict({})
-            sharded = ""
-        except RuntimeError as e:
-            sharded = str(e)
-        return {"inner": [type(o).__name__ for o in inner_optimizers(optimizer)], "sharded": sharded}
+        return {"inner": [type(o).__name__ for o in inner_optimizers(optimizer)],
+                "sharded_wrapped": "sharded_state_dict" in vars(optimizer.chained_optimizers[0])}
 
     def after(model: Any, optimizer: Any) -> dict:
         return {"inner": [type(o).__name__ for o in inner_optimizers(optimizer)],
@@ -108,7 +126,7 @@ def states_removal(ex: Any, argv: list[str], steps: int) -> dict:
 
     run = megatron_removal_against_plain(ex, argv, [], steps, during, after)
     return {"losses": run["losses"], "plain": run["plain"], "during": run["during"]["inner"],
-            "after": run["after"]["inner"], "sharded": run["during"]["sharded"],
+            "after": run["after"]["inner"], "sharded_during": run["during"]["sharded_wrapped"],
             "sharded_after_removal": run["after"]["sharded_wrapped"]}
 
 
@@ -163,13 +181,27 @@ def test_megatron_state_dict_round_trip_resumes_bit_for_bit(runs):
 
 
 @pytest.mark.distributed
+def test_megatron_distributed_checkpoint_in_torch_layout_resumes_bit_for_bit_and_crosses_with_plain(runs):
+    """torch_dist: the states are saved decoded to fp32 in the parameter's shape, so the checkpoint is
+    plain Megatron's; the block resumes it bit for bit (its next update re-encodes the same values), plain
+    Megatron loads it, and the block loads plain Megatron's."""
+    for r in runs:
+        ours, plain = r["torch_dist"]["ours"], r["torch_dist"]["plain"]
+        assert ours["resumed"] == ours["continued"]
+        # plain Megatron's first update uses the very values the codes decode to; the int8 run re-encodes
+        # what it computes, so the runs part at the loss after the second update
+        assert ours["plain"][:2] == ours["continued"][:2] and ours["plain"][2] != ours["continued"][2]
+        assert max(abs(a / b - 1) for a, b in zip(ours["plain"], ours["continued"])) < 1e-3
+        assert plain["fp32_states"] == plain["continued"]
+
+
+@pytest.mark.distributed
 def test_remove_hands_back_adamw_and_bad_glob_names_key_value_and_fix(runs):
     for r in runs:
         removal = r["removal"]
         assert removal["during"] == ["DynamicAdamW"] and removal["after"] == ["AdamW"]
         assert removal["losses"] == removal["plain"]
-        assert "--ckpt-format torch_dist) needs every optimizer state shaped like its parameter" in removal["sharded"]
-        assert "save with --ckpt-format torch" in removal["sharded"] and not removal["sharded_after_removal"]
+        assert removal["sharded_during"] and not removal["sharded_after_removal"]
         assert ("xirang.optimizer_states.keep_fp32[0]: 'decoder.layer.*' matches no parameter name (globs match "
                 "whole names, e.g. embedding.word_embeddings.weight") in r["bad_glob"]
         assert "fix the pattern or remove it" in r["bad_glob"]

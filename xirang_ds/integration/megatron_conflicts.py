@@ -197,11 +197,16 @@ def check_optimizer(config: XirangConfig, optimizer: Any) -> Issues:
     return issues
 
 
+SHARDED_STATE_DICT_FORMATS = ("torch_dist", "zarr")
+"""Megatron-LM checkpoint formats saved through the optimizer's ``sharded_state_dict``."""
+
+
 def check_args(config: XirangConfig, args: Any) -> Issues:
     """Megatron-LM arguments that clash with the block (``prepare_optimizer`` reads them): with
-    ``--save``, a distributed checkpoint format (``--ckpt-format torch_dist``, Megatron-LM's default)
-    maps every optimizer state onto its parameter's shape, which quantized states do not have, and
-    grad_release's states are not wired into Megatron's ``sharded_state_dict``."""
+    ``--save``, grad_release's states are not wired into Megatron's ``sharded_state_dict`` (any format
+    but ``torch``), and optimizer_states saves through it in ``torch.optim`` layout
+    (``plugins/optimizer_states/megatron.py``): ``torch_dist`` and ``zarr``, not the formats that skip
+    it (``torch_dcp``, ``fsdp_dtensor``)."""
     fmt = getattr(args, "ckpt_format", "torch")
     if not getattr(args, "save", None) or fmt == "torch":
         return []
@@ -211,13 +216,13 @@ def check_args(config: XirangConfig, args: Any) -> Issues:
                        f"Megatron-LM would save a distributed checkpoint (--ckpt-format {fmt}), and grad_release "
                        "carries its optimizer states in Megatron's optimizer state_dict only; use --ckpt-format "
                        "torch, or set xirang.grad_release.enabled to false"))
-    if config.optimizer_states.enabled:
+    if config.optimizer_states.enabled and fmt not in SHARDED_STATE_DICT_FORMATS:
         issues.append(("xirang.optimizer_states.enabled",
-                       f"Megatron-LM would save a distributed checkpoint (--ckpt-format {fmt}), which maps every "
-                       "optimizer state onto its parameter's shape, and quantized states are not shaped so; use "
-                       "--ckpt-format torch (Megatron's optimizer state_dict carries them), or set "
-                       "xirang.optimizer_states.enabled to false"))
+                       f"Megatron-LM would save with --ckpt-format {fmt}, which does not build the optimizer's "
+                       "sharded_state_dict where optimizer_states writes its states in torch layout; use "
+                       "--ckpt-format torch_dist or torch, or set xirang.optimizer_states.enabled to false"))
     return issues
+
 
 
 __all__ = ["activation_targets", "check_args", "check_model", "check_optimizer", "describe", "megatron_offloaded",

@@ -56,8 +56,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout")
     p.add_argument("--overlap-grad-reduce", action="store_true", help="Megatron DDP's bucketed overlap")
     p.add_argument("--ddp-bucket-size", type=int, default=None, help="DistributedDataParallelConfig.bucket_size")
-    p.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="Megatron's distributed optimizer (optimizer states sharded over data parallel)")
     p.add_argument("--data", default=None, help="text file (default: tinyshakespeare if present, else the "
                                                 "standard library's docstrings)")
     p.add_argument("--seed", type=int, default=1234)
@@ -97,17 +95,14 @@ def build(opts: argparse.Namespace, tp_size: int) -> tuple[Any, Any, Any]:
     if on_gpu:
         model.cuda(torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=opts.overlap_grad_reduce,
-                                               bucket_size=opts.ddp_bucket_size,
-                                               use_distributed_optimizer=opts.use_distributed_optimizer)
+                                               bucket_size=opts.ddp_bucket_size)
     session = xirang_megatron.build_session(opts.xirang_config)
     if session is not None:
         xirang_megatron.prepare_model(session, model, ddp_config)
     model = DistributedDataParallel(config, ddp_config, model)
     clip_grad = opts.clip_grad if opts.clip_grad is not None else (1.0 if on_gpu else 0.0)
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=opts.lr, weight_decay=0.01,
-                                                       clip_grad=clip_grad,
-                                                       use_distributed_optimizer=opts.use_distributed_optimizer),
-                                       [model])
+                                                       clip_grad=clip_grad), [model])
     if session is not None:
         optimizer = xirang_megatron.attach(session, model, optimizer, micro_batch_size=opts.micro_batch_size,
                                            num_microbatches=opts.num_microbatches)

@@ -44,7 +44,6 @@ def test_fused_trains_like_the_eager_path_within_a_small_fraction_of_the_formats
     # a rounding boundary may take the neighbouring code: measured 0.1-0.5% of the format's own error
     assert _distance(fused, eager) <= 0.02 * _distance(eager, fp32)
     for p, q in zip(fused, eager):
-        assert (p - q).abs().max() <= 1e-6 + 5e-3 * 1e-3 * 6 ** 0.5 * 10
         fmt = make_format(dtype)
         for moment in ("exp_avg", "exp_avg_sq"):
             keys = fmt.keys(moment)

@@ -261,9 +261,10 @@ def dump_memory_snapshot(path: str) -> None:
 
 __all__ = [
     "DisableAutocast", "DisableTorchFunctionSubclass", "NormBase", "OpOverload", "OpOverloadPacket",
-    "SCHEDULER_PER_GROUP_LISTS", "TorchDispatchMode", "UPSTREAM_NAMES", "all_op_names", "amp_foreach_non_finite_check_and_unscale_",
-    "buffer_table", "compile_unavailable", "current_autograd_node", "current_saved_tensors_hooks", "destroy_library",
-    "disable_current_modes", "dispatch_mode_active", "dump_memory_snapshot", "fake_tensor_mode", "foreach_zero_", "is_checkpoint_hook",
+    "SCHEDULER_PER_GROUP_LISTS", "TorchDispatchMode", "UPSTREAM_NAMES", "all_op_names",
+    "amp_foreach_non_finite_check_and_unscale_", "buffer_table", "compile_unavailable", "current_autograd_node",
+    "current_saved_tensors_hooks", "destroy_library", "disable_current_modes", "dispatch_mode_active",
+    "dump_memory_snapshot", "fake_tensor_mode", "foreach_zero_", "is_checkpoint_hook",
     "is_traceable_wrapper_subclass", "log_softmax_backward_data", "make_wrapper_subclass", "op_entry", "op_schema",
     "ops_with_kernel", "parameter_table", "parse_to", "pop_mode_temporarily", "pop_saved_tensors_hooks",
     "privateuse1_backend_name", "push_saved_tensors_hooks", "pytree", "queue_end_of_backward",

@@ -328,6 +328,13 @@ class Plugin:
         return []
 
     @classmethod
+    def preset_leave_out(cls, config: Section, ds_config: dict) -> Optional[str]:
+        """Why a preset leaves this plugin out although it can run: with the user's ds_config it would
+        lower nothing a step holds and only cost time (`xirang_ds.config.fit`; a section the user wrote
+        runs as written). ``None`` when it pays."""
+        return None
+
+    @classmethod
     def preset_fallbacks(cls, config: Section, ds_config: dict) -> list[tuple[str, Any, str]]:
         """Keys of this section, as a preset set them, that the user's ds_config cannot take, each
         with the value that replaces it and why (`xirang_ds.config.fit`; a key the user wrote is

@@ -129,6 +129,26 @@ def test_a_preset_key_the_ds_config_cannot_take_falls_back_unless_the_user_wrote
     assert [line.split(":")[0] for line in stage3.lines()] == ["grad_release"]  # left out whole: no key line
 
 
+def test_a_preset_leaves_out_a_plugin_that_would_save_nothing_there():
+    """fp32 at ZeRO-0 with accumulation: grad_release's accumulator is the whole model's fp32 gradients,
+    as plain DeepSpeed's, so a preset leaves it out with the line; bf16, stage 1 and accumulation 1
+    keep it, and a grad_release section the user wrote runs as written."""
+    def fp32_zero0(**over):
+        return {"gradient_accumulation_steps": 4, "zero_optimization": {"stage": 0}, **over}
+
+    for preset in PRESETS:
+        fitted = fit_block({"preset": preset}, fp32_zero0())
+        assert not fitted.config.grad_release.enabled
+        assert [line.split(":")[0] for line in fitted.lines()] == ["grad_release"]
+        assert ("fp32 at zero_optimization.stage 0 with gradient_accumulation_steps 4: the accumulator is the "
+                "whole model's fp32 gradients") in fitted.lines()[0]
+    for ds in (fp32_zero0(bf16={"enabled": True}), fp32_zero0(gradient_accumulation_steps=1),
+               fp32_zero0(zero_optimization={"stage": 1}), {"zero_optimization": {"stage": 0}}):
+        assert fit_block({"preset": "balanced"}, ds).config.grad_release.enabled, ds
+    written = fit_block({"preset": "balanced", "grad_release": {"clipping": "exact"}}, fp32_zero0())
+    assert written.config.grad_release.enabled and written.lines() == []
+
+
 def test_validate_show_resolved_prints_the_left_out_lines(tmp_path, capsys):
     import json
 

@@ -1,9 +1,10 @@
 """The block against the run's ds_config: a preset adapts, a section the user wrote clashes.
 
 A preset is a proposal: a plugin it turns on that cannot run with the user's ds_config (grad_release
-at ZeRO-3, optimizer_states under optimizer offload, ...) is left out, with one line saying why, in
-the session summary and in ``xirang-ds validate --show-resolved``. A section the user wrote in the
-block (any key of it) is a request: if it cannot run there, that is an error, and every such problem
+at ZeRO-3, optimizer_states under optimizer offload, ...), or that would save nothing there
+(`Plugin.preset_leave_out`: grad_release in fp32 accumulating at ZeRO-0), is left out, with one line
+saying why, in the session summary and in ``xirang-ds validate --show-resolved``. A section the user
+wrote in the block (any key of it) is a request: if it cannot run there, that is an error, and every such problem
 is reported at once. Each plugin says what it cannot run with through `Plugin.check_ds_config`,
 read on the user's ds_config before any plugin edits it. A key a preset set that this ds_config
 cannot take (grad_release's ``masters: none`` without bf16) falls back to the value a plugin's
@@ -76,6 +77,9 @@ def fit_block(block: Any, ds_config: dict) -> FittedBlock:
         cls = plugin_for(section)
         found = cls.check_ds_config(section, ds_config) if cls is not None else []
         if not found:
+            unpaid = cls.preset_leave_out(section, ds_config) if cls is not None and name not in explicit else None
+            if unpaid:
+                left_out.append(LeftOut(name, unpaid))
             continue
         if name in explicit:
             problems.extend(found)

@@ -30,6 +30,7 @@ no provider lends are blocks of ``session.pool()``.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Optional
 
@@ -107,6 +108,7 @@ class ActivationsPlugin(Plugin):
         self._passes = 0
         self._other_peak: Optional[OtherPeak] = None
         self._engine: Any = None
+        self._forward_scope: Any = None  # ZeRO-3: gathered weights saved by reference (gathered.py)
         self._model: Any = None
         """The model the names refer to (under Megatron the chunk inside DDP / Float16Module)."""
         self._groups: tuple = (None,)
@@ -160,6 +162,9 @@ class ActivationsPlugin(Plugin):
         tracker = self.session.tracker
         parts = self.path.run_parts(engine)
         self._model, self._groups = parts.model, parts.groups  # the model whose names prepare_model planned for
+        self._forward_scope = parts.forward_scope
+        if parts.forward_scope is not None:
+            self.keep(parts.forward_scope)
         host_budget = self.session.config.host_memory_budget
         self.runtime = Runtime(
             torch.device(engine.device), self.config.min_tensor_bytes, self.config.offload_prefetch,
@@ -344,6 +349,7 @@ class ActivationsPlugin(Plugin):
             return original(*args, **kwargs)
         rt.eligible.refresh(self._model)
         rt.offloader.end_forward()
+        scope = self._forward_scope if self._forward_scope is not None else contextlib.nullcontext()
         if self.state == "profiling":
             if self._passes == self.config.profile_steps:
                 self._finish_profiling()
@@ -351,9 +357,10 @@ class ActivationsPlugin(Plugin):
                 self._passes += 1
                 if rt.profiler is None:
                     self._start_profiling()
-                with rt.profiler.run_pass():
+                with scope, rt.profiler.run_pass():  # the pass's pack composes with the scope's
                     return original(*args, **kwargs)
-        return original(*args, **kwargs)
+        with scope:
+            return original(*args, **kwargs)
 
     def _start_profiling(self) -> None:
         from deepspeed.accelerator import get_accelerator
@@ -409,8 +416,11 @@ class ActivationsPlugin(Plugin):
 
     def figures(self) -> dict:
         """The planner's reach once it planned (`_reach`), and the offload host buffers (held bytes,
-        most in use at once, bytes trimmed, bytes the host budget kept on the device)."""
+        most in use at once, bytes trimmed, bytes the host budget kept on the device); at ZeRO-3 the
+        gathered weights saved by reference in the last forward and those gathered again for it."""
         out = dict(self.reach) if self.reach else {}
+        if self._forward_scope is not None:
+            out["gathered_refs"] = {"saved": self._forward_scope.saved, "regathered": self._forward_scope.regathered}
         if self.runtime is not None:
             pool, offloader = self.runtime.offloader.pool, self.runtime.offloader
             out["host_buffers"] = {"held_bytes": pool.allocated_bytes, "high_water_bytes": pool.high_water_bytes,

@@ -24,6 +24,9 @@ class RunParts(NamedTuple):
     """Returns tensors of persistent arenas the profile does not count as activations."""
     distribute: Any = None
     """A handler that splits saved inputs over the tensor-parallel group, or ``None``."""
+    forward_scope: Any = None
+    """A context entered around each forward with grad, with ``remove()`` (ZeRO-3's gathered
+    weights saved by reference, `gathered.GatheredRefs`), or ``None``."""
 
 
 class DeepSpeedActivations(FrameworkPath):
@@ -65,7 +68,10 @@ class DeepSpeedActivations(FrameworkPath):
         return self.session.ds_config
 
     def run_parts(self, engine: Any) -> RunParts:
-        return RunParts(model=uncompiled(engine.module), groups=(None,))
+        from xirang_ds.plugins.activations.gathered import GatheredRefs
+
+        model = uncompiled(engine.module)
+        return RunParts(model=model, groups=(None,), forward_scope=GatheredRefs(model) if self._zero3() else None)
 
 
 __all__ = ["DeepSpeedActivations", "RunParts"]

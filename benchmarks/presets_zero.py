@@ -11,7 +11,8 @@ left out at that stage (grad_release cannot run at ZeRO-3, so the presets there 
 (the 162M-parameter GPT of issues 18 and 25; on a 2-core CPU without native bf16, such as the
 AMD EPYC this ran on, bf16 matmuls take torch's reference path, about 20x slower than fp32 on
 gpt-small, and its plain ZeRO-2 side alone runs more than ten minutes, so the eight sides take well
-over an hour; `benchmarks/precision.py`'s ``cpu_name`` says which kind a machine is).
+over an hour; `benchmarks/precision.py`'s ``cpu_name`` says which kind a machine is). ``--dtype fp32``
+drops the bf16 section: the run README's 162M table comes from, at 3 steps).
 
 ``--render JSON`` prints the Markdown table of a saved run.
 """
@@ -48,9 +49,11 @@ def states_per_param(row: dict, params: int) -> str:
     return f"{sum(by.get(k, 0) for k in MODEL_STATES) / params:.2f}" + (f" + pool {pool / 2**20:.2f} MiB" if pool else "")
 
 
-def stage_config(stage: int, micro_batch: int = BASE["train_micro_batch_size_per_gpu"]) -> dict:
+def stage_config(stage: int, micro_batch: int = BASE["train_micro_batch_size_per_gpu"], dtype: str = "bf16") -> dict:
     config = deep_merge(BASE, TUNED)
     config["train_micro_batch_size_per_gpu"] = micro_batch
+    if dtype == "fp32":
+        del config["bf16"]
     config["zero_optimization"] = {**config["zero_optimization"], "stage": stage}
     if stage == 3:  # ZeRO-3's own buckets at the same size
         config["zero_optimization"].update(stage3_prefetch_bucket_size=1e6, stage3_param_persistence_threshold=0)
@@ -65,10 +68,10 @@ def run(args: argparse.Namespace) -> dict:
     from xirang_ds.bench import run_side
 
     data = {"command": " ".join(["python", "benchmarks/presets_zero.py"] + sys.argv[1:]), "model": args.model,
-            "steps": args.steps, "world_size": args.world_size, "micro_batch": args.micro_batch,
+            "steps": args.steps, "world_size": args.world_size, "micro_batch": args.micro_batch, "dtype": args.dtype,
             "parameters": parameter_count(args.model), "rows": []}
     for stage in STAGES:
-        base = stage_config(stage, args.micro_batch)
+        base = stage_config(stage, args.micro_batch, args.dtype)
         print(f"ZeRO-{stage}: plain DeepSpeed ...", file=sys.stderr, flush=True)
         plain = run_side(args.model, base, args.steps, args.world_size, args.data, 0, False)
         data["rows"].append({"stage": stage, "config": "plain", "peak_bytes": plain.peak_bytes,
@@ -95,7 +98,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def render(data: dict) -> str:
     mib = 2 ** 20
-    lines = [f"`{data['model']}`, {data['world_size']} rank(s) over gloo on CPU, bf16, clipping 1.0, 1e6-element "
+    lines = [f"`{data['model']}`, {data['world_size']} rank(s) over gloo on CPU, {data.get('dtype', 'bf16')}, clipping "
+             "1.0, 1e6-element "
              f"buckets, micro-batch {data.get('micro_batch', 8)}, {data['steps']} steps, no memory_budget; made by "
              f"`{data['command']}`.", "",
              "| ZeRO | configuration | peak (worst rank) | peak ratio | model states at the peak (B/param) | "
@@ -125,6 +129,8 @@ def main() -> int:
     p.add_argument("--model", default="gpt-small")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--micro-batch", type=int, default=BASE["train_micro_batch_size_per_gpu"])
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"),
+                   help="fp32: the same ds_config without its bf16 section (for CPUs without native bf16)")
     p.add_argument("--world-size", type=int, default=2, choices=(1, 2))
     p.add_argument("--data", default=None)
     p.add_argument("--json", default=None)

@@ -1,11 +1,13 @@
 """ZeRO-3's gathered weights saved by reference to their parameter, not by their gathered storage.
 
-Outside DeepSpeed's own linear function (a model built outside ``deepspeed.zero.Init``, or any op
-other than ``F.linear``), autograd saves what a matmul used: ``weight.t()``, a view of the storage
-DeepSpeed gathered the weight into (its all-gather's ``torch.cat`` output). DeepSpeed releases the
-parameter when the module's forward returns, but that view keeps the gathered storage alive until
-backward: every such weight is held whole from forward to backward, the memory ZeRO-3 exists to
-free, and plain ZeRO-3 then peaks above ZeRO-2 (docs/activations.md "ZeRO-3's gathered weights").
+At ZeRO-3 DeepSpeed gathers a module's parameters before its forward (its all-gather's ``torch.cat``
+output becomes each parameter's data) and, on models larger than its prefetch and reuse windows,
+releases them when the forward returns by swapping that data for an empty tensor. A saved tensor
+that still refers to the gathered storage keeps it alive until backward: a view of a weight an op
+saved (``weight.t()`` outside DeepSpeed's patched ``F.linear``, a slice of a fused projection), and
+a detached Parameter, which is what a plan's pack hooks (`saved.PackContext`) returned for every
+Parameter an op saved. A plan that offloaded or compressed activations thereby held every gathered
+weight of its modules from forward to backward (docs/activations.md "ZeRO-3's gathered weights").
 
 `GatheredRefs` is a saved-tensor hook pair entered around the model's forward (the plan's own
 hooks inside it compose with it, `saved.PackContext`). A saved tensor whose storage is the one a
@@ -17,9 +19,9 @@ step), so the gradients are bit-identical. A parameter that is not gathered when
 unpacked is gathered, copied and released there (DeepSpeed's ``all_gather`` / ``partition``,
 collective, so every rank does it at the same point): still exact, counted in ``regathered``.
 
-A Parameter saved itself (a norm's weight) becomes a reference too: autograd alone would keep the
-Parameter object, whose data DeepSpeed swaps, but a plan's hooks inside would keep a detached view
-of the gathered data. Anything else goes on as it came (detached, as a pack hook must return it).
+A Parameter saved itself (a norm's weight, the weight DeepSpeed's linear function saves) becomes a
+reference too, so the plan's hooks inside never see it. Anything else goes on as it came (detached,
+as a pack hook must return it).
 """
 from __future__ import annotations
 

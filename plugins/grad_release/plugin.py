@@ -77,8 +77,8 @@ class GradReleasePlugin(Plugin):
     def preset_leave_out(cls, config: GradReleaseConfig, ds_config: dict) -> Optional[str]:
         """fp32 at ZeRO-0 with accumulation: the accumulator is the whole model's fp32 gradients, what
         plain DeepSpeed holds there, so nothing falls (gpt-small, 2 ranks, accumulation 4: peak 1.00x,
-        step 1.07x; docs/grad_release.md "What it saves"). With bf16/fp16 the masters' remainders and
-        the 16-bit gradients still pay, and at stage 1/2 the accumulator is sharded."""
+        step 1.07x; docs/grad_release.md "Gradient accumulation"). With bf16/fp16 the masters'
+        remainders and the 16-bit gradients still pay, and at stage 1/2 the accumulator is sharded."""
         from deepspeed.runtime.zero.config import get_zero_config
 
         from xirang_ds.plugins.grad_release.ds_config import parameter_dtype

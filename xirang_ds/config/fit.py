@@ -4,8 +4,8 @@ A preset is a proposal: a plugin it turns on that cannot run with the user's ds_
 at ZeRO-3, optimizer_states under optimizer offload, ...), or that would save nothing there
 (`Plugin.preset_leave_out`: grad_release in fp32 accumulating at ZeRO-0), is left out, with one line
 saying why, in the session summary and in ``xirang-ds validate --show-resolved``. A section the user
-wrote in the block (any key of it) is a request: if it cannot run there, that is an error, and every such problem
-is reported at once. Each plugin says what it cannot run with through `Plugin.check_ds_config`,
+wrote in the block (any key of it) is a request: if it cannot run there, that is an error, and
+every such problem is reported at once. Each plugin says what it cannot run with through `Plugin.check_ds_config`,
 read on the user's ds_config before any plugin edits it. A key a preset set that this ds_config
 cannot take (grad_release's ``masters: none`` without bf16) falls back to the value a plugin's
 `Plugin.preset_fallbacks` names, with its line, unless the user wrote that key.

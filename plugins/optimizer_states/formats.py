@@ -251,3 +251,33 @@ def format_of(state: dict) -> str:
     if "exp_avg" in state and state["exp_avg"].dtype == torch.bfloat16:
         return "bf16"
     return "fp32"
+
+
+def update_error(reference: tuple[torch.Tensor, torch.Tensor], fmt: StateFormat, buffers: dict, start: int,
+                 end: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Squared norms of (stored direction - true direction) and of the true direction (float64
+    device scalars: no host sync)."""
+    m, v = reference
+    true = m / (v.sqrt_() + eps)
+    stored = fmt.decode("exp_avg", buffers, start, end) / (fmt.decode("exp_avg_sq", buffers, start, end).sqrt_() + eps)
+    return stored.sub_(true).double().square().sum(), true.double().square().sum()
+
+
+def encode_with_error(src: StateFormat, dst: StateFormat, buffers: dict, out: dict, numel: int, chunk: int,
+                      generator: Optional[torch.Generator], eps: float) -> float:
+    """Encode the moments in ``buffers`` (format ``src``) into ``out`` (format ``dst``), ``chunk``
+    elements at a time; return the relative error of the Adam update direction ``dst`` gives,
+    ``|m'/(sqrt(v')+eps) - m/(sqrt(v)+eps)| / |m/(sqrt(v)+eps)|`` over the tensor (one host sync)."""
+    sums = torch.zeros(2, dtype=torch.float64, device=next(iter(buffers.values())).device)
+    for start in range(0, numel, chunk):
+        end = min(numel, start + chunk)
+        m = src.decode("exp_avg", buffers, start, end).clone()
+        v = src.decode("exp_avg_sq", buffers, start, end).clone()
+        reference = (m.clone(), v.clone())
+        dst.encode("exp_avg", m, out, start, generator)
+        dst.encode("exp_avg_sq", v, out, start, generator)
+        du, u = update_error(reference, dst, out, start, end, eps)
+        sums[0] += du
+        sums[1] += u
+    du, u = sums.tolist()
+    return math.sqrt(du / u) if u > 0 else 0.0

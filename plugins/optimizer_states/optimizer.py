@@ -30,7 +30,14 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from xirang_ds.config.schema import STATE_DTYPE_ORDER, OptimizerStatesConfig
-from xirang_ds.plugins.optimizer_states.formats import MOMENTS, StateFormat, format_of, make_format
+from xirang_ds.plugins.optimizer_states.formats import (
+    MOMENTS,
+    StateFormat,
+    encode_with_error,
+    format_of,
+    make_format,
+    update_error,
+)
 from xirang_ds.plugins.optimizer_states.fused import FusedStep
 from xirang_ds.plugins.optimizer_states.schedule import Measurement, Policy, make_policy
 from xirang_ds.plugins.optimizer_states.update import AdamHyper, adam_chunk_
@@ -198,7 +205,7 @@ class DynamicAdamW(torch.optim.Optimizer):
         state["step"] += 1
         step = int(state["step"].item())
         old_name = format_of(state)
-        new_name = "fp32" if pinned else self.policy.target(state, step)
+        new_name = "fp32" if pinned else self._target(state, step)
         src = self._format(old_name, state.get("block_size", 0))
         dst = self._format(new_name)  # the same object when neither format nor block size changes
         buffers = {k: state[k] for m in MOMENTS for k in src.keys(m)}
@@ -228,33 +235,31 @@ class DynamicAdamW(torch.optim.Optimizer):
         """A measured tensor still in fp32: encode its moments (just updated) in the step policy's
         format, and keep that encoding when the relative error of the Adam update direction it gives,
         ``|m'/(sqrt(v')+eps) - m/(sqrt(v)+eps)| / |m/(sqrt(v)+eps)|`` over the tensor, is at most
-        ``measured_max_error``; else the states stay fp32 until the next check."""
+        ``measured_max_error``; else try the wider integer format (int8 after int4), which then stays
+        the narrowest the tensor takes (`_target`); else the states stay fp32 until the next check."""
         name = self.policy.target(state, step)
         if not name.startswith("int"):
             return
-        src, dst = self._format("fp32"), self._format(name)
+        src = self._format("fp32")
         buffers = {k: state[k] for m in MOMENTS for k in src.keys(m)}
-        n = p.numel()
-        out = {k: v for m in MOMENTS for k, v in dst.zeros(m, n, p.device, self._empty()).items()}
-        sums = torch.zeros(2, dtype=torch.float64, device=p.device)
-        generator = self._rounding(p, step)
-        chunk = _lcm(self.config.chunk_numel, dst.block_size)
-        for start in range(0, n, chunk):
-            end = min(n, start + chunk)
-            m = src.decode("exp_avg", buffers, start, end).clone()
-            v = src.decode("exp_avg_sq", buffers, start, end).clone()
-            reference = (m.clone(), v.clone())
-            dst.encode("exp_avg", m, out, start, generator)
-            dst.encode("exp_avg_sq", v, out, start, generator)
-            du, u = _update_error(reference, dst, out, start, end, eps)
-            sums[0] += du
-            sums[1] += u
-        du, u = sums.tolist()
-        error = math.sqrt(du / u) if u > 0 else 0.0
-        leaves = error <= self.config.measured_max_error
-        self.measurements.append((step, n, name, error, leaves))
-        if leaves:
-            self._replace(p, state, buffers, out, "fp32", name, dst, step)
+        for candidate in STATE_DTYPE_ORDER[STATE_DTYPE_ORDER.index(name):STATE_DTYPE_ORDER.index("bf16"):-1]:
+            dst = self._format(candidate)
+            out = {k: v for m in MOMENTS for k, v in dst.zeros(m, p.numel(), p.device, self._empty()).items()}
+            error = encode_with_error(src, dst, buffers, out, p.numel(), _lcm(self.config.chunk_numel, dst.block_size),
+                                      self._rounding(p, step), eps)
+            leaves = error <= self.config.measured_max_error
+            self.measurements.append((step, p.numel(), candidate, error, leaves))
+            if leaves:
+                if candidate != name:
+                    state["measured_floor"] = STATE_DTYPE_ORDER.index(candidate)
+                self._replace(p, state, buffers, out, "fp32", candidate, dst, step)
+                return
+
+    def _target(self, state: dict, step: int) -> str:
+        """The policy's format, but no narrower than the one a measured tensor settled on."""
+        name = self.policy.target(state, step)
+        floor = state.get("measured_floor")
+        return name if floor is None else STATE_DTYPE_ORDER[min(STATE_DTYPE_ORDER.index(name), int(floor))]
 
     def _run_chunks(self, p: torch.Tensor, src_buf: dict, dst_buf: dict, src: StateFormat, dst: StateFormat,
                     step: int, hyper: AdamHyper, measure: bool, generator: Optional[torch.Generator]
@@ -285,7 +290,7 @@ class DynamicAdamW(torch.optim.Optimizer):
             dst.encode("exp_avg", m, dst_buf, start, generator)
             dst.encode("exp_avg_sq", v, dst_buf, start, generator)
             if measure and reference is not None:
-                du, u = _update_error(reference, dst, dst_buf, start, end, hyper.eps)
+                du, u = update_error(reference, dst, dst_buf, start, end, hyper.eps)
                 sums[2] += du
                 sums[3] += u
         if not measure:
@@ -488,13 +493,3 @@ def _lcm(*values: int) -> int:
     for v in values:
         out = out * v // math.gcd(out, v)
     return out
-
-
-def _update_error(reference: tuple[torch.Tensor, torch.Tensor], fmt: StateFormat, buffers: dict, start: int,
-                  end: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Squared norms of (stored direction - true direction) and of the true direction (float64
-    device scalars: no host sync)."""
-    m, v = reference
-    true = m / (v.sqrt_() + eps)
-    stored = fmt.decode("exp_avg", buffers, start, end) / (fmt.decode("exp_avg_sq", buffers, start, end).sqrt_() + eps)
-    return stored.sub_(true).double().square().sum(), true.double().square().sum()

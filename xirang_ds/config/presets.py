@@ -42,7 +42,8 @@ PRESETS: dict[str, dict] = {
                              "keep_fp32_embeddings_and_norms": "measured"},
         "activations": {"enabled": True, "budget": "auto", "options": list(_LOSSLESS_STORAGE + _RECOMPUTE)},
     },
-    # Adds int4 optimizer states, bf16 weights with no master (each update rounded stochastically
+    # Adds int4 optimizer states (an embedding int4 distorts goes int8 when int8's measured error
+    # allows, docs/optimizer_states.md), bf16 weights with no master (each update rounded stochastically
     # into them; other dtypes keep their masters) and lossy 8-bit / sparse storage of the feed-forward
     # blocks' saved activations (bounded error, docs/activations.md); offload stays among the options.
     "aggressive": {

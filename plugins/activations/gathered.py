@@ -30,6 +30,7 @@ from typing import Any, Optional
 import torch
 
 from xirang_ds.compat.torch import pop_saved_tensors_hooks, push_saved_tensors_hooks
+from xirang_ds.plugins.activations.saved import span_elements
 
 
 class ParamRef:
@@ -39,10 +40,6 @@ class ParamRef:
 
     def __init__(self, param: torch.nn.Parameter, size: torch.Size, stride: tuple, offset: int):
         self.param, self.size, self.stride, self.offset = param, size, stride, offset
-
-
-def _span(t: torch.Tensor) -> int:
-    return 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride())) if t.numel() else 0
 
 
 class GatheredRefs:
@@ -105,7 +102,7 @@ class GatheredRefs:
             data = p.data
             if (data.numel() and data.dtype == t.dtype and data.untyped_storage().data_ptr() == ptr
                     and data.storage_offset() <= t.storage_offset()
-                    and t.storage_offset() + _span(t) <= data.storage_offset() + _span(data)):
+                    and t.storage_offset() + span_elements(t) <= data.storage_offset() + span_elements(data)):
                 return p
         return None
 

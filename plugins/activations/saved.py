@@ -159,7 +159,8 @@ class Eligibility:
         return self.arenas is None or all(a.untyped_storage().data_ptr() != st.data_ptr() for a in self.arenas())
 
 
-def _span_elements(t: torch.Tensor) -> int:
+def span_elements(t: torch.Tensor) -> int:
+    """Elements from ``t``'s first to its last in its storage (0 when empty)."""
     if t.numel() == 0:
         return 0
     return 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
@@ -170,7 +171,7 @@ def storage_flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     ``t`` spans less than half of its storage (the second value says which)."""
     st = t.untyped_storage()
     el = t.element_size()
-    span = t.storage_offset() + _span_elements(t)
+    span = t.storage_offset() + span_elements(t)
     if st.nbytes() % el or 2 * span * el < st.nbytes():
         return t.detach().reshape(-1), True
     with torch.no_grad():

@@ -79,13 +79,12 @@ class GradReleasePlugin(Plugin):
         plain DeepSpeed holds there, so nothing falls (gpt-small, 2 ranks, accumulation 4: peak 1.00x,
         step 1.07x; docs/grad_release.md "Gradient accumulation"). With bf16/fp16 the masters'
         remainders and the 16-bit gradients still pay, and at stage 1/2 the accumulator is sharded."""
-        from deepspeed.runtime.zero.config import get_zero_config
+        from xirang_ds.plugins.grad_release.ds_config import read_setup
 
-        from xirang_ds.plugins.grad_release.ds_config import parameter_dtype
-
+        setup = read_setup(ds_config, config)  # asked only where check_ds_config found nothing
         accumulation = ds_config.get("gradient_accumulation_steps", 1)
-        if (int(get_zero_config(ds_config).stage) == 0 and isinstance(accumulation, int) and accumulation > 1
-                and parameter_dtype(ds_config) == torch.float32):
+        if (setup.zero_stage == 0 and isinstance(accumulation, int) and accumulation > 1
+                and setup.param_dtype == torch.float32):
             return (f"fp32 at zero_optimization.stage 0 with gradient_accumulation_steps {accumulation}: the "
                     "accumulator is the whole model's fp32 gradients, as in plain DeepSpeed, so it would lower "
                     "nothing and only cost time; write a grad_release section to run it anyway, or use stage 1/2")

@@ -12,7 +12,7 @@ left out at that stage (grad_release cannot run at ZeRO-3, so the presets there 
 AMD EPYC this ran on, bf16 matmuls take torch's reference path, about 20x slower than fp32 on
 gpt-small, and its plain ZeRO-2 side alone runs more than ten minutes, so the eight sides take well
 over an hour; `benchmarks/precision.py`'s ``cpu_name`` says which kind a machine is). ``--dtype fp32``
-drops the bf16 section: the run README's 162M table comes from, at 3 steps).
+drops the bf16 section; README's 162M table was made that way, at 3 steps.
 
 ``--render JSON`` prints the Markdown table of a saved run.
 """
@@ -98,9 +98,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def render(data: dict) -> str:
     mib = 2 ** 20
-    lines = [f"`{data['model']}`, {data['world_size']} rank(s) over gloo on CPU, {data.get('dtype', 'bf16')}, clipping "
-             "1.0, 1e6-element "
-             f"buckets, micro-batch {data.get('micro_batch', 8)}, {data['steps']} steps, no memory_budget; made by "
+    lines = [f"`{data['model']}`, {data['world_size']} rank(s) over gloo on CPU, {data.get('dtype', 'bf16')}, "
+             f"clipping 1.0, 1e6-element buckets, micro-batch {data.get('micro_batch', 8)}, {data['steps']} steps, no memory_budget; made by "
              f"`{data['command']}`.", "",
              "| ZeRO | configuration | peak (worst rank) | peak ratio | model states at the peak (B/param) | "
              "peak phase | step time ratio | final loss (Δ) | left out |",

@@ -388,7 +388,7 @@ def test_a_measured_embedding_that_int4_misses_settles_on_int8():
     """An int4 schedule: the embedding's int4 error is above the limit and int8's below it, so it
     moves to int8 after its first update and stays there (the schedule's int4 never takes it), the
     dense layer goes int4; the narrowest format travels in the state dict; with a limit int8 misses
-    too it stays fp32. (The 162M GPT's embeddings: int4 0.30, int8 0.02 of the update direction.)"""
+    too it stays fp32. (The 162M GPT's token embedding: int4 0.31, int8 0.02 of the update direction.)"""
     from xirang_ds.plugins.optimizer_states.build import keep_reasons, split_groups
 
     def run(limit, steps=6, load=None):

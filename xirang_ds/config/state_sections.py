@@ -95,7 +95,7 @@ class OptimizerStatesConfig(Section):
     measured_max_error: Annotated[float, Range(0.0, 1.0, low_exclusive=True)] = 0.05
     """With ``keep_fp32_embeddings_and_norms: "measured"``: the largest relative error of the Adam
     update direction at which an embedding's states leave fp32 (int8 measures ~0.01 on dense
-    layers, int4 ~0.2; a 162M GPT's embeddings: int8 0.02, int4 0.30)."""
+    layers, int4 ~0.2; a 162M GPT's token embedding: int8 0.02, int4 0.31)."""
     stochastic_rounding: bool = False
     """Round quantized and bf16 states stochastically (unbiased) instead of to nearest."""
     refresh_every_steps: NonNegativeInt = 0

@@ -3,8 +3,8 @@
 **The rule** (`auto_bucket_numel`). A ring reduce-scatter of ``n`` elements of ``b`` bytes over ``p``
 ranks costs about ``(p-1)*alpha + (p-1)/p * n*b/beta`` (latency ``alpha``, bandwidth ``beta``). At
 ``n*b = 9*p*alpha*beta`` the fixed cost is 1/9 of the transfer (10% of the total), so the bucket
-runs at >= 90% of link bandwidth; larger buckets only add memory (``p`` is capped at 8: larger
-groups use trees). The bucket is then held to at least the largest parameter (a gradient never
+runs at >= 90% of link bandwidth (`xirang_ds.links`); larger buckets only add memory (``p`` is capped
+at 8: larger groups use trees). The bucket is then held to at least the largest parameter (a gradient never
 straddles reductions), at most ``max_fraction_of_budget`` of the memory budget over all its buffers (2 with
 ``overlap_comm``), and at most the model (beyond that there is nothing left to overlap with).
 ``alpha``/``beta`` default by backend: NCCL 30 us / 100 GB/s, gloo 50 us / 2 GB/s; override with
@@ -48,19 +48,14 @@ from typing import Any, Optional
 from xirang_ds.config.schema import CommBuffersConfig
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
+from xirang_ds.links import RING_RANKS_MAX, backend_link, efficient_numel
 from xirang_ds.registry import STORAGE_LENDER, Plugin, register_plugin
 
 logger = logging.getLogger("xirang_ds")
 
-LINKS = {"nccl": (30e-6, 100e9), "gloo": (50e-6, 2e9), "hccl": (30e-6, 50e9), "ccl": (50e-6, 10e9)}
-"""Backend → (latency s, bandwidth bytes/s) used when the config leaves them ``auto``."""
 DEEPSPEED_DEFAULT_BUCKET = 500_000_000
 MAX_REDUCTIONS_PER_STEP = 32
 PRESSURE = 0.9
-
-
-RING_RANKS_MAX = 8
-"""Beyond this many ranks NCCL reduces with trees and hierarchies, not one flat ring."""
 
 
 def auto_bucket_numel(largest_param: int, total_params: int, elem_bytes: int, buffers: int, budget_bytes: int,
@@ -72,7 +67,7 @@ def auto_bucket_numel(largest_param: int, total_params: int, elem_bytes: int, bu
     `RING_RANKS_MAX`, beyond which collectives are not flat rings).
     """
     p = max(1, min(int(ranks), RING_RANKS_MAX))
-    efficient = int(9 * p * latency_s * bandwidth / elem_bytes)
+    efficient = efficient_numel(elem_bytes, ranks, latency_s, bandwidth)
     cap = int(max_fraction * budget_bytes / (elem_bytes * buffers))
     n = max(efficient, largest_param)
     why = (f"9*p*alpha*beta = {format_bytes(efficient * elem_bytes)} for >= 90% link efficiency on {p} rank(s)"
@@ -250,15 +245,7 @@ class CommBuffersPlugin(Plugin):
         return int(get_accelerator().total_memory())
 
     def _link(self) -> tuple[float, float]:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            backend = str(dist.get_backend())  # the group Megatron (or the user) already built
-        else:
-            from deepspeed.accelerator import get_accelerator
-
-            backend = get_accelerator().communication_backend_name()
-        latency, bandwidth = LINKS.get(backend, LINKS["nccl"])
+        _, latency, bandwidth = backend_link()
         if self.config.collective_latency_us != "auto":
             latency = float(self.config.collective_latency_us) * 1e-6
         if self.config.collective_bandwidth_gbps != "auto":

@@ -19,16 +19,25 @@ from typing import Sequence
 import torch
 
 AUTO_BUCKET_FRACTION = 16
-"""``auto`` bucket size: the trainable elements divided by this ..."""
+"""``auto`` bucket size: the trainable elements divided by this, raised toward the size at which one
+collective runs at >= 90% of the link's bandwidth (`xirang_ds.links.efficient_numel`: a small model
+then pays fewer, mostly-transfer collectives) ..."""
+AUTO_BUCKET_MAX_FRACTION = 8
+"""... but not above the trainable elements divided by this (at least this many buckets: the gradients
+in flight, two buckets, stay about a quarter of the model's) ..."""
 AUTO_BUCKET_MIN_NUMEL = 2**16
-"""... but at least this many elements (small models: few, cheap collectives) ..."""
+"""... and at least this many elements ..."""
 AUTO_BUCKET_MAX_NUMEL = 2**25
 """... and at most this many (64 MiB of bf16 gradients)."""
 
 
-def auto_bucket_numel(total_numel: int) -> int:
-    """The ``bucket_size_numel: "auto"`` value for a model with ``total_numel`` trainable elements."""
-    return max(AUTO_BUCKET_MIN_NUMEL, min(AUTO_BUCKET_MAX_NUMEL, total_numel // AUTO_BUCKET_FRACTION))
+def auto_bucket_numel(total_numel: int, efficient_numel: int = 0) -> int:
+    """The ``bucket_size_numel: "auto"`` value for a model with ``total_numel`` trainable elements,
+    on a link whose collectives need ``efficient_numel`` elements to run at >= 90% of its bandwidth."""
+    share = total_numel // AUTO_BUCKET_FRACTION
+    if efficient_numel > share:
+        share = min(efficient_numel, total_numel // AUTO_BUCKET_MAX_FRACTION)
+    return max(AUTO_BUCKET_MIN_NUMEL, min(AUTO_BUCKET_MAX_NUMEL, share))
 
 
 def plan_buckets(numels: Sequence[int], bucket_numel: int) -> list[list[int]]:

@@ -145,7 +145,7 @@ class GradReleasePlugin(Plugin):
         """Buckets over ``module``'s trainable parameters in reverse registration order, each within one
         dtype and one of ``optimizers`` (cloned for the bucket; Megatron has one per param-group kind)."""
         from xirang_ds.plugins.grad_release.bucket import Bucket
-        from xirang_ds.plugins.grad_release.layout import BucketLayout, auto_bucket_numel, plan_buckets
+        from xirang_ds.plugins.grad_release.layout import BucketLayout, plan_buckets
         from xirang_ds.plugins.grad_release.optimizers import optimizer_problems
 
         problems = [p for basic in optimizers for p in optimizer_problems(basic, sharded, self.setup.zero_stage)]
@@ -164,9 +164,8 @@ class GradReleasePlugin(Plugin):
         if odd:
             raise XirangConfigError([("", f"xirang.grad_release: parameter {odd[0]} is not a dense contiguous tensor")])
         total = sum(p.numel() for _, p in order)
-        self.bucket_numel = (auto_bucket_numel(total) if self.config.bucket_size_numel == "auto"
-                             else int(self.config.bucket_size_numel))
         world = self.comm.world if sharded else 1
+        self.bucket_numel = self._bucket_numel(total, self.setup.comm_dtype.itemsize, self.comm.world)
         tracker = self.session.tracker
         buckets: list[Any] = []
         for run in _dtype_runs(order, lambda p: group_of[p][0]):
@@ -187,6 +186,17 @@ class GradReleasePlugin(Plugin):
                                                   "xirang.grad_release")]) from None
         return buckets
 
+    def _bucket_numel(self, total: int, comm_bytes: int, ranks: int) -> int:
+        """``bucket_size_numel``, or its ``auto`` value for ``total`` trainable elements reduced in
+        ``comm_bytes``-byte elements over ``ranks`` ranks on this run's collective backend."""
+        from xirang_ds.links import backend_link, efficient_numel
+        from xirang_ds.plugins.grad_release.layout import auto_bucket_numel
+
+        if self.config.bucket_size_numel != "auto":
+            return int(self.config.bucket_size_numel)
+        _, latency, bandwidth = backend_link()
+        return auto_bucket_numel(total, efficient_numel(comm_bytes, ranks, latency, bandwidth) if ranks > 1 else 0)
+
     def adjust_estimate(self, phases: dict, shape: Any, numels: list) -> Optional[dict]:
         """Model states as the buckets hold them and gradients a bucket at a time (the table under
         "One step of a bucket" in docs/grad_release.md): 16-bit parameters whole, fp32 masters and
@@ -196,7 +206,7 @@ class GradReleasePlugin(Plugin):
         held until backward ends when exact clipping uses ``hold``, and the update's temporaries in
         backward, one bucket shard at a time. There is no separate optimizer-step phase."""
         from xirang_ds.memory.estimator import BACKWARD_START, STEP_PREPARE, _adam_temporaries
-        from xirang_ds.plugins.grad_release.layout import auto_bucket_numel
+        from xirang_ds.plugins.grad_release.layout import plan_buckets
 
         if not numels:
             return phases
@@ -204,8 +214,11 @@ class GradReleasePlugin(Plugin):
         lp = shape.lp_bytes
         world = shape.world_size if shape.stage >= 1 and shape.world_size > 1 else 1
         part = sum(math.ceil(n / world) for n in numels)
-        bucket = auto_bucket_numel(total) if self.config.bucket_size_numel == "auto" else int(self.config.bucket_size_numel)
-        bucket = max(bucket, max(numels))  # a larger parameter gets a bucket of its own
+        comm_bytes = self.setup.comm_dtype.itemsize if self.setup is not None else lp
+        # a parameter larger than the size gets a bucket of its own; a model smaller than it is one bucket
+        bucket_numel = self._bucket_numel(total, comm_bytes, shape.world_size)
+        planned = plan_buckets(list(reversed(numels)), bucket_numel)
+        bucket = min(max(bucket_numel, max(numels)), total)
         kind = self._masters if shape.dtype == torch.bfloat16 else "fp32"
         masters = {"fp32": 4 * part, "remainders": 2 * part + math.ceil(part / 8), "none": 0}[kind] if lp != 4 else 0
         states = 8 * part
@@ -216,7 +229,7 @@ class GradReleasePlugin(Plugin):
         holds = self.config.exact_method == "hold" and (clipping > 0 and self.config.clipping == "exact" or fp16
                                                         or self.retries_oom())
         accum = 4 * part if shape.grad_accum > 1 else 0
-        in_flight = (2 if self.config.overlap_comm else 1) * lp * bucket
+        in_flight = (2 if self.config.overlap_comm and len(planned) > 1 else 1) * lp * bucket
         shard = math.ceil(bucket / world)
         # the update (bucket.py ``apply``): the bucket shard's fp32 gradient, then with remainders its
         # master rebuilt from a 16-bit copy of its weights (freed once joined; ``none``: widened in

@@ -8,6 +8,7 @@ import torch
 
 from xirang_ds.config import XirangConfigError, load_config
 from xirang_ds.config.schema import GradReleaseConfig
+from xirang_ds.links import LINKS, efficient_numel
 from xirang_ds.plugins.grad_release.layout import BucketLayout, auto_bucket_numel, plan_buckets
 from xirang_ds.plugins.grad_release.optimizers import (
     clone_optimizer,
@@ -60,6 +61,13 @@ def test_plan_buckets_in_order_and_large_parameters_alone():
         plan_buckets([1], 0)
     assert auto_bucket_numel(10) == 2**16 and auto_bucket_numel(10**12) == 2**25
     assert auto_bucket_numel(16 * 10**6) == 10**6
+    # at least the size at which a collective runs at >= 90% of the link's bandwidth, within the cap
+    gloo_fp32_two_ranks = efficient_numel(4, 2, *LINKS["gloo"])
+    assert gloo_fp32_two_ranks == 450_000
+    assert auto_bucket_numel(8_000_000, gloo_fp32_two_ranks) == 500_000  # 1/16 is above it already
+    assert auto_bucket_numel(4_000_000, gloo_fp32_two_ranks) == 450_000  # raised from 250,000
+    assert auto_bucket_numel(3_323_392, gloo_fp32_two_ranks) == 415_424  # gpt-small: no more than 1/8
+    assert auto_bucket_numel(10**9, efficient_numel(2, 8, *LINKS["nccl"])) == 2**25  # 108M elements, capped
 
 
 # optimizers -----------------------------------------------------------------------------------------

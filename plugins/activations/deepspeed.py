@@ -49,10 +49,8 @@ class DeepSpeedActivations(FrameworkPath):
         return isinstance(zero, dict) and zero.get("stage") == 3
 
     def without_chunk(self) -> Optional[str]:
-        """Why the chunked head cannot run here (``None``: it can)."""
-        if self._zero3():
-            return ("with ZeRO stage 3 (it releases the head's gathered weight when the head's forward "
-                    "returns, before the loss needs it)")
+        """Why the chunked head cannot run here (``None``: it can; at ZeRO-3 the chunked loss gathers
+        the head's weight itself, `head_loss.gathered`)."""
         return None
 
     def without_selective(self) -> Optional[str]:

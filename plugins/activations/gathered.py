@@ -58,9 +58,16 @@ class GatheredRefs:
     """
 
     def __init__(self, model: torch.nn.Module):
+        from xirang_ds.compat.deepspeed import pass_pre_backward
+        from xirang_ds.plugins.activations.head_loss import DeferredLogits
+
         self._by_storage: dict[int, list[torch.nn.Parameter]] = {}
         self._handles = [m.register_forward_pre_hook(self._record) for m in model.modules()
                          if any(True for _ in m.parameters(recurse=False))]
+        # a chunked head's deferred logits have no graph of their own to mark, and DeepSpeed's marker
+        # (``outputs.detach()``) would compute them whole; the chunked loss gathers the head's weight
+        # itself (head_loss.gathered)
+        self._undo_marker = pass_pre_backward(model, lambda t: isinstance(t, DeferredLogits))
         self.saved = 0
         self.regathered = 0
         self._pushed = False
@@ -92,6 +99,7 @@ class GatheredRefs:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._undo_marker()
 
     def _owner(self, t: torch.Tensor) -> Optional[torch.nn.Parameter]:
         """The gathered parameter whose data ``t`` is a view of, or ``None``."""

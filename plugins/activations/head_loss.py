@@ -20,11 +20,14 @@ is torch's own ``nll_loss_backward`` and ``_log_softmax_backward_data`` per slic
 row); the head's weight and bias gradients add the slices' products (one rounding per slice in the
 weight's dtype: exact to bf16 rounding, bit-identical with one slice).
 
+At ZeRO-3 DeepSpeed releases the head's weight when the head's forward returns: the chunked loss
+gathers it itself for its forward and its backward (`gathered`, `_gathered_backward`), and logits
+needed whole are computed by `GatheredLinear`, the arithmetic of DeepSpeed's ZeRO-3 linear.
+
 Not applied (the logits are computed whole, as without the plugin): under autocast, with a
-``weight`` or ``label_smoothing`` in ``cross_entropy``, with class-probability targets, at ZeRO
-stage 3 (the head's weight is released when its forward returns; the plugin leaves heads out there)
-and inside a region torch.compile traces (the head runs its plain forward, so profiling finds no
-chunkable call and the planner keeps it).
+``weight`` or ``label_smoothing`` in ``cross_entropy``, with class-probability targets, and inside a
+region torch.compile traces (the head runs its plain forward, so profiling finds no chunkable call and
+the planner keeps it).
 """
 from __future__ import annotations
 
@@ -260,9 +263,100 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     return z
 
 
+def _released(param: Optional[torch.Tensor]) -> bool:
+    """A ZeRO-3 parameter whose data DeepSpeed has released (only its shard is held)."""
+    return param is not None and hasattr(param, "ds_id") and not param.data.numel()
+
+
+@contextlib.contextmanager
+def gathered(*params: Optional[torch.Tensor]):
+    """ZeRO-3: the released parameters among ``params`` gathered for the block and released after it
+    (DeepSpeed's own ``all_gather``/``partition``; a gathered or ordinary tensor is left as it is).
+    The chunked loss runs after DeepSpeed released the head's weight at the end of the head's forward,
+    and its backward outside the head's backward hooks, so it gathers the weight itself, each time only
+    while it computes."""
+    mine = [p for p in params if _released(p)]
+    for p in mine:
+        p.all_gather()
+    try:
+        yield
+    finally:
+        for p in mine:
+            p.partition()
+
+
+def _gathered_backward(ctx: Any, backward: Callable[[], tuple]) -> tuple:
+    """``backward()`` with ``ctx.params`` (the head's weight and bias, ZeRO-3) gathered where released.
+    Autograd accumulates each gradient into its parameter after the backward returns, in the
+    parameter's current shape, so a parameter that gets one is released only once that (and
+    DeepSpeed's reduction hook) ran."""
+    mine = [(p, need) for p, need in zip(ctx.params, ctx.needs_input_grad[1:3]) if _released(p)]
+    for p, _ in mine:
+        p.all_gather()
+    try:
+        out = backward()
+    except BaseException:
+        for p, _ in mine:
+            p.partition()
+        raise
+    for p, need in mine:
+        if need:
+            _release_after_accumulation(p)
+        else:
+            p.partition()
+    return out
+
+
+class GatheredLinear(torch.autograd.Function):
+    """A ZeRO-3 head's linear computed whole outside its module's hooks (the deferred logits needed
+    whole after DeepSpeed released the weight): the weight gathered for forward and again for
+    backward, the arithmetic of DeepSpeed's own ZeRO-3 linear (``LinearFunctionForZeroStage3``)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias):
+        ctx.save_for_backward(hidden)
+        ctx.params = (weight, bias)
+        out = hidden.matmul(weight.t())
+        return out + bias if bias is not None else out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (hidden,) = ctx.saved_tensors
+        weight, bias = ctx.params
+
+        def grads() -> tuple:
+            dh = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+            g2 = grad_out.reshape(-1, grad_out.shape[-1])
+            dw = g2.t().matmul(hidden.reshape(-1, hidden.shape[-1])) if ctx.needs_input_grad[1] else None
+            db = g2.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
+            return dh, dw, db
+
+        return _gathered_backward(ctx, grads)
+
+
+def gathered_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """`GatheredLinear`: ``linear(hidden, weight, bias)`` with a ZeRO-3 weight gathered where released."""
+    with gathered(weight, bias):  # autograd records the weight's whole shape
+        return GatheredLinear.apply(hidden, weight, bias)
+
+
+def _release_after_accumulation(param: torch.nn.Parameter) -> None:
+    """Release a ZeRO-3 parameter gathered for a backward once its gradient was accumulated."""
+    def release(p: torch.nn.Parameter) -> None:
+        handle.remove()
+        p.partition()
+
+    handle = param.register_post_accumulate_grad_hook(release)
+
+
+def is_zero3(param: Optional[torch.Tensor]) -> bool:
+    return param is not None and hasattr(param, "ds_id")
+
+
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """``cross_entropy(cast(linear(hidden, weight, bias)), target)`` a slice of ``tokens`` rows at a
-    time (module docstring); saves only ``hidden`` and ``target``."""
+    time (module docstring); saves only ``hidden`` and ``target`` (and the head's weight and bias, or
+    at ZeRO-3 a reference to them, gathered again in backward)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, casts, ignore_index, reduction, tokens, scope):
@@ -283,13 +377,26 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 out = F.nll_loss((-per_token).unsqueeze(1), torch.where(valid, 0, -1), ignore_index=-1,
                                  reduction=reduction)
             total = valid.sum().to(per_token.dtype)
-        ctx.save_for_backward(hidden, weight, bias, target, total)
+        if is_zero3(weight):  # a reference: saving the gathered data would hold it until backward
+            ctx.save_for_backward(hidden, None, None, target, total)
+            ctx.params = (weight, bias)
+        else:
+            ctx.save_for_backward(hidden, weight, bias, target, total)
+            ctx.params = None
         ctx.settings = (casts, ignore_index, reduction, tokens, scope)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, bias, target, total = ctx.saved_tensors
+        if ctx.params is None:
+            return ChunkedLinearCrossEntropy._backward(ctx, grad_out, hidden, weight, bias, target, total)
+        weight, bias = ctx.params
+        return _gathered_backward(ctx, lambda: ChunkedLinearCrossEntropy._backward(ctx, grad_out, hidden, weight, bias,
+                                                                                    target, total))
+
+    @staticmethod
+    def _backward(ctx, grad_out, hidden, weight, bias, target, total):
         casts, ignore_index, reduction, tokens, scope = ctx.settings
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         dh = torch.empty_like(hidden) if need_h else None
@@ -327,9 +434,10 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Opti
     """``F.cross_entropy(linear(hidden, weight, bias) cast through casts, target)`` without the whole
     logits: ``tokens`` rows at a time (default `auto_tokens`); backward's slices are made inside
     ``scope()`` (the tracker's activations scope, as a recomputation's are)."""
-    tokens = tokens or auto_tokens(weight)
-    return ChunkedLinearCrossEntropy.apply(hidden, weight, bias, target, tuple(casts), ignore_index, reduction,
-                                           max(1, int(tokens)), scope)
+    with gathered(weight, bias):  # autograd records the weight's whole shape (ZeRO-3)
+        tokens = tokens or auto_tokens(weight)
+        return ChunkedLinearCrossEntropy.apply(hidden, weight, bias, target, tuple(casts), ignore_index, reduction,
+                                               max(1, int(tokens)), scope)
 
 
 def auto_tokens(weight: torch.Tensor) -> int:
@@ -337,7 +445,8 @@ def auto_tokens(weight: torch.Tensor) -> int:
     weight (hidden / 2 rows for a bf16 head), so each slice's matmuls reuse the weight over as many
     rows as it has columns per element byte, and the slices together stay within about twice the
     weight's bytes."""
-    return max(1, weight.numel() * weight.element_size() // (weight.shape[0] * 4))
+    shape = getattr(weight, "ds_shape", None) or weight.shape  # a released ZeRO-3 weight holds no data
+    return max(1, shape[-1] * weight.element_size() // 4)
 
 
 def defer(module: nn.Module, args: tuple, kwargs: dict, consumer: Callable[..., Optional[torch.Tensor]],
@@ -356,5 +465,5 @@ def defer(module: nn.Module, args: tuple, kwargs: dict, consumer: Callable[..., 
     return DeferredLogits(call, torch.Size((*hidden.shape[:-1], weight.shape[0])), hidden.dtype, tokens=hidden)
 
 
-__all__ = ["CHUNK", "ChunkedLinearCrossEntropy", "DeferredLogits", "HeadCall", "auto_tokens", "chunked_cross_entropy",
-           "defer", "head_modules", "is_head"]
+__all__ = ["CHUNK", "ChunkedLinearCrossEntropy", "DeferredLogits", "GatheredLinear", "HeadCall", "auto_tokens",
+           "chunked_cross_entropy", "defer", "gathered", "gathered_linear", "head_modules", "is_head", "is_zero3"]

@@ -202,6 +202,9 @@ class ModuleWrapper:
         """The head's own forward on its input, when its logits are needed whole (while profiling, in
         the head's frame unless the loss's frame is already open)."""
         profiler = self.runtime.profiler
+        if head_loss.is_zero3(call.weight) and type(self.module).forward is torch.nn.Linear.forward:
+            # DeepSpeed released the weight when the head's forward returned
+            original = lambda hidden: head_loss.gathered_linear(hidden, call.weight, call.bias)  # noqa: E731
         if profiler is None or not profiler.stack or profiler.stack[-1].profile.name == self.name:
             return original(call.hidden)
         with profiler.frame(self.name, (call.hidden,), {}):

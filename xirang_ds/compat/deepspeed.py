@@ -46,6 +46,9 @@ UPSTREAM_NAMES: dict[str, tuple[str, ...]] = {
         "def _set_fp32_optimizer_param_groups(self)", "def _clear_fp32_optimizer_param_groups(self)",
         "self.__param_id_to_grad_partition"),
     "deepspeed/utils/mixed_precision_linkage.py": ("lp_param._hp_mapping = get_hp_fragment_mapping(",),
+    "deepspeed/runtime/zero/parameter_offload.py": (
+        "return apply_to_tensors_only(module.pre_bwd_fn.apply,", "module.pre_bwd_fn = PreBackwardFunctionForModule",
+        "return outputs.detach()"),
 }
 """File of the installed DeepSpeed → lines that must be in it (lines of 0.19.8 in the docstrings below)."""
 
@@ -308,9 +311,41 @@ def _drop_zero3(engine: Any, optimizer: Any) -> None:
 
 
 
+class _PassPreBackward:
+    """A module's ZeRO-3 pre-backward marker that returns the tensors ``passes`` accepts as they are."""
+
+    def __init__(self, marker: Any, passes: Callable[[Any], bool]):
+        self.marker, self.passes = marker, passes
+
+    def apply(self, value: Any) -> Any:
+        return value if self.passes(value) else self.marker.apply(value)
+
+
+def pass_pre_backward(model: Any, passes: Callable[[Any], bool]) -> Callable[[], None]:
+    """At ZeRO-3 every tensor a module returns goes through the module's pre-backward marker
+    (``module.pre_bwd_fn``, an autograd Function whose forward is ``outputs.detach()``, applied by the
+    forward hook ``_pre_backward_module_hook``: parameter_offload.py l. 410-414 and 466-485 in 0.19.8);
+    the tensors ``passes`` accepts are returned unmarked instead. Returns the undo."""
+    changed = []
+    for module in model.modules():
+        marker = module.__dict__.get("pre_bwd_fn")
+        if marker is not None and not isinstance(marker, _PassPreBackward):
+            module.pre_bwd_fn = _PassPreBackward(marker, passes)
+            changed.append((module, marker))
+
+    def undo() -> None:
+        for module, marker in changed:
+            if isinstance(module.__dict__.get("pre_bwd_fn"), _PassPreBackward):
+                module.pre_bwd_fn = marker
+        changed.clear()
+
+    return undo
+
+
 __all__ = [
     "OPTIMIZER_ATTRIBUTES_BY_ROLE", "UPSTREAM_NAMES", "accumulation_boundary", "around_zero_file_names", "around_zero_save", "can_relink_hp_params", "drop_step_gradients",
-    "gradient_reduction_dtype", "hp_mapping", "protocol_holds", "redirect_zero_files", "relink_hp_params",
+    "gradient_reduction_dtype", "hp_mapping", "pass_pre_backward", "protocol_holds", "redirect_zero_files",
+    "relink_hp_params",
     "restore_accumulation_boundary", "restore_gradient_clipping", "shared_params", "step_protocol",
     "zero3_param_groups", "zero_param_shapes", "zero_state_missing",
 ]

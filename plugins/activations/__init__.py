@@ -40,7 +40,7 @@ from xirang_ds.config.schema import LOSSY_ACTIVATION_OPTIONS, ActivationsConfig
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
-from xirang_ds.memory.categories import ACTIVATIONS
+from xirang_ds.memory.categories import ACTIVATIONS, PARAMETERS
 from xirang_ds.plugins.activations.head_loss import CHUNK, is_head
 from xirang_ds.plugins.activations.planner import BudgetError, Choice, estimate_peak, format_plan, least_budget, plan
 from xirang_ds.plugins.activations.pricing import (
@@ -171,6 +171,7 @@ class ActivationsPlugin(Plugin):
             self.config.quantize_block_size, self.config.sparsify_threshold, tracker.host_tier,
             lambda: tracker.scope(ACTIVATIONS),
             mark=lambda t: tracker.mark([t], ACTIVATIONS) if tracker.active else None,
+            param_scope=lambda: tracker.scope(PARAMETERS),
             synchronize=acc.synchronize if self._ds_settings.get("synchronize") else None,
             timings=self.recompute_timings if self._ds_settings.get("profile") else None, rng=parts.rng,
             arenas=parts.arenas, distribute=parts.distribute,

@@ -269,15 +269,17 @@ def _released(param: Optional[torch.Tensor]) -> bool:
 
 
 @contextlib.contextmanager
-def gathered(*params: Optional[torch.Tensor]):
+def gathered(*params: Optional[torch.Tensor], scope: Optional[Callable[[], ContextManager]] = None):
     """ZeRO-3: the released parameters among ``params`` gathered for the block and released after it
-    (DeepSpeed's own ``all_gather``/``partition``; a gathered or ordinary tensor is left as it is).
+    (DeepSpeed's own ``all_gather``/``partition``, the gather inside ``scope()``: the tracker's
+    parameters scope; a gathered or ordinary tensor is left as it is).
     The chunked loss runs after DeepSpeed released the head's weight at the end of the head's forward,
     and its backward outside the head's backward hooks, so it gathers the weight itself, each time only
     while it computes."""
     mine = [p for p in params if _released(p)]
-    for p in mine:
-        p.all_gather()
+    with scope() if scope is not None and mine else contextlib.nullcontext():
+        for p in mine:
+            p.all_gather()
     try:
         yield
     finally:
@@ -291,8 +293,9 @@ def _gathered_backward(ctx: Any, backward: Callable[[], tuple]) -> tuple:
     parameter's current shape, so a parameter that gets one is released only once that (and
     DeepSpeed's reduction hook) ran."""
     mine = [(p, need) for p, need in zip(ctx.params, ctx.needs_input_grad[1:3]) if _released(p)]
-    for p, _ in mine:
-        p.all_gather()
+    with ctx.param_scope() if ctx.param_scope is not None and mine else contextlib.nullcontext():
+        for p, _ in mine:
+            p.all_gather()
     try:
         out = backward()
     except BaseException:
@@ -313,9 +316,9 @@ class GatheredLinear(torch.autograd.Function):
     backward, the arithmetic of DeepSpeed's own ZeRO-3 linear (``LinearFunctionForZeroStage3``)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias):
+    def forward(ctx, hidden, weight, bias, param_scope):
         ctx.save_for_backward(hidden)
-        ctx.params = (weight, bias)
+        ctx.params, ctx.param_scope = (weight, bias), param_scope
         out = hidden.matmul(weight.t())
         return out + bias if bias is not None else out
 
@@ -331,13 +334,15 @@ class GatheredLinear(torch.autograd.Function):
             db = g2.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
             return dh, dw, db
 
-        return _gathered_backward(ctx, grads)
+        return _gathered_backward(ctx, grads) + (None,)
 
 
-def gathered_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """`GatheredLinear`: ``linear(hidden, weight, bias)`` with a ZeRO-3 weight gathered where released."""
-    with gathered(weight, bias):  # autograd records the weight's whole shape
-        return GatheredLinear.apply(hidden, weight, bias)
+def gathered_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                    param_scope: Optional[Callable[[], ContextManager]] = None) -> torch.Tensor:
+    """`GatheredLinear`: ``linear(hidden, weight, bias)`` with a ZeRO-3 weight gathered where released
+    (inside ``param_scope()``, the tracker's parameters scope)."""
+    with gathered(weight, bias, scope=param_scope):  # autograd records the weight's whole shape
+        return GatheredLinear.apply(hidden, weight, bias, param_scope)
 
 
 def _release_after_accumulation(param: torch.nn.Parameter) -> None:
@@ -359,7 +364,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     at ZeRO-3 a reference to them, gathered again in backward)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, casts, ignore_index, reduction, tokens, scope):
+    def forward(ctx, hidden, weight, bias, target, casts, ignore_index, reduction, tokens, scope, param_scope):
         n = hidden.shape[0]
         picked = []
         with torch.no_grad():
@@ -383,6 +388,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         else:
             ctx.save_for_backward(hidden, weight, bias, target, total)
             ctx.params = None
+        ctx.param_scope = param_scope
         ctx.settings = (casts, ignore_index, reduction, tokens, scope)
         return out
 
@@ -424,20 +430,21 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             if need_b:
                 db = gz.sum(0) if db is None else db.add_(gz.sum(0))
             del gz
-        return dh, dw, db, None, None, None, None, None, None
+        return dh, dw, db, None, None, None, None, None, None, None
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                           target: torch.Tensor, casts: tuple = (), ignore_index: int = -100, reduction: str = "mean",
-                          tokens: Optional[int] = None, scope: Optional[Callable[[], ContextManager]] = None
-                          ) -> torch.Tensor:
+                          tokens: Optional[int] = None, scope: Optional[Callable[[], ContextManager]] = None,
+                          param_scope: Optional[Callable[[], ContextManager]] = None) -> torch.Tensor:
     """``F.cross_entropy(linear(hidden, weight, bias) cast through casts, target)`` without the whole
     logits: ``tokens`` rows at a time (default `auto_tokens`); backward's slices are made inside
-    ``scope()`` (the tracker's activations scope, as a recomputation's are)."""
-    with gathered(weight, bias):  # autograd records the weight's whole shape (ZeRO-3)
+    ``scope()`` (the tracker's activations scope, as a recomputation's are), a ZeRO-3 weight gathered
+    inside ``param_scope()`` (its parameters scope)."""
+    with gathered(weight, bias, scope=param_scope):  # autograd records the weight's whole shape (ZeRO-3)
         tokens = tokens or auto_tokens(weight)
         return ChunkedLinearCrossEntropy.apply(hidden, weight, bias, target, tuple(casts), ignore_index, reduction,
-                                               max(1, int(tokens)), scope)
+                                               max(1, int(tokens)), scope, param_scope)
 
 
 def auto_tokens(weight: torch.Tensor) -> int:

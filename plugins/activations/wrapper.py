@@ -77,6 +77,7 @@ class Runtime:
     def __init__(self, device: torch.device, min_tensor_bytes: int, prefetch: int, block_size: int,
                  threshold: float, host_tier: Callable[[], ContextManager], scope: Callable[[], ContextManager],
                  mark: Optional[Callable[[torch.Tensor], None]] = None,
+                 param_scope: Optional[Callable[[], ContextManager]] = None,
                  synchronize: Optional[Callable[[], None]] = None, timings: Optional[list] = None,
                  rng: Optional[RngStates] = None, arenas: Optional[Callable[[], list[torch.Tensor]]] = None,
                  distribute: Optional[Any] = None, host_budget_bytes: Optional[int] = None):
@@ -84,6 +85,8 @@ class Runtime:
         self.distribute = distribute
         self.rng = rng
         self.scope = scope
+        self.param_scope = param_scope
+        """Where a ZeRO-3 head's weight is gathered outside its module's hooks (the tracker's parameters)."""
         self.synchronize = synchronize
         self.timings = timings
         self.eligible = Eligibility(device.type, min_tensor_bytes, arenas)
@@ -204,7 +207,8 @@ class ModuleWrapper:
         profiler = self.runtime.profiler
         if head_loss.is_zero3(call.weight) and type(self.module).forward is torch.nn.Linear.forward:
             # DeepSpeed released the weight when the head's forward returned
-            original = lambda hidden: head_loss.gathered_linear(hidden, call.weight, call.bias)  # noqa: E731
+            original = lambda hidden: head_loss.gathered_linear(  # noqa: E731
+                hidden, call.weight, call.bias, self.runtime.param_scope)
         if profiler is None or not profiler.stack or profiler.stack[-1].profile.name == self.name:
             return original(call.hidden)
         with profiler.frame(self.name, (call.hidden,), {}):
@@ -221,7 +225,8 @@ class ModuleWrapper:
         if self._option != head_loss.CHUNK:
             return None
         return head_loss.chunked_cross_entropy(logits.tokens, call.weight, call.bias, target, logits.casts,
-                                               ignore_index, reduction, self.chunk_tokens, self.runtime.scope)
+                                               ignore_index, reduction, self.chunk_tokens, self.runtime.scope,
+                                               self.runtime.param_scope)
 
     def _profile_cross_entropy(self, profiler: Profiler, logits: "head_loss.DeferredLogits", target: torch.Tensor,
                                ignore_index: int, reduction: str) -> torch.Tensor:
@@ -252,7 +257,7 @@ class ModuleWrapper:
                 # smallest slice) and count what the whole loss would save, its log-probabilities
                 loss = head_loss.chunked_cross_entropy(logits.tokens, call.weight, call.bias, target,
                                                        logits.casts, ignore_index, reduction,
-                                                       chunk_rows(p)[-1], self.runtime.scope)
+                                                       chunk_rows(p)[-1], self.runtime.scope, self.runtime.param_scope)
                 for frame in profiler.stack:  # the head's frame and every one around it (the model's)
                     frame.profile.saved_bytes += logits.numel() * z
                     frame.profile.largest_bytes = max(frame.profile.largest_bytes, logits.numel() * z)

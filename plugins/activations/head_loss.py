@@ -284,7 +284,7 @@ def gathered(*params: Optional[torch.Tensor], scope: Optional[Callable[[], Conte
         yield
     finally:
         for p in mine:
-            p.partition()
+            _release(p)
 
 
 def _gathered_backward(ctx: Any, backward: Callable[[], tuple]) -> tuple:
@@ -300,13 +300,13 @@ def _gathered_backward(ctx: Any, backward: Callable[[], tuple]) -> tuple:
         out = backward()
     except BaseException:
         for p, _ in mine:
-            p.partition()
+            _release(p)
         raise
     for p, need in mine:
         if need:
             _release_after_accumulation(p)
         else:
-            p.partition()
+            _release(p)
     return out
 
 
@@ -345,11 +345,18 @@ def gathered_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         return GatheredLinear.apply(hidden, weight, bias, param_scope)
 
 
+def _release(param: torch.nn.Parameter) -> None:
+    """Release a parameter this module gathered, unless a module's own hooks gathered it meanwhile (a
+    tied weight whose other module runs): DeepSpeed releases it then, as its own."""
+    if not getattr(param, "ds_active_sub_modules", None):
+        param.partition()
+
+
 def _release_after_accumulation(param: torch.nn.Parameter) -> None:
     """Release a ZeRO-3 parameter gathered for a backward once its gradient was accumulated."""
     def release(p: torch.nn.Parameter) -> None:
         handle.remove()
-        p.partition()
+        _release(p)
 
     handle = param.register_post_accumulate_grad_hook(release)
 

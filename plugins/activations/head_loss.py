@@ -263,9 +263,14 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     return z
 
 
+def is_zero3(param: Optional[torch.Tensor]) -> bool:
+    """A parameter DeepSpeed's ZeRO-3 partitions (it carries DeepSpeed's ``ds_id``)."""
+    return param is not None and hasattr(param, "ds_id")
+
+
 def _released(param: Optional[torch.Tensor]) -> bool:
     """A ZeRO-3 parameter whose data DeepSpeed has released (only its shard is held)."""
-    return param is not None and hasattr(param, "ds_id") and not param.data.numel()
+    return is_zero3(param) and not param.data.numel()
 
 
 @contextlib.contextmanager
@@ -346,8 +351,8 @@ def gathered_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
 
 
 def _release(param: torch.nn.Parameter) -> None:
-    """Release a parameter this module gathered, unless a module's own hooks gathered it meanwhile (a
-    tied weight whose other module runs): DeepSpeed releases it then, as its own."""
+    """Release a parameter the chunked loss gathered, unless a module's own hooks gathered it meanwhile
+    (a tied weight whose other module runs): DeepSpeed releases it then, as its own."""
     if not getattr(param, "ds_active_sub_modules", None):
         param.partition()
 
@@ -359,10 +364,6 @@ def _release_after_accumulation(param: torch.nn.Parameter) -> None:
         _release(p)
 
     handle = param.register_post_accumulate_grad_hook(release)
-
-
-def is_zero3(param: Optional[torch.Tensor]) -> bool:
-    return param is not None and hasattr(param, "ds_id")
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):

@@ -127,12 +127,11 @@ class GatheredRefs:
         p = packed.param
         data = p.data
         if not data.numel():
+            from xirang_ds.plugins.activations.head_loss import gathered
+
             self.regathered += 1
-            p.all_gather()
-            try:
+            with gathered(p):
                 data = p.data.clone()
-            finally:
-                p.partition()
         return data.as_strided(packed.size, packed.stride, data.storage_offset() + packed.offset)
 
 

@@ -273,6 +273,15 @@ def _released(param: Optional[torch.Tensor]) -> bool:
     return is_zero3(param) and not param.data.numel()
 
 
+def _gather(params: Any, scope: Optional[Callable[[], ContextManager]]) -> list:
+    """Gather the released ZeRO-3 parameters among ``params`` (inside ``scope()``); returns them."""
+    mine = [p for p in params if _released(p)]
+    with scope() if scope is not None and mine else contextlib.nullcontext():
+        for p in mine:
+            p.all_gather()
+    return mine
+
+
 @contextlib.contextmanager
 def gathered(*params: Optional[torch.Tensor], scope: Optional[Callable[[], ContextManager]] = None):
     """ZeRO-3: the released parameters among ``params`` gathered for the block and released after it
@@ -281,10 +290,7 @@ def gathered(*params: Optional[torch.Tensor], scope: Optional[Callable[[], Conte
     The chunked loss runs after DeepSpeed released the head's weight at the end of the head's forward,
     and its backward outside the head's backward hooks, so it gathers the weight itself, each time only
     while it computes."""
-    mine = [p for p in params if _released(p)]
-    with scope() if scope is not None and mine else contextlib.nullcontext():
-        for p in mine:
-            p.all_gather()
+    mine = _gather(params, scope)
     try:
         yield
     finally:
@@ -297,21 +303,16 @@ def _gathered_backward(ctx: Any, backward: Callable[[], tuple]) -> tuple:
     Autograd accumulates each gradient into its parameter after the backward returns, in the
     parameter's current shape, so a parameter that gets one is released only once that (and
     DeepSpeed's reduction hook) ran."""
-    mine = [(p, need) for p, need in zip(ctx.params, ctx.needs_input_grad[1:3]) if _released(p)]
-    with ctx.param_scope() if ctx.param_scope is not None and mine else contextlib.nullcontext():
-        for p, _ in mine:
-            p.all_gather()
+    mine = _gather(ctx.params, ctx.param_scope)
     try:
         out = backward()
     except BaseException:
-        for p, _ in mine:
+        for p in mine:
             _release(p)
         raise
-    for p, need in mine:
-        if need:
-            _release_after_accumulation(p)
-        else:
-            _release(p)
+    needs = {id(p): need for p, need in zip(ctx.params, ctx.needs_input_grad[1:3])}
+    for p in mine:
+        (_release_after_accumulation if needs[id(p)] else _release)(p)
     return out
 
 

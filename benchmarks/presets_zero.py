@@ -14,6 +14,14 @@ gpt-small, and its plain ZeRO-2 side alone runs more than ten minutes, so the ei
 over an hour; `benchmarks/precision.py`'s ``cpu_name`` says which kind a machine is). ``--dtype fp32``
 drops the bf16 section; README's 162M table was made that way, at 3 steps.
 
+``--stages 2`` runs one stage; ``--budget balanced=0.5`` (repeatable) gives that preset a
+``memory_budget`` of the fraction times plain DeepSpeed's measured peak at the same stage (issue 18's
+goals: balanced at 0.5x, aggressive at 0.3x of the 162M GPT's plain ZeRO-2 bf16 peak):
+
+    .venv/bin/python benchmarks/presets_zero.py --model gpt:layers=12,hidden=768,heads=12,seq=256,vocab=50304 \\
+        --micro-batch 2 --steps 6 --stages 2 --budget balanced=0.5 --budget aggressive=0.3 --world-size 2 \\
+        --data ../shared/data/tinyshakespeare.txt --json benchmarks/results/presets_zero_162m_bf16.json
+
 ``--render JSON`` prints the Markdown table of a saved run.
 """
 from __future__ import annotations
@@ -33,9 +41,9 @@ apart: it holds the int8/int4 states when the pool is on, and the activations' p
 
 
 def parameter_count(model: str) -> int:
-    from xirang_ds.models import build_model, parse_model_spec
-
     import torch
+
+    from xirang_ds.models import build_model, parse_model_spec
 
     with torch.device("meta"):
         return sum(p.numel() for p in build_model(parse_model_spec(model), seed=0).parameters())
@@ -69,8 +77,8 @@ def run(args: argparse.Namespace) -> dict:
 
     data = {"command": " ".join(["python", "benchmarks/presets_zero.py"] + sys.argv[1:]), "model": args.model,
             "steps": args.steps, "world_size": args.world_size, "micro_batch": args.micro_batch, "dtype": args.dtype,
-            "parameters": parameter_count(args.model), "rows": []}
-    for stage in STAGES:
+            "parameters": parameter_count(args.model), "budgets": dict(args.budget), "rows": []}
+    for stage in args.stages:
         base = stage_config(stage, args.micro_batch, args.dtype)
         print(f"ZeRO-{stage}: plain DeepSpeed ...", file=sys.stderr, flush=True)
         plain = run_side(args.model, base, args.steps, args.world_size, args.data, 0, False)
@@ -80,9 +88,11 @@ def run(args: argparse.Namespace) -> dict:
         for preset in PRESETS:
             print(f"ZeRO-{stage}: preset {preset} ...", file=sys.stderr, flush=True)
             row = {"stage": stage, "config": preset}
+            block = {"preset": preset}
+            if preset in data["budgets"]:
+                block["memory_budget"] = row["memory_budget"] = int(data["budgets"][preset] * plain.peak_bytes)
             try:
-                ours = run_side(args.model, {**base, "xirang": {"preset": preset}}, args.steps, args.world_size,
-                                args.data, 0, True)
+                ours = run_side(args.model, {**base, "xirang": block}, args.steps, args.world_size, args.data, 0, True)
             except Exception as e:  # recorded in the table, the next row still runs
                 row["error"] = short_error(e)
             else:
@@ -99,7 +109,8 @@ def run(args: argparse.Namespace) -> dict:
 def render(data: dict) -> str:
     mib = 2 ** 20
     lines = [f"`{data['model']}`, {data['world_size']} rank(s) over gloo on CPU, {data.get('dtype', 'bf16')}, "
-             f"clipping 1.0, 1e6-element buckets, micro-batch {data.get('micro_batch', 8)}, {data['steps']} steps, no memory_budget; made by "
+             f"clipping 1.0, 1e6-element buckets, micro-batch {data.get('micro_batch', 8)}, {data['steps']} steps, "
+             f"{budget_words(data.get('budgets'))}; made by "
              f"`{data['command']}`.", "",
              "| ZeRO | configuration | peak (worst rank) | peak ratio | model states at the peak (B/param) | "
              "peak phase | step time ratio | final loss (Δ) | left out |",
@@ -113,7 +124,8 @@ def render(data: dict) -> str:
             lines.append(f"| {r['stage']} | plain DeepSpeed | {r['peak_bytes'] / mib:.2f} MiB | 1.00 | {states} | "
                          f"{phase} | 1.00 | {r['final_loss']:.4f} | |")
         else:
-            lines.append(f"| {r['stage']} | preset {r['config']} | {r['peak_bytes'] / mib:.2f} MiB | "
+            budget = f" (memory_budget {data['budgets'][r['config']]}x)" if "memory_budget" in r else ""
+            lines.append(f"| {r['stage']} | preset {r['config']}{budget} | {r['peak_bytes'] / mib:.2f} MiB | "
                          f"{r['peak_ratio']:.2f} | {states} | {phase} | {r['step_time_ratio']:.2f} | "
                          f"{r['final_loss']:.4f} ({r['loss_delta']:+.4f}) | {', '.join(r['left_out']) or '-'} |")
     if params:
@@ -121,6 +133,20 @@ def render(data: dict) -> str:
                       "optimizer states in the peak's mix, per parameter, worst rank; the memory pool's reservation "
                       "(int8/int4 states and activation payloads, when on) beside it."]
     return "\n".join(lines)
+
+
+def budget_words(budgets: dict | None) -> str:
+    if not budgets:
+        return "no memory_budget"
+    return "memory_budget " + ", ".join(f"{f}x the plain peak for {p}" for p, f in budgets.items()) + \
+        (", none for the others" if len(budgets) < len(PRESETS) else "")
+
+
+def budget_arg(text: str) -> tuple[str, float]:
+    preset, _, fraction = text.partition("=")
+    if preset not in PRESETS or not fraction:
+        raise argparse.ArgumentTypeError(f"--budget {text!r}: expected PRESET=FRACTION with PRESET one of {PRESETS}")
+    return preset, float(fraction)
 
 
 def main() -> int:
@@ -131,6 +157,9 @@ def main() -> int:
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"),
                    help="fp32: the same ds_config without its bf16 section (for CPUs without native bf16)")
     p.add_argument("--world-size", type=int, default=2, choices=(1, 2))
+    p.add_argument("--stages", type=int, nargs="+", default=list(STAGES), choices=STAGES)
+    p.add_argument("--budget", type=budget_arg, action="append", default=[], metavar="PRESET=FRACTION",
+                   help="memory_budget for PRESET as FRACTION of plain DeepSpeed's peak at the same stage")
     p.add_argument("--data", default=None)
     p.add_argument("--json", default=None)
     p.add_argument("--render", default=None, metavar="JSON")

@@ -49,6 +49,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-attention-heads", type=int, default=4)
     p.add_argument("--ffn-hidden-size", type=int, default=256)
+    p.add_argument("--vocab-size", type=int, default=256, help="at least 256 (the data are bytes)")
+    p.add_argument("--share-embeddings-and-output-weights", action="store_true", dest="tied",
+                   help="the output layer uses the word embedding's weight (GPTModel's argument)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--clip-grad", type=float, default=None,
                    help="OptimizerConfig.clip_grad (default 1.0 on GPU, 0 on CPU, where Megatron's clipping is "
@@ -88,8 +91,8 @@ def build(opts: argparse.Namespace, tp_size: int) -> tuple[Any, Any, Any]:
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, apply_rope_fusion=False,  # the fused kernels need Apex or TE
         pipeline_model_parallel_size=opts.pp, pipeline_dtype=torch.float32 if opts.pp > 1 else None)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=256,
-                     max_sequence_length=opts.seq_length,
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=opts.vocab_size,
+                     max_sequence_length=opts.seq_length, share_embeddings_and_output_weights=opts.tied,
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage())
     if on_gpu:

@@ -41,7 +41,7 @@ from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import ACTIVATIONS, PARAMETERS
-from xirang_ds.plugins.activations.head_loss import CHUNK, is_head
+from xirang_ds.plugins.activations.head_loss import CHUNK
 from xirang_ds.plugins.activations.planner import BudgetError, Choice, estimate_peak, format_plan, least_budget, plan
 from xirang_ds.plugins.activations.pricing import (
     OtherPeak,
@@ -123,27 +123,24 @@ class ActivationsPlugin(Plugin):
         problems: list[tuple[str, str]] = []
         path = self.path
         blocks = path.blocks(model, problems)
-        without_chunk, without_selective = path.without_chunk(), path.without_selective()
-        heads = CHUNK in self.config.options and without_chunk is None
-        self._candidates = (find_candidates(model, self.config, problems, blocks, heads=heads)
+        without_selective = path.without_selective()
+        planned: list[str] = []  # the output heads among the candidates (`auto`), once found
+
+        def heads(found_blocks: list[str]) -> list[str]:
+            planned[:] = path.heads(model, found_blocks)
+            return planned
+
+        self._candidates = (find_candidates(model, self.config, problems, blocks,
+                                            heads=heads if CHUNK in self.config.options else None)
                             if self.config.planner else [])
         self._fixed, self._ds_settings = fixed_plan(model, self.config, path.ds_config(), problems)
         self.options = self.config.options
-        modules = dict(model.named_modules())
-        for name, option in self._fixed.items():
-            if option != CHUNK:
-                continue
-            if not isinstance(modules[name], torch.nn.Linear):
-                problems.append((f"{PATH}.chunk", f"{name!r} is a {type(modules[name]).__name__}; chunk applies to an "
-                                                  "output head, an nn.Linear whose output feeds cross_entropy (such "
-                                                  "as lm_head); remove it from the list"))
-            elif without_chunk is not None:
-                problems.append((f"{PATH}.chunk", f"{name!r}: the chunked head is not supported {without_chunk}; "
-                                                  "remove it from the list"))
-        if without_chunk is None:
-            fixed_heads = [n for n, o in self._fixed.items() if o == CHUNK]
-            planned = [n for n in self._candidates if is_head(modules[n])] if CHUNK in self.config.options else []
-            self._heads = frozenset(fixed_heads + planned)
+        fixed_heads = [name for name, option in self._fixed.items() if option == CHUNK]
+        for name in fixed_heads:
+            why = path.head_problem(model, name)
+            if why is not None:
+                problems.append((f"{PATH}.chunk", f"{name!r} {why}; remove it from the list"))
+        self._heads = frozenset(fixed_heads + [n for n in self._candidates if n in planned])
         if without_selective is not None:
             self.options = tuple(o for o in self.options if o != "selective_recompute")
             for name, option in self._fixed.items():
@@ -183,9 +180,11 @@ class ActivationsPlugin(Plugin):
         for name in list(self._fixed) + [c for c in self._candidates if c not in self._fixed]:
             self.wrappers[name] = ModuleWrapper(name, modules[name], self.runtime)
             self.wrappers[name].distributable = name in self.replicated_inputs
-            self.wrappers[name].head = name in self._heads
+            self.wrappers[name].head = self.path.defer if name in self._heads else None
             self.wrappers[name].chunk_tokens = (None if self.config.chunk_tokens == "auto"
                                                 else int(self.config.chunk_tokens))  # profiled with it
+        for handle in self.path.head_hooks(model, self._heads):
+            self.keep(handle)
         self.keep(wrap_method(model, "forward", self._root_forward))
         lender = self.session.storage_lender()
         if lender is not None:

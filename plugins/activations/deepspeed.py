@@ -8,6 +8,7 @@ import torch
 
 from xirang_ds.compat.torch import uncompiled
 from xirang_ds.config.schema import ActivationsConfig
+from xirang_ds.plugins.activations import head_loss
 from xirang_ds.registry import FrameworkPath
 
 
@@ -48,10 +49,27 @@ class DeepSpeedActivations(FrameworkPath):
         zero = self.session.ds_config.get("zero_optimization") or {}
         return isinstance(zero, dict) and zero.get("stage") == 3
 
-    def without_chunk(self) -> Optional[str]:
-        """Why the chunked head cannot run here (``None``: it can; at ZeRO-3 the chunked loss gathers
-        the head's weight itself, `head_loss.gathered`)."""
-        return None
+    # output heads (the chunk option; at ZeRO-3 the chunked loss gathers the head's weight itself,
+    # `head_loss.gathered`)
+    defer = staticmethod(head_loss.defer)
+    """How a head's calls are deferred (`wrapper.ModuleWrapper.head`)."""
+
+    def heads(self, model: torch.nn.Module, blocks: list[str]) -> list[str]:
+        """The output heads ``auto`` candidates add: wide ``nn.Linear`` layers outside ``blocks``."""
+        return head_loss.head_modules(model, blocks)
+
+    def head_problem(self, model: torch.nn.Module, name: str) -> Optional[str]:
+        """Why the module ``name``, fixed to ``chunk``, cannot be chunked (``None``: it can)."""
+        module = model.get_submodule(name)
+        if isinstance(module, torch.nn.Linear):
+            return None
+        return (f"is a {type(module).__name__}; chunk applies to an output head, an nn.Linear whose output feeds "
+                "cross_entropy (such as lm_head)")
+
+    def head_hooks(self, model: torch.nn.Module, heads: frozenset) -> list:
+        """Handles of what the heads' losses need besides the heads' wrappers (none under DeepSpeed:
+        ``F.cross_entropy`` on deferred logits finds them)."""
+        return []
 
     def without_selective(self) -> Optional[str]:
         """Why selective recompute cannot run here (``None``: it can)."""

@@ -81,15 +81,20 @@ class HeadCall:
     """One call of a head: its input, weight and bias, and what decides the loss.
 
     Attributes:
-        consumer: ``consumer(logits, target, ignore_index, reduction) -> Tensor | None`` runs
-            ``cross_entropy`` on the `DeferredLogits` ``logits`` (chunked, or whole while profiling);
-            ``None``: computed whole as any other op.
-        materialize: ``materialize(call) -> Tensor`` the logits whole (the head's own linear).
+        consumer: ``consumer(logits, target, whole, chunked) -> Tensor | None`` runs the loss on the
+            2-D `DeferredLogits` ``logits``: ``whole(logits)`` on the whole logits (while profiling),
+            ``chunked(hidden, weight, bias, casts, rows, scope, param_scope)`` a slice of ``rows`` at
+            a time (`chunked_cross_entropy` with the call's target and settings); ``None``: computed
+            whole as any other op.
+        materialize: ``materialize(call) -> Tensor`` the logits whole (the head's own forward).
+        rest: the head's other positional and keyword arguments (Megatron's output layer takes its
+            weight and ``runtime_gather_output``), passed again when the logits are made whole.
     """
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                 consumer: Callable[..., Optional[torch.Tensor]], materialize: Callable[["HeadCall"], torch.Tensor]):
-        self.hidden, self.weight, self.bias = hidden, weight, bias
+                 consumer: Callable[..., Optional[torch.Tensor]], materialize: Callable[["HeadCall"], torch.Tensor],
+                 rest: tuple = ((), {})):
+        self.hidden, self.weight, self.bias, self.rest = hidden, weight, bias, rest
         self.consumer = consumer
         self._materialize = materialize
         self.logits: Optional[torch.Tensor] = None
@@ -230,7 +235,16 @@ class DeferredLogits(torch.Tensor):
                 or isinstance(target, DeferredLogits) or target.dtype != torch.long
                 or tuple(target.shape) != (self.shape[0],)):
             return None
-        return self.call.consumer(self, target, int(a["ignore_index"]), a["reduction"])
+        ignore_index, reduction = int(a["ignore_index"]), a["reduction"]
+
+        def whole(logits: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+
+        def chunked(hidden, weight, bias, casts, rows, scope, param_scope) -> torch.Tensor:
+            return chunked_cross_entropy(hidden, weight, bias, target, casts, ignore_index, reduction, rows, scope,
+                                         param_scope)
+
+        return self.call.consumer(self, target, whole, chunked)
 
 
 def _keeps_last_dim(index: Any, ndim: int) -> bool:

@@ -7,7 +7,9 @@ from typing import Any, Optional
 
 import torch
 
+from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import ACTIVATIONS
+from xirang_ds.plugins.activations import head_megatron
 from xirang_ds.plugins.activations.deepspeed import RunParts
 from xirang_ds.plugins.activations.selection import PATH
 from xirang_ds.registry import FrameworkPath
@@ -32,8 +34,27 @@ class MegatronActivations(FrameworkPath):
                              "set distribute_saved_inputs to false"))
         return blocks
 
-    def without_chunk(self) -> Optional[str]:
-        return "under Megatron-core (its output layer and vocab-parallel cross-entropy are its own)"
+    # output heads: a LanguageModule's output_layer and its own loss (`head_megatron`)
+    defer = staticmethod(head_megatron.defer)
+
+    def heads(self, model: torch.nn.Module, blocks: list[str]) -> list[str]:
+        return [name for name, layer in head_megatron.output_layers(model).items()
+                if head_megatron.why_not(layer) is None]
+
+    def head_problem(self, model: torch.nn.Module, name: str) -> Optional[str]:
+        module = model.get_submodule(name)
+        if name not in head_megatron.output_layers(model):
+            return (f"is a {type(module).__name__}; under Megatron-core chunk applies to a language model's "
+                    "output_layer (whose logits reach its compute_language_model_loss)")
+        why = head_megatron.why_not(module)
+        return None if why is None else f"cannot be chunked {why}"
+
+    def head_hooks(self, model: torch.nn.Module, heads: frozenset) -> list:
+        """The owners' ``compute_language_model_loss``, wrapped to run the chunked loss on deferred logits."""
+        layers = head_megatron.output_layers(model)
+        owners = dict(model.named_modules())
+        return [wrap_method(owners[name.rpartition(".")[0]], head_megatron.LOSS,
+                            head_megatron.LanguageModelLoss(layers[name])) for name in sorted(heads) if name in layers]
 
     def without_selective(self) -> Optional[str]:
         # local attention masks the baddbmm output in place (transformer/utils.py attention_mask_func:

@@ -10,7 +10,7 @@ subtrees: ``"recompute": ["blocks.*"]`` fixes each block, and what is inside a b
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 import torch.nn as nn
 
@@ -89,12 +89,11 @@ def outermost(names: list[str]) -> list[str]:
 
 
 def find_candidates(model: nn.Module, config: ActivationsConfig, problems: Problems,
-                    blocks: Optional[list[str]] = None, heads: bool = False) -> list[str]:
+                    blocks: Optional[list[str]] = None,
+                    heads: Optional[Callable[[list[str]], list[str]]] = None) -> list[str]:
     """Modules the planner chooses for: ``auto`` = the repeated blocks (``blocks``, default
-    `repeated_blocks`) and their children, and with ``heads`` the output heads outside them
-    (`head_loss.head_modules`)."""
-    from xirang_ds.plugins.activations.head_loss import head_modules
-
+    `repeated_blocks`) and their children, and the output heads ``heads(blocks)`` names
+    (`head_loss.head_modules`, Megatron's output layers)."""
     names = module_names(model)
     if config.candidates != "auto":
         return match(config.candidates, names, f"{PATH}.candidates", problems)
@@ -103,8 +102,8 @@ def find_candidates(model: nn.Module, config: ActivationsConfig, problems: Probl
     for block in blocks:
         out.append(block)
         out.extend(n for n in names if _inside(n, block) and "." not in n[len(block) + 1:])
-    if heads and blocks:
-        out.extend(h for h in head_modules(model, blocks) if h not in out)
+    if heads is not None and blocks:
+        out.extend(h for h in heads(blocks) if h not in out)
     if not blocks and config.planner:
         problems.append((f"{PATH}.candidates", "\"auto\" plans for the model's blocks (children of its "
                                                "nn.ModuleList or nn.Sequential containers, else of its outermost "

@@ -12,8 +12,9 @@ restores the original forward. Each call runs the module's current option:
 * ``recompute_offload``: the checkpointed forward inside the offload pack context, which then
   holds the checkpoint's inputs in host memory;
 * ``chunk`` (output heads, and every head while profiling): the head returns `DeferredLogits` and
-  ``cross_entropy`` on them runs chunked (`head_loss`); while profiling it runs whole inside the
-  head's frame, so the head's profile holds its loss;
+  ``cross_entropy`` on them (Megatron: the model's ``compute_language_model_loss``) runs chunked
+  (`head_loss`, `head_megatron`); while profiling it runs whole inside the head's frame, so the
+  head's profile holds its loss;
 * ``recompute`` on a module whose inputs are identical on every tensor-parallel rank, with
   ``distribute_saved_inputs``: the checkpointed forward inside a `ShardHandler` pack context, which
   holds 1/tp of the checkpoint's inputs per rank and all-gathers them when backward recomputes.
@@ -125,8 +126,8 @@ class ModuleWrapper:
             expensive ops).
         distributable: the module's inputs are identical on every tensor-parallel rank, so under
             ``recompute`` they may be held as shards (when the runtime has a ``distribute`` handler).
-        head: an output head (`head_loss.is_head`): its calls are deferred while profiling and under
-            ``chunk``.
+        head: for an output head, how its calls are deferred while profiling and under ``chunk``
+            (`head_loss.defer`, or `head_megatron.defer` for Megatron's output layer); ``None`` otherwise.
         chunk_tokens: rows per slice under ``chunk``: the section's ``chunk_tokens``, or the slice the
             planner chose (``None``: `head_loss.auto_tokens`).
     """
@@ -137,7 +138,7 @@ class ModuleWrapper:
         self.runtime = runtime
         self.passthrough = False
         self.distributable = False
-        self.head = False
+        self.head: Optional[Callable] = None
         self.chunk_tokens: Optional[int] = None
         self.must_save: Optional[frozenset] = None
         self._option: Optional[str] = None
@@ -172,9 +173,9 @@ class ModuleWrapper:
             return original(*args, **kwargs)
         rt = self.runtime
         profiling = rt.profiler is not None and bool(rt.profiler.stack)
-        if self.head and (profiling or self._option == head_loss.CHUNK) and not torch.compiler.is_compiling():
-            deferred = head_loss.defer(self.module, args, kwargs, self._cross_entropy,
-                                       lambda call: self._whole(original, call))
+        defer = self.head
+        if defer is not None and (profiling or self._option == head_loss.CHUNK) and not torch.compiler.is_compiling():
+            deferred = defer(self.module, args, kwargs, self._cross_entropy, lambda call: self._whole(original, call))
             if deferred is not None:
                 return deferred
         if profiling:
@@ -209,27 +210,29 @@ class ModuleWrapper:
             # DeepSpeed released the weight when the head's forward returned
             original = lambda hidden: head_loss.gathered_linear(  # noqa: E731
                 hidden, call.weight, call.bias, self.runtime.param_scope)
+        args, kwargs = call.rest
         if profiler is None or not profiler.stack or profiler.stack[-1].profile.name == self.name:
-            return original(call.hidden)
-        with profiler.frame(self.name, (call.hidden,), {}):
-            return original(call.hidden)
+            out = original(call.hidden, *args, **kwargs)
+        else:
+            with profiler.frame(self.name, (call.hidden,), {}):
+                out = original(call.hidden, *args, **kwargs)
+        return out[0] if isinstance(out, tuple) else out  # Megatron's layers return (output, bias)
 
-    def _cross_entropy(self, logits: "head_loss.DeferredLogits", target: torch.Tensor, ignore_index: int,
-                       reduction: str) -> Optional[torch.Tensor]:
-        """``cross_entropy`` on this head's deferred logits: chunked under ``chunk``; while profiling
-        as `_profile_cross_entropy` runs it; otherwise ``None`` (computed whole)."""
+    def _cross_entropy(self, logits: "head_loss.DeferredLogits", target: torch.Tensor, whole: Callable,
+                       chunked: Callable) -> Optional[torch.Tensor]:
+        """The loss on this head's deferred logits (`head_loss.HeadCall`): chunked under ``chunk``; while
+        profiling as `_profile_cross_entropy` runs it; otherwise ``None`` (computed whole)."""
         call = logits.call
         profiler = self.runtime.profiler
         if profiler is not None and profiler.stack:
-            return self._profile_cross_entropy(profiler, logits, target, ignore_index, reduction)
+            return self._profile_cross_entropy(profiler, logits, target, whole, chunked)
         if self._option != head_loss.CHUNK:
             return None
-        return head_loss.chunked_cross_entropy(logits.tokens, call.weight, call.bias, target, logits.casts,
-                                               ignore_index, reduction, self.chunk_tokens, self.runtime.scope,
-                                               self.runtime.param_scope)
+        return chunked(logits.tokens, call.weight, call.bias, logits.casts, self.chunk_tokens, self.runtime.scope,
+                       self.runtime.param_scope)
 
     def _profile_cross_entropy(self, profiler: Profiler, logits: "head_loss.DeferredLogits", target: torch.Tensor,
-                               ignore_index: int, reduction: str) -> torch.Tensor:
+                               whole: Callable, chunked: Callable) -> torch.Tensor:
         """The head and its loss inside the head's frame, whole (or chunked where the whole logits
         would not fit what the budget leaves), with what the chunk would keep and hold recorded, and
         the stretch told to the budget's peak (`Runtime.head_stretch`) in forward and in backward."""
@@ -255,17 +258,14 @@ class ModuleWrapper:
             if room is not None and whole_bytes > room():
                 # the whole logits would not fit what the budget leaves: profile it chunked (the
                 # smallest slice) and count what the whole loss would save, its log-probabilities
-                loss = head_loss.chunked_cross_entropy(logits.tokens, call.weight, call.bias, target,
-                                                       logits.casts, ignore_index, reduction,
-                                                       chunk_rows(p)[-1], self.runtime.scope, self.runtime.param_scope)
+                loss = chunked(logits.tokens, call.weight, call.bias, logits.casts, chunk_rows(p)[-1],
+                               self.runtime.scope, self.runtime.param_scope)
                 for frame in profiler.stack:  # the head's frame and every one around it (the model's)
                     frame.profile.saved_bytes += logits.numel() * z
                     frame.profile.largest_bytes = max(frame.profile.largest_bytes, logits.numel() * z)
                     frame.profile.compress_bytes += logits.numel() * z
             else:
-                whole = logits.whole("cross_entropy")
-                loss = torch.nn.functional.cross_entropy(whole, target, ignore_index=ignore_index,
-                                                         reduction=reduction)
+                loss = whole(logits.whole("cross_entropy"))
         if told is not None:
             told(False)
             if loss.requires_grad and call.hidden.requires_grad:

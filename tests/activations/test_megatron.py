@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.harness.checks import megatron_built_and_removed, replaced_methods
-from tests.harness.megatron_runs import assert_same_memory, config_error, example, gpt, write_block
+from tests.harness.megatron_runs import assert_same_memory, config_error, example, prepare_error, write_block
 from xirang_ds.launch import run_ranks
 
 pytest.importorskip("megatron.core")
@@ -92,21 +92,10 @@ def tp2_activations(rank: int, world: int, tmp: str, steps: int, plans: dict[str
 
 def distribute_with_sequence_parallel() -> str:
     """``distribute_saved_inputs`` on a model whose config has sequence parallelism: the message."""
-    from xirang_ds.config.validate import XirangConfigError
-    from xirang_ds.integration import megatron as xm
-
-    session = xm.build_session({"xirang": {"activations": {"enabled": True, "planner": False,
-                                                           "recompute": ["decoder.layers.*"],
-                                                           "distribute_saved_inputs": True}}})
-    model = gpt(num_layers=2)
-    model.config.sequence_parallel = True  # its layers' inputs are split over TP, not replicated
-    try:
-        xm.prepare_model(session, model)
-        return ""
-    except XirangConfigError as e:
-        return str(e)
-    finally:
-        session.remove()
+    block = {"activations": {"enabled": True, "planner": False, "recompute": ["decoder.layers.*"],
+                             "distribute_saved_inputs": True}}
+    # its layers' inputs are split over TP, not replicated
+    return prepare_error(block, lambda model: setattr(model.config, "sequence_parallel", True))
 
 
 def activations_removal(ex: Any, config: str) -> dict:

@@ -561,5 +561,8 @@ def test_head_choices_and_candidates():
     assert option_costs(ModuleProfile("x", calls=1, saved_bytes=10), ("chunk",), False, 1e10, False) == []
 
     model = build_model(BUILTIN_SPECS["gpt-tiny"])
-    with_heads = find_candidates(model, ActivationsConfig(enabled=True), [], heads=True)
+    from xirang_ds.plugins.activations.head_loss import head_modules
+
+    with_heads = find_candidates(model, ActivationsConfig(enabled=True), [],
+                                 heads=lambda blocks: head_modules(model, blocks))
     assert with_heads[-1] == "lm_head" and "lm_head" not in find_candidates(model, ActivationsConfig(enabled=True), [])

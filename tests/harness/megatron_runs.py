@@ -65,6 +65,24 @@ def config_error(ex: Any, block: dict, tmp: str) -> str:
     return ""
 
 
+def prepare_error(block: dict, change: Any) -> str:
+    """The XirangConfigError ``prepare_model`` gives for ``block`` on a 2-layer `gpt` that
+    ``change(model)`` altered first (``""`` when it prepares)."""
+    from xirang_ds.config.validate import XirangConfigError
+    from xirang_ds.integration import megatron as xm
+
+    session = xm.build_session({"xirang": block})
+    model = gpt(num_layers=2)
+    change(model)
+    try:
+        xm.prepare_model(session, model)
+        return ""
+    except XirangConfigError as e:
+        return str(e)
+    finally:
+        session.remove()
+
+
 MODEL_STATE_ROLES = ("parameters", "gradients", "optimizer_states", "comm_buffers")
 
 TIMING_SLACK_BYTES = 64 * 1024

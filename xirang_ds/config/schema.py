@@ -72,7 +72,8 @@ class ActivationsConfig(Section):
     their direct children: the children of every ``nn.ModuleList``, else of every ``nn.Sequential``,
     else of the outermost module with several children (``torch.compile``'s wrapper passed through);
     with ``chunk`` among the options, also every ``nn.Linear`` outside the blocks at least as wide out
-    as in (the output head: ``chunk`` applies where profiling sees its output reach ``cross_entropy``)."""
+    as in (the output head: ``chunk`` applies where profiling sees its output reach ``cross_entropy``),
+    and under Megatron-core a language model's ``output_layer``."""
     options: tuple[ActivationOption, ...] = ACTIVATION_OPTIONS
     """Options the planner may choose; ``quantize`` and ``sparsify`` only for modules in ``tolerant``."""
     keep: tuple[Glob, ...] = ()

@@ -41,6 +41,7 @@ from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import ACTIVATIONS, PARAMETERS
+from xirang_ds.plugins.activations import estimate
 from xirang_ds.plugins.activations.head_loss import CHUNK
 from xirang_ds.plugins.activations.planner import BudgetError, Choice, estimate_peak, format_plan, least_budget, plan
 from xirang_ds.plugins.activations.pricing import (
@@ -101,6 +102,8 @@ class ActivationsPlugin(Plugin):
         self.recompute_timings: list = []
         self._candidates: list[str] = []
         self._fixed: dict[str, str] = {}
+        self.traced_heads: tuple = ()
+        """Heads the estimator's fake trace ran chunked (`estimate.trace_context`)."""
         self._heads: frozenset = frozenset()
         """Output heads (`head_loss`): deferred while profiling and under chunk."""
         self._ds_settings: dict = {}
@@ -229,31 +232,14 @@ class ActivationsPlugin(Plugin):
             self.runtime.storage.provider = None
         super().remove()
 
-    def adjust_estimate(self, phases: dict, shape: Any, numels: list) -> Optional[dict]:
-        """The plan that keeps every saved tensor, which the planner takes whenever the run fits (keeping
-        adds no step time, and it minimises added time under the budget): the phases unchanged when
-        no module is fixed to another option and the budget covers the traced activations (``auto``:
-        the whole estimated peak fits ``memory_budget``, or the device when the estimate is for this
-        machine's accelerator). Below that its choices come from profiled passes, not modelled."""
-        from deepspeed.accelerator import get_accelerator
+    def trace_context(self, model: torch.nn.Module, tracker: Any) -> Optional[Any]:
+        """Heads fixed to ``chunk`` run chunked in the estimator's fake trace (`estimate.trace_context`)."""
+        return estimate.trace_context(self, model, tracker)
 
-        c = self.config
-        fixed = any(getattr(c, k) for k in ("recompute", "selective_recompute", "recompute_offload", "compress",
-                                            "quantize", "sparsify", "offload", "chunk"))
-        if fixed or not c.planner or c.budget_fraction is not None or self.session.ds_config.get(
-                "activation_checkpointing"):
-            return None
-        totals = [sum(v for k, v in cats.items() if k != "host") for cats in phases.values()]
-        saved = max(cats.get("activations", 0) for cats in phases.values())
-        if c.budget != "auto":
-            return phases if saved <= int(c.budget) else None
-        budget = self.session.config.memory_budget
-        if budget == "auto":
-            acc = get_accelerator()
-            if acc.device_name() != shape.device:
-                return None  # the device the estimate is for is not this machine's
-            budget = int(acc.total_memory())
-        return phases if max(totals) <= int(budget) else None
+    def adjust_estimate(self, phases: dict, shape: Any, numels: list) -> Optional[dict]:
+        """The plan that keeps every saved tensor, which the planner takes whenever the run fits
+        (`estimate.adjust_estimate`); below that its choices come from profiled passes, not modelled."""
+        return estimate.adjust_estimate(self, phases, shape)
 
     def settled(self) -> bool:
         return self.state != "profiling"

@@ -15,6 +15,9 @@ GRAD_RELEASE = {"grad_release": {"enabled": True}}
 NO_MASTER = {"grad_release": {"enabled": True, "masters": "none"}}
 ON_DEMAND = {"precision": {"enabled": True, "weight_copies": "on_demand"}}  # DeepSpeed in fp32, masters shared
 PRECISION = {"precision": {"enabled": True}}  # auto: persistent copies (DeepSpeed's bf16) on 2 ranks at ZeRO 1/2
+CHUNK = {"activations": {"enabled": True, "planner": False, "chunk": ["lm_head"], "chunk_tokens": 64}}
+"""The head and its loss chunked: the trace runs them chunked (`plugins/activations/estimate.py`)."""
+VOCAB = "gpt:layers=2,hidden=64,heads=4,seq=64,vocab=2048"  # the loss's logits are most of the activations
 CASES = [  # model, stage, dtype, micro, world, bucket, xirang block
     ("gpt-tiny", 0, "bf16", 4, 1, 1e6, None),
     ("gpt-tiny", 2, "fp32", 4, 2, 1e6, None),
@@ -26,6 +29,8 @@ CASES = [  # model, stage, dtype, micro, world, bucket, xirang block
     ("gpt-small", 0, "bf16", 4, 1, 1e6, GRAD_RELEASE),
     ("gpt-tiny", 2, "bf16", 4, 2, 1e6, ON_DEMAND),  # the trace runs under precision's kernels and autocast
     ("llama-tiny", 1, "bf16", 4, 2, 1e6, PRECISION),
+    (VOCAB, 2, "bf16", 4, 2, 1e6, CHUNK),  # plain: 10,356,344 bytes measured, chunked: 6,327,032
+    (VOCAB, 3, "fp32", 4, 2, 1e6, CHUNK),
 ]
 
 
@@ -122,7 +127,8 @@ def test_cli_estimate_json(tmp_path, capsys):
 
 def test_planner_keeping_everything_is_modelled_and_fixed_plans_are_not():
     """The activations planner keeps every saved tensor when the run fits (no added time): the estimate
-    is the plain one. A module fixed to recompute, or a budget the run does not fit, is not modelled."""
+    is the plain one. A module fixed to recompute, or a budget the run does not fit, is not modelled; a
+    head fixed to chunk is."""
     plain = estimate_spec("gpt-tiny", ds_config(stage=2, micro=4), 1)
     for block in ({"activations": {"enabled": True}}, {"memory_pool": {"enabled": True}},
                   {"activations": {"enabled": True}, "memory_pool": {"enabled": True}}):
@@ -137,6 +143,11 @@ def test_planner_keeping_everything_is_modelled_and_fixed_plans_are_not():
         "memory_pool": {"enabled": True, "size": 2**20}}), 1)
     for est, section in ((fixed, "activations"), (tight, "activations"), (sized, "memory_pool")):
         assert any(n.startswith(f"{section}: its effect on memory is not modelled") for n in est.notes), est.notes
+    # a head fixed to chunk runs chunked in the trace: modelled, and below the plain estimate
+    whole = estimate_spec(VOCAB, ds_config(stage=2, micro=4), 1)
+    chunked = estimate_spec(VOCAB, ds_config(stage=2, micro=4, xirang=CHUNK), 1)
+    assert not [n for n in chunked.notes if "not modelled" in n], chunked.notes
+    assert chunked.predicted_peak_bytes < whole.predicted_peak_bytes
 
 
 def test_zero3_working_set_follows_the_reuse_distance():

@@ -30,6 +30,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from xirang_ds.config.schema import STATE_DTYPE_ORDER, OptimizerStatesConfig
+from xirang_ds.plugins.optimizer_states import first_step
 from xirang_ds.plugins.optimizer_states.formats import (
     MOMENTS,
     StateFormat,
@@ -200,6 +201,8 @@ class DynamicAdamW(torch.optim.Optimizer):
             raise RuntimeError("DynamicAdamW does not support sparse gradients")
         state = self.state[p]
         pinned = self._pinned(p, group)
+        if pinned and self._measured(p, group) and first_step.applies(self, p, state, hyper):
+            return first_step.first_update(self, p, state, hyper)  # no whole fp32 moments on the way
         if not state:
             self._init_state(p, state, "fp32" if pinned else self.policy.initial())
         state["step"] += 1

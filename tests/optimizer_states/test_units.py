@@ -588,3 +588,53 @@ def test_version_1_int8_states_load_re_encoded():
     saved["xirang_optimizer_states"]["version"] = 7
     with pytest.raises(StateLoadError, match="version 7"):
         fresh.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("limit, settles", [(0.1, "int8"), (1e-6, "fp32")])
+def test_a_measured_embedding_first_update_holds_no_whole_fp32_moments(limit, settles):
+    """The first update of a measured embedding runs chunk by chunk (first_step.py): the step's
+    most-held bytes above what was live before are the settled states plus a few chunks, never
+    the whole fp32 moments beside the int8 codes; the parameter is torch.optim.AdamW's bit for bit,
+    and the states are those of the fp32 update (int8: decoded within a code step; fp32: equal)."""
+    from xirang_ds.memory.tracker import MemoryTracker
+    from xirang_ds.plugins.optimizer_states.build import keep_reasons, split_groups
+
+    n, chunk = 8192 * 64, 4096
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(8192, 64))
+    config = xirang_ds.load_config({"xirang": {"optimizer_states": {
+        "enabled": True, "schedule": [{"dtype": "int8"}], "keep_fp32_embeddings_and_norms": "measured",
+        "measured_max_error": limit, "chunk_numel": chunk}}}).optimizer_states
+    opt = DynamicAdamW(split_groups([{"params": list(model.parameters())}], keep_reasons(model, config)),
+                       lr=1e-3, states=config)
+    ref_param = model[0].weight.detach().clone().requires_grad_()
+    ref = torch.optim.AdamW([ref_param], lr=1e-3, weight_decay=1e-2)
+    grad = torch.randn(8192, 64, generator=g) * 1e-2
+    model[0].weight.grad, ref_param.grad = grad.clone(), grad.clone()
+    tracker = MemoryTracker("cpu")
+    with tracker:
+        window = tracker.open_window()
+        base = tracker.live_bytes
+        opt.step()
+        held = window.report().peak_bytes - base
+    ref.step()
+    assert torch.equal(model[0].weight, ref_param)
+    assert opt.state_format(model[0].weight) == settles and [m[2:] for m in opt.measurements][-1][-1] == (
+        settles == "int8")
+    mine, theirs = opt.torch_state(model[0].weight), ref.state[ref_param]
+    for key in ("exp_avg", "exp_avg_sq"):
+        if settles == "fp32":
+            assert torch.equal(mine[key], theirs[key])
+        else:
+            assert torch.allclose(mine[key], theirs[key], rtol=0.1, atol=theirs[key].abs().max().item() / 100)
+    # the measured error is that of encoding torch's fp32 moments after the same update
+    from xirang_ds.plugins.optimizer_states.formats import encode_with_error, make_format
+
+    fp32, int8 = make_format("fp32"), make_format("int8")
+    reference = {k: theirs[k].reshape(-1).clone() for k in ("exp_avg", "exp_avg_sq")}
+    out = {k: v for m in ("exp_avg", "exp_avg_sq") for k, v in int8.zeros(m, n, torch.device("cpu")).items()}
+    assert opt.measurements[-1][3] == encode_with_error(fp32, int8, reference, out, n, chunk, None, 1e-8)
+    settled = opt.state_nbytes(model[0].weight)
+    assert settled + 16 * chunk * 4 >= held  # the settled states and a few fp32 chunks, nothing beside
+    if settles == "int8":
+        assert held < 3 * n  # the whole fp32 moments alone would be 8 bytes per element

@@ -16,6 +16,7 @@ The same for HF's ``LlamaForCausalLM`` (vocab 32,000, hidden 512, 8 layers; its 
     .venv/bin/python benchmarks/head_loss.py --model benchmarks.hf_llama:llama_32k --steps 6 --world-size 2 \\
         --data ../shared/data/tinyshakespeare.txt --json benchmarks/results/head_loss_llama.json
 
+``--only balanced`` runs plain DeepSpeed and the rows whose label holds that word;
 ``--render JSON`` prints the Markdown table of a saved run.
 """
 from __future__ import annotations
@@ -64,6 +65,8 @@ def run(args: argparse.Namespace) -> dict:
             block = deep_merge({"preset": preset, "memory_budget": budget}, extra)
             rows.append((f"{preset} at {fraction}x the plain peak" + (f", {label}" if label else ""), block))
     for label, block in rows:
+        if args.only and not any(word in label for word in args.only):
+            continue
         print(f"{label} ...", file=sys.stderr, flush=True)
         row = {"config": label, "block": copy.deepcopy(block)}
         try:
@@ -115,6 +118,8 @@ def main() -> None:
     parser.add_argument("--data", default=None)
     parser.add_argument("--json", default=None)
     parser.add_argument("--render", default=None, help="print the table of a saved JSON")
+    parser.add_argument("--only", nargs="+", default=None, metavar="WORD",
+                        help="run plain DeepSpeed and the rows whose label holds one of these words")
     args = parser.parse_args()
     print(render(load_or_run(args, run)))
 

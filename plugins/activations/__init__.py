@@ -184,6 +184,7 @@ class ActivationsPlugin(Plugin):
             self.wrappers[name] = ModuleWrapper(name, modules[name], self.runtime)
             self.wrappers[name].distributable = name in self.replicated_inputs
             self.wrappers[name].head = self.path.defer if name in self._heads else None
+            self.wrappers[name].fixed_chunk = self._fixed.get(name) == CHUNK
             self.wrappers[name].chunk_tokens = (None if self.config.chunk_tokens == "auto"
                                                 else int(self.config.chunk_tokens))  # profiled with it
         for handle in self.path.head_hooks(model, self._heads):

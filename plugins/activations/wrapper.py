@@ -128,6 +128,7 @@ class ModuleWrapper:
             ``recompute`` they may be held as shards (when the runtime has a ``distribute`` handler).
         head: for an output head, how its calls are deferred while profiling and under ``chunk``
             (`head_loss.defer`, or `head_megatron.defer` for Megatron's output layer); ``None`` otherwise.
+        fixed_chunk: a head the block fixes to ``chunk``: profiling passes run it chunked too.
         chunk_tokens: rows per slice under ``chunk``: the section's ``chunk_tokens``, or the slice the
             planner chose (``None``: `head_loss.auto_tokens`).
     """
@@ -139,6 +140,7 @@ class ModuleWrapper:
         self.passthrough = False
         self.distributable = False
         self.head: Optional[Callable] = None
+        self.fixed_chunk = False
         self.chunk_tokens: Optional[int] = None
         self.must_save: Optional[frozenset] = None
         self._option: Optional[str] = None
@@ -255,11 +257,13 @@ class ModuleWrapper:
         if told is not None:
             told(True)
         with profiler.frame(self.name, (call.hidden,), {}):
-            if room is not None and whole_bytes > room():
-                # the whole logits would not fit what the budget leaves: profile it chunked (the
-                # smallest slice) and count what the whole loss would save, its log-probabilities
-                loss = chunked(logits.tokens, call.weight, call.bias, logits.casts, chunk_rows(p)[-1],
-                               self.runtime.scope, self.runtime.param_scope)
+            if self.fixed_chunk or (room is not None and whole_bytes > room()):
+                # a head fixed to chunk runs as it will after profiling; one whose whole logits would
+                # not fit what the budget leaves is profiled chunked (the smallest slice); both count
+                # what the whole loss would save, its log-probabilities
+                rows = self.chunk_tokens if self.fixed_chunk else chunk_rows(p)[-1]
+                loss = chunked(logits.tokens, call.weight, call.bias, logits.casts, rows, self.runtime.scope,
+                               self.runtime.param_scope)
                 for frame in profiler.stack:  # the head's frame and every one around it (the model's)
                     frame.profile.saved_bytes += logits.numel() * z
                     frame.profile.largest_bytes = max(frame.profile.largest_bytes, logits.numel() * z)

@@ -31,6 +31,7 @@ CASES = [  # model, stage, dtype, micro, world, bucket, xirang block
     ("llama-tiny", 1, "bf16", 4, 2, 1e6, PRECISION),
     (VOCAB, 2, "bf16", 4, 2, 1e6, CHUNK),  # plain: 10,356,344 bytes measured, chunked: 6,327,032
     (VOCAB, 3, "fp32", 4, 2, 1e6, CHUNK),
+    (VOCAB, 2, "fp32", 4, 2, 1e6, {"activations": {**CHUNK["activations"], "planner": True}}),  # profiled chunked
 ]
 
 

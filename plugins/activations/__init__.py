@@ -150,6 +150,7 @@ class ActivationsPlugin(Plugin):
                 if option == "selective_recompute":
                     problems.append((f"{PATH}.selective_recompute", f"{name!r}: selective recompute is not supported "
                                                                     f"{without_selective}; use recompute"))
+        problems = path.stage_problems(problems)
         if problems:
             raise XirangConfigError(problems)
         self._tolerant = tolerant_names(model, self.config)

@@ -71,6 +71,10 @@ class DeepSpeedActivations(FrameworkPath):
         ``F.cross_entropy`` on deferred logits finds them)."""
         return []
 
+    def stage_problems(self, problems: list) -> list:
+        """The section's problems on this rank's model (every rank holds the whole model)."""
+        return problems
+
     def without_selective(self) -> Optional[str]:
         """Why selective recompute cannot run here (``None``: it can)."""
         if self._zero3():

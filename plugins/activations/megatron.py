@@ -11,7 +11,7 @@ from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import ACTIVATIONS
 from xirang_ds.plugins.activations import head_megatron
 from xirang_ds.plugins.activations.deepspeed import RunParts
-from xirang_ds.plugins.activations.selection import PATH
+from xirang_ds.plugins.activations.selection import NO_MATCH, PATH, glob_keys
 from xirang_ds.registry import FrameworkPath
 
 
@@ -55,6 +55,22 @@ class MegatronActivations(FrameworkPath):
         owners = dict(model.named_modules())
         return [wrap_method(owners[name.rpartition(".")[0]], head_megatron.LOSS,
                             head_megatron.LanguageModelLoss(layers[name])) for name in sorted(heads) if name in layers]
+
+    def stage_problems(self, problems: list) -> list:
+        """Under pipeline parallelism each stage holds some of the modules (the output layer on the last,
+        the embedding on the first): a glob of the section that matches no module of this stage is a
+        problem only when it matches on no stage of the pipeline (agreed over the pipeline group)."""
+        from megatron.core import parallel_state
+
+        keys = glob_keys(self.plugin.config)
+        if parallel_state.get_pipeline_model_parallel_world_size() <= 1 or not keys:
+            return problems
+        unmatched = {key for key, message in problems if NO_MATCH in message}
+        matched = torch.tensor([int(key not in unmatched) for key in keys])
+        torch.distributed.all_reduce(matched, op=torch.distributed.ReduceOp.MAX,
+                                     group=parallel_state.get_pipeline_model_parallel_group())
+        elsewhere = {key for key, hit in zip(keys, matched.tolist()) if hit}
+        return [(key, message) for key, message in problems if not (NO_MATCH in message and key in elsewhere)]
 
     def without_selective(self) -> Optional[str]:
         # local attention masks the baddbmm output in place (transformer/utils.py attention_mask_func:

@@ -71,16 +71,28 @@ def _examples(names: list[str]) -> str:
     return ", ".join(shown) + (", ..." if len(names) > len(shown) else "")
 
 
+NO_MATCH = "matches no module of the model"
+"""What `match` says of a glob that matches nothing."""
+
+
 def match(globs: Iterable[str], names: list[str], key: str, problems: Problems) -> list[str]:
     """Names matched by ``globs`` (in model order); a glob matching nothing is a problem at ``key[i]``."""
     found: list[str] = []
     for i, glob in enumerate(globs):
         hits = [n for n in names if glob_matches(glob, n)]
         if not hits:
-            problems.append((f"{key}[{i}]", f"{glob!r} matches no module of the model; module names look like "
+            problems.append((f"{key}[{i}]", f"{glob!r} {NO_MATCH}; module names look like "
                                             f"{_examples(names)} (globs match whole names with fnmatchcase)"))
         found.extend(h for h in hits if h not in found)
     return found
+
+
+def glob_keys(config: ActivationsConfig) -> list[str]:
+    """The key of every glob of the section that `match` checks, as its problems name them."""
+    lists = [("candidates", () if config.candidates == "auto" else config.candidates)]
+    lists += [(option, getattr(config, option)) for option in ACTIVATION_OPTIONS]
+    lists.append(("tolerant", [g for g in config.tolerant if g != FEED_FORWARD]))
+    return [f"{PATH}.{name}[{i}]" for name, globs in lists for i in range(len(globs))]
 
 
 def outermost(names: list[str]) -> list[str]:

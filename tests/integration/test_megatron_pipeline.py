@@ -28,6 +28,8 @@ BLOCKS = {
     "offload": {"activations": {"enabled": True, "planner": False, "offload": ["decoder.layers.*"]}},
     "planner": {"activations": {"enabled": True, "budget_fraction": 0.5,
                                 "options": ["keep", "recompute", "compress", "offload"]}},
+    # the output layer exists on the last stage only; one slice per micro-batch (4 x 64 tokens)
+    "chunk": {"activations": {"enabled": True, "planner": False, "chunk": ["output_layer"], "chunk_tokens": 256}},
     "fp32_states": {"optimizer_states": {"enabled": True, "schedule": [{"dtype": "fp32"}]}},
     "int8_states": {"optimizer_states": {"enabled": True, "min_numel": 0,
                                          "schedule": [{"dtype": "fp32", "until_step": 1}, {"dtype": "int8"}]}},
@@ -43,6 +45,13 @@ def pp2(rank: int, world: int, tmp: str) -> dict:
         for name, block in BLOCKS.items():
             config = write_block(os.path.join(tmp, f"{name}{rank}.json"), block)
             out[name] = ex.train(ex.parse_args(ARGV + ["--xirang-config", config]))
+        typo = write_block(os.path.join(tmp, f"typo{rank}.json"), {"activations": {
+            "enabled": True, "planner": False, "chunk": ["output_layr"], "recompute": ["decoder.layers.*"]}})
+        try:
+            ex.build(ex.parse_args(ARGV + ["--xirang-config", typo]), 1)[2].remove()
+            out["typo"] = ""
+        except XirangConfigError as e:
+            out["typo"] = str(e)
         config = write_block(os.path.join(tmp, f"grad_release{rank}.json"), {"grad_release": {"enabled": True}})
         try:
             ex.build(ex.parse_args(ARGV + ["--xirang-config", config]), 1)[2].remove()
@@ -66,7 +75,17 @@ def test_both_stages_report_the_last_stages_loss(runs):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["keep", "recompute", "offload", "planner"])
+def test_a_glob_may_match_on_one_stage_only(runs):
+    """``chunk: ["output_layer"]`` holds on the last stage and is nothing to do on the first; a glob that
+    matches on no stage is refused on every stage."""
+    assert [r["chunk"]["summary"].splitlines()[-1].strip() for r in runs] == ["activations: nothing to do",
+                                                                              "activations: 1 chunk"]
+    for r in runs:
+        assert "xirang.activations.chunk[0]: 'output_layr' matches no module of the model" in r["typo"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["keep", "recompute", "offload", "planner", "chunk"])
 def test_lossless_activation_plans_are_bit_identical_at_pp2(runs, name):
     for r in runs:
         assert r[name]["losses"] == r["plain"]["losses"], (name, r["plain"]["pp_rank"])

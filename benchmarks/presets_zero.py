@@ -118,13 +118,16 @@ def render(data: dict) -> str:
     params = data.get("parameters", 0)
     for r in data["rows"]:
         states, phase = states_per_param(r, params), r.get("peak_phase", "")
+        fraction = r.get("budget_fraction", (data.get("budgets") or {}).get(r["config"]))
+        budget = f" (memory_budget {fraction}x)" if "memory_budget" in r else ""
         if "error" in r:
-            lines.append(f"| {r['stage']} | {r['config']} | error: {r['error']} | | | | | | |")
+            reason = r["error"].split("problem): ", 1)[-1].split("; raise")[0]
+            reason = reason.split(": inputs kept")[0] + ")" if ": inputs kept" in reason else reason
+            lines.append(f"| {r['stage']} | preset {r['config']}{budget} | refused: {reason} | | | | | | |")
         elif r["config"] == "plain":
             lines.append(f"| {r['stage']} | plain DeepSpeed | {r['peak_bytes'] / mib:.2f} MiB | 1.00 | {states} | "
                          f"{phase} | 1.00 | {r['final_loss']:.4f} | |")
         else:
-            budget = f" (memory_budget {data['budgets'][r['config']]}x)" if "memory_budget" in r else ""
             lines.append(f"| {r['stage']} | preset {r['config']}{budget} | {r['peak_bytes'] / mib:.2f} MiB | "
                          f"{r['peak_ratio']:.2f} | {states} | {phase} | {r['step_time_ratio']:.2f} | "
                          f"{r['final_loss']:.4f} ({r['loss_delta']:+.4f}) | {', '.join(r['left_out']) or '-'} |")

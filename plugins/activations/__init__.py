@@ -136,6 +136,8 @@ class ActivationsPlugin(Plugin):
         self._candidates = (find_candidates(model, self.config, problems, blocks,
                                             heads=heads if CHUNK in self.config.options else None)
                             if self.config.planner else [])
+        if self.config.candidates != "auto" and CHUNK in self.config.options:
+            heads([])  # candidates named by hand: any of them may be a head
         self._fixed, self._ds_settings = fixed_plan(model, self.config, path.ds_config(), problems)
         self.options = self.config.options
         fixed_heads = [name for name, option in self._fixed.items() if option == CHUNK]

@@ -342,6 +342,9 @@ def _chunked_head(rank, world, tmp):
             engine.save_checkpoint(tmp)
     out["planned"] = _train(rank, world, config(block), 4, HEAD_MODEL, engine_hook=save_at_2)
     out["resumed"] = _train(rank, world, config(block), 2, HEAD_MODEL, load_dir=tmp, skip=4)
+    # candidates named by hand: the head among them is still a head
+    named = {"activations": {**block["activations"], "candidates": ["blocks.*", "lm_head"]}}
+    out["named"] = _train(rank, world, config(named), 2, HEAD_MODEL)
     out["peaks"] = peaks
     # a memory_budget the whole logits do not fit beside the rest: the profiling pass chunks the head
     # too (the smallest slice), so the run stays within the budget from its first step
@@ -458,7 +461,7 @@ def test_chunked_head_and_loss_on_engines_two_ranks_grad_accumulation(tmp_path):
         plain, planned = out["plain"], out["planned"]
         assert _same(plain, out["one_slice"])
         assert out["one_slice"]["plan"] == {"lm_head": "chunk"}
-        assert planned["plan"]["lm_head"] == "chunk"
+        assert planned["plan"]["lm_head"] == "chunk" and out["named"]["plan"]["lm_head"] == "chunk"
         head = planned["profiles"]["lm_head"]
         assert head["chunk_calls"] == 1 and head["chunk_bytes"] < head["saved_bytes"] / 20  # its input, not its logits
         for a, b in zip(plain["losses"], planned["losses"]):

@@ -16,16 +16,16 @@ _CHAINS = "__xirang_method_chains__"
 class MethodWrap:
     """Handle of `wrap_method`; ``remove()`` takes this wrapper out of the chain."""
 
-    def __init__(self, obj: Any, name: str, wrapper: Callable):
+    def __init__(self, obj: Any, name: str, wrapper: Callable, over_instance: bool = False):
         self.obj, self.name, self.wrapper = obj, name, wrapper
         chains = vars(obj).setdefault(_CHAINS, {})
         if name not in chains:
-            if name in vars(obj):
+            if name in vars(obj) and not over_instance:
                 raise RuntimeError(f"{type(obj).__name__}.{name} is already replaced on this instance by "
                                    "something other than xirang; cannot wrap it safely")
             original = getattr(obj, name)
             chain: list[Callable] = []
-            chains[name] = (original, chain)
+            chains[name] = (original, chain, vars(obj).get(name))
 
             @functools.wraps(original)
             def dispatch(*args: Any, **kwargs: Any) -> Any:
@@ -49,19 +49,25 @@ class MethodWrap:
         entry[1].remove(self.wrapper)
         if not entry[1]:
             del chains[self.name]
-            vars(self.obj).pop(self.name, None)
+            if entry[2] is not None:  # an instance attribute wrapped over (`over_instance`) comes back
+                vars(self.obj)[self.name] = entry[2]
+            else:
+                vars(self.obj).pop(self.name, None)
             if not chains:
                 vars(self.obj).pop(_CHAINS, None)
 
 
-def wrap_method(obj: Any, name: str, wrapper: Callable) -> MethodWrap:
+def wrap_method(obj: Any, name: str, wrapper: Callable, over_instance: bool = False) -> MethodWrap:
     """Run ``obj.name(...)`` as ``wrapper(original, *args, **kwargs)`` on this instance only.
+
+    An instance attribute someone else set (torch.compile's ``OptimizedModule.forward``) is refused,
+    unless ``over_instance``: then it is wrapped and put back when the last wrapper goes.
 
     Example:
         >>> handle = wrap_method(engine, "step", lambda step, *a, **k: step(*a, **k))
         >>> handle.remove()  # engine.step is the class method again
     """
-    return MethodWrap(obj, name, wrapper)
+    return MethodWrap(obj, name, wrapper, over_instance)
 
 
 class CallbackHandle:

@@ -36,14 +36,22 @@ from typing import Any, Optional
 
 import torch
 
-from xirang_ds.config.schema import LOSSY_ACTIVATION_OPTIONS, ActivationsConfig
+from xirang_ds.config.schema import ActivationsConfig
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import ACTIVATIONS, PARAMETERS
 from xirang_ds.plugins.activations import estimate
+from xirang_ds.plugins.activations.compiled import (
+    INSIDE_ONLY,
+    REGION,
+    CompiledWrapper,
+    compiled_units,
+    fixed_problems,
+    synchronizer,
+)
 from xirang_ds.plugins.activations.head_loss import CHUNK
-from xirang_ds.plugins.activations.planner import BudgetError, Choice, estimate_peak, format_plan, least_budget, plan
+from xirang_ds.plugins.activations.planner import Choice, estimate_peak, plan_table
 from xirang_ds.plugins.activations.pricing import (
     OtherPeak,
     agree,
@@ -52,11 +60,13 @@ from xirang_ds.plugins.activations.pricing import (
     check_memory_budget,
     choose,
     escalation,
+    reach,
     resolve_budget,
 )
-from xirang_ds.plugins.activations.profile import ROOT, ModuleProfile, Profiler
+from xirang_ds.plugins.activations.profile import ModuleProfile, Profiler
+from xirang_ds.plugins.activations.recompute import timings_line
 from xirang_ds.plugins.activations.selection import PATH, find_candidates, fixed_plan, tolerant_names
-from xirang_ds.plugins.activations.storage import PayloadStorage, StorageProvider
+from xirang_ds.plugins.activations.storage import PayloadStorage, StorageProvider, use_pool
 from xirang_ds.plugins.activations.wrapper import ModuleWrapper, Runtime
 from xirang_ds.registry import ACTIVATION_PLAN, Plugin, register_plugin
 
@@ -91,7 +101,7 @@ class ActivationsPlugin(Plugin):
         self.profiles: dict[str, ModuleProfile] = {}
         self.budget_bytes: Optional[int] = None
         self.reach: Optional[dict] = None
-        """Set after planning: see `_reach`."""
+        """Set after planning: see `pricing.reach`."""
         self.outside_bytes = 0
         self.planned_peaks: Optional[tuple[int, int]] = None
         """Planned saved-activation bytes: (end of forward, worst point of backward)."""
@@ -111,6 +121,9 @@ class ActivationsPlugin(Plugin):
         self._passes = 0
         self._other_peak: Optional[OtherPeak] = None
         self._engine: Any = None
+        self.region: Optional[str] = None
+        """How the engine's whole model runs compiled (then planned as one unit, `compiled.py`), or ``None``."""
+        self._forward_handles: list = []
         self._forward_scope: Any = None  # ZeRO-3: gathered weights saved by reference (gathered.py)
         self._model: Any = None
         """The model the names refer to (under Megatron the chunk inside DDP / Float16Module)."""
@@ -179,25 +192,70 @@ class ActivationsPlugin(Plugin):
             timings=self.recompute_timings if self._ds_settings.get("profile") else None, rng=parts.rng,
             arenas=parts.arenas, distribute=parts.distribute,
             host_budget_bytes=None if host_budget == "auto" else int(host_budget))
-        model = self._model
         check_memory_budget(self.session.config.memory_budget, engine)
-        self.runtime.eligible.refresh(model)
-        modules = dict(model.named_modules())
+        self.runtime.eligible.refresh(self._model)
+        self.region = self.path.compiled(engine)
+        self._wrap_modules()
+        if callable(getattr(engine, "compile", None)):
+            self.keep(wrap_method(engine, "compile", self._compile))
+        lender = self.session.storage_lender()
+        if lender is not None:
+            self.set_storage_provider(lender)  # e.g. the comm_buffers arena between reductions
+        if self._ds_settings.get("profile"):
+            self.keep(wrap_method(engine, "step", self._step))
+        self._begin()
+        use_pool(self.session, self.runtime.storage, ready=lambda: self.state != "profiling")
+
+    def _wrap_modules(self) -> None:
+        """A wrapper on every candidate and fixed module (a compiled one at its compiled entry, the whole
+        model as `REGION` when it runs compiled: `compiled.py`), and the per-pass bookkeeping on the
+        model's forward (on the engine's when the model runs compiled)."""
+        model, compiled = self._model, {REGION}
+        if self.region is not None:
+            self._candidates = [REGION] if self.config.planner else []
+        else:
+            self._candidates, compiled = compiled_units(model, self._candidates)
+        problems = fixed_problems(self._fixed, compiled, self.region)
+        if problems:
+            raise XirangConfigError(problems)
+        self._heads = frozenset(h for h in self._heads if h in self._candidates + list(self._fixed)) - compiled
+        modules = {**dict(model.named_modules()), REGION: self._engine.module}
         for name in list(self._fixed) + [c for c in self._candidates if c not in self._fixed]:
+            if name in compiled:
+                self.wrappers[name] = CompiledWrapper(name, modules[name], self.runtime,
+                                                      lambda: self.session.started_tracker)
+                continue
             self.wrappers[name] = ModuleWrapper(name, modules[name], self.runtime)
             self.wrappers[name].distributable = name in self.replicated_inputs
             self.wrappers[name].head = self.path.defer if name in self._heads else None
             self.wrappers[name].fixed_chunk = self._fixed.get(name) == CHUNK
             self.wrappers[name].chunk_tokens = (None if self.config.chunk_tokens == "auto"
                                                 else int(self.config.chunk_tokens))  # profiled with it
-        for handle in self.path.head_hooks(model, self._heads):
-            self.keep(handle)
-        self.keep(wrap_method(model, "forward", self._root_forward))
-        lender = self.session.storage_lender()
-        if lender is not None:
-            self.set_storage_provider(lender)  # e.g. the comm_buffers arena between reductions
-        if self._ds_settings.get("profile"):
-            self.keep(wrap_method(engine, "step", self._step))
+        self._forward_handles = [*self.path.head_hooks(model, self._heads),
+                                 wrap_method(model if self.region is None else self._engine, "forward",
+                                             self._root_forward)]
+        units, left = [n for n in self.wrappers if n in compiled], [o for o in INSIDE_ONLY if o in self.options]
+        if units and left:
+            self._log(f"{', '.join(units)} run compiled: planned at the compiled call "
+                      f"({' and '.join(left)} do not apply)")
+
+    def _compile(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        """``engine.compile()``: from the next forward the compiled model is one unit, profiled anew."""
+        result = original(*args, **kwargs)
+        region = self.path.compiled(self._engine)
+        if region is not None and self.region is None:
+            for handle in self._forward_handles + list(self.wrappers.values()):
+                handle.remove()
+            self.wrappers, self.region = {}, region
+            self.plan, self.choices, self.profiles, self._passes = {}, {}, {}, 0
+            self.runtime.profiler = None
+            self._close_other_peak()
+            self._wrap_modules()
+            self._begin()
+        return result
+
+    def _begin(self) -> None:
+        """Profile the free candidates, or put the fixed plan in force at once."""
         free = [c for c in self._candidates if c not in self._fixed and not any(
             c.startswith(f + ".") for f in self._fixed)]
         if free:
@@ -209,26 +267,12 @@ class ActivationsPlugin(Plugin):
             check_agreed(self.plan, self.runtime.device, self._groups)
             self.state = "planned"
             self._log_plan()
-        self._use_pool()
-
-    def _use_pool(self) -> None:
-        """Payloads no provider lends come from the memory pool when the section is on (transient
-        blocks); the pool measures them only once the plan is in force."""
-        pool = self.session.pool()
-        if pool is None:
-            return
-        def allocate(nbytes: int, device: torch.device) -> torch.Tensor:
-            if device.type != pool.device.type:
-                return torch.empty(nbytes, dtype=torch.uint8, device=device)
-            return pool.allocate(nbytes, what="activations payload")
-
-        self.runtime.storage.allocator = allocate
-        self.session.pool_owner.add_client("activations", ready=lambda: self.state != "profiling")
 
     def remove(self) -> None:
-        for wrapper in self.wrappers.values():
-            wrapper.remove()
+        for handle in self._forward_handles + list(self.wrappers.values()):
+            handle.remove()
         self.wrappers.clear()
+        self._forward_handles = []
         self._close_other_peak()
         if self.runtime is not None:
             self.runtime.offloader.synchronize()
@@ -272,6 +316,10 @@ class ActivationsPlugin(Plugin):
     def load_state_dict(self, state: dict) -> None:
         plan = state.get("plan") or {}
         if not plan:
+            return
+        if (REGION in plan) != (self.region is not None):
+            self._log(f"the checkpoint's plan is for the model run {'compiled' if REGION in plan else 'eagerly'}; "
+                      "this run profiles and plans anew")
             return
         unknown = [n for n in plan if n not in self.wrappers and n not in dict(self._model.named_modules())]
         if unknown:
@@ -357,9 +405,8 @@ class ActivationsPlugin(Plugin):
 
         rt = self.runtime
         lossy = tuple(k for k in ("quantize", "sparsify") if k in self.options)
-        sync = get_accelerator().synchronize if rt.device.type != "cpu" else (lambda: None)
         rt.profiler = Profiler(rt.eligible, rt.handlers["offload"], PayloadStorage(), self._tolerant, lossy,
-                               self.config.quantize_block_size, self.config.sparsify_threshold, sync)
+                               self.config.quantize_block_size, self.config.sparsify_threshold, synchronizer(rt.device))
         if self.config.budget_fraction is None and self.config.budget == "auto":
             self._other_peak = OtherPeak(self.session, self._engine)
             rt.head_stretch = self._other_peak.exclude
@@ -397,7 +444,7 @@ class ActivationsPlugin(Plugin):
                                           self._bandwidth, streams, self.config.offload_prefetch)
         self.outside_bytes = before + after
         self.choices = choose(roots, self.budget_bytes, before, after)
-        self.reach = self._reach(roots, before, after, other)
+        self.reach = reach(roots, before, after, other, self.profiles, self.choices, self._heads, self.budget_bytes)
         self.planned_peaks = estimate_peak(roots, self.choices, before, after)
         self._apply({name: c.option for name, c in self.choices.items()})
         check_agreed(self.plan, rt.device, self._groups)
@@ -405,7 +452,7 @@ class ActivationsPlugin(Plugin):
         self._log_plan()
 
     def figures(self) -> dict:
-        """The planner's reach once it planned (`_reach`), and the offload host buffers (held bytes,
+        """The planner's reach once it planned (`pricing.reach`), and the offload host buffers (held bytes,
         most in use at once, bytes trimmed, bytes the host budget kept on the device); at ZeRO-3 the
         gathered weights saved by reference in the last forward and those gathered again for it."""
         out = dict(self.reach) if self.reach else {}
@@ -417,28 +464,6 @@ class ActivationsPlugin(Plugin):
                                    "trimmed_bytes": pool.trimmed_bytes,
                                    "kept_on_device_bytes": offloader.kept_on_device_bytes}
         return out
-
-    def _reach(self, roots: list, before: int, after: int, other: Optional[int]) -> dict:
-        """What the planner can reach on this model, per pass, for cost models (the tuner): the saved
-        bytes with every candidate kept, the least any plan needs and the seconds that plan adds,
-        the seconds the chosen plan adds, and the measured peak besides activations."""
-        least = least_budget(roots, before, after)
-        least_added = None
-        for slack in (0, least // 100 + 1):  # the planner's coarser rounding may need a little more
-            try:
-                least_added = sum(c.added_s for c in plan(roots, least + slack, before, after).values())
-                break
-            except BudgetError:
-                continue
-        heads = {n: {"option": self.choices[n].option if n in self.choices else "keep",
-                     "rows": self.choices[n].rows if n in self.choices else 0,
-                     "keep_bytes": self.profiles[n].keep_bytes,
-                     "chunk_bytes": self.profiles[n].chunk_bytes}
-                 for n in sorted(self._heads) if n in self.profiles and self.profiles[n].chunk_calls}
-        return {"keep_bytes": self.profiles[ROOT].keep_bytes, "least_bytes": least, "least_added_s": least_added,
-                "plan_added_s": sum(c.added_s for c in self.choices.values()),
-                "budget_bytes": self.budget_bytes, "other_peak_bytes": other,
-                "outside_bytes": before + after, "heads": heads}
 
     # applying -------------------------------------------------------------------------------------
     def _apply(self, plan: dict[str, str]) -> None:
@@ -455,16 +480,8 @@ class ActivationsPlugin(Plugin):
             wrapper.apply(option, must_save, passthrough=hooked_above and option == "keep")
 
     def _log_plan(self) -> None:
-        if self.choices:
-            self.plan_text = format_plan(self.choices, self.profiles, self.budget_bytes, self.outside_bytes,
-                                         self.planned_peaks)
-        else:
-            self.plan_text = "\n".join(f"{n}: {o}" for n, o in self.plan.items()) or "(no module)"
-        lossy = [(n, o, getattr(self.profiles[n], f"{o}_error")) for n, o in self.plan.items()
-                 if o in LOSSY_ACTIVATION_OPTIONS and n in self.profiles]
-        if lossy:
-            self.plan_text += "\nlossy, worst error measured in profiling as a fraction of the stated bound: " + \
-                ", ".join(f"{n} ({o}) {e:.2f}" for n, o, e in lossy)
+        self.plan_text = plan_table(self.plan, self.choices, self.profiles, self.budget_bytes, self.outside_bytes,
+                                    self.planned_peaks)
         self._log("plan\n" + self.plan_text)
 
     def _log(self, message: str) -> None:
@@ -476,10 +493,7 @@ class ActivationsPlugin(Plugin):
         before = self._engine.global_steps
         result = original(*args, **kwargs)
         if self._engine.global_steps != before and self.recompute_timings:
-            total = sum(s for _, s in self.recompute_timings)
-            self._log(f"step {self._engine.global_steps}: {len(self.recompute_timings)} recomputations took "
-                      f"{total * 1e3:.1f} ms")
-            self.recompute_timings.clear()
+            self._log(f"step {self._engine.global_steps}: {timings_line(self.recompute_timings)}")
         return result
 
 

@@ -9,6 +9,7 @@ import torch
 from xirang_ds.compat.torch import uncompiled
 from xirang_ds.config.schema import ActivationsConfig
 from xirang_ds.plugins.activations import head_loss
+from xirang_ds.plugins.activations.compiled import compiled_region
 from xirang_ds.registry import FrameworkPath
 
 
@@ -82,6 +83,9 @@ class DeepSpeedActivations(FrameworkPath):
             # bit-identical gradients (measured); full recompute, compress and offload do.
             return "with ZeRO stage 3 (its gradients are not bit-identical there)"
         return None
+
+    compiled = staticmethod(compiled_region)
+    """How the engine's model runs compiled (then planned as one unit, `compiled.py`), or ``None``."""
 
     def ds_config(self) -> dict:
         """The ds_config whose ``activation_checkpointing`` keys the fixed plan reads."""

@@ -78,6 +78,10 @@ class MegatronActivations(FrameworkPath):
         return ("under Megatron-core (local attention masks the cached attention scores in place, which "
                 "selective checkpointing refuses)")
 
+    def compiled(self, run: Any) -> Optional[str]:
+        """None: the run's model chunks are planned module by module (Megatron compiles no model whole)."""
+        return None
+
     def ds_config(self) -> dict:
         """None: the file's DeepSpeed keys (``activation_checkpointing``) do not apply under Megatron."""
         return {}

@@ -44,6 +44,7 @@ from typing import Optional
 
 import numpy as np
 
+from xirang_ds.config.schema import LOSSY_ACTIVATION_OPTIONS
 from xirang_ds.config.types import format_bytes
 from xirang_ds.plugins.activations.profile import ModuleProfile
 
@@ -113,6 +114,8 @@ def option_costs(p: ModuleProfile, options: tuple[str, ...], tolerant: bool, ban
     out = []
     if p.chunk_calls:  # an output head: its profile holds the loss too, which only chunk changes
         options = tuple(o for o in options if o in ("keep", "chunk"))
+    if p.compiled:  # nothing inside compiled code: no per-op choice, its one backward node unpacks all
+        options = tuple(o for o in options if o not in ("selective_recompute", "chunk"))
 
     def offload_s(nbytes: int) -> float:
         t = transfer_s(nbytes, bandwidth_bps)
@@ -123,7 +126,7 @@ def option_costs(p: ModuleProfile, options: tuple[str, ...], tolerant: bool, ban
     # Restored on demand, storage by storage, and freed after the node that needs it: about two
     # storages at a time. A copy stream instead fetches whole modules ahead (this one and the
     # ``prefetch`` next).
-    on_demand = min(p.saved_bytes, 2 * p.largest_bytes)
+    on_demand = p.saved_bytes if p.compiled else min(p.saved_bytes, 2 * p.largest_bytes)
     fetched = p.saved_bytes * (1 + prefetch) if streams else on_demand
     for option in options:
         if option in ("quantize", "sparsify") and not tolerant:
@@ -368,6 +371,22 @@ def format_plan(choices: dict[str, Choice], profiles: dict[str, ModuleProfile], 
     if budget_bytes is not None:
         lines.append(f"budget {format_bytes(budget_bytes)} of saved activations per rank")
     return "\n".join(lines)
+
+
+def plan_table(plan_: dict[str, str], choices: dict[str, Choice], profiles: dict[str, ModuleProfile],
+               budget_bytes: Optional[int], outside_bytes: int, peaks: Optional[tuple[int, int]]) -> str:
+    """What the plugin logs: the planner's table (`format_plan`), or the fixed plan one module per line; then
+    each lossy option with the worst error profiling measured, as a fraction of its stated bound."""
+    if choices:
+        text = format_plan(choices, profiles, budget_bytes, outside_bytes, peaks)
+    else:
+        text = "\n".join(f"{n}: {o}" for n, o in plan_.items()) or "(no module)"
+    lossy = [(n, o, getattr(profiles[n], f"{o}_error")) for n, o in plan_.items()
+             if o in LOSSY_ACTIVATION_OPTIONS and n in profiles]
+    if lossy:
+        text += "\nlossy, worst error measured in profiling as a fraction of the stated bound: " + \
+            ", ".join(f"{n} ({o}) {e:.2f}" for n, o, e in lossy)
+    return text
 
 
 def _natural(name: str) -> list:

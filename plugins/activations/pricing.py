@@ -10,13 +10,13 @@ import torch
 from xirang_ds.config.schema import ActivationsConfig
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
-from xirang_ds.plugins.activations.planner import BudgetError, Choice, Node, option_costs, plan
+from xirang_ds.plugins.activations.planner import BudgetError, Choice, Node, least_budget, option_costs, plan
 from xirang_ds.plugins.activations.profile import ROOT, ModuleProfile
 
 _FIELDS = ("calls", "before_bytes", "saved_bytes", "largest_bytes", "small_bytes", "input_bytes", "time_s", "selective_bytes", "selective_time_s",
            "compress_bytes", "compress_time_s", "quantize_bytes", "quantize_time_s", "quantize_error",
            "sparsify_bytes", "sparsify_time_s", "sparsify_error", "chunk_calls", "chunk_bytes", "chunk_tokens",
-           "chunk_rows", "chunk_fixed", "chunk_row_bytes", "keep_transient_bytes")
+           "chunk_rows", "chunk_fixed", "chunk_row_bytes", "keep_transient_bytes", "compiled")
 PATH = "xirang.activations"
 
 
@@ -256,3 +256,25 @@ def escalation(profiles: dict[str, ModuleProfile], plan_: dict[str, str], names:
                 if best is None or score > best[0]:
                     best = (score, name, c)
     return None if best is None else (best[1], best[2])
+
+
+def reach(roots: list[Node], before: int, after: int, other: Optional[int], profiles: dict[str, ModuleProfile],
+          choices: dict[str, Choice], heads: frozenset, budget_bytes: Optional[int]) -> dict:
+    """What the planner can reach on this model, per pass, for cost models (the tuner): the saved
+    bytes with every candidate kept, the least any plan needs and the seconds that plan adds,
+    the seconds the chosen plan adds, and the measured peak besides activations."""
+    least = least_budget(roots, before, after)
+    least_added = None
+    for slack in (0, least // 100 + 1):  # the planner's coarser rounding may need a little more
+        try:
+            least_added = sum(c.added_s for c in plan(roots, least + slack, before, after).values())
+            break
+        except BudgetError:
+            continue
+    head_rows = {n: {"option": choices[n].option if n in choices else "keep",
+                     "rows": choices[n].rows if n in choices else 0,
+                     "keep_bytes": profiles[n].keep_bytes, "chunk_bytes": profiles[n].chunk_bytes}
+                 for n in sorted(heads) if n in profiles and profiles[n].chunk_calls}
+    return {"keep_bytes": profiles[ROOT].keep_bytes, "least_bytes": least, "least_added_s": least_added,
+            "plan_added_s": sum(c.added_s for c in choices.values()), "budget_bytes": budget_bytes,
+            "other_peak_bytes": other, "outside_bytes": before + after, "heads": head_rows}

@@ -68,6 +68,8 @@ class ModuleProfile:
         chunk_row_bytes: what one row of a slice holds while its backward runs.
         keep_transient_bytes: (output heads) the most the whole head and loss hold besides what they
             save: the logits in forward, their gradient in backward.
+        compiled: 1 for a torch.compile'd module (`compiled.py`): timed as one call, its saved
+            tensors all back at once when its one backward node runs.
     """
 
     name: str
@@ -97,6 +99,7 @@ class ModuleProfile:
     chunk_fixed: int = 0
     chunk_row_bytes: int = 0
     keep_transient_bytes: int = 0
+    compiled: int = 0
 
     @property
     def keep_bytes(self) -> int:
@@ -282,6 +285,12 @@ class Profiler:
             frame.ops.append(_Op(key, index, seconds, heavy, outputs))
             for ident, _ in outputs:
                 frame.produced[ident] = len(frame.ops) - 1
+
+    def record_compiled(self, seconds: float) -> None:
+        """A compiled call (no op timer inside it) counts as one op of every module running now."""
+        for frame in self.stack[1:]:
+            frame.ops.append(_Op("<compiled>", frame.counter["<compiled>"], seconds, False, []))
+            frame.counter["<compiled>"] += 1
 
     def record_saved(self, t: torch.Tensor) -> None:
         """Attribute one saved tensor to every module running now."""

@@ -190,3 +190,11 @@ def _with_forward_states(fn: Callable, get: Callable[[], Any], set_: Callable[[A
             set_(now)
 
     return run
+
+
+def timings_line(timings: list) -> str:
+    """One line on a step's recomputations (DeepSpeed's ``activation_checkpointing.profile``); clears them."""
+    total = sum(s for _, s in timings)
+    line = f"{len(timings)} recomputations took {total * 1e3:.1f} ms"
+    timings.clear()
+    return line

@@ -26,6 +26,7 @@ from xirang_ds.compat.torch import (
     HookPair,
     current_saved_tensors_hooks,
     is_checkpoint_hook,
+    outside_dynamo,
     pop_saved_tensors_hooks,
     push_saved_tensors_hooks,
     storage_key,
@@ -199,12 +200,14 @@ class PackContext:
         outer = current_saved_tensors_hooks()
         if is_checkpoint_hook(outer):
             return self
-        owner = getattr(outer[0], "__self__", None) if outer is not None else None
+        owner = getattr(getattr(outer[0], "__wrapped__", outer[0]), "__self__", None) if outer is not None else None
         if isinstance(owner, PackContext):  # an enclosing module of ours: the innermost option wins
             outer = owner._outer
         self._outer = outer
         self.call = self.handler.begin_call()
-        push_saved_tensors_hooks(self._pack_hook, self._unpack_hook)
+        # called from inside compiled code too (a compiled module's saved tensors), where Dynamo must
+        # not trace them
+        push_saved_tensors_hooks(outside_dynamo(self._pack_hook), outside_dynamo(self._unpack_hook))
         self.pushed = True
         return self
 

@@ -287,3 +287,19 @@ class HostPool:
         self._out.clear()
         self.allocated_bytes = 0
         self.in_use_bytes = 0
+
+
+def use_pool(session: Any, storage: PayloadStorage, ready: Callable[[], bool]) -> None:
+    """Payloads no provider lends come from the memory pool when the section is on (transient
+    blocks); the pool measures them only once ``ready()`` (the plan is in force)."""
+    pool = session.pool()
+    if pool is None:
+        return
+
+    def allocate(nbytes: int, device: torch.device) -> torch.Tensor:
+        if device.type != pool.device.type:
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return pool.allocate(nbytes, what="activations payload")
+
+    storage.allocator = allocate
+    session.pool_owner.add_client("activations", ready=ready)

@@ -51,7 +51,8 @@ class _KeepHandler:
         return None
 
 
-def _never(t: torch.Tensor) -> bool:
+def never(t: torch.Tensor) -> bool:
+    """Eligible for nothing: a pack context that keeps every saved tensor as it is."""
     return False
 
 
@@ -145,7 +146,13 @@ class ModuleWrapper:
         self.must_save: Optional[frozenset] = None
         self._option: Optional[str] = None
         self._context_fn: Optional[Callable[[], tuple]] = None
-        self.handle = wrap_method(module, "forward", self.forward)
+        self.handle = self._wrap()
+
+    def _wrap(self) -> Any:
+        return wrap_method(self.module, "forward", self.forward)
+
+    def _pack(self, handler: Any, eligible: Callable[[torch.Tensor], bool]) -> PackContext:
+        return PackContext(handler, eligible)
 
     @property
     def option(self) -> Optional[str]:
@@ -187,20 +194,20 @@ class ModuleWrapper:
         if option is None or option == "keep":
             if not self.passthrough:
                 return original(*args, **kwargs)
-            with PackContext(rt.keep_handler, _never):
+            with self._pack(rt.keep_handler, never):
                 return original(*args, **kwargs)
         if option == "recompute" and self.distributable and rt.distribute is not None:
-            with PackContext(rt.distribute, rt.eligible):
+            with self._pack(rt.distribute, rt.eligible):
                 return run_checkpointed(original, args, kwargs, self._context_fn, rt.rng)
         if option in ("recompute", "selective_recompute"):
             return run_checkpointed(original, args, kwargs, self._context_fn, rt.rng)
-        with PackContext(rt.handlers[option], rt.eligible) as ctx:
+        with self._pack(rt.handlers[option], rt.eligible) as ctx:
             if option == "recompute_offload":
                 out = run_checkpointed(original, args, kwargs, self._context_fn, rt.rng)
             else:
                 out = original(*args, **kwargs)
         if ctx.pushed and option in ("offload", "recompute_offload") and rt.offloader.stream is not None:
-            _hook_outputs(out, ctx.call, rt.offloader)
+            hook_outputs(out, ctx.call, rt.offloader)
         return out
 
     # output heads ------------------------------------------------------------------------------
@@ -278,7 +285,7 @@ class ModuleWrapper:
         return loss
 
 
-def _hook_outputs(out: Any, group: Any, offloader: Offloader) -> None:
+def hook_outputs(out: Any, group: Any, offloader: Offloader) -> None:
     """Prefetch when backward reaches this call: a hook on each output that requires grad."""
     def reached(grad: torch.Tensor) -> None:
         offloader.backward_reached(group)

@@ -113,17 +113,22 @@ def uncompiled(module: Any) -> Any:
     """The module ``torch.compile`` wrapped, or ``module`` itself when it was not compiled.
 
     ``torch.compile(module)`` returns an ``OptimizedModule`` that holds the user's module as ``_orig_mod``
-    and runs it through Dynamo. Plugins attach to the modules inside (their hooks and forward wrappers are
-    traced with the rest); DeepSpeed still gets the compiled module, so parameter names and checkpoints are
-    those of the plain compiled run.
+    and runs it through Dynamo. Plugins find the modules inside (the activations plugin wraps compiled
+    modules at their compiled call, `plugins/activations/compiled.py`); DeepSpeed still gets the compiled
+    module, so parameter names and checkpoints are those of the plain compiled run.
     """
+    while is_optimized_module(module):
+        module = module._orig_mod
+    return module
+
+
+def is_optimized_module(module: Any) -> bool:
+    """``module`` is torch.compile's ``OptimizedModule`` (its ``forward`` runs the compiled code)."""
     try:
         from torch._dynamo.eval_frame import OptimizedModule
     except ImportError:  # a torch without Dynamo: nothing can be compiled
-        return module
-    while isinstance(module, OptimizedModule):
-        module = module._orig_mod
-    return module
+        return False
+    return isinstance(module, OptimizedModule)
 
 
 def compile_unavailable(device_type: str) -> Optional[str]:
@@ -147,12 +152,27 @@ def compile_unavailable(device_type: str) -> Optional[str]:
     return None
 
 
+def current_dispatch_mode() -> Any:
+    """The innermost active ``TorchDispatchMode``, or ``None``."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode()
+
+
+def outside_dynamo(fn: Callable) -> Callable:
+    """``fn`` run with Dynamo's frame evaluation off: a hook that compiled code calls (a saved-tensor
+    hook) runs as written, not traced (``torch._dynamo.disable``; ``fn`` itself without Dynamo)."""
+    try:
+        import torch._dynamo
+    except ImportError:
+        return fn
+    return torch._dynamo.disable(fn)
+
+
 def dispatch_mode_active() -> bool:
     """A ``TorchDispatchMode`` is active (the memory tracker, a FakeTensorMode): Dynamo does not trace
     under one, so compiled code must run its eager twin."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    return _get_current_dispatch_mode() is not None
+    return current_dispatch_mode() is not None
 
 
 # autograd ------------------------------------------------------------------------------------------
@@ -263,10 +283,12 @@ __all__ = [
     "DisableAutocast", "DisableTorchFunctionSubclass", "NormBase", "OpOverload", "OpOverloadPacket",
     "SCHEDULER_PER_GROUP_LISTS", "TorchDispatchMode", "UPSTREAM_NAMES", "all_op_names",
     "amp_foreach_non_finite_check_and_unscale_", "buffer_table", "compile_unavailable", "current_autograd_node",
-    "current_saved_tensors_hooks", "destroy_library", "disable_current_modes", "dispatch_mode_active",
-    "dump_memory_snapshot", "fake_tensor_mode", "foreach_zero_", "is_checkpoint_hook",
+    "current_dispatch_mode", "current_saved_tensors_hooks", "destroy_library", "disable_current_modes",
+    "dispatch_mode_active",
+    "dump_memory_snapshot", "fake_tensor_mode", "foreach_zero_", "is_checkpoint_hook", "is_optimized_module",
     "is_traceable_wrapper_subclass", "log_softmax_backward_data", "make_wrapper_subclass", "op_entry", "op_schema",
-    "ops_with_kernel", "parameter_table", "parse_to", "pop_mode_temporarily", "pop_saved_tensors_hooks",
+    "ops_with_kernel", "outside_dynamo", "parameter_table", "parse_to", "pop_mode_temporarily",
+    "pop_saved_tensors_hooks",
     "privateuse1_backend_name", "push_saved_tensors_hooks", "pytree", "queue_end_of_backward",
     "record_memory_history", "sac_ignored_ops", "saved_tensors_hooks_enabled", "storage_at", "storage_key",
     "top_saved_tensors_hooks", "uncompiled", "version", "view_base",

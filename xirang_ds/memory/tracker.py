@@ -26,6 +26,7 @@ import torch
 
 from xirang_ds.compat.torch import (
     current_autograd_node,
+    current_dispatch_mode,
     is_traceable_wrapper_subclass,
     pop_mode_temporarily,
     storage_key,
@@ -117,6 +118,15 @@ class MemoryTracker:
             yield
             return
         with pop_mode_temporarily():
+            yield
+
+    @contextlib.contextmanager
+    def resumed(self) -> Iterator[None]:
+        """Track a block run inside `paused` (what a compiled region's saved-tensor hooks allocate)."""
+        if self._mode is None or current_dispatch_mode() is self._mode:
+            yield
+            return
+        with self._mode:
             yield
 
     # ----------------------------------------------------------------------------------------

@@ -1,0 +1,165 @@
+"""torch.compile'd modules under the activations plugin (`plugins/activations/compiled.py`): blocks compiled one
+by one, a model compiled before ``initialize`` and ``engine.compile()`` after it train bit-identically to the
+compiled plain run, with one graph per compiled module (no graph break), on 2 ranks with accumulation;
+recompute and offload apply to compiled blocks from outside their compiled code; what cannot apply is an
+error naming the module and the fix; removal restores torch.compile's own forward."""
+import pytest
+
+from tests.harness.engine_runs import ds_config
+from xirang_ds.launch import run_ranks
+
+
+def _model(compile_as=None):
+    import torch
+    import torch.nn as nn
+
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(32, 64)
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+                                        for _ in range(3))
+            self.out = nn.Linear(64, 10)
+
+        def forward(self, x):
+            h = self.inp(x)
+            for block in self.blocks:
+                h = h + block(h)
+            return self.out(h)
+
+    torch.manual_seed(0)
+    model = Residual()
+    if compile_as == "blocks":
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block)
+    elif compile_as == "model":
+        model = torch.compile(model)
+    return model
+
+
+def _act(options, fraction):
+    return {"activations": {"enabled": True, "options": options, "min_tensor_bytes": 0, "budget_fraction": fraction},
+            "monitor": {"enabled": True}}  # the monitor runs the live-storage tracker (a dispatch mode)
+
+
+def _train(rank, compile_as, xirang, engine_compile=False, steps=3):
+    import deepspeed
+    import torch
+    import torch._dynamo.utils
+
+    import xirang_ds
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = _model(compile_as)
+    own = [(m, vars(m).get("forward"), vars(m).get("_compiled_call_impl")) for m in model.modules()]
+    cfg = ds_config(stage=2, dtype="fp32", micro=4, gas=2, xirang=xirang)
+    init = xirang_ds.initialize if xirang is not None else deepspeed.initialize
+    engine, *_ = init(model=model, model_parameters=model.parameters(), config=cfg)
+    if engine_compile:
+        engine.compile()
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(steps * 2):
+        loss = engine(torch.randn(4, 32, generator=g)).float().square().mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    out = {"losses": losses, "params": [p.detach().clone() for p in engine.module.parameters()],
+           "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+           "breaks": sum(torch._dynamo.utils.counters["graph_break"].values())}
+    session = getattr(engine, "xirang", None)
+    if session is not None:
+        plugin = session.plugin("activations")
+        out["plan"], out["region"] = dict(plugin.plan), plugin.region
+        session.remove()
+        out["restored"] = all(vars(m).get("forward") is f and "__xirang_method_chains__" not in vars(m)
+                              and (engine_compile or vars(m).get("_compiled_call_impl") is c) for m, f, c in own)
+    return out
+
+
+RUNS = {
+    "blocks": ("blocks", None, False),
+    "blocks recompute": ("blocks", _act(["keep", "recompute"], 0.5), False),
+    "blocks offload": ("blocks", _act(["keep", "offload"], 0.6), False),
+    "model": ("model", None, False),
+    "model conservative": ("model", {"preset": "conservative"}, False),
+    "engine.compile() conservative": (None, {"preset": "conservative"}, True),
+}
+
+
+def compiled_runs(rank, world):
+    # each compile style in a fresh Dynamo state; blocks first (a whole-model trace after them changes nothing)
+    return {name: _train(rank, *spec) for name, spec in RUNS.items()}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_ranks(compiled_runs, 2)
+
+
+def _same(a, b):
+    import torch
+
+    return a["losses"] == b["losses"] and all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+
+
+@pytest.mark.parametrize("name", ["blocks recompute", "blocks offload"])
+def test_compiled_blocks_are_planned_at_their_boundary_and_train_bit_identically(runs, name):
+    option = name.split()[-1]
+    for rank in runs:
+        run, plain = rank[name], rank["blocks"]
+        assert option in run["plan"].values()  # the planner chose it for compiled blocks
+        assert set(run["plan"]) <= {"inp", "blocks.0", "blocks.1", "blocks.2"}  # nothing inside compiled code
+        assert run["region"] is None
+        assert _same(run, plain)  # the compiled kernels ran, under the tracker's dispatch mode too
+        assert run["breaks"] == 0 and run["graphs"] == plain["graphs"]  # no graph break, no other graph
+        assert run["restored"]  # removal put torch.compile's forward back
+
+
+@pytest.mark.parametrize("name", ["model conservative", "engine.compile() conservative"])
+def test_a_compiled_model_is_one_unit_and_trains_like_the_compiled_plain_run(runs, name):
+    for rank in runs:
+        run = rank[name]
+        assert run["plan"] == {"<compiled model>": "keep"}
+        assert run["region"] in ("the model was compiled before initialize",
+                                 "the model runs compiled (engine.compile() or model.compile())")
+        assert _same(run, rank["model"]) and run["breaks"] == 0
+        assert run["restored"]
+
+
+def test_what_cannot_apply_inside_compiled_code_is_an_error():
+    from xirang_ds.plugins.activations.compiled import compiled_units, fixed_problems
+
+    model = _model("blocks")
+    units, compiled = compiled_units(model, ["blocks.0", "blocks.0._orig_mod.0", "blocks.1._orig_mod", "inp"])
+    assert units == ["blocks.0", "blocks.1", "inp"] and compiled == {"blocks.0", "blocks.1"}
+    problems = dict(fixed_problems({"blocks.0._orig_mod.0": "recompute", "blocks.1": "selective_recompute",
+                                    "blocks.2": "offload"}, {"blocks.0", "blocks.1", "blocks.2"}, None))
+    assert problems == {
+        "xirang.activations.recompute": "'blocks.0._orig_mod.0' runs inside the compiled module 'blocks.0', where no "
+                                        "per-module option applies; remove it, or name the compiled module",
+        "xirang.activations.selective_recompute": "'blocks.1' runs compiled, and selective_recompute needs hooks "
+                                                  "inside its compiled code; use recompute"}
+    whole = fixed_problems({"blocks.0": "recompute"}, {"<compiled model>"}, "the model was compiled before initialize")
+    assert whole[0][1].startswith("'blocks.0' runs inside the compiled model (the model was compiled before "
+                                  "initialize)")
+
+
+def test_wrapping_over_an_instance_attribute_puts_it_back():
+    from xirang_ds.hooks import wrap_method
+
+    class Holder:
+        pass
+
+    h = Holder()
+    h.forward = lambda x: x + 1
+    original = h.forward
+    with pytest.raises(RuntimeError, match="already replaced"):
+        wrap_method(h, "forward", lambda f, x: f(x) * 10)
+    first = wrap_method(h, "forward", lambda f, x: f(x) * 10, over_instance=True)
+    second = wrap_method(h, "forward", lambda f, x: f(x) - 1, over_instance=True)
+    assert h.forward(1) == 19  # first registered is innermost: (1 + 1) * 10 - 1
+    first.remove()
+    second.remove()
+    assert h.forward is original

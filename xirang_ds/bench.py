@@ -128,8 +128,10 @@ the ds_config's ``optimizer`` params, or ``torch.utils.checkpoint`` around every
 
 
 def bench_rank(rank: int, world: int, model_text: str, ds_config: dict, steps: int, data_path: Optional[str],
-               seed: int, use_xirang: bool, peer: Optional[str] = None) -> dict:
-    """One rank of one side: train ``steps`` optimizer steps and measure (``peer``: a `PEERS` key)."""
+               seed: int, use_xirang: bool, peer: Optional[str] = None, compile_as: Optional[str] = None) -> dict:
+    """One rank of one side: train ``steps`` optimizer steps and measure (``peer``: a `PEERS` key;
+    ``compile_as``: ``"blocks"`` compiles the children of every ``nn.ModuleList`` in place, ``"model"`` the
+    whole model before ``initialize``)."""
     import deepspeed
     import torch
 
@@ -144,11 +146,17 @@ def bench_rank(rank: int, world: int, model_text: str, ds_config: dict, steps: i
     model = build_model(spec, seed=seed)
     seq = spec.seq if isinstance(spec, ModelSpec) else int(getattr(model, "seq", 128))
     vocab = spec.vocab if isinstance(spec, ModelSpec) else int(getattr(model, "vocab", 256))
+    if compile_as == "blocks":  # the children of every ModuleList, each compiled in place
+        for block in [b for m in model.modules() if isinstance(m, torch.nn.ModuleList) for b in m]:
+            block.compile()
     init = xirang_ds.initialize if use_xirang else deepspeed.initialize
     optimizer = None
     if peer is not None:
         ds_config, optimizer = PEERS[peer](model, ds_config)
-    engine, *_ = init(model=model, model_parameters=model.parameters(), config=ds_config, optimizer=optimizer)
+    parameters = model.parameters()
+    if compile_as == "model":
+        model = torch.compile(model)
+    engine, *_ = init(model=model, model_parameters=parameters, config=ds_config, optimizer=optimizer)
     session = getattr(engine, "xirang", None)
     if session is not None:
         tracker = session.track_memory()
@@ -223,26 +231,29 @@ def strip_block(ds_config: dict) -> dict:
 
 
 def run_side(model_text: str, ds_config: dict, steps: int, world_size: int, data_path: Optional[str], seed: int,
-             use_xirang: bool, peer: Optional[str] = None) -> SideResult:
+             use_xirang: bool, peer: Optional[str] = None, compile_as: Optional[str] = None) -> SideResult:
     from xirang_ds.launch import run_ranks
 
     threads = max(1, (os.cpu_count() or 2) // world_size)
     per_rank = run_ranks(bench_rank, world_size, model_text, ds_config, steps, data_path, seed, use_xirang, peer,
-                         threads=threads)
+                         compile_as, threads=threads)
     return combine(per_rank)
 
 
 def run_bench(model_text: str, ds_config: dict, steps: int = 20, world_size: int = 1,
-              data_path: Optional[str] = None, seed: int = 0, baseline_config: Optional[dict] = None) -> dict:
+              data_path: Optional[str] = None, seed: int = 0, baseline_config: Optional[dict] = None,
+              compile_as: Optional[str] = None) -> dict:
     """Baseline then xirang; the JSON-ready result with the ratios.
 
     Args:
         baseline_config: the baseline's ds_config (default: ``ds_config`` without the block).
+        compile_as: both sides compile ``"blocks"`` (each in place) or the whole ``"model"`` (``None``: eager).
     """
-    base = run_side(model_text, baseline_config or strip_block(ds_config), steps, world_size, data_path, seed, False)
-    ours = run_side(model_text, ds_config, steps, world_size, data_path, seed, True)
+    base = run_side(model_text, baseline_config or strip_block(ds_config), steps, world_size, data_path, seed, False,
+                    compile_as=compile_as)
+    ours = run_side(model_text, ds_config, steps, world_size, data_path, seed, True, compile_as=compile_as)
     return {
-        "model": model_text, "steps": steps, "world_size": world_size, "seed": seed,
+        "model": model_text, "steps": steps, "world_size": world_size, "seed": seed, "compile": compile_as,
         "data": data_path or "stdlib docstrings",
         "baseline": base.as_dict(), "xirang": ours.as_dict(),
         "peak_ratio": ours.peak_bytes / base.peak_bytes,
@@ -275,6 +286,9 @@ def format_result(result: dict) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = [f"bench: {result['model']}, {result['world_size']} rank(s), {result['steps']} steps, "
              f"data: {os.path.basename(str(result['data']))}"]
+    if result.get("compile"):
+        lines.append(f"both sides torch.compile the {result['compile']}; on CPU the tracker counts what compiled "
+                     "code keeps (saved tensors, outputs), not its transient buffers")
     for i, r in enumerate(rows):
         lines.append("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]))
         if i == 0:

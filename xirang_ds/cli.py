@@ -83,6 +83,9 @@ def _setup_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--baseline-config", default=None,
                    help="ds_config for the baseline (default: --ds-config without its block)")
+    p.add_argument("--compile", default=None, choices=("blocks", "model"),
+                   help="both sides torch.compile the model's blocks (each child of an nn.ModuleList, in place) or "
+                        "the whole model before initialize")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON")
 
 
@@ -103,7 +106,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         raise UsageError(f"--data file not found: {args.data!r}")
     baseline = read_ds_config(args.baseline_config) if args.baseline_config else None
     result = run_bench(args.model, ds_config, steps=args.steps, world_size=args.world_size, data_path=args.data,
-                       seed=args.seed, baseline_config=baseline)
+                       seed=args.seed, baseline_config=baseline, compile_as=args.compile)
     print(format_result(result))
     if args.json:
         write_json(result, args.json)

@@ -6,7 +6,7 @@ profiler's op timer). Hooks entered *outside* the compiled call see every tensor
 saves for backward and change nothing in it. So a candidate that runs compiled (a block compiled with
 ``torch.compile(block)`` or ``block.compile()``, or the whole model: compiled before ``initialize``, or
 by ``engine.compile()`` after it, named `REGION`) is one unit, wrapped at its compiled entry
-(`compiled_entry`):
+(`xirang_ds.compat.torch.compiled_entry`):
 
 * every dispatch mode is off while the compiled code runs, so its kernels are the compiled plain run's;
   the pack hooks run tracked again, and what the unit keeps (saved tensors, outputs) is registered
@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from xirang_ds.compat.torch import disable_current_modes, is_optimized_module, pytree
+from xirang_ds.compat.torch import compiled_entry, disable_current_modes, pytree
 from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import ACTIVATIONS
 from xirang_ds.plugins.activations.head_loss import DeferredLogits
@@ -38,16 +38,6 @@ REGION = "<compiled model>"
 
 INSIDE_ONLY = ("selective_recompute", "chunk")
 """Options that need hooks inside the compiled code."""
-
-
-def compiled_entry(module: Any) -> Optional[str]:
-    """The attribute through which ``module`` runs compiled code (``None``: it runs eagerly):
-    ``forward`` of torch.compile's ``OptimizedModule``, ``_compiled_call_impl`` after ``module.compile()``."""
-    if is_optimized_module(module):
-        return "forward"
-    if vars(module).get("_compiled_call_impl") is not None:
-        return "_compiled_call_impl"
-    return None
 
 
 def compiled_region(engine: Any) -> Optional[str]:
@@ -180,5 +170,5 @@ class CompiledWrapper(ModuleWrapper):
         return call
 
 
-__all__ = ["INSIDE_ONLY", "REGION", "CompiledWrapper", "compiled_entry", "compiled_region", "compiled_units",
-           "fixed_problems", "synchronizer"]
+__all__ = ["INSIDE_ONLY", "REGION", "CompiledWrapper", "compiled_region", "compiled_units", "fixed_problems",
+           "synchronizer"]

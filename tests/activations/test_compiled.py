@@ -1,6 +1,7 @@
 """torch.compile'd modules under the activations plugin (`plugins/activations/compiled.py`): blocks compiled one
 by one, a model compiled before ``initialize`` and ``engine.compile()`` after it train bit-identically to the
-compiled plain run, with one graph per compiled module (no graph break), on 2 ranks with accumulation;
+compiled plain run, with one graph per compiled module (no graph break), on 2 ranks with accumulation, and
+so do compiled blocks under the tracker alone (the monitor), which counts what they save;
 recompute and offload apply to compiled blocks from outside their compiled code; what cannot apply is an
 error naming the module and the fix; removal restores torch.compile's own forward."""
 import pytest
@@ -38,7 +39,8 @@ def _model(compile_as=None):
 
 
 def _act(options, fraction):
-    return {"activations": {"enabled": True, "options": options, "min_tensor_bytes": 0, "budget_fraction": fraction},
+    budget = {} if fraction is None else {"budget_fraction": fraction}
+    return {"activations": {"enabled": True, "options": options, "min_tensor_bytes": 0, **budget},
             "monitor": {"enabled": True}}  # the monitor runs the live-storage tracker (a dispatch mode)
 
 
@@ -60,18 +62,23 @@ def _train(rank, compile_as, xirang, engine_compile=False, steps=3):
         engine.compile()
     g = torch.Generator().manual_seed(rank)
     losses = []
+    session = getattr(engine, "xirang", None)
+    tracker = session.started_tracker if session is not None else None
+    acts = None
     for _ in range(steps * 2):
         loss = engine(torch.randn(4, 32, generator=g)).float().square().mean()
+        if tracker is not None and tracker.active:  # saved for backward now: the compiled calls' too
+            acts = tracker.by_category(tracker.live_records()).get("activations", 0)
         engine.backward(loss)
         engine.step()
         losses.append(float(loss))
     out = {"losses": losses, "params": [p.detach().clone() for p in engine.module.parameters()],
            "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
-           "breaks": sum(torch._dynamo.utils.counters["graph_break"].values())}
-    session = getattr(engine, "xirang", None)
+           "breaks": sum(torch._dynamo.utils.counters["graph_break"].values()), "activations": acts}
     if session is not None:
         plugin = session.plugin("activations")
-        out["plan"], out["region"] = dict(plugin.plan), plugin.region
+        if plugin is not None:
+            out["plan"], out["region"] = dict(plugin.plan), plugin.region
         session.remove()
         out["restored"] = all(vars(m).get("forward") is f and "__xirang_method_chains__" not in vars(m)
                               and (engine_compile or vars(m).get("_compiled_call_impl") is c) for m, f, c in own)
@@ -80,6 +87,8 @@ def _train(rank, compile_as, xirang, engine_compile=False, steps=3):
 
 RUNS = {
     "blocks": ("blocks", None, False),
+    "blocks monitor": ("blocks", {"monitor": {"enabled": True}}, False),
+    "blocks keep": ("blocks", _act(["keep"], None), False),
     "blocks recompute": ("blocks", _act(["keep", "recompute"], 0.5), False),
     "blocks offload": ("blocks", _act(["keep", "offload"], 0.6), False),
     "model": ("model", None, False),
@@ -115,6 +124,15 @@ def test_compiled_blocks_are_planned_at_their_boundary_and_train_bit_identically
         assert _same(run, plain)  # the compiled kernels ran, under the tracker's dispatch mode too
         assert run["breaks"] == 0 and run["graphs"] == plain["graphs"]  # no graph break, no other graph
         assert run["restored"]  # removal put torch.compile's forward back
+
+
+def test_under_the_tracker_alone_compiled_blocks_run_compiled_and_their_saved_tensors_count(runs):
+    for rank in runs:
+        run = rank["blocks monitor"]
+        assert _same(run, rank["blocks"]) and run["breaks"] == 0 and run["restored"]
+        # what the compiled blocks save is counted as the activations plugin's wrappers count it
+        assert run["activations"] == rank["blocks keep"]["activations"] > 0
+        assert _same(rank["blocks keep"], rank["blocks"])
 
 
 @pytest.mark.parametrize("name", ["model conservative", "engine.compile() conservative"])

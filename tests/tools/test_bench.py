@@ -23,6 +23,21 @@ def test_bench_json_interface(tmp_path, corpus_path):
     assert result["peak_ratio"] == 1.0 and result["loss_delta"] == 0.0
 
 
+def test_bench_compiles_both_sides(tmp_path, corpus_path):
+    """``--compile blocks``: each block compiled in place on both sides; offloading compiled blocks (planned at
+    their compiled call) lowers the activations and leaves the loss exact."""
+    xirang = {"activations": {"enabled": True, "options": ["keep", "offload"], "budget_fraction": 0.6}}
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps(ds_config(stage=2, dtype="fp32", micro=2, xirang=xirang)))
+    out = tmp_path / "b.json"
+    args = ["bench", "--model", "gpt-tiny", "--ds-config", str(cfg), "--steps", "4", "--compile", "blocks",
+            "--json", str(out)]
+    assert main(args + (["--data", corpus_path] if corpus_path else [])) == 0
+    result = json.loads(out.read_text())
+    assert result["compile"] == "blocks" and result["loss_delta"] == 0.0
+    assert result["activations_peak_ratio"] < 1.0 and "offload" in result["xirang"]["summary"]
+
+
 def test_bench_bad_input(tmp_path, capsys):
     plain = tmp_path / "plain.json"
     plain.write_text(json.dumps(ds_config()))

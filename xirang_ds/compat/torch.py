@@ -122,6 +122,17 @@ def uncompiled(module: Any) -> Any:
     return module
 
 
+def compiled_entry(module: Any) -> Optional[str]:
+    """The attribute through which ``module`` runs compiled code (``None``: it runs eagerly):
+    ``forward`` of torch.compile's ``OptimizedModule``, ``_compiled_call_impl`` after ``module.compile()``
+    (torch/nn/modules/module.py, ``Module.compile``)."""
+    if is_optimized_module(module):
+        return "forward"
+    if isinstance(module, torch.nn.Module) and vars(module).get("_compiled_call_impl") is not None:
+        return "_compiled_call_impl"
+    return None
+
+
 def is_optimized_module(module: Any) -> bool:
     """``module`` is torch.compile's ``OptimizedModule`` (its ``forward`` runs the compiled code)."""
     try:
@@ -282,7 +293,8 @@ def dump_memory_snapshot(path: str) -> None:
 __all__ = [
     "DisableAutocast", "DisableTorchFunctionSubclass", "NormBase", "OpOverload", "OpOverloadPacket",
     "SCHEDULER_PER_GROUP_LISTS", "TorchDispatchMode", "UPSTREAM_NAMES", "all_op_names",
-    "amp_foreach_non_finite_check_and_unscale_", "buffer_table", "compile_unavailable", "current_autograd_node",
+    "amp_foreach_non_finite_check_and_unscale_", "buffer_table", "compile_unavailable", "compiled_entry",
+    "current_autograd_node",
     "current_dispatch_mode", "current_saved_tensors_hooks", "destroy_library", "disable_current_modes",
     "dispatch_mode_active",
     "dump_memory_snapshot", "fake_tensor_mode", "foreach_zero_", "is_checkpoint_hook", "is_optimized_module",

@@ -15,6 +15,7 @@ import torch
 from xirang_ds.compat.deepspeed import OPTIMIZER_ATTRIBUTES_BY_ROLE
 from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import COMM_BUFFERS, GRADIENTS, OPTIMIZER_STATES, PARAMETERS
+from xirang_ds.memory.compiled_calls import watch_compiled
 from xirang_ds.memory.tracker import MemoryTracker
 
 
@@ -84,7 +85,10 @@ class TrainingWatch:
         if basic_optimizer is not None and hasattr(basic_optimizer, "register_step_pre_hook"):
             self._handles.append(basic_optimizer.register_step_pre_hook(self._step_pre))
             self._handles.append(basic_optimizer.register_step_post_hook(self._step_post))
+        self._handles += watch_compiled(tracker, model)  # compiled modules run compiled under the tracker
         if engine is not None:
+            if callable(getattr(engine, "compile", None)):
+                self._handles.append(wrap_method(engine, "compile", self._after_compile))
             # ZeRO's gradient partitions live from the first reduction to the start of step();
             # mark them when backward returns, while they are alive.
             self._handles.append(wrap_method(engine, "backward", self._after_backward))
@@ -124,6 +128,12 @@ class TrainingWatch:
     def _after_backward(self, original, *args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
         self.mark_model_states()
+        return result
+
+    def _after_compile(self, original, *args: Any, **kwargs: Any) -> Any:
+        """``engine.compile()``: the model's compiled call is watched from now on."""
+        result = original(*args, **kwargs)
+        self._handles += watch_compiled(self.tracker, self.model, self._handles)
         return result
 
     def _after_step(self, original, *args: Any, **kwargs: Any) -> Any:

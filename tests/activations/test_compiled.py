@@ -2,10 +2,12 @@
 by one, a model compiled before ``initialize`` and ``engine.compile()`` after it train bit-identically to the
 compiled plain run, with one graph per compiled module (no graph break), on 2 ranks with accumulation, and
 so do compiled blocks under the tracker alone (the monitor), which counts what they save;
-recompute and offload apply to compiled blocks from outside their compiled code; what cannot apply is an
+recompute and offload apply to compiled blocks from outside their compiled code, and a checkpoint resumes
+their plan identically; what cannot apply is an
 error naming the module and the fix; removal restores torch.compile's own forward."""
 import pytest
 
+from tests.harness.checks import assert_resumed
 from tests.harness.engine_runs import ds_config
 from xirang_ds.launch import run_ranks
 
@@ -44,7 +46,7 @@ def _act(options, fraction):
             "monitor": {"enabled": True}}  # the monitor runs the live-storage tracker (a dispatch mode)
 
 
-def _train(rank, compile_as, xirang, engine_compile=False, steps=3):
+def _train(rank, compile_as, xirang, engine_compile=False, steps=3, save_at=None, load=False, skip=0, ckpt=None):
     import deepspeed
     import torch
     import torch._dynamo.utils
@@ -61,11 +63,18 @@ def _train(rank, compile_as, xirang, engine_compile=False, steps=3):
     if engine_compile:
         engine.compile()
     g = torch.Generator().manual_seed(rank)
+    for _ in range(skip * 2):
+        torch.randn(4, 32, generator=g)
     losses = []
     session = getattr(engine, "xirang", None)
+    if load:
+        engine.load_checkpoint(ckpt)
+    state_after_load = session.plugin("activations").state if session is not None and load else None
     tracker = session.started_tracker if session is not None else None
     acts = None
-    for _ in range(steps * 2):
+    for i in range(steps * 2):
+        if save_at is not None and i == save_at * 2:
+            engine.save_checkpoint(ckpt)
         loss = engine(torch.randn(4, 32, generator=g)).float().square().mean()
         if tracker is not None and tracker.active:  # saved for backward now: the compiled calls' too
             acts = tracker.by_category(tracker.live_records()).get("activations", 0)
@@ -74,7 +83,8 @@ def _train(rank, compile_as, xirang, engine_compile=False, steps=3):
         losses.append(float(loss))
     out = {"losses": losses, "params": [p.detach().clone() for p in engine.module.parameters()],
            "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
-           "breaks": sum(torch._dynamo.utils.counters["graph_break"].values()), "activations": acts}
+           "breaks": sum(torch._dynamo.utils.counters["graph_break"].values()), "activations": acts,
+           "state_after_load": state_after_load}
     if session is not None:
         plugin = session.plugin("activations")
         if plugin is not None:
@@ -97,14 +107,18 @@ RUNS = {
 }
 
 
-def compiled_runs(rank, world):
+def compiled_runs(rank, world, ckpt):
     # each compile style in a fresh Dynamo state; blocks first (a whole-model trace after them changes nothing)
-    return {name: _train(rank, *spec) for name, spec in RUNS.items()}
+    out = {name: _train(rank, *spec, **({"save_at": 2, "ckpt": ckpt} if name == "blocks offload" else {}))
+           for name, spec in RUNS.items()}
+    spec = RUNS["blocks offload"]
+    out["blocks offload resumed"] = _train(rank, *spec, steps=1, load=True, skip=2, ckpt=ckpt)
+    return out
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_ranks(compiled_runs, 2)
+def runs(tmp_path_factory):
+    return run_ranks(compiled_runs, 2, str(tmp_path_factory.mktemp("compiled_ckpt")))
 
 
 def _same(a, b):
@@ -124,6 +138,13 @@ def test_compiled_blocks_are_planned_at_their_boundary_and_train_bit_identically
         assert _same(run, plain)  # the compiled kernels ran, under the tracker's dispatch mode too
         assert run["breaks"] == 0 and run["graphs"] == plain["graphs"]  # no graph break, no other graph
         assert run["restored"]  # removal put torch.compile's forward back
+
+
+def test_a_checkpoint_resumes_the_compiled_blocks_plan_identically(runs):
+    for rank in runs:
+        full, resumed = rank["blocks offload"], rank["blocks offload resumed"]
+        assert resumed["state_after_load"] == "planned" and resumed["plan"] == full["plan"]  # no profiling again
+        assert_resumed(full, resumed, at=4)
 
 
 def test_under_the_tracker_alone_compiled_blocks_run_compiled_and_their_saved_tensors_count(runs):

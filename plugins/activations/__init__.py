@@ -6,8 +6,8 @@ Lifecycle:
 1. ``prepare_model``: globs are checked against the model (a glob matching nothing, one module
    under two options, a lossy option on a module not marked tolerant: errors before DeepSpeed
    runs); ds_config's ``activation_checkpointing`` section is mapped onto the same options.
-2. ``attach``: a removable forward wrapper goes on every candidate and fixed module, and one on
-   the model (per-pass bookkeeping). Without planning, the fixed plan applies at once.
+2. ``attach``: a removable wrapper goes on every candidate and fixed module (a compiled one at its compiled
+   call, `compiled.py`) and one on the model (per-pass bookkeeping); a fixed plan alone applies at once.
 3. Profiling (the first ``profile_steps`` forward/backward passes): every saved tensor is
    recorded and offloaded (`profile.py`); then all ranks agree on the figures, the budget is
    resolved and the planner (`planner.py`) chooses; the plan is logged on rank 0 and applied from

@@ -118,7 +118,9 @@ def run(args: argparse.Namespace) -> dict:
     params = sum(p.numel() for p in build_model(parse_model_spec(args.model)).parameters())
     results = []
     for i, row in enumerate(rows()):
-        if args.only and not any(o in row["name"] for o in args.only):
+        shown = (f"{row['name']} (memory_budget {row['budget_fraction']:g}x)" if row.get("budget_fraction")
+                 else row["name"])
+        if args.only and not any(o in shown for o in args.only):
             continue
         print(f"[{i + 1}] {row['name']} ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
@@ -129,7 +131,7 @@ def run(args: argparse.Namespace) -> dict:
             if ref is None:
                 raise SystemExit("preset rows need the hand-tuned baseline row (do not leave it out with --only)")
             row["ds"] = deep_merge(row["ds"], {"xirang": {"memory_budget": int(row["budget_fraction"] * ref["peak_bytes"])}})
-            entry["name"] = f"{row['name']} (memory_budget {row['budget_fraction']:g}x)"
+            entry["name"] = shown
         entry["ds_config"] = row["ds"]
         try:
             side = run_side(args.model, row["ds"], args.steps, args.world_size, args.data, args.seed, row["xirang"],
@@ -201,7 +203,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--data", default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--only", nargs="*", default=None, help="run only rows whose name contains one of these")
+    p.add_argument("--only", nargs="*", default=None,
+                   help="run only rows whose name (as the table shows it) contains one of these")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--render", default=None, metavar="JSON", help="render an earlier run instead of running")
     p.add_argument("--readme", action="store_true", help="replace the README's table")

@@ -170,9 +170,9 @@ def check_memory_budget(requested: object, engine: Any) -> None:
 
 
 class OtherPeak:
-    """The device peak of the profiling passes, when the budget is ``auto``: the session's tracker
-    if it runs, else (CPU) a private tracker for the passes only, else (accelerators) a window on
-    the allocator's ``max_memory_allocated`` opened now (`xirang_ds.memory.device_peak`).
+    """The device peak of the profiling passes besides activations, when the budget is ``auto``: the
+    session's tracker if it runs, else (CPU) a private tracker for the passes only, else (accelerators)
+    a window on the allocator's ``max_memory_allocated`` opened now (`xirang_ds.memory.device_peak`).
 
     Args:
         session: the xirang session (its tracker).
@@ -200,9 +200,15 @@ class OtherPeak:
 
     def stop(self) -> int:
         """The peak since construction, less the stretches `exclude` left out; stops a private tracker."""
-        peak = max(self._peak, self._window.peak_bytes) if self._window is not None else self._peak
+        peak = max(self._peak, self._window_peak()) if self._window is not None else self._peak
         self.close()
         return peak
+
+    def _window_peak(self) -> int:
+        """The window's peak besides activations where the tracker knows categories (CPU): saved tensors
+        restored for backward during the passes are the planner's to price, not part of this peak;
+        the allocator's peak of everything elsewhere."""
+        return getattr(self._window, "besides_activations_peak", self._window.peak_bytes)
 
     def live_bytes(self) -> int:
         """Device bytes live now (0 once stopped)."""
@@ -218,7 +224,7 @@ class OtherPeak:
             return
         self._depth += 1 if begin else -1
         if begin and self._depth == 1:
-            self._peak = max(self._peak, self._window.peak_bytes)
+            self._peak = max(self._peak, self._window_peak())
         if self._depth == 0 or (begin and self._depth == 1):
             self._window.reset()
 

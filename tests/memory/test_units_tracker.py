@@ -201,3 +201,24 @@ def test_wrapper_subclass_tensors_count_their_inner_storages():
     assert tracker.live_bytes >= 4096  # the int8 codes at least (the shared qmap may predate tracking)
     tracker.mark([{"exp_avg": state}], "optimizer_states")
     assert tracker.by_category(tracker.live_records())["optimizer_states"] == inner
+
+
+def test_the_peak_besides_activations_leaves_out_activation_bytes_at_every_moment():
+    t = MemoryTracker("cpu")
+    with t:
+        w = t.open_window()
+        with t.scope(ACTIVATIONS):
+            saved = torch.empty(1024)            # 4096 activation bytes
+        temp = torch.empty(512)                  # 2048 others: 2048 besides activations
+        del temp
+        later = torch.empty(768)                 # 3072 others, a role given afterwards
+        assert (t.activations_live, w.besides_activations_peak) == (4096, 3072)
+        t.mark([later], ACTIVATIONS)
+        assert t.activations_live == 4096 + 3072
+        t.mark([later], HOST)                    # a stronger role moves it off the device
+        assert t.activations_live == 4096
+        del saved
+        assert t.activations_live == 0 and w.peak_bytes == 4096 + 3072
+        w.reset()
+        assert w.besides_activations_peak == t.live_bytes
+    del later

@@ -69,6 +69,8 @@ class MemoryTracker:
         self.records: list[Record] = []  # every record of the current window (alive or freed)
         self.live_bytes = 0
         self.host_bytes = 0
+        self.activations_live = 0
+        """Live device bytes whose category is ``activations`` now (given by a scope, a seed or a mark)."""
         self.phase = "setup"
         self.module_stack: list[str] = []
         self._scopes: list[str] = []
@@ -180,6 +182,8 @@ class MemoryTracker:
                 self.host_bytes += nbytes
             else:
                 self.live_bytes += nbytes
+                if rec.category == ACTIVATIONS:
+                    self.activations_live += nbytes
                 self._after_alloc()
             return rec
 
@@ -207,6 +211,8 @@ class MemoryTracker:
             self.host_bytes -= rec.nbytes
         else:
             self.live_bytes -= rec.nbytes
+            if rec.category == ACTIVATIONS:
+                self.activations_live -= rec.nbytes
 
     def _use(self, args: Any, kwargs: Any) -> None:
         clock = self.clock
@@ -222,7 +228,10 @@ class MemoryTracker:
 
     def _after_alloc(self) -> None:
         live, clock, phase = self.live_bytes, self.clock, self.phase
+        besides = live - self.activations_live
         for w in self._windows:
+            if besides > w.besides_activations_peak:
+                w.besides_activations_peak = besides
             if live > w.phase_peaks.get(phase, 0):
                 w.phase_peaks[phase] = live
                 w.phase_peak_clocks[phase] = clock
@@ -233,11 +242,13 @@ class MemoryTracker:
     # roles
     def _set_category(self, rec: Record, category: str) -> None:
         if rec.category is None or PRIORITY[category] > PRIORITY[rec.category]:
+            was = not rec.host and rec.category == ACTIVATIONS
             if category == HOST and not rec.host:
                 rec.host = True
                 self.live_bytes -= rec.nbytes
                 self.host_bytes += rec.nbytes
             rec.category = category
+            self.activations_live += rec.nbytes * ((not rec.host and category == ACTIVATIONS) - was)
 
     def seed(self, tensors: Iterable[Any], category: str) -> int:
         """Register tensors that existed before tracking (or mark them if already seen).

@@ -69,6 +69,9 @@ class Window:
             self.start_clock = t.clock
             self.baseline_bytes = t.live_bytes
             self.peak_bytes = t.live_bytes
+            self.besides_activations_peak = t.live_bytes - t.activations_live
+            """The most device bytes live at once besides those of category ``activations`` (the
+            activation planner's peak of everything else)."""
             self.peak_clock = t.clock
             self.peak_phase = t.phase
             self.phase_peaks: dict[str, int] = {}

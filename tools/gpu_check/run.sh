@@ -132,6 +132,18 @@ if [ -f "$gpu/megatron-lm.tar.gz" ]; then
     rm -rf /tmp/xirang-megatron-lm && mkdir -p /tmp/xirang-megatron-lm \
         && tar -xzf "$gpu/megatron-lm.tar.gz" -C /tmp/xirang-megatron-lm
     meg=/tmp/xirang-megatron-lm/megatron-lm
+    # Megatron-LM runs `make` in megatron/core/datasets at start (its C++ index helpers): use the
+    # megatron-core wheel's prebuilt library, newer than helpers.cpp so make has nothing to do, and a
+    # python3-config that names its suffix where the image has none (make would build another name).
+    datasets="$meg/megatron/core/datasets"
+    cp "$site"/megatron/core/datasets/helpers_cpp*.so "$datasets"/ 2>/dev/null && touch "$datasets"/helpers_cpp*.so
+    if ! command -v python3-config >/dev/null; then
+        mkdir -p /tmp/xirang-bin
+        printf '#!/bin/sh\nexec %s -c "import sysconfig; print(sysconfig.get_config_var(\\"EXT_SUFFIX\\"))"\n' \
+            "$(command -v "$py")" >/tmp/xirang-bin/python3-config
+        chmod +x /tmp/xirang-bin/python3-config
+        export PATH="/tmp/xirang-bin:$PATH"
+    fi
     pretrain() {  # pretrain LOG [ARGS...]: one rank, the tree's own megatron/ package first on the path
         local out="$1"; shift
         (cd "$meg" && PYTHONPATH="$meg:$site" CUDA_DEVICE_MAX_CONNECTIONS=1 timeout --kill-after=5 "$limit_s" \

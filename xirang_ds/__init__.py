@@ -29,6 +29,39 @@ def _configure_logger() -> None:
 
 _configure_logger()
 
+
+def _checkout_plugins() -> None:
+    """Name the repository's ``plugins/`` folder as ``xirang_ds.plugins`` when a source checkout is imported.
+
+    setup.py installs that top-level folder under ``xirang_ds`` through ``package_dir``, so an
+    install has ``xirang_ds/plugins``; a checkout does not, and only an editable install's finder
+    knew where the plugins were. A checkout ahead of an install on ``sys.path`` (a script or pytest
+    run from the repository root) then failed with "No module named 'xirang_ds.plugins'". The finder
+    is consulted last, so an install's or an editable finder's answer comes first.
+    """
+    import importlib.abc
+    import importlib.util
+    import os
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    folder = os.path.join(os.path.dirname(here), "plugins")
+    if os.path.isdir(os.path.join(here, "plugins")) or not os.path.isfile(os.path.join(folder, "__init__.py")):
+        return  # an install, or a tree without the plugins
+
+    class CheckoutPlugins(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):  # noqa: ANN001 (the finder protocol)
+            if name != "xirang_ds.plugins":
+                return None
+            return importlib.util.spec_from_file_location(name, os.path.join(folder, "__init__.py"),
+                                                          submodule_search_locations=[folder])
+
+    if not any(type(f).__name__ == "CheckoutPlugins" for f in sys.meta_path):
+        sys.meta_path.append(CheckoutPlugins())
+
+
+_checkout_plugins()
+
 from xirang_ds.config import XirangConfig, XirangConfigError, load_config  # noqa: E402
 from xirang_ds.registry import OptimizerSpec, Plugin, register_plugin  # noqa: E402
 

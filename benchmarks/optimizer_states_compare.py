@@ -73,16 +73,17 @@ def candidates() -> dict[str, Callable[[list], torch.optim.Optimizer]]:
     return out
 
 
-def run(shapes: list[tuple[int, ...]], rounds: int, threads: int) -> dict[str, Any]:
+def run(shapes: list[tuple[int, ...]], rounds: int, threads: int, device: str = "cpu") -> dict[str, Any]:
     torch.set_num_threads(threads)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     makers = candidates()
     numel = sum(math.prod(s) for s in shapes)
     params, opts = {}, {}
     for name, make in makers.items():
-        ps = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.02) for s in shapes]
+        ps = [torch.nn.Parameter(torch.randn(s, generator=gen, device=device) * 0.02) for s in shapes]
         for p in ps:
-            p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+            p.grad = torch.randn(p.shape, generator=gen, device=device) * 1e-3
         opt = make(ps)
         opt.step()  # creates states (and compiles torchao's step and the fused kernels)
         params[name], opts[name] = ps, opt
@@ -90,9 +91,11 @@ def run(shapes: list[tuple[int, ...]], rounds: int, threads: int) -> dict[str, A
     for _ in range(rounds):
         for name, opt in opts.items():
             for p in params[name]:
-                p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+                p.grad = torch.randn(p.shape, generator=gen, device=device) * 1e-3
+            sync()
             start = time.perf_counter()
             opt.step()
+            sync()
             times[name].append(time.perf_counter() - start)
     rows = {}
     for name in makers:
@@ -101,7 +104,7 @@ def run(shapes: list[tuple[int, ...]], rounds: int, threads: int) -> dict[str, A
                       "update_ns_per_param": med * 1e9 / numel,
                       "update_ns_per_param_all_rounds": [t * 1e9 / numel for t in times[name]]}
     return {"shapes": [list(s) for s in shapes], "numel": numel, "rounds": rounds, "threads": threads,
-            "torch": torch.__version__,
+            "torch": torch.__version__, "device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
             "machine": f"{platform.machine()}, {os.cpu_count()} cpu(s)", "results": rows}
 
 
@@ -112,11 +115,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--device", default="cpu", help="where the tensors live, e.g. cuda (the GPU check)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     shapes = ([tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")] if args.shapes
               else [(args.numel,)])
-    result = run(shapes, args.rounds, args.threads)
+    result = run(shapes, args.rounds, args.threads, args.device)
     width = max(map(len, result["results"]))
     print(f"{'optimizer'.ljust(width)}  state B/param  update ns/param  ({args.threads} thread(s), "
           f"{result['numel']:,} elements, median of {args.rounds})")

@@ -8,8 +8,12 @@ On the CPU Inductor emits one ``cpp_fused_*`` call per bf16 or int8 chunk and th
 (two unpack the nibbles of each moment); ``tests/optimizer_states/test_fused.py`` counts them.
 
 * One graph per format and chunk length, cached by Dynamo, so every tensor of a run reuses it. The
-  last, shorter chunk of a tensor runs eagerly: a graph with a dynamic length took minutes to build
-  on the CPU, and one per length would be built for nearly every tensor shape.
+  last, shorter chunk of a tensor runs in a second graph whose length is dynamic (one per format,
+  and one more where a tensor ends inside a block), off the CPU. On the CPU it runs eagerly: there
+  Inductor's C++ for a dynamic length was 5-8x slower per element than the static graph at int8
+  and 120x at int4 (131,072 elements, 2 threads), while on a GPU each eager tail is 44-58 launches,
+  and most of a model's tensors are shorter than one chunk. A tensor then takes
+  ``numel // chunk + 1`` kernel calls, where it took ``numel // chunk`` plus 44-58 eager ops.
 * The hyperparameters and the step's bias corrections go in as one small fp32 tensor: a new step
   or learning rate is not a new graph. Adam and AdamW, ``maximize`` and ``bias_correction`` share
   the graph through neutral values (a decay of 1, an L2 term of 0, a sign of 1), which are exact.
@@ -77,8 +81,23 @@ def chunk_step(fmt: StateFormat, p: torch.Tensor, g: torch.Tensor, m_buf: Buffer
     fmt.encode("exp_avg_sq", v, v_buf, 0)
 
 
+def tail_step(fmt: StateFormat, p: torch.Tensor, g: torch.Tensor, m_buf: Buffers, v_buf: Buffers,
+              scalars: torch.Tensor) -> None:
+    """`chunk_step` for a tensor's last, shorter chunk (its own code object, so Dynamo caches its
+    dynamic-length graphs apart from the static ones)."""
+    chunk_step(fmt, p, g, m_buf, v_buf, scalars)
+
+
+def dynamic_tail(device_type: str) -> bool:
+    """The last, shorter chunk of a tensor runs compiled with a dynamic length on this device type
+    (module docstring: not on the CPU, where that code is slower than the eager update)."""
+    return device_type != "cpu"
+
+
 _KERNEL: Optional[Callable[..., None]] = None
 """`chunk_step` compiled (static shapes: Dynamo keeps one graph per format and chunk length)."""
+_TAIL_KERNEL: Optional[Callable[..., None]] = None
+"""`tail_step` compiled with dynamic shapes."""
 
 
 class FusedStep:
@@ -89,15 +108,18 @@ class FusedStep:
             (compiled on every device; an error where it cannot be), ``False`` (always eager).
 
     Attributes:
-        chunks: chunks updated by the compiled kernel so far.
+        chunks: chunks updated by the compiled kernel so far (the tails among them).
+        tails: tensors' last, shorter chunks updated by the dynamic-length kernel so far.
         eager: ``{device type: reason}`` for the devices this optimizer keeps eager.
     """
 
     def __init__(self, setting: Union[bool, str]):
         self.setting = setting
         self.chunks = 0
+        self.tails = 0
         self.eager: dict[str, str] = {}
-        self._compiled: set[tuple[str, str]] = set()
+        self.eager_tails: dict[tuple[str, str], str] = {}
+        self._compiled: set[tuple[str, ...]] = set()
 
     def applies(self, fmt: StateFormat, p: torch.Tensor, g: torch.Tensor) -> bool:
         """The kernel updates this tensor now (format, dtypes, device, no dispatch mode)."""
@@ -130,45 +152,68 @@ class FusedStep:
 
     def run(self, fmt: StateFormat, flat_p: torch.Tensor, flat_g: torch.Tensor, buffers: Buffers, step: int,
             hyper: AdamHyper, chunk: int) -> int:
-        """Update a tensor's full chunks with the compiled kernel, in order; the number of leading
-        elements done. The caller updates the rest eagerly: the last, shorter chunk (a graph per
-        length, or one with a dynamic length, costs more to compile than it saves), or everything
-        from the chunk where ``fused: auto`` could not compile (this device then stays eager)."""
-        full = flat_p.numel() // chunk * chunk
-        scalars = hyper_tensor(hyper, step, flat_p.device) if full else None
+        """Update a tensor with the compiled kernels, in order; the number of leading elements done.
+        The caller updates the rest eagerly: the last, shorter chunk where `dynamic_tail` says so or
+        its kernel failed to compile, or everything from the chunk where ``fused: auto`` could not
+        compile (this device then stays eager)."""
+        n = flat_p.numel()
+        full = n // chunk * chunk
+        device = flat_p.device.type
+        tail = n > full and dynamic_tail(device) and (device, fmt.name) not in self.eager_tails
+        scalars = hyper_tensor(hyper, step, flat_p.device) if full or tail else None
         for start in range(0, full, chunk):
-            end = start + chunk
-            args = (fmt, flat_p[start:end], flat_g[start:end], fmt.window("exp_avg", buffers, start, end),
-                    fmt.window("exp_avg_sq", buffers, start, end), scalars)
-            key = (flat_p.device.type, fmt.name)
-            if key in self._compiled:
-                _KERNEL(*args)
-            elif not self._first_call(key, args):
+            if not self._call((device, fmt.name), fmt, flat_p, flat_g, buffers, start, start + chunk, scalars):
                 return start
             self.chunks += 1
+        if tail and self._call((device, fmt.name, "tail"), fmt, flat_p, flat_g, buffers, full, n, scalars):
+            self.chunks += 1
+            self.tails += 1
+            return n
         return full
 
-    def _first_call(self, key: tuple[str, str], args: tuple[Any, ...]) -> bool:
-        """Compile (or load) the kernel on its first use for a device and format. A failure there
-        happens before the kernel runs, so nothing was written: ``auto`` goes eager, ``true`` raises."""
-        global _KERNEL
+    def _call(self, key: tuple[str, ...], fmt: StateFormat, flat_p: torch.Tensor, flat_g: torch.Tensor,
+              buffers: Buffers, start: int, end: int, scalars: torch.Tensor) -> bool:
+        args = (fmt, flat_p[start:end], flat_g[start:end], fmt.window("exp_avg", buffers, start, end),
+                fmt.window("exp_avg_sq", buffers, start, end), scalars)
+        if key in self._compiled:
+            (_TAIL_KERNEL if len(key) == 3 else _KERNEL)(*args)
+            return True
+        return self._first_call(key, args)
+
+    def _first_call(self, key: tuple[str, ...], args: tuple[Any, ...]) -> bool:
+        """Compile (or load) a kernel on its first use for a device and format. A failure there
+        happens before the kernel runs, so nothing was written: ``auto`` goes eager, ``true`` raises;
+        a tail kernel that fails leaves the tails eager on that device and format, either way."""
+        global _KERNEL, _TAIL_KERNEL
+        tail = len(key) == 3
         try:
-            if _KERNEL is None:
-                _KERNEL = torch.compile(chunk_step, dynamic=False, fullgraph=True)
-            _KERNEL(*args)
+            if tail:
+                if _TAIL_KERNEL is None:
+                    _TAIL_KERNEL = torch.compile(tail_step, dynamic=True, fullgraph=True)
+                _TAIL_KERNEL(*args)
+            else:
+                if _KERNEL is None:
+                    _KERNEL = torch.compile(chunk_step, dynamic=False, fullgraph=True)
+                _KERNEL(*args)
         except Exception as error:  # noqa: BLE001 (Dynamo and Inductor raise many kinds)
+            reason = f"compiling failed ({type(error).__name__}: {error})"
+            if tail:  # the full chunks' kernel works; the tails stay on the eager path
+                self.eager_tails[key[:2]] = reason
+                return False
             if self.setting is True:
                 raise FusedUnavailable(f"xirang.optimizer_states.fused: true failed to compile the {key[1]} update "
                                        f"on {key[0]}: {type(error).__name__}: {error}. Fix: set \"fused\": "
                                        f"\"auto\" or false") from error
-            self.eager[key[0]] = f"fused: auto, and compiling failed ({type(error).__name__}: {error})"
+            self.eager[key[0]] = f"fused: auto, and {reason}"
             return False
         self._compiled.add(key)
         return True
 
     def describe(self) -> str:
         """One line: how many chunks the compiled kernel updated, and why a device stays eager."""
-        eager = "; ".join(f"eager on {device}: {why}" for device, why in self.eager.items())
+        eager = "; ".join([f"eager on {device}: {why}" for device, why in self.eager.items()]
+                          + [f"tails eager on {device} ({name}): {why}" for (device, name), why in self.eager_tails.items()])
         if self.chunks:
-            return f"fused update: {self.chunks:,} chunk(s) compiled" + (f" ({eager})" if eager else "")
+            tails = f", {self.tails:,} of them tails" if self.tails else ""
+            return f"fused update: {self.chunks:,} chunk(s) compiled{tails}" + (f" ({eager})" if eager else "")
         return eager or f"fused: {self.setting!r}, no chunk updated yet"

@@ -63,6 +63,61 @@ def test_adam_and_maximize_share_the_graph_through_neutral_values():
         assert _distance(fused, eager) <= 0.02 * _distance(eager, fp32), kwargs
 
 
+TAIL_SHAPES = [(40, 410), (4096 + 2 * 256 + 40,), (70,)]
+"""A last chunk of 16 elements, one of two whole int8 blocks and 40 elements, and a tensor shorter than a chunk."""
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_off_the_cpu_the_last_chunk_runs_in_one_dynamic_length_kernel(dtype, monkeypatch):
+    # as on a GPU (dynamic_tail is false on the CPU only, where that code is slow): every tensor takes
+    # numel // chunk + 1 kernel calls and no eager op of the update; training as the eager path's
+    monkeypatch.setattr(fused_module, "dynamic_tail", lambda device_type: True)
+
+    def train(fused):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s)) for s in TAIL_SHAPES]
+        opt = DynamicAdamW(params, lr=1e-3, weight_decay=0.1, states={
+            "schedule": [{"dtype": dtype}], "min_numel": 0, "chunk_numel": CHUNK, "fused": fused})
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen) * torch.rand(p.shape, generator=gen).pow(8) * 1e-2
+            opt.step()
+        return params, opt
+
+    eager, _ = train(False)
+    fused, opt = train(True)
+    fp32 = _train_shapes_fp32(TAIL_SHAPES)
+    assert (opt.fused.chunks, opt.fused.tails) == (4 * (5 + 2 + 1), 4 * 3) and not opt.fused.eager_tails
+    assert "of them tails" in opt.fused.describe()
+    assert _distance(fused, eager) <= 0.02 * _distance(eager, fp32)
+
+
+def _train_shapes_fp32(shapes):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen) * torch.rand(p.shape, generator=gen).pow(8) * 1e-2
+        opt.step()
+    return params
+
+
+def test_a_tail_kernel_that_fails_to_compile_leaves_only_the_tails_eager(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no dynamic shapes here")
+
+    monkeypatch.setattr(fused_module, "dynamic_tail", lambda device_type: True)
+    monkeypatch.setattr(fused_module, "_TAIL_KERNEL", broken)
+    eager, _ = _train("int8", False, steps=2)
+    fused, opt = _train("int8", True, steps=2)  # true: the full chunks must compile; a tail may not
+    assert opt.fused.chunks == 2 * 10 and opt.fused.tails == 0
+    assert "no dynamic shapes here" in opt.fused.eager_tails[("cpu", "int8")] and "tails eager" in opt.fused.describe()
+    assert _distance(fused, eager) <= 0.02 * _distance(eager, _train("fp32", False, steps=2)[0])
+
+
 class _CountOps(TorchDispatchMode):
     """ATen ops that launch work (views only make metadata)."""
 

@@ -3,8 +3,10 @@
 # wheels tools/gpu_check/prepare.sh put in .gpu/. Within 8 minutes in all:
 #   1. installs .gpu/wheels and this tree into a private folder (no network, the machine's torch)
 #   2. pytest -m gpu (the test files that hold gpu tests)
-#   3. the bench: a GPT of about 1B parameters in bf16 on one GPU, plain DeepSpeed and each preset
-#   4. Megatron-LM's pretrain_gpt.py, patched, 10 iterations on --mock-data, without and with the block
+#   3. the optimizer step alone: torch AdamW against DynamicAdamW's formats, eager and fused, on the
+#      tensors of the Megatron model of step 5 (134M parameters)
+#   4. the bench: a GPT of about 1B parameters in bf16 on one GPU, plain DeepSpeed and each preset
+#   5. Megatron-LM's pretrain_gpt.py, patched, 10 iterations on --mock-data, without and with the block
 # Each step has its own time limit and the whole run a deadline; a step that would start too late is
 # skipped and says so. Results (JSON and logs, at most 8 files) go to RESULTS_DIR (default: $OUT
 # where the device tool sets it, else benchmarks/results/gpu/<date>).
@@ -38,9 +40,10 @@ GPU check plan (deadline ${deadline_s} s; results in $results):
   install  60 s   pip --no-index --no-deps --target $site: .gpu/wheels/*.whl, then this tree
   env      20 s   torch, CUDA, GPU, deepspeed, megatron-core, xirang_ds versions -> env.json
   pytest  100 s   $py -m pytest -m gpu $gpu_tests -> pytest.log, pytest.xml
+  optimizer 60 s  benchmarks/optimizer_states_compare.py --device cuda (the Megatron model's tensors) -> optimizer.json
   bench   190 s   tools/gpu_check/bench_presets.py --model $model (plain, conservative, balanced, aggressive) -> bench.json
-  megatron 50 s   pretrain_gpt.py (patched, .gpu/megatron-lm.tar.gz) ${megatron_args[*]} -> megatron_plain.log
-  megatron 50 s   the same with --xirang-config tools/gpu_check/megatron_xirang.json -> megatron_xirang.log
+  megatron 45 s   pretrain_gpt.py (patched, .gpu/megatron-lm.tar.gz) ${megatron_args[*]} -> megatron_plain.log
+  megatron 45 s   the same with --xirang-config tools/gpu_check/megatron_xirang.json -> megatron_xirang.log
 EOF
 }
 
@@ -125,6 +128,11 @@ EOF
 step pytest 100 bash -c "cd '$root' && '$py' -m pytest -m gpu -p no:cacheprovider -q -rA \
     --junitxml '$results/pytest.xml' $gpu_tests > '$results/pytest.log' 2>&1; rc=\$?; tail -25 '$results/pytest.log'; exit \$rc"
 
+opt_shapes="32000x1024"  # pretrain_gpt.py's model below: embedding, then 8 layers' weights, biases and norms
+for _ in 1 2 3 4 5 6 7 8; do opt_shapes+=",3072x1024,3072,1024x1024,1024,4096x1024,4096,1024x4096,1024,1024,1024"; done
+step optimizer 60 "$py" "$root/benchmarks/optimizer_states_compare.py" --device cuda --shapes "$opt_shapes" \
+    --rounds 10 --json "$results/optimizer.json"
+
 step bench 190 "$py" "$root/tools/gpu_check/bench_presets.py" --model "$model" --steps 6 \
     --json "$results/bench.json" --deadline-s 150
 
@@ -153,8 +161,8 @@ if [ -f "$gpu/megatron-lm.tar.gz" ]; then
         grep -E "iteration +[0-9]+/|memory \(MB\)|Error|error:" "$out" | tail -15
         return "$rc"
     }
-    step megatron_plain 50 pretrain "$results/megatron_plain.log"
-    step megatron_xirang 50 pretrain "$results/megatron_xirang.log" --xirang-config "$root/tools/gpu_check/megatron_xirang.json"
+    step megatron_plain 45 pretrain "$results/megatron_plain.log"
+    step megatron_xirang 45 pretrain "$results/megatron_xirang.log" --xirang-config "$root/tools/gpu_check/megatron_xirang.json"
 else
     echo "== megatron: skipped (no .gpu/megatron-lm.tar.gz: pass a Megatron-LM clone to prepare.sh)"
     status=1

@@ -7,7 +7,8 @@
 #   .gpu/wheels/            what a bare CUDA machine (Python 3.12, its own PyTorch 2.11) lacks:
 #                           deepspeed built as a wheel with no ops, megatron-core's cp312 manylinux
 #                           wheel, pydantic (+ its core, cp312 manylinux), hjson and the rest, each
-#                           at the version constraints.txt pins; no torch (the machine's own is used)
+#                           at the version constraints.txt pins; no torch (the machine's own is used);
+#                           torchao and bitsandbytes (CUDA 13 libraries only) for the optimizer step
 #   .gpu/megatron-lm.tar.gz Megatron-LM at the commit the patch is pinned to (pretrain_gpt.py, its
 #                           builders and the megatron/ package), with patches/ applied, when a clone
 #                           is given (a work tree or a bare repository); without one the Megatron-LM
@@ -50,7 +51,22 @@ pure=("$(need_pin pydantic)" "$(need_pin annotated-types)" "$(need_pin typing-in
       "$(need_pin typing_extensions)")
 "$py" -m pip download -q --no-deps --only-binary=:all: -d "$out/wheels" "${pure[@]}"
 
-# 4. Megatron-LM at the pinned commit, patched.
+# 4. the optimizer peers the GPU check times ours against (optional: run.sh runs without them):
+#    torchao (abi3), and bitsandbytes with only its CPU and CUDA 13 libraries (the image's CUDA; the
+#    whole wheel, 43 MB, would leave little of the 64 MiB a device call carries).
+peers=("$(need_pin torchao)" "$(need_pin bitsandbytes)")
+if "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        "${platforms[@]}" --platform manylinux_2_24_x86_64 -d "$out/wheels" "${peers[@]}"; then
+    bnb="$(ls "$out"/wheels/bitsandbytes-*.whl)"
+    slim="$(mktemp -d)"
+    (cd "$slim" && unzip -q "$bnb" && find bitsandbytes -name 'libbitsandbytes_*.so' \
+        ! -name '*_cpu.so' ! -name '*_cuda13*.so' -delete && rm "$bnb" && zip -q -r "$bnb" .)
+    rm -rf "$slim"
+else
+    echo "prepare.sh: torchao/bitsandbytes not downloaded; the GPU check's optimizer step leaves them out"
+fi
+
+# 5. Megatron-LM at the pinned commit, patched.
 patch="$root/patches/megatron-lm-core_v0.16.1.patch"
 commit="$(sed -n 's/^Pinned: .*commit \([0-9a-f]\{40\}\).*/\1/p' "$patch")"
 if [ $# -ge 1 ]; then

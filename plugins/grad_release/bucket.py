@@ -20,8 +20,10 @@ steps views of them); 16-bit parameters get an fp32 master copy of this rank's s
 the bf16 weight plus ``remainders.py``'s 16-bit remainder and tie bit, and the views the optimizer
 steps (its states are keyed by them) point at an empty tensor until the next update rebuilds it.
 With ``none`` (bf16 only) there is no master at all: the update widens the bf16 weights to fp32,
-steps them, and rounds the result back stochastically (``stochastic.py``). The master slices and their
-optimizer are `masters.MasterSlices`.
+steps them, and rounds the result back stochastically (``stochastic.py``). Under an optimizer that
+stores its updated chunks through ``xirang_write_back`` (optimizer_states' DynamicAdamW) the widening
+is a chunk at a time inside the optimizer (``in_place``), so not even the update holds an fp32 copy
+of the shard. The master slices and their optimizer are `masters.MasterSlices`.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from typing import Any, Callable, ContextManager, Optional, Sequence, Union
 
 import torch
 
+from xirang_ds.compat.torch import GRAD_DTYPE_SETTABLE
 from xirang_ds.memory.categories import COMM_BUFFERS, GRADIENTS
 from xirang_ds.plugins.grad_release.comm import DataParallelComm, wait
 from xirang_ds.plugins.grad_release.layout import BucketLayout, Piece
@@ -94,6 +97,12 @@ class Bucket(MasterSlices):
         self.masters = masters if self.dtype == torch.bfloat16 else "fp32"
         self.remainders = self.masters == "remainders"
         self.transient = self.masters != "fp32"  # the master exists only during an update (or a load)
+        # none, under an optimizer that widens and rounds back a chunk at a time: no master, ever (it
+        # takes the fp32 gradient on the bf16 weight: torch with Tensor.grad_dtype)
+        self.in_place = (self.masters == "none" and bool(getattr(basic_optimizer, "xirang_write_back", False))
+                         and GRAD_DTYPE_SETTABLE)
+        if self.in_place:
+            self.transient = self.has_master = False
         self.remainder: Optional[torch.Tensor] = None  # int16, one per master element
         self.ties: Optional[torch.Tensor] = None  # uint8, one bit per master element
         self.views: list[torch.Tensor] = []
@@ -361,7 +370,7 @@ class Bucket(MasterSlices):
 
             master = torch.empty_like(self.remainder, dtype=torch.float32)
             join(self._weight_shard(), self.remainder, self.ties, master)
-        elif self.transient:
+        elif self.transient or self.in_place:
             master = self._weight_shard(torch.float32)
         return {"master": master, "optimizer": self.optimizer.state_dict() if self.optimizer else None,
                 "steps_applied": self.steps_applied}
@@ -370,6 +379,9 @@ class Bucket(MasterSlices):
         if self.has_master and state["master"] is not None:
             with self.fp32_masters(write_params=self.transient):
                 self.master.copy_(state["master"])
+        elif self.in_place and state["master"] is not None:
+            with torch.no_grad():
+                self._write_params(state["master"].to(self.dtype))
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
         self.steps_applied = int(state.get("steps_applied", 0))

@@ -1,7 +1,9 @@
 """A bucket's fp32 master slices of its 16-bit parameters and the optimizer that steps them.
 
 Parameters in fp32 are their own masters (the optimizer steps views of them); 16-bit parameters get
-an fp32 master copy of this rank's slices. With ``remainders`` (bf16 only) the master exists only
+an fp32 master copy of this rank's slices, except under ``none`` with an optimizer that writes back
+through ``xirang_write_back`` (``in_place``): it steps the bf16 slices themselves, each updated chunk
+rounded stochastically into the weight. With ``remainders`` (bf16 only) the master exists only
 during the bucket's update: between updates it is the bf16 weight plus ``remainders.py``'s 16-bit
 remainder and tie bit, and the views the optimizer steps (its states are keyed by them) point at an
 empty tensor until the next update rebuilds it. With ``none`` (bf16 only) there is no master at all.
@@ -15,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from xirang_ds.compat.torch import allow_any_grad_dtype
 from xirang_ds.memory.categories import PARAMETERS
 from xirang_ds.plugins.grad_release.layout import Piece
 from xirang_ds.plugins.grad_release.optimizers import clone_optimizer, hyperparameters
@@ -47,9 +50,13 @@ class MasterSlices:
         parameter it is a slice of (optimizers that decide per parameter, by name or size, read it).
         """
         with torch.no_grad():
-            if self.dtype == torch.float32:
+            if self.dtype == torch.float32 or self.in_place:
                 self.master = None
                 self.views = [self._param_slice(piece) for piece in self.pieces]
+                if self.in_place:
+                    for piece, view in zip(self.pieces, self.views):
+                        allow_any_grad_dtype(view)  # the bucket's fp32 gradient on the bf16 weight
+                        view.xirang_write_back = self._stochastic_write_back(piece, view)
             else:
                 self.master = torch.zeros(self.layout.shard_numel, dtype=torch.float32,
                                           device=self.params[0].device)
@@ -148,6 +155,21 @@ class MasterSlices:
         """This rank's slices of the parameters from ``weight`` (laid out as the master)."""
         for piece in self.pieces:
             self._param_slice(piece).reshape(-1).copy_(weight[piece.offset:piece.offset + piece.numel])
+
+    def _stochastic_write_back(self, piece: Piece, view: torch.Tensor):
+        """``view``'s ``xirang_write_back`` (in-place ``none``): an updated fp32 chunk rounded
+        stochastically into the weight, its noise a function of the bucket, the step, the rank and
+        the chunk's place in the shard (stage 0's ranks draw alike; a resumed run draws the same)."""
+        from xirang_ds.plugins.grad_release.stochastic import chunk_seed, noise_seed, round_
+
+        flat = view.view(-1)
+        rank = self.comm.rank if self.sharded else 0
+
+        def write_back(values: torch.Tensor, start: int) -> None:
+            seed = chunk_seed(noise_seed(self.index, self.steps_applied, rank), piece.offset + start)
+            round_(values, flat[start:start + values.numel()], seed)
+
+        return write_back
 
     def _param_slice(self, piece: Piece) -> torch.Tensor:
         param = self.params[piece.index].detach()

@@ -34,6 +34,12 @@ def noise_seed(bucket: int, step: int, rank: int) -> int:
     return (bucket << 40) ^ (rank << 24) ^ step
 
 
+def chunk_seed(seed: int, offset: int) -> int:
+    """The seed of the chunk at element ``offset`` of a shard whose noise seed is ``seed`` (an
+    optimizer that rounds chunk by chunk: the draws do not depend on which chunks came before)."""
+    return (seed * 0x9E3779B97F4A7C15 + offset) % (1 << 63)
+
+
 def round_(master: torch.Tensor, out: torch.Tensor, seed: int) -> None:
     """Round fp32 ``master`` (flat; overwritten) stochastically into bf16 ``out`` (flat, same numel)."""
     generator = torch.Generator(device=master.device)
@@ -50,4 +56,4 @@ def round_(master: torch.Tensor, out: torch.Tensor, seed: int) -> None:
         out[start:start + CHUNK_NUMEL].copy_(values)  # exact: the low half is zero
 
 
-__all__ = ["CHUNK_NUMEL", "noise_seed", "round_"]
+__all__ = ["CHUNK_NUMEL", "chunk_seed", "noise_seed", "round_"]

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from xirang_ds.plugins.optimizer_states.formats import MOMENTS, STATE_DTYPE_ORDER, update_error
-from xirang_ds.plugins.optimizer_states.update import AdamHyper, adam_chunk_
+from xirang_ds.plugins.optimizer_states.update import AdamHyper, adam_chunk_, store_param
 
 
 def candidates(opt: Any, state: dict, step: int) -> list[str]:
@@ -57,7 +57,7 @@ def first_update(opt: Any, p: torch.Tensor, state: dict, hyper: AdamHyper) -> No
     sums = torch.zeros(len(formats), 2, dtype=torch.float64, device=flat_p.device)
     for start in range(0, n, chunk):
         end = min(n, start + chunk)
-        m, v = _first_moments(flat_p, flat_g, start, end, hyper, update=True)
+        m, v = _first_moments(p, flat_p, flat_g, start, end, hyper, update=True)
         for i, fmt in enumerate(formats):
             fmt.encode("exp_avg", m.clone(), outs[i], start, generator)
             fmt.encode("exp_avg_sq", v.clone(), outs[i], start, generator)
@@ -79,14 +79,14 @@ def first_update(opt: Any, p: torch.Tensor, state: dict, hyper: AdamHyper) -> No
     out = {k: v for mom in MOMENTS for k, v in fp32.zeros(mom, n, p.device, opt._empty()).items()}
     for start in range(0, n, chunk):  # the moments again, from the gradient alone; the parameter is done
         end = min(n, start + chunk)
-        m, v = _first_moments(flat_p, flat_g, start, end, hyper, update=False)
+        m, v = _first_moments(p, flat_p, flat_g, start, end, hyper, update=False)
         fp32.encode("exp_avg", m, out, start, None)
         fp32.encode("exp_avg_sq", v, out, start, None)
     _settle(opt, p, state, "fp32", fp32, out)
 
 
-def _first_moments(flat_p: torch.Tensor, flat_g: torch.Tensor, start: int, end: int, hyper: AdamHyper,
-                   update: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _first_moments(p: torch.Tensor, flat_p: torch.Tensor, flat_g: torch.Tensor, start: int, end: int,
+                   hyper: AdamHyper, update: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp32 moments of the first update of ``flat_p[start:end]`` (from zero), the parameter
     updated with them when ``update`` (else a scratch copy takes the update)."""
     p32 = flat_p[start:end] if flat_p.dtype == torch.float32 else flat_p[start:end].float()
@@ -96,7 +96,7 @@ def _first_moments(flat_p: torch.Tensor, flat_g: torch.Tensor, start: int, end: 
     m, v = torch.zeros_like(g32), torch.zeros_like(g32)
     adam_chunk_(p32, g32, m, v, 1.0, hyper)
     if update and p32.data_ptr() != flat_p[start:end].data_ptr():
-        flat_p[start:end].copy_(p32)
+        store_param(p, flat_p, start, p32)
     return m, v
 
 

@@ -212,7 +212,8 @@ class FusedStep:
     def describe(self) -> str:
         """One line: how many chunks the compiled kernel updated, and why a device stays eager."""
         eager = "; ".join([f"eager on {device}: {why}" for device, why in self.eager.items()]
-                          + [f"tails eager on {device} ({name}): {why}" for (device, name), why in self.eager_tails.items()])
+                          + [f"tails eager on {device} ({name}): {why}"
+                             for (device, name), why in self.eager_tails.items()])
         if self.chunks:
             tails = f", {self.tails:,} of them tails" if self.tails else ""
             return f"fused update: {self.chunks:,} chunk(s) compiled{tails}" + (f" ({eager})" if eager else "")

@@ -41,7 +41,7 @@ from xirang_ds.plugins.optimizer_states.formats import (
 )
 from xirang_ds.plugins.optimizer_states.fused import FusedStep
 from xirang_ds.plugins.optimizer_states.schedule import Measurement, Policy, make_policy
-from xirang_ds.plugins.optimizer_states.update import AdamHyper, adam_chunk_
+from xirang_ds.plugins.optimizer_states.update import AdamHyper, adam_chunk_, store_param
 
 STATE_DICT_KEY = "xirang_optimizer_states"
 """Extra key of `DynamicAdamW.state_dict`: format version and the stochastic-rounding generator."""
@@ -118,6 +118,8 @@ class DynamicAdamW(torch.optim.Optimizer):
     """The update math is element-wise (grad_release may step 1/world slices of a parameter). A
     quantized tensor's blocks then follow the slice it is given, which moves block boundaries but
     keeps each format's error bound; fp32 states stay exact."""
+    xirang_write_back = True
+    """A parameter's ``xirang_write_back`` stores its updated chunks (`update.store_param`)."""
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, adam_w_mode: bool = True,
@@ -285,7 +287,7 @@ class DynamicAdamW(torch.optim.Optimizer):
             v = src.decode("exp_avg_sq", src_buf, start, end)
             adam_chunk_(p32, g32, m, v, float(step), hyper)
             if p32.data_ptr() != flat_p[start:end].data_ptr():
-                flat_p[start:end].copy_(p32)
+                store_param(p, flat_p, start, p32)
             if measure:
                 sums[0] += m.double().square().sum()
                 sums[1] += v.double().square().sum()

@@ -11,6 +11,18 @@ from dataclasses import dataclass
 import torch
 
 
+def store_param(p: torch.Tensor, flat_p: torch.Tensor, start: int, values: torch.Tensor) -> None:
+    """Store a chunk's updated fp32 ``values`` into ``flat_p[start:start + len]``, the flat view of
+    ``p``: through ``p.xirang_write_back(values, start)`` where ``p`` carries one (grad_release's bf16
+    weights without a master round stochastically; ``values`` may be consumed), else a copy (round
+    to nearest into a 16-bit parameter)."""
+    write_back = getattr(p, "xirang_write_back", None)
+    if write_back is not None:
+        write_back(values, start)
+    else:
+        flat_p[start:start + values.numel()].copy_(values)
+
+
 @dataclass(frozen=True)
 class AdamHyper:
     """Hyperparameters of one step of one parameter group.

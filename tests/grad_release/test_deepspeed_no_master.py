@@ -1,6 +1,7 @@
 """grad_release with ``masters: none`` on real DeepSpeed engines over 2 gloo ranks: bf16 weights
 rounded stochastically, no master between updates, against fp32 masters; stage 0's ranks agree; a
-checkpoint round trip resumes bit for bit."""
+checkpoint round trip resumes bit for bit. The same under optimizer_states (DynamicAdamW steps the
+bf16 weights in place, a chunk at a time): no fp32 copy of a shard even during the update."""
 import copy
 
 import pytest
@@ -15,12 +16,18 @@ SCHEDULER = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_l
 STEPS = 6
 
 
-def _config(stage=2, masters="none"):
-    return ds_config(stage=stage, dtype="bf16", micro=2, gas=2, clip=0.05, scheduler=SCHEDULER,
-                     xirang={"grad_release": {"enabled": True, "bucket_size_numel": 20_000, "masters": masters}})
+STATES = {"enabled": True, "schedule": [{"dtype": "fp32"}], "min_numel": 0, "chunk_numel": 4096}
+"""optimizer_states with fp32 states, in 4096-element chunks: Adam's math as torch's, the weights stepped in place."""
 
 
-def _train(rank, world, config, steps, skip=0, save_dir=None, load_dir=None):
+def _config(stage=2, masters="none", states=False):
+    xirang = {"grad_release": {"enabled": True, "bucket_size_numel": 20_000, "masters": masters}}
+    if states:
+        xirang["optimizer_states"] = STATES
+    return ds_config(stage=stage, dtype="bf16", micro=2, gas=2, clip=0.05, scheduler=SCHEDULER, xirang=xirang)
+
+
+def _train(rank, world, config, steps, skip=0, save_dir=None, load_dir=None, measure=False):
     import xirang_ds
     from xirang_ds.models import BUILTIN_SPECS, build_model
 
@@ -32,7 +39,11 @@ def _train(rank, world, config, steps, skip=0, save_dir=None, load_dir=None):
     data = engine_runs.data_iter(2, spec.seq, rank, world)
     for _ in range(skip * 2):
         next(data)
-    losses = []
+    losses, window = [], None
+    if measure:  # the parameters' bytes at their highest over the run, against at rest
+        tracker = engine.xirang.track_memory()
+        window = tracker.open_window()
+        at_rest = tracker.by_category(tracker.live_records())["parameters"]
     for _ in range(steps):
         total = 0.0
         for _ in range(2):
@@ -48,15 +59,30 @@ def _train(rank, world, config, steps, skip=0, save_dir=None, load_dir=None):
     held = {"masters": [b.master is None for b in buckets], "remainders": [b.remainder is None for b in buckets],
             "kinds": sorted({b.masters for b in buckets})}
     params = torch.cat([p.detach().float().reshape(-1) for p in engine.module.parameters()])
-    return {"losses": losses, "params": params, "held": held, "summary": engine.xirang.summary()}
+    out = {"losses": losses, "params": params, "held": held, "summary": engine.xirang.summary(),
+           "in_place": [b.in_place for b in buckets]}
+    if window is not None:
+        out["parameters"] = (at_rest, window.category_peaks()["parameters"])
+        out["largest_shard"] = max(b.layout.shard_numel for b in buckets)
+        window.close()
+    return out
 
 
 def _scenarios(rank, world, ckpt_dir):
+    import os
+
     out = {"fp32": _train(rank, world, _config(masters="fp32"), STEPS),
-           "none": _train(rank, world, _config(), STEPS),
+           "none": _train(rank, world, _config(), STEPS, measure=True),
            "stage0": _train(rank, world, _config(stage=0), 3)}
     out["first_half"] = _train(rank, world, _config(), STEPS // 2, save_dir=ckpt_dir)
     out["resumed"] = _train(rank, world, _config(), STEPS - STEPS // 2, skip=STEPS // 2, load_dir=ckpt_dir)
+    states_dir = os.path.join(ckpt_dir, "in_place")
+    out["states_fp32"] = _train(rank, world, _config(masters="fp32", states=True), STEPS)
+    out["in_place"] = _train(rank, world, _config(states=True), STEPS, measure=True)
+    out["in_place_stage0"] = _train(rank, world, _config(stage=0, states=True), 3)
+    out["in_place_first_half"] = _train(rank, world, _config(states=True), STEPS // 2, save_dir=states_dir)
+    out["in_place_resumed"] = _train(rank, world, _config(states=True), STEPS - STEPS // 2, skip=STEPS // 2,
+                                     load_dir=states_dir)
     return out
 
 
@@ -103,3 +129,26 @@ def test_a_checkpoint_round_trip_resumes_bit_for_bit(runs):
     the uninterrupted run's (the noise is seeded by the bucket's step, which the checkpoint keeps)."""
     for r in runs:
         assert_resumed(r["none"], r["resumed"], at=STEPS // 2, first=r["first_half"], params=True)
+
+
+@pytest.mark.distributed
+def test_under_optimizer_states_the_weights_are_stepped_in_place_without_any_fp32_copy(runs):
+    """DynamicAdamW widens, steps and rounds back a chunk at a time (``xirang_write_back``): the
+    parameters' bytes never rise above their resting bytes, where the update through a transient
+    master holds 4 bytes per element of a bucket's shard beside them; training near fp32 masters,
+    stage 0's ranks alike, a checkpoint round trip bit for bit."""
+    for r in runs:
+        assert all(r["in_place"]["in_place"]) and not any(r["none"]["in_place"])
+        at_rest, highest = r["in_place"]["parameters"]
+        assert highest == at_rest, r["in_place"]["parameters"]
+        at_rest, highest = r["none"]["parameters"]
+        assert highest - at_rest >= 4 * r["none"]["largest_shard"], r["none"]["parameters"]
+        fp32, mine = r["states_fp32"], r["in_place"]
+        assert mine["losses"][0] == fp32["losses"][0]
+        for a, b in zip(mine["losses"], fp32["losses"]):
+            assert abs(a / b - 1) < 0.01, (mine["losses"], fp32["losses"])
+        diff = (mine["params"] - fp32["params"]).abs()
+        assert 0 < float(diff.max()) < 0.05
+        assert torch.equal(mine["params"], runs[0]["in_place"]["params"])
+        assert_resumed(mine, r["in_place_resumed"], at=STEPS // 2, first=r["in_place_first_half"], params=True)
+    assert torch.equal(runs[0]["in_place_stage0"]["params"], runs[1]["in_place_stage0"]["params"])

@@ -90,6 +90,16 @@ parse_to = torch._C._nn._parse_to
 """``Tensor.to``'s argument parser: ``(device, dtype, non_blocking, memory_format)``."""
 
 
+GRAD_DTYPE_SETTABLE = hasattr(torch.Tensor, "grad_dtype")
+"""``Tensor.grad_dtype`` exists: set to None, ``t.grad`` may have another dtype than ``t`` (an fp32
+gradient for a bf16 tensor). Older torch refuses such a gradient: callers keep a path that needs none."""
+
+
+def allow_any_grad_dtype(t: torch.Tensor) -> None:
+    """``t.grad`` may take any dtype (needs `GRAD_DTYPE_SETTABLE`)."""
+    t.grad_dtype = None
+
+
 def storage_at(base: torch.Tensor, offset: int, nbytes: int) -> torch.UntypedStorage:
     """A storage over ``nbytes`` of ``base``'s memory from byte ``offset``; it does not own the memory."""
     return torch._C._construct_storage_from_data_pointer(base.data_ptr() + offset, base.device, nbytes)
@@ -291,8 +301,9 @@ def dump_memory_snapshot(path: str) -> None:
 
 
 __all__ = [
-    "DisableAutocast", "DisableTorchFunctionSubclass", "NormBase", "OpOverload", "OpOverloadPacket",
-    "SCHEDULER_PER_GROUP_LISTS", "TorchDispatchMode", "UPSTREAM_NAMES", "all_op_names",
+    "DisableAutocast", "DisableTorchFunctionSubclass", "GRAD_DTYPE_SETTABLE", "NormBase", "OpOverload",
+    "OpOverloadPacket",
+    "SCHEDULER_PER_GROUP_LISTS", "TorchDispatchMode", "UPSTREAM_NAMES", "all_op_names", "allow_any_grad_dtype",
     "amp_foreach_non_finite_check_and_unscale_", "buffer_table", "compile_unavailable", "compiled_entry",
     "current_autograd_node",
     "current_dispatch_mode", "current_saved_tensors_hooks", "destroy_library", "disable_current_modes",

@@ -279,16 +279,23 @@ class Bucket(MasterSlices):
         Args:
             coefficient: one multiplier (unscale and clip), or one per parameter (a tensor).
         """
-        grad = self._grad32()
-        if isinstance(coefficient, torch.Tensor):
-            for piece in self.pieces:
-                grad[piece.offset:piece.offset + piece.numel].mul_(coefficient[piece.index])
-        elif coefficient != 1.0:
-            grad.mul_(coefficient)
+        if self.in_place:  # the optimizer widens and scales it a chunk at a time, in the same order
+            grad = self.grad
+        else:
+            grad = self._grad32()
+            if isinstance(coefficient, torch.Tensor):
+                for piece in self.pieces:
+                    grad[piece.offset:piece.offset + piece.numel].mul_(coefficient[piece.index])
+            elif coefficient != 1.0:
+                grad.mul_(coefficient)
         if self.optimizer is not None:
             self.materialize()
             for piece, view in zip(self.pieces, self.views):
                 view.grad = grad[piece.offset:piece.offset + piece.numel].view(view.shape)
+                if self.in_place:
+                    c = coefficient[piece.index] if isinstance(coefficient, torch.Tensor) else coefficient
+                    view.xirang_grad_scale = tuple(s for s in (self.grad_scale, c)
+                                                   if isinstance(s, torch.Tensor) or s != 1.0)
             sync_hyperparameters(self.basic.param_groups, self.optimizer, self.group_sources)
             self.optimizer.step()
             for view in self.views:

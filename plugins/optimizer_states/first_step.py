@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from xirang_ds.plugins.optimizer_states.formats import MOMENTS, STATE_DTYPE_ORDER, update_error
-from xirang_ds.plugins.optimizer_states.update import AdamHyper, adam_chunk_, store_param
+from xirang_ds.plugins.optimizer_states.update import AdamHyper, adam_chunk_, grad_chunk, store_param
 
 
 def candidates(opt: Any, state: dict, step: int) -> list[str]:
@@ -92,7 +92,7 @@ def _first_moments(p: torch.Tensor, flat_p: torch.Tensor, flat_g: torch.Tensor, 
     p32 = flat_p[start:end] if flat_p.dtype == torch.float32 else flat_p[start:end].float()
     if not update:
         p32 = p32.clone()
-    g32 = flat_g[start:end] if flat_g.dtype == torch.float32 else flat_g[start:end].float()
+    g32 = grad_chunk(p, flat_g, start, end)
     m, v = torch.zeros_like(g32), torch.zeros_like(g32)
     adam_chunk_(p32, g32, m, v, 1.0, hyper)
     if update and p32.data_ptr() != flat_p[start:end].data_ptr():

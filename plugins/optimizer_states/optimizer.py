@@ -41,7 +41,7 @@ from xirang_ds.plugins.optimizer_states.formats import (
 )
 from xirang_ds.plugins.optimizer_states.fused import FusedStep
 from xirang_ds.plugins.optimizer_states.schedule import Measurement, Policy, make_policy
-from xirang_ds.plugins.optimizer_states.update import AdamHyper, adam_chunk_, store_param
+from xirang_ds.plugins.optimizer_states.update import AdamHyper, adam_chunk_, grad_chunk, store_param
 
 STATE_DICT_KEY = "xirang_optimizer_states"
 """Extra key of `DynamicAdamW.state_dict`: format version and the stochastic-rounding generator."""
@@ -282,7 +282,7 @@ class DynamicAdamW(torch.optim.Optimizer):
         for start in range(done, n, chunk):
             end = min(n, start + chunk)
             p32 = flat_p[start:end] if flat_p.dtype == torch.float32 else flat_p[start:end].float()
-            g32 = flat_g[start:end] if flat_g.dtype == torch.float32 else flat_g[start:end].float()
+            g32 = grad_chunk(p, flat_g, start, end)
             m = src.decode("exp_avg", src_buf, start, end)
             v = src.decode("exp_avg_sq", src_buf, start, end)
             adam_chunk_(p32, g32, m, v, float(step), hyper)

@@ -20,14 +20,15 @@ STATES = {"enabled": True, "schedule": [{"dtype": "fp32"}], "min_numel": 0, "chu
 """optimizer_states with fp32 states, in 4096-element chunks: Adam's math as torch's, the weights stepped in place."""
 
 
-def _config(stage=2, masters="none", states=False):
+def _config(stage=2, masters="none", states=False, gas=2):
     xirang = {"grad_release": {"enabled": True, "bucket_size_numel": 20_000, "masters": masters}}
     if states:
         xirang["optimizer_states"] = STATES
-    return ds_config(stage=stage, dtype="bf16", micro=2, gas=2, clip=0.05, scheduler=SCHEDULER, xirang=xirang)
+    return ds_config(stage=stage, dtype="bf16", micro=2, gas=gas, clip=0.05, scheduler=SCHEDULER, xirang=xirang)
 
 
 def _train(rank, world, config, steps, skip=0, save_dir=None, load_dir=None, measure=False):
+    gas = config["gradient_accumulation_steps"]
     import xirang_ds
     from xirang_ds.models import BUILTIN_SPECS, build_model
 
@@ -37,22 +38,26 @@ def _train(rank, world, config, steps, skip=0, save_dir=None, load_dir=None, mea
     if load_dir is not None:
         engine.load_checkpoint(load_dir)
     data = engine_runs.data_iter(2, spec.seq, rank, world)
-    for _ in range(skip * 2):
+    for _ in range(skip * gas):
         next(data)
-    losses, window = [], None
-    if measure:  # the parameters' bytes at their highest over the run, against at rest
+    losses, window, widened = [], None, []
+    if measure:  # which buckets widen their whole gradient shard to fp32 for the update
+        from xirang_ds.plugins.grad_release.bucket import Bucket
+
+        grad32 = Bucket._grad32
+        Bucket._grad32 = lambda self: widened.append(self.in_place) or grad32(self)  # the parameters' bytes at their highest over the run, against at rest
         tracker = engine.xirang.track_memory()
         window = tracker.open_window()
         at_rest = tracker.by_category(tracker.live_records())["parameters"]
     for _ in range(steps):
         total = 0.0
-        for _ in range(2):
+        for _ in range(gas):
             x, y = next(data)
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()
             total += loss.item()
-        losses.append(total / 2)
+        losses.append(total / gas)
     if save_dir is not None:
         engine.save_checkpoint(save_dir)
     buckets = engine.xirang.plugin("grad_release").buckets
@@ -63,6 +68,9 @@ def _train(rank, world, config, steps, skip=0, save_dir=None, load_dir=None, mea
            "in_place": [b.in_place for b in buckets]}
     if window is not None:
         out["parameters"] = (at_rest, window.category_peaks()["parameters"])
+        out["widened_in_place"] = any(widened)
+        out["widened"] = len(widened)
+        Bucket._grad32 = grad32
         out["largest_shard"] = max(b.layout.shard_numel for b in buckets)
         window.close()
     return out
@@ -80,6 +88,9 @@ def _scenarios(rank, world, ckpt_dir):
     out["states_fp32"] = _train(rank, world, _config(masters="fp32", states=True), STEPS)
     out["in_place"] = _train(rank, world, _config(states=True), STEPS, measure=True)
     out["in_place_stage0"] = _train(rank, world, _config(stage=0, states=True), 3)
+    # accumulation 1: the gradient shard stays in the communication dtype (bf16) until the update
+    out["states_fp32_gas1"] = _train(rank, world, _config(masters="fp32", states=True, gas=1), 3)
+    out["in_place_gas1"] = _train(rank, world, _config(states=True, gas=1), 3, measure=True)
     out["in_place_first_half"] = _train(rank, world, _config(states=True), STEPS // 2, save_dir=states_dir)
     out["in_place_resumed"] = _train(rank, world, _config(states=True), STEPS - STEPS // 2, skip=STEPS // 2,
                                      load_dir=states_dir)
@@ -135,14 +146,22 @@ def test_a_checkpoint_round_trip_resumes_bit_for_bit(runs):
 def test_under_optimizer_states_the_weights_are_stepped_in_place_without_any_fp32_copy(runs):
     """DynamicAdamW widens, steps and rounds back a chunk at a time (``xirang_write_back``): the
     parameters' bytes never rise above their resting bytes, where the update through a transient
-    master holds 4 bytes per element of a bucket's shard beside them; training near fp32 masters,
-    stage 0's ranks alike, a checkpoint round trip bit for bit."""
+    master holds 4 bytes per element of a bucket's shard beside them; the gradient is widened and
+    scaled a chunk at a time too (``xirang_grad_scale``), so the gradients' highest falls; training
+    near fp32 masters, stage 0's ranks alike, a checkpoint round trip bit for bit."""
     for r in runs:
         assert all(r["in_place"]["in_place"]) and not any(r["none"]["in_place"])
         at_rest, highest = r["in_place"]["parameters"]
         assert highest == at_rest, r["in_place"]["parameters"]
         at_rest, highest = r["none"]["parameters"]
         assert highest - at_rest >= 4 * r["none"]["largest_shard"], r["none"]["parameters"]
+        # the gradient shard is never widened whole (the optimizer widens and scales a chunk at a time);
+        # at accumulation 1 it reaches the optimizer in bf16 with the 1/world scale and the clip coefficient
+        assert r["none"]["widened"] > 0 and not r["in_place"]["widened_in_place"]
+        assert not r["in_place_gas1"]["widened_in_place"]
+        fp32, mine = r["states_fp32_gas1"], r["in_place_gas1"]
+        assert mine["losses"][0] == fp32["losses"][0]
+        assert all(abs(a / b - 1) < 0.01 for a, b in zip(mine["losses"], fp32["losses"])), (mine, fp32)
         fp32, mine = r["states_fp32"], r["in_place"]
         assert mine["losses"][0] == fp32["losses"][0]
         for a, b in zip(mine["losses"], fp32["losses"]):

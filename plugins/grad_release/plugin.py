@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from xirang_ds.compat.torch import GRAD_DTYPE_SETTABLE
 from xirang_ds.config.schema import GradReleaseConfig
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.memory.categories import GRADIENTS, OPTIMIZER_STATES, PARAMETERS
@@ -242,6 +243,11 @@ class GradReleasePlugin(Plugin):
         adam = _adam_temporaries(shape, [piece] if shape.adam_impl == "single_tensor" else [shard])
         update = {"fp32": 4 * shard + adam, "remainders": max(10 * shard, 8 * shard + adam),
                   "none": max(8 * shard + adam, 6 * shard + 5 * min(shard, CHUNK_NUMEL))}[kind]
+        quantizer = self.session.state_quantizer
+        if kind == "none" and quantizer is not None and GRAD_DTYPE_SETTABLE:
+            # in place (masters.py): DynamicAdamW's chunk in fp32 (parameter, gradient, two moments:
+            # 16 bytes an element) and the rounding's noise and finite mask (5), nothing per shard
+            update = 21 * min(shard, quantizer.config.chunk_numel)
         out = {}
         for name, cats in phases.items():
             cats = dict(cats)
@@ -250,6 +256,9 @@ class GradReleasePlugin(Plugin):
             cats[GRADIENTS] = accum
             cats["comm_buffers"] = 0
             if name == "backward":
+                # mid-backward, at the traced run's highest point there (the activations still alive
+                # then): the buckets in flight and the largest gradient made whole before its hook
+                cats[GRADIENTS] = accum + in_flight + lp * max(numels)
                 # early in backward, before the first bucket is full, the activations are all there
                 # with the loss's gradient temporaries; at its end the activations are gone, buckets
                 # are in flight and updating, and the held shard (if any) is whole

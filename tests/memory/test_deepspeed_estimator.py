@@ -26,6 +26,7 @@ CASES = [  # model, stage, dtype, micro, world, bucket, xirang block
     ("gpt-tiny", 2, "bf16", 4, 2, 1e6, INT8),
     ("gpt-small", 2, "bf16", 1, 2, 1e6, GRAD_RELEASE),
     ("gpt-small", 2, "bf16", 1, 2, 1e6, NO_MASTER),
+    ("gpt-small", 2, "bf16", 1, 2, 1e6, {**NO_MASTER, **INT8}),  # in place: no widened shard, chunks
     ("gpt-small", 0, "bf16", 4, 1, 1e6, GRAD_RELEASE),
     ("gpt-tiny", 2, "bf16", 4, 2, 1e6, ON_DEMAND),  # the trace runs under precision's kernels and autocast
     ("llama-tiny", 1, "bf16", 4, 2, 1e6, PRECISION),

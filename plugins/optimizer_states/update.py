@@ -27,11 +27,12 @@ def grad_chunk(p: torch.Tensor, flat_g: torch.Tensor, start: int, end: int) -> t
     """``flat_g[start:end]`` (the flat view of ``p.grad``) in fp32, times each multiplier of
     ``p.xirang_grad_scale`` in order where ``p`` carries it (grad_release's in-place update: the
     unscale and clip coefficients, applied a chunk at a time instead of to a widened whole shard). The
-    multipliers apply in place, as grad_release applied them to its fp32 shard: an fp32 gradient
-    that carries them is consumed (grad_release frees it after the update)."""
+    gradient itself is left as it is (a chunk may be read twice: `first_step`'s fallback), so the
+    scaled chunk is a new tensor either way."""
     g32 = flat_g[start:end] if flat_g.dtype == torch.float32 else flat_g[start:end].float()
-    for scale in getattr(p, "xirang_grad_scale", ()):
-        g32.mul_(scale)
+    scales = getattr(p, "xirang_grad_scale", ())
+    for i, scale in enumerate(scales):
+        g32 = g32 * scale if i == 0 and flat_g.dtype == torch.float32 else g32.mul_(scale)
     return g32
 
 

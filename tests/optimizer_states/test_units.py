@@ -638,3 +638,37 @@ def test_a_measured_embedding_first_update_holds_no_whole_fp32_moments(limit, se
     assert settled + 16 * chunk * 4 >= held  # the settled states and a few fp32 chunks, nothing beside
     if settles == "int8":
         assert held < 3 * n  # the whole fp32 moments alone would be 8 bytes per element
+
+
+def test_a_parameters_write_back_and_gradient_multipliers_take_the_chunks():
+    """``xirang_write_back`` stores each updated chunk and ``xirang_grad_scale`` scales each widened
+    gradient chunk (grad_release's in-place update): the step equals a bf16 parameter stepped from its
+    gradient scaled beforehand, the gradient is not changed (a chunk may be read twice), and every
+    chunk goes through the write-back, first update (measured) and later ones alike."""
+    from xirang_ds.plugins.optimizer_states.update import grad_chunk
+
+    torch.manual_seed(0)
+    weight = torch.randn(3 * 4096 + 100).bfloat16()
+    grad = torch.randn(weight.numel())
+    states = {"schedule": [{"dtype": "int8"}], "min_numel": 0, "chunk_numel": 4096}
+    mine, ref = weight.clone(), torch.nn.Parameter(weight.clone())
+    written = []
+
+    def write_back(values, start):
+        written.append((start, values.numel()))
+        mine.view(-1)[start:start + values.numel()].copy_(values)
+
+    mine.xirang_write_back, mine.grad_dtype, ref.grad_dtype = write_back, None, None
+    mine.xirang_grad_scale = (0.5, torch.tensor(0.25))
+    opt_mine = DynamicAdamW([mine], lr=1e-2, states=states, keep_fp32="measured")
+    opt_ref = DynamicAdamW([ref], lr=1e-2, states=states, keep_fp32="measured")
+    for _ in range(2):
+        mine.grad, ref.grad = grad.clone(), grad * 0.5 * torch.tensor(0.25)
+        opt_mine.step()
+        opt_ref.step()
+        assert torch.equal(mine.grad, grad)  # multipliers applied to copies of the chunks
+    assert torch.equal(mine, ref.detach())
+    assert written == [(s, min(4096, weight.numel() - s)) for s in range(0, weight.numel(), 4096)] * 2
+    p = torch.zeros(8, dtype=torch.bfloat16)
+    p.xirang_grad_scale = (2.0,)
+    assert torch.equal(grad_chunk(p, torch.arange(8.0).bfloat16(), 2, 6), torch.tensor([4.0, 6.0, 8.0, 10.0]))

@@ -178,7 +178,8 @@ class GradReleaseConfig(Section):
     master's low 16 bits and one tie bit (2.125 bytes), from which each update rebuilds the master
     bit for bit, so training is the one with fp32 masters (exact); ``none`` (lossy, the aggressive
     preset): no master, each update steps the bf16 weights widened to fp32 and rounds the result
-    back stochastically (0 bytes; convergence measured in docs/grad_release.md). ``remainders`` and
+    back stochastically (0 bytes; under optimizer_states a chunk at a time, with no fp32 copy of the
+    shard even during the update; convergence measured in docs/grad_release.md). ``remainders`` and
     ``none`` need bf16 parameters (an fp16 weight is not the top half of an fp32 number). ``auto`` =
     ``remainders`` with bf16 parameters, else ``fp32``."""
 

@@ -22,11 +22,19 @@ peak at the same stage (issue 18's goals: balanced at 0.5x, aggressive at 0.3x o
         --micro-batch 2 --steps 6 --stages 2 --budget balanced=0.5 --budget aggressive=0.3 --world-size 2 \\
         --data ../shared/data/tinyshakespeare.txt --json benchmarks/results/presets_zero_162m_bf16.json
 
+``--plain-from JSON`` takes plain DeepSpeed's rows from a saved run of the same shape (its bytes
+are exact and no plugin changes them; its step time is another run's):
+
+    .venv/bin/python benchmarks/presets_zero.py --model gpt:layers=12,hidden=768,heads=12,seq=256,vocab=50304 \\
+        --micro-batch 2 --steps 6 --stages 2 --presets aggressive --budget aggressive=0.3 --world-size 2 \\
+        --data ../shared/data/tinyshakespeare.txt --plain-from benchmarks/results/presets_zero_162m_bf16.json
+
 ``--render JSON`` prints the Markdown table of a saved run.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -80,8 +88,12 @@ def run(args: argparse.Namespace) -> dict:
             "parameters": parameter_count(args.model), "budgets": dict(args.budget), "rows": []}
     for stage in args.stages:
         base = stage_config(stage, args.micro_batch, args.dtype)
-        print(f"ZeRO-{stage}: plain DeepSpeed ...", file=sys.stderr, flush=True)
-        plain = run_side(args.model, base, args.steps, args.world_size, args.data, 0, False)
+        if args.plain_from:
+            plain = saved_plain(args, stage)
+            data["plain_from"] = args.plain_from
+        else:
+            print(f"ZeRO-{stage}: plain DeepSpeed ...", file=sys.stderr, flush=True)
+            plain = run_side(args.model, base, args.steps, args.world_size, args.data, 0, False)
         data["rows"].append({"stage": stage, "config": "plain", "peak_bytes": plain.peak_bytes,
                              "step_time_s": plain.step_time_median_s, "final_loss": plain.final_loss,
                              "peak_phase": plain.peak_phase, "peak_by_category": plain.peak_by_category})
@@ -106,12 +118,33 @@ def run(args: argparse.Namespace) -> dict:
     return data
 
 
+def saved_plain(args: argparse.Namespace, stage: int) -> argparse.Namespace:
+    """The plain DeepSpeed row of a saved run of the same model, micro-batch, dtype, ranks and steps
+    (``--plain-from``: the plain side of the 162M GPT takes most of an hour here; its bytes are exact
+    and no plugin changes it). Its step time was measured in another run: compare step times with care."""
+    with open(args.plain_from, encoding="utf-8") as f:
+        saved = json.load(f)
+    want = {"model": args.model, "micro_batch": args.micro_batch, "dtype": args.dtype,
+            "world_size": args.world_size, "steps": args.steps}
+    differs = {k: (saved.get(k), v) for k, v in want.items() if saved.get(k) != v}
+    rows = [r for r in saved["rows"] if r["stage"] == stage and r["config"] == "plain"]
+    if differs or not rows:
+        raise SystemExit(f"--plain-from {args.plain_from}: no plain ZeRO-{stage} row of this run "
+                         f"(saved vs asked: {differs or 'no such row'})")
+    r = rows[0]
+    return argparse.Namespace(peak_bytes=r["peak_bytes"], step_time_median_s=r["step_time_s"],
+                              final_loss=r["final_loss"], peak_phase=r["peak_phase"],
+                              peak_by_category=r["peak_by_category"])
+
+
 def render(data: dict) -> str:
     mib = 2 ** 20
     lines = [f"`{data['model']}`, {data['world_size']} rank(s) over gloo on CPU, {data.get('dtype', 'bf16')}, "
              f"clipping 1.0, 1e6-element buckets, micro-batch {data.get('micro_batch', 8)}, {data['steps']} steps, "
              f"{budget_words(data.get('budgets'))}; made by "
-             f"`{data['command']}`.", "",
+             f"`{data['command']}`" + (f" (plain DeepSpeed's rows from `{data['plain_from']}`, another run: its step "
+                                       f"time ratios compare runs made at different times)"
+                                       if data.get("plain_from") else "") + ".", "",
              "| ZeRO | configuration | peak (worst rank) | peak ratio | model states at the peak (B/param) | "
              "peak phase | step time ratio | final loss (Δ) | left out |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -165,6 +198,8 @@ def main() -> int:
                    help="memory_budget for PRESET as FRACTION of plain DeepSpeed's peak at the same stage")
     p.add_argument("--presets", nargs="+", default=list(PRESETS), choices=PRESETS,
                    help="the presets to run beside plain DeepSpeed (default: all)")
+    p.add_argument("--plain-from", default=None, metavar="JSON",
+                   help="take plain DeepSpeed's rows from a saved run of the same shape instead of running them")
     p.add_argument("--data", default=None)
     p.add_argument("--json", default=None)
     p.add_argument("--render", default=None, metavar="JSON")

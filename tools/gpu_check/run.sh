@@ -40,11 +40,11 @@ GPU check plan (deadline ${deadline_s} s; results in $results):
   install  60 s   pip --no-index --no-deps --target $site: .gpu/wheels/*.whl, then this tree
   env      20 s   torch, CUDA, GPU, deepspeed, megatron-core, xirang_ds versions -> env.json
   pytest  100 s   $py -m pytest -m gpu $gpu_tests -> pytest.log, pytest.xml
-  optimizer 75 s  benchmarks/optimizer_states_compare.py --device cuda (the Megatron model's tensors; torchao and
+  optimizer 65 s  benchmarks/optimizer_states_compare.py --device cuda (the Megatron model's tensors; torchao and
                   bitsandbytes too where prepared) -> optimizer.json
   bench   190 s   tools/gpu_check/bench_presets.py --model $model (plain, conservative, balanced, aggressive) -> bench.json
-  megatron 40 s   pretrain_gpt.py (patched, .gpu/megatron-lm.tar.gz) ${megatron_args[*]} -> megatron_plain.log
-  megatron 40 s   the same with --xirang-config tools/gpu_check/megatron_xirang.json -> megatron_xirang.log
+  megatron 45 s   pretrain_gpt.py (patched, .gpu/megatron-lm.tar.gz) ${megatron_args[*]} -> megatron_plain.log
+  megatron 45 s   the same with --xirang-config tools/gpu_check/megatron_xirang.json -> megatron_xirang.log
 EOF
 }
 
@@ -131,8 +131,8 @@ step pytest 100 bash -c "cd '$root' && '$py' -m pytest -m gpu -p no:cacheprovide
 
 opt_shapes="32000x1024"  # pretrain_gpt.py's model below: embedding, then 8 layers' weights, biases and norms
 for _ in 1 2 3 4 5 6 7 8; do opt_shapes+=",3072x1024,3072,1024x1024,1024,4096x1024,4096,1024x4096,1024,1024,1024"; done
-step optimizer 75 "$py" "$root/benchmarks/optimizer_states_compare.py" --device cuda --shapes "$opt_shapes" \
-    --rounds 10 --deadline-s 60 --json "$results/optimizer.json"
+step optimizer 65 "$py" "$root/benchmarks/optimizer_states_compare.py" --device cuda --shapes "$opt_shapes" \
+    --rounds 10 --deadline-s 50 --json "$results/optimizer.json"
 
 step bench 190 "$py" "$root/tools/gpu_check/bench_presets.py" --model "$model" --steps 6 \
     --json "$results/bench.json" --deadline-s 150
@@ -162,8 +162,8 @@ if [ -f "$gpu/megatron-lm.tar.gz" ]; then
         grep -E "iteration +[0-9]+/|memory \(MB\)|Error|error:" "$out" | tail -15
         return "$rc"
     }
-    step megatron_plain 40 pretrain "$results/megatron_plain.log"
-    step megatron_xirang 40 pretrain "$results/megatron_xirang.log" --xirang-config "$root/tools/gpu_check/megatron_xirang.json"
+    step megatron_plain 45 pretrain "$results/megatron_plain.log"
+    step megatron_xirang 45 pretrain "$results/megatron_xirang.log" --xirang-config "$root/tools/gpu_check/megatron_xirang.json"
 else
     echo "== megatron: skipped (no .gpu/megatron-lm.tar.gz: pass a Megatron-LM clone to prepare.sh)"
     status=1

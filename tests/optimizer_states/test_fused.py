@@ -17,9 +17,9 @@ SHAPES = [(40, 410), (96, 256)]
 """Four full chunks and a last one of 16 elements, and six full chunks."""
 
 
-def _train(dtype, fused, steps=6, adam_w_mode=True, maximize=False):
+def _train(dtype, fused, steps=6, adam_w_mode=True, maximize=False, shapes=SHAPES):
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
     opt = DynamicAdamW(params, lr=1e-3, weight_decay=0.1, adam_w_mode=adam_w_mode, maximize=maximize,
                        states={"schedule": [{"dtype": dtype}], "min_numel": 0, "chunk_numel": CHUNK, "fused": fused})
     gen = torch.Generator().manual_seed(1)
@@ -72,37 +72,12 @@ def test_off_the_cpu_the_last_chunk_runs_in_one_dynamic_length_kernel(dtype, mon
     # as on a GPU (dynamic_tail is false on the CPU only, where that code is slow): every tensor takes
     # numel // chunk + 1 kernel calls and no eager op of the update; training as the eager path's
     monkeypatch.setattr(fused_module, "dynamic_tail", lambda device_type: True)
-
-    def train(fused):
-        torch.manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(s)) for s in TAIL_SHAPES]
-        opt = DynamicAdamW(params, lr=1e-3, weight_decay=0.1, states={
-            "schedule": [{"dtype": dtype}], "min_numel": 0, "chunk_numel": CHUNK, "fused": fused})
-        gen = torch.Generator().manual_seed(1)
-        for _ in range(4):
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=gen) * torch.rand(p.shape, generator=gen).pow(8) * 1e-2
-            opt.step()
-        return params, opt
-
-    eager, _ = train(False)
-    fused, opt = train(True)
-    fp32 = _train_shapes_fp32(TAIL_SHAPES)
+    eager, _ = _train(dtype, False, steps=4, shapes=TAIL_SHAPES)
+    fused, opt = _train(dtype, True, steps=4, shapes=TAIL_SHAPES)
+    fp32, _ = _train("fp32", False, steps=4, shapes=TAIL_SHAPES)
     assert (opt.fused.chunks, opt.fused.tails) == (4 * (5 + 2 + 1), 4 * 3) and not opt.fused.eager_tails
     assert "of them tails" in opt.fused.describe()
     assert _distance(fused, eager) <= 0.02 * _distance(eager, fp32)
-
-
-def _train_shapes_fp32(shapes):
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
-    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(4):
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen) * torch.rand(p.shape, generator=gen).pow(8) * 1e-2
-        opt.step()
-    return params
 
 
 def test_a_tail_kernel_that_fails_to_compile_leaves_only_the_tails_eager(monkeypatch):

@@ -10,8 +10,8 @@ On the CPU Inductor emits one ``cpp_fused_*`` call per bf16 or int8 chunk and th
 * One graph per format and chunk length, cached by Dynamo, so every tensor of a run reuses it. The
   last, shorter chunk of a tensor runs in a second graph whose length is dynamic (one per format,
   and one more where a tensor ends inside a block), off the CPU. On the CPU it runs eagerly: there
-  Inductor's C++ for a dynamic length was 5-8x slower per element than the static graph at int8
-  and 120x at int4 (131,072 elements, 2 threads), while on a GPU each eager tail is 44-58 launches,
+  Inductor's C++ for a dynamic length was 6x slower per element than the static graph at int8
+  and 118x at int4 (``benchmarks/fused_dynamic_tail.py``), while on a GPU each eager tail is 44-58 launches,
   and most of a model's tensors are shorter than one chunk. A tensor then takes
   ``numel // chunk + 1`` kernel calls, where it took ``numel // chunk`` plus 44-58 eager ops.
 * The hyperparameters and the step's bias corrections go in as one small fp32 tensor: a new step

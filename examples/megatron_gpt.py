@@ -11,8 +11,7 @@ by `xirang_megatron.add_arguments`, exactly as in Megatron-LM. The same ds_confi
 run uses works: only its "xirang" block is read.
 
 On CPU (no CUDA) it installs the test shim ``tests/harness/megatron_shim.py`` for megatron-core's CUDA-only
-calls and runs Megatron's fp32 optimizer without gradient clipping by default (its clipping is
-CUDA-only; ``--clip-grad`` sets it, which on CPU only xirang.grad_release can honour).
+calls and runs Megatron's fp32 optimizer without gradient clipping by default (``--clip-grad`` sets it).
 At the end each rank reports the last step's peak with its per-category breakdown, measured by the
 live-storage tracker (the session's when the block turns a tracking plugin on, else one started here
 the same way).
@@ -54,10 +53,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="the output layer uses the word embedding's weight (GPTModel's argument)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--clip-grad", type=float, default=None,
-                   help="OptimizerConfig.clip_grad (default 1.0 on GPU, 0 on CPU, where Megatron's clipping is "
-                        "CUDA-only; xirang.grad_release clips on CPU too)")
+                   help="OptimizerConfig.clip_grad (default 1.0 on GPU, 0 on CPU)")
     p.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout")
     p.add_argument("--overlap-grad-reduce", action="store_true", help="Megatron DDP's bucketed overlap")
+    p.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Megatron's distributed optimizer: main parameters and states sharded over data parallel")
     p.add_argument("--ddp-bucket-size", type=int, default=None, help="DistributedDataParallelConfig.bucket_size")
     p.add_argument("--data", default=None, help="text file (default: tinyshakespeare if present, else the "
                                                 "standard library's docstrings)")
@@ -98,14 +98,16 @@ def build(opts: argparse.Namespace, tp_size: int) -> tuple[Any, Any, Any]:
     if on_gpu:
         model.cuda(torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=opts.overlap_grad_reduce,
+                                               use_distributed_optimizer=opts.use_distributed_optimizer,
                                                bucket_size=opts.ddp_bucket_size)
     session = xirang_megatron.build_session(opts.xirang_config)
     if session is not None:
         xirang_megatron.prepare_model(session, model, ddp_config)
     model = DistributedDataParallel(config, ddp_config, model)
     clip_grad = opts.clip_grad if opts.clip_grad is not None else (1.0 if on_gpu else 0.0)
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=opts.lr, weight_decay=0.01,
-                                                       clip_grad=clip_grad), [model])
+    optimizer_config = OptimizerConfig(optimizer="adam", lr=opts.lr, weight_decay=0.01, clip_grad=clip_grad,
+                                       use_distributed_optimizer=opts.use_distributed_optimizer)
+    optimizer = get_megatron_optimizer(optimizer_config, [model])
     if session is not None:
         optimizer = xirang_megatron.attach(session, model, optimizer, micro_batch_size=opts.micro_batch_size,
                                            num_microbatches=opts.num_microbatches)

@@ -11,7 +11,7 @@ Read in megatron-core 0.16.1 (``megatron/core/optimizer/``):
   ``_filter_and_reorder_param_groups``), so the groups are neither split nor copied: fp32-kept
   parameters are named one by one (``keep_fp32_params``).
 * Each member's ``state_dict``/``load_state_dict`` are the inner optimizer's (``FP32Optimizer``
-  L998-L1011): codes, scales, formats and the rounding generator travel in Megatron's checkpoint as
+  L998-L1011): codes, scales and formats travel in Megatron's checkpoint as
   `DynamicAdamW.state_dict` writes them.
 * Megatron's distributed checkpoints (``sharded_state_dict``, Megatron-LM ``--ckpt-format torch_dist``)
   map every state tensor onto the parameter's shape (``optim_state_to_sharding_state``). While a member
@@ -22,6 +22,20 @@ Read in megatron-core 0.16.1 (``megatron/core/optimizer/``):
   values its codes decoded to, so the run resumes bit for bit (the stability policy's window restarts,
   and an embedding moved out of fp32 by measurement returns there until its next measurement). Saving
   and loading hold every state in fp32 at once (8 bytes per parameter), as plain Megatron's do.
+* Megatron's distributed optimizer (``--use-distributed-optimizer``) steps this data-parallel rank's range
+  of each parameter as a 1-D fp32 tensor (a view of an fp32 parameter, or the fp32 master of a 16-bit
+  one's range: ``shard_fp32_groups`` / ``shard_fp32_from_float16_groups``, paired with the model
+  parameters as ``model_fp32_groups`` / ``model_float16_groups``); `DynamicAdamW` steps those ranges
+  like any tensor, and a range takes the keep-fp32 reason of its parameter. Its checkpoints (the
+  ``torch`` format's ``save_parameter_state`` / ``load_parameter_state``, every ``sharded_state_dict``
+  sharding type of ``torch_dist``) read each range's states through
+  ``_get_main_param_and_optimizer_states`` and write them through ``_set_main_param_and_optimizer_states``
+  (distrib_optimizer.py L883-L940) or, in the legacy ``dp_zero`` loader, into ``optimizer.state``
+  directly. `distributed_seams` answers the reader with the states decoded to fp32 (the run keeps its
+  codes) and, before any load, puts the states in ``torch.optim`` layout for Megatron to overwrite;
+  the next update encodes them again, as above. Nothing else needs to travel: stochastic rounding's
+  draws depend on the seed and the step only (`DynamicAdamW._rounding`), so every data-parallel rank
+  resumes exactly although Megatron keeps one copy of the common part (``state_dict()``, DP rank 0's).
 * Tensor parallelism: every rank steps its own shard. A parameter replicated on the tensor-parallel
   group (norms, row-parallel biases, position embeddings: ``tensor_model_parallel`` unset) must stay
   bit-identical on every rank of the group, so its states stay fp32, and so does the vocab-parallel
@@ -65,8 +79,12 @@ def megatron_keep_reasons(model: torch.nn.Module, config: OptimizerStatesConfig)
     return reasons
 
 
-Replaced = tuple[Any, torch.optim.Optimizer, DynamicAdamW, Any]
-"""``(member, original torch optimizer, replacement, handle of the sharded_state_dict wrapper)``."""
+Replaced = tuple[Any, torch.optim.Optimizer, DynamicAdamW, list]
+"""``(member, original torch optimizer, replacement, handles of the member's wrapped methods)``."""
+
+DISTRIBUTED_LOADERS = ("load_state_dict", "load_parameter_state", "load_parameter_state_from_dp_zero")
+"""The distributed optimizer's load entry points (``ChainedOptimizer.load_parameter_state`` calls each
+member's ``load_parameter_state_from_dp_zero``)."""
 
 
 def replace_inner(optimizer: Any, config: OptimizerStatesConfig, kept: dict[int, str]) -> list[Replaced]:
@@ -87,13 +105,7 @@ def replace_inner(optimizer: Any, config: OptimizerStatesConfig, kept: dict[int,
     problems = []
     for i, member in enumerate(members):
         inner = getattr(member, "optimizer", None)
-        if isinstance(member, DistributedOptimizer):
-            problems.append((f"{SECTION}.enabled",
-                             "Megatron's distributed optimizer (--use-distributed-optimizer) steps 1-D shards of its "
-                             "buckets whose boundaries do not follow tensors; optimizer_states does not handle those "
-                             "shards yet. Drop --use-distributed-optimizer or set "
-                             f"{SECTION}.enabled to false"))
-        elif _client_kind(inner) is None:
+        if _client_kind(inner) is None:
             problems.append((f"{SECTION}.enabled",
                              f"member {i} of Megatron's optimizer ({type(member).__name__}) steps "
                              f"{type(inner).__module__}.{type(inner).__name__}; optimizer_states replaces Adam and "
@@ -108,16 +120,75 @@ def replace_inner(optimizer: Any, config: OptimizerStatesConfig, kept: dict[int,
         kind = _client_kind(inner)
         for group in inner.param_groups:
             group["adam_w_mode"] = _group_decoupled(kind, group, settings.adam_w_mode)
-        new = DynamicAdamW(inner.param_groups, **settings.as_kwargs(), states=config_to_dict(config),
-                           keep_fp32_params=kept_steps(member, {i: r for i, r in kept.items() if not r.startswith(MEASURED)}),
-                           measured_params=kept_steps(member, {i: r for i, r in kept.items() if r.startswith(MEASURED)}))
+        pinned = {i: r for i, r in kept.items() if not r.startswith(MEASURED)}
+        new = over_groups(inner.param_groups, **settings.as_kwargs(), states=config_to_dict(config),
+                          keep_fp32_params=kept_steps(member, pinned),
+                          measured_params=kept_steps(member, {i: r for i, r in kept.items() if i not in pinned}))
         for p, state in inner.state.items():
             if state:
                 new.state[p] = dict(state)  # torch.optim.Adam(W) states are this optimizer's fp32 format
         member.optimizer = new
-        out.append((member, inner, new, wrap_method(member, "sharded_state_dict",
-                                                    functools.partial(sharded_in_torch_layout, new))))
+        if isinstance(member, DistributedOptimizer):
+            handles = distributed_seams(member, new)
+        else:
+            handles = [wrap_method(member, "sharded_state_dict", functools.partial(sharded_in_torch_layout, new))]
+        out.append((member, inner, new, handles))
     return out
+
+
+def over_groups(groups: list[dict], **kwargs: Any) -> DynamicAdamW:
+    """A `DynamicAdamW` stepping Megatron's own group dicts. The distributed optimizer's ranges are views of
+    the parameters (not leaves), which ``torch.optim.Optimizer.add_param_group`` refuses; Megatron assigns
+    them to its torch optimizer's ``param_groups`` directly (distrib_optimizer.py L605), and so does this."""
+    new = DynamicAdamW([torch.empty(0)], **kwargs)
+    for group in groups:
+        for key, value in new.defaults.items():
+            group.setdefault(key, value)
+    new.param_groups = groups
+    return new
+
+
+def distributed_seams(member: Any, optimizer: DynamicAdamW) -> list:
+    """The distributed optimizer's state reader, writer and load entry points wrapped (module docstring)."""
+    def read(original: Any, model_param: torch.Tensor) -> dict:
+        tensors = original(model_param)
+        state = optimizer.state.get(tensors["param"])
+        return {"param": tensors["param"], **decode_state(state, tensors["param"])} if state and "format" in state \
+            else tensors
+
+    def write(original: Any, model_param: torch.Tensor, tensors: dict) -> Any:
+        group, order = member.model_param_group_index_map[model_param]
+        main = optimizer.param_groups[group]["params"][order]
+        in_torch_layout(optimizer, [main])
+        state = optimizer.state.get(main) or {}
+        if "step" in state:  # the step comes from load_state_dict (the saved param groups'); Megatron copies every
+            # key of the state from ``tensors``, which hold no step (dp_zero) or, under dp_reshardable, the step
+            # this optimizer had before loading (read when the sharded dict was built; with torch's Adam that
+            # resets it, distrib_optimizer.py L1805)
+            tensors = {**tensors, "step": state["step"].clone()}
+        return original(model_param, tensors)
+
+    def load(original: Any, *args: Any, **kwargs: Any) -> Any:
+        in_torch_layout(optimizer, [p for g in optimizer.param_groups for p in g["params"]])
+        out = original(*args, **kwargs)
+        for state in optimizer.state.values():  # Megatron gives every state one step tensor (distrib_optimizer.py
+            if "step" in state:  # L845), which torch keeps shared; each update adds 1 to its own
+                state["step"] = state["step"].clone()
+        return out
+
+    from xirang_ds.compat.megatron import wrap_range_state_seams
+
+    loaders = [wrap_method(member, name, load) for name in DISTRIBUTED_LOADERS]
+    return [*wrap_range_state_seams(member, read, write), *loaders]
+
+
+def in_torch_layout(optimizer: DynamicAdamW, params: list[torch.Tensor]) -> None:
+    """Each of ``params``' states in ``torch.optim.AdamW`` layout (fp32, shaped like the tensor): what a
+    load then overwrites. The next update encodes them in the format the policy picks."""
+    for p in params:
+        state = optimizer.state.get(p)
+        if state and "format" in state:
+            optimizer.state[p] = decode_state(state, p)
 
 
 def sharded_in_torch_layout(optimizer: DynamicAdamW, original: Any, *args: Any, **kwargs: Any) -> Any:
@@ -140,12 +211,15 @@ def sharded_in_torch_layout(optimizer: DynamicAdamW, original: Any, *args: Any, 
 def kept_steps(member: Any, kept: dict[int, str]) -> list[torch.Tensor]:
     """The tensors ``member`` steps for the model parameters in ``kept``: the parameters themselves
     (``FP32Optimizer``), or with ``--bf16``/``--fp16`` their fp32 masters (``Float16OptimizerWithFloat16Params``
-    pairs ``float16_groups`` with ``fp32_from_float16_groups``, optimizer.py L657-L705; not run here, CUDA-only)."""
+    pairs ``float16_groups`` with ``fp32_from_float16_groups``, optimizer.py L657-L705; the distributed
+    optimizer pairs the model parameters with the ranges it steps, distrib_optimizer.py L307-L457)."""
     steps = [p for g in member.optimizer.param_groups for p in g["params"]]
     out = [p for p in steps if id(p) in kept]
-    for models, masters in zip(getattr(member, "float16_groups", None) or [],
-                               getattr(member, "fp32_from_float16_groups", None) or []):
-        out.extend(master for model, master in zip(models, masters) if id(model) in kept)
+    pairs = (("float16_groups", "fp32_from_float16_groups"), ("model_fp32_groups", "shard_fp32_groups"),
+             ("model_float16_groups", "shard_fp32_from_float16_groups"))  # the last two: the distributed optimizer's
+    for models_name, steps_name in pairs:
+        for models, masters in zip(getattr(member, models_name, None) or [], getattr(member, steps_name, None) or []):
+            out.extend(master for model, master in zip(models, masters) if id(model) in kept)
     return out
 
 
@@ -153,8 +227,9 @@ def restore_inner(replaced: list[Replaced]) -> None:
     """Give each member its ``torch.optim`` object back, holding the states decoded to fp32."""
     from xirang_ds.plugins.optimizer_states.export import to_torch_optimizer
 
-    for member, original, new, handle in replaced:
-        handle.remove()
+    for member, original, new, handles in replaced:
+        for handle in handles:
+            handle.remove()
         if member.optimizer is new:
             member.optimizer = to_torch_optimizer(new, into=original)
 

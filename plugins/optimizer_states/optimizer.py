@@ -44,7 +44,7 @@ from xirang_ds.plugins.optimizer_states.schedule import Measurement, Policy, mak
 from xirang_ds.plugins.optimizer_states.update import AdamHyper, adam_chunk_, grad_chunk, store_param
 
 STATE_DICT_KEY = "xirang_optimizer_states"
-"""Extra key of `DynamicAdamW.state_dict`: format version and the stochastic-rounding generator."""
+"""Extra key of `DynamicAdamW.state_dict`: the format version."""
 STATE_DICT_VERSION = 2
 """2: the int8 second moment has no zero code (`qmaps.SECOND_MOMENT_8BIT`); version 1 states load
 and are re-encoded (`_reencode_v1`)."""
@@ -139,7 +139,7 @@ class DynamicAdamW(torch.optim.Optimizer):
         """Every measured tensor's check: ``(step, numel, format, error, left fp32)``, in order."""
         self.policy: Policy = make_policy(config)
         self._formats: dict[tuple[str, int], StateFormat] = {}
-        self._generators: dict[str, torch.Generator] = {}
+        self._generators: dict[str, tuple[torch.Generator, int]] = {}  # per device: generator, step seeded for
         self.fused = FusedStep(config.fused)  # where a chunk's update is one compiled kernel
         self._format_hooks: OrderedDict[int, Callable[["DynamicAdamW", torch.Tensor, str, str], None]] = \
             OrderedDict()  # weak-referencable, as RemovableHandle needs
@@ -383,27 +383,28 @@ class DynamicAdamW(torch.optim.Optimizer):
         return next((g for g in self.param_groups if any(q is p for q in g["params"])), None)
 
     def _rounding(self, p: torch.Tensor, step: int) -> Optional[torch.Generator]:
+        """Stochastic rounding's generator at ``step`` (None: round to nearest). Seeded again at each step's
+        first use from the seed and the step alone, so a resumed run draws what the uninterrupted one would
+        have, whichever rank's checkpoint it loads, and nothing of it is saved."""
         refresh = self.config.refresh_every_steps
         if not (self.config.stochastic_rounding or (refresh and step % refresh == 0)):
             return None
         key = str(p.device)
-        gen = self._generators.get(key)
-        if gen is None:
-            gen = torch.Generator(device=p.device)
-            gen.manual_seed(self.config.seed)
-            self._generators[key] = gen
+        gen, seeded = self._generators.get(key) or (torch.Generator(device=p.device), None)
+        if seeded != step:
+            gen.manual_seed(((self.config.seed << 32) ^ step) % (1 << 63))
+            self._generators[key] = (gen, step)
         return gen
 
     # checkpoints --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """``torch.optim`` state dict plus the format version and the rounding generators."""
+        """``torch.optim`` state dict plus the format version."""
         out = super().state_dict()
         pool = self.state_pool
         if pool is not None:  # a view of the pool would save the whole reservation: save a compact copy
             out["state"] = {i: {k: (v.clone() if isinstance(v, torch.Tensor) and pool.owns(v) else v)
                                 for k, v in st.items()} for i, st in out["state"].items()}
-        out[STATE_DICT_KEY] = {"version": STATE_DICT_VERSION,
-                               "generators": {k: g.get_state() for k, g in self._generators.items()}}
+        out[STATE_DICT_KEY] = {"version": STATE_DICT_VERSION}  # older checkpoints' "generators" are not read
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -441,10 +442,6 @@ class DynamicAdamW(torch.optim.Optimizer):
         if extra and extra.get("version") == 1:
             for st in self.state.values():
                 _reencode_v1(st)
-        for key, value in extra.get("generators", {}).items():
-            gen = torch.Generator(device=key)
-            gen.set_state(value)
-            self._generators[key] = gen
 
 
 def _reencode_v1(state: dict) -> None:
@@ -461,14 +458,11 @@ def _reencode_v1(state: dict) -> None:
 
 
 def _check_hyper(lr: float, betas: tuple, eps: float, weight_decay: float) -> None:
-    if not 0.0 <= float(lr):
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"Invalid betas: {betas}; two numbers in [0, 1)")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    for ok, what in ((0.0 <= float(lr), f"learning rate: {lr}"), (0.0 <= eps, f"epsilon value: {eps}"),
+                     (len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas), f"betas: {betas}; two numbers in [0, 1)"),
+                     (0.0 <= weight_decay, f"weight_decay value: {weight_decay}")):
+        if not ok:
+            raise ValueError(f"Invalid {what}")
 
 
 def _check_numel(state: dict, p: torch.Tensor, index: int) -> None:
@@ -494,7 +488,4 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def _lcm(*values: int) -> int:
-    out = 1
-    for v in values:
-        out = out * v // math.gcd(out, v)
-    return out
+    return math.lcm(*values)

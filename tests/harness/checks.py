@@ -75,11 +75,14 @@ def assert_resumed(full: dict, resumed: dict, at: int, first: Optional[dict] = N
 
 def megatron_state_dict_round_trip(ex: Any, argv: list[str], before: int, after: int,
                                    load_into: Optional[dict[str, list[str]]] = None,
-                                   inspect: Optional[Callable[[Any], Any]] = None) -> dict:
+                                   inspect: Optional[Callable[[Any], Any]] = None,
+                                   parameter_state: Optional[str] = None) -> dict:
     """Megatron (``ex`` is ``examples/megatron_gpt.py``): ``before`` steps, the model's and optimizer's
     ``state_dict`` saved (copies: torch returns the live tensors), ``after`` more steps; then, for each
     ``{name: argv}`` of ``load_into`` (default ``{"resumed": argv}``), a fresh build that skips the
-    batches already seen, loads both and trains the same ``after`` steps.
+    batches already seen, loads both and trains the same ``after`` steps. With ``parameter_state`` (a
+    file path the ranks share), the distributed optimizer's states go through
+    ``save_parameter_state``/``load_parameter_state`` too, as Megatron-LM's ``--ckpt-format torch`` does.
 
     Returns:
         ``{"continued": losses, <name>: losses, ..., "saved_optimizer": the saved dict, "inspected":
@@ -92,9 +95,13 @@ def megatron_state_dict_round_trip(ex: Any, argv: list[str], before: int, after:
         run_step()
     saved_model = copy.deepcopy(model.module.state_dict())
     saved_optimizer = copy.deepcopy(optimizer.state_dict())
+    if parameter_state is not None:
+        optimizer.save_parameter_state(parameter_state)
+        torch.distributed.barrier()
     out: dict = {"continued": [run_step() for _ in range(after)]}
     out["inspected"] = inspect(session) if inspect is not None else None
-    session.remove()
+    if session is not None:
+        session.remove()
     for name, resume_argv in (load_into or {"resumed": argv}).items():
         opts = ex.parse_args(resume_argv)
         model, optimizer, session, make_data = ex.build_loop(opts)
@@ -103,6 +110,9 @@ def megatron_state_dict_round_trip(ex: Any, argv: list[str], before: int, after:
             next(data)
         model.module.load_state_dict(saved_model)
         optimizer.load_state_dict(copy.deepcopy(saved_optimizer))  # loading may keep references too
+        if parameter_state is not None:
+            with torch.no_grad():  # an fp32 model's ranges are views of its parameters, which Megatron copies into
+                optimizer.load_parameter_state(parameter_state)
         run_step = ex.step_function(opts, model, optimizer, data)
         out[name] = [run_step() for _ in range(after)]
         if session is not None:
@@ -112,10 +122,11 @@ def megatron_state_dict_round_trip(ex: Any, argv: list[str], before: int, after:
 
 
 def megatron_dist_checkpoint_round_trip(ex: Any, argv: list[str], before: int, after: int, directory: str,
-                                        load_into: dict[str, list[str]]) -> dict:
+                                        load_into: dict[str, list[str]], metadata: Optional[dict] = None) -> dict:
     """As `megatron_state_dict_round_trip`, through Megatron's distributed checkpoint (``sharded_state_dict``
     and ``dist_checkpointing.save``/``load``, Megatron-LM's ``--ckpt-format torch_dist``) in ``directory``
-    (shared by the ranks).
+    (shared by the ranks); ``metadata`` goes to the optimizer's ``sharded_state_dict`` (the distributed
+    optimizer's ``distrib_optim_sharding_type``).
 
     Returns:
         ``{"continued": losses, <name>: losses, ...}``.
@@ -131,7 +142,9 @@ def megatron_dist_checkpoint_round_trip(ex: Any, argv: list[str], before: int, a
     os.makedirs(directory, exist_ok=True)
     torch.distributed.barrier()
     model_state = model.module.sharded_state_dict()
-    dist_checkpointing.save({"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state)}, directory)
+    dist_checkpointing.save({"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state,
+                                                                                          metadata=metadata)},
+                            directory)
     out: dict = {"continued": [run_step() for _ in range(after)]}
     if session is not None:
         session.remove()
@@ -142,10 +155,17 @@ def megatron_dist_checkpoint_round_trip(ex: Any, argv: list[str], before: int, a
         for _ in range(before * opts.num_microbatches):
             next(data)
         model_state = model.module.sharded_state_dict()
-        loaded = dist_checkpointing.load({"model": model_state, "optimizer": optimizer.sharded_state_dict(
-            model_state, is_loading=True)}, directory)
-        model.module.load_state_dict(loaded["model"])
-        optimizer.load_state_dict(loaded["optimizer"])
+        with torch.no_grad():  # an fp32 model's distributed-optimizer ranges are views of its parameters
+            for member in getattr(optimizer, "chained_optimizers", [optimizer]):
+                # megatron-core without Apex or TE (torch's Adam) asserts on a distributed optimizer whose torch
+                # optimizer holds no state yet (distrib_optimizer.py L650, still so upstream): its own dummy-value
+                # step makes them; the load then overwrites parameters, states and step
+                if hasattr(member, "_init_optimizer_states_with_dummy_values") and not member.optimizer.state:
+                    member._init_optimizer_states_with_dummy_values()
+            loaded = dist_checkpointing.load({"model": model_state, "optimizer": optimizer.sharded_state_dict(
+                model_state, is_loading=True, metadata=metadata)}, directory)
+            model.module.load_state_dict(loaded["model"])
+            optimizer.load_state_dict(loaded["optimizer"])
         run_step = ex.step_function(opts, model, optimizer, data)
         out[name] = [run_step() for _ in range(after)]
         if session is not None:

@@ -19,15 +19,19 @@ test process only (the package never imports this module; ``examples/megatron_gp
   ``utils.py`` (``local_multi_tensor_l2_norm``, the grad norm). Their module-level ``torch`` is
   replaced by `CpuTorch`, which forwards every name to ``torch`` and rewrites that one argument of
   the factory functions.
+* ``Tensor.type()`` with no argument, called from a ``megatron.`` module on a CPU tensor, answers the
+  CUDA type name (``torch.cuda.FloatTensor``): the distributed optimizer and the fp16/bf16 optimizers
+  sort parameters by those names (``distrib_optimizer.py`` L361/L420/L582, ``optimizer.py`` L671/L690)
+  and raise on any other; the grad clipping asserts one (``clip_grads.py`` L167). Calls from any other
+  module, and every call with a dtype argument, are torch's own.
 
-Not covered (CUDA-only in 0.16.1 and left so): gradient clipping in Megatron's optimizer
-(``clip_grad_by_total_norm_fp32`` asserts ``torch.cuda.FloatTensor``), its fp16/bf16 optimizers
-(they check ``param.type()`` against CUDA type names), sequence parallelism (needs TE or Apex norms).
+Not covered (left so): sequence parallelism (needs TE or Apex norms).
 """
 from __future__ import annotations
 
 import functools
 import importlib
+import sys
 import types
 import warnings
 from typing import Any, Callable
@@ -66,6 +70,17 @@ class CpuTorch(types.ModuleType):
         return factory if factory is not None else getattr(torch, name)
 
 
+def _megatron_type(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def type_(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
+        if (dtype is None and not kwargs and self.device.type == "cpu"
+                and sys._getframe(1).f_globals.get("__name__", "").startswith("megatron.")):
+            return original(self).replace("torch.", "torch.cuda.", 1)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    return type_
+
+
 def install() -> None:
     """Patch the CUDA-only calls listed in the module docstring (idempotent; this process only)."""
     global _INSTALLED
@@ -77,6 +92,7 @@ def install() -> None:
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     torch.cuda.random.get_rng_state = torch.cuda.get_rng_state
     torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    torch.Tensor.type = _megatron_type(torch.Tensor.type)
 
     import megatron.core.tensor_parallel.random as random_module
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -41,8 +41,13 @@ UPSTREAM_NAMES: dict[str, tuple[str, ...]] = {
     "megatron/core/optimizer/optimizer.py": (
         "self.chained_optimizers", "self.float16_groups", "self.fp32_from_float16_groups", "def sharded_state_dict",
         "def load_state_dict", "class FP32Optimizer"),
-    # optimizer_states refuses the distributed optimizer; precision keeps the LM loss in fp32
-    "megatron/core/optimizer/distrib_optimizer.py": ("class DistributedOptimizer",),
+    # optimizer_states steps the distributed optimizer's ranges and reads/writes their states through its
+    # per-parameter seams; precision keeps the LM loss in fp32
+    "megatron/core/optimizer/distrib_optimizer.py": (
+        "class DistributedOptimizer", "def _get_main_param_and_optimizer_states",
+        "def _set_main_param_and_optimizer_states", "def load_parameter_state_from_dp_zero(",
+        "def load_parameter_state(", "self.model_param_group_index_map", "self.model_fp32_groups",
+        "self.shard_fp32_groups", "self.model_float16_groups", "self.shard_fp32_from_float16_groups"),
     "megatron/core/models/common/language_module/language_module.py": ("def compute_language_model_loss(self, labels",),
     "megatron/core/optimizer/optimizer_config.py": (
         "use_precision_aware_optimizer:", "exp_avg_dtype:", "exp_avg_sq_dtype:", "optimizer_cpu_offload:",
@@ -256,8 +261,23 @@ def num_microbatches() -> int | None:
         return None
 
 
+def wrap_range_state_seams(member: Any, read: Callable, write: Callable) -> list:
+    """Wrap the distributed optimizer's per-parameter state reader and writer (``read(original, model_param)``,
+    ``write(original, model_param, tensors)``): ``_get_main_param_and_optimizer_states`` and
+    ``_set_main_param_and_optimizer_states`` (distrib_optimizer.py L883-L940 at 0.16.1; the same names and
+    signatures from 0.12 to 0.19), through which every checkpoint format reads and writes a range's states.
+
+    Returns:
+        The two `xirang_ds.hooks.MethodWrap` handles.
+    """
+    from xirang_ds.hooks import wrap_method
+
+    return [wrap_method(member, "_get_main_param_and_optimizer_states", read),
+            wrap_method(member, "_set_main_param_and_optimizer_states", write)]
+
+
 __all__ = ["CHECKED_RANGE", "OFFLOAD_MODULES", "RECOMPUTE_MODULES", "REPLICATED_INPUT_CHILDREN", "TESTED_VERSION", "UPSTREAM_NAMES",
            "buffer_tensors", "check_version", "global_memory_buffer_tensors", "grad_buffers", "gradient",
            "inner_optimizers", "is_megatron_optimizer", "megatron_version", "num_microbatches", "optimizer_configs",
            "parallel_layers", "rng_tracker_states", "set_rng_tracker_states", "agreement_groups",
-           "transformer_layers", "unwrap"]
+           "transformer_layers", "unwrap", "wrap_range_state_seams"]

@@ -58,6 +58,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--overlap-grad-reduce", action="store_true", help="Megatron DDP's bucketed overlap")
     p.add_argument("--use-distributed-optimizer", action="store_true",
                    help="Megatron's distributed optimizer: main parameters and states sharded over data parallel")
+    p.add_argument("--bf16", action="store_true",
+                   help="Megatron's bf16 training: bf16 weights (Float16Module) and fp32 masters in its optimizer")
     p.add_argument("--ddp-bucket-size", type=int, default=None, help="DistributedDataParallelConfig.bucket_size")
     p.add_argument("--data", default=None, help="text file (default: tinyshakespeare if present, else the "
                                                 "standard library's docstrings)")
@@ -83,6 +85,7 @@ def build(opts: argparse.Namespace, tp_size: int) -> tuple[Any, Any, Any]:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_gpu = torch.cuda.is_available()
+    dtype = torch.bfloat16 if opts.bf16 else torch.float32
     model_parallel_cuda_manual_seed(opts.seed)
     config = TransformerConfig(
         num_layers=opts.num_layers, hidden_size=opts.hidden_size, num_attention_heads=opts.num_attention_heads,
@@ -90,7 +93,8 @@ def build(opts: argparse.Namespace, tp_size: int) -> tuple[Any, Any, Any]:
         hidden_dropout=opts.dropout, attention_dropout=opts.dropout, gradient_accumulation_fusion=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, apply_rope_fusion=False,  # the fused kernels need Apex or TE
-        pipeline_model_parallel_size=opts.pp, pipeline_dtype=torch.float32 if opts.pp > 1 else None)
+        pipeline_model_parallel_size=opts.pp, bf16=opts.bf16, params_dtype=dtype,
+        pipeline_dtype=dtype if opts.pp > 1 else None)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=opts.vocab_size,
                      max_sequence_length=opts.seq_length, share_embeddings_and_output_weights=opts.tied,
                      pre_process=parallel_state.is_pipeline_first_stage(),
@@ -103,10 +107,15 @@ def build(opts: argparse.Namespace, tp_size: int) -> tuple[Any, Any, Any]:
     session = xirang_megatron.build_session(opts.xirang_config)
     if session is not None:
         xirang_megatron.prepare_model(session, model, ddp_config)
+    if opts.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
     model = DistributedDataParallel(config, ddp_config, model)
     clip_grad = opts.clip_grad if opts.clip_grad is not None else (1.0 if on_gpu else 0.0)
     optimizer_config = OptimizerConfig(optimizer="adam", lr=opts.lr, weight_decay=0.01, clip_grad=clip_grad,
-                                       use_distributed_optimizer=opts.use_distributed_optimizer)
+                                       use_distributed_optimizer=opts.use_distributed_optimizer, bf16=opts.bf16,
+                                       params_dtype=dtype)
     optimizer = get_megatron_optimizer(optimizer_config, [model])
     if session is not None:
         optimizer = xirang_megatron.attach(session, model, optimizer, micro_batch_size=opts.micro_batch_size,

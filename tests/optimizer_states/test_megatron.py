@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 import pytest
+import torch
 
 from tests.harness.checks import (
     megatron_dist_checkpoint_round_trip,
@@ -46,7 +47,8 @@ def _states_inspect(model: Any, optimizer: Any, session: Any) -> dict:
     from xirang_ds.compat.megatron import inner_optimizers, unwrap
 
     out: dict = {"inner": [type(o).__name__ for o in inner_optimizers(optimizer)],
-                 "replicated": {n: zlib.crc32(p.detach().numpy().tobytes()) for n, p in unwrap(model).named_parameters()
+                 "replicated": {n: zlib.crc32(p.detach().view(torch.uint8).numpy().tobytes())
+                                for n, p in unwrap(model).named_parameters()
                                 if not getattr(p, "tensor_model_parallel", False)}}
     plugin = session.plugin("optimizer_states") if session else None
     if plugin is not None:
@@ -218,6 +220,10 @@ megatron-core 0.16.1 refuses the deprecated ``fully_sharded_model_space`` ("Shar
 not supported"), plain or not."""
 
 
+def _formats(session: Any) -> dict:
+    return session.plugin("optimizer_states").optimizer.format_numel()
+
+
 def dp2_distributed_optimizer(rank: int, world: int, tmp: str) -> dict:
     """DP=2 with Megatron's DistributedOptimizer: plain (and without it), fp32 and int8 states; the
     ``torch`` format's state_dict plus parameter-state file, and each ``torch_dist`` sharding type,
@@ -234,10 +240,25 @@ def dp2_distributed_optimizer(rank: int, world: int, tmp: str) -> dict:
                "not_distributed": ex.train(ex.parse_args(DISTRIBUTED[:-1]), _states_inspect)}
         for name, config in blocks.items():
             out[name] = ex.train(ex.parse_args(DISTRIBUTED + ["--xirang-config", config]), _states_inspect)
-        run = megatron_state_dict_round_trip(ex, DISTRIBUTED + ["--xirang-config", resume], 3, 2,
-                                             parameter_state=os.path.join(tmp, "param_state.pt"),
-                                             inspect=lambda s: s.plugin("optimizer_states").optimizer.format_numel())
-        out["torch"] = {"continued": run["continued"], "resumed": run["resumed"], "formats": run["inspected"]}
+        # Megatron's bf16 training: bf16 weights, the fp32 masters of each range (or, not distributed, of each
+        # parameter: Float16OptimizerWithFloat16Params) stepped by DynamicAdamW
+        for name, argv in {"bf16_plain": [], "bf16_int8": ["--xirang-config", blocks["int8"]]}.items():
+            out[name] = ex.train(ex.parse_args(DISTRIBUTED + ["--bf16"] + argv), _states_inspect)
+        out["bf16_not_distributed_int8"] = ex.train(ex.parse_args(DISTRIBUTED[:-1] + ["--bf16", "--xirang-config",
+                                                                                     blocks["int8"]]), _states_inspect)
+        out["not_distributed_int8"] = ex.train(ex.parse_args(DISTRIBUTED[:-1] + ["--xirang-config", blocks["int8"]]),
+                                               _states_inspect)
+        for precision in ([], ["--bf16"]):
+            run = megatron_state_dict_round_trip(ex, DISTRIBUTED + precision + ["--xirang-config", resume], 3, 2,
+                                                 parameter_state=os.path.join(tmp, "param_state.pt"),
+                                                 inspect=_formats)
+            out["torch" + "_bf16" * bool(precision)] = {"continued": run["continued"], "resumed": run["resumed"],
+                                                         "formats": run["inspected"]}
+        bf16 = megatron_dist_checkpoint_round_trip(ex, DISTRIBUTED + ["--bf16", "--xirang-config", resume], 3, 2,
+                                                   os.path.join(tmp, "ours_bf16"),
+                                                   {"resumed": DISTRIBUTED + ["--bf16", "--xirang-config", resume]},
+                                                   {"distrib_optim_sharding_type": SHARDING_TYPES[0]})
+        out["torch_dist_bf16"] = bf16
         for kind in SHARDING_TYPES:
             meta = {"distrib_optim_sharding_type": kind}
             ours = megatron_dist_checkpoint_round_trip(
@@ -276,12 +297,30 @@ def test_distributed_optimizer_fp32_states_bit_identical_and_int8_states_per_ran
 
 
 @pytest.mark.distributed
-def test_distributed_optimizer_torch_format_resumes_bit_for_bit(distributed):
-    """``state_dict`` + ``save_parameter_state`` (the states gathered to DP rank 0 decoded to fp32) and
-    back: the next update re-encodes the same values, and the rounding generator travels in the common part."""
+def test_megatron_bf16_int8_states_of_the_fp32_masters(distributed):
+    """--bf16: the states of each fp32 master (the distributed optimizer's ranges, or Float16OptimizerWithFloat16Params'
+    masters) are quantized, the kept-fp32 parameters' masters stay fp32 exactly as with fp32 weights."""
     for r in distributed:
-        assert r["torch"]["resumed"] == r["torch"]["continued"]
-        assert set(r["torch"]["formats"]) == {"fp32", "int8"}
+        plain, int8 = r["bf16_plain"], r["bf16_int8"]
+        assert abs(int8["losses"][-1] / plain["losses"][-1] - 1) < 0.02
+        assert int8["formats"] == r["int8"]["formats"]
+        assert _states(int8) == int8["held"] == r["int8"]["held"] < 0.6 * _states(plain)
+        whole = r["bf16_not_distributed_int8"]
+        assert whole["formats"] == r["not_distributed_int8"]["formats"] and set(whole["formats"][0]) == {"fp32", "int8"}
+        assert _states(whole) == whole["held"] == r["not_distributed_int8"]["held"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("precision", ["", "_bf16"])
+def test_distributed_optimizer_torch_format_resumes_bit_for_bit(distributed, precision):
+    """``state_dict`` + ``save_parameter_state`` (the states gathered to DP rank 0 decoded to fp32) and
+    back: the next update re-encodes the same values; stochastic rounding's draws depend on the step only."""
+    for r in distributed:
+        run = r["torch" + precision]
+        assert run["resumed"] == run["continued"]
+        assert set(run["formats"]) == {"fp32", "int8"}
+        if precision:
+            assert r["torch_dist_bf16"]["resumed"] == r["torch_dist_bf16"]["continued"]
 
 
 @pytest.mark.distributed

@@ -58,6 +58,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--overlap-grad-reduce", action="store_true", help="Megatron DDP's bucketed overlap")
     p.add_argument("--use-distributed-optimizer", action="store_true",
                    help="Megatron's distributed optimizer: main parameters and states sharded over data parallel")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron's sequence parallelism (activations outside the TP regions split over the sequence)")
     p.add_argument("--bf16", action="store_true",
                    help="Megatron's bf16 training: bf16 weights (Float16Module) and fp32 masters in its optimizer")
     p.add_argument("--ddp-bucket-size", type=int, default=None, help="DistributedDataParallelConfig.bucket_size")
@@ -94,6 +96,7 @@ def build(opts: argparse.Namespace, tp_size: int) -> tuple[Any, Any, Any]:
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, apply_rope_fusion=False,  # the fused kernels need Apex or TE
         pipeline_model_parallel_size=opts.pp, bf16=opts.bf16, params_dtype=dtype,
+        sequence_parallel=opts.sequence_parallel,
         pipeline_dtype=dtype if opts.pp > 1 else None)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=opts.vocab_size,
                      max_sequence_length=opts.seq_length, share_embeddings_and_output_weights=opts.tied,

@@ -53,13 +53,14 @@ def gpt(num_layers: int = 4, **config: Any) -> Any:
                     max_sequence_length=32)
 
 
-def config_error(ex: Any, block: dict, tmp: str) -> str:
-    """The XirangConfigError building with ``block`` gives (``""`` when it builds)."""
+def config_error(ex: Any, block: dict, tmp: str, argv: tuple[str, ...] = (), tp: int = 2) -> str:
+    """The XirangConfigError building with ``block`` (and the example's ``argv``, at tensor-parallel size
+    ``tp``) gives (``""`` when it builds)."""
     from xirang_ds.config.validate import XirangConfigError
 
     config = write_block(os.path.join(tmp, f"error{len(os.listdir(tmp))}.json"), block)
     try:
-        ex.build(ex.parse_args(["--xirang-config", config]), 2)[2].remove()
+        ex.build(ex.parse_args([*argv, "--xirang-config", config]), tp)[2].remove()
     except XirangConfigError as e:
         return str(e)
     return ""

@@ -25,7 +25,12 @@ test process only (the package never imports this module; ``examples/megatron_gp
   and raise on any other; the grad clipping asserts one (``clip_grads.py`` L167). Calls from any other
   module, and every call with a dtype argument, are torch's own.
 
-Not covered (left so): sequence parallelism (needs TE or Apex norms).
+* Sequence parallelism needs Apex's or TE's norm (the local spec's ``WrappedTorchNorm`` asserts it off,
+  ``torch_norm.py`` L32): `SequenceParallelNorm` stands in for Apex's ``FusedLayerNorm`` there, a torch
+  ``LayerNorm``/``RMSNorm`` whose parameters carry ``sequence_parallel`` as Apex's do (so
+  ``finalize_model_grads`` all-reduces their gradients over the tensor-parallel group). It replaces
+  ``LNImpl``/``LayerNormImpl`` in the backend, layer-spec and block modules, so the LayerNorm specs built
+  after `install` use it (an RMSNorm local spec resets megatron-core's own global to ``WrappedTorchNorm``).
 """
 from __future__ import annotations
 
@@ -45,6 +50,17 @@ PATCHED_MODULES = ("megatron.core.pipeline_parallel.schedules", "megatron.core.o
 """Modules whose ``torch`` global becomes `CpuTorch`."""
 
 _INSTALLED = False
+
+
+class SequenceParallelNorm:
+    """Apex's ``FusedLayerNorm`` as far as sequence parallelism goes, on torch's norms (module docstring)."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.Module:
+        norm_cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}[config.normalization]
+        norm = norm_cls(hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel)
+        return norm
 
 
 def _cpu_device(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -98,6 +114,11 @@ def install() -> None:
 
     random_module._set_cuda_rng_state = lambda state, device=-1, graph_safe=False: torch.set_rng_state(state)
     warnings.filterwarnings("ignore", message="CPU RNG state changed within GPU RNG context")
+    import megatron.core.models.backends as backends
+    import megatron.core.models.gpt.gpt_layer_specs as layer_specs
+    import megatron.core.transformer.transformer_block as block
+
+    backends.LNImpl = layer_specs.LNImpl = block.LayerNormImpl = SequenceParallelNorm
     cpu_torch = CpuTorch()
     for name in PATCHED_MODULES:
         importlib.import_module(name).torch = cpu_torch

@@ -143,12 +143,22 @@ class Bucket(MasterSlices):
         flat = grad.reshape(-1)
         if local:
             self.layout.write(self._accumulator(), index, flat, add=True)
+        elif self._adopts(flat):
+            self.target, self._target_accumulates = flat, False
         else:
             target = self._target(peek)
             self.layout.write(target, index, flat, add=self._target_accumulates or self.arrived[index])
         if not self.arrived[index]:
             self.arrived[index] = True
             self.missing -= 1
+
+    def _adopts(self, flat: torch.Tensor) -> bool:
+        """Whether the gradient itself is this backward's communication buffer, with no copy: the bucket's
+        one parameter, cut into equal chunks (no padding: its flat gradient is then the ``[world, chunk]``
+        layout), in the communication dtype, and no local sum to add it to. A parameter larger than the
+        bucket size is alone in its bucket (an embedding, an LM head): its gradient is not held twice."""
+        return (self.target is None and len(self.params) == 1 and not self.layout.padded
+                and (self.sharded or self.acc is None) and flat.dtype == self.comm_dtype and flat.is_contiguous())
 
     def _accumulator(self) -> torch.Tensor:
         if self.acc is None:

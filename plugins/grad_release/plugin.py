@@ -231,6 +231,9 @@ class GradReleasePlugin(Plugin):
                                                         or self.retries_oom())
         accum = 4 * part if shape.grad_accum > 1 else 0
         in_flight = (2 if self.config.overlap_comm and len(planned) > 1 else 1) * lp * bucket
+        # the largest gradient, made whole before its hook, is copied into its bucket's buffer, unless it is
+        # alone there, unpadded and in the communication dtype: then it is the buffer (`Bucket._adopts`)
+        whole = 0 if max(numels) >= bucket_numel and max(numels) % world == 0 and comm_bytes == lp else lp * max(numels)
         shard = math.ceil(bucket / world)
         # the update (bucket.py ``apply``): the bucket shard's fp32 gradient, then with remainders its
         # master rebuilt from a 16-bit copy of its weights (freed once joined; ``none``: widened in
@@ -257,14 +260,14 @@ class GradReleasePlugin(Plugin):
             cats["comm_buffers"] = 0
             if name == "backward":
                 # mid-backward, at the traced run's highest point there (the activations still alive
-                # then): the buckets in flight and the largest gradient made whole before its hook
-                cats[GRADIENTS] = accum + in_flight + lp * max(numels)
+                # then): the buckets in flight and the largest gradient made whole before its hook (`whole`)
+                cats[GRADIENTS] = accum + in_flight + whole
                 # early in backward, before the first bucket is full, the activations are all there
                 # with the loss's gradient temporaries; at its end the activations are gone, buckets
                 # are in flight and updating, and the held shard (if any) is whole
                 late = {**cats, "activations": 0, "comm_buffers": in_flight,
                         "temporaries": update,
-                        GRADIENTS: accum + (lp * part if holds else 0) + lp * max(numels)}
+                        GRADIENTS: accum + (lp * part if holds else 0) + whole}
                 if sum(late.values()) > sum(cats.values()):
                     cats = late
             elif name == BACKWARD_START:

@@ -397,3 +397,29 @@ def test_measurement_configs_are_valid():
         block = load_config(ds_config).grad_release
         assert block.enabled, path
         read_setup(ds_config, block)
+
+
+def test_a_parameter_alone_in_its_bucket_is_reduced_from_its_own_gradient():
+    """No copy of the gradient where it already has the communication buffer's layout: one parameter, no
+    padding, the communication dtype; otherwise the gradient is copied into a buffer of its own."""
+    from xirang_ds.plugins.grad_release.bucket import Bucket
+    from xirang_ds.plugins.grad_release.comm import DataParallelComm
+
+    comm = DataParallelComm(None)
+    params = [torch.nn.Parameter(torch.randn(4, 6)), torch.nn.Parameter(torch.randn(5))]
+    basic = torch.optim.AdamW(params, lr=0.1)
+
+    def target_of(indices: list[int], world: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        bucket = Bucket(0, [params[i] for i in indices], [str(i) for i in indices], [0] * len(indices),
+                        BucketLayout.build([params[i].numel() for i in indices], world), comm, basic, dtype)
+        bucket.begin_backward()
+        grad = torch.randn(params[indices[0]].shape)
+        bucket.add(0, grad)
+        return grad, bucket.target
+
+    grad, target = target_of([0], 2, torch.float32)  # 24 elements in 2 chunks of 12
+    assert target.data_ptr() == grad.data_ptr() and torch.equal(target, grad.view(-1))
+    for indices, world, dtype in (([1], 2, torch.float32), ([0, 1], 1, torch.float32), ([0], 1, torch.bfloat16)):
+        grad, target = target_of(indices, world, dtype)  # padded; two parameters; another dtype
+        assert target.data_ptr() != grad.data_ptr()
+        assert torch.equal(target[:grad.numel()], grad.view(-1).to(dtype))

@@ -24,7 +24,6 @@ test process only (the package never imports this module; ``examples/megatron_gp
   sort parameters by those names (``distrib_optimizer.py`` L361/L420/L582, ``optimizer.py`` L671/L690)
   and raise on any other; the grad clipping asserts one (``clip_grads.py`` L167). Calls from any other
   module, and every call with a dtype argument, are torch's own.
-
 * Sequence parallelism needs Apex's or TE's norm (the local spec's ``WrappedTorchNorm`` asserts it off,
   ``torch_norm.py`` L32): `SequenceParallelNorm` stands in for Apex's ``FusedLayerNorm`` there, a torch
   ``LayerNorm``/``RMSNorm`` whose parameters carry ``sequence_parallel`` as Apex's do (so

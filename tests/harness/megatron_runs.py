@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import sys
+import tempfile
 from typing import Any
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -58,7 +59,9 @@ def config_error(ex: Any, block: dict, tmp: str, argv: tuple[str, ...] = (), tp:
     ``tp``) gives (``""`` when it builds)."""
     from xirang_ds.config.validate import XirangConfigError
 
-    config = write_block(os.path.join(tmp, f"error{len(os.listdir(tmp))}.json"), block)
+    handle, path = tempfile.mkstemp(prefix="error", suffix=".json", dir=tmp)  # ranks may share tmp
+    os.close(handle)
+    config = write_block(path, block)
     try:
         ex.build(ex.parse_args([*argv, "--xirang-config", config]), tp)[2].remove()
     except XirangConfigError as e:

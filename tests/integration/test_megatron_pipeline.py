@@ -44,11 +44,9 @@ def pp2(rank: int, world: int, tmp: str) -> dict:
         for name, block in BLOCKS.items():
             config = write_block(os.path.join(tmp, f"{name}{rank}.json"), block)
             out[name] = ex.train(ex.parse_args(ARGV + ["--xirang-config", config]))
-        errors = os.path.join(tmp, f"errors{rank}")
-        os.makedirs(errors)
         out["typo"] = config_error(ex, {"activations": {"enabled": True, "planner": False, "chunk": ["output_layr"],
-                                                        "recompute": ["decoder.layers.*"]}}, errors, ARGV, tp=1)
-        out["grad_release"] = config_error(ex, {"grad_release": {"enabled": True}}, errors, ARGV, tp=1)
+                                                        "recompute": ["decoder.layers.*"]}}, tmp, ARGV, tp=1)
+        out["grad_release"] = config_error(ex, {"grad_release": {"enabled": True}}, tmp, ARGV, tp=1)
         return out
     finally:
         ex.teardown(created)

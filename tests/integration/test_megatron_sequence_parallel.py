@@ -75,10 +75,8 @@ def sp(rank: int, world: int, tmp: str) -> dict:
         for name, block in BLOCKS.items():
             config = write_block(os.path.join(tmp, f"{name}{rank}.json"), block)
             out[name] = ex.train(ex.parse_args(ARGV + ["--xirang-config", config]), _inspect)
-        errors = os.path.join(tmp, f"errors{rank}")
-        os.makedirs(errors)
         for name, block in REFUSED.items():
-            out[f"refused_{name}"] = config_error(ex, block, errors, ARGV)
+            out[f"refused_{name}"] = config_error(ex, block, tmp, ARGV)
         return out
     finally:
         ex.teardown(created)

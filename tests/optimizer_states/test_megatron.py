@@ -88,11 +88,14 @@ def tp2_optimizer_states(rank: int, world: int, tmp: str, steps: int, schedules:
         ex.teardown(created)
 
 
+def _formats(session: Any) -> dict:
+    return session.plugin("optimizer_states").optimizer.format_numel()
+
+
 def states_resume(ex: Any, argv: list[str], before: int, after: int) -> dict:
     """Megatron's model and optimizer state dicts after ``before`` steps, then ``after`` more: the same
     from a fresh build loading them; the formats held and the code dtypes saved."""
-    run = megatron_state_dict_round_trip(ex, argv, before, after,
-                                         inspect=lambda session: session.plugin("optimizer_states").optimizer.format_numel())
+    run = megatron_state_dict_round_trip(ex, argv, before, after, inspect=_formats)
     codes = sorted({str(t.dtype) for st in run["saved_optimizer"]["state"].values() for k, t in st.items()
                     if k.endswith("_codes")})
     return {"continued": run["continued"], "resumed": run["resumed"], "formats": run["inspected"], "saved_codes": codes}
@@ -218,10 +221,6 @@ SHARDING_TYPES = ("dp_reshardable",)
 Megatron-LM's default. ``fully_reshardable`` gathers over NCCL (``.cuda()``, distrib_optimizer.py L1089) and
 megatron-core 0.16.1 refuses the deprecated ``fully_sharded_model_space`` ("ShardedTensor.flattened_range is
 not supported"), plain or not."""
-
-
-def _formats(session: Any) -> dict:
-    return session.plugin("optimizer_states").optimizer.format_numel()
 
 
 def dp2_distributed_optimizer(rank: int, world: int, tmp: str) -> dict:

@@ -29,6 +29,13 @@ are exact and no plugin changes them; its step time is another run's):
         --micro-batch 2 --steps 6 --stages 2 --presets aggressive --budget aggressive=0.3 --world-size 2 \\
         --data ../shared/data/tinyshakespeare.txt --plain-from benchmarks/results/presets_zero_162m_bf16.json
 
+``--extra JSON`` lays keys over every preset's block, for a side by side of one setting (ZeRO-3's
+masters as remainders against DeepSpeed's fp32 masters, docs/optimizer_states.md):
+
+    .venv/bin/python benchmarks/presets_zero.py --model gpt-small --steps 10 --stages 3 \
+        --presets balanced aggressive --world-size 2 --data ../shared/data/tinyshakespeare.txt \
+        --extra '{"optimizer_states": {"masters": "fp32"}}' --json benchmarks/results/presets_zero3_masters_fp32.json
+
 ``--render JSON`` prints the Markdown table of a saved run.
 """
 from __future__ import annotations
@@ -85,7 +92,7 @@ def run(args: argparse.Namespace) -> dict:
 
     data = {"command": " ".join(["python", "benchmarks/presets_zero.py"] + sys.argv[1:]), "model": args.model,
             "steps": args.steps, "world_size": args.world_size, "micro_batch": args.micro_batch, "dtype": args.dtype,
-            "parameters": parameter_count(args.model), "budgets": dict(args.budget), "rows": []}
+            "parameters": parameter_count(args.model), "budgets": dict(args.budget), "extra": args.extra, "rows": []}
     for stage in args.stages:
         base = stage_config(stage, args.micro_batch, args.dtype)
         if args.plain_from:
@@ -100,7 +107,7 @@ def run(args: argparse.Namespace) -> dict:
         for preset in args.presets:
             print(f"ZeRO-{stage}: preset {preset} ...", file=sys.stderr, flush=True)
             row = {"stage": stage, "config": preset}
-            block = {"preset": preset}
+            block = deep_merge({"preset": preset}, args.extra or {})
             if preset in data["budgets"]:
                 block["memory_budget"] = row["memory_budget"] = int(data["budgets"][preset] * plain.peak_bytes)
             try:
@@ -141,7 +148,8 @@ def render(data: dict) -> str:
     mib = 2 ** 20
     lines = [f"`{data['model']}`, {data['world_size']} rank(s) over gloo on CPU, {data.get('dtype', 'bf16')}, "
              f"clipping 1.0, 1e6-element buckets, micro-batch {data.get('micro_batch', 8)}, {data['steps']} steps, "
-             f"{budget_words(data.get('budgets'))}; made by "
+             f"{budget_words(data.get('budgets'))}"
+             + (f", every preset with `{json.dumps(data['extra'])}`" if data.get("extra") else "") + "; made by "
              f"`{data['command']}`" + (f" (plain DeepSpeed's rows from `{data['plain_from']}`, another run: its step "
                                        f"time ratios compare runs made at different times)"
                                        if data.get("plain_from") else "") + ".", "",
@@ -196,6 +204,8 @@ def main() -> int:
     p.add_argument("--stages", type=int, nargs="+", default=list(STAGES), choices=STAGES)
     p.add_argument("--budget", type=budget_arg, action="append", default=[], metavar="PRESET=FRACTION",
                    help="memory_budget for PRESET as FRACTION of plain DeepSpeed's peak at the same stage")
+    p.add_argument("--extra", type=json.loads, default=None, metavar="JSON",
+                   help="keys laid over every preset's block (a JSON object)")
     p.add_argument("--presets", nargs="+", default=list(PRESETS), choices=PRESETS,
                    help="the presets to run beside plain DeepSpeed (default: all)")
     p.add_argument("--plain-from", default=None, metavar="JSON",

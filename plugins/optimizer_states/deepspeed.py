@@ -14,11 +14,12 @@
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
-from xirang_ds.compat.deepspeed import relink_hp_params
+from xirang_ds.compat.deepspeed import relink_hp_params, zero3_param_groups
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.registry import FrameworkPath, OptimizerSpec
 
@@ -27,20 +28,21 @@ logger = logging.getLogger("xirang_ds")
 SECTION = "xirang.optimizer_states"
 
 
-def check_ds_config(ds_config: dict) -> None:
+def check_ds_config(config: Any, ds_config: dict) -> None:
     """Refuse ds_config settings this plugin cannot work with, before DeepSpeed starts.
 
     Raises:
         XirangConfigError: every problem of `ds_config_problems`.
     """
-    problems = ds_config_problems(ds_config)
+    problems = ds_config_problems(config, ds_config)
     if problems:
         raise XirangConfigError(problems)
 
 
-def ds_config_problems(ds_config: dict) -> list[tuple[str, str]]:
-    """The ds_config settings this plugin cannot work with: optimizer offload (DeepSpeed then steps
-    its own CPU Adam on host memory)."""
+def ds_config_problems(config: Any, ds_config: dict) -> list[tuple[str, str]]:
+    """The ds_config settings this plugin, configured as ``config``, cannot work with: optimizer
+    offload (DeepSpeed then steps its own CPU Adam on host memory); ``masters: "remainders"`` other
+    than at ZeRO-3 in bf16."""
     zero = ds_config.get("zero_optimization") or {}
     problems = []
     offload = zero.get("offload_optimizer") or {}
@@ -49,6 +51,19 @@ def ds_config_problems(ds_config: dict) -> list[tuple[str, str]]:
                          f"zero_optimization.offload_optimizer.device is {offload.get('device')!r}: DeepSpeed then "
                          f"keeps the optimizer states in host memory and steps its own CPU Adam, so there are no "
                          f"device states to shrink. Fix: remove offload_optimizer or disable optimizer_states"))
+    if getattr(config, "masters", "auto") == "remainders":
+        stage = int(zero.get("stage", 0) or 0)
+        if stage != 3:
+            problems.append((f"{SECTION}.masters",
+                             f"is 'remainders' but zero_optimization.stage is {stage}: this key keeps DeepSpeed's "
+                             f"ZeRO-3 masters; at ZeRO 0-2 grad_release keeps them as remainders "
+                             f"(grad_release.masters). "
+                             f"Fix: set masters \"auto\" or \"fp32\", or enable grad_release"))
+        if (ds_config.get("bf16") or {}).get("enabled") not in (True, "true"):
+            problems.append((f"{SECTION}.masters",
+                             "is 'remainders' but bf16.enabled is not true: remainders rebuild an fp32 master from "
+                             "its bf16 rounding (an fp16 weight is not the top half of an fp32 number). "
+                             "Fix: enable bf16, or set masters \"auto\" or \"fp32\""))
     return problems
 
 
@@ -133,9 +148,31 @@ class DeepSpeedStates(FrameworkPath):
         p.optimizers = [p.optimizer]
         p.keep(p.optimizer.register_format_change_hook(lambda opt, param, old, new: relink_state_views(engine)))
         p.use_pool()
+        self._park_masters(engine)
         if engine.global_rank == 0:
-            logger.info("xirang optimizer_states: %s replaced by DynamicAdamW; %d parameter(s) keep fp32 states",
-                        p.source, len(p.keep_reasons))
+            logger.info("xirang optimizer_states: %s replaced by DynamicAdamW; %d parameter(s) keep fp32 states; "
+                        "masters: %s", p.source, len(p.keep_reasons), p.masters_line)
+
+    def _park_masters(self, engine: Any) -> None:
+        """``masters``: ZeRO-3's fp32 masters kept as remainders where they can be (`masters.py`)."""
+        from xirang_ds.plugins.optimizer_states.masters import ParkedMasters, zero3_problem
+
+        p = self.plugin
+        if p.config.masters == "fp32":
+            p.masters_line = "fp32 (masters: fp32)"
+            return
+        problem = zero3_problem(engine.optimizer) if p.session.stepper is None else "grad_release holds them"
+        if problem is not None:
+            if p.config.masters == "remainders":
+                raise XirangConfigError([(f"{SECTION}.masters", f"is 'remainders' but {problem}. "
+                                                                 "Fix: set masters \"auto\" or \"fp32\"")])
+            p.masters_line = f"as the run keeps them ({problem})"
+            return
+        p.parked = ParkedMasters(engine.optimizer, p.session.tracker.scope)
+        p.keep(p.parked)
+        p.keep(p.session.add_memory_roles(p.parked.memory_roles))
+        p.masters_line = (f"remainders (ZeRO-3's fp32 masters as bf16 remainders between updates; one of "
+                          f"{len(p.parked.masters)} sub-group(s) whole at a time)")
 
     def states_moved(self) -> None:
         """Quantized buffers moved into the pool: DeepSpeed's views of the states are rebuilt."""
@@ -148,7 +185,10 @@ class DeepSpeedStates(FrameworkPath):
         p = self.plugin
         if p.engine is None or p.optimizer is None:
             return
-        replacement = to_torch_optimizer(p.optimizer, into=p.original)
+        wrapper = p.engine.optimizer
+        # ZeRO-3 puts its flat partitions into the param groups only around a step (and a save)
+        with zero3_param_groups(wrapper) if hasattr(wrapper, "fp32_partitioned_groups_flat") else nullcontext():
+            replacement = to_torch_optimizer(p.optimizer, into=p.original)
         swap_basic_optimizer(p.engine, p.optimizer, replacement)
 
 

@@ -111,6 +111,12 @@ def replace_inner(optimizer: Any, config: OptimizerStatesConfig, kept: dict[int,
                              f"{type(inner).__module__}.{type(inner).__name__}; optimizer_states replaces Adam and "
                              "AdamW only (Megatron-LM --optimizer adam); use it, or set "
                              f"{SECTION}.enabled to false"))
+    if config.masters == "remainders":
+        problems.append((f"{SECTION}.masters",
+                         "is 'remainders', which keeps DeepSpeed ZeRO-3's fp32 masters; under Megatron-core they are "
+                         "its Float16 optimizer's own (Megatron's precision-aware optimizer keeps them as remainders "
+                         "with Transformer Engine: --use-precision-aware-optimizer). Fix: set masters \"auto\" or "
+                         "\"fp32\""))
     if problems:
         raise XirangConfigError(problems)
     out = []

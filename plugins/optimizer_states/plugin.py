@@ -62,23 +62,30 @@ class OptimizerStatesPlugin(Plugin):
         self.keep_reasons: dict[str, str] = {}
         self.engine = None
         self.loaded_config: Optional[dict] = None
+        self.parked = None
+        """ZeRO-3's masters kept as remainders (`masters.ParkedMasters`), when ``masters`` applies."""
+        self.masters_line = "fp32"
 
     @classmethod
     def check_ds_config(cls, config: OptimizerStatesConfig, ds_config: dict) -> list[tuple[str, str]]:
         from xirang_ds.plugins.optimizer_states.deepspeed import ds_config_problems
 
-        return ds_config_problems(ds_config)
+        return ds_config_problems(config, ds_config)
 
     # seams ------------------------------------------------------------------------------------
     def prepare_ds_config(self, ds_config: dict) -> None:
+        from xirang_ds.plugins.optimizer_states import masters
         from xirang_ds.plugins.optimizer_states.deepspeed import check_ds_config
 
-        check_ds_config(ds_config)
+        check_ds_config(self.config, ds_config)
         zero = ds_config.get("zero_optimization") or {}
         if int(zero.get("stage", 0) or 0) > 0:
             # ZeRO lists the optimizer classes it was tested with (runtime/zero/utils.py); this one
             # follows torch.optim's contract on one flat partition per group, as theirs do.
             ds_config["zero_allow_untested_optimizer"] = True
+        if masters.parks(self.config, ds_config) and "sub_group_size" not in zero and self.session.model is not None:
+            trainable = sum(p.numel() for p in self.session.model.parameters() if p.requires_grad)
+            zero["sub_group_size"] = masters.sub_group_size(trainable, self.session.world_size)
 
     def prepare_model(self, model: Any) -> None:
         from xirang_ds.plugins.optimizer_states.build import keep_reasons
@@ -132,7 +139,8 @@ class OptimizerStatesPlugin(Plugin):
 
     def remove(self) -> None:
         """Hand the framework a ``torch.optim`` Adam/AdamW with the states decoded to fp32."""
-        super().remove()
+        super().remove()  # parked masters whole again first
+        self.parked = None
         for opt in self.optimizers:
             opt.state_pool = None
         self.path.remove()
@@ -162,6 +170,7 @@ class OptimizerStatesPlugin(Plugin):
         import math
 
         from xirang_ds.memory.estimator import _adam_temporaries
+        from xirang_ds.plugins.optimizer_states import masters
         from xirang_ds.plugins.optimizer_states.build import keep_reasons
         from xirang_ds.plugins.optimizer_states.formats import MOMENTS, make_format
         from xirang_ds.plugins.optimizer_states.schedule import make_policy
@@ -197,6 +206,10 @@ class OptimizerStatesPlugin(Plugin):
             if name == "optimizer_step":
                 cats["temporaries"] = max(0, cats.get("temporaries", 0) - plain_temps) + temps
             out[name] = cats
+        if masters.parks_in_estimate(self.config, shape, self.session.stepper):
+            zero = self.session.ds_config.get("zero_optimization") or {}
+            out = masters.adjust_phases(out, shape, [p.numel() for p in params],
+                                        int(float(zero.get("sub_group_size", 1e9))))
         return out
 
     # reporting and checkpoints ----------------------------------------------------------------
@@ -218,7 +231,8 @@ class OptimizerStatesPlugin(Plugin):
         return (f"DynamicAdamW ({self.config.policy} policy) from {self.source}; states: {formats}; "
                 f"{format_bytes(held)} on this rank; {len(self.keep_reasons) - measured} parameter(s) kept fp32"
                 + (f", {measured} embedding(s) measured ({len(checks)} check(s), {moved} moved)" if measured else "")
-                + f"; {self.optimizers[0].fused.describe()}")
+                + f"; {self.optimizers[0].fused.describe()}"
+                + (f"; masters as remainders: {format_bytes(self.parked.held_bytes())}" if self.parked else ""))
 
     def state_dict(self) -> dict:
         from xirang_ds.plugins.optimizer_states.optimizer import config_to_dict
@@ -230,8 +244,9 @@ class OptimizerStatesPlugin(Plugin):
 
         self._rehome()  # the loaded states are plain copies
         self.loaded_config = state.get("config")
-        layout = {k: v for k, v in config_to_dict(self.config).items() if k != "fused"}  # how states are kept
-        if self.loaded_config is not None and {k: v for k, v in self.loaded_config.items() if k != "fused"} != layout:
+        apart = ("fused", "masters")  # neither changes what a checkpoint holds
+        layout = {k: v for k, v in config_to_dict(self.config).items() if k not in apart}  # how states are kept
+        if self.loaded_config is not None and {k: v for k, v in self.loaded_config.items() if k not in apart} != layout:
             if self.engine is not None and self.engine.global_rank == 0:
                 logger.info("xirang optimizer_states: the checkpoint's states were made with other settings; "
                             "each tensor is converted to the format the current settings pick at its next step")

@@ -83,6 +83,7 @@ def tp2_optimizer_states(rank: int, world: int, tmp: str, steps: int, schedules:
         out["removal"] = states_removal(ex, ["--xirang-config", config], 2)
         out["bad_glob"] = config_error(ex, {"optimizer_states": {"enabled": True, "keep_fp32": ["decoder.layer.*"]}},
                                        tmp)
+        out["bad_masters"] = config_error(ex, {"optimizer_states": {"enabled": True, "masters": "remainders"}}, tmp)
         return out
     finally:
         ex.teardown(created)
@@ -210,6 +211,7 @@ def test_remove_hands_back_adamw_and_bad_glob_names_key_value_and_fix(runs):
         assert ("xirang.optimizer_states.keep_fp32[0]: 'decoder.layer.*' matches no parameter name (globs match "
                 "whole names, e.g. embedding.word_embeddings.weight") in r["bad_glob"]
         assert "fix the pattern or remove it" in r["bad_glob"]
+        assert "xirang.optimizer_states.masters" in r["bad_masters"] and "Fix: set masters" in r["bad_masters"]
 
 
 # Megatron's distributed optimizer ----------------------------------------------------------------------

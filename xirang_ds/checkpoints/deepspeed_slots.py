@@ -112,12 +112,14 @@ def load_engine_states(engine: Any, states: ParamStates) -> int:
     step counts, param-group hyperparameters and the fp16 loss scale; the 16-bit weights follow the
     masters. Returns the number of elements given state."""
     wrapper = engine.optimizer
-    optimizer, slots = engine_slots(engine)
     zero3 = hasattr(wrapper, "fp32_partitioned_groups_flat")
-    # ZeRO-3 puts its flat partitions into the param groups only around a step
-    with zero3_param_groups(wrapper) if zero3 else contextlib.nullcontext():
-        filled = load_slots(optimizer, slots, states)
-    _lp_from_masters(wrapper)
+    # masters kept as remainders between steps (optimizer_states' masters) are whole while they are written
+    with getattr(wrapper, "_xirang_whole_masters", contextlib.nullcontext)():
+        optimizer, slots = engine_slots(engine)
+        # ZeRO-3 puts its flat partitions into the param groups only around a step
+        with zero3_param_groups(wrapper) if zero3 else contextlib.nullcontext():
+            filled = load_slots(optimizer, slots, states)
+        _lp_from_masters(wrapper)
     scaler = getattr(wrapper, "loss_scaler", None)
     for key, value in (states.loss_scale or {}).items():
         if scaler is not None and hasattr(scaler, key):

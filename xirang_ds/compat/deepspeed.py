@@ -35,7 +35,8 @@ UPSTREAM_NAMES: dict[str, tuple[str, ...]] = {
         "def _backward_epilogue(self)", "def _take_model_step(self", "self._config.gradient_clipping",
         "self._is_gradient_accumulation_boundary = is_boundary", "def _get_zero_ckpt_name(self, checkpoints_path, tag)",
         "def _get_all_zero_checkpoint_names(self, load_dir, tag, bf16_mode)", "def _get_zero_param_shapes(self)",
-        "def _get_shared_params(self)", "def _save_zero_checkpoint(self, save_path, tag)"),
+        "def _get_shared_params(self)", "def _save_zero_checkpoint(self, save_path, tag)",
+        "self.optimizer._restore_from_bit16_weights()"),
     "deepspeed/runtime/zero/stage_1_and_2.py": (
         "def _link_all_hp_params(self)", "def _release_ipg_buffers(self)", "def _gradient_reduction_buffer_dtype(self)",
         "def _release_preflattened_grad_buffers(self", "self._offload_accumulated_param_ids = set()"),
@@ -44,7 +45,10 @@ UPSTREAM_NAMES: dict[str, tuple[str, ...]] = {
     "deepspeed/runtime/zero/partitioned_param_coordinator.py": ("def _invalidate_trace(self)",),
     "deepspeed/runtime/zero/stage3.py": (
         "def _set_fp32_optimizer_param_groups(self)", "def _clear_fp32_optimizer_param_groups(self)",
-        "self.__param_id_to_grad_partition"),
+        "self.__param_id_to_grad_partition", "def _prepare_sub_group(self, sub_group_id, timer_names)",
+        "def _release_sub_group(self, sub_group_id, timer_names)",
+        "self.fp16_partitioned_groups_flat[sub_group_id].data.copy_(",
+        "state_dict[FP32_FLAT_GROUPS] = self.fp32_partitioned_groups_flat"),
     "deepspeed/utils/mixed_precision_linkage.py": ("lp_param._hp_mapping = get_hp_fragment_mapping(",),
     "deepspeed/runtime/zero/parameter_offload.py": (
         "return apply_to_tensors_only(module.pre_bwd_fn.apply,", "module.pre_bwd_fn = PreBackwardFunctionForModule",
@@ -210,6 +214,35 @@ def zero3_param_groups(optimizer: Any) -> Iterator[None]:
         optimizer._clear_fp32_optimizer_param_groups()
 
 
+def around_zero3_update(optimizer: Any, before: Callable[[int], None], after: Callable[[int], None]) -> list[Any]:
+    """ZeRO-3 updates one sub-group at a time (stage3.py L2873 ``step``): ``_prepare_sub_group(i, ...)``
+    gives its fp32 partition a gradient (L2702, reading the partition's size), ``_optimizer_step(i)``
+    steps it, ``_reassign_or_swap_out_partitioned_parameters(i)`` copies it into the 16-bit partition
+    and ``_release_sub_group(i, ...)`` drops the gradient (L2731). ``before(i)`` runs before the first,
+    ``after(i)`` after the last. Returns the handles (``remove()``)."""
+    from xirang_ds.hooks import wrap_method
+
+    def prepare(original: Callable[..., Any], sub_group_id: int, *args: Any) -> Any:
+        before(sub_group_id)
+        return original(sub_group_id, *args)
+
+    def release(original: Callable[..., Any], sub_group_id: int, *args: Any) -> Any:
+        out = original(sub_group_id, *args)
+        after(sub_group_id)
+        return out
+
+    return [wrap_method(optimizer, "_prepare_sub_group", prepare),
+            wrap_method(optimizer, "_release_sub_group", release)]
+
+
+ZERO3_WHOLE_MASTERS = ("load_state_dict", "_restore_from_bit16_weights", "reload_states",
+                       "load_hp_checkpoint_state_from_checkpoint_dir_stage3",
+                       "load_module_checkpoint_state_from_checkpoint_dir_stage3")
+"""ZeRO-3 optimizer methods that read or write every fp32 partition outside a step: the loaders,
+``_restore_from_bit16_weights`` (stage3.py L3484, behind ``refresh_fp32_params`` and called by the
+engine's ``load_checkpoint`` without optimizer states, engine.py L4467) and ``reload_states``."""
+
+
 # gradients of the step, dropped as DeepSpeed drops them when it skips a step ----------------------------
 _ZERO_1_2_STATE = ("averaged_gradients", "ipg_buckets", "params_already_reduced", "micro_step_id",
                    "reset_partition_gradient_structures", "_release_ipg_buffers",
@@ -343,9 +376,9 @@ def pass_pre_backward(model: Any, passes: Callable[[Any], bool]) -> Callable[[],
 
 
 __all__ = [
-    "OPTIMIZER_ATTRIBUTES_BY_ROLE", "UPSTREAM_NAMES", "accumulation_boundary", "around_zero_file_names", "around_zero_save", "can_relink_hp_params", "drop_step_gradients",
-    "gradient_reduction_dtype", "hp_mapping", "pass_pre_backward", "protocol_holds", "redirect_zero_files",
-    "relink_hp_params",
-    "restore_accumulation_boundary", "restore_gradient_clipping", "shared_params", "step_protocol",
-    "zero3_param_groups", "zero_param_shapes", "zero_state_missing",
+    "OPTIMIZER_ATTRIBUTES_BY_ROLE", "UPSTREAM_NAMES", "ZERO3_WHOLE_MASTERS", "accumulation_boundary",
+    "around_zero3_update", "around_zero_file_names", "around_zero_save", "can_relink_hp_params",
+    "drop_step_gradients", "gradient_reduction_dtype", "hp_mapping", "pass_pre_backward", "protocol_holds",
+    "redirect_zero_files", "relink_hp_params", "restore_accumulation_boundary", "restore_gradient_clipping",
+    "shared_params", "step_protocol", "zero3_param_groups", "zero_param_shapes", "zero_state_missing",
 ]

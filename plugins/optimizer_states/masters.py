@@ -1,0 +1,278 @@
+"""optimizer_states' ``masters``: DeepSpeed ZeRO-3's fp32 master partitions kept as bf16 remainders.
+
+At ZeRO-3 in bf16 each rank holds, per sub-group (``zero_optimization.sub_group_size``), its
+partition of the bf16 weights (``fp16_partitioned_groups_flat``) and an fp32 copy of it, the master
+(``fp32_partitioned_groups_flat``) that the basic optimizer steps: 4 bytes per element of the
+partition. Between updates each master is *parked*: its low 16 bits and one tie bit per element
+(grad_release's `remainders`, exact) stay beside the bf16 partition and its storage is freed, 2.125
+bytes instead of 4. Right before a sub-group's update the master is rebuilt bit for bit; after
+DeepSpeed has rounded it into the bf16 partition (``copy_``: round to nearest even, what the
+remainders assume) it is parked again. So at most one sub-group's master is whole at a time, and
+training is the one with fp32 masters, bit for bit, whatever the basic optimizer.
+
+What else reads or writes the masters sees them whole:
+
+* ``state_dict`` saves rebuilt copies (DeepSpeed's checkpoint keeps its fp32 partitions; plain
+  DeepSpeed and ``zero_to_fp32`` read it as their own);
+* ``load_state_dict``, the universal-checkpoint loaders, ``refresh_fp32_params`` and
+  ``offload_states``/``reload_states`` run with every master whole and park them after (a load
+  checks that each bf16 partition is its master's rounding before parking);
+* ``get_full_hp_param``/``get_local_fp32_param`` (``safe_get_full_fp32_param``) rebuild the
+  parameter's sub-group for the call; ``set_full_hp_param``/``set_local_hp_param`` leave it whole
+  until its next update parks it (the master then differs from the bf16 weight, as in DeepSpeed).
+
+The parked master is an empty tensor (same object: the optimizer's states and DeepSpeed's lists
+keep it), so a reader not listed here fails on its size rather than reading stale numbers.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from xirang_ds.compat.deepspeed import ZERO3_WHOLE_MASTERS, around_zero3_update
+from xirang_ds.hooks import wrap_method
+from xirang_ds.memory.categories import PARAMETERS
+from xirang_ds.plugins.grad_release.remainders import join, split, tie_bytes
+
+SECTION = "xirang.optimizer_states"
+
+_READS = ("get_full_hp_param", "get_local_fp32_param")
+_WRITES = ("set_full_hp_param", "set_local_hp_param")
+
+
+def zero3_problem(optimizer: Any) -> Optional[str]:
+    """Why ``optimizer`` (``engine.optimizer``) has no device fp32 masters of bf16 weights to park,
+    or ``None``."""
+    masters = getattr(optimizer, "fp32_partitioned_groups_flat", None)
+    weights = getattr(optimizer, "fp16_partitioned_groups_flat", None)
+    if masters is None or weights is None:
+        return f"the optimizer is {type(optimizer).__name__}, not DeepSpeed's ZeRO-3 optimizer"
+    if getattr(optimizer, "offload_optimizer", False):
+        return "the fp32 masters are offloaded to the host (zero_optimization.offload_optimizer)"
+    for i, (master, weight) in enumerate(zip(masters, weights)):
+        if weight is None:
+            return f"sub-group {i}'s weights are swapped to NVMe"
+        if weight.dtype != torch.bfloat16:
+            return f"the parameters are {str(weight.dtype).replace('torch.', '')}, not bf16"
+        if master.dtype != torch.float32 or master.numel() != weight.numel():
+            return f"sub-group {i}'s master is {master.dtype}{tuple(master.shape)}, not fp32 of the weights' size"
+    return None
+
+
+class ParkedMasters:
+    """The ZeRO-3 optimizer's masters parked as remainders between updates (module docstring).
+
+    Args:
+        optimizer: DeepSpeed's ``DeepSpeedZeroOptimizer_Stage3`` (`zero3_problem` is None for it).
+        scope: ``scope(category)``, the tracker's context naming what is allocated inside it.
+    """
+
+    def __init__(self, optimizer: Any, scope: Callable[[str], Any]):
+        self.optimizer = optimizer
+        self.scope = scope
+        self.masters: list[torch.Tensor] = optimizer.fp32_partitioned_groups_flat
+        self.weights: list[torch.Tensor] = optimizer.fp16_partitioned_groups_flat
+        self.parked: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """Sub-group → (remainder, tie bits) while its master is parked."""
+        self._depth = 0  # `whole` blocks entered (DeepSpeed's loaders call one another)
+        self._handles: list[Any] = around_zero3_update(optimizer, self.unpark, self.park)
+        self._handles.append(wrap_method(optimizer, "state_dict", self._state_dict))
+        for name in ZERO3_WHOLE_MASTERS:  # every master whole during the call, parked after (checked)
+            if hasattr(optimizer, name):
+                self._handles.append(wrap_method(optimizer, name, self._whole_during))
+        for name in _READS + _WRITES:
+            if hasattr(optimizer, name):
+                self._handles.append(wrap_method(optimizer, name, self._param_call(write=name in _WRITES)))
+        if hasattr(optimizer, "offload_states"):
+            self._handles.append(wrap_method(optimizer, "offload_states", self._offload_states))
+        optimizer._xirang_whole_masters = self.whole  # xirang's checkpoint take-over writes masters inside it
+        self.park_all()
+
+    # parking ------------------------------------------------------------------------------------
+    def park(self, i: int) -> None:
+        """Keep sub-group ``i``'s master as its remainder and tie bits; free its fp32 storage."""
+        master = self.masters[i]
+        if i in self.parked or master.numel() == 0:
+            return
+        weight = self._weight(i, master.device)
+        with torch.no_grad(), self.scope(PARAMETERS):
+            remainder = torch.empty(master.numel(), dtype=torch.int16, device=master.device)
+            ties = torch.empty(tie_bytes(master.numel()), dtype=torch.uint8, device=master.device)
+            split(master.detach().view(-1), weight, remainder, ties)
+        self.parked[i] = (remainder, ties)
+        master.data = torch.empty(0, dtype=master.dtype, device=master.device)
+
+    def unpark(self, i: int) -> None:
+        """Rebuild sub-group ``i``'s master bit for bit (nothing when it is whole)."""
+        if i not in self.parked:
+            return
+        master = self.masters[i]
+        master.data = self.rebuilt(i)
+        del self.parked[i]
+
+    def rebuilt(self, i: int) -> torch.Tensor:
+        """A new fp32 tensor holding parked sub-group ``i``'s master."""
+        remainder, ties = self.parked[i]
+        with torch.no_grad(), self.scope(PARAMETERS):
+            master = torch.empty(remainder.numel(), dtype=torch.float32, device=remainder.device)
+            join(self._weight(i, remainder.device), remainder, ties, master)
+        return master
+
+    def park_all(self, check: bool = False) -> None:
+        """Park every whole master; with ``check``, first that its bf16 partition is its rounding.
+
+        Raises:
+            RuntimeError: ``check`` and a bf16 partition is not its master's round-to-nearest-even.
+        """
+        for i, master in enumerate(self.masters):
+            if check and i not in self.parked and master.numel():
+                if not torch.equal(master.detach().view(-1).to(torch.bfloat16), self._weight(i, master.device)):
+                    raise RuntimeError(f"{SECTION}.masters: after loading, sub-group {i}'s bf16 weights are not its "
+                                       "fp32 master rounded to nearest, so remainders cannot rebuild the master. "
+                                       "Fix: set masters \"fp32\"")
+            self.park(i)
+
+    def unpark_all(self) -> None:
+        for i in list(self.parked):
+            self.unpark(i)
+
+    @contextlib.contextmanager
+    def whole(self) -> Iterator[None]:
+        """Every master whole inside, parked again when the outermost such block ends (checked)."""
+        self.unpark_all()
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if not self._depth:
+                self.park_all(check=True)
+
+    def held_bytes(self) -> int:
+        """Bytes the parked masters hold (remainders and tie bits)."""
+        return sum(r.numel() * r.element_size() + t.numel() for r, t in self.parked.values())
+
+    def memory_roles(self) -> list[tuple[str, list[torch.Tensor]]]:
+        return [(PARAMETERS, [t for pair in self.parked.values() for t in pair])]
+
+    def remove(self) -> None:
+        """Every master whole again, DeepSpeed's methods its own."""
+        self.unpark_all()
+        while self._handles:
+            self._handles.pop().remove()
+        vars(self.optimizer).pop("_xirang_whole_masters", None)
+
+    def _weight(self, i: int, device: torch.device) -> torch.Tensor:
+        """Sub-group ``i``'s bf16 partition, flat, on ``device`` (a copy where parameters are offloaded)."""
+        weight = self.weights[i].detach().view(-1)
+        return weight if weight.device == device else weight.to(device)
+
+    # DeepSpeed's methods ------------------------------------------------------------------------
+    def _state_dict(self, original: Callable[[], dict]) -> dict:
+        from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS
+
+        out = original()
+        groups = out.get(FP32_FLAT_GROUPS)
+        if groups is self.masters:  # DeepSpeed's own list: the checkpoint gets rebuilt copies in a new one
+            out[FP32_FLAT_GROUPS] = [self.rebuilt(i) if i in self.parked else m for i, m in enumerate(groups)]
+        return out
+
+    def _whole_during(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        with self.whole():
+            return original(*args, **kwargs)
+
+    def _param_call(self, write: bool) -> Callable[..., Any]:
+        """A wrapper of ``get_full_hp_param``-like methods (``param``, ``optim_state_key`` arguments):
+        the parameter's sub-group whole for a call on the master (no ``optim_state_key``)."""
+        def call(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            bound = inspect.signature(original).bind(*args, **kwargs).arguments
+            param = bound.get("param")
+            group = None
+            if bound.get("optim_state_key") is None and getattr(param, "requires_grad", False):
+                group = self.optimizer.grad_position[self.optimizer.get_param_id(param)][0]
+            was_parked = group in self.parked
+            if was_parked:
+                self.unpark(group)
+            out = original(*args, **kwargs)
+            if was_parked and not write:  # read only: weight and master as they were, so the split is exact
+                self.park(group)
+            return out  # a write leaves the master whole until its next update parks it
+
+        return call
+
+    def _offload_states(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self.unpark_all()  # DeepSpeed moves whole masters; reload_states parks them again
+        return original(*args, **kwargs)
+
+
+__all__ = ["ParkedMasters", "zero3_problem"]
+
+
+# estimate ---------------------------------------------------------------------------------------
+def sub_group_numels(numels: list[int], groups: Any, world: int, sub_group_size: int) -> list[int]:
+    """ZeRO-3's sub-groups as DeepSpeed makes them (stage3.py ``_create_fp16_sub_groups``): per param
+    group, each parameter's partition (``ceil(numel / world)``) added until the sum reaches
+    ``sub_group_size`` or the group ends."""
+    sizes = []
+    for group in groups or (tuple(range(len(numels))),):
+        acc = 0
+        for k, i in enumerate(group):
+            acc += -(-numels[i] // max(world, 1))
+            if acc >= sub_group_size or k == len(group) - 1:
+                sizes.append(acc)
+                acc = 0
+    return sizes
+
+
+def adjust_phases(phases: dict, shape: Any, numels: list[int], sub_group_size: int) -> dict:
+    """The estimate's phases with ZeRO-3's masters parked: the model's ``4 * partition`` fp32 bytes
+    become the remainders and tie bits of every sub-group, and the step holds one sub-group's master
+    whole besides them (its own remainders freed while it updates, held while it is rebuilt or
+    split: the larger of that and the update's temporaries)."""
+    from xirang_ds.memory.run_shape import partition_numel
+
+    subs = sub_group_numels(numels, shape.groups, shape.world_size, sub_group_size)
+    held = [2 * s + tie_bytes(s) for s in subs]
+    largest = max(range(len(subs)), key=subs.__getitem__)
+    saved = 4 * partition_numel(sum(numels), shape.world_size) - sum(held)
+    out = {}
+    for name, cats in phases.items():
+        cats = dict(cats)
+        cats[PARAMETERS] -= saved
+        if name == "optimizer_step":
+            cats[PARAMETERS] += 4 * subs[largest] - held[largest]
+            cats["temporaries"] = max(cats.get("temporaries", 0), held[largest])
+        out[name] = cats
+    return out
+
+
+def parks_in_estimate(config: Any, shape: Any, stepper: Any) -> bool:
+    """Whether a run of ``shape`` parks its masters (``masters`` not fp32; ZeRO-3, bf16, masters on the
+    device, DeepSpeed's own step)."""
+    return (config.masters != "fp32" and stepper is None and shape.stage == 3 and shape.dtype == torch.bfloat16
+            and "offload_optimizer" not in shape.offloaded)
+
+
+SUB_GROUPS = 8
+"""Where the user set no ``zero_optimization.sub_group_size``, parked masters make each sub-group about
+1/8 of this rank's partition (at least 2**16 elements; a parameter's partition larger than that is a
+sub-group of its own), so the master rebuilt for an update is small beside the 2.125 bytes per element
+every sub-group keeps (with DeepSpeed's 1e9, one sub-group is the whole partition of most models and
+the update would hold the rebuilt master and all remainders at once: more than fp32 masters).
+The split changes no number: Adam is elementwise and the clipping norm is taken before the loop."""
+
+
+def parks(config: Any, ds_config: dict) -> bool:
+    """Whether a run of ``ds_config`` parks its masters (`parks_in_estimate`, from the ds_config)."""
+    zero = ds_config.get("zero_optimization") or {}
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
+    return (config.masters != "fp32" and int(zero.get("stage", 0) or 0) == 3 and offload in (None, "none")
+            and (ds_config.get("bf16") or {}).get("enabled") in (True, "true"))
+
+
+def sub_group_size(trainable: int, world: int) -> int:
+    """The ``sub_group_size`` parked masters set where the user set none (`SUB_GROUPS`)."""
+    return max(-(-trainable // (SUB_GROUPS * max(world, 1))), 1 << 16)

@@ -1,4 +1,6 @@
-"""optimizer_states' ``masters``: DeepSpeed ZeRO-3's fp32 master partitions kept as bf16 remainders.
+"""optimizer_states' ``masters``: fp32 masters kept as bf16 remainders (`Parking`) between updates, for
+DeepSpeed ZeRO-3's master partitions (`ParkedMasters`, below) and Megatron's Float16 optimizer
+(`Float16Masters`, at the end).
 
 At ZeRO-3 in bf16 each rank holds, per sub-group (``zero_optimization.sub_group_size``), its
 partition of the bf16 weights (``fp16_partitioned_groups_flat``) and an fp32 copy of it, the master
@@ -62,8 +64,118 @@ def zero3_problem(optimizer: Any) -> Optional[str]:
     return None
 
 
-class ParkedMasters:
-    """The ZeRO-3 optimizer's masters parked as remainders between updates (module docstring).
+class Parking:
+    """fp32 masters parked as remainders: ``masters[i]`` is the fp32 master of the bf16 ``weights[i]``
+    (the same number of elements, the weight its round-to-nearest-even whenever it is parked).
+
+    Args:
+        weights, masters: the framework's own lists (read at each use: a framework may put another
+            tensor in its list).
+        scope: ``scope(category)``, the tracker's context naming what is allocated inside it.
+        what: how an error names entry ``i`` (``"sub-group"``, ``"parameter"``).
+    """
+
+    def __init__(self, weights: list[torch.Tensor], masters: list[torch.Tensor], scope: Callable[[str], Any],
+                 what: str):
+        self.weights, self.masters, self.scope, self.what = weights, masters, scope, what
+        self.parked: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Size]] = {}
+        """Entry → (remainder, tie bits, the master's shape) while its master is parked."""
+        self._depth = 0  # `whole` blocks entered (a framework's loaders call one another)
+        self._handles: list[Any] = []
+
+    def park(self, i: int) -> None:
+        """Keep entry ``i``'s master as its remainder and tie bits; free its fp32 storage."""
+        master = self.masters[i]
+        if i in self.parked or master.numel() == 0:
+            return
+        weight = self._weight(i, master.device)
+        with torch.no_grad(), self.scope(PARAMETERS):
+            remainder = torch.empty(master.numel(), dtype=torch.int16, device=master.device)
+            ties = torch.empty(tie_bytes(master.numel()), dtype=torch.uint8, device=master.device)
+            split(master.detach().view(-1), weight, remainder, ties)
+        self.parked[i] = (remainder, ties, master.shape)
+        master.xirang_parked_numel = master.numel()  # what DynamicAdamW counts it as meanwhile (`param_numel`)
+        master.data = torch.empty(0, dtype=master.dtype, device=master.device)
+
+    def unpark(self, i: int) -> None:
+        """Rebuild entry ``i``'s master bit for bit (nothing when it is whole)."""
+        if i not in self.parked:
+            return
+        master = self.masters[i]
+        master.data = self.rebuilt(i)
+        del self.parked[i]
+
+    def rebuilt(self, i: int) -> torch.Tensor:
+        """A new fp32 tensor holding parked entry ``i``'s master, in its shape."""
+        remainder, ties, shape = self.parked[i]
+        with torch.no_grad(), self.scope(PARAMETERS):
+            master = torch.empty(remainder.numel(), dtype=torch.float32, device=remainder.device)
+            join(self._weight(i, remainder.device), remainder, ties, master)
+        return master.view(shape)
+
+    def saved(self, i: int) -> torch.Tensor:
+        """Entry ``i``'s master for a checkpoint: rebuilt when parked, else an alias of its storage (which
+        outlives a later park: the master tensor then points elsewhere, the alias keeps the numbers)."""
+        return self.rebuilt(i) if i in self.parked else self.masters[i].detach()
+
+    def park_all(self, check: bool = False) -> None:
+        """Park every whole master; with ``check``, first that its bf16 weight is its rounding.
+
+        Raises:
+            RuntimeError: ``check`` and a bf16 weight is not its master's round-to-nearest-even.
+        """
+        for i, master in enumerate(self.masters):
+            if check and i not in self.parked and master.numel():
+                if not torch.equal(master.detach().view(-1).to(torch.bfloat16), self._weight(i, master.device)):
+                    raise RuntimeError(f"{SECTION}.masters: {self.what} {i}'s bf16 weights are not its fp32 master "
+                                       "rounded to nearest (after a load?), so remainders cannot rebuild the master. "
+                                       "Fix: set masters \"fp32\"")
+            self.park(i)
+
+    def unpark_all(self) -> None:
+        for i in list(self.parked):
+            self.unpark(i)
+
+    @contextlib.contextmanager
+    def whole(self, check: bool = True) -> Iterator[None]:
+        """Every master whole inside, parked again when the outermost such block ends (``check``: first
+        that each weight is its master's rounding, after anything that may have written either)."""
+        self.unpark_all()
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if not self._depth:
+                self.park_all(check=check)
+
+    def held_bytes(self) -> int:
+        """Bytes the parked masters hold (remainders and tie bits)."""
+        return sum(r.numel() * r.element_size() + t.numel() for r, t, _ in self.parked.values())
+
+    def memory_roles(self) -> list[tuple[str, list[torch.Tensor]]]:
+        return [(PARAMETERS, [t for r, ties, _ in self.parked.values() for t in (r, ties)])]
+
+    def remove(self) -> None:
+        """Every master whole again, the framework's methods its own."""
+        self.unpark_all()
+        while self._handles:
+            self._handles.pop().remove()
+        for master in self.masters:
+            vars(master).pop("xirang_parked_numel", None)
+
+    def _weight(self, i: int, device: torch.device) -> torch.Tensor:
+        """Entry ``i``'s bf16 weight, flat, on ``device`` (a copy where parameters are offloaded)."""
+        weight = self.weights[i].detach().reshape(-1)
+        return weight if weight.device == device else weight.to(device)
+
+    def _whole_during(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        with self.whole():
+            return original(*args, **kwargs)
+
+
+class ParkedMasters(Parking):
+    """DeepSpeed's ZeRO-3 optimizer's masters parked between updates, a sub-group at a time (module docstring).
 
     Args:
         optimizer: DeepSpeed's ``DeepSpeedZeroOptimizer_Stage3`` (`zero3_problem` is None for it).
@@ -71,14 +183,10 @@ class ParkedMasters:
     """
 
     def __init__(self, optimizer: Any, scope: Callable[[str], Any]):
+        super().__init__(optimizer.fp16_partitioned_groups_flat, optimizer.fp32_partitioned_groups_flat, scope,
+                         "sub-group")
         self.optimizer = optimizer
-        self.scope = scope
-        self.masters: list[torch.Tensor] = optimizer.fp32_partitioned_groups_flat
-        self.weights: list[torch.Tensor] = optimizer.fp16_partitioned_groups_flat
-        self.parked: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        """Sub-group → (remainder, tie bits) while its master is parked."""
-        self._depth = 0  # `whole` blocks entered (DeepSpeed's loaders call one another)
-        self._handles: list[Any] = around_zero3_update(optimizer, self.unpark, self.park)
+        self._handles += around_zero3_update(optimizer, self.unpark, self.park)
         self._handles.append(wrap_method(optimizer, "state_dict", self._state_dict))
         for name in ZERO3_WHOLE_MASTERS:  # every master whole during the call, parked after (checked)
             if hasattr(optimizer, name):
@@ -91,84 +199,9 @@ class ParkedMasters:
         optimizer._xirang_whole_masters = self.whole  # xirang's checkpoint take-over writes masters inside it
         self.park_all()
 
-    # parking ------------------------------------------------------------------------------------
-    def park(self, i: int) -> None:
-        """Keep sub-group ``i``'s master as its remainder and tie bits; free its fp32 storage."""
-        master = self.masters[i]
-        if i in self.parked or master.numel() == 0:
-            return
-        weight = self._weight(i, master.device)
-        with torch.no_grad(), self.scope(PARAMETERS):
-            remainder = torch.empty(master.numel(), dtype=torch.int16, device=master.device)
-            ties = torch.empty(tie_bytes(master.numel()), dtype=torch.uint8, device=master.device)
-            split(master.detach().view(-1), weight, remainder, ties)
-        self.parked[i] = (remainder, ties)
-        master.data = torch.empty(0, dtype=master.dtype, device=master.device)
-
-    def unpark(self, i: int) -> None:
-        """Rebuild sub-group ``i``'s master bit for bit (nothing when it is whole)."""
-        if i not in self.parked:
-            return
-        master = self.masters[i]
-        master.data = self.rebuilt(i)
-        del self.parked[i]
-
-    def rebuilt(self, i: int) -> torch.Tensor:
-        """A new fp32 tensor holding parked sub-group ``i``'s master."""
-        remainder, ties = self.parked[i]
-        with torch.no_grad(), self.scope(PARAMETERS):
-            master = torch.empty(remainder.numel(), dtype=torch.float32, device=remainder.device)
-            join(self._weight(i, remainder.device), remainder, ties, master)
-        return master
-
-    def park_all(self, check: bool = False) -> None:
-        """Park every whole master; with ``check``, first that its bf16 partition is its rounding.
-
-        Raises:
-            RuntimeError: ``check`` and a bf16 partition is not its master's round-to-nearest-even.
-        """
-        for i, master in enumerate(self.masters):
-            if check and i not in self.parked and master.numel():
-                if not torch.equal(master.detach().view(-1).to(torch.bfloat16), self._weight(i, master.device)):
-                    raise RuntimeError(f"{SECTION}.masters: after loading, sub-group {i}'s bf16 weights are not its "
-                                       "fp32 master rounded to nearest, so remainders cannot rebuild the master. "
-                                       "Fix: set masters \"fp32\"")
-            self.park(i)
-
-    def unpark_all(self) -> None:
-        for i in list(self.parked):
-            self.unpark(i)
-
-    @contextlib.contextmanager
-    def whole(self) -> Iterator[None]:
-        """Every master whole inside, parked again when the outermost such block ends (checked)."""
-        self.unpark_all()
-        self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
-            if not self._depth:
-                self.park_all(check=True)
-
-    def held_bytes(self) -> int:
-        """Bytes the parked masters hold (remainders and tie bits)."""
-        return sum(r.numel() * r.element_size() + t.numel() for r, t in self.parked.values())
-
-    def memory_roles(self) -> list[tuple[str, list[torch.Tensor]]]:
-        return [(PARAMETERS, [t for pair in self.parked.values() for t in pair])]
-
     def remove(self) -> None:
-        """Every master whole again, DeepSpeed's methods its own."""
-        self.unpark_all()
-        while self._handles:
-            self._handles.pop().remove()
+        super().remove()
         vars(self.optimizer).pop("_xirang_whole_masters", None)
-
-    def _weight(self, i: int, device: torch.device) -> torch.Tensor:
-        """Sub-group ``i``'s bf16 partition, flat, on ``device`` (a copy where parameters are offloaded)."""
-        weight = self.weights[i].detach().view(-1)
-        return weight if weight.device == device else weight.to(device)
 
     # DeepSpeed's methods ------------------------------------------------------------------------
     def _state_dict(self, original: Callable[[], dict]) -> dict:
@@ -176,13 +209,9 @@ class ParkedMasters:
 
         out = original()
         groups = out.get(FP32_FLAT_GROUPS)
-        if groups is self.masters:  # DeepSpeed's own list: the checkpoint gets rebuilt copies in a new one
-            out[FP32_FLAT_GROUPS] = [self.rebuilt(i) if i in self.parked else m for i, m in enumerate(groups)]
+        if groups is self.masters:  # DeepSpeed's own list: the checkpoint gets a new one (`saved`)
+            out[FP32_FLAT_GROUPS] = [self.saved(i) for i in range(len(groups))]
         return out
-
-    def _whole_during(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        with self.whole():
-            return original(*args, **kwargs)
 
     def _param_call(self, write: bool) -> Callable[..., Any]:
         """A wrapper of ``get_full_hp_param``-like methods (``param``, ``optim_state_key`` arguments):
@@ -208,7 +237,71 @@ class ParkedMasters:
         return original(*args, **kwargs)
 
 
-__all__ = ["ParkedMasters", "zero3_problem"]
+def megatron_problem(member: Any) -> Optional[str]:
+    """Why a member of Megatron's optimizer has no fp32 masters of bf16 parameters to park, or ``None``."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if isinstance(member, DistributedOptimizer):
+        return "Megatron's distributed optimizer keeps its masters per range (not parked: not built)"
+    groups = getattr(member, "float16_groups", None)
+    if groups is None or not hasattr(member, "fp32_from_float16_groups"):
+        return f"Megatron's {type(member).__name__} keeps no fp32 masters (fp32 parameters)"
+    if not any(p.dtype == torch.bfloat16 for g in groups for p in g):
+        return "the 16-bit parameters are fp16, not bf16"
+    return None
+
+
+class Float16Masters(Parking):
+    """Megatron's ``Float16OptimizerWithFloat16Params``: the fp32 master of each bf16 parameter
+    (``fp32_from_float16_groups``) parked between steps.
+
+    Megatron steps every master at once: ``prepare_grads`` gives each its gradient, ``step_with_ready_grads``
+    updates them and copies them into the parameters (``_copy_main_params_to_model_params``: round to
+    nearest even). They are whole from the start of the first to the end of the second (the step holds
+    what it held before) and parked between steps, where Megatron's forward and backward run.
+    ``state_dict`` saves rebuilt copies; ``sharded_state_dict`` (which reads each master's shape),
+    ``load_state_dict`` and ``reload_model_params`` run with them whole and park them after (checked),
+    and what ``sharded_state_dict`` keeps for the save are aliases that outlive the park.
+
+    Args:
+        member: the member of Megatron's (chained) optimizer (`megatron_problem` is None for it).
+        scope: ``scope(category)``, the tracker's context naming what is allocated inside it.
+    """
+
+    def __init__(self, member: Any, scope: Callable[[str], Any]):
+        pairs = [(model, main) for models, mains in zip(member.float16_groups, member.fp32_from_float16_groups)
+                 for model, main in zip(models, mains) if model.dtype == torch.bfloat16]
+        super().__init__([w for w, _ in pairs], [m for _, m in pairs], scope, "parameter")
+        self.member = member
+        self._index = {id(m): i for i, m in enumerate(self.masters)}
+        self._handles += [wrap_method(member, "prepare_grads", self._whole_for_step),
+                          wrap_method(member, "step_with_ready_grads", self._parked_after_step),
+                          wrap_method(member, "state_dict", self._state_dict)]
+        # sharded_state_dict reads each master's shape (the states in torch layout) and keeps what state_dict
+        # gave it until Megatron saves: aliases that outlive the park at its end
+        for name in ("load_state_dict", "reload_model_params", "sharded_state_dict"):
+            self._handles.append(wrap_method(member, name, self._whole_during))
+        self.park_all(check=True)
+
+    def _whole_for_step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self.unpark_all()  # a skipped step (fp16's inf) leaves them whole until the next update parks them
+        return original(*args, **kwargs)
+
+    def _parked_after_step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        self.park_all()  # each parameter was just rounded from its master
+        return out
+
+    def _state_dict(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> dict:
+        out = original(*args, **kwargs)
+        key = "fp32_from_fp16_params"
+        if key in out:  # Megatron's own lists: the checkpoint gets new ones (`saved`)
+            out[key] = [[self.saved(self._index[id(m)]) if id(m) in self._index else m for m in group]
+                        for group in out[key]]
+        return out
+
+
+__all__ = ["Float16Masters", "ParkedMasters", "Parking", "megatron_problem", "zero3_problem"]
 
 
 # estimate ---------------------------------------------------------------------------------------

@@ -112,11 +112,13 @@ def replace_inner(optimizer: Any, config: OptimizerStatesConfig, kept: dict[int,
                              "AdamW only (Megatron-LM --optimizer adam); use it, or set "
                              f"{SECTION}.enabled to false"))
     if config.masters == "remainders":
-        problems.append((f"{SECTION}.masters",
-                         "is 'remainders', which keeps DeepSpeed ZeRO-3's fp32 masters; under Megatron-core they are "
-                         "its Float16 optimizer's own (Megatron's precision-aware optimizer keeps them as remainders "
-                         "with Transformer Engine: --use-precision-aware-optimizer). Fix: set masters \"auto\" or "
-                         "\"fp32\""))
+        from xirang_ds.plugins.optimizer_states.masters import megatron_problem
+
+        for i, member in enumerate(members):
+            problem = megatron_problem(member)
+            if problem is not None:
+                problems.append((f"{SECTION}.masters", f"is 'remainders' but in member {i} of Megatron's optimizer "
+                                                       f"{problem}. Fix: set masters \"auto\" or \"fp32\""))
     if problems:
         raise XirangConfigError(problems)
     out = []
@@ -257,9 +259,30 @@ class MegatronStates(FrameworkPath):
     def attach(self, run: Any) -> None:
         p = self.plugin
         p.use_pool()
+        self._park_masters()
         if run.global_rank == 0:
             logger.info("xirang optimizer_states: %s replaced by DynamicAdamW in %d member(s) of Megatron's "
-                        "optimizer; %d parameter(s) keep fp32 states", p.source, len(p.replaced), len(p.keep_reasons))
+                        "optimizer; %d parameter(s) keep fp32 states; masters: %s", p.source, len(p.replaced),
+                        len(p.keep_reasons), p.masters_line)
+
+    def _park_masters(self) -> None:
+        """``masters``: the fp32 masters of the Float16 optimizer's bf16 parameters parked between steps
+        (`masters.Float16Masters`); `replace_inner` refused an explicit ``remainders`` where it cannot."""
+        from xirang_ds.plugins.optimizer_states.masters import Float16Masters, megatron_problem
+
+        p = self.plugin
+        if p.config.masters == "fp32":
+            p.masters_line = "fp32 (masters: fp32)"
+            return
+        members = [member for member, _, _, _ in p.replaced]
+        problems = {megatron_problem(m) for m in members} - {None}
+        parked = [Float16Masters(m, p.session.tracker.scope) for m in members if megatron_problem(m) is None]
+        for one in parked:
+            p.keep(one)
+            p.keep(p.session.add_memory_roles(one.memory_roles))
+        p.parked = parked
+        p.masters_line = (f"remainders between steps in {len(parked)} member(s)" if parked else
+                          f"as the run keeps them ({'; '.join(sorted(problems))})")
 
     def states_moved(self) -> None:
         """Megatron's optimizers hold no views of the states: nothing to rebuild."""

@@ -41,7 +41,7 @@ from xirang_ds.plugins.optimizer_states.formats import (
 )
 from xirang_ds.plugins.optimizer_states.fused import FusedStep
 from xirang_ds.plugins.optimizer_states.schedule import Measurement, Policy, make_policy
-from xirang_ds.plugins.optimizer_states.update import AdamHyper, adam_chunk_, grad_chunk, store_param
+from xirang_ds.plugins.optimizer_states.update import AdamHyper, adam_chunk_, grad_chunk, param_numel, store_param
 
 STATE_DICT_KEY = "xirang_optimizer_states"
 """Extra key of `DynamicAdamW.state_dict`: the format version."""
@@ -170,7 +170,7 @@ class DynamicAdamW(torch.optim.Optimizer):
         for p, state in self.state.items():  # not param_groups: ZeRO 3 empties them between steps
             if state:
                 name = format_of(state)
-                out[name] = out.get(name, 0) + p.numel()
+                out[name] = out.get(name, 0) + param_numel(p)  # a parked master is empty
         return out
 
     def register_format_change_hook(self, hook: Callable[["DynamicAdamW", torch.Tensor, str, str], None]
@@ -372,7 +372,7 @@ class DynamicAdamW(torch.optim.Optimizer):
         return bool(group and group.get("keep_fp32") == "measured") or id(p) in self._measured_ids
 
     def _pinned(self, p: torch.Tensor, group: Optional[dict]) -> bool:
-        if p.numel() < self.config.min_numel or id(p) in self._kept_ids:
+        if param_numel(p) < self.config.min_numel or id(p) in self._kept_ids:
             return True
         if self._measured(p, group):  # fp32 until `_measure_release` moves it (the stability policy measures itself)
             state = self.state.get(p)

@@ -62,8 +62,8 @@ class OptimizerStatesPlugin(Plugin):
         self.keep_reasons: dict[str, str] = {}
         self.engine = None
         self.loaded_config: Optional[dict] = None
-        self.parked = None
-        """ZeRO-3's masters kept as remainders (`masters.ParkedMasters`), when ``masters`` applies."""
+        self.parked: list = []
+        """The masters kept as remainders (`masters.Parking`: DeepSpeed ZeRO-3's, or each Megatron member's)."""
         self.masters_line = "fp32"
 
     @classmethod
@@ -140,7 +140,7 @@ class OptimizerStatesPlugin(Plugin):
     def remove(self) -> None:
         """Hand the framework a ``torch.optim`` Adam/AdamW with the states decoded to fp32."""
         super().remove()  # parked masters whole again first
-        self.parked = None
+        self.parked = []
         for opt in self.optimizers:
             opt.state_pool = None
         self.path.remove()
@@ -232,7 +232,8 @@ class OptimizerStatesPlugin(Plugin):
                 f"{format_bytes(held)} on this rank; {len(self.keep_reasons) - measured} parameter(s) kept fp32"
                 + (f", {measured} embedding(s) measured ({len(checks)} check(s), {moved} moved)" if measured else "")
                 + f"; {self.optimizers[0].fused.describe()}"
-                + (f"; masters as remainders: {format_bytes(self.parked.held_bytes())}" if self.parked else ""))
+                + (f"; masters as remainders: {format_bytes(sum(m.held_bytes() for m in self.parked))}"
+                   if self.parked else ""))
 
     def state_dict(self) -> dict:
         from xirang_ds.plugins.optimizer_states.optimizer import config_to_dict
@@ -270,6 +271,7 @@ def quantized_demand(optimizer: Any) -> tuple[int, int]:
     single buffer, each rounded up to the pool's alignment."""
     from xirang_ds.memory.pool import align_up
     from xirang_ds.plugins.optimizer_states.formats import MOMENTS
+    from xirang_ds.plugins.optimizer_states.update import param_numel
 
     totals, per_tensor, largest = [], [], 0
     for name in quantized_formats(optimizer.config):
@@ -280,7 +282,7 @@ def quantized_demand(optimizer: Any) -> tuple[int, int]:
                 if optimizer._pinned(p, group):
                     continue
                 sizes = [align_up(t.numel() * t.element_size()) for m in MOMENTS
-                         for t in fmt.zeros(m, p.numel(), torch.device("meta")).values()]
+                         for t in fmt.zeros(m, param_numel(p), torch.device("meta")).values()]
                 total += sum(sizes)
                 biggest = max(biggest, sum(sizes))
                 largest = max([largest] + sizes)

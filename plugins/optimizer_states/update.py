@@ -11,6 +11,13 @@ from dataclasses import dataclass
 import torch
 
 
+def param_numel(p: torch.Tensor) -> int:
+    """``p``'s element count, also while optimizer_states' ``masters`` keeps it parked (an empty tensor
+    then, its count in ``xirang_parked_numel``)."""
+    parked = getattr(p, "xirang_parked_numel", None)
+    return p.numel() if parked is None or p.numel() else parked
+
+
 def store_param(p: torch.Tensor, flat_p: torch.Tensor, start: int, values: torch.Tensor) -> None:
     """Store a chunk's updated fp32 ``values`` into ``flat_p[start:start + len]``, the flat view of
     ``p``: through ``p.xirang_write_back(values, start)`` where ``p`` carries one (grad_release's bf16

@@ -62,7 +62,7 @@ def _runs(rank, world, tmp):
     # remainders: the most whole masters at once during an update, and what is parked between steps
     ours = _engine(_config("remainders"))
     tracker = ours.xirang.track_memory()
-    parked = ours.xirang.plugin("optimizer_states").parked
+    parked = ours.xirang.plugin("optimizer_states").parked[0]
     whole = []
     for name in ("unpark", "park"):
         method = getattr(parked, name)
@@ -123,7 +123,7 @@ def _taken_over(rank, world, tmp):
 
     engine = _engine(_config("remainders"))
     engine.load_checkpoint(os.path.join(tmp, "remainders"), tag="s2")
-    parked = engine.xirang.plugin("optimizer_states").parked
+    parked = engine.xirang.plugin("optimizer_states").parked[0]
     probe = dict(engine.module.named_parameters())["blocks.0.attn.qkv.weight"]
     return {"events": [e["kind"] for e in engine.xirang.events], "get": safe_get_full_fp32_param(probe),
             "parked": len(parked.parked) == len(parked.masters)}

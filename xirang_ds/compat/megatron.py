@@ -40,7 +40,11 @@ UPSTREAM_NAMES: dict[str, tuple[str, ...]] = {
     "megatron/core/utils.py": ("class GlobalMemoryBuffer", "self.buffer = {}"),
     "megatron/core/optimizer/optimizer.py": (
         "self.chained_optimizers", "self.float16_groups", "self.fp32_from_float16_groups", "def sharded_state_dict",
-        "def load_state_dict", "class FP32Optimizer"),
+        "def load_state_dict", "class FP32Optimizer",
+        # optimizer_states' masters: the Float16 optimizer's masters whole from prepare_grads to the end of
+        # step_with_ready_grads, saved from state_dict's list
+        "def prepare_grads(self)", "def step_with_ready_grads(self)", "def reload_model_params(self",
+        "state_dict['fp32_from_fp16_params'] = self.fp32_from_float16_groups"),
     # optimizer_states steps the distributed optimizer's ranges and reads/writes their states through its
     # per-parameter seams; precision keeps the LM loss in fp32
     "megatron/core/optimizer/distrib_optimizer.py": (

@@ -112,7 +112,9 @@ class OptimizerStatesConfig(Section):
     after its update; where ``zero_optimization.sub_group_size`` is not set, sub-groups of 1/8 of
     the partition). ``auto`` = ``remainders``
     wherever DeepSpeed's ZeRO-3 optimizer holds bf16 weights and their masters on the device, else
-    ``fp32``. At ZeRO 0-2 grad_release holds the masters (``grad_release.masters``)."""
+    ``fp32``. At ZeRO 0-2 grad_release holds the masters (``grad_release.masters``). Under Megatron-core
+    the same remainders keep the Float16 optimizer's masters between steps (whole for the step; not
+    the distributed optimizer's)."""
 
     def check(self) -> Issues:
         issues: Issues = []

@@ -1,0 +1,78 @@
+"""optimizer_states' ``masters`` under Megatron-core: the Float16 optimizer's fp32 masters of bf16
+parameters parked as remainders between steps.
+
+``examples/megatron_gpt.py --bf16`` at DP=2 on 2 CPU ranks (Float16Module and Megatron's
+``Float16OptimizerWithFloat16Params``), 2 micro-batches per step, int8 states; the reference is the same
+run with ``masters: "fp32"`` (Megatron's own masters).
+"""
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from tests.harness.checks import megatron_dist_checkpoint_round_trip, megatron_state_dict_round_trip
+from tests.harness.megatron_runs import config_error, example, write_block
+from xirang_ds.launch import run_ranks
+
+BF16 = ["--tp", "1", "--steps", "4", "--overlap-grad-reduce", "--bf16"]
+
+
+def _block(tmp: str, rank: int, masters: str) -> list[str]:
+    path = write_block(os.path.join(tmp, f"masters_{masters}{rank}.json"), {"optimizer_states": {
+        "enabled": True, "schedule": [{"dtype": "int8"}], "masters": masters}})
+    return ["--xirang-config", path]
+
+
+def _inspect(model: Any, optimizer: Any, session: Any) -> dict:
+    from xirang_ds.compat.megatron import unwrap
+
+    plugin = session.plugin("optimizer_states")
+    return {"weights": [p.detach().clone() for p in unwrap(model).parameters()],
+            "held": sum(p.held_bytes() for p in plugin.parked),
+            "bf16_numels": [w.numel() for p in plugin.parked for w in p.weights],
+            "between": [m.numel() for p in plugin.parked for m in p.masters],
+            "line": plugin.masters_line, "describe": plugin.describe()}
+
+
+def megatron_masters(rank: int, world: int, tmp: str) -> dict:
+    ex = example()
+    created = ex.setup(rank, world, 1)
+    try:
+        fp32, auto = _block(tmp, rank, "fp32"), _block(tmp, rank, "auto")
+        out = {"fp32": ex.train(ex.parse_args(BF16 + fp32), _inspect),
+               "auto": ex.train(ex.parse_args(BF16 + auto), _inspect)}
+        out["torch"] = megatron_state_dict_round_trip(ex, BF16 + auto, 2, 2, {"resumed": BF16 + auto,
+                                                                            "fp32_masters": BF16 + fp32})
+        out["torch_dist"] = megatron_dist_checkpoint_round_trip(
+            ex, BF16 + auto, 2, 2, os.path.join(tmp, "dist"), {"resumed": BF16 + auto, "fp32_masters": BF16 + fp32})
+        out["distributed"] = ex.train(ex.parse_args(BF16 + ["--use-distributed-optimizer"] + auto), _inspect)
+        out["refused"] = config_error(ex, {"optimizer_states": {"enabled": True, "masters": "remainders"}}, tmp,
+                                      argv=("--bf16", "--use-distributed-optimizer"), tp=1)
+        return out
+    finally:
+        ex.teardown(created)
+
+
+@pytest.mark.distributed
+def test_megatron_float16_masters_parked_between_steps_are_exact(tmp_path):
+    for r in run_ranks(megatron_masters, 2, str(tmp_path)):
+        fp32, auto = r["fp32"], r["auto"]
+        assert auto["losses"] == fp32["losses"]
+        assert all(torch.equal(a, b) for a, b in zip(auto["weights"], fp32["weights"]))
+        # every bf16 parameter's master parked after the last step: 2 bytes and a tie bit per element
+        numels = auto["bf16_numels"]
+        assert numels and auto["between"] == [0] * len(numels)
+        assert auto["held"] == sum(2 * n + -(-n // 8) for n in numels)
+        assert "remainders between steps in 1 member(s)" in auto["line"] and "masters as remainders" in auto["describe"]
+        assert fp32["held"] == 0 and fp32["line"].startswith("fp32")
+        # the peak: the masters' bytes between steps (forward and backward) fall from 4 to 2.125 per element
+        assert auto["memory"]["peak_phase"] == fp32["memory"]["peak_phase"] == "forward"
+        assert fp32["memory"]["peak_bytes"] - auto["memory"]["peak_bytes"] == 4 * sum(numels) - auto["held"]
+        assert auto["memory"]["phase_peaks"]["optimizer_step"] == fp32["memory"]["phase_peaks"]["optimizer_step"]
+        # Megatron's checkpoints (torch and torch_dist) resume bit for bit, with parked or fp32 masters
+        for kind in ("torch", "torch_dist"):
+            assert r[kind]["resumed"] == r[kind]["continued"] == r[kind]["fp32_masters"]
+        # the distributed optimizer keeps its masters as they are, and says so; "remainders" there is refused
+        assert r["distributed"]["held"] == 0 and "distributed optimizer" in r["distributed"]["line"]
+        assert "xirang.optimizer_states.masters" in r["refused"] and "Fix: set masters" in r["refused"]

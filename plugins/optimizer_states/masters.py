@@ -1,24 +1,26 @@
 """optimizer_states' ``masters``: fp32 masters kept as bf16 remainders (`Parking`) between updates, for
-DeepSpeed ZeRO-3's master partitions (`ParkedMasters`, below) and Megatron's Float16 optimizer
-(`Float16Masters`, at the end).
+DeepSpeed ZeRO-3's master partitions (`ParkedMasters`, below) and Megatron's Float16 and distributed
+optimizers (`MegatronMasters`, at the end).
 
 At ZeRO-3 in bf16 each rank holds, per sub-group (``zero_optimization.sub_group_size``), its
 partition of the bf16 weights (``fp16_partitioned_groups_flat``) and an fp32 copy of it, the master
 (``fp32_partitioned_groups_flat``) that the basic optimizer steps: 4 bytes per element of the
 partition. Between updates each master is *parked*: its low 16 bits and one tie bit per element
 (grad_release's `remainders`, exact) stay beside the bf16 partition and its storage is freed, 2.125
-bytes instead of 4. Right before a sub-group's update the master is rebuilt bit for bit; after
-DeepSpeed has rounded it into the bf16 partition (``copy_``: round to nearest even, what the
-remainders assume) it is parked again. So at most one sub-group's master is whole at a time, and
-training is the one with fp32 masters, bit for bit, whatever the basic optimizer.
+bytes instead of 4. Right before a sub-group gets its gradient (``_prepare_sub_group``) the master
+is rebuilt bit for bit; after DeepSpeed has rounded it into the bf16 partition (``copy_``: round to
+nearest even, what the remainders assume) and dropped the gradient (``_release_sub_group``) it is
+parked again. So at most one sub-group's master is whole at a time, and training is the one with
+fp32 masters, bit for bit, whatever the basic optimizer.
 
 What else reads or writes the masters sees them whole:
 
 * ``state_dict`` saves rebuilt copies (DeepSpeed's checkpoint keeps its fp32 partitions; plain
   DeepSpeed and ``zero_to_fp32`` read it as their own);
-* ``load_state_dict``, the universal-checkpoint loaders, ``refresh_fp32_params`` and
-  ``offload_states``/``reload_states`` run with every master whole and park them after (a load
-  checks that each bf16 partition is its master's rounding before parking);
+* ``load_state_dict``, the universal-checkpoint loaders, ``_restore_from_bit16_weights`` (behind
+  ``refresh_fp32_params``) and ``offload_states``/``reload_states`` run with every master whole and
+  park after each one whose bf16 partition is its rounding (another stays whole until its next
+  update rounds the partition from it);
 * ``get_full_hp_param``/``get_local_fp32_param`` (``safe_get_full_fp32_param``) rebuild the
   parameter's sub-group for the call; ``set_full_hp_param``/``set_local_hp_param`` leave it whole
   until its next update parks it (the master then differs from the bf16 weight, as in DeepSpeed).
@@ -119,17 +121,13 @@ class Parking:
         return self.rebuilt(i) if i in self.parked else self.masters[i].detach()
 
     def park_all(self, check: bool = False) -> None:
-        """Park every whole master; with ``check``, first that its bf16 weight is its rounding.
-
-        Raises:
-            RuntimeError: ``check`` and a bf16 weight is not its master's round-to-nearest-even.
-        """
+        """Park every whole master; with ``check`` (after anything that may have written a weight or a
+        master apart: a load, a zero-gradient update), only those whose bf16 weight is their rounding;
+        the others stay whole until their next update, which rounds the weight from the master."""
         for i, master in enumerate(self.masters):
             if check and i not in self.parked and master.numel():
                 if not torch.equal(master.detach().view(-1).to(torch.bfloat16), self._weight(i, master.device)):
-                    raise RuntimeError(f"{SECTION}.masters: {self.what} {i}'s bf16 weights are not its fp32 master "
-                                       "rounded to nearest (after a load?), so remainders cannot rebuild the master. "
-                                       "Fix: set masters \"fp32\"")
+                    continue
             self.park(i)
 
     def unpark_all(self) -> None:
@@ -239,48 +237,64 @@ class ParkedMasters(Parking):
 
 def megatron_problem(member: Any) -> Optional[str]:
     """Why a member of Megatron's optimizer has no fp32 masters of bf16 parameters to park, or ``None``."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    if isinstance(member, DistributedOptimizer):
-        return "Megatron's distributed optimizer keeps its masters per range (not parked: not built)"
-    groups = getattr(member, "float16_groups", None)
-    if groups is None or not hasattr(member, "fp32_from_float16_groups"):
+    distributed = hasattr(member, "shard_fp32_from_float16_groups")
+    groups = getattr(member, "shard_float16_groups" if distributed else "float16_groups", None)
+    if groups is None or not hasattr(member, "fp32_from_float16_groups") and not distributed:
         return f"Megatron's {type(member).__name__} keeps no fp32 masters (fp32 parameters)"
+    if getattr(member.config, "reuse_grad_buf_for_mxfp8_param_ag", False):
+        return "the distributed optimizer copies its masters into MXFP8 parameters (--fp8-param-gather)"
     if not any(p.dtype == torch.bfloat16 for g in groups for p in g):
         return "the 16-bit parameters are fp16, not bf16"
     return None
 
 
-class Float16Masters(Parking):
-    """Megatron's ``Float16OptimizerWithFloat16Params``: the fp32 master of each bf16 parameter
-    (``fp32_from_float16_groups``) parked between steps.
+class MegatronMasters(Parking):
+    """The fp32 masters of a Megatron optimizer member's bf16 parameters parked between steps:
+    ``Float16OptimizerWithFloat16Params``' one per parameter (``fp32_from_float16_groups``), or the
+    distributed optimizer's one per range of this data-parallel rank (``shard_fp32_from_float16_groups``,
+    beside the bf16 ranges ``shard_float16_groups`` of the parameter buffer).
 
     Megatron steps every master at once: ``prepare_grads`` gives each its gradient, ``step_with_ready_grads``
-    updates them and copies them into the parameters (``_copy_main_params_to_model_params``: round to
-    nearest even). They are whole from the start of the first to the end of the second (the step holds
-    what it held before) and parked between steps, where Megatron's forward and backward run.
-    ``state_dict`` saves rebuilt copies; ``sharded_state_dict`` (which reads each master's shape),
-    ``load_state_dict`` and ``reload_model_params`` run with them whole and park them after (checked),
-    and what ``sharded_state_dict`` keeps for the save are aliases that outlive the park.
+    updates them and copies them into the parameters (``copy_``: round to nearest even). They are whole from
+    the start of the first to the end of the second (the step holds what it held before) and parked between
+    steps, where Megatron's forward and backward run. ``state_dict`` saves rebuilt copies;
+    ``sharded_state_dict`` (which reads each master's shape), the loaders and ``reload_model_params`` run
+    with them whole and park them after (checked); what a checkpoint keeps of a master is an alias that
+    outlives the park. The distributed optimizer reads and writes a range's master through its
+    per-parameter seams (`xirang_ds.compat.megatron.wrap_range_state_seams`), which rebuild a parked one.
 
     Args:
         member: the member of Megatron's (chained) optimizer (`megatron_problem` is None for it).
         scope: ``scope(category)``, the tracker's context naming what is allocated inside it.
     """
 
+    WHOLE_DURING = ("load_state_dict", "reload_model_params", "sharded_state_dict", "load_parameter_state",
+                    "load_parameter_state_from_dp_zero", "get_parameter_state_dp_zero")
+    """The members' methods that read or write every master outside a step (their public entry points)."""
+
     def __init__(self, member: Any, scope: Callable[[str], Any]):
-        pairs = [(model, main) for models, mains in zip(member.float16_groups, member.fp32_from_float16_groups)
-                 for model, main in zip(models, mains) if model.dtype == torch.bfloat16]
-        super().__init__([w for w, _ in pairs], [m for _, m in pairs], scope, "parameter")
+        distributed = hasattr(member, "shard_fp32_from_float16_groups")
+        models, mains = ((member.shard_float16_groups, member.shard_fp32_from_float16_groups) if distributed else
+                         (member.float16_groups, member.fp32_from_float16_groups))
+        pairs = [(model, main) for group_models, group_mains in zip(models, mains)
+                 for model, main in zip(group_models, group_mains) if model.dtype == torch.bfloat16]
+        super().__init__([w for w, _ in pairs], [m for _, m in pairs], scope, "range" if distributed else "parameter")
         self.member = member
         self._index = {id(m): i for i, m in enumerate(self.masters)}
         self._handles += [wrap_method(member, "prepare_grads", self._whole_for_step),
                           wrap_method(member, "step_with_ready_grads", self._parked_after_step),
                           wrap_method(member, "state_dict", self._state_dict)]
-        # sharded_state_dict reads each master's shape (the states in torch layout) and keeps what state_dict
-        # gave it until Megatron saves: aliases that outlive the park at its end
-        for name in ("load_state_dict", "reload_model_params", "sharded_state_dict"):
-            self._handles.append(wrap_method(member, name, self._whole_during))
+        from xirang_ds.compat.megatron import DUMMY_STATE_INIT, wrap_range_state_seams
+
+        for name in self.WHOLE_DURING:
+            if hasattr(member, name):
+                self._handles.append(wrap_method(member, name, self._whole_during))
+        if hasattr(member, DUMMY_STATE_INIT):  # its zero-gradient update moves masters (weight decay), not weights:
+            # they stay whole for the load that overwrites them, and the next update parks them
+            self._handles.append(wrap_method(member, DUMMY_STATE_INIT, self._whole_for_step))
+        if distributed:
+
+            self._handles += wrap_range_state_seams(member, self._read_range, self._write_range)
         self.park_all(check=True)
 
     def _whole_for_step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -294,14 +308,30 @@ class Float16Masters(Parking):
 
     def _state_dict(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> dict:
         out = original(*args, **kwargs)
-        key = "fp32_from_fp16_params"
+        key = "fp32_from_fp16_params"  # the distributed optimizer's state_dict holds no master
         if key in out:  # Megatron's own lists: the checkpoint gets new ones (`saved`)
             out[key] = [[self.saved(self._index[id(m)]) if id(m) in self._index else m for m in group]
                         for group in out[key]]
         return out
 
+    def _range(self, model_param: torch.Tensor) -> Optional[int]:
+        group, order = self.member.model_param_group_index_map[model_param]
+        return self._index.get(id(self.member.optimizer.param_groups[group]["params"][order]))
 
-__all__ = ["Float16Masters", "ParkedMasters", "Parking", "megatron_problem", "zero3_problem"]
+    def _read_range(self, original: Callable[..., Any], model_param: torch.Tensor) -> dict:
+        i = self._range(model_param)
+        if i in self.parked:  # a path not wrapped whole: rebuilt, and whole until the next update parks it
+            self.unpark(i)
+        tensors = original(model_param)
+        return tensors if i is None else {**tensors, "param": tensors["param"].detach()}
+
+    def _write_range(self, original: Callable[..., Any], model_param: torch.Tensor, tensors: dict) -> Any:
+        i = self._range(model_param)
+        if i in self.parked:
+            self.unpark(i)
+        return original(model_param, tensors)
+
+__all__ = ["MegatronMasters", "ParkedMasters", "Parking", "megatron_problem", "zero3_problem"]
 
 
 # estimate ---------------------------------------------------------------------------------------

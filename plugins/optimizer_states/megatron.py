@@ -266,9 +266,9 @@ class MegatronStates(FrameworkPath):
                         len(p.keep_reasons), p.masters_line)
 
     def _park_masters(self) -> None:
-        """``masters``: the fp32 masters of the Float16 optimizer's bf16 parameters parked between steps
-        (`masters.Float16Masters`); `replace_inner` refused an explicit ``remainders`` where it cannot."""
-        from xirang_ds.plugins.optimizer_states.masters import Float16Masters, megatron_problem
+        """``masters``: the fp32 masters of each member's bf16 parameters parked between steps
+        (`masters.MegatronMasters`); `replace_inner` refused an explicit ``remainders`` where it cannot."""
+        from xirang_ds.plugins.optimizer_states.masters import MegatronMasters, megatron_problem
 
         p = self.plugin
         if p.config.masters == "fp32":
@@ -276,7 +276,7 @@ class MegatronStates(FrameworkPath):
             return
         members = [member for member, _, _, _ in p.replaced]
         problems = {megatron_problem(m) for m in members} - {None}
-        parked = [Float16Masters(m, p.session.tracker.scope) for m in members if megatron_problem(m) is None]
+        parked = [MegatronMasters(m, p.session.tracker.scope) for m in members if megatron_problem(m) is None]
         for one in parked:
             p.keep(one)
             p.keep(p.session.add_memory_roles(one.memory_roles))

@@ -41,7 +41,7 @@ def _zero_file(folder: str, tag: str, rank: int) -> dict:
 
 
 def _runs(rank, world, tmp):
-    from deepspeed.utils import safe_get_full_fp32_param
+    from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
 
     from xirang_ds.memory.categories import PARAMETERS
 
@@ -56,6 +56,8 @@ def _runs(rank, world, tmp):
     out["ref_weights"] = _weights(ref)
     probe = dict(ref.module.named_parameters())["blocks.0.attn.qkv.weight"]
     out["ref_get"] = safe_get_full_fp32_param(probe)
+    safe_set_full_fp32_param(probe, out["ref_get"] * 1.001)  # the master alone moves (DeepSpeed's semantics)
+    out["ref_after_set"] = [optimizer_step(ref, data), _weights(ref)]
     out["ref_params_bytes"] = ref_tracker.by_category(ref_tracker.live_records())[PARAMETERS]
     out["sizes"] = [m.numel() for m in ref.optimizer.fp32_partitioned_groups_flat]
 
@@ -84,12 +86,16 @@ def _runs(rank, world, tmp):
     out["get_s2"] = safe_get_full_fp32_param(probe)
     out["ours"] += [optimizer_step(ours, data) for _ in range(2)]
     out["ours_weights"] = _weights(ours)
-    out["whole"] = whole
+    out["whole"] = list(whole)  # before the set below leaves a sub-group whole
     out["between"] = [m.numel() for m in ours.optimizer.fp32_partitioned_groups_flat]
     out["held"] = parked.held_bytes()
     out["params_bytes"] = tracker.by_category(tracker.live_records())[PARAMETERS]
     out["get"] = safe_get_full_fp32_param(probe)
     out["parked_after_get"] = sorted(parked.parked) == list(range(len(parked.masters)))
+    safe_set_full_fp32_param(probe, out["get"] * 1.001)  # its sub-group whole until its next update parks it
+    out["whole_after_set"] = len(parked.parked) == len(parked.masters) - 1
+    out["after_set"] = [optimizer_step(ours, data), _weights(ours)]
+    out["parked_after_step"] = len(parked.parked) == len(parked.masters)
     out["describe"] = ours.xirang.plugin("optimizer_states").describe()
 
     # the checkpoint holds DeepSpeed's fp32 partitions, bit for bit; it resumes under either setting
@@ -141,6 +147,8 @@ def test_zero3_masters_as_remainders_are_exact_and_hold_2_125_bytes(tmp_path):
         assert r["ours"] == r["ref"]
         assert all(torch.equal(a, b) for a, b in zip(r["ours_weights"], r["ref_weights"]))
         assert torch.equal(r["get"], r["ref_get"]) and r["parked_after_get"]
+        assert r["whole_after_set"] and r["parked_after_step"] and r["after_set"][0] == r["ref_after_set"][0]
+        assert all(torch.equal(a, b) for a, b in zip(r["after_set"][1], r["ref_after_set"][1]))
         # at most one sub-group's master whole at a time; none between steps
         assert max(r["whole"]) == 1 and r["between"] == [0] * len(sizes)
         # 2 bytes of remainder and 1/8 byte of tie bits per element, in place of 4, counted as parameters

@@ -265,6 +265,11 @@ def num_microbatches() -> int | None:
         return None
 
 
+DUMMY_STATE_INIT = "_init_optimizer_states_with_dummy_values"
+"""The distributed optimizer's method (from core_v0.14; wrapped where present) that steps every range's
+master with zero gradients outside a training step, to make states a load then overwrites."""
+
+
 def wrap_range_state_seams(member: Any, read: Callable, write: Callable) -> list:
     """Wrap the distributed optimizer's per-parameter state reader and writer (``read(original, model_param)``,
     ``write(original, model_param, tensors)``): ``_get_main_param_and_optimizer_states`` and
@@ -280,8 +285,8 @@ def wrap_range_state_seams(member: Any, read: Callable, write: Callable) -> list
             wrap_method(member, "_set_main_param_and_optimizer_states", write)]
 
 
-__all__ = ["CHECKED_RANGE", "OFFLOAD_MODULES", "RECOMPUTE_MODULES", "REPLICATED_INPUT_CHILDREN", "TESTED_VERSION", "UPSTREAM_NAMES",
-           "buffer_tensors", "check_version", "global_memory_buffer_tensors", "grad_buffers", "gradient",
-           "inner_optimizers", "is_megatron_optimizer", "megatron_version", "num_microbatches", "optimizer_configs",
-           "parallel_layers", "rng_tracker_states", "set_rng_tracker_states", "agreement_groups",
-           "transformer_layers", "unwrap", "wrap_range_state_seams"]
+__all__ = ["CHECKED_RANGE", "DUMMY_STATE_INIT", "OFFLOAD_MODULES", "RECOMPUTE_MODULES", "REPLICATED_INPUT_CHILDREN",
+           "TESTED_VERSION", "UPSTREAM_NAMES", "agreement_groups", "buffer_tensors", "check_version",
+           "global_memory_buffer_tensors", "grad_buffers", "gradient", "inner_optimizers", "is_megatron_optimizer",
+           "megatron_version", "num_microbatches", "optimizer_configs", "parallel_layers", "rng_tracker_states",
+           "set_rng_tracker_states", "transformer_layers", "unwrap", "wrap_range_state_seams"]

@@ -113,8 +113,8 @@ class OptimizerStatesConfig(Section):
     the partition). ``auto`` = ``remainders``
     wherever DeepSpeed's ZeRO-3 optimizer holds bf16 weights and their masters on the device, else
     ``fp32``. At ZeRO 0-2 grad_release holds the masters (``grad_release.masters``). Under Megatron-core
-    the same remainders keep the Float16 optimizer's masters between steps (whole for the step; not
-    the distributed optimizer's)."""
+    the same remainders keep the masters of the Float16 and distributed optimizers between steps
+    (whole for the step)."""
 
     def check(self) -> Issues:
         issues: Issues = []

@@ -74,13 +74,19 @@ def read_codes(tag_dir: str, names: Sequence[str], shapes: dict[str, torch.Size]
 def resumes_own(engine: Any, sections: set[str], marker: dict) -> bool:
     """Whether a run with ``sections`` resumes the codes of a checkpoint with ``marker`` as its own: its
     optimizer_states steps inside DeepSpeed's optimizer (no grad_release) at the ZeRO stage and world size
-    that saved them. Elsewhere the codes are taken over, whole parameters."""
+    that saved them, and at ZeRO-3 with the same sub-groups (``sub_group_size``, which optimizer_states'
+    ``masters`` sets; a checkpoint that does not record them is taken over). Elsewhere the codes are
+    taken over, whole parameters."""
     import deepspeed.comm as dist
+
+    from xirang_ds.checkpoints.tags import zero3_sub_groups
 
     if not in_marker(marker) or "optimizer_states" not in sections or "grad_release" in sections:
         return False
     layout = marker.get("deepspeed_files") or {}
     if layout.get("stage") != engine.zero_optimization_stage() or layout.get("stage") not in (1, 2, 3):
+        return False
+    if layout["stage"] == 3 and layout.get("sub_groups") != zero3_sub_groups(engine):
         return False
     return layout.get("world") == dist.get_world_size(group=engine.optimizer.dp_process_group)
 

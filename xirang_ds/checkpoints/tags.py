@@ -114,6 +114,9 @@ class RunFacts:
     world: int
     ds_config: Optional[dict] = None
     fused: bool = False
+    sub_groups: Optional[list[int]] = None
+    """ZeRO-3: the elements of each of this run's sub-groups per rank (DeepSpeed's own load of the codes
+    needs the same cut, `codes.resumes_own`)."""
 
 
 def facts_of_run(session: Any) -> Optional[RunFacts]:
@@ -141,7 +144,14 @@ def facts_of_run(session: Any) -> Optional[RunFacts]:
     # a ZeRO-3 parameter is partitioned: its shape is ds_shape
     params = {n: getattr(p, "ds_shape", p.shape) for n, p in engine.module.named_parameters() if p.requires_grad}
     return RunFacts(params=params, optimizer_groups=groups, dtype=dtype, stage=stage, world=world,
-                    ds_config=session.requested_ds_config, fused=_plain_optimizer_fused(session))
+                    ds_config=session.requested_ds_config, fused=_plain_optimizer_fused(session),
+                    sub_groups=zero3_sub_groups(engine))
+
+
+def zero3_sub_groups(engine: Any) -> Optional[list[int]]:
+    """The elements of each ZeRO-3 sub-group on a rank (its 16-bit partitions'), else ``None``."""
+    weights = getattr(engine.optimizer, "fp16_partitioned_groups_flat", None)
+    return None if weights is None else [int(w.numel()) for w in weights]
 
 
 def _plain_optimizer_fused(session: Any) -> bool:
@@ -277,7 +287,8 @@ def _export_stage0(tag_dir: str, marker: dict, facts: RunFacts) -> str:
 
 def layout_record(facts: RunFacts) -> dict:
     """The marker's ``deepspeed_files`` entry."""
-    return {"stage": facts.stage, "world": facts.world, "dtype": facts.dtype, "fused": facts.fused}
+    out = {"stage": facts.stage, "world": facts.world, "dtype": facts.dtype, "fused": facts.fused}
+    return out if facts.sub_groups is None else {**out, "sub_groups": list(facts.sub_groups)}
 
 
 def facts_from_files(tag_dir: str, marker: dict) -> RunFacts:

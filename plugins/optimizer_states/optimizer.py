@@ -476,9 +476,10 @@ def _check_numel(state: dict, p: torch.Tensor, index: int) -> None:
         raise StateLoadError(
             f"optimizer state of parameter {index} holds {state[key].numel()} {name} elements of {key!r} but the "
             f"parameter has {p.numel()} elements (the states would need {expected}). Under ZeRO each rank keeps "
-            f"the states of its own partition, so a checkpoint saved with another data-parallel world size (or "
-            f"another set of parameters) cannot be matched element by element. Resume with the world size the "
-            f"checkpoint was saved with, or load with load_optimizer_states=False to restart the moments.")
+            f"the states of its own partition, so a checkpoint saved with another data-parallel world size, other "
+            f"ZeRO-3 sub-groups (zero_optimization.sub_group_size) or another set of parameters cannot be matched "
+            f"element by element. Resume with the world size and sub_group_size the checkpoint was saved with, or "
+            f"load with load_optimizer_states=False to restart the moments.")
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

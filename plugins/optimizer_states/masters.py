@@ -74,12 +74,10 @@ class Parking:
         weights, masters: the framework's own lists (read at each use: a framework may put another
             tensor in its list).
         scope: ``scope(category)``, the tracker's context naming what is allocated inside it.
-        what: how an error names entry ``i`` (``"sub-group"``, ``"parameter"``).
     """
 
-    def __init__(self, weights: list[torch.Tensor], masters: list[torch.Tensor], scope: Callable[[str], Any],
-                 what: str):
-        self.weights, self.masters, self.scope, self.what = weights, masters, scope, what
+    def __init__(self, weights: list[torch.Tensor], masters: list[torch.Tensor], scope: Callable[[str], Any]):
+        self.weights, self.masters, self.scope = weights, masters, scope
         self.parked: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Size]] = {}
         """Entry → (remainder, tie bits, the master's shape) while its master is parked."""
         self._depth = 0  # `whole` blocks entered (a framework's loaders call one another)
@@ -181,12 +179,11 @@ class ParkedMasters(Parking):
     """
 
     def __init__(self, optimizer: Any, scope: Callable[[str], Any]):
-        super().__init__(optimizer.fp16_partitioned_groups_flat, optimizer.fp32_partitioned_groups_flat, scope,
-                         "sub-group")
+        super().__init__(optimizer.fp16_partitioned_groups_flat, optimizer.fp32_partitioned_groups_flat, scope)
         self.optimizer = optimizer
         self._handles += around_zero3_update(optimizer, self.unpark, self.park)
         self._handles.append(wrap_method(optimizer, "state_dict", self._state_dict))
-        for name in ZERO3_WHOLE_MASTERS:  # every master whole during the call, parked after (checked)
+        for name in ZERO3_WHOLE_MASTERS:  # every master whole during the call, parked after where it can be
             if hasattr(optimizer, name):
                 self._handles.append(wrap_method(optimizer, name, self._whole_during))
         for name in _READS + _WRITES:
@@ -259,8 +256,8 @@ class MegatronMasters(Parking):
     the start of the first to the end of the second (the step holds what it held before) and parked between
     steps, where Megatron's forward and backward run. ``state_dict`` saves rebuilt copies;
     ``sharded_state_dict`` (which reads each master's shape), the loaders and ``reload_model_params`` run
-    with them whole and park them after (checked); what a checkpoint keeps of a master is an alias that
-    outlives the park. The distributed optimizer reads and writes a range's master through its
+    with them whole and park after each one whose weight is its rounding; what a checkpoint keeps of a
+    master is an alias that outlives the park. The distributed optimizer reads and writes a range's master through its
     per-parameter seams (`xirang_ds.compat.megatron.wrap_range_state_seams`), which rebuild a parked one.
 
     Args:
@@ -278,14 +275,14 @@ class MegatronMasters(Parking):
                          (member.float16_groups, member.fp32_from_float16_groups))
         pairs = [(model, main) for group_models, group_mains in zip(models, mains)
                  for model, main in zip(group_models, group_mains) if model.dtype == torch.bfloat16]
-        super().__init__([w for w, _ in pairs], [m for _, m in pairs], scope, "range" if distributed else "parameter")
+        super().__init__([w for w, _ in pairs], [m for _, m in pairs], scope)
         self.member = member
         self._index = {id(m): i for i, m in enumerate(self.masters)}
+        from xirang_ds.compat.megatron import DUMMY_STATE_INIT, wrap_range_state_seams
+
         self._handles += [wrap_method(member, "prepare_grads", self._whole_for_step),
                           wrap_method(member, "step_with_ready_grads", self._parked_after_step),
                           wrap_method(member, "state_dict", self._state_dict)]
-        from xirang_ds.compat.megatron import DUMMY_STATE_INIT, wrap_range_state_seams
-
         for name in self.WHOLE_DURING:
             if hasattr(member, name):
                 self._handles.append(wrap_method(member, name, self._whole_during))
@@ -293,7 +290,6 @@ class MegatronMasters(Parking):
             # they stay whole for the load that overwrites them, and the next update parks them
             self._handles.append(wrap_method(member, DUMMY_STATE_INIT, self._whole_for_step))
         if distributed:
-
             self._handles += wrap_range_state_seams(member, self._read_range, self._write_range)
         self.park_all(check=True)
 

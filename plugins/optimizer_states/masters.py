@@ -17,10 +17,10 @@ What else reads or writes the masters sees them whole:
 
 * ``state_dict`` saves rebuilt copies (DeepSpeed's checkpoint keeps its fp32 partitions; plain
   DeepSpeed and ``zero_to_fp32`` read it as their own);
-* ``load_state_dict``, the universal-checkpoint loaders, ``_restore_from_bit16_weights`` (behind
-  ``refresh_fp32_params``) and ``offload_states``/``reload_states`` run with every master whole and
-  park after each one whose bf16 partition is its rounding (another stays whole until its next
-  update rounds the partition from it);
+* ``load_state_dict``, the universal-checkpoint loaders and ``_restore_from_bit16_weights`` (behind
+  ``refresh_fp32_params``) run with every master whole and park after each one whose bf16 partition
+  is its rounding (another stays whole until its next update rounds the partition from it;
+  ``engine.offload_states`` is DeepSpeed's FusedAdam's only, so it never meets parked masters);
 * ``get_full_hp_param``/``get_local_fp32_param`` (``safe_get_full_fp32_param``) rebuild the
   parameter's sub-group for the call; ``set_full_hp_param``/``set_local_hp_param`` leave it whole
   until its next update parks it (the master then differs from the bf16 weight, as in DeepSpeed).
@@ -189,8 +189,6 @@ class ParkedMasters(Parking):
         for name in _READS + _WRITES:
             if hasattr(optimizer, name):
                 self._handles.append(wrap_method(optimizer, name, self._param_call(write=name in _WRITES)))
-        if hasattr(optimizer, "offload_states"):
-            self._handles.append(wrap_method(optimizer, "offload_states", self._offload_states))
         optimizer._xirang_whole_masters = self.whole  # xirang's checkpoint take-over writes masters inside it
         self.park_all()
 
@@ -226,10 +224,6 @@ class ParkedMasters(Parking):
             return out  # a write leaves the master whole until its next update parks it
 
         return call
-
-    def _offload_states(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        self.unpark_all()  # DeepSpeed moves whole masters; reload_states parks them again
-        return original(*args, **kwargs)
 
 
 def megatron_problem(member: Any) -> Optional[str]:

@@ -235,12 +235,12 @@ def around_zero3_update(optimizer: Any, before: Callable[[int], None], after: Ca
             wrap_method(optimizer, "_release_sub_group", release)]
 
 
-ZERO3_WHOLE_MASTERS = ("load_state_dict", "_restore_from_bit16_weights", "reload_states",
+ZERO3_WHOLE_MASTERS = ("load_state_dict", "_restore_from_bit16_weights",
                        "load_hp_checkpoint_state_from_checkpoint_dir_stage3",
                        "load_module_checkpoint_state_from_checkpoint_dir_stage3")
-"""ZeRO-3 optimizer methods that read or write every fp32 partition outside a step: the loaders,
+"""ZeRO-3 optimizer methods that read or write every fp32 partition outside a step: the loaders and
 ``_restore_from_bit16_weights`` (stage3.py L3484, behind ``refresh_fp32_params`` and called by the
-engine's ``load_checkpoint`` without optimizer states, engine.py L4467) and ``reload_states``."""
+engine's ``load_checkpoint`` without optimizer states, engine.py L4467)."""
 
 
 # gradients of the step, dropped as DeepSpeed drops them when it skips a step ----------------------------

@@ -169,11 +169,8 @@ class DeepSpeedStates(FrameworkPath):
             p.masters_line = f"as the run keeps them ({problem})"
             return
         parked = ParkedMasters(engine.optimizer, p.session.tracker.scope)
-        p.parked = [parked]
-        p.keep(parked)
-        p.keep(p.session.add_memory_roles(parked.memory_roles))
-        p.masters_line = (f"remainders (ZeRO-3's fp32 masters as bf16 remainders between updates; one of "
-                          f"{len(parked.masters)} sub-group(s) whole at a time)")
+        p.keep_parked([parked], f"remainders (ZeRO-3's fp32 masters as bf16 remainders between updates; one of "
+                                f"{len(parked.masters)} sub-group(s) whole at a time)")
 
     def states_moved(self) -> None:
         """Quantized buffers moved into the pool: DeepSpeed's views of the states are rebuilt."""

@@ -362,24 +362,18 @@ def adjust_phases(phases: dict, shape: Any, numels: list[int], sub_group_size: i
     return out
 
 
-def parks_in_estimate(config: Any, shape: Any, stepper: Any) -> bool:
-    """Whether a run of ``shape`` parks its masters (``masters`` not fp32; ZeRO-3, bf16, masters on the
-    device, DeepSpeed's own step)."""
-    return (config.masters != "fp32" and stepper is None and shape.stage == 3 and shape.dtype == torch.bfloat16
-            and "offload_optimizer" not in shape.offloaded)
-
-
 SUB_GROUPS = 8
 """Where the user set no ``zero_optimization.sub_group_size``, parked masters make each sub-group about
 1/8 of this rank's partition (at least 2**16 elements; a parameter's partition larger than that is a
 sub-group of its own), so the master rebuilt for an update is small beside the 2.125 bytes per element
 every sub-group keeps (with DeepSpeed's 1e9, one sub-group is the whole partition of most models and
-the update would hold the rebuilt master and all remainders at once: more than fp32 masters).
+the update would hold the whole rebuilt master beside every remainder).
 The split changes no number: Adam is elementwise and the clipping norm is taken before the loop."""
 
 
 def parks(config: Any, ds_config: dict) -> bool:
-    """Whether a run of ``ds_config`` parks its masters (`parks_in_estimate`, from the ds_config)."""
+    """Whether DeepSpeed's own step of a run of ``ds_config`` (the plugins' copy: grad_release hands it
+    stage 0) parks its masters: ``masters`` not fp32, ZeRO-3 in bf16, masters on the device."""
     zero = ds_config.get("zero_optimization") or {}
     offload = (zero.get("offload_optimizer") or {}).get("device", "none")
     return (config.masters != "fp32" and int(zero.get("stage", 0) or 0) == 3 and offload in (None, "none")

@@ -277,12 +277,8 @@ class MegatronStates(FrameworkPath):
         members = [member for member, _, _, _ in p.replaced]
         problems = {megatron_problem(m) for m in members} - {None}
         parked = [MegatronMasters(m, p.session.tracker.scope) for m in members if megatron_problem(m) is None]
-        for one in parked:
-            p.keep(one)
-            p.keep(p.session.add_memory_roles(one.memory_roles))
-        p.parked = parked
-        p.masters_line = (f"remainders between steps in {len(parked)} member(s)" if parked else
-                          f"as the run keeps them ({'; '.join(sorted(problems))})")
+        p.keep_parked(parked, f"remainders between steps in {len(parked)} member(s)" if parked else
+                      f"as the run keeps them ({'; '.join(sorted(problems))})")
 
     def states_moved(self) -> None:
         """Megatron's optimizers hold no views of the states: nothing to rebuild."""

@@ -109,6 +109,15 @@ class OptimizerStatesPlugin(Plugin):
         for opt in self.optimizers:  # `fused: true` where compile is unavailable fails here, not mid-step
             opt.fused.enabled(torch.device(engine.device).type)
 
+    def keep_parked(self, parked: list, line: str) -> None:
+        """Hold the framework path's `masters.Parking` s: removed with the plugin, counted by the tracker
+        as parameters; ``line`` says how the masters are kept (the log and `describe`)."""
+        for one in parked:
+            self.keep(one)
+            self.keep(self.session.add_memory_roles(one.memory_roles))
+        self.parked = parked
+        self.masters_line = line
+
     def use_pool(self) -> None:
         """int8/int4 codes and scales come from the memory pool when the section is on (persistent
         blocks); the pool is told the most bytes they hold at once and the largest buffer."""
@@ -206,7 +215,7 @@ class OptimizerStatesPlugin(Plugin):
             if name == "optimizer_step":
                 cats["temporaries"] = max(0, cats.get("temporaries", 0) - plain_temps) + temps
             out[name] = cats
-        if masters.parks_in_estimate(self.config, shape, self.session.stepper):
+        if masters.parks(self.config, self.session.ds_config) and self.session.stepper is None:
             zero = self.session.ds_config.get("zero_optimization") or {}
             out = masters.adjust_phases(out, shape, [p.numel() for p in params],
                                         int(float(zero.get("sub_group_size", 1e9))))

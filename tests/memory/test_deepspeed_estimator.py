@@ -33,8 +33,9 @@ CASES = [  # model, stage, dtype, micro, world, bucket, xirang block
     (VOCAB, 2, "bf16", 4, 2, 1e6, CHUNK),  # plain: 10,356,344 bytes measured, chunked: 6,327,032
     (VOCAB, 3, "fp32", 4, 2, 1e6, CHUNK),
     (VOCAB, 2, "fp32", 4, 2, 1e6, {"activations": {**CHUNK["activations"], "planner": True}}),  # profiled chunked
-    # ZeRO-3's masters parked as remainders (optimizer_states' masters: auto), the step the peak: one
-    # sub-group's master rebuilt beside every remainder (16,026,264 bytes measured; fp32 masters 17,756,080)
+    # ZeRO-3's masters parked as remainders (optimizer_states' masters: auto) where model states dominate:
+    # the estimate's peak is the step, one sub-group's master rebuilt beside every remainder
+    # (benchmarks/masters_step_bound.py: 16,026,264 bytes measured; fp32 masters 17,756,080)
     ("gpt:layers=2,hidden=256,heads=4,seq=16,vocab=512", 3, "bf16", 1, 2, 1e6, INT8),
 ]
 

@@ -388,8 +388,8 @@ def test_chunked_head_at_zero3(tmp_path):
     r0, r1 = run_ranks(_chunked_head_zero3, 2, str(tmp_path), threads=1)
     for out in (r0, r1):
         assert _same(out["plain"], out["one_slice"])
-        for a, b in zip(out["plain"]["losses"], out["sliced"]["losses"]):
-            assert abs(a - b) <= 1e-5 * abs(a), (out["plain"]["losses"], out["sliced"]["losses"])
+        for a, b in zip(out["plain"]["losses"], out["sliced"]["losses"]):  # the bf16 head gradient rounds once a slice
+            assert abs(a - b) <= 1e-4 * abs(a), (out["plain"]["losses"], out["sliced"]["losses"])
         kept, sliced = out["kept"]["peaks"], out["sliced"]["peaks"]
         logits = 4 * 64 * 2048 * 4  # one micro-batch's fp32 logits, what cross_entropy saves whole
         assert sliced["activations"] <= kept["activations"] - logits // 2, (kept, sliced)

@@ -220,6 +220,7 @@ def test_fused_inside_deepspeed_zero2_with_accumulation_on_2_ranks_and_resume(tm
 
     for out in run_ranks(_engine_runs, 2, str(tmp_path), threads=1):
         assert out["chunks"] > 0 and "chunk(s) compiled" in out["summary"]
-        assert out["fused"] != out["eager"]  # the compiled kernel ran (not bit-identical, see above)
+        # the compiled kernel ran (``chunks``); whether its rounding differs from eager's in these four
+        # losses depends on the CPU's vector kernels (equal on some AMD EPYC hosts), so only closeness is asserted
         assert max(abs(a - b) / abs(b) for a, b in zip(out["fused"], out["eager"])) < 1e-3
         assert out["saved"] + out["resumed"] == out["fused"]  # the checkpoint resumes bit for bit

@@ -20,9 +20,9 @@ is torch's own ``nll_loss_backward`` and ``_log_softmax_backward_data`` per slic
 row); the head's weight and bias gradients add the slices' products (one rounding per slice in the
 weight's dtype: exact to bf16 rounding, bit-identical with one slice).
 
-At ZeRO-3 DeepSpeed releases the head's weight when the head's forward returns: the chunked loss
-gathers it itself for its forward and its backward (`gathered`, `_gathered_backward`), and logits
-needed whole are computed by `GatheredLinear`, the arithmetic of DeepSpeed's ZeRO-3 linear.
+At ZeRO-3 the chunked loss gathers the head's weight itself (`head_zero3`). Where grad_release
+takes the weight's gradient by rows, the backward makes it a round of vocabulary rows at a time
+(`head_rows`): the whole weight gradient never exists.
 
 Not applied (the logits are computed whole, as without the plugin): under autocast, with a
 ``weight`` or ``label_smoothing`` in ``cross_entropy``, with class-probability targets, and inside a
@@ -45,6 +45,14 @@ from xirang_ds.compat.torch import (
     make_wrapper_subclass,
     parse_to,
     pytree,
+)
+from xirang_ds.plugins.activations import head_rows
+from xirang_ds.plugins.activations.head_zero3 import (
+    GatheredLinear,
+    gathered,
+    gathered_backward,
+    gathered_linear,
+    is_zero3,
 )
 
 CHUNK = "chunk"
@@ -277,110 +285,6 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     return z
 
 
-def is_zero3(param: Optional[torch.Tensor]) -> bool:
-    """A parameter DeepSpeed's ZeRO-3 partitions (it carries DeepSpeed's ``ds_id``)."""
-    return param is not None and hasattr(param, "ds_id")
-
-
-def _released(param: Optional[torch.Tensor]) -> bool:
-    """A ZeRO-3 parameter whose data DeepSpeed has released (only its shard is held)."""
-    return is_zero3(param) and not param.data.numel()
-
-
-def _gather(params: Any, scope: Optional[Callable[[], ContextManager]]) -> list:
-    """Gather the released ZeRO-3 parameters among ``params`` (inside ``scope()``); returns them."""
-    mine = [p for p in params if _released(p)]
-    with scope() if scope is not None and mine else contextlib.nullcontext():
-        for p in mine:
-            p.all_gather()
-    return mine
-
-
-@contextlib.contextmanager
-def gathered(*params: Optional[torch.Tensor], scope: Optional[Callable[[], ContextManager]] = None):
-    """ZeRO-3: the released parameters among ``params`` gathered for the block and released after it
-    (DeepSpeed's own ``all_gather``/``partition``, the gather inside ``scope()``: the tracker's
-    parameters scope; a gathered or ordinary tensor is left as it is).
-    The chunked loss runs after DeepSpeed released the head's weight at the end of the head's forward,
-    and its backward outside the head's backward hooks, so it gathers the weight itself, each time only
-    while it computes."""
-    mine = _gather(params, scope)
-    try:
-        yield
-    finally:
-        for p in mine:
-            _release(p)
-
-
-def _gathered_backward(ctx: Any, backward: Callable[[], tuple]) -> tuple:
-    """``backward()`` with ``ctx.params`` (the head's weight and bias, ZeRO-3) gathered where released.
-    Autograd accumulates each gradient into its parameter after the backward returns, in the
-    parameter's current shape, so a parameter that gets one is released only once that (and
-    DeepSpeed's reduction hook) ran."""
-    mine = _gather(ctx.params, ctx.param_scope)
-    try:
-        out = backward()
-    except BaseException:
-        for p in mine:
-            _release(p)
-        raise
-    needs = {id(p): need for p, need in zip(ctx.params, ctx.needs_input_grad[1:3])}
-    for p in mine:
-        (_release_after_accumulation if needs[id(p)] else _release)(p)
-    return out
-
-
-class GatheredLinear(torch.autograd.Function):
-    """A ZeRO-3 head's linear computed whole outside its module's hooks (the deferred logits needed
-    whole after DeepSpeed released the weight): the weight gathered for forward and again for
-    backward, the arithmetic of DeepSpeed's own ZeRO-3 linear (``LinearFunctionForZeroStage3``)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, param_scope):
-        ctx.save_for_backward(hidden)
-        ctx.params, ctx.param_scope = (weight, bias), param_scope
-        out = hidden.matmul(weight.t())
-        return out + bias if bias is not None else out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        (hidden,) = ctx.saved_tensors
-        weight, bias = ctx.params
-
-        def grads() -> tuple:
-            dh = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
-            g2 = grad_out.reshape(-1, grad_out.shape[-1])
-            dw = g2.t().matmul(hidden.reshape(-1, hidden.shape[-1])) if ctx.needs_input_grad[1] else None
-            db = g2.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
-            return dh, dw, db
-
-        return _gathered_backward(ctx, grads) + (None,)
-
-
-def gathered_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                    param_scope: Optional[Callable[[], ContextManager]] = None) -> torch.Tensor:
-    """`GatheredLinear`: ``linear(hidden, weight, bias)`` with a ZeRO-3 weight gathered where released
-    (inside ``param_scope()``, the tracker's parameters scope)."""
-    with gathered(weight, bias, scope=param_scope):  # autograd records the weight's whole shape
-        return GatheredLinear.apply(hidden, weight, bias, param_scope)
-
-
-def _release(param: torch.nn.Parameter) -> None:
-    """Release a parameter the chunked loss gathered, unless a module's own hooks gathered it meanwhile
-    (a tied weight whose other module runs): DeepSpeed releases it then, as its own."""
-    if not getattr(param, "ds_active_sub_modules", None):
-        param.partition()
-
-
-def _release_after_accumulation(param: torch.nn.Parameter) -> None:
-    """Release a ZeRO-3 parameter gathered for a backward once its gradient was accumulated."""
-    def release(p: torch.nn.Parameter) -> None:
-        handle.remove()
-        _release(p)
-
-    handle = param.register_post_accumulate_grad_hook(release)
-
-
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """``cross_entropy(cast(linear(hidden, weight, bias)), target)`` a slice of ``tokens`` rows at a
     time (module docstring); saves only ``hidden`` and ``target`` (and the head's weight and bias, or
@@ -389,13 +293,15 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, casts, ignore_index, reduction, tokens, scope, param_scope):
         n = hidden.shape[0]
-        picked = []
+        picked, lse = [], []
+        ctx.rows = head_rows.hand_over(weight, ctx.needs_input_grad[1])  # the weight's gradient by rows
         with torch.no_grad():
             for start in range(0, n, tokens):
                 z = _logits(hidden[start:start + tokens], weight, bias, casts)
                 logp = torch.log_softmax(z, 1)
                 picked.append(F.nll_loss(logp, target[start:start + tokens], ignore_index=ignore_index,
                                          reduction="none"))
+                lse += [head_rows.lse_of(z)] if ctx.rows is not None else []
                 del z, logp
             per_token = torch.cat(picked) if len(picked) > 1 else picked[0]
             valid = target != ignore_index
@@ -411,7 +317,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         else:
             ctx.save_for_backward(hidden, weight, bias, target, total)
             ctx.params = None
-        ctx.param_scope = param_scope
+        ctx.param_scope, ctx.lse = param_scope, torch.cat(lse) if lse else None
         ctx.settings = (casts, ignore_index, reduction, tokens, scope)
         return out
 
@@ -421,13 +327,18 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         if ctx.params is None:
             return ChunkedLinearCrossEntropy._backward(ctx, grad_out, hidden, weight, bias, target, total)
         weight, bias = ctx.params
-        return _gathered_backward(ctx, lambda: ChunkedLinearCrossEntropy._backward(ctx, grad_out, hidden, weight, bias,
+        return gathered_backward(ctx, lambda: ChunkedLinearCrossEntropy._backward(ctx, grad_out, hidden, weight, bias,
                                                                                     target, total))
 
     @staticmethod
     def _backward(ctx, grad_out, hidden, weight, bias, target, total):
         casts, ignore_index, reduction, tokens, scope = ctx.settings
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        sink = ctx.rows.take() if need_w and ctx.rows is not None else None
+        if sink is not None:
+            dh, db = head_rows.backward(sink, grad_out, hidden, weight, bias, target, total, ctx.lse, *ctx.settings,
+                                        need_h, need_b)
+            return (dh, None, db) + (None,) * 7
         dh = torch.empty_like(hidden) if need_h else None
         dw = db = None
         enum = _REDUCTIONS[reduction]

@@ -117,6 +117,7 @@ class Bucket(MasterSlices):
     def _reset_step_buffers(self) -> None:
         self.arrived = [False] * len(self.params)
         self.missing = len(self.params)
+        self.by_rows_done = False
         self.target: Optional[torch.Tensor] = None
         self._target_accumulates = False
         self.reduced: Optional[torch.Tensor] = None
@@ -131,6 +132,7 @@ class Bucket(MasterSlices):
         """A new backward starts: no gradient of it has arrived."""
         self.arrived = [False] * len(self.params)
         self.missing = len(self.params)
+        self.by_rows_done = False  # handed over by rows in this backward (`rows.RowSink`)
 
     def add(self, index: int, grad: torch.Tensor, local: bool = False, peek: bool = False) -> None:
         """Take parameter ``index``'s gradient of this backward.
@@ -347,9 +349,13 @@ class Bucket(MasterSlices):
                 else:
                     for piece, view in zip(self.pieces, self.views):
                         shard[piece.offset:piece.offset + piece.numel].copy_(view)
-                full = torch.empty(self.layout.numel, dtype=self.dtype, device=device)
+                # a parameter alone in its bucket, unpadded, is itself the gathered layout: gathered into
+                # in place, not into a buffer of its size (as `_adopts` takes its gradient)
+                direct = len(self.params) == 1 and not self.layout.padded and self.params[0].is_contiguous()
+                full = (self.params[0].detach().view(-1) if direct
+                        else torch.empty(self.layout.numel, dtype=self.dtype, device=device))
             self.gather_work = self.comm.all_gather(full, shard)
-            self._gather_buffers = (shard, full)
+            self._gather_buffers = (shard, None if direct else full)
 
     def finish_gather(self) -> None:
         """Wait for the all-gather and copy every rank's slices into the parameters."""
@@ -357,9 +363,10 @@ class Bucket(MasterSlices):
             return
         wait(self.gather_work)
         shard, full = self._gather_buffers
-        with torch.no_grad():
-            for i, param in enumerate(self.params):
-                self.layout.read(full, i, param.detach().view(-1))
+        if full is not None:
+            with torch.no_grad():
+                for i, param in enumerate(self.params):
+                    self.layout.read(full, i, param.detach().view(-1))
         self.gather_work, self._gather_buffers = None, ()
 
     def discard(self) -> None:

@@ -123,6 +123,7 @@ class DeepSpeedRelease(FrameworkPath):
                 if not p.after_pass(kind, sumsq):
                     break
         finally:
+            p.pipeline.forget_uses()
             if scaling is not None:
                 scaling.remove()
         if boundary:

@@ -45,6 +45,7 @@ class ReleasePipeline:
         buckets: in launch order.
         overlap: keep one reduction (and one all-gather) in flight while backward continues.
         on_grad_seen: called with each gradient before it is taken (the tracker marks it).
+        by_rows: per bucket, whether its parameter's gradient may be handed over by rows (`rows.fits`).
         stash_held: in a HOLD pass, keep each reduced shard in host memory (`Bucket.stash`) rather than
             on the device, and bring it back bucket by bucket in `apply_all`.
 
@@ -54,8 +55,11 @@ class ReleasePipeline:
     """
 
     def __init__(self, buckets: Sequence[Bucket], overlap: bool = True,
-                 on_grad_seen: Optional[Callable[[torch.Tensor], None]] = None, stash_held: bool = False):
+                 on_grad_seen: Optional[Callable[[torch.Tensor], None]] = None, stash_held: bool = False,
+                 by_rows: Optional[Sequence[bool]] = None):
         self.buckets = list(buckets)
+        self.by_rows = list(by_rows) if by_rows is not None else [False] * len(self.buckets)
+        self.row_uses = [0] * len(self.buckets)
         self.stash_held = stash_held
         self.max_in_flight = 1 if overlap else 0
         self.on_grad_seen = on_grad_seen
@@ -91,6 +95,12 @@ class ReleasePipeline:
         if grad.is_sparse:
             raise RuntimeError(f"xirang.grad_release: {bucket.names[i]} got a sparse gradient; grad_release "
                                "reduces dense buckets. Use dense embeddings or disable xirang.grad_release")
+        if b < self.next_launch and bucket.by_rows_done:
+            raise RuntimeError(
+                f"xirang.grad_release: {bucket.names[i]} received a gradient in this backward after the chunked "
+                "output head had handed over its whole gradient by rows (the weight is used again outside that "
+                "head: tied, or read by other code). Fix: remove the head from xirang.activations' chunk, or "
+                "disable xirang.grad_release")
         if b < self.next_launch:
             raise RuntimeError(
                 f"xirang.grad_release: {bucket.names[i]} received a second gradient in one backward after its "
@@ -102,6 +112,23 @@ class ReleasePipeline:
         bucket.add(i, grad, local=self._local(bucket), peek=self.kind is Pass.NORM)
         param.grad = None
         del grad
+        while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].complete:
+            self._launch(self.next_launch)
+
+    def forget_uses(self) -> None:
+        """``engine.backward`` returned: the next forward's uses count afresh (`rows.RowHandOver`)."""
+        self.row_uses = [0] * len(self.buckets)
+
+    def delivered(self, b: int) -> None:
+        """Bucket ``b``'s gradient was reduced by rows (`rows.RowSink`): it goes on as a launched bucket."""
+        bucket = self.buckets[b]
+        bucket.arrived = [True] * len(bucket.params)
+        bucket.missing = 0
+        bucket.by_rows_done = True
+        self.next_launch = b + 1
+        self.in_flight.append(b)
+        while len(self.in_flight) > self.max_in_flight:
+            self._complete(self.in_flight.popleft())
         while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].complete:
             self._launch(self.next_launch)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from typing import Any, Callable, Optional
 
 import torch
@@ -22,6 +23,7 @@ import torch
 from xirang_ds.compat.torch import GRAD_DTYPE_SETTABLE
 from xirang_ds.config.schema import GradReleaseConfig
 from xirang_ds.config.validate import XirangConfigError
+from xirang_ds.hooks import CallbackHandle
 from xirang_ds.memory.categories import GRADIENTS, OPTIMIZER_STATES, PARAMETERS
 from xirang_ds.registry import UPDATE_IN_BACKWARD, Plugin, register_plugin
 
@@ -60,6 +62,7 @@ class GradReleasePlugin(Plugin):
         self.pipeline: Any = None
         self.policy: Any = None
         self.bucket_numel = 0
+        self._owners: Counter = Counter()  # parameter id -> modules holding it (a tied weight has two)
         self.freed_bytes = 0  # Megatron: bytes of DDP's gradient buffer freed
         self._applied_at_micro_step: Optional[int] = None
         self._micro = 0  # Megatron: backwards since the last optimizer step
@@ -130,16 +133,24 @@ class GradReleasePlugin(Plugin):
     def start_pipeline(self, on_grad: Optional[Callable[[torch.Tensor], None]] = None) -> None:
         """The pipeline over the planned buckets, fed by one post-accumulate-grad hook per parameter
         (``on_grad``, default the pipeline's own), and the buckets' tensors declared by role."""
+        from xirang_ds.plugins.grad_release import rows
         from xirang_ds.plugins.grad_release.pipeline import ReleasePipeline
 
         tracker = self.session.tracker
+        by_rows = [rows.fits(b, b.params[0], self._owners.get(id(b.params[0]), 0)) for b in self.buckets]
         self.pipeline = ReleasePipeline(self.buckets, self.config.overlap_comm,
                                         stash_held=self.config.exact_method == "host",
-                                        on_grad_seen=lambda g: tracker.mark(g, GRADIENTS) if tracker.active else None)
+                                        on_grad_seen=lambda g: tracker.mark(g, GRADIENTS) if tracker.active else None,
+                                        by_rows=by_rows)
         hook = on_grad or self.pipeline.on_grad
         for bucket in self.buckets:
             for param in bucket.params:
                 self.keep(param.register_post_accumulate_grad_hook(hook))
+        for bucket, ok in zip(self.buckets, by_rows):
+            if ok:  # the chunked head asks it in backward (`rows.RowSink`)
+                param = bucket.params[0]
+                setattr(param, rows.ATTR, rows.RowHandOver(self.pipeline, param))
+                self.keep(CallbackHandle(lambda param=param: delattr(param, rows.ATTR)))
         self.keep(self.session.add_memory_roles(self._memory_roles))
 
     def plan_buckets(self, module: torch.nn.Module, optimizers: list[Any], sharded: bool) -> list[Any]:
@@ -165,6 +176,7 @@ class GradReleasePlugin(Plugin):
         if odd:
             raise XirangConfigError([("", f"xirang.grad_release: parameter {odd[0]} is not a dense contiguous tensor")])
         total = sum(p.numel() for _, p in order)
+        self._owners = Counter(id(p) for m in module.modules() for p in m.parameters(recurse=False))
         world = self.comm.world if sharded else 1
         self.bucket_numel = self._bucket_numel(total, self.setup.comm_dtype.itemsize, self.comm.world)
         tracker = self.session.tracker

@@ -1,0 +1,116 @@
+"""A parameter's gradient handed over a slice of rows at a time, reduced as it comes.
+
+The output head's weight is the largest parameter of a language model (vocabulary x hidden) and
+its gradient is whole before any hook sees it: autograd makes it in one piece, then grad_release
+reduces it. The chunked head (`xirang_ds.plugins.activations.head_rows`) can instead make it a slice
+of vocabulary rows at a time, each slice complete (summed over every token). A `RowSink` takes those
+slices: in each round every rank makes the same rows of every rank's shard, the round is
+reduce-scattered at once into this rank's shard of the reduced gradient, and its buffer is freed. So
+the device holds this rank's shard (``1/world`` of the gradient) and one round, never the whole.
+
+Offered (`ReleasePipeline.row_sink`) only where it changes nothing else: a sharded bucket (ZeRO 1/2
+over more than one rank) holding this one parameter, a 2-D parameter whose rows split evenly over
+the ranks (each rank's shard is whole rows), held by one module (not tied), the bucket next to
+reduce, and the caller its one use in this backward. After the last round the bucket continues as
+any bucket whose reduction finished: accumulated, held, stashed or applied.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from xirang_ds.memory.categories import GRADIENTS
+
+if TYPE_CHECKING:  # pragma: no cover
+    from xirang_ds.plugins.grad_release.bucket import Bucket
+    from xirang_ds.plugins.grad_release.pipeline import ReleasePipeline
+
+ATTR = "xirang_rows"
+"""The attribute grad_release sets on a parameter whose gradient it can take by rows: its `RowHandOver`."""
+
+
+def fits(bucket: "Bucket", param: torch.Tensor, owners: int) -> bool:
+    """Whether ``param``'s gradient can be taken by rows in ``bucket`` (module docstring)."""
+    world = bucket.layout.world
+    return (bucket.sharded and len(bucket.params) == 1 and not bucket.layout.padded and param.ndim == 2
+            and param.shape[0] % world == 0 and owners == 1)
+
+
+class RowSink:
+    """This backward's rows of one parameter's gradient, reduced a round at a time.
+
+    Attributes:
+        world: ranks the gradient is sharded over.
+        rows: rows of the parameter in each rank's shard (rank ``r`` owns rows ``[r*rows, (r+1)*rows)``).
+        row_numel: elements of one row.
+    """
+
+    def __init__(self, pipeline: "ReleasePipeline", b: int):
+        self.pipeline, self.b = pipeline, b
+        self.bucket = pipeline.buckets[b]
+        param = self.bucket.params[0]
+        self.world = self.bucket.layout.world
+        self.rows = param.shape[0] // self.world
+        self.row_numel = param.shape[1]
+        self.done = 0
+        self.dtype = self.bucket.comm_dtype
+        self.device = param.device
+        self.closed = False
+
+    def buffer(self, rows: int) -> torch.Tensor:
+        """A round's buffer: ``[world, rows, row_numel]``, row block ``r`` for rank ``r``'s next ``rows`` rows."""
+        with self.bucket.scope(GRADIENTS):
+            return torch.empty((self.world, rows, self.row_numel), dtype=self.dtype, device=self.device)
+
+    def reduce(self, buffer: torch.Tensor) -> None:
+        """Reduce a filled round (`buffer`): every rank's rows ``[done, done + rows)`` of its shard."""
+        bucket = self.bucket
+        rows = buffer.shape[1]
+        if self.closed or self.done + rows > self.rows:
+            raise RuntimeError(f"xirang.grad_release: {bucket.names[0]}: a round of {rows} rows past the "
+                               f"{self.rows} rows of each shard ({self.done} reduced)")
+        if bucket.reduced is None:
+            with bucket.scope(GRADIENTS):
+                bucket.reduced = torch.empty(bucket.layout.shard_numel, dtype=self.dtype, device=self.device)
+        out = bucket.reduced[self.done * self.row_numel:(self.done + rows) * self.row_numel]
+        work = bucket.comm.reduce_scatter(out, buffer.view(-1))
+        if work is not None:
+            work.wait()
+        self.done += rows
+
+    def close(self) -> None:
+        """Every row is in: the bucket's reduction is finished (`ReleasePipeline.delivered`)."""
+        if self.done != self.rows:
+            raise RuntimeError(f"xirang.grad_release: {self.bucket.names[0]}: {self.done} of {self.rows} rows "
+                               "reduced when the rows ended")
+        self.closed = True
+        self.pipeline.delivered(self.b)
+
+
+class RowHandOver:
+    """What a parameter's one user (the chunked head) asks: `used` in forward, `take` in backward.
+
+    The rows are taken only from the parameter's one use in this step's graph: each forward use that
+    records a graph counts (`used`), and the count restarts when ``engine.backward`` returns (the
+    pipeline's `ReleasePipeline.forget_uses`). A head called twice, or a loss left from an earlier
+    forward, gives the gradient whole, as without the hand-over."""
+
+    def __init__(self, pipeline: "ReleasePipeline", param: torch.Tensor):
+        self.pipeline = pipeline
+        self.b, self.i = pipeline.slots[param]
+
+    def used(self) -> None:
+        """A forward use whose graph will give the parameter a gradient."""
+        self.pipeline.row_uses[self.b] += 1
+
+    def take(self) -> Optional[RowSink]:
+        """A `RowSink` for this backward, or ``None`` where the whole gradient must be given."""
+        p, b = self.pipeline, self.b
+        bucket = p.buckets[b]
+        if not p.by_rows[b] or p.kind is None or p.row_uses[b] != 1 or bucket.arrived[self.i] or b != p.next_launch:
+            return None
+        return RowSink(p, b)
+
+
+__all__ = ["ATTR", "RowHandOver", "RowSink", "fits"]

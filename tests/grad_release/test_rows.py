@@ -1,0 +1,136 @@
+"""The chunked head's weight gradient handed to grad_release by rows, on real DeepSpeed engines over 2
+gloo ranks (ZeRO-2, accumulation 2, exact clipping): the same training as the head's token slices
+within rounding, the whole weight gradient never made, and the ways it falls back to the whole
+gradient (a head called twice, a tied weight) still training as before."""
+import copy
+
+import pytest
+import torch
+
+from tests.harness import engine_runs
+from tests.harness.engine_runs import ds_config
+from xirang_ds.launch import run_ranks
+
+MODEL = "gpt:layers=2,hidden=64,heads=4,seq=64,vocab=2048"
+"""The head's weight (2048 x 64) is larger than the buckets: alone in its bucket, so taken by rows."""
+HEAD_NUMEL = 2048 * 64
+CHUNK = {"enabled": True, "planner": False, "chunk": ["*lm_head"], "chunk_tokens": 16}
+
+
+class Twice(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, y):
+        return self.inner(x, y) + 0.5 * self.inner(x, y)
+
+
+def _config(dtype, rows=True, method="host"):
+    release = {"enabled": True, "bucket_size_numel": 20_000, "exact_method": method}
+    return ds_config(stage=2, dtype=dtype, micro=2, gas=2, clip=0.5,
+                     xirang={"grad_release": release, "activations": CHUNK}), rows
+
+
+def _train(rank, world, setup, steps=3, tie=False, twice=False):
+    import xirang_ds
+    from xirang_ds.models import build_model, parse_model_spec
+    from xirang_ds.plugins.grad_release.rows import RowSink
+
+    config, rows = setup
+    spec = parse_model_spec(MODEL)
+    model = build_model(spec, seed=0)
+    if tie:
+        model.lm_head.weight = model.embed.weight
+    if twice:  # the head called twice in one forward (a second loss through the same head)
+        model = Twice(model)
+    head = model.inner.lm_head if twice else model.lm_head
+    engine, *_ = xirang_ds.initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(config))
+    plugin = engine.xirang.plugin("grad_release")
+    if not rows:
+        plugin.pipeline.by_rows = [False] * len(plugin.buckets)
+    closed = []
+    close = RowSink.close
+    RowSink.close = lambda self: closed.append(self.rows) or close(self)
+    tracker = engine.xirang.track_memory()
+    window = tracker.open_window()
+    data = engine_runs.data_iter(2, spec.seq, rank, world)
+    try:
+        losses = [engine_runs.optimizer_step(engine, data) for _ in range(steps)]
+    finally:
+        RowSink.close = close
+    params = torch.cat([p.detach().float().reshape(-1) for p in engine.module.parameters()])
+    gradients = window.category_peaks()["gradients"]
+    window.close()
+    engine.xirang.remove()
+    return {"losses": losses, "params": params, "closed": closed, "gradients": gradients,
+            "by_rows": plugin.pipeline.by_rows[plugin.pipeline.slots[head.weight][0]],
+            "attr": hasattr(head.weight, "xirang_rows")}
+
+
+def _scenarios(rank, world):
+    out = {}
+    for dtype in ("fp32", "bf16"):
+        out[dtype, "rows"] = _train(rank, world, _config(dtype))
+        out[dtype, "tokens"] = _train(rank, world, _config(dtype, rows=False))
+    out["two_pass"] = _train(rank, world, _config("fp32", method="two_pass"))
+    out["two_pass_tokens"] = _train(rank, world, _config("fp32", rows=False, method="two_pass"))
+    out["tied"] = _train(rank, world, _config("fp32"), tie=True)
+    out["twice"] = _train(rank, world, _config("fp32"), twice=True)
+    out["twice_tokens"] = _train(rank, world, _config("fp32", rows=False), twice=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_ranks(_scenarios, 2, threads=1)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("dtype,tol", [("fp32", 1e-5), ("bf16", 2e-2)])
+def test_rows_train_as_the_token_slices_within_rounding(runs, dtype, tol):
+    """Losses within ``tol``; parameters within a tenth of the learning rate in fp32 (Adam's update of
+    an element whose gradient is near zero moves by up to lr on a rounding of that gradient)."""
+    ptol = max(tol, 1e-4)
+    for out in runs:
+        rows, tokens = out[dtype, "rows"], out[dtype, "tokens"]
+        # 3 steps x 2 micro-steps, each rank's shard (1024 rows) closed once per backward
+        assert rows["closed"] == [1024] * 6 and tokens["closed"] == []
+        torch.testing.assert_close(torch.tensor(rows["losses"]), torch.tensor(tokens["losses"]), rtol=tol, atol=tol)
+        torch.testing.assert_close(rows["params"], tokens["params"], rtol=0, atol=ptol)
+    assert torch.equal(runs[0][dtype, "rows"]["params"], runs[1][dtype, "rows"]["params"])  # ranks agree
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_whole_weight_gradient_is_never_made(runs, dtype):
+    """The token slices make the head's gradient whole before its hook; by rows the device holds this
+    rank's shard of it and one round's buffer, so the gradients' highest falls by at least half the
+    head's gradient (2 ranks)."""
+    itemsize = 4 if dtype == "fp32" else 2
+    for out in runs:
+        rows, tokens = out[dtype, "rows"], out[dtype, "tokens"]
+        assert tokens["gradients"] >= HEAD_NUMEL * itemsize
+        assert rows["gradients"] <= tokens["gradients"] - HEAD_NUMEL * itemsize // 2
+
+
+@pytest.mark.distributed
+def test_two_pass_clipping_takes_the_rows_in_both_passes(runs):
+    for out in runs:
+        assert out["two_pass"]["closed"] == [1024] * 9  # a norm pass and an update pass at each boundary
+        torch.testing.assert_close(out["two_pass"]["params"], out["two_pass_tokens"]["params"], rtol=0, atol=1e-4)
+
+
+@pytest.mark.distributed
+def test_a_tied_weight_or_a_head_called_twice_gives_its_gradient_whole(runs):
+    for out in runs:
+        assert out["tied"]["closed"] == [] and not out["tied"]["by_rows"]
+        assert all(torch.isfinite(torch.tensor(out["tied"]["losses"])))
+        assert out["twice"]["closed"] == []  # two uses in the graph: the rows of one would not be the gradient
+        assert torch.equal(out["twice"]["params"], out["twice_tokens"]["params"])
+
+
+@pytest.mark.distributed
+def test_removal_takes_the_attribute_away(runs):
+    for out in runs:
+        assert out["fp32", "rows"]["by_rows"] and not out["fp32", "rows"]["attr"]

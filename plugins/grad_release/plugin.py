@@ -63,6 +63,7 @@ class GradReleasePlugin(Plugin):
         self.policy: Any = None
         self.bucket_numel = 0
         self._owners: Counter = Counter()  # parameter id -> modules holding it (a tied weight has two)
+        self._embeddings: list[torch.nn.Embedding] = []
         self.freed_bytes = 0  # Megatron: bytes of DDP's gradient buffer freed
         self._applied_at_micro_step: Optional[int] = None
         self._micro = 0  # Megatron: backwards since the last optimizer step
@@ -133,7 +134,7 @@ class GradReleasePlugin(Plugin):
     def start_pipeline(self, on_grad: Optional[Callable[[torch.Tensor], None]] = None) -> None:
         """The pipeline over the planned buckets, fed by one post-accumulate-grad hook per parameter
         (``on_grad``, default the pipeline's own), and the buckets' tensors declared by role."""
-        from xirang_ds.plugins.grad_release import rows
+        from xirang_ds.plugins.grad_release import embedding_rows, rows
         from xirang_ds.plugins.grad_release.pipeline import ReleasePipeline
 
         tracker = self.session.tracker
@@ -146,11 +147,16 @@ class GradReleasePlugin(Plugin):
         for bucket in self.buckets:
             for param in bucket.params:
                 self.keep(param.register_post_accumulate_grad_hook(hook))
+        hands = {}
         for bucket, ok in zip(self.buckets, by_rows):
             if ok:  # the chunked head asks it in backward (`rows.RowSink`)
                 param = bucket.params[0]
-                setattr(param, rows.ATTR, rows.RowHandOver(self.pipeline, param))
+                hands[param] = rows.RowHandOver(self.pipeline, param)
+                setattr(param, rows.ATTR, hands[param])
                 self.keep(CallbackHandle(lambda param=param: delattr(param, rows.ATTR)))
+        for module in self._embeddings:  # an input embedding gives its gradient by rows itself
+            if module.weight in hands and embedding_rows.plain(module):
+                self.keep(embedding_rows.wrap(module, hands[module.weight]))
         self.keep(self.session.add_memory_roles(self._memory_roles))
 
     def plan_buckets(self, module: torch.nn.Module, optimizers: list[Any], sharded: bool) -> list[Any]:
@@ -177,6 +183,7 @@ class GradReleasePlugin(Plugin):
             raise XirangConfigError([("", f"xirang.grad_release: parameter {odd[0]} is not a dense contiguous tensor")])
         total = sum(p.numel() for _, p in order)
         self._owners = Counter(id(p) for m in module.modules() for p in m.parameters(recurse=False))
+        self._embeddings = [m for m in module.modules() if type(m) is torch.nn.Embedding]
         world = self.comm.world if sharded else 1
         self.bucket_numel = self._bucket_numel(total, self.setup.comm_dtype.itemsize, self.comm.world)
         tracker = self.session.tracker

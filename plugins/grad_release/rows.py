@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from xirang_ds.compat.torch import has_grad_hooks
 from xirang_ds.memory.categories import GRADIENTS
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -58,6 +59,10 @@ class RowSink:
         self.device = param.device
         self.closed = False
 
+    def round_rows(self, parts: int = 8) -> int:
+        """Rows of each shard per round when the caller has no size of its own: ``1/parts`` of the shard."""
+        return max(1, -(-self.rows // parts))
+
     def buffer(self, rows: int) -> torch.Tensor:
         """A round's buffer: ``[world, rows, row_numel]``, row block ``r`` for rank ``r``'s next ``rows`` rows."""
         with self.bucket.scope(GRADIENTS):
@@ -93,8 +98,9 @@ class RowHandOver:
 
     The rows are taken only from the parameter's one use in this step's graph: each forward use that
     records a graph counts (`used`), and the count restarts when ``engine.backward`` returns (the
-    pipeline's `ReleasePipeline.forget_uses`). A head called twice, or a loss left from an earlier
-    forward, gives the gradient whole, as without the hand-over."""
+    pipeline's `ReleasePipeline.forget_uses`). A head called twice, a loss left from an earlier
+    forward, or a hook on the parameter (``register_hook``) gives the gradient whole, as without the
+    hand-over. Every rank decides alike only if each holds the same hooks, as each runs the same graph."""
 
     def __init__(self, pipeline: "ReleasePipeline", param: torch.Tensor):
         self.pipeline = pipeline
@@ -108,7 +114,8 @@ class RowHandOver:
         """A `RowSink` for this backward, or ``None`` where the whole gradient must be given."""
         p, b = self.pipeline, self.b
         bucket = p.buckets[b]
-        if not p.by_rows[b] or p.kind is None or p.row_uses[b] != 1 or bucket.arrived[self.i] or b != p.next_launch:
+        if (not p.by_rows[b] or p.kind is None or p.row_uses[b] != 1 or bucket.arrived[self.i] or b != p.next_launch
+                or has_grad_hooks(bucket.params[self.i])):  # a hook (register_hook) must see the gradient whole
             return None
         return RowSink(p, b)
 

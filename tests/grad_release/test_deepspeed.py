@@ -50,9 +50,9 @@ def _train(rank, world, config, steps, use_xirang=True, inject=None, until=None)
             x, y = next(data)
             loss = engine(x, y)
             handle = None
-            if inject and inject[0] == step and inject[1] == rank and micro == gas - 1:
+            if inject and inject[0] == step and micro == gas - 1:  # a hook on every rank, inf on one
                 param = dict(engine.module.named_parameters())[inject[2]]
-                handle = param.register_hook(lambda g: torch.full_like(g, float("inf")))
+                handle = param.register_hook(lambda g: torch.full_like(g, float("inf")) if rank == inject[1] else g)
             engine.backward(loss)
             if handle is not None:
                 handle.remove()

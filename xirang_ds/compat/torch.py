@@ -58,6 +58,7 @@ UPSTREAM_NAMES: dict[str, Any] = {
     "torch.utils._python_dispatch._get_current_dispatch_mode": "torch/utils/_python_dispatch.py L270",
     "torch.nn.modules.batchnorm._NormBase": "torch/nn/modules/batchnorm.py L25",
     "torch.nn.Module._parameters": "torch/nn/modules/module.py (the module's own parameter table)",
+    "torch.Tensor._backward_hooks": "a tensor's register_hook hooks (C property, torch/_C/__init__.pyi; None if none)",
     "torch.nn.Module._buffers": "torch/nn/modules/module.py (the module's own buffer table)",
     "torch.autograd.Variable._execution_engine": "torch/autograd/variable.py L15",
     "torch._foreach_zero_": "aten op, torch/_C/_VariableFunctions.pyi",
@@ -98,6 +99,11 @@ gradient for a bf16 tensor). Older torch refuses such a gradient: callers keep a
 def allow_any_grad_dtype(t: torch.Tensor) -> None:
     """``t.grad`` may take any dtype (needs `GRAD_DTYPE_SETTABLE`)."""
     t.grad_dtype = None
+
+
+def has_grad_hooks(t: torch.Tensor) -> bool:
+    """Whether ``register_hook`` put a hook on ``t`` (it sees the gradient before it is accumulated)."""
+    return bool(t._backward_hooks)
 
 
 def storage_at(base: torch.Tensor, offset: int, nbytes: int) -> torch.UntypedStorage:

@@ -1,0 +1,108 @@
+"""Rows of a weight gradient against autograd's whole gradient, in one process: the chunked head's
+rounds (`head_rows.backward`) and the input embedding's (`embedding_rows.RowsEmbedding`), through a
+sink that keeps what each round would reduce."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from xirang_ds.plugins.activations import head_loss
+from xirang_ds.plugins.grad_release.embedding_rows import RowsEmbedding
+
+
+class Sink:
+    """A `RowSink` of ``world`` ranks that keeps every rank's rows in place of reducing them."""
+
+    def __init__(self, vocab, width, world=2, dtype=torch.float32):
+        self.world, self.rows, self.row_numel, self.dtype = world, vocab // world, width, dtype
+        self.done, self.closed = 0, 0
+        self.grad = torch.full((vocab, width), float("nan"), dtype=dtype)
+        self.bucket = type("Bucket", (), {"scope": staticmethod(lambda c: torch.no_grad())})()
+
+    def round_rows(self, parts=8):
+        return max(1, -(-self.rows // parts))
+
+    def buffer(self, rows):
+        return torch.empty((self.world, rows, self.row_numel), dtype=self.dtype)
+
+    def reduce(self, buffer):
+        for r in range(self.world):
+            start = r * self.rows + self.done
+            self.grad[start:start + buffer.shape[1]] = buffer[r]
+        self.done += buffer.shape[1]
+
+    def close(self):
+        assert self.done == self.rows
+        self.closed += 1
+
+
+class Hand:
+    def __init__(self, sink):
+        self.sink, self.uses = sink, 0
+
+    def used(self):
+        self.uses += 1
+
+    def take(self):
+        return self.sink
+
+
+@pytest.mark.parametrize("reduction,bias,ignore", [("mean", False, True), ("sum", True, False), ("none", False, True)])
+def test_head_rows_equal_autograd_gradients(reduction, bias, ignore):
+    torch.manual_seed(0)
+    n, width, vocab = 37, 16, 64
+    hidden = torch.randn(n, width, requires_grad=True)
+    weight = torch.randn(vocab, width, requires_grad=True)
+    b = torch.randn(vocab, requires_grad=True) if bias else None
+    target = torch.randint(0, vocab, (n,))
+    if ignore:
+        target[::5] = -100
+    grad_out = torch.rand(n) if reduction == "none" else None
+
+    def total(loss):
+        return (loss * grad_out).sum() if grad_out is not None else loss
+
+    total(F.cross_entropy(F.linear(hidden, weight, b).float(), target, reduction=reduction)).backward()
+    want = (hidden.grad.clone(), weight.grad.clone(), b.grad.clone() if bias else None)
+    hidden.grad = weight.grad = None
+    if bias:
+        b.grad = None
+    sink = Sink(vocab, width)
+    weight.xirang_rows = Hand(sink)
+    total(head_loss.chunked_cross_entropy(hidden, weight, b, target, (torch.float32,), reduction=reduction,
+                                          tokens=8)).backward()
+    assert weight.xirang_rows.uses == 1 and sink.closed == 1
+    assert weight.grad is None  # handed over, not accumulated
+    torch.testing.assert_close(sink.grad, want[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hidden.grad, want[0], rtol=1e-5, atol=1e-5)
+    if bias:
+        torch.testing.assert_close(b.grad, want[2], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_embedding_rows_equal_autograd_gradient(padding_idx):
+    torch.manual_seed(0)
+    vocab, width = 40, 8
+    weight = torch.randn(vocab, width, requires_grad=True)
+    ids = torch.randint(0, vocab, (3, 11))
+    ids[0, :4] = 3  # repeated ids, the padding one among them
+    upstream = torch.randn(3, 11, width)
+    (F.embedding(ids, weight, padding_idx) * upstream).sum().backward()
+    want, weight.grad = weight.grad.clone(), None
+    sink = Sink(vocab, width)
+    out = RowsEmbedding.apply(ids, weight, padding_idx, Hand(sink))
+    torch.testing.assert_close(out, F.embedding(ids, weight, padding_idx), rtol=0, atol=0)
+    (out * upstream).sum().backward()
+    assert sink.closed == 1 and weight.grad is None
+    torch.testing.assert_close(sink.grad, want, rtol=1e-6, atol=1e-6)
+
+
+def test_embedding_without_the_rows_is_autograds_own_gradient():
+    vocab, width = 40, 8
+    weight = torch.randn(vocab, width, requires_grad=True)
+    ids = torch.randint(0, vocab, (2, 9))
+    upstream = torch.randn(2, 9, width)
+    (F.embedding(ids, weight, 0) * upstream).sum().backward()
+    want, weight.grad = weight.grad.clone(), None
+    hand = Hand(None)  # take() gives no sink: the whole gradient, as autograd makes it
+    (RowsEmbedding.apply(ids, weight, 0, hand) * upstream).sum().backward()
+    assert torch.equal(weight.grad, want)

@@ -51,7 +51,7 @@ class DeepSpeedActivations(FrameworkPath):
         return isinstance(zero, dict) and zero.get("stage") == 3
 
     # output heads (the chunk option; at ZeRO-3 the chunked loss gathers the head's weight itself,
-    # `head_loss.gathered`)
+    # `head_zero3.gathered`)
     defer = staticmethod(head_loss.defer)
     """How a head's calls are deferred (`wrapper.ModuleWrapper.head`)."""
 

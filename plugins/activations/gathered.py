@@ -66,7 +66,7 @@ class GatheredRefs:
                          if any(True for _ in m.parameters(recurse=False))]
         # a chunked head's deferred logits have no graph of their own to mark, and DeepSpeed's marker
         # (``outputs.detach()``) would compute them whole; the chunked loss gathers the head's weight
-        # itself (head_loss.gathered)
+        # itself (head_zero3.gathered)
         self._undo_marker = pass_pre_backward(model, lambda t: isinstance(t, DeferredLogits))
         self.saved = 0
         self.regathered = 0

@@ -238,7 +238,14 @@ class GradReleasePlugin(Plugin):
         # a parameter larger than the size gets a bucket of its own; a model smaller than it is one bucket
         bucket_numel = self._bucket_numel(total, comm_bytes, shape.world_size)
         planned = plan_buckets(list(reversed(numels)), bucket_numel)
-        bucket = min(max(bucket_numel, max(numels)), total)
+        # the gradients handed over by rows (`rows.py`) are never whole: their shard and one round instead
+        by_rows = self._rows_numels(world, bucket_numel) if world > 1 else []
+        whole_numels = list(numels)
+        for n in by_rows:
+            whole_numels.remove(n)
+        largest = max(whole_numels, default=0)
+        rows_held = max((lp * (math.ceil(n / world) + world * math.ceil(n / world / 8)) for n in by_rows), default=0)
+        bucket = min(max(bucket_numel, largest), total)
         kind = self._masters if shape.dtype == torch.bfloat16 else "fp32"
         masters = {"fp32": 4 * part, "remainders": 2 * part + math.ceil(part / 8), "none": 0}[kind] if lp != 4 else 0
         states = 8 * part
@@ -252,7 +259,8 @@ class GradReleasePlugin(Plugin):
         in_flight = (2 if self.config.overlap_comm and len(planned) > 1 else 1) * lp * bucket
         # the largest gradient, made whole before its hook, is copied into its bucket's buffer, unless it is
         # alone there, unpadded and in the communication dtype: then it is the buffer (`Bucket._adopts`)
-        whole = 0 if max(numels) >= bucket_numel and max(numels) % world == 0 and comm_bytes == lp else lp * max(numels)
+        whole = 0 if largest >= bucket_numel and largest % world == 0 and comm_bytes == lp else lp * largest
+        whole = max(whole, rows_held)
         shard = math.ceil(bucket / world)
         # the update (bucket.py ``apply``): the bucket shard's fp32 gradient, then with remainders its
         # master rebuilt from a 16-bit copy of its weights (freed once joined; ``none``: widened in
@@ -291,13 +299,30 @@ class GradReleasePlugin(Plugin):
                     cats = late
             elif name == BACKWARD_START:
                 # the first gradient autograd makes (the output head's, where the model has one: the
-                # largest parameter) exists whole before its hook copies it into a bucket
-                cats[GRADIENTS] = accum + lp * max(numels)
+                # largest parameter) exists whole before its hook copies it into a bucket, unless by rows
+                cats[GRADIENTS] = accum + max(lp * largest, rows_held)
             elif name in ("optimizer_step", STEP_PREPARE):
                 cats["temporaries"] = 0
                 cats["activations"] = 0
             out[name] = cats
         return out
+
+    def _rows_numels(self, world: int, bucket_numel: int) -> list[int]:
+        """Element counts of the estimate's parameters whose gradient comes by rows (`rows.fits`): an
+        input ``nn.Embedding``'s weight and a head the block fixes to ``chunk``, larger than a bucket,
+        untied, their rows split evenly over ``world`` ranks."""
+        from xirang_ds.plugins.grad_release.embedding_rows import plain
+
+        model = self.session.model
+        if model is None:
+            return []
+        owners = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
+        weights = [m.weight for m in model.modules() if type(m) is torch.nn.Embedding and plain(m)]
+        activations = self.session.plugin("activations")
+        weights += [model.get_submodule(n).weight for n in getattr(activations, "traced_heads", ())]
+        return [w.numel() for w in {id(w): w for w in weights}.values()
+                if w.requires_grad and w.ndim == 2 and w.numel() >= bucket_numel and w.shape[0] % world == 0
+                and owners[id(w)] == 1]
 
     def describe(self) -> str:
         return self.path.describe()

@@ -52,6 +52,18 @@ def test_estimate_within_ten_percent_of_measured(model, stage, dtype, micro, wor
     assert abs(predicted - measured) / measured <= tolerance, (predicted, measured)
 
 
+def test_grad_release_estimate_takes_the_largest_gradients_by_rows(monkeypatch):
+    """The chunked head's and the embedding's weights (2048 x 64 each, alone in their buckets) give their
+    gradients by rows: the backward's gradients are one shard (65,536 elements) and one round of
+    1/8 shard per rank (2 x 8,192), 163,840 bf16 bytes, where the head's whole gradient was 262,144."""
+    from xirang_ds.plugins.grad_release.plugin import GradReleasePlugin
+
+    config = ds_config(stage=2, dtype="bf16", micro=4, xirang={**CHUNK, **GRAD_RELEASE})
+    assert estimate_spec(VOCAB, config, 2).phases["backward"]["gradients"] == 163_840
+    monkeypatch.setattr(GradReleasePlugin, "_rows_numels", lambda self, world, bucket: [])
+    assert estimate_spec(VOCAB, config, 2).phases["backward"]["gradients"] == 262_144
+
+
 def fused_bench_rank(rank: int, world: int, *args):
     """`bench_rank` with DeepSpeed's FusedAdam (which needs a GPU or a JIT build) replaced by torch's
     fused AdamW, which the engine takes for it (``FP16_Optimizer`` at ZeRO 0 in 16 bits): no step

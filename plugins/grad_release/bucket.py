@@ -154,6 +154,16 @@ class Bucket(MasterSlices):
             self.arrived[index] = True
             self.missing -= 1
 
+    def add_late(self, index: int, grad: torch.Tensor) -> None:
+        """A gradient of parameter ``index`` that arrives after its rows were reduced (`rows.RowSink`),
+        its bucket still in flight: reduced now and added to the reduced shard."""
+        with self.scope(GRADIENTS):
+            buffer = torch.zeros(self.layout.numel, dtype=self.comm_dtype, device=grad.device)
+            self.layout.write(buffer, index, grad.reshape(-1))
+            late = torch.empty(self.layout.shard_numel, dtype=self.comm_dtype, device=grad.device)
+        wait(self.comm.reduce_scatter(late, buffer))
+        self.reduced.add_(late)
+
     def _adopts(self, flat: torch.Tensor) -> bool:
         """Whether the gradient itself is this backward's communication buffer, with no copy: the bucket's
         one parameter, cut into equal chunks (no padding: its flat gradient is then the ``[world, chunk]``

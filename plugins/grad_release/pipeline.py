@@ -96,11 +96,19 @@ class ReleasePipeline:
             raise RuntimeError(f"xirang.grad_release: {bucket.names[i]} got a sparse gradient; grad_release "
                                "reduces dense buckets. Use dense embeddings or disable xirang.grad_release")
         if b < self.next_launch and bucket.by_rows_done:
-            raise RuntimeError(
-                f"xirang.grad_release: {bucket.names[i]} received a gradient in this backward after the chunked "
-                "output head had handed over its whole gradient by rows (the weight is used again outside that "
-                "head: tied, or read by other code). Fix: remove the head from xirang.activations' chunk, or "
-                "disable xirang.grad_release")
+            # a use of the weight the rows did not see (read outside its module): its gradient is added to
+            # the rows' reduced shard while that is still in flight, else the step would miss it
+            if b not in self.in_flight:
+                raise RuntimeError(
+                    f"xirang.grad_release: {bucket.names[i]} received a gradient in this backward after its "
+                    "gradient had been reduced by rows and applied (the weight is used outside its module, e.g. "
+                    "read by another layer). Fix: use the weight through its module only, or disable "
+                    "xirang.grad_release")
+            if self.on_grad_seen is not None:
+                self.on_grad_seen(grad)
+            bucket.add_late(i, grad)
+            param.grad = None
+            return
         if b < self.next_launch:
             raise RuntimeError(
                 f"xirang.grad_release: {bucket.names[i]} received a second gradient in one backward after its "
@@ -127,7 +135,7 @@ class ReleasePipeline:
         bucket.by_rows_done = True
         self.next_launch = b + 1
         self.in_flight.append(b)
-        while len(self.in_flight) > self.max_in_flight:
+        while len(self.in_flight) > max(1, self.max_in_flight):  # it stays for a late use (`Bucket.add_late`)
             self._complete(self.in_flight.popleft())
         while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].complete:
             self._launch(self.next_launch)

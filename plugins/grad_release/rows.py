@@ -1,18 +1,19 @@
-"""A parameter's gradient handed over a slice of rows at a time, reduced as it comes.
+"""A parameter's gradient handed over a round of rows at a time, reduced as it comes.
 
-The output head's weight is the largest parameter of a language model (vocabulary x hidden) and
-its gradient is whole before any hook sees it: autograd makes it in one piece, then grad_release
-reduces it. The chunked head (`xirang_ds.plugins.activations.head_rows`) can instead make it a slice
-of vocabulary rows at a time, each slice complete (summed over every token). A `RowSink` takes those
-slices: in each round every rank makes the same rows of every rank's shard, the round is
-reduce-scattered at once into this rank's shard of the reduced gradient, and its buffer is freed. So
-the device holds this rank's shard (``1/world`` of the gradient) and one round, never the whole.
+A language model's largest parameters, the output head's and the input embedding's weights
+(vocabulary x hidden), get gradients that autograd makes whole before any hook sees them. Their
+producers can instead make them a round of rows at a time, each row complete: the chunked head
+(`xirang_ds.plugins.activations.head_rows`) and an input embedding (`embedding_rows`). A `RowSink`
+takes those rounds: in each, every rank makes the same rows of every rank's shard, and the round is
+reduce-scattered at once into this rank's shard of the reduced gradient and freed. So the device
+holds this rank's shard (``1/world`` of the gradient) and one round, never the whole.
 
-Offered (`ReleasePipeline.row_sink`) only where it changes nothing else: a sharded bucket (ZeRO 1/2
-over more than one rank) holding this one parameter, a 2-D parameter whose rows split evenly over
-the ranks (each rank's shard is whole rows), held by one module (not tied), the bucket next to
-reduce, and the caller its one use in this backward. After the last round the bucket continues as
-any bucket whose reduction finished: accumulated, held, stashed or applied.
+Offered (`RowHandOver.take`) only where it changes nothing else: a sharded bucket (ZeRO 1/2 over
+more than one rank) holding this one parameter, a 2-D parameter whose rows split evenly over the
+ranks (each rank's shard is whole rows), held by one module (not tied), without a ``register_hook``
+hook, the bucket next to reduce, and the producer its one use in this step's graph. After the last
+round the bucket continues as any bucket whose reduction finished: accumulated, held, stashed or
+applied.
 """
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ class RowSink:
 
 
 class RowHandOver:
-    """What a parameter's one user (the chunked head) asks: `used` in forward, `take` in backward.
+    """What a parameter's one producer of rows asks: `used` in forward, `take` in backward.
 
     The rows are taken only from the parameter's one use in this step's graph: each forward use that
     records a graph counts (`used`), and the count restarts when ``engine.backward`` returns (the

@@ -17,6 +17,18 @@ HEAD_NUMEL = 2048 * 64
 CHUNK = {"enabled": True, "planner": False, "chunk": ["*lm_head"], "chunk_tokens": 16}
 
 
+class ReadsEmbedding(torch.nn.Module):
+    """A model that also reads the embedding's weight outside its module (an output bias from it):
+    that use's gradient arrives after the embedding's rows, and is added before the update."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, y):
+        return self.inner(x, y) + 1e-3 * self.inner.embed.weight.float().square().sum()
+
+
 class Twice(torch.nn.Module):
     def __init__(self, inner):
         super().__init__()
@@ -32,7 +44,7 @@ def _config(dtype, rows=True, method="host"):
                      xirang={"grad_release": release, "activations": CHUNK}), rows
 
 
-def _train(rank, world, setup, steps=3, tie=False, twice=False):
+def _train(rank, world, setup, steps=3, tie=False, twice=False, reads=False):
     import xirang_ds
     from xirang_ds.models import build_model, parse_model_spec
     from xirang_ds.plugins.grad_release.rows import RowSink
@@ -44,26 +56,31 @@ def _train(rank, world, setup, steps=3, tie=False, twice=False):
         model.lm_head.weight = model.embed.weight
     if twice:  # the head called twice in one forward (a second loss through the same head)
         model = Twice(model)
-    head = model.inner.lm_head if twice else model.lm_head
+    if reads:
+        model = ReadsEmbedding(model)
+    head = model.inner.lm_head if twice or reads else model.lm_head
     engine, *_ = xirang_ds.initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(config))
     plugin = engine.xirang.plugin("grad_release")
     if not rows:
         plugin.pipeline.by_rows = [False] * len(plugin.buckets)
-    closed = []
-    close = RowSink.close
+    from xirang_ds.plugins.grad_release.bucket import Bucket
+
+    closed, late = [], []
+    close, add_late = RowSink.close, Bucket.add_late
     RowSink.close = lambda self: closed.append(".".join(self.bucket.names[0].split(".")[-2:])) or close(self)
+    Bucket.add_late = lambda self, *a: late.append(self.names[0]) or add_late(self, *a)
     tracker = engine.xirang.track_memory()
     window = tracker.open_window()
     data = engine_runs.data_iter(2, spec.seq, rank, world)
     try:
         losses = [engine_runs.optimizer_step(engine, data) for _ in range(steps)]
     finally:
-        RowSink.close = close
+        RowSink.close, Bucket.add_late = close, add_late
     params = torch.cat([p.detach().float().reshape(-1) for p in engine.module.parameters()])
     gradients = window.category_peaks()["gradients"]
     window.close()
     engine.xirang.remove()
-    return {"losses": losses, "params": params, "closed": closed, "gradients": gradients,
+    return {"losses": losses, "params": params, "closed": closed, "gradients": gradients, "late": late,
             "by_rows": plugin.pipeline.by_rows[plugin.pipeline.slots[head.weight][0]],
             "attr": hasattr(head.weight, "xirang_rows")}
 
@@ -78,6 +95,8 @@ def _scenarios(rank, world):
     out["tied"] = _train(rank, world, _config("fp32"), tie=True)
     out["twice"] = _train(rank, world, _config("fp32"), twice=True)
     out["twice_tokens"] = _train(rank, world, _config("fp32", rows=False), twice=True)
+    out["reads"] = _train(rank, world, _config("fp32"), reads=True)
+    out["reads_tokens"] = _train(rank, world, _config("fp32", rows=False), reads=True)
     return out
 
 
@@ -129,6 +148,16 @@ def test_a_tied_weight_or_a_head_called_twice_gives_its_gradient_whole(runs):
         # two uses of every weight in the graph: the rows of one use would not be the gradient
         assert out["twice"]["closed"] == []
         assert torch.equal(out["twice"]["params"], out["twice_tokens"]["params"])
+
+
+@pytest.mark.distributed
+def test_a_weight_also_read_outside_its_module_gets_that_gradient_too(runs):
+    for out in runs:
+        assert "embed.weight" in out["reads"]["closed"]  # by rows, and the other use's gradient added after
+        assert out["reads"]["late"] == ["inner.embed.weight"] * 6 and out["reads_tokens"]["late"] == []
+        torch.testing.assert_close(out["reads"]["params"], out["reads_tokens"]["params"], rtol=0, atol=1e-4)
+        torch.testing.assert_close(torch.tensor(out["reads"]["losses"]), torch.tensor(out["reads_tokens"]["losses"]),
+                                   rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.distributed

@@ -44,7 +44,7 @@ def _config(dtype, rows=True, method="host"):
                      xirang={"grad_release": release, "activations": CHUNK}), rows
 
 
-def _train(rank, world, setup, steps=3, tie=False, twice=False, reads=False):
+def _train(rank, world, setup, steps=3, tie=False, twice=False, reads=False, save_dir=None, load_dir=None, skip=0):
     import xirang_ds
     from xirang_ds.models import build_model, parse_model_spec
     from xirang_ds.plugins.grad_release.rows import RowSink
@@ -60,6 +60,8 @@ def _train(rank, world, setup, steps=3, tie=False, twice=False, reads=False):
         model = ReadsEmbedding(model)
     head = model.inner.lm_head if twice or reads else model.lm_head
     engine, *_ = xirang_ds.initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(config))
+    if load_dir is not None:
+        engine.load_checkpoint(load_dir)
     plugin = engine.xirang.plugin("grad_release")
     if not rows:
         plugin.pipeline.by_rows = [False] * len(plugin.buckets)
@@ -72,10 +74,14 @@ def _train(rank, world, setup, steps=3, tie=False, twice=False, reads=False):
     tracker = engine.xirang.track_memory()
     window = tracker.open_window()
     data = engine_runs.data_iter(2, spec.seq, rank, world)
+    for _ in range(skip * config["gradient_accumulation_steps"]):
+        next(data)
     try:
         losses = [engine_runs.optimizer_step(engine, data) for _ in range(steps)]
     finally:
         RowSink.close, Bucket.add_late = close, add_late
+    if save_dir is not None:
+        engine.save_checkpoint(save_dir)
     params = torch.cat([p.detach().float().reshape(-1) for p in engine.module.parameters()])
     gradients = window.category_peaks()["gradients"]
     window.close()
@@ -85,7 +91,7 @@ def _train(rank, world, setup, steps=3, tie=False, twice=False, reads=False):
             "attr": hasattr(head.weight, "xirang_rows")}
 
 
-def _scenarios(rank, world):
+def _scenarios(rank, world, tmp):
     out = {}
     for dtype in ("fp32", "bf16"):
         out[dtype, "rows"] = _train(rank, world, _config(dtype))
@@ -97,12 +103,14 @@ def _scenarios(rank, world):
     out["twice_tokens"] = _train(rank, world, _config("fp32", rows=False), twice=True)
     out["reads"] = _train(rank, world, _config("fp32"), reads=True)
     out["reads_tokens"] = _train(rank, world, _config("fp32", rows=False), reads=True)
+    out["saved"] = _train(rank, world, _config("bf16"), steps=2, save_dir=tmp)
+    out["resumed"] = _train(rank, world, _config("bf16"), steps=1, load_dir=tmp, skip=2)
     return out
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_ranks(_scenarios, 2, threads=1)
+def runs(tmp_path_factory):
+    return run_ranks(_scenarios, 2, str(tmp_path_factory.mktemp("rows")), threads=1)
 
 
 @pytest.mark.distributed
@@ -158,6 +166,15 @@ def test_a_weight_also_read_outside_its_module_gets_that_gradient_too(runs):
         torch.testing.assert_close(out["reads"]["params"], out["reads_tokens"]["params"], rtol=0, atol=1e-4)
         torch.testing.assert_close(torch.tensor(out["reads"]["losses"]), torch.tensor(out["reads_tokens"]["losses"]),
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_round_trip_resumes_bit_for_bit(runs):
+    for out in runs:
+        whole = out["bf16", "rows"]
+        assert out["saved"]["losses"] + out["resumed"]["losses"] == whole["losses"]
+        assert torch.equal(out["resumed"]["params"], whole["params"])
+        assert out["resumed"]["closed"] == ["lm_head.weight", "pos.weight", "embed.weight"] * 2
 
 
 @pytest.mark.distributed

@@ -4,7 +4,8 @@
 the tokens in the batch. Where grad_release takes the embedding's weight by rows (`rows.fits`), its
 forward runs `RowsEmbedding`: the same ``F.embedding`` forward, and a backward that builds each round's
 rows from the tokens that fall in them (``index_add`` in fp32, one rounding into the round's buffer)
-and reduces them at once. So the device holds this rank's shard and one round, not the whole.
+and reduces them at once. So the device holds this rank's shard and one round, not the whole. The
+tokens are sorted by id once, and every round's bounds are read with one host sync per backward.
 
 Where the rows are not taken in a backward (`RowHandOver.take` says why: the weight used twice, an
 earlier bucket not launched yet), the backward is autograd's own ``embedding_dense_backward``, the
@@ -49,22 +50,25 @@ class RowsEmbedding(torch.autograd.Function):
             padding = -1 if padding_idx is None else padding_idx  # F.embedding's "none"
             whole = torch.ops.aten.embedding_dense_backward(grad, ids, vocab, padding, False)
             return None, whole, None, None
+        # the tokens sorted by id once, and every round's bounds found with one host sync
         flat_ids = ids.reshape(-1)
-        rows = grad.reshape(-1, grad.shape[-1])
-        keep = flat_ids != padding_idx if padding_idx is not None else None
+        order = torch.argsort(flat_ids)
+        ids_sorted = flat_ids[order]
+        rows = grad.reshape(-1, grad.shape[-1])[order]
+        if padding_idx is not None:  # the padding row gets no gradient, as in embedding_dense_backward
+            rows = rows * (ids_sorted != padding_idx).unsqueeze(1).to(rows.dtype)
         per_round = sink.round_rows()
-        for first in range(0, sink.rows, per_round):
-            count = min(per_round, sink.rows - first)
-            buffer = sink.buffer(count)
+        rounds = [(r * sink.rows + first, min(per_round, sink.rows - first))
+                  for first in range(0, sink.rows, per_round) for r in range(sink.world)]
+        edges = torch.tensor([e for lo, count in rounds for e in (lo, lo + count)], device=ids_sorted.device)
+        at = torch.searchsorted(ids_sorted, edges.to(ids_sorted.dtype)).tolist()
+        for k in range(0, len(rounds), sink.world):
+            buffer = sink.buffer(rounds[k][1])
             for r in range(sink.world):
-                lo = r * sink.rows + first
-                hit = (flat_ids >= lo) & (flat_ids < lo + count)
-                if keep is not None:
-                    hit &= keep
-                at = hit.nonzero().squeeze(1)
+                (lo, count), start, end = rounds[k + r], at[2 * (k + r)], at[2 * (k + r) + 1]
                 with sink.bucket.scope(GRADIENTS):
                     acc = torch.zeros((count, rows.shape[1]), dtype=torch.float32, device=rows.device)
-                acc.index_add_(0, (flat_ids[at] - lo).long(), rows[at].float())
+                acc.index_add_(0, (ids_sorted[start:end] - lo).long(), rows[start:end].float())
                 buffer[r].copy_(acc)
                 del acc
             sink.reduce(buffer)

@@ -137,30 +137,51 @@ def bit_view(flat: torch.Tensor) -> torch.Tensor:
 # lossless
 
 
-def encode_lossless(flat: torch.Tensor, storage: PayloadStorage) -> Optional[Payload]:
-    """The smallest bit-exact encoding of ``flat``, or ``None`` when none is smaller."""
+def lossless_plan(flat: torch.Tensor, chunk: Optional[int] = None) -> Optional[tuple[str, torch.dtype, int, int]]:
+    """What `encode_lossless` makes of ``flat``: ``(kind, values dtype, nonzeros, bytes)`` (kind
+    ``bits``, ``zero_mask`` or ``narrow``), or ``None`` when no encoding is smaller. Read ``chunk``
+    elements at a time (default: at once): the same answer, with temporaries of one chunk."""
     n = flat.numel()
     if flat.dtype == torch.bool:
-        payload = _payload("bits", flat, storage, [("bits", torch.uint8, (n + 7) // 8)])
-        pack_bits(flat, out=payload.part("bits"))
-        return payload
+        return "bits", torch.uint8, 0, (n + 7) // 8
     if not (flat.is_floating_point() or flat.dtype in (torch.int32, torch.int64, torch.int16)):
         return None
-    bits = bit_view(flat) if flat.element_size() in _INT_VIEW else None
-    if bits is None:
+    if flat.element_size() not in _INT_VIEW:
         return None
-    values_dtype = flat.dtype
-    for narrow in _NARROWER.get(flat.dtype, ()):
-        back = flat.to(narrow).to(flat.dtype)
-        if torch.equal(bit_view(back), bits):
-            values_dtype = narrow
-            break
-        del back
-    nonzero = bits != 0
-    nnz = int(nonzero.sum())
+    narrowers = list(_NARROWER.get(flat.dtype, ()))
+    exact = [True] * len(narrowers)
+    nnz = 0
+    step = chunk or max(n, 1)
+    for start in range(0, n, step):
+        part = flat[start:start + step]
+        bits = bit_view(part)
+        for i, narrow in enumerate(narrowers):
+            if exact[i]:
+                exact[i] = torch.equal(bit_view(part.to(narrow).to(flat.dtype)), bits)
+        nnz += int(torch.count_nonzero(bits))
+    values_dtype = next((narrow for narrow, ok in zip(narrowers, exact) if ok), flat.dtype)
     dense_bytes = n * values_dtype.itemsize
     sparse_bytes = (n + 7) // 8 + nnz * values_dtype.itemsize
     if sparse_bytes <= SPARSE_GAIN * dense_bytes:
+        return "zero_mask", values_dtype, nnz, sparse_bytes
+    if values_dtype != flat.dtype:
+        return "narrow", values_dtype, nnz, dense_bytes
+    return None
+
+
+def encode_lossless(flat: torch.Tensor, storage: PayloadStorage) -> Optional[Payload]:
+    """The smallest bit-exact encoding of ``flat`` (`lossless_plan`), or ``None`` when none is smaller."""
+    plan = lossless_plan(flat)
+    if plan is None:
+        return None
+    kind, values_dtype, nnz, _ = plan
+    n = flat.numel()
+    if kind == "bits":
+        payload = _payload("bits", flat, storage, [("bits", torch.uint8, (n + 7) // 8)])
+        pack_bits(flat, out=payload.part("bits"))
+        return payload
+    if kind == "zero_mask":
+        nonzero = bit_view(flat) != 0
         payload = _payload("zero_mask", flat, storage, [("mask", torch.uint8, (n + 7) // 8),
                                                         ("values", values_dtype, nnz)])
         pack_bits(nonzero, out=payload.part("mask"))
@@ -170,11 +191,9 @@ def encode_lossless(flat: torch.Tensor, storage: PayloadStorage) -> Optional[Pay
         else:
             values.copy_(torch.masked_select(flat, nonzero))
         return payload
-    if values_dtype != flat.dtype:
-        payload = _payload("narrow", flat, storage, [("values", values_dtype, n)])
-        payload.part("values").copy_(flat)
-        return payload
-    return None
+    payload = _payload("narrow", flat, storage, [("values", values_dtype, n)])
+    payload.part("values").copy_(flat)
+    return payload
 
 
 def _decode_narrow(p: Payload) -> torch.Tensor:
@@ -316,6 +335,8 @@ def trial(kind: str, flat: torch.Tensor, storage: PayloadStorage, block_size: in
           synchronize: Callable[[], None] = lambda: None) -> Trial:
     """Encode and decode ``flat`` once with ``kind`` (``compress``, ``quantize``, ``sparsify``)."""
     dense = flat.numel() * flat.element_size()
+    if kind == "compress" and flat.numel() > CHUNK_ELEMENTS:
+        return _lossless_trial(flat, storage, synchronize)
     synchronize()
     start = time.perf_counter()
     if kind == "compress":
@@ -356,13 +377,32 @@ _CHECK_CHUNK = 1 << 18
 """Elements per chunk of `trial`'s error check."""
 
 
+def _lossless_trial(flat: torch.Tensor, storage: PayloadStorage, synchronize: Callable[[], None]) -> Trial:
+    """`trial` of ``compress`` on a large tensor with temporaries of one chunk: its bytes exactly
+    (`lossless_plan` read a chunk at a time), its time as the chunks' encode and decode (a saved tensor
+    as large as the logits would otherwise be copied twice at the profiling passes' peak)."""
+    plan = lossless_plan(flat, CHUNK_ELEMENTS)
+    synchronize()
+    start = time.perf_counter()
+    if plan is not None:
+        for first in range(0, flat.numel(), CHUNK_ELEMENTS):
+            payload = encode_lossless(flat[first:first + CHUNK_ELEMENTS], storage)
+            if payload is not None:
+                payload.decode()  # made and dropped: the time is what is measured
+    synchronize()
+    seconds = time.perf_counter() - start
+    return Trial(plan[3] if plan is not None else flat.numel() * flat.element_size(), seconds)
+
+
 def trial_bytes(flat: torch.Tensor, kinds: tuple[str, ...]) -> int:
     """At most what `trial` allocates for ``flat`` over ``kinds``: the payload and the decoded copy (each
     at most the dense bytes), the int8 encoder's fp32 working copies (12 bytes per element; measured:
     13 bytes per element of fp32 input in all, 11 of bf16) and the error check's fp32 temporaries over
     one chunk."""
     lossy = 12 * flat.numel() if "quantize" in kinds else 0
-    return 2 * flat.numel() * flat.element_size() + lossy + 16 * min(flat.numel(), _CHECK_CHUNK)
+    whole = kinds != ("compress",) or flat.numel() <= CHUNK_ELEMENTS  # compress alone goes a chunk at a time
+    copies = 2 * (flat.numel() if whole else CHUNK_ELEMENTS) * flat.element_size()
+    return copies + lossy + 16 * min(flat.numel(), _CHECK_CHUNK)
 
 
 def _rounding(dtype: torch.dtype) -> float:

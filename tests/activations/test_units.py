@@ -15,7 +15,16 @@ from xirang_ds.memory.categories import ACTIVATIONS, HOST
 from xirang_ds.memory.tracker import MemoryTracker
 from xirang_ds.models import BUILTIN_SPECS, build_model
 from xirang_ds.plugins.activations import codecs
-from xirang_ds.plugins.activations.codecs import bit_view, encode_int8, encode_lossless, encode_sparse, int8_bound
+from xirang_ds.plugins.activations.codecs import (
+    CHUNK_ELEMENTS,
+    bit_view,
+    encode_int8,
+    encode_lossless,
+    encode_sparse,
+    int8_bound,
+    lossless_plan,
+    trial,
+)
 from xirang_ds.plugins.activations.handlers import CodecHandler, OffloadHandler
 from xirang_ds.plugins.activations.offload import Offloader
 from xirang_ds.plugins.activations.planner import BudgetError, Choice, Node, estimate_peak, plan
@@ -44,6 +53,28 @@ def test_lossless_is_bit_exact_and_narrows_only_when_exact():
     assert torch.equal(bit_view(q.decode()), bit_view(y))
     z = torch.randn(4096)  # generic fp32: nothing exact to gain
     assert encode_lossless(z, storage) is None
+
+
+def test_lossless_trial_of_a_large_tensor_reads_it_a_chunk_at_a_time_with_the_same_answer():
+    """The profiling passes' compress trial of a tensor above one chunk: the bytes `encode_lossless`
+    makes of it, exactly, including a tensor whose first chunk narrows and whose last does not."""
+    storage = PayloadStorage()
+    n = CHUNK_ELEMENTS + CHUNK_ELEMENTS // 2
+    g = torch.Generator().manual_seed(0)
+    narrow = torch.randn(n, generator=g).bfloat16().float()
+    mixed = narrow.clone()
+    mixed[-1] = 1.0 + 2 ** -20  # neither bf16 nor fp16: the whole tensor does not narrow
+    sparse = torch.zeros(n)
+    sparse[::97] = 1.5
+    cases = {"narrow": narrow, "mixed": mixed, "sparse": sparse, "random": torch.randn(n, generator=g),
+             "bool": torch.rand(n, generator=g) > 0.5}
+    for name, x in cases.items():
+        whole = lossless_plan(x)
+        assert lossless_plan(x, CHUNK_ELEMENTS // 3) == whole, name
+        payload = encode_lossless(x, storage)
+        dense = x.numel() * x.element_size()
+        assert trial("compress", x, storage).nbytes == (payload.nbytes if payload is not None else dense), name
+    assert lossless_plan(mixed) is None and lossless_plan(narrow)[0] == "narrow"
 
 
 def test_lossless_zero_mask_and_bits():

@@ -12,17 +12,17 @@ from xirang_ds.plugins.grad_release.embedding_rows import RowsEmbedding
 class Sink:
     """A `RowSink` of ``world`` ranks that keeps every rank's rows in place of reducing them."""
 
-    def __init__(self, vocab, width, world=2, dtype=torch.float32):
-        self.world, self.rows, self.row_numel, self.dtype = world, vocab // world, width, dtype
+    def __init__(self, vocab, width, world=2, dtype=torch.float32, device="cpu"):
+        self.world, self.rows, self.row_numel, self.dtype, self.device = world, vocab // world, width, dtype, device
         self.done, self.closed = 0, 0
-        self.grad = torch.full((vocab, width), float("nan"), dtype=dtype)
+        self.grad = torch.full((vocab, width), float("nan"), dtype=dtype, device=device)
         self.bucket = type("Bucket", (), {"scope": staticmethod(lambda c: torch.no_grad())})()
 
     def round_rows(self, parts=8):
         return max(1, -(-self.rows // parts))
 
     def buffer(self, rows):
-        return torch.empty((self.world, rows, self.row_numel), dtype=self.dtype)
+        return torch.empty((self.world, rows, self.row_numel), dtype=self.dtype, device=self.device)
 
     def reduce(self, buffer):
         for r in range(self.world):
@@ -46,17 +46,21 @@ class Hand:
         return self.sink
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("reduction,bias,ignore", [("mean", False, True), ("sum", True, False), ("none", False, True)])
-def test_head_rows_equal_autograd_gradients(reduction, bias, ignore):
+def test_head_rows_equal_autograd_gradients(reduction, bias, ignore, device):
     torch.manual_seed(0)
     n, width, vocab = 37, 16, 64
-    hidden = torch.randn(n, width, requires_grad=True)
-    weight = torch.randn(vocab, width, requires_grad=True)
-    b = torch.randn(vocab, requires_grad=True) if bias else None
-    target = torch.randint(0, vocab, (n,))
+    hidden = torch.randn(n, width, device=device, requires_grad=True)
+    weight = torch.randn(vocab, width, device=device, requires_grad=True)
+    b = torch.randn(vocab, device=device, requires_grad=True) if bias else None
+    target = torch.randint(0, vocab, (n,), device=device)
     if ignore:
         target[::5] = -100
-    grad_out = torch.rand(n) if reduction == "none" else None
+    grad_out = torch.rand(n, device=device) if reduction == "none" else None
 
     def total(loss):
         return (loss * grad_out).sum() if grad_out is not None else loss
@@ -66,7 +70,7 @@ def test_head_rows_equal_autograd_gradients(reduction, bias, ignore):
     hidden.grad = weight.grad = None
     if bias:
         b.grad = None
-    sink = Sink(vocab, width)
+    sink = Sink(vocab, width, device=device)
     weight.xirang_rows = Hand(sink)
     total(head_loss.chunked_cross_entropy(hidden, weight, b, target, (torch.float32,), reduction=reduction,
                                           tokens=8)).backward()
@@ -78,17 +82,18 @@ def test_head_rows_equal_autograd_gradients(reduction, bias, ignore):
         torch.testing.assert_close(b.grad, want[2], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("padding_idx", [None, 3])
-def test_embedding_rows_equal_autograd_gradient(padding_idx):
+def test_embedding_rows_equal_autograd_gradient(padding_idx, device):
     torch.manual_seed(0)
     vocab, width = 40, 8
-    weight = torch.randn(vocab, width, requires_grad=True)
-    ids = torch.randint(0, vocab, (3, 11))
+    weight = torch.randn(vocab, width, device=device, requires_grad=True)
+    ids = torch.randint(0, vocab, (3, 11), device=device)
     ids[0, :4] = 3  # repeated ids, the padding one among them
-    upstream = torch.randn(3, 11, width)
+    upstream = torch.randn(3, 11, width, device=device)
     (F.embedding(ids, weight, padding_idx) * upstream).sum().backward()
     want, weight.grad = weight.grad.clone(), None
-    sink = Sink(vocab, width)
+    sink = Sink(vocab, width, device=device)
     out = RowsEmbedding.apply(ids, weight, padding_idx, Hand(sink))
     torch.testing.assert_close(out, F.embedding(ids, weight, padding_idx), rtol=0, atol=0)
     (out * upstream).sum().backward()

@@ -3,9 +3,10 @@
 ``nn.Embedding``'s backward makes a ``vocab x hidden`` gradient that is zero except at the rows of
 the tokens in the batch. Where grad_release takes the embedding's weight by rows (`rows.fits`), its
 forward runs `RowsEmbedding`: the same ``F.embedding`` forward, and a backward that builds each round's
-rows from the tokens that fall in them (``index_add`` in fp32, one rounding into the round's buffer)
-and reduces them at once. So the device holds this rank's shard and one round, not the whole. The
-tokens are sorted by id once, and every round's bounds are read with one host sync per backward.
+rows from the tokens that fall in them (autograd's own ``embedding_dense_backward`` on them, each
+row's tokens in their order: on CPU bit for bit the rows of the gradient autograd makes) and reduces
+them at once. So the device holds this rank's shard and one round, not the whole. The tokens are
+sorted by id once (stably), and every round's bounds are read with one host sync per backward.
 
 Where the rows are not taken in a backward (`RowHandOver.take` says why: the weight used twice, an
 earlier bucket not launched yet), the backward is autograd's own ``embedding_dense_backward``, the
@@ -52,25 +53,26 @@ class RowsEmbedding(torch.autograd.Function):
             return None, whole, None, None
         # the tokens sorted by id once, and every round's bounds found with one host sync
         flat_ids = ids.reshape(-1)
-        order = torch.argsort(flat_ids)
+        order = torch.argsort(flat_ids, stable=True)  # each row's tokens in their order, as autograd adds them
         ids_sorted = flat_ids[order]
         rows = grad.reshape(-1, grad.shape[-1])[order]
-        if padding_idx is not None:  # the padding row gets no gradient, as in embedding_dense_backward
-            rows = rows * (ids_sorted != padding_idx).unsqueeze(1).to(rows.dtype)
         per_round = sink.round_rows()
         rounds = [(r * sink.rows + first, min(per_round, sink.rows - first))
                   for first in range(0, sink.rows, per_round) for r in range(sink.world)]
-        edges = torch.tensor([e for lo, count in rounds for e in (lo, lo + count)], device=ids_sorted.device)
-        at = torch.searchsorted(ids_sorted, edges.to(ids_sorted.dtype)).tolist()
+        edges = torch.tensor([e for lo, count in rounds for e in (lo, lo + count)], device=ids_sorted.device,
+                             dtype=ids_sorted.dtype)
+        at = torch.searchsorted(ids_sorted, edges).tolist()
         for k in range(0, len(rounds), sink.world):
             buffer = sink.buffer(rounds[k][1])
             for r in range(sink.world):
                 (lo, count), start, end = rounds[k + r], at[2 * (k + r)], at[2 * (k + r) + 1]
+                # autograd's own kernel on the round's tokens (the padding id skipped, as there)
+                pad = padding_idx - lo if padding_idx is not None and lo <= padding_idx < lo + count else -1
                 with sink.bucket.scope(GRADIENTS):
-                    acc = torch.zeros((count, rows.shape[1]), dtype=torch.float32, device=rows.device)
-                acc.index_add_(0, (ids_sorted[start:end] - lo).long(), rows[start:end].float())
-                buffer[r].copy_(acc)
-                del acc
+                    part = torch.ops.aten.embedding_dense_backward(rows[start:end], ids_sorted[start:end] - lo, count,
+                                                                   pad, False)
+                buffer[r].copy_(part)
+                del part
             sink.reduce(buffer)
             del buffer
         sink.close()

@@ -328,7 +328,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             return ChunkedLinearCrossEntropy._backward(ctx, grad_out, hidden, weight, bias, target, total)
         weight, bias = ctx.params
         return gathered_backward(ctx, lambda: ChunkedLinearCrossEntropy._backward(ctx, grad_out, hidden, weight, bias,
-                                                                                    target, total))
+                                                                                   target, total))
 
     @staticmethod
     def _backward(ctx, grad_out, hidden, weight, bias, target, total):

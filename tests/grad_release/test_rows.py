@@ -38,9 +38,9 @@ class Twice(torch.nn.Module):
         return self.inner(x, y) + 0.5 * self.inner(x, y)
 
 
-def _config(dtype, rows=True, method="host"):
+def _config(dtype, rows=True, method="host", stage=2):
     release = {"enabled": True, "bucket_size_numel": 20_000, "exact_method": method}
-    return ds_config(stage=2, dtype=dtype, micro=2, gas=2, clip=0.5,
+    return ds_config(stage=stage, dtype=dtype, micro=2, gas=2, clip=0.5,
                      xirang={"grad_release": release, "activations": CHUNK}), rows
 
 
@@ -96,6 +96,9 @@ def _scenarios(rank, world, tmp):
     for dtype in ("fp32", "bf16"):
         out[dtype, "rows"] = _train(rank, world, _config(dtype))
         out[dtype, "tokens"] = _train(rank, world, _config(dtype, rows=False))
+    for name, setup in (("stage1", dict(dtype="fp32", stage=1)), ("fp16", dict(dtype="fp16"))):
+        out[name] = _train(rank, world, _config(**setup))
+        out[name + "_tokens"] = _train(rank, world, _config(rows=False, **setup))
     out["two_pass"] = _train(rank, world, _config("fp32", method="two_pass"))
     out["two_pass_tokens"] = _train(rank, world, _config("fp32", rows=False, method="two_pass"))
     out["tied"] = _train(rank, world, _config("fp32"), tie=True)
@@ -139,6 +142,16 @@ def test_the_whole_weight_gradient_is_never_made(runs, dtype):
         rows, tokens = out[dtype, "rows"], out[dtype, "tokens"]
         assert tokens["gradients"] >= HEAD_NUMEL * itemsize
         assert rows["gradients"] <= tokens["gradients"] - HEAD_NUMEL * itemsize // 2
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name,tol", [("stage1", 1e-4), ("fp16", 4e-3)])
+def test_rows_at_zero1_and_under_fp16_loss_scaling(runs, name, tol):
+    """ZeRO-1 shards the same way; fp16 scales the loss, so the rows carry the scaled gradient and the
+    weights differ from the token path by fp16 rounding (its ulp at 1 is 2**-10)."""
+    for out in runs:
+        assert out[name]["closed"] == ["lm_head.weight", "pos.weight", "embed.weight"] * 6
+        torch.testing.assert_close(out[name]["params"], out[name + "_tokens"]["params"], rtol=0, atol=tol)
 
 
 @pytest.mark.distributed

@@ -127,7 +127,7 @@ class GatheredRefs:
         p = packed.param
         data = p.data
         if not data.numel():
-            from xirang_ds.plugins.activations.head_loss import gathered
+            from xirang_ds.plugins.activations.head_zero3 import gathered
 
             self.regathered += 1
             with gathered(p):

@@ -47,13 +47,7 @@ from xirang_ds.compat.torch import (
     pytree,
 )
 from xirang_ds.plugins.activations import head_rows
-from xirang_ds.plugins.activations.head_zero3 import (
-    GatheredLinear,
-    gathered,
-    gathered_backward,
-    gathered_linear,
-    is_zero3,
-)
+from xirang_ds.plugins.activations.head_zero3 import gathered, gathered_backward, is_zero3
 
 CHUNK = "chunk"
 _REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
@@ -406,5 +400,5 @@ def defer(module: nn.Module, args: tuple, kwargs: dict, consumer: Callable[..., 
     return DeferredLogits(call, torch.Size((*hidden.shape[:-1], weight.shape[0])), hidden.dtype, tokens=hidden)
 
 
-__all__ = ["CHUNK", "ChunkedLinearCrossEntropy", "DeferredLogits", "GatheredLinear", "HeadCall", "auto_tokens",
-           "chunked_cross_entropy", "defer", "gathered", "gathered_linear", "head_modules", "is_head", "is_zero3"]
+__all__ = ["CHUNK", "ChunkedLinearCrossEntropy", "DeferredLogits", "HeadCall", "auto_tokens", "chunked_cross_entropy",
+           "defer", "head_modules", "is_head"]

@@ -28,7 +28,7 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 
 from xirang_ds.hooks import wrap_method
-from xirang_ds.plugins.activations import head_loss
+from xirang_ds.plugins.activations import head_loss, head_zero3
 from xirang_ds.plugins.activations.handlers import CodecHandler, OffloadHandler
 from xirang_ds.plugins.activations.offload import Offloader
 from xirang_ds.plugins.activations.planner import chunk_rows
@@ -215,9 +215,9 @@ class ModuleWrapper:
         """The head's own forward on its input, when its logits are needed whole (while profiling, in
         the head's frame unless the loss's frame is already open)."""
         profiler = self.runtime.profiler
-        if head_loss.is_zero3(call.weight) and type(self.module).forward is torch.nn.Linear.forward:
+        if head_zero3.is_zero3(call.weight) and type(self.module).forward is torch.nn.Linear.forward:
             # DeepSpeed released the weight when the head's forward returned
-            original = lambda hidden: head_loss.gathered_linear(  # noqa: E731
+            original = lambda hidden: head_zero3.gathered_linear(  # noqa: E731
                 hidden, call.weight, call.bias, self.runtime.param_scope)
         args, kwargs = call.rest
         if profiler is None or not profiler.stack or profiler.stack[-1].profile.name == self.name:

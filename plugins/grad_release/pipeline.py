@@ -120,8 +120,7 @@ class ReleasePipeline:
         bucket.add(i, grad, local=self._local(bucket), peek=self.kind is Pass.NORM)
         param.grad = None
         del grad
-        while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].complete:
-            self._launch(self.next_launch)
+        self._launch_ready()
 
     def forget_uses(self) -> None:
         """``engine.backward`` returned: the next forward's uses count afresh (`rows.RowHandOver`)."""
@@ -137,8 +136,7 @@ class ReleasePipeline:
         self.in_flight.append(b)
         while len(self.in_flight) > max(1, self.max_in_flight):  # it stays for a late use (`Bucket.add_late`)
             self._complete(self.in_flight.popleft())
-        while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].complete:
-            self._launch(self.next_launch)
+        self._launch_ready()
 
     def finish(self) -> Optional[torch.Tensor]:
         """End of backward: launch what is left (zeros for missing gradients) and complete everything.
@@ -182,6 +180,11 @@ class ReleasePipeline:
     # internals --------------------------------------------------------------------------------
     def _local(self, bucket: Bucket) -> bool:
         return self.kind is Pass.ACCUMULATE and not bucket.sharded
+
+    def _launch_ready(self) -> None:
+        """Launch, in order, every bucket whose gradients have all arrived."""
+        while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].complete:
+            self._launch(self.next_launch)
 
     def _launch(self, b: int) -> None:
         self.next_launch = b + 1

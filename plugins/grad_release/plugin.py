@@ -165,6 +165,7 @@ class GradReleasePlugin(Plugin):
         from xirang_ds.plugins.grad_release.bucket import Bucket
         from xirang_ds.plugins.grad_release.layout import BucketLayout, plan_buckets
         from xirang_ds.plugins.grad_release.optimizers import optimizer_problems
+        from xirang_ds.plugins.grad_release.rows import owners as rows_owners
 
         problems = [p for basic in optimizers for p in optimizer_problems(basic, sharded, self.setup.zero_stage)]
         if problems:
@@ -182,7 +183,7 @@ class GradReleasePlugin(Plugin):
         if odd:
             raise XirangConfigError([("", f"xirang.grad_release: parameter {odd[0]} is not a dense contiguous tensor")])
         total = sum(p.numel() for _, p in order)
-        self._owners = Counter(id(p) for m in module.modules() for p in m.parameters(recurse=False))
+        self._owners = rows_owners(module)
         self._embeddings = [m for m in module.modules() if type(m) is torch.nn.Embedding]
         world = self.comm.world if sharded else 1
         self.bucket_numel = self._bucket_numel(total, self.setup.comm_dtype.itemsize, self.comm.world)
@@ -312,11 +313,12 @@ class GradReleasePlugin(Plugin):
         input ``nn.Embedding``'s weight and a head the block fixes to ``chunk``, larger than a bucket,
         untied, their rows split evenly over ``world`` ranks."""
         from xirang_ds.plugins.grad_release.embedding_rows import plain
+        from xirang_ds.plugins.grad_release.rows import owners as rows_owners
 
         model = self.session.model
         if model is None:
             return []
-        owners = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
+        owners = rows_owners(model)
         weights = [m.weight for m in model.modules() if type(m) is torch.nn.Embedding and plain(m)]
         activations = self.session.plugin("activations")
         weights += [model.get_submodule(n).weight for n in getattr(activations, "traced_heads", ())]

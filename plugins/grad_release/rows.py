@@ -17,6 +17,7 @@ applied.
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -30,6 +31,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 ATTR = "xirang_rows"
 """The attribute grad_release sets on a parameter whose gradient it can take by rows: its `RowHandOver`."""
+
+
+def owners(module: torch.nn.Module) -> Counter:
+    """Parameter id → how many modules hold it (a weight tied between two modules has 2)."""
+    return Counter(id(p) for m in module.modules() for p in m.parameters(recurse=False))
 
 
 def fits(bucket: "Bucket", param: torch.Tensor, owners: int) -> bool:

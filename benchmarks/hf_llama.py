@@ -21,10 +21,16 @@ class CausalLM(nn.Module):
         return self.model(input_ids=input_ids, labels=labels).loss
 
 
-def llama_32k() -> CausalLM:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_32k_config():
+    """The issue's shape: vocab 32,000, hidden 512, 8 layers, sequence 256."""
+    from transformers import LlamaConfig
 
-    config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256,
-                         attn_implementation="sdpa")
-    return CausalLM(LlamaForCausalLM(config), seq=256)
+    return LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                       num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256,
+                       attn_implementation="sdpa")
+
+
+def llama_32k() -> CausalLM:
+    from transformers import LlamaForCausalLM
+
+    return CausalLM(LlamaForCausalLM(llama_32k_config()), seq=256)

@@ -30,17 +30,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     choice = None
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's import-time log lines stay off stdout (JSON)
         if args.model is not None:
-            from xirang_ds.config.auto import choose_for_spec, meta_model
-            from xirang_ds.config.pay import leave_out_unpaid
+            from xirang_ds.config.auto import choose_for_spec
 
             if args.world_size < 1:
                 raise UsageError(f"--world-size must be >= 1; got {args.world_size}")
             ds_config, choice = choose_for_spec(ds_config, args.model, args.world_size)
-            block = ds_config[BLOCK_KEY]
-            fitted = leave_out_unpaid(fit_block(block, ds_config), block, ds_config, meta_model(args.model),
-                                      args.world_size)
-        else:
-            fitted = fit_block(ds_config[BLOCK_KEY], ds_config)
+        fitted = fit_block(ds_config[BLOCK_KEY], ds_config)
     config = fitted.config
     enabled = ", ".join(config.enabled_sections()) or "none"
     print(f"{args.config}: valid; preset {config.preset or 'none'}; enabled sections: {enabled}")
@@ -68,8 +63,8 @@ def _setup_validate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--show-resolved", action="store_true",
                    help="print the block with its preset expanded and every default filled in")
     p.add_argument("--model", default=None,
-                   help="resolve the preset for this model: \"auto\", and what cannot pay for it (gpt-small | "
-                        "gpt:layers=..,hidden=.. | package.module:factory; built on the meta device)")
+                   help="resolve \"preset\": \"auto\" for this model (gpt-small | gpt:layers=..,hidden=.. | "
+                        "package.module:factory; built on the meta device)")
     p.add_argument("--world-size", type=int, default=1, help="ranks, for --model (default 1)")
 
 

@@ -166,9 +166,6 @@ class Plugin:
     order: ClassVar[int] = 50
     memory_neutral: ClassVar[bool] = False
     """True for plugins that only observe (the estimate needs no adjustment)."""
-    pays_in_model_states: ClassVar[bool] = False
-    """True where the saving is in model states, gradients or the step: a preset leaves the plugin out
-    where the estimate finds no peak it lowers (`xirang_ds.config.pay`)."""
     frameworks: ClassVar[tuple[str, ...]] = ("deepspeed",)
     """Training frameworks the plugin attaches to: ``"deepspeed"``, ``"megatron"``. A plugin lists
     ``"megatron"`` once it handles Megatron-core's seams (docs/megatron.md)."""

@@ -46,7 +46,6 @@ class GradReleasePlugin(Plugin):
 
     frameworks = ("deepspeed", "megatron")
     provides = frozenset({UPDATE_IN_BACKWARD})
-    pays_in_model_states = True
     paths = {"deepspeed": "xirang_ds.plugins.grad_release.deepspeed:DeepSpeedRelease",
              "megatron": "xirang_ds.plugins.grad_release.megatron:MegatronRelease"}
     preset_frameworks = ("deepspeed",)

@@ -42,7 +42,6 @@ class OptimizerStatesPlugin(Plugin):
     """
 
     provides = frozenset({LOW_BIT_STATES})
-    pays_in_model_states = True
 
     frameworks = ("deepspeed", "megatron")
     paths = {"deepspeed": "xirang_ds.plugins.optimizer_states.deepspeed:DeepSpeedStates",

@@ -149,63 +149,6 @@ def test_a_preset_leaves_out_a_plugin_that_would_save_nothing_there():
     assert written.config.grad_release.enabled and written.lines() == []
 
 
-def _tiny_fp32_zero0(rank, world, block):
-    """gpt-tiny in fp32 at ZeRO-0, accumulation 1, under ``block``: the session's plugins and lines."""
-    import xirang_ds
-    from xirang_ds.bench import optimizer_step
-    from xirang_ds.models import BUILTIN_SPECS, build_model
-
-    model = build_model(BUILTIN_SPECS["gpt-tiny"], seed=0)
-    engine, *_ = xirang_ds.initialize(model=model, model_parameters=model.parameters(),
-                                      config=ds_config(stage=0, dtype="fp32", micro=2, clip=1.0, xirang=block))
-    optimizer_step(engine, data_iter(2, 64, rank, world))
-    session = engine.xirang
-    out = [p.section for p in session.plugins], session.summary_left_out()
-    session.remove()
-    return out
-
-
-def test_a_preset_leaves_out_a_plugin_that_lowers_no_peak_for_the_model(tmp_path, capsys):
-    """gpt-tiny in fp32 at ZeRO-0, accumulation 1: its gradients (0.5 MiB) are fewer bytes than
-    grad_release's buckets and host copies, and the estimate finds no peak grad_release lowers (measured
-    with ``configs/grad_release/fp32_zero0_accumulation1.json``: 3.02 MiB either way). The preset leaves it out with the line at
-    ``initialize``, in ``validate --model`` and in the estimate alike; on gpt-small, in bf16 or at
-    stage 2 it stays, and a grad_release section the user wrote runs."""
-    import json
-
-    from xirang_ds.cli import main
-    from xirang_ds.config.auto import meta_model
-    from xirang_ds.config.pay import leave_out_unpaid
-    from xirang_ds.memory.estimator import estimate_spec
-
-    def fitted(block, model="gpt-tiny", **over):
-        cfg = ds_config(**{"stage": 0, "dtype": "fp32", "micro": 2, "clip": 1.0, **over})
-        return leave_out_unpaid(fit_block(block, cfg), block, cfg, meta_model(model), 2)
-
-    for preset in PRESETS:
-        tiny = fitted({"preset": preset})
-        assert not tiny.config.grad_release.enabled
-        assert [line.split(":")[0] for line in tiny.lines()] == ["grad_release"]
-        assert "it lowers no peak for this model at 2 rank(s): estimated " in tiny.lines()[0]
-        assert tiny.config.optimizer_states.enabled == (preset != "conservative")  # int8/int4 states pay
-    assert fitted({"preset": "balanced"}, model="gpt-small").config.grad_release.enabled
-    assert fitted({"preset": "balanced"}, dtype="bf16").config.grad_release.enabled
-    assert fitted({"preset": "balanced"}, stage=2).config.grad_release.enabled
-    written = fitted({"preset": "balanced", "grad_release": {"clipping": "exact"}})
-    assert written.config.grad_release.enabled and written.lines() == []
-
-    block = {"preset": "conservative"}
-    line = fitted(block).lines()[0]
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(ds_config(stage=0, dtype="fp32", micro=2, clip=1.0, xirang=block)))
-    assert main(["validate", str(path), "--model", "gpt-tiny", "--world-size", "2"]) == 0
-    assert f"  {line}" in capsys.readouterr().out.splitlines()
-    est = estimate_spec("gpt-tiny", json.loads(path.read_text()), world_size=2)
-    assert line in est.notes and not any(n.startswith("grad_release: its effect") for n in est.notes)
-    for plugins, lines in run_ranks(_tiny_fp32_zero0, 2, block):
-        assert "grad_release" not in plugins and lines == [line]
-
-
 def test_validate_show_resolved_prints_the_left_out_lines(tmp_path, capsys):
     import json
 

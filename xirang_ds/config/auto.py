@@ -90,22 +90,18 @@ def choose_for_spec(ds_config: dict, model: Any, world_size: int = 1, device: st
                     ) -> tuple[dict, Optional[str]]:
     """`choose_preset` for a ``--model`` spec (built on the meta device: no weights are made); the
     ds_config with its block resolved."""
-    block = ds_config.get("xirang")
-    if not is_auto(block):
-        return ds_config, None
-    block, line = choose_preset(block, ds_config, meta_model(model), world_size, device)
-    return {**ds_config, "xirang": block}, line
-
-
-def meta_model(model: Any) -> Any:
-    """A ``--model`` spec (a name, ``gpt:...`` or a factory) built on the meta device: no weights are made."""
     import torch
 
     from xirang_ds.models import ModelSpec, build_model, parse_model_spec
 
+    block = ds_config.get("xirang")
+    if not is_auto(block):
+        return ds_config, None
     spec = parse_model_spec(model) if isinstance(model, str) else model
     with torch.device("meta"):
-        return build_model(spec) if isinstance(spec, ModelSpec) else spec()
+        net = build_model(spec) if isinstance(spec, ModelSpec) else spec()
+    block, line = choose_preset(block, ds_config, net, world_size, device)
+    return {**ds_config, "xirang": block}, line
 
 
-__all__ = ["AUTO", "SENSITIVITIES", "SENSITIVITY_KEY", "choose_for_spec", "choose_preset", "is_auto", "meta_model"]
+__all__ = ["AUTO", "SENSITIVITIES", "SENSITIVITY_KEY", "choose_for_spec", "choose_preset", "is_auto"]

@@ -13,14 +13,12 @@ import os
 from typing import Any, Optional
 
 import deepspeed
-from deepspeed.accelerator import get_accelerator
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
 from xirang_ds.compat.torch import uncompiled
 from xirang_ds.config.auto import choose_preset
 from xirang_ds.config.fit import fit_block
 from xirang_ds.config.loader import BLOCK_KEY, read_ds_config
-from xirang_ds.config.pay import leave_out_unpaid
 from xirang_ds.registry import OptimizerSpec
 from xirang_ds.session import Session
 
@@ -87,8 +85,7 @@ def initialize(
         return _ORIGINAL_INITIALIZE(**passthrough)  # DeepSpeed's own error for a missing model
     ds_config[BLOCK_KEY], preset_choice = choose_preset(ds_config[BLOCK_KEY], ds_config, uncompiled(model),
                                                         world_size=_world_size())
-    fitted = leave_out_unpaid(fit_block(ds_config[BLOCK_KEY], ds_config), ds_config[BLOCK_KEY], ds_config,
-                              uncompiled(model), _world_size(), get_accelerator().device_name())
+    fitted = fit_block(ds_config[BLOCK_KEY], ds_config)
     session = Session(fitted.config, ds_config, left_out=fitted.left_out)
     session.preset_choice = preset_choice
     session.model = uncompiled(model)  # a model compiled before initialize: plugins attach to its modules inside

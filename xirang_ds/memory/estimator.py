@@ -85,7 +85,7 @@ def estimate_run(build: Callable[[], torch.nn.Module], ds_config: dict, seq: Opt
     With a ``"xirang"`` block, the enabled plugins first edit the ds_config as they would at
     ``initialize`` (bucket sizes), then adjust the phases (`Plugin.adjust_estimate`).
     """
-    session = _session_for(build, ds_config, world_size, device=device)
+    session = _session_for(build, ds_config, world_size)
     shape = _plugin_shape(session, ds_config, world_size, device)
     if shape.stage not in (0, 1, 2, 3):
         raise EstimateError(f"zero_optimization.stage must be 0-3; got {shape.stage}")
@@ -96,18 +96,15 @@ def estimate_run(build: Callable[[], torch.nn.Module], ds_config: dict, seq: Opt
     return est
 
 
-def estimate_states(model: torch.nn.Module, ds_config: dict, world_size: int = 1, device: str = "cpu",
-                    pay: bool = True) -> Estimate:
+def estimate_states(model: torch.nn.Module, ds_config: dict, world_size: int = 1, device: str = "cpu") -> Estimate:
     """`estimate_run` without activations: model states, gradients, buffers and the optimizer step
     of ``model`` (its parameters' sizes only: it may live on the meta device), for what no forward
     can be traced for (``"preset": "auto"`` at initialize, which has the model but not its inputs).
 
     The trace is replaced by what backward leaves without activations: every gradient at ZeRO 0/1,
     the reduced partition and the reduction buckets at ZeRO 2 (`xirang_ds.memory.trace._EngineEmulation`).
-    ``pay=False`` keeps a preset's plugins that lower no peak, as `xirang_ds.config.pay` asks when it
-    weighs them.
     """
-    session = _session_for(lambda: model, ds_config, world_size, fake=False, device=device, pay=pay)
+    session = _session_for(lambda: model, ds_config, world_size, fake=False)
     shape = _plugin_shape(session, ds_config, world_size, device)
     if shape.stage not in (0, 1, 2, 3):
         raise EstimateError(f"zero_optimization.stage must be 0-3; got {shape.stage}")
@@ -197,28 +194,22 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
                     phases={k: {**v, "total": totals[k]} for k, v in phases.items()}, notes=notes)
 
 
-def _session_for(build: Callable[[], torch.nn.Module], ds_config: dict, world_size: int, fake: bool = True,
-                 device: str = "cpu", pay: bool = True) -> Any:
+def _session_for(build: Callable[[], torch.nn.Module], ds_config: dict, world_size: int, fake: bool = True) -> Any:
     """A session over a fake copy of the model (``fake``; else over ``build()`` itself) whose plugins
-    have edited a copy of the ds_config; with ``pay``, without a preset's plugins that lower no peak
-    for this model (`xirang_ds.config.pay`), as ``initialize`` runs it."""
+    have edited a copy of the ds_config."""
     import copy
 
     from xirang_ds.compat.torch import fake_tensor_mode
     from xirang_ds.config.fit import fit_block
     from xirang_ds.config.loader import BLOCK_KEY
-    from xirang_ds.config.pay import leave_out_unpaid
     from xirang_ds.session import Session
 
     if BLOCK_KEY not in ds_config:
         return None
     fitted = fit_block(ds_config[BLOCK_KEY], ds_config)  # what initialize would run (a preset fits the ds_config)
+    session = Session(fitted.config, copy.deepcopy(ds_config), world_size=world_size, left_out=fitted.left_out)
     with fake_tensor_mode() if fake else contextlib.nullcontext():
-        model = build()
-        if pay:
-            fitted = leave_out_unpaid(fitted, ds_config[BLOCK_KEY], ds_config, model, world_size, device)
-        session = Session(fitted.config, copy.deepcopy(ds_config), world_size=world_size, left_out=fitted.left_out)
-        session.model = model
+        session.model = build()
         session.prepare_ds_config()
     return session
 

@@ -162,3 +162,58 @@ def test_hf_trainer_resume_from_checkpoint_with_the_block_added_removed_and_chan
         # and end on the uninterrupted run's parameters, bit for bit, in every direction
         assert r["added"] and r["removed"] and r["changed"]
         assert r["tied"]  # zero_to_fp32 names the tied head as DeepSpeed's own checkpoints do
+
+
+USER_CONFIGS = {
+    # name: (ds_config zero_optimization, TrainingArguments keywords, what balanced leaves out there)
+    "ZeRO-3, HF gradient checkpointing": ({"stage": 3}, {"gradient_checkpointing": True}, {"grad_release"}),
+    "ZeRO-2, TrainingArguments(torch_compile=True)": ({"stage": 2}, {"torch_compile": True}, set()),
+    "ZeRO-2, offload_optimizer": ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, {},
+                                  {"grad_release", "optimizer_states"}),
+    "ZeRO-1, accumulation 4": ({"stage": 1}, {"gradient_accumulation_steps": 4}, set()),
+}
+
+
+def _hf_user_run(out_dir, zero, keywords, block):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+          "bf16": {"enabled": "auto"}, "zero_optimization": zero}
+    if block is not None:
+        ds["xirang"] = block
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64))
+    ids = torch.randint(0, 256, (64, 32), generator=torch.Generator().manual_seed(1))
+    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=4, max_steps=3, use_cpu=True, bf16=True,
+                             deepspeed=ds, report_to=[], save_strategy="no", disable_tqdm=True, learning_rate=1e-3,
+                             logging_steps=1, **keywords)
+    trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": x, "labels": x} for x in ids])
+    trainer.train()
+    session = getattr(trainer.model_wrapped, "xirang", None)
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    left_out = {item.section for item in session.left_out} if session is not None else None
+    if session is not None:
+        session.remove()
+    return losses, left_out
+
+
+def _hf_user_configs(rank, world, out_dir):
+    import xirang_ds
+
+    xirang_ds.patch_deepspeed()
+    return {name: (_hf_user_run(out_dir, zero, keywords, None), _hf_user_run(out_dir, zero, keywords,
+                                                                             {"preset": "balanced"}))
+            for name, (zero, keywords, _) in USER_CONFIGS.items()}
+
+
+@pytest.mark.distributed
+def test_a_preset_under_hf_trainer_in_the_configurations_users_write(tmp_path):
+    """balanced under HF Trainer as users configure it: ZeRO-3 with HF's own gradient checkpointing,
+    ``torch_compile=True``, optimizer offload, accumulation; it trains as plain DeepSpeed does there
+    (int8 states: within 2%) and leaves out what cannot run, with its line."""
+    for results in run_ranks(_hf_user_configs, 2, str(tmp_path)):
+        for name, ((plain, _), (ours, left_out)) in results.items():
+            assert len(ours) == len(plain) == 3, name
+            assert ours == pytest.approx(plain, rel=2e-2), name
+            assert left_out == USER_CONFIGS[name][2], (name, left_out)

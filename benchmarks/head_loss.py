@@ -84,8 +84,14 @@ def run(args: argparse.Namespace) -> dict:
     return data
 
 
-def _mib(n) -> str:
+def mib(n) -> str:
     return "-" if n is None else f"{n / 2**20:.2f} MiB"
+
+
+def head_cell(heads) -> str:
+    """The table's head column: each head's option (and slice rows), ``-`` for none."""
+    return ", ".join(f"{n}: {h['option']}" + (f" ({h['rows']} rows)" if h.get("rows") else "")
+                     for n, h in (heads or {}).items()) or "-"
 
 
 def render(data: dict) -> str:
@@ -99,13 +105,10 @@ def render(data: dict) -> str:
             reason = row["error"].split("problem): ", 1)[-1].split("; raise it")[0]
             lines.append(f"| {row['config']} | refused: {reason} | | | | | | |")
             continue
-        heads = row.get("heads") or {}
-        head = ", ".join(f"{n}: {h['option']}" + (f" ({h['rows']} rows)" if h.get("rows") else "")
-                         for n, h in heads.items()) or "-"
         ratio = lambda key: f"{row[key]:.2f}x" if key in row else "1.00x"  # noqa: E731
-        lines.append(f"| {row['config']} | {_mib(row['peak_bytes'])} | {ratio('peak_ratio')} | "
-                     f"{ratio('step_time_ratio')} | {row['final_loss']:.4f} | {_mib(row.get('saved_bytes'))} | "
-                     f"{_mib(row.get('outside_bytes'))} | {head} |")
+        lines.append(f"| {row['config']} | {mib(row['peak_bytes'])} | {ratio('peak_ratio')} | "
+                     f"{ratio('step_time_ratio')} | {row['final_loss']:.4f} | {mib(row.get('saved_bytes'))} | "
+                     f"{mib(row.get('outside_bytes'))} | {head_cell(row.get('heads'))} |")
     return "\n".join(lines)
 
 

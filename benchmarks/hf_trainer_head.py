@@ -29,11 +29,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from head_loss import head_cell, mib  # noqa: E402
+from presets_convergence import BOUNDS, final  # noqa: E402
 from results_table import load_or_run, short_error  # noqa: E402
 
 BUDGETS = (("conservative", 0.75), ("balanced", 0.5))
-BOUNDS = {"conservative": 0.005, "balanced": 0.01, "aggressive": 0.02}
-"""The presets' loss bounds against plain DeepSpeed (README, the convergence table)."""
 LR = 1e-3
 NOISE = "plain, micro-batch 1 x accumulation 2"
 
@@ -122,10 +122,9 @@ def side(block, args: argparse.Namespace, accumulation: int = 1) -> dict:
     ranks = run_ranks(train_rank, args.world_size, block, args.steps, micro, accumulation, args.data, 0)
     worst = max(ranks, key=lambda r: r["peak_bytes"])
     losses = ranks[0]["losses"]  # HF Trainer logs the mean over ranks, the same on every rank
-    tail = max(1, len(losses) // 10)
     return {"peak_bytes": worst["peak_bytes"], "peak_phase": worst["peak_phase"],
             "step_time_s": statistics.median(worst["step_times_s"][1:] or worst["step_times_s"]),
-            "steps": worst["global_step"], "losses": losses, "final_loss": sum(losses[-tail:]) / tail,
+            "steps": worst["global_step"], "losses": losses, "final_loss": final(losses),
             "figures": ranks[0]["figures"], "summary": ranks[0]["summary"]}
 
 
@@ -159,10 +158,6 @@ def run(args: argparse.Namespace) -> dict:
     return data
 
 
-def _mib(n) -> str:
-    return "-" if n is None else f"{n / 2**20:.2f} MiB"
-
-
 def render(data: dict) -> str:
     lines = [f"`{data['command']}` (HF Trainer, {data['model']}, micro-batch {data['micro_batch']}, "
              f"{data['world_size']} ranks, {data['steps']} steps)", "",
@@ -174,14 +169,13 @@ def render(data: dict) -> str:
             lines.append(f"| {row['config']} | refused: {row['error']} | | | | | | |")
             continue
         figures = row.get("figures") or {}
-        head = ", ".join(f"{n}: {h['option']}" + (f" ({h['rows']} rows)" if h.get("rows") else "")
-                         for n, h in (figures.get("heads") or {}).items()) or "-"
         bound = f", bound {BOUNDS[row['preset']]:.1%}" if row.get("preset") else ""
         change = f" ({row['loss_change']:+.2%}{bound})" if "loss_change" in row else ""
         ratio = lambda key: f"{row[key]:.2f}x" if key in row else "1.00x"  # noqa: E731
-        lines.append(f"| {row['config']} | {_mib(row['peak_bytes'])} | {ratio('peak_ratio')} | "
+        lines.append(f"| {row['config']} | {mib(row['peak_bytes'])} | {ratio('peak_ratio')} | "
                      f"{ratio('step_time_ratio')} | {row['final_loss']:.4f}{change} | "
-                     f"{_mib(figures.get('keep_bytes'))} | {_mib(figures.get('outside_bytes'))} | {head} |")
+                     f"{mib(figures.get('keep_bytes'))} | {mib(figures.get('outside_bytes'))} | "
+                     f"{head_cell(figures.get('heads'))} |")
     return "\n".join(lines)
 
 

@@ -13,6 +13,17 @@ straddles reductions), at most ``max_fraction_of_budget`` of the memory budget o
 **Keys.** With the section enabled, ZeRO bucket keys the user left unset are set to the rule's value;
 a value the user set is kept and the log says what auto would have picked.
 
+**ZeRO-3's gathered weights** (`gathered_limits`). DeepSpeed keeps a module's gathered weights from
+forward to backward when their next use comes within ``stage3_max_reuse_distance`` elements of
+fetches (about twice the parameters after the module in forward), and its prefetcher, walking the
+trace while fewer than ``stage3_max_live_parameters`` elements are gathered, keeps every gathered
+weight it passes on the way. Their defaults, 1e9 each, keep every model under 5e8 parameters gathered
+whole at the turn: a cache that saves one all-gather of the model per step, at 2 bytes per parameter
+in bf16. Left unset, the weights kept are held to ``max_fraction_of_budget`` of the budget: the reuse
+distance is twice that many elements and the live limit that many plus one prefetch bucket, never
+above DeepSpeed's defaults; the other weights are gathered again in backward, as ZeRO-3 does on large
+models. Gathering again gives the same values, so the arithmetic does not change.
+
 **Adapting** (``adapt``). Every ``adapt_every_steps`` optimizer steps: if the step's peak is above
 90% of the budget, the reduction bucket halves (not below the largest parameter); if the backward
 needed more than 32 reductions and doubling stays within the cap and the headroom, it doubles. Each
@@ -49,6 +60,10 @@ from xirang_ds.config.schema import CommBuffersConfig
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.links import RING_RANKS_MAX, backend_link, efficient_numel
+from xirang_ds.memory.run_shape import DEFAULT_MAX_LIVE_PARAMETERS, DEFAULT_MAX_REUSE_DISTANCE
+
+DEEPSPEED_GATHERED_DEFAULTS = {"stage3_max_reuse_distance": DEFAULT_MAX_REUSE_DISTANCE,
+                               "stage3_max_live_parameters": DEFAULT_MAX_LIVE_PARAMETERS}
 from xirang_ds.registry import STORAGE_LENDER, Plugin, register_plugin
 
 logger = logging.getLogger("xirang_ds")
@@ -77,6 +92,20 @@ def auto_bucket_numel(largest_param: int, total_params: int, elem_bytes: int, bu
     if n > cap:
         n, why = max(1, cap), f"the cap of {max_fraction:.0%} of the budget over {buffers} buffer(s)"
     return n, why
+
+
+def gathered_limits(elem_bytes: int, budget_bytes: int, max_fraction: float,
+                    prefetch: int) -> dict[str, tuple[int, str]]:
+    """ZeRO-3's ``stage3_max_reuse_distance`` and ``stage3_max_live_parameters`` for the module
+    docstring's rule: key → (elements, why)."""
+    kept = int(max_fraction * budget_bytes / elem_bytes)
+    if 2 * kept >= DEFAULT_MAX_REUSE_DISTANCE:
+        why = f"DeepSpeed's default: {max_fraction:.0%} of the budget would keep more gathered weights than it does"
+        return {key: (value, why) for key, value in DEEPSPEED_GATHERED_DEFAULTS.items()}
+    why = (f"weights kept gathered from forward to backward at most {max_fraction:.0%} of the budget "
+           f"({format_bytes(kept * elem_bytes)}, {kept:,} elements); the rest gathered again in backward")
+    return {"stage3_max_reuse_distance": (2 * kept, why),
+            "stage3_max_live_parameters": (kept + prefetch, f"those kept and one prefetch bucket ({prefetch:,})")}
 
 
 def _data_parallel_size() -> int:
@@ -165,6 +194,20 @@ class CommBuffersPlugin(Plugin):
             self.log(f"{key}: {value:,} elements = {format_bytes(value * elem)} per buffer "
                       f"({'auto: ' + why if requested == 'auto' else 'from xirang.comm_buffers'}; "
                       f"DeepSpeed's default is {DEEPSPEED_DEFAULT_BUCKET:,})")
+        if stage == 3 and self.session.world_size > 1:
+            self._size_gathered(zero, elem, budget)
+
+    def _size_gathered(self, zero: dict, elem: int, budget: int) -> None:
+        prefetch = int(float(zero["stage3_prefetch_bucket_size"]))
+        for key, (value, why) in gathered_limits(elem, budget, self.config.max_fraction_of_budget, prefetch).items():
+            if key in zero and zero[key] != "auto":
+                self.decisions[key] = {"value": int(float(zero[key])), "auto": value, "why": why, "kept": True}
+                self.log(f"{key}: keeping the value you set ({int(float(zero[key])):,} elements); auto would pick "
+                         f"{value:,} ({why})")
+                continue
+            zero[key] = value
+            self.decisions[key] = {"value": value, "auto": value, "why": why, "kept": False}
+            self.log(f"{key}: {value:,} elements ({why}; DeepSpeed's default is {DEEPSPEED_GATHERED_DEFAULTS[key]:,})")
 
     @staticmethod
     def _check_lending(stage: int, zero: dict) -> None:

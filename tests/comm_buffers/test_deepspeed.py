@@ -97,6 +97,60 @@ def test_adapts_under_memory_pressure_without_changing_numerics():
     assert ours[0]["changes"] == ours[1]["changes"]
 
 
+def _zero3(rank, world, xirang, zero=None):
+    import xirang_ds
+    from xirang_ds.models import BUILTIN_SPECS, build_model
+
+    spec = BUILTIN_SPECS["gpt-tiny"]
+    model = build_model(spec)
+    config = ds_config(stage=3, dtype="bf16", micro=4, xirang=xirang)
+    if "comm_buffers" in xirang:
+        for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
+            config["zero_optimization"].pop(key)  # left unset: auto
+    config["zero_optimization"].update(zero or {})
+    engine, *_ = xirang_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
+    session = engine.xirang
+    tracker = session.track_memory()
+    data, losses, gathered = data_iter(4, spec.seq, rank, world), [], []
+    for _ in range(3):
+        window = tracker.open_window()
+        x, y = next(data)
+        loss = engine(x, y)
+        gathered.append(tracker.by_category(tracker.live_records())["parameters"])  # at the turn to backward
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        window.close()
+    plugin = session.plugin("comm_buffers")
+    return {"losses": losses, "parameters": gathered, "decisions": plugin.decisions if plugin is not None else {}}
+
+
+@pytest.mark.distributed
+def test_zero3_gathered_weights_kept_within_the_budget_same_losses():
+    """ZeRO-3 under a budget: the reuse distance keeps at most max_fraction_of_budget of gathered weights
+    from forward to backward, so the parameters' highest falls below plain ZeRO-3's (DeepSpeed's default
+    keeps this model gathered whole), and gathering again in backward changes no value."""
+    plain = run_ranks(_zero3, 2, {"monitor": {"enabled": True}})
+    xirang = {"comm_buffers": {"enabled": True, "adapt": False}, "memory_budget": "2MB"}
+    ours = run_ranks(_zero3, 2, xirang)
+    for o, p in zip(ours, plain):
+        assert o["losses"] == p["losses"]
+        kept = int(0.05 * 2 * 10**6 / 2)  # bf16 elements in 5% of the budget
+        decision = o["decisions"]["stage3_max_reuse_distance"]
+        assert decision["value"] == 2 * kept and not decision["kept"]
+        live = o["decisions"]["stage3_max_live_parameters"]["value"]
+        assert live == kept + o["decisions"]["stage3_prefetch_bucket_size"]["value"]
+        # step 1 has no trace yet (DeepSpeed releases everything): the gathered bytes are the growth after it
+        gathered, plain_gathered = o["parameters"][2] - o["parameters"][0], p["parameters"][2] - p["parameters"][0]
+        assert plain_gathered == 2 * 136_960  # gpt-tiny whole, in bf16
+        assert 0 < gathered <= 2 * live < plain_gathered
+    explicit = run_ranks(_zero3, 2, xirang, {"stage3_max_reuse_distance": 10**9})[0]["decisions"]
+    kept = explicit["stage3_max_reuse_distance"]
+    assert kept["kept"] and kept["value"] == 10**9 and kept["auto"] == decision["value"]
+    one_rank = run_ranks(_zero3, 1, xirang)[0]["decisions"]
+    assert "stage3_max_reuse_distance" not in one_rank  # one rank's partition is the whole weight: nothing gathered
+
+
 def test_bucket_below_largest_parameter_is_an_error():
     from xirang_ds.launch import run_ranks as rr
 

@@ -1,6 +1,6 @@
 """comm_buffers without an engine: the bucket sizing rule, and the DeepSpeed seam lending relies on
 (engines: test_deepspeed.py and test_deepspeed_lending.py; CUDA: test_gpu.py)."""
-from xirang_ds.plugins.comm_buffers import auto_bucket_numel
+from xirang_ds.plugins.comm_buffers import auto_bucket_numel, gathered_limits
 
 
 GIB = 2**30
@@ -37,3 +37,15 @@ def test_rule_efficiency_floor_cap_and_model():
     # the budget cap over both overlap buffers
     n, why = auto_bucket_numel(1000, 10**9, 2, 2, 10**6, 0.05, 30e-6, 100e9)
     assert n == int(0.05 * 10**6 / 4) and "cap" in why
+
+
+def test_gathered_limits_hold_the_kept_weights_to_the_budget_share():
+    # 5% of 100 MB in bf16: 2.5M elements kept at the turn, twice that as the reuse distance
+    limits = gathered_limits(2, 100 * 10**6, 0.05, prefetch=1_000_000)
+    assert limits["stage3_max_reuse_distance"][0] == 5_000_000
+    assert limits["stage3_max_live_parameters"][0] == 3_500_000
+    assert "gathered again in backward" in limits["stage3_max_reuse_distance"][1]
+    # a budget whose share exceeds what DeepSpeed keeps: its defaults, never more
+    limits = gathered_limits(2, 80 * GIB, 0.05, prefetch=1_000_000)
+    assert {k: v for k, (v, _) in limits.items()} == {"stage3_max_reuse_distance": 10**9,
+                                                      "stage3_max_live_parameters": 10**9}

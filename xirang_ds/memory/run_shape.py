@@ -18,6 +18,7 @@ DEFAULT_ALLGATHER_BUCKET = int(5e8)
 DEFAULT_PREFETCH_BUCKET = int(5e7)
 DEFAULT_PERSISTENCE_THRESHOLD = int(1e5)
 DEFAULT_MAX_REUSE_DISTANCE = int(1e9)
+DEFAULT_MAX_LIVE_PARAMETERS = int(1e9)
 
 
 def partition_numel(total: int, world_size: int) -> int:

@@ -194,3 +194,19 @@ def test_host_offload_is_named_as_not_modelled():
     notes = estimate_spec("gpt-tiny", config, 1).notes
     assert any(n.startswith("zero_optimization.offload_optimizer: host offload is not modelled") for n in notes)
     assert not any("offload" in n for n in estimate_spec("gpt-tiny", ds_config(stage=2, micro=2), 1).notes)
+
+
+def test_zero3_reuse_distance_comm_buffers_sets_is_the_one_estimated():
+    """comm_buffers holds ZeRO-3's kept gathered weights to its share of the budget (its reuse distance
+    in the ds_config DeepSpeed gets): the estimate reads that distance, not the user's default."""
+    def forward_parameters(xirang) -> int:
+        config = ds_config(stage=3, micro=4, xirang=xirang)
+        config["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
+        return estimate_spec("gpt-tiny", config, 2).phases["forward"]["parameters"]
+
+    budget = {"memory_budget": "2MB", "monitor": {"enabled": True}}
+    whole = forward_parameters(budget)
+    held = forward_parameters({**budget, "comm_buffers": {"enabled": True}})
+    config = ds_config(stage=3, micro=4)
+    config["zero_optimization"].update(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=2 * 50_000)
+    assert held == estimate_spec("gpt-tiny", config, 2).phases["forward"]["parameters"] < whole

@@ -125,12 +125,13 @@ def estimate_states(model: torch.nn.Module, ds_config: dict, world_size: int = 1
 def _plugin_shape(session: Any, ds_config: dict, world_size: int, device: str) -> "RunShape":
     shape = RunShape.from_ds_config(ds_config, world_size, device)
     if session is not None:
-        # Buckets as the plugins sized them; stage, precision and the optimizer as the user asked
-        # (a plugin that takes a part over, like grad_release, hands DeepSpeed stage 0 in fp32 and
-        # models its own layout in adjust_estimate).
+        # Buckets and ZeRO-3's reuse distance as the plugins sized them; stage, precision and the
+        # optimizer as the user asked (a plugin that takes a part over, like grad_release, hands
+        # DeepSpeed stage 0 in fp32 and models its own layout in adjust_estimate).
         edited = RunShape.from_ds_config(session.ds_config, world_size, device)
         shape = dataclasses.replace(shape, reduce_bucket=edited.reduce_bucket, allgather_bucket=edited.allgather_bucket,
-                                    prefetch_bucket=edited.prefetch_bucket, overlap_comm=edited.overlap_comm)
+                                    prefetch_bucket=edited.prefetch_bucket, overlap_comm=edited.overlap_comm,
+                                    max_reuse_distance=edited.max_reuse_distance)
         for plugin in session.plugins:
             shape = plugin.estimate_shape(shape)
     return shape

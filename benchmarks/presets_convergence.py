@@ -10,35 +10,53 @@ with exact masters, against its default of none).
 
     .venv/bin/python benchmarks/presets_convergence.py --steps 300 --world-size 2 \\
         --data ../shared/data/tinyshakespeare.txt --json benchmarks/results/presets_convergence.json
+
+``--stage 3`` runs both sides at ZeRO-3 (where grad_release is left out, and aggressive's no-master
+mode is optimizer_states' ``masters: none``); ``--rows`` runs only the named rows beside plain:
+
+    .venv/bin/python benchmarks/presets_convergence.py --steps 300 --world-size 2 --stage 3 \\
+        --rows aggressive "aggressive, exact masters" --data ../shared/data/tinyshakespeare.txt \\
+        --json benchmarks/results/presets_convergence_zero3.json
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shlex
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from results_table import BASE, PRESET_BUDGETS, TUNED, deep_merge, short_error  # noqa: E402
 
 BOUNDS = {"conservative": 0.005, "balanced": 0.01, "aggressive": 0.02}
-VARIANTS = {"aggressive, exact masters": ("aggressive", {"grad_release": {"masters": "auto"}})}
-"""Row name → (preset, keys laid over it)."""
+VARIANTS = {"aggressive, exact masters": ("aggressive", {2: {"grad_release": {"masters": "auto"}},
+                                                         3: {"optimizer_states": {"masters": "auto"}}})}
+"""Row name → (preset, ZeRO stage → keys laid over it)."""
 
 
-def _rows():
+def _rows(stage: int = 2):
     """(row name, preset, keys over it): the presets, then `VARIANTS`."""
-    return [(p, p, {}) for p in PRESET_BUDGETS] + [(n, p, keys) for n, (p, keys) in VARIANTS.items()]
+    return [(p, p, {}) for p in PRESET_BUDGETS] + [(n, p, keys[stage]) for n, (p, keys) in VARIANTS.items()]
 
 
-def _run_row(model, name, preset, keys, ref_peak, steps, world_size, data):
+def at_stage(config: dict, stage: int) -> dict:
+    """``config`` at ZeRO ``stage`` (at 3 with ZeRO-3's own buckets as presets_zero.py sizes them)."""
+    zero = {"stage": stage}
+    if stage == 3 and "reduce_bucket_size" in config["zero_optimization"]:
+        zero.update(stage3_prefetch_bucket_size=1e6, stage3_param_persistence_threshold=0)
+    return deep_merge(config, {"zero_optimization": zero})
+
+
+def _run_row(model, name, preset, keys, ref_peak, steps, world_size, data, stage=2):
     from xirang_ds.bench import run_side
 
     fraction = PRESET_BUDGETS[preset][-1]  # the one each preset can meet
     block = deep_merge({"preset": preset, "memory_budget": int(fraction * ref_peak)}, keys)
     row = {"model": model, "config": name, "preset": preset, "budget_fraction": fraction}
     try:
-        side = run_side(model, deep_merge(BASE, {"xirang": block}), steps, world_size, data, 0, True)
+        side = run_side(model, at_stage(deep_merge(BASE, {"xirang": block}), stage), steps, world_size, data, 0,
+                        True)
         row.update(final_loss=final(side.losses), peak_bytes=side.peak_bytes, losses=side.losses,
                    summary=side.summary)
     except Exception as e:
@@ -58,6 +76,8 @@ def main() -> int:
     p.add_argument("--world-size", type=int, default=2, choices=(1, 2))
     p.add_argument("--data", default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--stage", type=int, default=2, choices=(2, 3))
+    p.add_argument("--rows", nargs="+", default=None, metavar="ROW", help="run only these rows beside plain")
     p.add_argument("--render", default=None, metavar="JSON")
     p.add_argument("--redo", nargs="*", default=None, metavar="MODEL:PRESET",
                    help="rerun only these rows of --json (its plain run's peak sets the budget) and rewrite it")
@@ -70,18 +90,20 @@ def main() -> int:
     else:
         from xirang_ds.bench import run_side
 
-        plain = deep_merge(BASE, TUNED)
-        data = {"command": " ".join(["python", "benchmarks/presets_convergence.py"] + sys.argv[1:]),
-                "steps": args.steps, "world_size": args.world_size, "rows": []}
+        plain = at_stage(deep_merge(BASE, TUNED), args.stage)
+        data = {"command": shlex.join(["python", "benchmarks/presets_convergence.py"] + sys.argv[1:]),
+                "steps": args.steps, "world_size": args.world_size, "stage": args.stage, "rows": []}
         for model in args.models:
             print(f"{model}: plain DeepSpeed ...", file=sys.stderr, flush=True)
             ref = run_side(model, plain, args.steps, args.world_size, args.data, 0, False)
             data["rows"].append({"model": model, "config": "plain", "final_loss": final(ref.losses),
                                  "peak_bytes": ref.peak_bytes, "losses": ref.losses})
-            for name, preset, keys in _rows():
+            for name, preset, keys in _rows(args.stage):
+                if args.rows and name not in args.rows:
+                    continue
                 print(f"{model}: {name} ...", file=sys.stderr, flush=True)
                 data["rows"].append(_run_row(model, name, preset, keys, ref.peak_bytes, args.steps,
-                                             args.world_size, args.data))
+                                             args.world_size, args.data, args.stage))
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump(data, f, indent=1)
@@ -93,12 +115,13 @@ def redo(args: argparse.Namespace) -> int:
     """Rerun some preset rows of an earlier run in place (same steps, ranks and data)."""
     with open(args.json, encoding="utf-8") as f:
         data = json.load(f)
-    rows = {name: (preset, keys) for name, preset, keys in _rows()}
+    stage = data.get("stage", 2)
+    rows = {name: (preset, keys) for name, preset, keys in _rows(stage)}
     for item in args.redo:
         model, name = item.split(":", 1)
         ref = next(r for r in data["rows"] if r["model"] == model and r["config"] == "plain")
-        row = {**_run_row(model, name, *rows[name], ref["peak_bytes"], data["steps"], data["world_size"], args.data),
-               "redone": True}
+        row = {**_run_row(model, name, *rows[name], ref["peak_bytes"], data["steps"], data["world_size"], args.data,
+                          stage), "redone": True}
         index = next((i for i, r in enumerate(data["rows"]) if r["model"] == model and r["config"] == name), None)
         if index is None:
             data["rows"].append(row)
@@ -112,7 +135,8 @@ def redo(args: argparse.Namespace) -> int:
 
 
 def render(data: dict) -> str:
-    lines = [f"{data['steps']} steps, {data['world_size']} rank(s); `{data['command']}`", "",
+    lines = [f"{data['steps']} steps, {data['world_size']} rank(s), ZeRO-{data.get('stage', 2)}; "
+             f"`{data['command']}`", "",
              "| model | configuration | final loss | vs plain | bound | within | peak ratio |", "|---|---|---|---|---|---|---|"]
     plain = {}
     for r in data["rows"]:

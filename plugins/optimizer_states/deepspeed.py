@@ -41,8 +41,8 @@ def check_ds_config(config: Any, ds_config: dict) -> None:
 
 def ds_config_problems(config: Any, ds_config: dict) -> list[tuple[str, str]]:
     """The ds_config settings this plugin, configured as ``config``, cannot work with: optimizer
-    offload (DeepSpeed then steps its own CPU Adam on host memory); ``masters: "remainders"`` other
-    than at ZeRO-3 in bf16."""
+    offload (DeepSpeed then steps its own CPU Adam on host memory); ``masters`` ``"remainders"`` or
+    ``"none"`` other than at ZeRO-3 in bf16."""
     zero = ds_config.get("zero_optimization") or {}
     problems = []
     offload = zero.get("offload_optimizer") or {}
@@ -51,18 +51,21 @@ def ds_config_problems(config: Any, ds_config: dict) -> list[tuple[str, str]]:
                          f"zero_optimization.offload_optimizer.device is {offload.get('device')!r}: DeepSpeed then "
                          f"keeps the optimizer states in host memory and steps its own CPU Adam, so there are no "
                          f"device states to shrink. Fix: remove offload_optimizer or disable optimizer_states"))
-    if getattr(config, "masters", "auto") == "remainders":
+    masters = getattr(config, "masters", "auto")
+    if masters in ("remainders", "none"):
         stage = int(zero.get("stage", 0) or 0)
         if stage != 3:
             problems.append((f"{SECTION}.masters",
-                             f"is 'remainders' but zero_optimization.stage is {stage}: this key keeps DeepSpeed's "
-                             f"ZeRO-3 masters; at ZeRO 0-2 grad_release keeps them as remainders "
-                             f"(grad_release.masters). "
+                             f"is {masters!r} but zero_optimization.stage is {stage}: this key keeps DeepSpeed's "
+                             f"ZeRO-3 masters; at ZeRO 0-2 grad_release keeps them "
+                             f"(grad_release.masters: remainders or none). "
                              f"Fix: set masters \"auto\" or \"fp32\", or enable grad_release"))
         if (ds_config.get("bf16") or {}).get("enabled") not in (True, "true"):
+            why = ("remainders rebuild an fp32 master from its bf16 rounding (an fp16 weight is not the top half "
+                   "of an fp32 number)" if masters == "remainders" else
+                   "'none' rounds each update stochastically into bf16 weights")
             problems.append((f"{SECTION}.masters",
-                             "is 'remainders' but bf16.enabled is not true: remainders rebuild an fp32 master from "
-                             "its bf16 rounding (an fp16 weight is not the top half of an fp32 number). "
+                             f"is {masters!r} but bf16.enabled is not true: {why}. "
                              "Fix: enable bf16, or set masters \"auto\" or \"fp32\""))
     return problems
 
@@ -163,14 +166,17 @@ class DeepSpeedStates(FrameworkPath):
             return
         problem = zero3_problem(engine.optimizer) if p.session.stepper is None else "grad_release holds them"
         if problem is not None:
-            if p.config.masters == "remainders":
-                raise XirangConfigError([(f"{SECTION}.masters", f"is 'remainders' but {problem}. "
+            if p.config.masters in ("remainders", "none"):
+                raise XirangConfigError([(f"{SECTION}.masters", f"is {p.config.masters!r} but {problem}. "
                                                                  "Fix: set masters \"auto\" or \"fp32\"")])
             p.masters_line = f"as the run keeps them ({problem})"
             return
-        parked = ParkedMasters(engine.optimizer, p.session.tracker.scope)
-        p.keep_parked([parked], f"remainders (ZeRO-3's fp32 masters as bf16 remainders between updates; one of "
-                                f"{len(parked.masters)} sub-group(s) whole at a time)")
+        stochastic = p.config.masters == "none"
+        parked = ParkedMasters(engine.optimizer, p.session.tracker.scope, stochastic=stochastic)
+        p.keep_parked([parked], f"none (no master: each update rounded stochastically into the bf16 weights; one of "
+                                f"{len(parked.masters)} sub-group(s) widened at a time)" if stochastic else
+                      f"remainders (ZeRO-3's fp32 masters as bf16 remainders between updates; one of "
+                      f"{len(parked.masters)} sub-group(s) whole at a time)")
 
     def states_moved(self) -> None:
         """Quantized buffers moved into the pool: DeepSpeed's views of the states are rebuilt."""

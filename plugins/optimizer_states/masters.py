@@ -11,7 +11,10 @@ bytes instead of 4. Right before a sub-group gets its gradient (``_prepare_sub_g
 is rebuilt bit for bit; after DeepSpeed has rounded it into the bf16 partition (``copy_``: round to
 nearest even, what the remainders assume) and dropped the gradient (``_release_sub_group``) it is
 parked again. So at most one sub-group's master is whole at a time, and training is the one with
-fp32 masters, bit for bit, whatever the basic optimizer.
+fp32 masters, bit for bit, whatever the basic optimizer. With ``masters: none`` (lossy) nothing is
+kept: parking rounds the master stochastically into the bf16 partition (grad_release's
+``stochastic.round_``) in place of DeepSpeed's round-to-nearest, and the next update starts from the
+partition widened to fp32.
 
 What else reads or writes the masters sees them whole:
 
@@ -70,30 +73,42 @@ class Parking:
     """fp32 masters parked as remainders: ``masters[i]`` is the fp32 master of the bf16 ``weights[i]``
     (the same number of elements, the weight its round-to-nearest-even whenever it is parked).
 
+    With ``stochastic`` (``masters: none``) nothing is kept: parking rounds the master stochastically
+    into its weight (`_round_into_weight`) and frees it, and the next update starts from the weight
+    widened to fp32, so the weight is the master.
+
     Args:
         weights, masters: the framework's own lists (read at each use: a framework may put another
             tensor in its list).
         scope: ``scope(category)``, the tracker's context naming what is allocated inside it.
+        stochastic: keep no master (lossy): each park rounds the master into the weight stochastically.
     """
 
-    def __init__(self, weights: list[torch.Tensor], masters: list[torch.Tensor], scope: Callable[[str], Any]):
-        self.weights, self.masters, self.scope = weights, masters, scope
-        self.parked: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Size]] = {}
-        """Entry → (remainder, tie bits, the master's shape) while its master is parked."""
+    def __init__(self, weights: list[torch.Tensor], masters: list[torch.Tensor], scope: Callable[[str], Any],
+                 stochastic: bool = False):
+        self.weights, self.masters, self.scope, self.stochastic = weights, masters, scope, stochastic
+        self.parked: dict[int, tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Size]] = {}
+        """Entry → (remainder, tie bits, the master's shape) while its master is parked (``None`` twice
+        with ``stochastic``)."""
         self._depth = 0  # `whole` blocks entered (a framework's loaders call one another)
         self._handles: list[Any] = []
 
     def park(self, i: int) -> None:
-        """Keep entry ``i``'s master as its remainder and tie bits; free its fp32 storage."""
+        """Keep entry ``i``'s master as its remainder and tie bits (or, ``stochastic``, as its weight
+        alone); free its fp32 storage."""
         master = self.masters[i]
         if i in self.parked or master.numel() == 0:
             return
-        weight = self._weight(i, master.device)
-        with torch.no_grad(), self.scope(PARAMETERS):
-            remainder = torch.empty(master.numel(), dtype=torch.int16, device=master.device)
-            ties = torch.empty(tie_bytes(master.numel()), dtype=torch.uint8, device=master.device)
-            split(master.detach().view(-1), weight, remainder, ties)
-        self.parked[i] = (remainder, ties, master.shape)
+        if self.stochastic:
+            self._round_into_weight(i, master.detach().view(-1))
+            self.parked[i] = (None, None, master.shape)
+        else:
+            weight = self._weight(i, master.device)
+            with torch.no_grad(), self.scope(PARAMETERS):
+                remainder = torch.empty(master.numel(), dtype=torch.int16, device=master.device)
+                ties = torch.empty(tie_bytes(master.numel()), dtype=torch.uint8, device=master.device)
+                split(master.detach().view(-1), weight, remainder, ties)
+            self.parked[i] = (remainder, ties, master.shape)
         master.xirang_parked_numel = master.numel()  # what DynamicAdamW counts it as meanwhile (`param_numel`)
         master.data = torch.empty(0, dtype=master.dtype, device=master.device)
 
@@ -109,9 +124,36 @@ class Parking:
         """A new fp32 tensor holding parked entry ``i``'s master, in its shape."""
         remainder, ties, shape = self.parked[i]
         with torch.no_grad(), self.scope(PARAMETERS):
+            if remainder is None:  # stochastic: the weight is the master
+                return self._weight(i, self.masters[i].device).to(torch.float32).view(shape)
             master = torch.empty(remainder.numel(), dtype=torch.float32, device=remainder.device)
             join(self._weight(i, remainder.device), remainder, ties, master)
         return master.view(shape)
+
+    def _round_into_weight(self, i: int, master: torch.Tensor) -> None:
+        """``masters: none``: the fp32 ``master`` (flat, consumed) rounded stochastically into weight ``i``.
+        The noise is a function of the entry, its update count and the rank (`stochastic.noise_seed`),
+        so a resumed run draws what the uninterrupted one would have; a master its weight already
+        holds exactly (before the first update, after a load) rounds to that weight."""
+        import torch.distributed as dist
+
+        from xirang_ds.plugins.grad_release.stochastic import noise_seed, round_
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        weight = self.weights[i].detach().view(-1)
+        seed = noise_seed(i, self.updates(i), rank)
+        with torch.no_grad(), self.scope(PARAMETERS):
+            if weight.device == master.device:
+                round_(master, weight, seed)
+            else:  # parameters offloaded: rounded on the master's device, then copied
+                rounded = torch.empty(master.numel(), dtype=torch.bfloat16, device=master.device)
+                round_(master, rounded, seed)
+                weight.copy_(rounded)
+
+    def updates(self, i: int) -> int:
+        """How many updates entry ``i``'s master has had (its seed for `_round_into_weight`); the base
+        class does not know, subclasses read their optimizer's count."""
+        return 0
 
     def saved(self, i: int) -> torch.Tensor:
         """Entry ``i``'s master for a checkpoint: rebuilt when parked, else an alias of its storage (which
@@ -146,11 +188,11 @@ class Parking:
                 self.park_all(check=check)
 
     def held_bytes(self) -> int:
-        """Bytes the parked masters hold (remainders and tie bits)."""
-        return sum(r.numel() * r.element_size() + t.numel() for r, t, _ in self.parked.values())
+        """Bytes the parked masters hold (remainders and tie bits; none with ``stochastic``)."""
+        return sum(r.numel() * r.element_size() + t.numel() for r, t, _ in self.parked.values() if r is not None)
 
     def memory_roles(self) -> list[tuple[str, list[torch.Tensor]]]:
-        return [(PARAMETERS, [t for r, ties, _ in self.parked.values() for t in (r, ties)])]
+        return [(PARAMETERS, [t for r, ties, _ in self.parked.values() if r is not None for t in (r, ties)])]
 
     def remove(self) -> None:
         """Every master whole again, the framework's methods its own."""
@@ -178,8 +220,9 @@ class ParkedMasters(Parking):
         scope: ``scope(category)``, the tracker's context naming what is allocated inside it.
     """
 
-    def __init__(self, optimizer: Any, scope: Callable[[str], Any]):
-        super().__init__(optimizer.fp16_partitioned_groups_flat, optimizer.fp32_partitioned_groups_flat, scope)
+    def __init__(self, optimizer: Any, scope: Callable[[str], Any], stochastic: bool = False):
+        super().__init__(optimizer.fp16_partitioned_groups_flat, optimizer.fp32_partitioned_groups_flat, scope,
+                         stochastic)
         self.optimizer = optimizer
         self._handles += around_zero3_update(optimizer, self.unpark, self.park)
         self._handles.append(wrap_method(optimizer, "state_dict", self._state_dict))
@@ -195,6 +238,12 @@ class ParkedMasters(Parking):
     def remove(self) -> None:
         super().remove()
         vars(self.optimizer).pop("_xirang_whole_masters", None)
+
+    def updates(self, i: int) -> int:
+        """The basic optimizer's step count of sub-group ``i``'s master (0 before its first update, or
+        for an optimizer that keeps none)."""
+        step = self.optimizer.optimizer.state.get(self.masters[i], {}).get("step", 0)
+        return int(step.item() if torch.is_tensor(step) else step)
 
     # DeepSpeed's methods ------------------------------------------------------------------------
     def _state_dict(self, original: Callable[[], dict]) -> dict:
@@ -340,15 +389,15 @@ def sub_group_numels(numels: list[int], groups: Any, world: int, sub_group_size:
     return sizes
 
 
-def adjust_phases(phases: dict, shape: Any, numels: list[int], sub_group_size: int) -> dict:
+def adjust_phases(phases: dict, shape: Any, numels: list[int], sub_group_size: int, stochastic: bool = False) -> dict:
     """The estimate's phases with ZeRO-3's masters parked: the model's ``4 * partition`` fp32 bytes
-    become the remainders and tie bits of every sub-group, and the step holds one sub-group's master
-    whole besides them (its own remainders freed while it updates, held while it is rebuilt or
-    split: the larger of that and the update's temporaries)."""
+    become the remainders and tie bits of every sub-group (nothing with ``stochastic``), and the step
+    holds one sub-group's master whole besides them (its own remainders freed while it updates, held
+    while it is rebuilt or split: the larger of that and the update's temporaries)."""
     from xirang_ds.memory.run_shape import partition_numel
 
     subs = sub_group_numels(numels, shape.groups, shape.world_size, sub_group_size)
-    held = [2 * s + tie_bytes(s) for s in subs]
+    held = [0 if stochastic else 2 * s + tie_bytes(s) for s in subs]
     largest = max(range(len(subs)), key=subs.__getitem__)
     saved = 4 * partition_numel(sum(numels), shape.world_size) - sum(held)
     out = {}

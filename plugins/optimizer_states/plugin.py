@@ -72,6 +72,19 @@ class OptimizerStatesPlugin(Plugin):
 
         return ds_config_problems(config, ds_config)
 
+    @classmethod
+    def preset_fallbacks(cls, config: OptimizerStatesConfig, ds_config: dict) -> list[tuple[str, Any, str]]:
+        if config.masters != "none":
+            return []
+        stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0) or 0)
+        bf16 = (ds_config.get("bf16") or {}).get("enabled") in (True, "true")
+        if stage == 3 and bf16:
+            return []
+        where = (f"this run is ZeRO-{stage} (at ZeRO 0-2 grad_release holds the masters: grad_release.masters)"
+                 if stage != 3 else "this run does not train in bf16")
+        return [("masters", "auto", f"'none' (no master, bf16 weights rounded stochastically) is for DeepSpeed's "
+                                    f"ZeRO-3 optimizer in bf16 and {where}; masters stay \"auto\"")]
+
     # seams ------------------------------------------------------------------------------------
     def prepare_ds_config(self, ds_config: dict) -> None:
         from xirang_ds.plugins.optimizer_states import masters
@@ -218,7 +231,7 @@ class OptimizerStatesPlugin(Plugin):
         if masters.parks(self.config, self.session.ds_config) and self.session.stepper is None:
             zero = self.session.ds_config.get("zero_optimization") or {}
             out = masters.adjust_phases(out, shape, [p.numel() for p in params],
-                                        int(float(zero.get("sub_group_size", 1e9))))
+                                        int(float(zero.get("sub_group_size", 1e9))), self.config.masters == "none")
         return out
 
     # reporting and checkpoints ----------------------------------------------------------------
@@ -242,7 +255,9 @@ class OptimizerStatesPlugin(Plugin):
                 + (f", {measured} embedding(s) measured ({len(checks)} check(s), {moved} moved)" if measured else "")
                 + f"; {self.optimizers[0].fused.describe()}"
                 + (f"; masters as remainders: {format_bytes(sum(m.held_bytes() for m in self.parked))}"
-                   if self.parked else ""))
+                   if self.parked and not self.parked[0].stochastic else "")
+                + ("; no masters (stochastic rounding into the bf16 weights)"
+                   if self.parked and self.parked[0].stochastic else ""))
 
     def state_dict(self) -> dict:
         from xirang_ds.plugins.optimizer_states.optimizer import config_to_dict

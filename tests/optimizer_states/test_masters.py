@@ -178,15 +178,16 @@ def test_zero3_masters_as_remainders_are_exact_and_hold_2_125_bytes(tmp_path):
         assert r["removed"] == r["plain"] and r["whole_after_removal"] == sizes
 
 
-def test_remainders_elsewhere_is_refused_with_every_problem():
+@pytest.mark.parametrize("masters", ["remainders", "none"])  # none: test_masters_none.py
+def test_remainders_elsewhere_is_refused_with_every_problem(masters):
     from xirang_ds.config.fit import fit_block
     from xirang_ds.config.validate import XirangConfigError
 
-    block = {"optimizer_states": {"enabled": True, "masters": "remainders"}}
+    block = {"optimizer_states": {"enabled": True, "masters": masters}}
     with pytest.raises(XirangConfigError) as e:
         fit_block(block, ds_config(stage=2, dtype="fp16"))
     text = str(e.value)
-    assert "zero_optimization.stage is 2" in text and "bf16.enabled is not true" in text
+    assert f"is '{masters}' but zero_optimization.stage is 2" in text and "bf16.enabled is not true" in text
     assert "grad_release.masters" in text and "Fix:" in text
     fit_block(block, ds_config(stage=3, dtype="bf16"))  # where it applies
     fit_block({"optimizer_states": {"enabled": True}}, ds_config(stage=2, dtype="fp16"))  # auto: fp32 there

@@ -57,6 +57,7 @@ def megatron_masters(rank: int, world: int, tmp: str) -> dict:
             ex, dist + auto, 2, 2, os.path.join(tmp, "dist_ranges"),
             {"resumed": dist + auto, "fp32_masters": dist + fp32}, {"distrib_optim_sharding_type": "dp_reshardable"})
         out["refused"] = config_error(ex, {"optimizer_states": {"enabled": True, "masters": "remainders"}}, tmp)
+        out["refused_none"] = config_error(ex, {"optimizer_states": {"enabled": True, "masters": "none"}}, tmp)
         return out
     finally:
         ex.teardown(created)
@@ -98,4 +99,6 @@ def test_megatron_masters_parked_between_steps_are_exact(runs, kind):
 def test_megatron_masters_remainders_without_bf16_masters_is_refused(runs):
     for r in runs:
         assert "xirang.optimizer_states.masters" in r["refused"] and "keeps no fp32 masters" in r["refused"]
+        # no master is ZeRO-3's: Megatron copies (and gathers) its masters inside its own step
+        assert "is 'none' but this is a Megatron-core run" in r["refused_none"] and "Fix:" in r["refused_none"]
         assert "Fix: set masters" in r["refused"]

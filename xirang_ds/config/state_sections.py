@@ -103,14 +103,16 @@ class OptimizerStatesConfig(Section):
     is off, so codes stuck by round-to-nearest move again (0 = never)."""
     seed: NonNegativeInt = 0
     """Seed of the stochastic-rounding draws (the same on every rank)."""
-    masters: Literal["auto", "fp32", "remainders"] = "auto"
+    masters: Literal["auto", "fp32", "remainders", "none"] = "auto"
     """How DeepSpeed's ZeRO-3 optimizer keeps this rank's fp32 masters of bf16 parameters between
     updates: ``fp32`` (4 bytes per element of the partition), or ``remainders``: beside the bf16
     partition it already holds, the master's low 16 bits and one tie bit (2.125 bytes), from which
     each sub-group's update rebuilds its master bit for bit, so training is the one with fp32
     masters (exact; one sub-group's master is whole at a time, one extra pass over it before and
     after its update; where ``zero_optimization.sub_group_size`` is not set, sub-groups of 1/8 of
-    the partition). ``auto`` = ``remainders``
+    the partition); ``none`` (lossy, the aggressive preset at ZeRO-3): no master, each sub-group's
+    update starts from its bf16 weights widened to fp32 and is rounded back into them
+    stochastically (grad_release's ``masters: none``, 0 bytes). ``auto`` = ``remainders``
     wherever DeepSpeed's ZeRO-3 optimizer holds bf16 weights and their masters on the device, else
     ``fp32``. At ZeRO 0-2 grad_release holds the masters (``grad_release.masters``). Under Megatron-core
     the same remainders keep the masters of the Float16 and distributed optimizers between steps

@@ -374,27 +374,12 @@ __all__ = ["MegatronMasters", "ParkedMasters", "Parking", "megatron_problem", "z
 
 
 # estimate ---------------------------------------------------------------------------------------
-def sub_group_numels(numels: list[int], groups: Any, world: int, sub_group_size: int) -> list[int]:
-    """ZeRO-3's sub-groups as DeepSpeed makes them (stage3.py ``_create_fp16_sub_groups``): per param
-    group, each parameter's partition (``ceil(numel / world)``) added until the sum reaches
-    ``sub_group_size`` or the group ends."""
-    sizes = []
-    for group in groups or (tuple(range(len(numels))),):
-        acc = 0
-        for k, i in enumerate(group):
-            acc += -(-numels[i] // max(world, 1))
-            if acc >= sub_group_size or k == len(group) - 1:
-                sizes.append(acc)
-                acc = 0
-    return sizes
-
-
 def adjust_phases(phases: dict, shape: Any, numels: list[int], sub_group_size: int, stochastic: bool = False) -> dict:
     """The estimate's phases with ZeRO-3's masters parked: the model's ``4 * partition`` fp32 bytes
     become the remainders and tie bits of every sub-group (nothing with ``stochastic``), and the step
     holds one sub-group's master whole besides them (its own remainders freed while it updates, held
     while it is rebuilt or split: the larger of that and the update's temporaries)."""
-    from xirang_ds.memory.run_shape import partition_numel
+    from xirang_ds.memory.run_shape import partition_numel, sub_group_numels
 
     subs = sub_group_numels(numels, shape.groups, shape.world_size, sub_group_size)
     held = [0 if stochastic else 2 * s + tie_bytes(s) for s in subs]
@@ -411,15 +396,6 @@ def adjust_phases(phases: dict, shape: Any, numels: list[int], sub_group_size: i
     return out
 
 
-SUB_GROUPS = 8
-"""Where the user set no ``zero_optimization.sub_group_size``, parked masters make each sub-group about
-1/8 of this rank's partition (at least 2**16 elements; a parameter's partition larger than that is a
-sub-group of its own), so the master rebuilt for an update is small beside the 2.125 bytes per element
-every sub-group keeps (with DeepSpeed's 1e9, one sub-group is the whole partition of most models and
-the update would hold the whole rebuilt master beside every remainder).
-The split changes no number: Adam is elementwise and the clipping norm is taken before the loop."""
-
-
 def parks(config: Any, ds_config: dict) -> bool:
     """Whether DeepSpeed's own step of a run of ``ds_config`` (the plugins' copy: grad_release hands it
     stage 0) parks its masters: ``masters`` not fp32, ZeRO-3 in bf16, masters on the device."""
@@ -427,8 +403,3 @@ def parks(config: Any, ds_config: dict) -> bool:
     offload = (zero.get("offload_optimizer") or {}).get("device", "none")
     return (config.masters != "fp32" and int(zero.get("stage", 0) or 0) == 3 and offload in (None, "none")
             and (ds_config.get("bf16") or {}).get("enabled") in (True, "true"))
-
-
-def sub_group_size(trainable: int, world: int) -> int:
-    """The ``sub_group_size`` parked masters set where the user set none (`SUB_GROUPS`)."""
-    return max(-(-trainable // (SUB_GROUPS * max(world, 1))), 1 << 16)

@@ -87,6 +87,7 @@ class OptimizerStatesPlugin(Plugin):
 
     # seams ------------------------------------------------------------------------------------
     def prepare_ds_config(self, ds_config: dict) -> None:
+        from xirang_ds.memory.run_shape import sub_group_size
         from xirang_ds.plugins.optimizer_states import masters
         from xirang_ds.plugins.optimizer_states.deepspeed import check_ds_config
 
@@ -98,7 +99,7 @@ class OptimizerStatesPlugin(Plugin):
             ds_config["zero_allow_untested_optimizer"] = True
         if masters.parks(self.config, ds_config) and "sub_group_size" not in zero and self.session.model is not None:
             trainable = sum(p.numel() for p in self.session.model.parameters() if p.requires_grad)
-            zero["sub_group_size"] = masters.sub_group_size(trainable, self.session.world_size)
+            zero["sub_group_size"] = sub_group_size(trainable, self.session.world_size)
 
     def prepare_model(self, model: Any) -> None:
         from xirang_ds.plugins.optimizer_states.build import keep_reasons

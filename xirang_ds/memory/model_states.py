@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from xirang_ds.memory.categories import CATEGORIES
-from xirang_ds.memory.run_shape import RunShape, _fullest_rank, partition_numel
+from xirang_ds.memory.run_shape import RunShape, _fullest_rank, partition_numel, sub_group_numels
 
 
 def _cat(**parts: int) -> dict[str, int]:
@@ -58,7 +58,9 @@ def _optimizer_step(shape: RunShape, states: dict, numels: list[int]) -> tuple[d
 
     ZeRO 1-3 (stage_1_and_2.py / stage3.py ``step``): the reduced 16-bit gradient partition is
     flattened into a copy, the copy upcast to the fp32 gradient of the master partition, then the
-    16-bit gradients are freed before the update. ZeRO 0 in 16 bits with DeepSpeed's fused Adam
+    16-bit gradients are freed before the update; ZeRO 3 does this one sub-group at a time
+    (``_prepare_sub_group``, then the update, then ``_release_sub_group`` drops the fp32 gradient),
+    keeping the 16-bit partition. ZeRO 0 in 16 bits with DeepSpeed's fused Adam
     (``FP16_Optimizer``): every gradient upcast one by one, then flattened into one fp32 gradient.
     ZeRO 0 with torch's Adam (``FP16_UnfusedOptimizer``) upcasts into each master's ``.grad``.
     """
@@ -73,19 +75,19 @@ def _optimizer_step(shape: RunShape, states: dict, numels: list[int]) -> tuple[d
         if sixteen and shape.adam_impl == "fused":
             prepare = _add(states, _cat(gradients=lp * total + 4 * total, temporaries=4 * total))
         return update, prepare
-    resident = _cat()
     if shape.stage == 3:  # the 16-bit gradient partition and the reduction bucket stay allocated
-        resident = _cat(gradients=lp * part, comm_buffers=lp * shape.reduce_bucket)
-        prepare = _add(_add(states, resident), _cat(gradients=4 * part if sixteen else 0, temporaries=lp * part))
-    else:
-        # group by group: its 16-bit gradients flattened and upcast, then freed before the next group's
-        rank = _fullest_rank(shape, numels)
-        parts = [partition_numel(sum(numels[i] for i in g), shape.world_size)
-                 for g in (shape.groups or (tuple(range(len(numels))),))]
-        points = [_cat(gradients=lp * sum(rank.by_group[g:]) + (4 * sum(parts[:g + 1]) if sixteen else 0),
-                       temporaries=lp * parts[g]) for g in range(len(parts))]
-        prepare = _add(states, max(points, key=lambda c: sum(c.values())))
-    update = _add(_add(states, resident), _cat(gradients=4 * part, temporaries=_adam_temporaries(shape, [part])))
+        sub = max(sub_group_numels(numels, shape.groups, shape.world_size, shape.sub_group_size))
+        resident = _add(states, _cat(gradients=lp * part, comm_buffers=lp * shape.reduce_bucket))
+        prepare = _add(resident, _cat(gradients=4 * sub if sixteen else 0, temporaries=lp * sub))
+        return _add(resident, _cat(gradients=4 * sub, temporaries=_adam_temporaries(shape, [sub]))), prepare
+    # group by group: its 16-bit gradients flattened and upcast, then freed before the next group's
+    rank = _fullest_rank(shape, numels)
+    parts = [partition_numel(sum(numels[i] for i in g), shape.world_size)
+             for g in (shape.groups or (tuple(range(len(numels))),))]
+    points = [_cat(gradients=lp * sum(rank.by_group[g:]) + (4 * sum(parts[:g + 1]) if sixteen else 0),
+                   temporaries=lp * parts[g]) for g in range(len(parts))]
+    prepare = _add(states, max(points, key=lambda c: sum(c.values())))
+    update = _add(states, _cat(gradients=4 * part, temporaries=_adam_temporaries(shape, [part])))
     return update, prepare
 
 

@@ -19,12 +19,41 @@ DEFAULT_PREFETCH_BUCKET = int(5e7)
 DEFAULT_PERSISTENCE_THRESHOLD = int(1e5)
 DEFAULT_MAX_REUSE_DISTANCE = int(1e9)
 DEFAULT_MAX_LIVE_PARAMETERS = int(1e9)
+DEFAULT_SUB_GROUP_SIZE = int(1e9)
+SUB_GROUPS = 8
+"""Where the user set no ``zero_optimization.sub_group_size``, comm_buffers (and optimizer_states when it
+parks masters) make ZeRO-3's sub-groups about 1/8 of this rank's partition (at least 2**16 elements; a
+parameter's partition larger than that is a sub-group of its own): DeepSpeed's step upcasts a
+sub-group's gradient to fp32 and runs the basic optimizer on it one sub-group at a time, so its
+transients (and a parked master rebuilt for its update) are one sub-group's, not the partition's
+(DeepSpeed's 1e9 makes the whole partition of most models one sub-group). The split changes no
+number: Adam is elementwise and the clipping norm is taken before the loop."""
 
 
 def partition_numel(total: int, world_size: int) -> int:
     """One rank's share of ``total`` elements in ZeRO's flat buffers (padded to 2 x ranks)."""
     n = max(world_size, 1)
     return int(math.ceil(total / (2 * n)) * 2 * n) // n
+
+
+def sub_group_size(trainable: int, world: int) -> int:
+    """The ``sub_group_size`` set where the user set none (`SUB_GROUPS`)."""
+    return max(-(-trainable // (SUB_GROUPS * max(world, 1))), 1 << 16)
+
+
+def sub_group_numels(numels: list[int], groups: Optional[tuple], world: int, size: int) -> list[int]:
+    """ZeRO-3's sub-groups as DeepSpeed makes them (stage3.py ``_create_fp16_sub_groups``): per param
+    group, each parameter's partition (``ceil(numel / world)``) added until the sum reaches ``size``
+    or the group ends."""
+    sizes = []
+    for group in groups or (tuple(range(len(numels))),):
+        acc = 0
+        for k, i in enumerate(group):
+            acc += -(-numels[i] // max(world, 1))
+            if acc >= size or k == len(group) - 1:
+                sizes.append(acc)
+                acc = 0
+    return sizes
 
 
 class EstimateError(ValueError):
@@ -47,6 +76,7 @@ class RunShape:
     prefetch_bucket: int
     persistence_threshold: int
     max_reuse_distance: int
+    sub_group_size: int
     offloaded: tuple[str, ...]  # the zero_optimization offload sections with a device other than none
     optimizer: str
     adam_impl: str  # "single_tensor" | "foreach" | "fused"
@@ -90,6 +120,7 @@ class RunShape:
                    persistence_threshold=int(float(zero.get("stage3_param_persistence_threshold",
                                                             DEFAULT_PERSISTENCE_THRESHOLD))),
                    max_reuse_distance=int(float(zero.get("stage3_max_reuse_distance", DEFAULT_MAX_REUSE_DISTANCE))),
+                   sub_group_size=int(float(zero.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE))),
                    offloaded=tuple(k for k in ("offload_optimizer", "offload_param")
                                    if str((zero.get(k) or {}).get("device", "none")) != "none"),
                    optimizer=name, adam_impl=impl, device=device)

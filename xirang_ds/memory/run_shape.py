@@ -21,13 +21,15 @@ DEFAULT_MAX_REUSE_DISTANCE = int(1e9)
 DEFAULT_MAX_LIVE_PARAMETERS = int(1e9)
 DEFAULT_SUB_GROUP_SIZE = int(1e9)
 SUB_GROUPS = 8
-"""Where the user set no ``zero_optimization.sub_group_size``, comm_buffers (and optimizer_states when it
-parks masters) make ZeRO-3's sub-groups about 1/8 of this rank's partition (at least 2**16 elements; a
-parameter's partition larger than that is a sub-group of its own): DeepSpeed's step upcasts a
-sub-group's gradient to fp32 and runs the basic optimizer on it one sub-group at a time, so its
-transients (and a parked master rebuilt for its update) are one sub-group's, not the partition's
-(DeepSpeed's 1e9 makes the whole partition of most models one sub-group). The split changes no
-number: Adam is elementwise and the clipping norm is taken before the loop."""
+"""Where the user set no ``zero_optimization.sub_group_size``, optimizer_states, when it parks masters,
+makes ZeRO-3's sub-groups about 1/8 of this rank's partition (at least 2**16 elements; a parameter's
+partition larger than that is a sub-group of its own): DeepSpeed's step upcasts a sub-group's
+gradient to fp32 and runs the basic optimizer on it one sub-group at a time, so its transients (and
+a parked master rebuilt for its update) are one sub-group's, not the partition's (DeepSpeed's 1e9
+makes the whole partition of most models one sub-group). The split changes no number: Adam is
+elementwise and the clipping norm is taken before the loop. Only a run whose optimizer state xirang
+owns sets it: DeepSpeed's own load refuses a checkpoint cut into other sub-groups, and
+optimizer_states takes such a checkpoint over where plain DeepSpeed cannot."""
 
 
 def partition_numel(total: int, world_size: int) -> int:

@@ -61,9 +61,6 @@ from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.links import RING_RANKS_MAX, backend_link, efficient_numel
 from xirang_ds.memory.run_shape import DEFAULT_MAX_LIVE_PARAMETERS, DEFAULT_MAX_REUSE_DISTANCE
-
-DEEPSPEED_GATHERED_DEFAULTS = {"stage3_max_reuse_distance": DEFAULT_MAX_REUSE_DISTANCE,
-                               "stage3_max_live_parameters": DEFAULT_MAX_LIVE_PARAMETERS}
 from xirang_ds.registry import STORAGE_LENDER, Plugin, register_plugin
 
 logger = logging.getLogger("xirang_ds")
@@ -71,6 +68,9 @@ logger = logging.getLogger("xirang_ds")
 DEEPSPEED_DEFAULT_BUCKET = 500_000_000
 MAX_REDUCTIONS_PER_STEP = 32
 PRESSURE = 0.9
+DEEPSPEED_GATHERED_DEFAULTS = {"stage3_max_reuse_distance": DEFAULT_MAX_REUSE_DISTANCE,
+                               "stage3_max_live_parameters": DEFAULT_MAX_LIVE_PARAMETERS}
+"""DeepSpeed's ZeRO-3 keys that keep gathered weights (`gathered_limits`), at its defaults."""
 
 
 def auto_bucket_numel(largest_param: int, total_params: int, elem_bytes: int, buffers: int, budget_bytes: int,

@@ -36,3 +36,13 @@ def test_zero3_parked_masters_equal_fp32_masters_on_cuda():
     assert parked["held"] == sum(2 * n + -(-n // 8) for n in parked["numels"]) > 0 and fp32["held"] == 0
     saved = 4 * sum(parked["numels"]) - parked["held"]  # between steps: the fp32 masters less their remainders
     assert fp32["allocated"] - parked["allocated"] >= 0.9 * saved
+
+
+def test_zero3_no_master_on_cuda_holds_nothing_and_trains_near_fp32_masters():
+    """``masters: none`` on the device: the weights rounded stochastically on CUDA (its generator), the
+    allocator holding the whole fp32 masters less, the losses near fp32 masters' and not equal to them."""
+    none, = run_ranks(_zero3, 1, "none")
+    fp32, = run_ranks(_zero3, 1, "fp32")
+    assert none["held"] == 0 and none["losses"] != fp32["losses"]
+    assert max(abs(a / b - 1) for a, b in zip(none["losses"], fp32["losses"])) < 2e-2
+    assert fp32["allocated"] - none["allocated"] >= 0.9 * 4 * sum(none["numels"])

@@ -72,19 +72,6 @@ class OptimizerStatesPlugin(Plugin):
 
         return ds_config_problems(config, ds_config)
 
-    @classmethod
-    def preset_fallbacks(cls, config: OptimizerStatesConfig, ds_config: dict) -> list[tuple[str, Any, str]]:
-        if config.masters != "none":
-            return []
-        stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0) or 0)
-        bf16 = (ds_config.get("bf16") or {}).get("enabled") in (True, "true")
-        if stage == 3 and bf16:
-            return []
-        where = (f"this run is ZeRO-{stage} (at ZeRO 0-2 grad_release holds the masters: grad_release.masters)"
-                 if stage != 3 else "this run does not train in bf16")
-        return [("masters", "auto", f"'none' (no master, bf16 weights rounded stochastically) is for DeepSpeed's "
-                                    f"ZeRO-3 optimizer in bf16 and {where}; masters stay \"auto\"")]
-
     # seams ------------------------------------------------------------------------------------
     def prepare_ds_config(self, ds_config: dict) -> None:
         from xirang_ds.memory.run_shape import sub_group_size

@@ -113,17 +113,24 @@ def test_parking_without_a_master_rounds_into_the_weight_unbiased():
     assert len(set(moved)) > 1  # the draws follow the update count
 
 
-def test_the_aggressive_preset_asks_for_no_master_where_it_can_run():
-    """Where ``masters: none`` cannot run (ZeRO 0-2, where grad_release's holds the masters, or not bf16),
-    the preset's value falls back to ``auto`` with a line saying why; written by the user it is an error
-    (`test_masters.test_remainders_elsewhere_is_refused_with_every_problem`)."""
+def test_the_aggressive_preset_hands_no_master_over_where_grad_release_is_left_out():
+    """aggressive keeps no master through grad_release; where grad_release is left out (ZeRO-3) its
+    ``masters: none`` goes to DeepSpeed's ZeRO-3 masters, where they can take it (bf16), unless the user
+    wrote ``optimizer_states.masters``; elsewhere nothing changes and nothing is said. Written by the user
+    where it cannot run it is an error (`test_masters.test_remainders_elsewhere_is_refused_with_every_problem`)."""
     from tests.harness.engine_runs import ds_config
     from xirang_ds.config.fit import fit_block
 
-    at_zero2 = fit_block({"preset": "aggressive"}, ds_config(stage=2, dtype="bf16"))
-    assert at_zero2.config.optimizer_states.masters == "auto"
-    assert any(line.startswith("optimizer_states.masters: left out of preset 'aggressive'") and "ZeRO-2" in line
-               for line in at_zero2.lines())
-    at_zero3 = fit_block({"preset": "aggressive"}, ds_config(stage=3, dtype="bf16"))
-    assert at_zero3.config.optimizer_states.masters == "none"
-    assert not any(line.startswith("optimizer_states.masters") for line in at_zero3.lines())
+    def fitted(stage, dtype, **block):
+        return fit_block({"preset": "aggressive", **block}, ds_config(stage=stage, dtype=dtype))
+
+    at_zero2, at_zero3 = fitted(2, "bf16"), fitted(3, "bf16")
+    assert at_zero2.config.grad_release.masters == "none" and at_zero2.config.optimizer_states.masters == "auto"
+    assert not any(line.startswith("optimizer_states") for line in at_zero2.lines())
+    assert not at_zero3.config.grad_release.enabled and at_zero3.config.optimizer_states.masters == "none"
+    assert fitted(3, "fp16").config.optimizer_states.masters == "auto"  # no bf16 weights to round into
+    written = fitted(3, "bf16", optimizer_states={"masters": "remainders"})
+    assert written.config.optimizer_states.masters == "remainders"
+    import xirang_ds.integration.megatron as xm
+
+    assert xm.validate_for_megatron({"preset": "aggressive"}).optimizer_states.masters == "auto"  # Megatron's own

@@ -8,16 +8,22 @@ wrote in the block (any key of it) is a request: if it cannot run there, that is
 every such problem is reported at once. Each plugin says what it cannot run with through `Plugin.check_ds_config`,
 read on the user's ds_config before any plugin edits it. A key a preset set that this ds_config
 cannot take (grad_release's ``masters: none`` without bf16) falls back to the value a plugin's
-`Plugin.preset_fallbacks` names, with its line, unless the user wrote that key.
+`Plugin.preset_fallbacks` names, with its line, unless the user wrote that key. A key of a section
+left out is handed to the section that does the same job in this configuration (`HANDED_OVER`), where
+that section runs, the user did not write the key and the section's check takes the value.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from xirang_ds.config.loader import deep_merge, validate_block
 from xirang_ds.config.schema import XirangConfig
 from xirang_ds.config.validate import XirangConfigError
+
+HANDED_OVER = {("grad_release", "masters"): ("optimizer_states", "masters")}
+"""(left-out section, key) → (section, key) that keeps the masters where the first cannot run:
+grad_release's ``masters: none`` (the aggressive preset) becomes DeepSpeed's ZeRO-3 masters' at ZeRO-3."""
 
 
 @dataclass(frozen=True)
@@ -88,11 +94,30 @@ def fit_block(block: Any, ds_config: dict) -> FittedBlock:
     if problems:
         raise XirangConfigError(problems)
     if left_out:
-        block = {**block, **{item.section: {"enabled": False} for item in left_out}}
+        block = _hand_over({**block, **{item.section: {"enabled": False} for item in left_out}}, config,
+                           {item.section for item in left_out}, ds_config)
         config = validate_block(block)
     dropped = {item.section for item in left_out}
     kept = [item for item in fallbacks if item.section.split(".")[0] not in dropped]
     return FittedBlock(config, tuple(kept + left_out))
+
+
+def _hand_over(block: dict, config: XirangConfig, left: set[str], ds_config: dict) -> dict:
+    """``block`` with `HANDED_OVER`'s keys of the left-out sections given to the sections that take them."""
+    from xirang_ds.registry import plugin_for
+
+    for (source, key), (target, target_key) in HANDED_OVER.items():
+        section = getattr(config, target, None)
+        written = block.get(target) if isinstance(block.get(target), dict) else {}
+        if source not in left or section is None or not section.enabled or target_key in written:
+            continue
+        value = getattr(getattr(config, source), key)
+        if value == getattr(type(section)(), target_key):
+            continue  # the default: nothing to hand over
+        taken = replace(section, **{target_key: value})
+        if not plugin_for(taken).check_ds_config(taken, ds_config):
+            block = deep_merge(block, {target: {target_key: value}})
+    return block
 
 
 def _fall_back(block: dict, config: XirangConfig, ds_config: dict) -> tuple[dict, list[LeftOut]]:

@@ -49,9 +49,10 @@ PRESETS: dict[str, dict] = {
     "aggressive": {
         **_CONSERVATIVE,
         "grad_release": {"enabled": True, "masters": "none"},
-        # at ZeRO-3, where grad_release cannot run, DeepSpeed's masters go the same way (optimizer_states.masters)
+        # where grad_release is left out (ZeRO-3), its masters: none is handed to DeepSpeed's masters
+        # (optimizer_states.masters, `fit.HANDED_OVER`)
         "optimizer_states": {"enabled": True, "schedule": [{"dtype": "int4"}],
-                             "keep_fp32_embeddings_and_norms": "measured", "masters": "none"},
+                             "keep_fp32_embeddings_and_norms": "measured"},
         "activations": {"enabled": True, "budget": "auto", "options": list(_LOSSLESS_STORAGE + _RECOMPUTE + _LOSSY),
                         "tolerant": ["feed_forward"]},
     },

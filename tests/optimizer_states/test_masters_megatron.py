@@ -5,6 +5,7 @@ parameters parked as remainders between steps.
 ``Float16OptimizerWithFloat16Params``), 2 micro-batches per step, int8 states; the reference is the same
 run with ``masters: "fp32"`` (Megatron's own masters).
 """
+import math
 import os
 from typing import Any
 
@@ -58,6 +59,10 @@ def megatron_masters(rank: int, world: int, tmp: str) -> dict:
             {"resumed": dist + auto, "fp32_masters": dist + fp32}, {"distrib_optim_sharding_type": "dp_reshardable"})
         out["refused"] = config_error(ex, {"optimizer_states": {"enabled": True, "masters": "remainders"}}, tmp)
         out["refused_none"] = config_error(ex, {"optimizer_states": {"enabled": True, "masters": "none"}}, tmp)
+        # the aggressive preset keeps no master through grad_release, which it leaves off under Megatron:
+        # its masters stay Megatron's, kept as remainders (nothing hands them a no-master mode it refuses)
+        aggressive = write_block(os.path.join(tmp, f"aggressive{rank}.json"), {"preset": "aggressive"})
+        out["aggressive"] = ex.train(ex.parse_args(BF16 + ["--xirang-config", aggressive]), _inspect)
         return out
     finally:
         ex.teardown(created)
@@ -101,4 +106,7 @@ def test_megatron_masters_remainders_without_bf16_masters_is_refused(runs):
         assert "xirang.optimizer_states.masters" in r["refused"] and "keeps no fp32 masters" in r["refused"]
         # no master is ZeRO-3's: Megatron copies (and gathers) its masters inside its own step
         assert "is 'none' but this is a Megatron-core run" in r["refused_none"] and "Fix:" in r["refused_none"]
+        aggressive = r["aggressive"]
+        assert all(math.isfinite(loss) for loss in aggressive["losses"]) and len(aggressive["losses"]) == 4
+        assert "remainders between steps in 1 member(s)" in aggressive["line"]
         assert "Fix: set masters" in r["refused"]

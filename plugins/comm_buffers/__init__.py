@@ -183,10 +183,7 @@ class CommBuffersPlugin(Plugin):
             keys.append("stage3_prefetch_bucket_size")
         for key in keys:
             requested = getattr(self.config, key, "auto") if key != "stage3_prefetch_bucket_size" else "auto"
-            if key in zero and zero[key] != "auto":
-                self.decisions[key] = {"value": int(float(zero[key])), "auto": n, "why": why, "kept": True}
-                self.log(f"{key}: keeping the value you set ({int(float(zero[key])):,} elements); auto would pick "
-                          f"{n:,} ({why})")
+            if self._kept(zero, key, n, why):
                 continue
             value = n if requested == "auto" else int(requested)
             zero[key] = value
@@ -200,14 +197,21 @@ class CommBuffersPlugin(Plugin):
     def _size_gathered(self, zero: dict, elem: int, budget: int) -> None:
         prefetch = int(float(zero["stage3_prefetch_bucket_size"]))
         for key, (value, why) in gathered_limits(elem, budget, self.config.max_fraction_of_budget, prefetch).items():
-            if key in zero and zero[key] != "auto":
-                self.decisions[key] = {"value": int(float(zero[key])), "auto": value, "why": why, "kept": True}
-                self.log(f"{key}: keeping the value you set ({int(float(zero[key])):,} elements); auto would pick "
-                         f"{value:,} ({why})")
+            if self._kept(zero, key, value, why):
                 continue
             zero[key] = value
             self.decisions[key] = {"value": value, "auto": value, "why": why, "kept": False}
             self.log(f"{key}: {value:,} elements ({why}; DeepSpeed's default is {DEEPSPEED_GATHERED_DEFAULTS[key]:,})")
+
+    def _kept(self, zero: dict, key: str, auto: int, why: str) -> bool:
+        """Whether the user set ``key`` in ``zero_optimization``; if so it is kept, and the decision and
+        the log say what auto would pick."""
+        if key not in zero or zero[key] == "auto":
+            return False
+        self.decisions[key] = {"value": int(float(zero[key])), "auto": auto, "why": why, "kept": True}
+        self.log(f"{key}: keeping the value you set ({int(float(zero[key])):,} elements); auto would pick "
+                 f"{auto:,} ({why})")
+        return True
 
     @staticmethod
     def _check_lending(stage: int, zero: dict) -> None:

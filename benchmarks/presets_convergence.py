@@ -27,7 +27,8 @@ import shlex
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from results_table import BASE, PRESET_BUDGETS, TUNED, deep_merge, short_error  # noqa: E402
+from presets_zero import stage_config  # noqa: E402
+from results_table import BASE, PRESET_BUDGETS, deep_merge, short_error  # noqa: E402
 
 BOUNDS = {"conservative": 0.005, "balanced": 0.01, "aggressive": 0.02}
 VARIANTS = {"aggressive, exact masters": ("aggressive", {2: {"grad_release": {"masters": "auto"}},
@@ -40,14 +41,6 @@ def _rows(stage: int = 2):
     return [(p, p, {}) for p in PRESET_BUDGETS] + [(n, p, keys[stage]) for n, (p, keys) in VARIANTS.items()]
 
 
-def at_stage(config: dict, stage: int) -> dict:
-    """``config`` at ZeRO ``stage`` (at 3 with ZeRO-3's own buckets as presets_zero.py sizes them)."""
-    zero = {"stage": stage}
-    if stage == 3 and "reduce_bucket_size" in config["zero_optimization"]:
-        zero.update(stage3_prefetch_bucket_size=1e6, stage3_param_persistence_threshold=0)
-    return deep_merge(config, {"zero_optimization": zero})
-
-
 def _run_row(model, name, preset, keys, ref_peak, steps, world_size, data, stage=2):
     from xirang_ds.bench import run_side
 
@@ -55,8 +48,8 @@ def _run_row(model, name, preset, keys, ref_peak, steps, world_size, data, stage
     block = deep_merge({"preset": preset, "memory_budget": int(fraction * ref_peak)}, keys)
     row = {"model": model, "config": name, "preset": preset, "budget_fraction": fraction}
     try:
-        side = run_side(model, at_stage(deep_merge(BASE, {"xirang": block}), stage), steps, world_size, data, 0,
-                        True)
+        ours = deep_merge(BASE, {"zero_optimization": {"stage": stage}, "xirang": block})  # comm_buffers sizes
+        side = run_side(model, ours, steps, world_size, data, 0, True)
         row.update(final_loss=final(side.losses), peak_bytes=side.peak_bytes, losses=side.losses,
                    summary=side.summary)
     except Exception as e:
@@ -90,7 +83,7 @@ def main() -> int:
     else:
         from xirang_ds.bench import run_side
 
-        plain = at_stage(deep_merge(BASE, TUNED), args.stage)
+        plain = stage_config(args.stage)  # hand-tuned buckets, presets_zero.py's at ZeRO-3
         data = {"command": shlex.join(["python", "benchmarks/presets_convergence.py"] + sys.argv[1:]),
                 "steps": args.steps, "world_size": args.world_size, "stage": args.stage, "rows": []}
         for model in args.models:

@@ -300,15 +300,8 @@ class Plugin:
 
     @classmethod
     def check_framework(cls, config: Section, framework: str) -> list[tuple[str, str]]:
-        """Problems running this plugin with ``config`` under ``framework``.
-
-        Args:
-            config: the plugin's validated section.
-            framework: ``"deepspeed"`` or ``"megatron"``.
-
-        Returns:
-            ``[(field, message)]`` with fields relative to the section; empty when it can run.
-        """
+        """Problems running this plugin, configured as ``config``, under ``framework`` (``"deepspeed"`` or
+        ``"megatron"``): ``[(field, message)]`` with fields relative to the section; empty when it can run."""
         if framework in cls.frameworks:
             path = cls.path_class(framework)
             return path.check(config) if path is not None else []
@@ -325,6 +318,12 @@ class Plugin:
             ``[(path, message)]``, each message naming the key, its value, what is allowed and the
             fix (``" Fix: ..."``, dropped where a preset leaves the plugin out); empty when it can run.
         """
+        return []
+
+    @classmethod
+    def check_optimizer(cls, config: Section, optimizer: Any) -> list[tuple[str, str]]:
+        """As `check_ds_config`, for the optimizer ``initialize`` steps: the client's, the ds_config block's
+        `OptimizerSpec`, or ``None`` (none; not asked where it is not known: ``xirang-ds validate``)."""
         return []
 
     @classmethod

@@ -187,7 +187,7 @@ def settings_from_client(optimizer: Any) -> AdamSettings:
 
 
 def unsupported_message(what: str) -> str:
-    return (f"optimizer_states replaces Adam and AdamW only; the optimizer is {what}. Use ds_config "
+    return (f"optimizer_states replaces Adam and AdamW only; the optimizer is {what}. Fix: use ds_config "
             f"\"optimizer\": {{\"type\": \"AdamW\", ...}} or a torch.optim.AdamW/Adam, or set "
             f"xirang.optimizer_states.enabled to false")
 

@@ -42,9 +42,18 @@ def check_ds_config(config: Any, ds_config: dict) -> None:
 def ds_config_problems(config: Any, ds_config: dict) -> list[tuple[str, str]]:
     """The ds_config settings this plugin, configured as ``config``, cannot work with: optimizer
     offload (DeepSpeed then steps its own CPU Adam on host memory); ``masters`` ``"remainders"`` or
-    ``"none"`` other than at ZeRO-3 in bf16."""
+    ``"none"`` other than at ZeRO-3 in bf16; an ``optimizer`` block `build.settings_from_spec` refuses
+    (not Adam or AdamW, amsgrad, a key it does not know)."""
+    from xirang_ds.plugins.optimizer_states.build import settings_from_spec
+
     zero = ds_config.get("zero_optimization") or {}
     problems = []
+    spec = ds_config.get("optimizer")
+    if isinstance(spec, dict):
+        try:
+            settings_from_spec(str(spec.get("type", "")), dict(spec.get("params") or {}))
+        except XirangConfigError as e:
+            problems.extend(e.problems)
     offload = zero.get("offload_optimizer") or {}
     if isinstance(offload, dict) and offload.get("device") not in (None, "none"):
         problems.append((f"{SECTION}.enabled",

@@ -30,6 +30,10 @@ from xirang_ds.registry import LOW_BIT_STATES, Plugin, register_plugin
 
 logger = logging.getLogger("xirang_ds")
 
+SECTION = "xirang.optimizer_states"
+NO_OPTIMIZER = ("there is no optimizer to replace (the engine only runs forward and backward). Fix: add an "
+                "\"optimizer\" block of type AdamW or Adam to ds_config, or pass a torch.optim.AdamW to initialize")
+
 
 @register_plugin(OptimizerStatesConfig, section="optimizer_states", order=40)
 class OptimizerStatesPlugin(Plugin):
@@ -72,6 +76,32 @@ class OptimizerStatesPlugin(Plugin):
 
         return ds_config_problems(config, ds_config)
 
+    @classmethod
+    def check_optimizer(cls, config: OptimizerStatesConfig, optimizer: Any) -> list[tuple[str, str]]:
+        """No optimizer to replace, or a client optimizer `build.settings_from_client` refuses (not Adam
+        or AdamW, amsgrad); a ds_config block's is `check_ds_config`'s."""
+        from xirang_ds.plugins.optimizer_states.build import settings_from_client
+
+        if optimizer is None:
+            return [(f"{SECTION}.enabled", NO_OPTIMIZER)]
+        try:
+            if isinstance(optimizer, torch.optim.Optimizer):
+                settings_from_client(optimizer)
+        except XirangConfigError as e:
+            return list(e.problems)
+        return []
+
+    @classmethod
+    def preset_leave_out(cls, config: OptimizerStatesConfig, ds_config: dict) -> Optional[str]:
+        """fp32 states and DeepSpeed's masters kept fp32: `DynamicAdamW` would hold what AdamW holds."""
+        from xirang_ds.plugins.optimizer_states.masters import parks
+
+        exact = config.policy == "steps" and all(e.dtype == "fp32" for e in config.schedule)
+        if exact and not parks(config, ds_config):
+            return ("fp32 states, and DeepSpeed's masters stay fp32 here (they are kept as remainders only at "
+                    "zero_optimization.stage 3 in bf16 without offload_optimizer): it would lower nothing")
+        return None
+
     # seams ------------------------------------------------------------------------------------
     def prepare_ds_config(self, ds_config: dict) -> None:
         from xirang_ds.memory.run_shape import sub_group_size
@@ -99,9 +129,7 @@ class OptimizerStatesPlugin(Plugin):
 
     def prepare_optimizer(self, optimizer: Any) -> Any:
         if optimizer is None:
-            raise XirangConfigError([("xirang.optimizer_states.enabled",
-                                      "there is no optimizer to replace: add an \"optimizer\" block of type AdamW "
-                                      "or Adam to ds_config, or pass a torch.optim.AdamW to initialize")])
+            raise XirangConfigError([(f"{SECTION}.enabled", NO_OPTIMIZER)])
         return self.path.prepare_optimizer(optimizer)
 
     def attach(self, engine: Any) -> None:

@@ -149,6 +149,48 @@ def test_a_preset_leaves_out_a_plugin_that_would_save_nothing_there():
     assert written.config.grad_release.enabled and written.lines() == []
 
 
+def _sgd_run(rank, world):
+    import torch
+
+    import xirang_ds
+    from xirang_ds.bench import optimizer_step
+    from xirang_ds.models import BUILTIN_SPECS, build_model
+
+    cfg = ds_config(stage=2, micro=2, xirang={"preset": "balanced"})
+    del cfg["optimizer"]
+    model = build_model(BUILTIN_SPECS["gpt-tiny"], seed=0)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine, *_ = xirang_ds.initialize(model=model, optimizer=sgd, config=cfg)
+    data = data_iter(2, 64, rank, world)
+    return {"losses": [optimizer_step(engine, data) for _ in range(2)], "summary": engine.xirang.summary(),
+            "plugins": [p.section for p in engine.xirang.plugins]}
+
+
+def test_a_preset_leaves_optimizer_states_out_for_an_optimizer_it_cannot_replace():
+    """optimizer_states replaces Adam and AdamW only: with another ds_config optimizer type, a client
+    optimizer of another kind, or none, a preset leaves it out with the line (a client SGD trains); a
+    section the user wrote is refused, with the ds_config's other problems."""
+    from xirang_ds.registry import OptimizerSpec
+
+    cfg = ds_config(stage=2, micro=2)
+    lamb = {**cfg, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}
+    for client, ds in ((OptimizerSpec("Lamb", {}), lamb), (None, cfg)):
+        fitted = fit_block({"preset": "balanced"}, ds, client)
+        assert not fitted.config.optimizer_states.enabled and fitted.config.grad_release.enabled
+        assert [line.split(":")[0] for line in fitted.lines()] == ["optimizer_states"]
+    assert "the optimizer is 'Lamb' (ds_config optimizer.type)" in fit_block({"preset": "balanced"}, lamb).lines()[0]
+    assert fit_block({"preset": "balanced"}, cfg).config.optimizer_states.enabled  # validate: a client may come
+    with pytest.raises(XirangConfigError) as e:
+        fit_block({"preset": "balanced", "optimizer_states": {"schedule": [{"dtype": "int8"}]}},
+                  {**lamb, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    assert "optimizer.type: optimizer_states replaces Adam and AdamW only; the optimizer is 'Lamb'" in str(e.value)
+    assert "xirang.optimizer_states.enabled: zero_optimization.offload_optimizer.device is 'cpu'" in str(e.value)
+    run = run_ranks(_sgd_run, 1)[0]
+    assert all(math.isfinite(x) for x in run["losses"]) and "optimizer_states" not in run["plugins"]
+    assert ("optimizer_states: left out of preset 'balanced': optimizer_states replaces Adam and AdamW only; the "
+            "optimizer is torch.optim.sgd.SGD (client optimizer)") in run["summary"]
+
+
 def test_validate_show_resolved_prints_the_left_out_lines(tmp_path, capsys):
     import json
 

@@ -10,7 +10,10 @@ read on the user's ds_config before any plugin edits it. A key a preset set that
 cannot take (grad_release's ``masters: none`` without bf16) falls back to the value a plugin's
 `Plugin.preset_fallbacks` names, with its line, unless the user wrote that key. A key of a section
 left out is handed to the section that does the same job in this configuration (`HANDED_OVER`), where
-that section runs, the user did not write the key and the section's check takes the value.
+that section runs, the user did not write the key and the section's check takes the value; a section
+left out whose job another section can do where the preset does not turn that one on hands the job over
+(`TAKEN_OVER`: grad_release's exact masters, kept by optimizer_states at ZeRO-3), where that section can
+run and pays.
 """
 from __future__ import annotations
 
@@ -24,6 +27,16 @@ from xirang_ds.config.validate import XirangConfigError
 HANDED_OVER = {("grad_release", "masters"): ("optimizer_states", "masters")}
 """(left-out section, key) → (section, key) that keeps the masters where the first cannot run:
 grad_release's ``masters: none`` (the aggressive preset) becomes DeepSpeed's ZeRO-3 masters' at ZeRO-3."""
+
+TAKEN_OVER = {"grad_release": ("optimizer_states", {"schedule": [{"dtype": "fp32"}]},
+                               "keeps DeepSpeed's ZeRO-3 masters as remainders in its place, with fp32 states (exact)")}
+"""Left-out section → (section, its keys, what it does): the section that keeps its exact masters where the
+preset does not turn that section on (conservative at ZeRO-3): optimizer_states with fp32 states (`DynamicAdamW`
+in fp32 is AdamW bit for bit) keeps DeepSpeed's ZeRO-3 masters as remainders, where it can run and pays
+(`Plugin.preset_leave_out`: only where it parks the masters, ZeRO-3 in bf16 without optimizer offload)."""
+
+UNKNOWN = object()
+"""`fit_block`'s optimizer where the ds_config is all that is known (``xirang-ds validate``)."""
 
 
 @dataclass(frozen=True)
@@ -61,8 +74,9 @@ def _reason(section: str, message: str) -> str:
     return message[len(prefix):] if message.startswith(prefix) else message
 
 
-def fit_block(block: Any, ds_config: dict) -> FittedBlock:
-    """Validate ``block`` and fit it to ``ds_config`` (the user's, before any plugin edits it).
+def fit_block(block: Any, ds_config: dict, optimizer: Any = UNKNOWN) -> FittedBlock:
+    """Validate ``block`` and fit it to ``ds_config`` (the user's, before any plugin edits it) and, where
+    known, to the ``optimizer`` ``initialize`` steps (`Plugin.check_optimizer`).
 
     Raises:
         XirangConfigError: the block is invalid, or a section the user wrote cannot run with this
@@ -81,7 +95,7 @@ def fit_block(block: Any, ds_config: dict) -> FittedBlock:
     left_out: list[LeftOut] = []
     for name, section in config.enabled_sections().items():
         cls = plugin_for(section)
-        found = cls.check_ds_config(section, ds_config) if cls is not None else []
+        found = _problems(cls, section, ds_config, optimizer)
         if not found:
             unpaid = cls.preset_leave_out(section, ds_config) if cls is not None and name not in explicit else None
             if unpaid:
@@ -94,12 +108,44 @@ def fit_block(block: Any, ds_config: dict) -> FittedBlock:
     if problems:
         raise XirangConfigError(problems)
     if left_out:
-        block = _hand_over({**block, **{item.section: {"enabled": False} for item in left_out}}, config,
-                           {item.section for item in left_out}, ds_config)
+        block = {**block, **{item.section: {"enabled": False} for item in left_out}}
+        block, left_out = _take_over(block, config, left_out, ds_config, optimizer)
+        block = _hand_over(block, config, {item.section for item in left_out}, ds_config)
         config = validate_block(block)
     dropped = {item.section for item in left_out}
     kept = [item for item in fallbacks if item.section.split(".")[0] not in dropped]
     return FittedBlock(config, tuple(kept + left_out))
+
+
+def _problems(cls: Any, section: Any, ds_config: dict, optimizer: Any) -> list[tuple[str, str]]:
+    """The plugin's problems with the ds_config and the optimizer (none for a section with no plugin)."""
+    if cls is None:
+        return []
+    return cls.check_ds_config(section, ds_config) + ([] if optimizer is UNKNOWN else
+                                                      cls.check_optimizer(section, optimizer))
+
+
+def _take_over(block: dict, config: XirangConfig, left_out: list[LeftOut], ds_config: dict,
+               optimizer: Any) -> tuple[dict, list[LeftOut]]:
+    """``block`` with `TAKEN_OVER`'s sections turned on for the left-out sections whose job they do, and
+    the left-out lines saying so."""
+    from xirang_ds.registry import plugin_for
+
+    out = []
+    for item in left_out:
+        target, keys, job = TAKEN_OVER.get(item.section, (None, None, None))
+        if target is None or target in block or getattr(config, target).enabled:
+            out.append(item)  # nothing takes the job over, or the user wrote that section, or it runs already
+            continue
+        candidate = deep_merge(block, {target: {"enabled": True, **keys}})
+        section = getattr(validate_block(candidate), target)
+        cls = plugin_for(section)
+        if _problems(cls, section, ds_config, optimizer) or cls.preset_leave_out(section, ds_config):
+            out.append(item)
+            continue
+        block = candidate
+        out.append(replace(item, reason=f"{item.reason}; {target} {job}"))
+    return block, out
 
 
 def _hand_over(block: dict, config: XirangConfig, left: set[str], ds_config: dict) -> dict:

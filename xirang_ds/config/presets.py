@@ -16,7 +16,8 @@ _CONSERVATIVE = {
     # ZeRO bucket sizes from the model and the budget, one arena allocated once
     "comm_buffers": {"enabled": True, "arena": True, "adapt": True},
     # the optimizer step in backward: gradients live a bucket at a time (bit-identical updates), bf16
-    # masters as 16-bit remainders beside the weights (exact)
+    # masters as 16-bit remainders beside the weights (exact); where it is left out (ZeRO-3),
+    # optimizer_states with fp32 states keeps DeepSpeed's masters as remainders (`fit.TAKEN_OVER`)
     "grad_release": {"enabled": True},
     # the planner keeps saved activations under what memory_budget leaves, storing them losslessly
     # (narrower exact storage, or host memory) and recomputing nothing but the output head's logits,

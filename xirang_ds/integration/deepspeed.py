@@ -80,24 +80,23 @@ def initialize(
             return _call_with_dict(passthrough, from_args)
         return _ORIGINAL_INITIALIZE(**passthrough)
 
+    # The basic optimizer: the client's, or the ds_config block as a spec a plugin may replace.
+    client = optimizer
+    if client is None and isinstance(ds_config.get("optimizer"), dict):
+        block = ds_config["optimizer"]
+        client = OptimizerSpec(type=str(block.get("type", "")), params=dict(block.get("params", {})))
     if model is None:
-        fit_block(ds_config[BLOCK_KEY], ds_config)  # the block's own problems first
+        fit_block(ds_config[BLOCK_KEY], ds_config, client)  # the block's own problems first
         return _ORIGINAL_INITIALIZE(**passthrough)  # DeepSpeed's own error for a missing model
     ds_config[BLOCK_KEY], preset_choice = choose_preset(ds_config[BLOCK_KEY], ds_config, uncompiled(model),
                                                         world_size=_world_size())
-    fitted = fit_block(ds_config[BLOCK_KEY], ds_config)
+    fitted = fit_block(ds_config[BLOCK_KEY], ds_config, client)
     session = Session(fitted.config, ds_config, left_out=fitted.left_out)
     session.preset_choice = preset_choice
     session.model = uncompiled(model)  # a model compiled before initialize: plugins attach to its modules inside
     session.prepare_ds_config()
     session.start_calibration(session.model)  # the model's structure, before any plugin hooks it
     session.prepare_model(session.model)
-
-    # The basic optimizer: the client's, or the ds_config block as a spec a plugin may replace.
-    client = optimizer
-    if client is None and isinstance(ds_config.get("optimizer"), dict):
-        block = ds_config["optimizer"]
-        client = OptimizerSpec(type=str(block.get("type", "")), params=dict(block.get("params", {})))
     chosen = session.prepare_optimizer(client)
     if isinstance(chosen, OptimizerSpec):
         chosen = optimizer  # no plugin replaced it: DeepSpeed builds it from the block as usual

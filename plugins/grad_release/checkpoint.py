@@ -105,7 +105,14 @@ def read_param_states(tag_dir: str, optimizer_groups: Optional[list] = None) -> 
         ValueError: a file of another format, or one that does not say which param group each
             parameter's slice is in while its optimizer has several.
     """
-    from xirang_ds.checkpoints.param_states import LazyParams, ParamState, ParamStates, hyperparameters
+    from xirang_ds.checkpoints.param_states import (
+        LazyParams,
+        ParamState,
+        ParamStates,
+        elementwise_keys,
+        hyperparameters,
+        state_step,
+    )
     from xirang_ds.plugins.grad_release.layout import BucketLayout
 
     first = load_shard(shard_path(tag_dir, 0), mmap=True)
@@ -150,22 +157,21 @@ def read_param_states(tag_dir: str, optimizer_groups: Optional[list] = None) -> 
 
         numel, source, pieces = index[name]
         group = origins.get(source, source)
-        out = {"master": None, "exp_avg": torch.zeros(numel), "exp_avg_sq": torch.zeros(numel)}
-        step = 0
+        master, moments, step = None, {}, None
         for saved, b, piece, i in pieces:
             bucket_state = saved["bucket_states"][b]
             state = torch_layout(bucket_state["optimizer"]["state"].get(i), piece.numel)
             if not state:
                 continue
             span = slice(piece.start, piece.start + piece.numel)
-            for m in ("exp_avg", "exp_avg_sq"):
-                out[m][span].copy_(state[m].reshape(-1))
-            step = int(state["step"])
+            for m in elementwise_keys(state, piece.numel):
+                moments.setdefault(m, torch.zeros(numel))[span].copy_(state[m].reshape(-1))
+            step = state_step(state)
             if bucket_state["master"] is not None:
-                if out["master"] is None:
-                    out["master"] = torch.zeros(numel)
-                out["master"][span].copy_(bucket_state["master"][piece.offset:piece.offset + piece.numel])
-        return ParamState(step=step, group=group, **out)
+                if master is None:
+                    master = torch.zeros(numel)
+                master[span].copy_(bucket_state["master"][piece.offset:piece.offset + piece.numel])
+        return ParamState(master=master, moments=moments, step=step, group=group)
 
     return ParamStates(f"xirang grad_release (ZeRO-{first['zero_stage']}, {first['world']} rank(s))",
                        LazyParams(index, build, lambda name: origins.get(index[name][1], index[name][1])),

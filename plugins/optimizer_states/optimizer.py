@@ -120,6 +120,8 @@ class DynamicAdamW(torch.optim.Optimizer):
     keeps each format's error bound; fp32 states stay exact."""
     xirang_write_back = True
     """A parameter's ``xirang_write_back`` stores its updated chunks (`update.store_param`)."""
+    torch_state_keys = ("step",) + MOMENTS
+    """The state it loads in ``torch.optim.AdamW`` layout (a checkpoint's, `checkpoints.param_states.check_kind`)."""
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, adam_w_mode: bool = True,

@@ -106,7 +106,7 @@ def _zero_to_fp32_matches(folder):
     states = read_states(tag_dir, read_marker(tag_dir), list(weights), {n: w.shape for n, w in weights.items()})
     return {"count": len(weights),
             "equal": all(torch.equal(w.float(), states.params[n].master.view_as(w)) for n, w in weights.items()),
-            "moments": all(bool(states.params[n].exp_avg_sq.min() >= 0) for n in weights)}
+            "moments": all(bool(states.params[n].moments["exp_avg_sq"].min() >= 0) for n in weights)}
 
 
 def scenarios(rank, world, tmp):
@@ -244,8 +244,8 @@ def other_world(rank, world, tmp):
         with bucket.fp32_masters():  # bf16 remainders: the masters rebuilt
             for piece, view in zip(bucket.pieces, bucket.views):
                 name = bucket.names[piece.index]
-                state = bucket.optimizer.state[view]
-                same.append(torch.equal(state["exp_avg_sq"].reshape(-1), saved.params[name].exp_avg_sq.reshape(-1))
+                state, whole = bucket.optimizer.state[view], saved.params[name]
+                same.append(torch.equal(state["exp_avg_sq"].reshape(-1), whole.moments["exp_avg_sq"].reshape(-1))
                             and torch.equal(view.reshape(-1), saved.params[name].master.reshape(-1)))
     out = {"same": all(same), "checked": len(same), "steps": engine.global_steps,
            "losses": _steps(engine, rank, world, 2, 2)}

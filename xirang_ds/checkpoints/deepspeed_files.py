@@ -26,7 +26,15 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from xirang_ds.checkpoints.param_states import LazyParams, ParamState, ParamStates, hyperparameters
+from xirang_ds.checkpoints.param_states import (
+    LazyParams,
+    ParamState,
+    ParamStates,
+    StateKindError,
+    flat_state_keys,
+    hyperparameters,
+    state_step,
+)
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
@@ -64,7 +72,7 @@ def read_deepspeed_states(tag_dir: str, names: Sequence[str], shapes: dict[str, 
 
     Raises:
         CheckpointReadError: no optimizer state, a stage-0 state whose parameters do not line up with
-            this run's, or an optimizer without Adam's moments.
+            this run's, or an optimizer state that cannot be split by element.
     """
     files = optim_files(tag_dir)
     if files:
@@ -137,33 +145,36 @@ def _read_zero12(files: list[str], stage: int, dtype: str, shapes: dict[str, tor
         for g, (state, mapping) in enumerate(zip(states, osd["param_slice_mappings"])):
             if not mapping:
                 continue
-            _check_moments(state, path)
-            steps[origins[g]] = int(state.get("step", osd.get("base_optimizer_state_step", 0)))
+            keys = _keys(state, path)
+            steps[origins[g]] = state_step(state) if "step" in state else osd.get("base_optimizer_state_step")
             for name, address in mapping.items():
-                index.setdefault(name, (origins[g], []))[1].append((osd, g, state, address))
+                index.setdefault(name, (origins[g], []))[1].append((osd, g, state, keys, address))
 
     def build(name: str) -> ParamState:
         group, fragments = index[name]
-        parts: dict[str, list[torch.Tensor]] = {"master": [], "exp_avg": [], "exp_avg_sq": []}
-        for osd, g, state, address in fragments:
+        masters: list[torch.Tensor] = []
+        parts: dict[str, list[torch.Tensor]] = {}
+        for osd, g, state, keys, address in fragments:
             a, b = address.start, address.start + address.numel
-            parts["master"].append(osd["single_partition_of_fp32_groups"][g][a:b].float())
-            for m in ("exp_avg", "exp_avg_sq"):
-                parts[m].append(moment_range(state, m, a, b))
-        numel = sum(t.numel() for t in parts["master"])
-        shape = shapes.get(name, torch.Size([numel]))
+            masters.append(osd["single_partition_of_fp32_groups"][g][a:b].float())
+            for m in keys:
+                parts.setdefault(m, []).append(moment_range(state, m, a, b))
+        shape = shapes.get(name, torch.Size([sum(t.numel() for t in masters)]))
         whole = {k: (v[0] if len(v) == 1 else torch.cat(v)).view(shape) for k, v in parts.items()}
-        return ParamState(step=steps[group], group=group, **whole)
+        step = steps[group]
+        return ParamState(master=torch.cat(masters).view(shape), moments=whole, group=group,
+                          step=None if step is None else int(step))
 
     return ParamStates(f"DeepSpeed ZeRO-{stage} ({dtype})", LazyParams(index, build, lambda name: index[name][0]),
                        hyper, loss_scale)
 
 
-def _check_moments(state: dict, where: str) -> None:
-    """Refuse a state without Adam's moments (DynamicAdamW's codes, marked by ``format``, hold them)."""
-    if "format" not in state and ("exp_avg" not in state or "exp_avg_sq" not in state):
-        raise CheckpointReadError(f"{where}: the optimizer state has {sorted(state)}; only Adam/AdamW states "
-                                  "(exp_avg, exp_avg_sq) can move to another optimizer")
+def _keys(state: dict, where: str) -> tuple[str, ...]:
+    """`flat_state_keys` of a group's state, refusing one that cannot be split by element."""
+    try:
+        return flat_state_keys(state)
+    except StateKindError as e:
+        raise CheckpointReadError(f"{where}: {e}") from None
 
 
 def _read_zero3(tag_dir: str, files: list[str], dtype: str, param_shapes: Optional[list] = None) -> ParamStates:
@@ -191,23 +202,23 @@ def _read_zero3(tag_dir: str, files: list[str], dtype: str, param_shapes: Option
             part = -(-shape.numel() // world)
             index[name] = (shape, j, offset, part)
             offset += part
-    states = {}  # (rank, sub-group) → its state in torch layout over the whole flat (decoded lazily per range)
+    states = {}  # (rank, sub-group) → (its state in torch layout over the whole flat, decoded lazily per range; keys)
     for rank, osd in enumerate(osds):
         for j in range(len(param_shapes)):
             state = osd["optimizer_state_dict"]["state"].get(j, {})
-            _check_moments(state, files[rank])
-            states[rank, j] = state
+            states[rank, j] = (state, _keys(state, files[rank]))
 
     def build(name: str) -> ParamState:
         from xirang_ds.plugins.optimizer_states.export import moment_range
 
         shape, j, offset, part = index[name]
-        whole = {"master": torch.cat([o["fp32_flat_groups"][j][offset:offset + part].float() for o in osds])}
-        for m in ("exp_avg", "exp_avg_sq"):
-            whole[m] = torch.cat([moment_range(states[r, j], m, offset, offset + part) for r in range(world)])
-        step = int(states[0, j].get("step", 0))
-        return ParamState(step=step, group=origin_of_sub.get(j, 0),
-                          **{k: v[:shape.numel()].view(shape) for k, v in whole.items()})
+        master = torch.cat([o["fp32_flat_groups"][j][offset:offset + part].float() for o in osds])
+        state, keys = states[0, j]
+        moments = {m: torch.cat([moment_range(states[r, j][0], m, offset, offset + part) for r in range(world)])
+                   for m in keys}
+        return ParamState(master=master[:shape.numel()].view(shape), step=state_step(state),
+                          moments={k: v[:shape.numel()].view(shape) for k, v in moments.items()},
+                          group=origin_of_sub.get(j, 0))
 
     return ParamStates(f"DeepSpeed ZeRO-3 ({dtype})",
                        LazyParams(index, build, lambda name: origin_of_sub.get(index[name][1], 0)),
@@ -233,16 +244,16 @@ def _read_stage0(saved: dict, names: Sequence[str], shapes: dict[str, torch.Size
         if not state:
             continue
         shape = shapes[name]
-        _check_moments(state, f"parameter {position} ({name})")
         state = torch_layout(state, shape.numel())
-        if state["exp_avg"].numel() != shape.numel():
-            raise CheckpointReadError(f"the stage-0 optimizer state of parameter {position} has "
-                                      f"{state['exp_avg'].numel()} elements and this run's {name} has {shape.numel()} "
-                                      "(the checkpoint's parameter order is not this model's)")
+        keys = _keys(state, f"parameter {position} ({name})")
+        numel = next((state[k].numel() for k in keys), shape.numel())
+        if numel != shape.numel():
+            raise CheckpointReadError(f"the stage-0 optimizer state of parameter {position} has {numel} elements "
+                                      f"and this run's {name} has {shape.numel()} (the checkpoint's parameter order "
+                                      "is not this model's)")
         master = masters[position].float().view(shape) if masters else None
-        params[name] = ParamState(master=master, exp_avg=state["exp_avg"].float().view(shape),
-                                  exp_avg_sq=state["exp_avg_sq"].float().view(shape), step=int(state["step"]),
-                                  group=group_of[i])
+        params[name] = ParamState(master=master, moments={k: state[k].float().view(shape) for k in keys},
+                                  step=state_step(state), group=group_of[i])
     scale = None
     if wrapped and saved.get("dynamic_loss_scale"):
         scale = {k: saved[k] for k in ("cur_scale", "cur_iter", "last_overflow_iter") if k in saved}

@@ -21,7 +21,7 @@ import torch
 
 from xirang_ds.checkpoints import save_atomically, update_saved
 from xirang_ds.checkpoints.deepspeed_files import MODEL_STATES, _load
-from xirang_ds.checkpoints.param_states import MOMENTS, ParamState, ParamStates
+from xirang_ds.checkpoints.param_states import ParamState, ParamStates
 
 ALIGNMENT_FACTOR = 2
 """DeepSpeed ZeRO 1/2 pads each flat group to a multiple of this times the world size."""
@@ -68,9 +68,7 @@ def write_zero_files(tag_dir: str, states: ParamStates, groups: Sequence[Sequenc
             padded = -(-total // alignment) * alignment
             part = padded // world
             lo, hi = rank * part, (rank + 1) * part
-            flats = {k: torch.empty(part, dtype=torch.float32) for k in ("master",) + MOMENTS}
-            for flat in flats.values():  # the parameters fill the rest
-                flat[max(0, min(part, total - lo)):].zero_()
+            flats = {k: torch.zeros(part, dtype=torch.float32) for k in ("master",) + state_keys(states, names)}
             mapping: collections.OrderedDict = collections.OrderedDict()
             offset = 0
             for name, numel in zip(names, sizes):
@@ -78,15 +76,13 @@ def write_zero_files(tag_dir: str, states: ParamStates, groups: Sequence[Sequenc
                 if a < b:
                     saved = states.params[name]
                     for key, flat in flats.items():
-                        flat[a - lo:b - lo].copy_(_fp32(saved, key, name).reshape(-1)[a - offset:b - offset])
+                        flat[a - lo:b - lo].copy_(_fp32(saved, key, name, numel).reshape(-1)[a - offset:b - offset])
                     mapping[name] = fragment_address(numel=b - a, start=a - lo)
                     steps.add(saved.step)
                 offset += numel
             padding = max(0, min(part, hi - total))
-            masters.append(flats["master"][:part - padding].clone())
-            step = max(steps, default=0)
-            base_state[g] = {"step": _step(step, fused), "exp_avg": flats["exp_avg"],
-                             "exp_avg_sq": flats["exp_avg_sq"]}
+            masters.append(flats.pop("master")[:part - padding].clone())
+            base_state[g] = {**_step_entry(steps, fused), **flats}
             paddings.append(padding)
             mappings.append(mapping)
         param_groups = [_param_group(tg, states, g, [g]) for g, tg in enumerate(torch_groups)]
@@ -131,19 +127,25 @@ def stage0_entry(states: ParamStates, groups: Sequence[Sequence[str]], shapes: d
     state: dict[int, dict] = {}
     masters: list[list[torch.Tensor]] = []
     steps: list[int] = []
+    position = 0
     for names in groups:
         masters.append([])
+        keys = state_keys(states, names)
         for name in names:
-            saved = states.params[name]
-            state[len(state)] = {"step": _step(saved.step, fused),
-                                 **{m: getattr(saved, m).reshape(shapes[name]) for m in MOMENTS}}
-            masters[-1].append(_fp32(saved, "master", name).reshape(shapes[name]) if wrapped else None)
+            saved, shape = states.params[name], shapes[name]
+            if saved.moments or saved.step is not None:  # a parameter never stepped has no state, as in torch
+                state[position] = {**_step_entry([saved.step], fused),
+                                   **{m: _fp32(saved, m, name, shape.numel()).reshape(shape) for m in keys}}
+            masters[-1].append(_fp32(saved, "master", name, shape.numel()).reshape(shape) if wrapped else None)
             steps.append(saved.step)
-    ids = iter(range(len(state)))
+            position += 1
+    ids = iter(range(position))
     params = [[next(ids) for _ in names] for names in groups]
     if fused and wrapped:  # one flat master and one state per group
-        flat = [{k: torch.cat([state[i][k].reshape(-1) for i in group]) for k in MOMENTS} for group in params]
-        state = {g: {"step": _step(max(steps, default=0), fused), **f} for g, f in enumerate(flat)}
+        flat = [{k: torch.cat([(state[i][k] if i in state else torch.zeros(shapes[n])).reshape(-1)
+                               for i, n in zip(group, names)]) for k in state_keys(states, names)}
+                for group, names in zip(params, groups)]
+        state = {g: {**_step_entry(steps, fused), **f} for g, f in enumerate(flat)}
         params = [[g] for g in range(len(groups))]
     optimizer = {"state": state, "param_groups": [_param_group(tg, states, g, params[g])
                                                   for g, tg in enumerate(torch_groups)]}
@@ -167,12 +169,24 @@ def _check_present(states: ParamStates, groups: Sequence[Sequence[str]], numels:
         raise ValueError(f"no optimizer state for {absent[:3]}")
 
 
-def _fp32(saved: ParamState, key: str, name: str) -> torch.Tensor:
-    """A parameter's saved ``master`` or moment (a checkpoint of fp32 training has no master)."""
-    value = getattr(saved, key)
-    if value is None:
+def state_keys(states: ParamStates, names: Sequence[str]) -> tuple[str, ...]:
+    """The per-element state tensors the parameters ``names`` keep, in the order they name them (a
+    parameter the optimizer never stepped keeps none: it gets zeros, as a fresh state)."""
+    keys: dict[str, None] = {}
+    for name in names:
+        keys.update(dict.fromkeys(states.params[name].moments))
+    return tuple(keys)
+
+
+def _fp32(saved: ParamState, key: str, name: str, numel: int) -> torch.Tensor:
+    """A parameter's saved ``master`` or per-element state, zeros for a state it does not hold yet (a
+    checkpoint of fp32 training has no master)."""
+    if key != "master":
+        value = saved.moments.get(key)
+        return value if value is not None else torch.zeros(numel)
+    if saved.master is None:
         raise ValueError(f"{name} has no fp32 master in this checkpoint")
-    return value
+    return saved.master
 
 
 def _param_group(torch_group: dict, states: ParamStates, g: int, params: list) -> dict:
@@ -185,6 +199,13 @@ def _step(step: int, fused: bool) -> object:
     """A parameter's step as its optimizer keeps it: torch's Adam/AdamW a float tensor, FusedAdam an int
     (its kernel takes the number)."""
     return int(step) if fused else torch.tensor(float(step))
+
+
+def _step_entry(steps: Iterable[Optional[int]], fused: bool) -> dict:
+    """``{"step": ...}`` of a flat state from its parameters' steps (the most taken), or nothing where the
+    optimizer keeps no step count (torch's SGD)."""
+    known = [s for s in steps if s is not None]
+    return {"step": _step(max(known), fused)} if known else {}
 
 
 def _wrapper_scale(states: ParamStates, dtype: str, fused: bool, step: int, ds_config: Optional[dict]) -> dict:
@@ -232,19 +253,19 @@ def write_zero3_files(tag_dir: str, states: ParamStates, groups: Sequence[Sequen
     for rank in (range(world) if ranks is None else ranks):
         flats, state = [], {}
         for j, (_, names) in enumerate(subs):
-            parts = {k: [] for k in ("master",) + MOMENTS}
-            step = 0
+            parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("master",) + state_keys(states, names)}
+            steps = set()
             for name in names:
                 saved, numel = states.params[name], numels[name]
                 part = -(-numel // world)
                 lo, hi = min(rank * part, numel), min((rank + 1) * part, numel)
                 for key in parts:
                     piece = torch.zeros(part, dtype=torch.float32)
-                    piece[:hi - lo].copy_(_fp32(saved, key, name).reshape(-1)[lo:hi])
+                    piece[:hi - lo].copy_(_fp32(saved, key, name, numel).reshape(-1)[lo:hi])
                     parts[key].append(piece)
-                step = max(step, saved.step)
-            flats.append(torch.cat(parts["master"]))
-            state[j] = {"step": _step(step, fused), **{m: torch.cat(parts[m]) for m in MOMENTS}}
+                steps.add(saved.step)
+            flats.append(torch.cat(parts.pop("master")))
+            state[j] = {**_step_entry(steps, fused), **{m: torch.cat(v) for m, v in parts.items()}}
         scaler = _loss_scaler(states, ds_config) or {"loss_scaler": LossScaler(scale=1), "dynamic_loss_scale": False}
         osd = {"zero_stage": ZeroStageEnum.weights, **scaler, "overflow": False, "partition_count": world,
                "optimizer_state_dict": {"state": state, "param_groups": param_groups}, "fp32_flat_groups": flats}

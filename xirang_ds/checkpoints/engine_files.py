@@ -178,6 +178,7 @@ def _read_states(session: "Session", tag_dir: str, marker: dict) -> "ParamStates
             the checkpoint's block, this run's and the fix.
     """
     from xirang_ds.checkpoints.deepspeed_files import CheckpointReadError
+    from xirang_ds.checkpoints.param_states import check_kind
     from xirang_ds.checkpoints.tags import read_states
 
     trainable = [(n, p) for n, p in session.engine.module.named_parameters() if p.requires_grad]
@@ -187,12 +188,6 @@ def _read_states(session: "Session", tag_dir: str, marker: dict) -> "ParamStates
     fix = ("Fix: engine.load_checkpoint(..., load_optimizer_states=False) loads the weights, the LR schedule and "
            "the step counters and restarts the optimizer's moments from the loaded weights; or resume with the "
            "block the checkpoint was written with")
-    try:
-        states = read_states(tag_dir, marker, [n for n, _ in trainable], {n: p.shape for n, p in trainable})
-    except (CheckpointReadError, FileNotFoundError, ValueError, KeyError) as e:
-        raise XirangConfigError([("checkpoint", f"{tag_dir} (written by {written}) cannot be taken over by this "
-                                  f"run's sections ({running}): {e}. {fix}")],
-                                title="cannot resume from this checkpoint") from None
     if session.stepper is None:
         from xirang_ds.checkpoints.deepspeed_slots import UnknownOptimizerError, engine_slots
 
@@ -201,6 +196,13 @@ def _read_states(session: "Session", tag_dir: str, marker: dict) -> "ParamStates
         except UnknownOptimizerError as e:
             raise XirangConfigError([("checkpoint", f"{tag_dir} (written by {written}): {e}. {fix}")],
                                     title="cannot resume from this checkpoint") from None
+    try:
+        states = read_states(tag_dir, marker, [n for n, _ in trainable], {n: p.shape for n, p in trainable})
+        check_kind(_stepped(session), states, [n for n, _ in trainable if n in states.params])
+    except (CheckpointReadError, FileNotFoundError, ValueError, KeyError) as e:
+        raise XirangConfigError([("checkpoint", f"{tag_dir} (written by {written}) cannot be taken over by this "
+                                  f"run's sections ({running}): {e}. {fix}")],
+                                title="cannot resume from this checkpoint") from None
     absent = [n for n, _ in trainable if n not in states.params]
     if absent:
         raise XirangConfigError([("checkpoint", f"{tag_dir} (written by {written}) has no optimizer state for "
@@ -208,6 +210,17 @@ def _read_states(session: "Session", tag_dir: str, marker: dict) -> "ParamStates
                                   f"{', ...' if len(absent) > 3 else ''}). {fix}")],
                                 title="cannot resume from this checkpoint")
     return states
+
+
+def _stepped(session: "Session") -> Any:
+    """The optimizer whose kind the taken-over state must be: grad_release's buckets step copies of the
+    engine's basic optimizer; elsewhere DeepSpeed's basic optimizer (`deepspeed_slots.engine_slots`)."""
+    from xirang_ds.checkpoints.deepspeed_slots import engine_slots
+
+    if session.stepper is not None:
+        return session.engine.optimizer
+    return engine_slots(session.engine)[0]
+
 
 def _take_over(session: "Session", states: "ParamStates") -> None:
     """Put the whole per-parameter states into whichever optimizer steps this run."""

@@ -1,16 +1,18 @@
-"""The neutral form of an Adam-family optimizer state: per parameter name, the whole fp32 master,
-both moments and the step count; and the slots an optimizer of this run steps, each made of
-fragments of named parameters.
+"""The neutral form of an optimizer state: per parameter name, the whole fp32 master, the
+optimizer's per-element state tensors (Adam's two moments, SGD's momentum buffer, ...) and the step
+count; and the slots an optimizer of this run steps, each made of fragments of named parameters.
 
 Reading a checkpoint produces `ParamStates`; `load_slots` puts them into one optimizer (``torch.optim``
-Adam/AdamW, DeepSpeed's basic optimizer inside a ZeRO wrapper, or `DynamicAdamW`, which loads a
-torch-layout state as fp32 states and converts each tensor at its next update). Because every
-parameter is whole, the layout that wrote a checkpoint (ZeRO stage, world size, buckets, param
-groups) need not match the one that reads it.
+Adam/AdamW or another ``torch.optim`` optimizer, DeepSpeed's basic optimizer inside a ZeRO wrapper, or
+`DynamicAdamW`, which loads a torch-layout Adam state as fp32 states and converts each tensor at its
+next update). Because every parameter is whole, the layout that wrote a checkpoint (ZeRO stage, world
+size, buckets, param groups) need not match the one that reads it; the optimizer must keep the same
+state (a state of another kind is refused, `check_kind`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import inspect
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
@@ -29,17 +31,98 @@ class ParamState:
     Attributes:
         master: the fp32 master weight (``None``: the weights the module was saved with are the
             masters, an fp32 run).
-        exp_avg, exp_avg_sq: the moments. All three are shaped like the parameter, or flat where the
-            reader does not know its shape (grad_release's shards); consumers index them flattened.
-        step: optimizer steps taken.
+        moments: the optimizer's per-element state tensors by its own names (``exp_avg`` and
+            ``exp_avg_sq`` for Adam, ``momentum_buffer`` for SGD). Each is shaped like the parameter,
+            or flat where the reader does not know its shape (grad_release's shards); consumers index
+            them flattened.
+        step: optimizer steps taken (``None``: the optimizer keeps no step count, as torch's SGD).
         group: index of its param group in ``ParamStates.groups``.
     """
 
     master: Optional[torch.Tensor]
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    step: int
+    moments: dict[str, torch.Tensor]
+    step: Optional[int]
     group: int = 0
+
+
+class StateKindError(ValueError):
+    """A saved optimizer state that cannot be split by element, or that another kind of optimizer
+    keeps (the message names both)."""
+
+
+def elementwise_keys(state: dict, numel: int) -> tuple[str, ...]:
+    """The per-element state tensors of a ``torch.optim`` state over ``numel`` elements (a flat
+    partition, a shard or a parameter); `DynamicAdamW`'s codes (its ``format`` key) hold Adam's moments.
+
+    Raises:
+        StateKindError: an entry that is neither the step count nor one value per element.
+    """
+    if "format" in state:
+        return MOMENTS
+    keys = tuple(k for k, v in state.items() if k != "step" and torch.is_tensor(v) and v.numel() == numel)
+    other = sorted(k for k, v in state.items() if k != "step" and k not in keys and v is not None)
+    if other:
+        raise StateKindError(f"the optimizer state holds {other}, which are not one value per element of the "
+                             f"{numel} it covers, so they cannot be split by parameter")
+    return keys
+
+
+def flat_state_keys(state: dict) -> tuple[str, ...]:
+    """`elementwise_keys` of a state over one flat tensor (a ZeRO partition or sub-group), whose size
+    is its state tensors'."""
+    numel = next((v.numel() for k, v in state.items() if k != "step" and torch.is_tensor(v)), 0)
+    return elementwise_keys(state, numel)
+
+
+def state_step(state: dict) -> Optional[int]:
+    """A ``torch.optim`` state's step count (``None``: it keeps none)."""
+    return int(state["step"]) if "step" in state else None
+
+
+def check_kind(optimizer: torch.optim.Optimizer, states: "ParamStates", names: Iterable[str]) -> None:
+    """Refuse ``states`` that ``optimizer`` does not keep: its state keys (`expected_keys`) against the
+    saved ones of ``names``.
+
+    Raises:
+        StateKindError: they differ; the message names both and the fix.
+    """
+    expected = expected_keys(optimizer)
+    if expected is None:
+        return
+    for name in names:  # the first parameter the saved optimizer stepped
+        saved = states.params[name]
+        if saved.moments or saved.step is not None:
+            break
+    else:
+        return
+    have = set(saved.moments) | ({"step"} if saved.step is not None else set())
+    if have != expected:
+        raise StateKindError(f"the checkpoint's optimizer keeps {sorted(have)} per parameter ({states.source}) and "
+                             f"this run's {type(optimizer).__name__} keeps {sorted(expected)}: another kind of "
+                             "optimizer")
+
+
+def expected_keys(optimizer: torch.optim.Optimizer) -> Optional[set]:
+    """The state keys ``optimizer`` keeps per parameter: its ``torch_state_keys`` (`DynamicAdamW`: Adam's),
+    those of a state it already holds, else those a copy of it makes in one step on two elements;
+    ``None`` when that copy cannot be made (the check is skipped)."""
+    declared = getattr(optimizer, "torch_state_keys", None)
+    if declared is not None:
+        return set(declared)
+    for state in optimizer.state.values():
+        if state:
+            return set(flat_state_keys(state)) | ({"step"} if "step" in state else set())
+    try:
+        probe = torch.zeros(2, requires_grad=True)
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+        copy = type(optimizer)([probe], **{k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted})
+        probe.grad = torch.zeros(2)
+        copy.step()
+        state = copy.state[probe]
+        return set(elementwise_keys(state, 2)) | ({"step"} if "step" in state else set())
+    except Exception:  # an optimizer that cannot be rebuilt from its defaults: nothing to compare
+        return None
 
 
 class LazyParams(Mapping):
@@ -89,6 +172,20 @@ class ParamStates:
     loss_scale: Optional[dict] = None
 
 
+def with_masters(states: ParamStates, weights: Mapping[str, torch.Tensor]) -> ParamStates:
+    """``states`` whose parameters without a master take their weight as it (fp32 training, where the
+    weights are the masters), read one parameter at a time."""
+    params = states.params
+
+    def build(name: str) -> ParamState:
+        saved = params[name]
+        if saved.master is not None or name not in weights:
+            return saved
+        return replace(saved, master=weights[name].detach().float().reshape(-1).clone())
+
+    return replace(states, params=LazyParams(list(params), build, lambda name: group_of(states, name)))
+
+
 def group_of(states: ParamStates, name: str) -> int:
     """The saved param group of ``name`` (from a lazy reader's index, without assembling it)."""
     params = states.params
@@ -117,8 +214,8 @@ class Slot:
 
 def load_slots(optimizer: torch.optim.Optimizer, slots: Sequence[Slot], states: ParamStates,
                set_masters: bool = True) -> int:
-    """Give ``optimizer`` the states of its slots: masters copied in place, moments and step count
-    loaded through its own ``load_state_dict`` in ``torch.optim.AdamW`` layout, and each param group's
+    """Give ``optimizer`` the states of its slots: masters copied in place, per-element states and step
+    count loaded through its own ``load_state_dict`` in ``torch.optim`` layout, and each param group's
     hyperparameters taken from the saved group of its first fragment's parameter.
 
     Args:
@@ -131,7 +228,9 @@ def load_slots(optimizer: torch.optim.Optimizer, slots: Sequence[Slot], states: 
 
     Raises:
         KeyError: a fragment names a parameter the checkpoint lacks (the caller checks names first).
+        StateKindError: the checkpoint's state is another kind of optimizer's (`check_kind`).
     """
+    check_kind(optimizer, states, (f.name for slot in slots for f in slot.fragments))
     index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     saved_group_of: dict[int, int] = {}
     state: dict[int, dict] = {}
@@ -141,18 +240,20 @@ def load_slots(optimizer: torch.optim.Optimizer, slots: Sequence[Slot], states: 
             if not slot.fragments:
                 continue
             flat = slot.tensor.view(-1)
-            moments = {m: torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device) for m in MOMENTS}
+            keys = tuple(states.params[slot.fragments[0].name].moments)
+            moments = {m: torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device) for m in keys}
             steps = set()
             for f in slot.fragments:
                 saved = states.params[f.name]
                 steps.add(saved.step)
                 if set_masters and saved.master is not None:
                     flat[f.offset:f.offset + f.numel].copy_(_piece(saved.master, f))
-                for m in MOMENTS:
-                    moments[m][f.offset:f.offset + f.numel].copy_(_piece(getattr(saved, m), f))
+                for m in keys:
+                    moments[m][f.offset:f.offset + f.numel].copy_(_piece(saved.moments[m], f))
                 filled += f.numel
             i = index[id(slot.tensor)]
-            state[i] = {"step": torch.tensor(float(max(steps)), dtype=torch.float32),
+            step = max((s for s in steps if s is not None), default=None)
+            state[i] = {**({} if step is None else {"step": torch.tensor(float(step), dtype=torch.float32)}),
                         **{m: v.view_as(slot.tensor) for m, v in moments.items()}}
             saved_group_of.setdefault(i, group_of(states, slot.fragments[0].name))
     sd = optimizer.state_dict()
@@ -185,4 +286,5 @@ def hyperparameters(group: dict) -> dict:
 
 
 __all__ = ["Fragment", "HYPERPARAMETERS", "LazyParams", "MOMENTS", "ParamState", "ParamStates", "Slot",
-           "group_of", "hyperparameters", "load_slots", "set_hyperparameters"]
+           "StateKindError", "check_kind", "elementwise_keys", "expected_keys", "flat_state_keys", "group_of",
+           "hyperparameters", "load_slots", "set_hyperparameters", "state_step", "with_masters"]

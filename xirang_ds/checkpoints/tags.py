@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from xirang_ds.checkpoints.param_states import ParamStates, group_of
+from xirang_ds.checkpoints.param_states import ParamStates, group_of, with_masters
 
 MARKER = "xirang_block.json"
 """Written into each checkpoint's tag folder: the xirang_ds version, the preset and the sections that
@@ -117,6 +117,10 @@ class RunFacts:
     sub_groups: Optional[list[int]] = None
     """ZeRO-3: the elements of each of this run's sub-groups per rank (DeepSpeed's own load of the codes
     needs the same cut, `codes.resumes_own`)."""
+    weights: Optional[Mapping[str, torch.Tensor]] = None
+    """fp32 training: the trainable weights by name, which are their own masters (grad_release keeps no
+    other copy; DeepSpeed's ZeRO 1/2 files hold them as the fp32 partitions): the live module's at save,
+    the model-states file's ``module`` at an export."""
 
 
 def facts_of_run(session: Any) -> Optional[RunFacts]:
@@ -143,9 +147,10 @@ def facts_of_run(session: Any) -> Optional[RunFacts]:
         return None
     # a ZeRO-3 parameter is partitioned: its shape is ds_shape
     params = {n: getattr(p, "ds_shape", p.shape) for n, p in engine.module.named_parameters() if p.requires_grad}
+    weights = ({n: p for n, p in engine.module.named_parameters() if p.requires_grad} if dtype == "fp32" else None)
     return RunFacts(params=params, optimizer_groups=groups, dtype=dtype, stage=stage, world=world,
                     ds_config=session.requested_ds_config, fused=_plain_optimizer_fused(session),
-                    sub_groups=zero3_sub_groups(engine))
+                    sub_groups=zero3_sub_groups(engine), weights=weights)
 
 
 def zero3_sub_groups(engine: Any) -> Optional[list[int]]:
@@ -220,6 +225,8 @@ def _plain_groups(tag_dir: str, marker: dict, facts: RunFacts) -> tuple[ParamSta
     ``model.parameters()`` order) and each group's torch param-group dict."""
     names = list(facts.params)
     states = read_states(tag_dir, marker, names, facts.params, facts.optimizer_groups)
+    if facts.weights is not None:
+        states = with_masters(states, facts.weights)
     by_group: dict[int, list[str]] = {}
     for n in names:
         if n in states.params:
@@ -309,7 +316,8 @@ def facts_from_files(tag_dir: str, marker: dict) -> RunFacts:
         dtypes = {t.dtype for t in module.values() if torch.is_tensor(t) and t.is_floating_point()}
         dtype = "bf16" if torch.bfloat16 in dtypes else "fp16" if torch.float16 in dtypes else "fp32"
         return RunFacts(params, basic_groups(model), dtype, int(shard["zero_stage"]), int(shard["world"]), None,
-                        bool((marker.get("deepspeed_files") or {}).get("fused", False)))
+                        bool((marker.get("deepspeed_files") or {}).get("fused", False)),
+                        weights={n: module[n] for n in params} if dtype == "fp32" else None)
     files = optim_files(tag_dir)
     if not files:
         return RunFacts(params, saved_optimizer.get("param_groups"), "fp32", 0, 1)
@@ -364,9 +372,12 @@ def describe(tag_dir: str) -> list[str]:
 
 def _torch_groups(optimizer_groups: Optional[list[dict]], states: ParamStates, count: int) -> list[dict]:
     """Each group's ``torch.optim`` param-group dict for the plain files: the basic optimizer's own when
-    it is a torch optimizer over the user's groups, else AdamW's defaults under the saved hyperparameters."""
+    it is a torch optimizer over the user's groups (torch's Adam/AdamW, SGD, any optimizer not of the Adam
+    family), else (`DynamicAdamW`'s groups, marked by ``keep_fp32``; FusedAdam's, ``bias_correction`` without
+    ``amsgrad``) AdamW's defaults under the saved hyperparameters."""
     groups = list(optimizer_groups or [])
-    if len(groups) == count and all("amsgrad" in g for g in groups):
+    own = all("amsgrad" in g or ("bias_correction" not in g and "keep_fp32" not in g) for g in groups)
+    if len(groups) == count and own:
         return [{k: v for k, v in g.items() if k != "params"} for g in groups]
     template = {k: v for k, v in torch.optim.AdamW([torch.zeros(1)]).param_groups[0].items() if k != "params"}
     template["bias_correction"] = True  # DeepSpeed's FusedAdam reads it

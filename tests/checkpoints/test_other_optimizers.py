@@ -20,13 +20,13 @@ from xirang_ds.launch import run_ranks
 CONSERVATIVE = {"preset": "conservative"}
 
 
-def _engine(block, kind: str, dtype: str = "bf16"):
+def _engine(block, kind: str, dtype: str = "bf16", stage: int = 2):
     import deepspeed
 
     import xirang_ds
     from xirang_ds.models import BUILTIN_SPECS, build_model
 
-    config = ds_config(stage=2, dtype=dtype, micro=2, xirang=block)
+    config = ds_config(stage=stage, dtype=dtype, micro=2, xirang=block)
     del config["optimizer"]
     config["zero_allow_untested_optimizer"] = True  # ZeRO lists the optimizers it tested; SGD is not one
     model = build_model(BUILTIN_SPECS["gpt-tiny"], seed=0)
@@ -88,6 +88,14 @@ def _runs(rank, world, tmp):
                      "same_state": _same_states(os.path.join(tmp, source, "s2"), os.path.join(tmp, name, "s2"),
                                                 engine),
                      "events": [e["kind"] for e in session.events] if session is not None else []}
+    # stage 0: the model-states file's plain optimizer entry, SGD keeping no step count
+    zero0 = _engine(CONSERVATIVE, "sgd", stage=0)
+    out["zero0"] = _train(zero0, rank, world, 0, 2)["losses"]
+    zero0.save_checkpoint(os.path.join(tmp, "zero0"), tag="s2")
+    out["zero0"] += _train(zero0, rank, world, 2, 1)["losses"]
+    plain0 = _engine(None, "sgd", stage=0)
+    plain0.load_checkpoint(os.path.join(tmp, "zero0"), tag="s2")
+    out["plain_from_zero0"] = _train(plain0, rank, world, 2, 1)["losses"]
     adamw = _engine(CONSERVATIVE, "adamw")
     before = [p.detach().clone() for p in adamw.module.parameters()]
     try:
@@ -114,6 +122,7 @@ def test_an_sgd_checkpoint_crosses_between_grad_release_and_plain_deepspeed_exac
             assert r[resumed]["losses"][1] == pytest.approx(r[writer]["losses"][3], rel=1e-4), resumed
             assert r[resumed]["steps"] == 4
         assert r["ours_from_plain"]["events"] == ["optimizer_state_taken_over"]
+        assert r["plain_from_zero0"] == r["zero0"][2:]
         assert ("the checkpoint's optimizer keeps ['momentum_buffer'] per parameter (DeepSpeed ZeRO-2 (bf16)) and "
                 "this run's AdamW keeps ['exp_avg', 'exp_avg_sq', 'step']: another kind of optimizer") in r["refused"]
         assert "load_optimizer_states=False" in r["refused"] and r["untouched"]

@@ -151,7 +151,7 @@ def stage0_entry(states: ParamStates, groups: Sequence[Sequence[str]], shapes: d
                                                   for g, tg in enumerate(torch_groups)]}
     if not wrapped:
         return optimizer
-    entry = _wrapper_scale(states, dtype, fused, max(steps, default=0), ds_config)
+    entry = _wrapper_scale(states, dtype, fused, max((s for s in steps if s is not None), default=0), ds_config)
     entry["optimizer_state_dict"] = optimizer
     if fused:
         entry["fp32_groups_flat"] = [torch.cat([m.reshape(-1) for m in group]) for group in masters]

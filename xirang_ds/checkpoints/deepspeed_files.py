@@ -146,7 +146,8 @@ def _read_zero12(files: list[str], stage: int, dtype: str, shapes: dict[str, tor
             if not mapping:
                 continue
             keys = _keys(state, path)
-            steps[origins[g]] = state_step(state) if "step" in state else osd.get("base_optimizer_state_step")
+            step = state.get("step", osd.get("base_optimizer_state_step"))
+            steps[origins[g]] = None if step is None else int(step)
             for name, address in mapping.items():
                 index.setdefault(name, (origins[g], []))[1].append((osd, g, state, keys, address))
 
@@ -161,9 +162,7 @@ def _read_zero12(files: list[str], stage: int, dtype: str, shapes: dict[str, tor
                 parts.setdefault(m, []).append(moment_range(state, m, a, b))
         shape = shapes.get(name, torch.Size([sum(t.numel() for t in masters)]))
         whole = {k: (v[0] if len(v) == 1 else torch.cat(v)).view(shape) for k, v in parts.items()}
-        step = steps[group]
-        return ParamState(master=torch.cat(masters).view(shape), moments=whole, group=group,
-                          step=None if step is None else int(step))
+        return ParamState(master=torch.cat(masters).view(shape), moments=whole, step=steps[group], group=group)
 
     return ParamStates(f"DeepSpeed ZeRO-{stage} ({dtype})", LazyParams(index, build, lambda name: index[name][0]),
                        hyper, loss_scale)

@@ -95,7 +95,7 @@ def check_kind(optimizer: torch.optim.Optimizer, states: "ParamStates", names: I
             break
     else:
         return
-    have = set(saved.moments) | ({"step"} if saved.step is not None else set())
+    have = _with_step(saved.moments, saved.step is not None)
     if have != expected:
         raise StateKindError(f"the checkpoint's optimizer keeps {sorted(have)} per parameter ({states.source}) and "
                              f"this run's {type(optimizer).__name__} keeps {sorted(expected)}: another kind of "
@@ -111,7 +111,7 @@ def expected_keys(optimizer: torch.optim.Optimizer) -> Optional[set]:
         return set(declared)
     for state in optimizer.state.values():
         if state:
-            return set(flat_state_keys(state)) | ({"step"} if "step" in state else set())
+            return _with_step(flat_state_keys(state), "step" in state)
     try:
         probe = torch.zeros(2, requires_grad=True)
         accepted = inspect.signature(type(optimizer).__init__).parameters
@@ -120,9 +120,14 @@ def expected_keys(optimizer: torch.optim.Optimizer) -> Optional[set]:
         probe.grad = torch.zeros(2)
         copy.step()
         state = copy.state[probe]
-        return set(elementwise_keys(state, 2)) | ({"step"} if "step" in state else set())
+        return _with_step(elementwise_keys(state, 2), "step" in state)
     except Exception:  # an optimizer that cannot be rebuilt from its defaults: nothing to compare
         return None
+
+
+def _with_step(keys: Iterable[str], counts_steps: bool) -> set:
+    """The state keys an optimizer keeps per parameter: its per-element ``keys`` and ``step`` if it counts."""
+    return set(keys) | ({"step"} if counts_steps else set())
 
 
 class LazyParams(Mapping):
@@ -227,10 +232,9 @@ def load_slots(optimizer: torch.optim.Optimizer, slots: Sequence[Slot], states: 
         the number of elements given state.
 
     Raises:
-        KeyError: a fragment names a parameter the checkpoint lacks (the caller checks names first).
-        StateKindError: the checkpoint's state is another kind of optimizer's (`check_kind`).
+        KeyError: a fragment names a parameter the checkpoint lacks (the caller checks names first, and
+            the kind of state, `check_kind`, before anything is loaded).
     """
-    check_kind(optimizer, states, (f.name for slot in slots for f in slot.fragments))
     index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     saved_group_of: dict[int, int] = {}
     state: dict[int, dict] = {}

@@ -411,14 +411,21 @@ class Bucket(MasterSlices):
 
     def load_state_dict(self, state: dict) -> None:
         if self.has_master and state["master"] is not None:
+            # the optimizer state loads while a transient master stands in its views: between updates
+            # they hold no element, and a state is matched to its parameter element by element
             with self.fp32_masters(write_params=self.transient):
                 self.master.copy_(state["master"])
-        elif self.in_place and state["master"] is not None:
-            with torch.no_grad():
-                self._write_params(state["master"].to(self.dtype))
+                self._load_optimizer(state)
+        else:
+            if self.in_place and state["master"] is not None:
+                with torch.no_grad():
+                    self._write_params(state["master"].to(self.dtype))
+            self._load_optimizer(state)
+        self.steps_applied = int(state.get("steps_applied", 0))
+
+    def _load_optimizer(self, state: dict) -> None:
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
-        self.steps_applied = int(state.get("steps_applied", 0))
 
     def fingerprint(self) -> dict:
         """What must match for a checkpoint of this bucket to load here."""

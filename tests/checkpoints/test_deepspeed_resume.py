@@ -136,6 +136,7 @@ def scenarios(rank, world, tmp):
     out["int8_into_int8"] = _resume(INT8, rank, world, os.path.join(tmp, "int8"), 2)
     out["balanced"] = _run({"preset": "balanced"}, rank, world, os.path.join(tmp, "balanced"), 4)
     out["balanced_into_grad_release"] = _resume(GRAD_RELEASE, rank, world, os.path.join(tmp, "balanced"), 2)
+    out["balanced_into_balanced"] = _resume({"preset": "balanced"}, rank, world, os.path.join(tmp, "balanced"), 2)
     out["ours_into_plain_deepspeed"] = _resume(None, rank, world, ours, 2)
     out["balanced_into_plain_deepspeed"] = _resume(None, rank, world, os.path.join(tmp, "balanced"), 2)
     engine = _engine(GRAD_RELEASE, stage=1, dtype="fp16")  # fp16 at ZeRO-1, a loss scale that moved
@@ -352,6 +353,9 @@ def test_int8_states_are_decoded_for_an_owner_that_keeps_fp32(runs):
         # the next update decodes the same codes into the same fp32 moments: step 4's loss agrees
         assert r["int8_into_a_block_without_owners"]["losses"] == r["int8"][2:]
         assert r["balanced_into_grad_release"]["losses"] == r["balanced"][2:]
+        # its own int8 codes into grad_release's buckets, whose masters are remainders between steps
+        assert r["balanced_into_balanced"]["losses"] == r["balanced"][2:]
+        assert r["balanced_into_balanced"]["events"] == []  # its own files, no take-over
 
 
 @pytest.mark.distributed

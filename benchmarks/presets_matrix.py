@@ -1,0 +1,302 @@
+"""Every preset in every configuration large runs use, as a user would try them (issue 25, item 1):
+ZeRO 0-3; ``offload_optimizer`` and ``offload_param`` to cpu where DeepSpeed takes them; bf16, fp16 and
+fp32; clipping on and off; accumulation 1 and 4. For each configuration plain DeepSpeed and each preset
+train gpt-tiny at 2 ranks from the same seed and batches; each side saves a checkpoint, trains one step
+more, and a fresh engine of the same ds_config loads the checkpoint and takes that step again.
+
+A row records, per side: the losses, what the preset left out (and which of its keys fell back) with
+the session's lines, whether the resumed step's loss equals the continued one bit for bit, and any
+error (a failure is a finding, never skipped). Each configuration runs in fresh processes under a time
+limit, so one that hangs cannot hold the rest.
+
+    .venv/bin/python benchmarks/presets_matrix.py --json benchmarks/results/presets_matrix.json
+
+Beside the ds_config's AdamW, each stage and precision (accumulation 4, clipping) also trains with a torch
+optimizer passed to ``initialize``: AdamW, which optimizer_states replaces, and SGD and Adagrad, which it
+leaves alone (``--optimizer ds_config`` or ``client`` runs one half).
+``--only "zero3 bf16 offload_param gas4 clip"`` (repeatable) runs the named configurations;
+``--render JSON`` prints the summary of a saved run.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results_table import load_or_run, short_error  # noqa: E402
+
+PRESETS = ("conservative", "balanced", "aggressive")
+OFFLOADS = {0: ("none",), 1: ("none", "offload_optimizer"), 2: ("none", "offload_optimizer"),
+            3: ("none", "offload_optimizer", "offload_param", "offload_both")}
+"""DeepSpeed offloads the optimizer at ZeRO 1-3 and the parameters at ZeRO-3 only."""
+DTYPES = ("bf16", "fp16", "fp32")
+CLIENT_OPTIMIZERS = ("AdamW", "SGD", "Adagrad")
+"""torch optimizers passed to ``initialize`` (the ds_config then has no optimizer block): an Adam type
+optimizer_states can replace, and two it cannot."""
+CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
+                      "tinyshakespeare.txt")
+
+
+def configurations() -> dict[str, dict]:
+    out = {}
+    for stage, dtype, gas, clip in itertools.product((0, 1, 2, 3), DTYPES, (1, 4), (0.0, 1.0)):
+        for offload in OFFLOADS[stage]:
+            name = f"zero{stage} {dtype} {offload} gas{gas} {'clip' if clip else 'noclip'}"
+            out[name] = dict(stage=stage, dtype=dtype, offload=offload, gas=gas, clip=clip)
+    for stage, dtype, client in itertools.product((0, 1, 2, 3), DTYPES, CLIENT_OPTIMIZERS):
+        name = f"zero{stage} {dtype} none gas4 clip client {client}"
+        out[name] = dict(stage=stage, dtype=dtype, offload="none", gas=4, clip=1.0, client=client)
+    return out
+
+
+def ds_config(spec: dict, xirang: dict | None) -> dict:
+    """The tests' small ds_config (AdamW, 1e6-element buckets, micro-batch 2) in this configuration."""
+    zero: dict = {"stage": spec["stage"], "reduce_bucket_size": 1e6, "allgather_bucket_size": 1e6}
+    if spec["stage"] == 3:
+        zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=1e6)
+    if spec["offload"] in ("offload_optimizer", "offload_both"):
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if spec["offload"] in ("offload_param", "offload_both"):
+        zero["offload_param"] = {"device": "cpu"}
+    cfg: dict = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": spec["gas"],
+                 "steps_per_print": 10**6, "zero_optimization": zero,
+                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}}}
+    if spec.get("client"):
+        del cfg["optimizer"]
+        cfg["zero_allow_untested_optimizer"] = True  # ZeRO takes only DeepSpeed's optimizers without it
+    if spec["clip"]:
+        cfg["gradient_clipping"] = spec["clip"]
+    if spec["dtype"] == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif spec["dtype"] == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    if xirang is not None:
+        cfg["xirang"] = xirang
+    return cfg
+
+
+def _engine(cfg: dict, client: str | None):
+    import deepspeed
+    import torch
+
+    import xirang_ds
+    from xirang_ds.models import BUILTIN_SPECS, build_model
+
+    model = build_model(BUILTIN_SPECS["gpt-tiny"], seed=0)
+    optimizer = None
+    if client == "AdamW":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    elif client == "SGD":
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    elif client == "Adagrad":
+        optimizer = torch.optim.Adagrad(model.parameters(), lr=1e-2)
+    init = xirang_ds.initialize if "xirang" in cfg else deepspeed.initialize
+    engine, *_ = init(model=model, model_parameters=model.parameters(), optimizer=optimizer, config=cfg)
+    return engine
+
+
+def _side(rank: int, world: int, cfg: dict, steps: int, ckpt: str, client: str | None) -> dict:
+    from xirang_ds.bench import optimizer_step
+    from xirang_ds.data import batches, load_tokens
+
+    def data(skip: int):
+        it = batches(load_tokens(CORPUS if os.path.isfile(CORPUS) else None), 2, 64, seed=0, rank=rank,
+                     world_size=world)
+        for _ in range(skip):
+            next(it)
+        return it
+
+    engine = _engine(cfg, client)
+    gas = engine.gradient_accumulation_steps()
+    it = data(0)
+    losses = [optimizer_step(engine, it) for _ in range(steps)]
+    engine.save_checkpoint(ckpt)
+    continued = optimizer_step(engine, it)
+    out: dict = {"losses": losses + [continued]}
+    session = getattr(engine, "xirang", None)
+    if session is not None:
+        out.update(plugins=[p.section for p in session.plugins], left_out=[i.section for i in session.left_out],
+                   said=[line.strip() for line in session.summary().splitlines() if _says_left_out(line)])
+        session.remove()
+    del engine
+    resumed_engine = _engine(cfg, client)
+    resumed_engine.load_checkpoint(ckpt)
+    out["resumed"] = optimizer_step(resumed_engine, data(steps * gas))
+    out["resumes_identically"] = out["resumed"] == continued
+    resumed_session = getattr(resumed_engine, "xirang", None)
+    if resumed_session is not None:
+        resumed_session.remove()
+    return out
+
+
+def _says_left_out(line: str) -> bool:
+    return any(words in line for words in ("left out", "falls back", "fell back"))
+
+
+def one_configuration(rank: int, world: int, spec: dict, steps: int, root: str) -> dict:
+    """Plain DeepSpeed, then each preset, in this rank's process; an error is recorded, not raised."""
+    import torch.distributed as dist
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    # DeepSpeed's CPU accelerator reports fp16 only where oneDNN has fp16 kernels; torch computes fp16 on
+    # every CPU with reference kernels, so the fp16 rows stand in for a GPU's here (as in tests/__init__.py)
+    CPU_Accelerator.is_fp16_supported = lambda self: True
+    results = {}
+    for side in ("plain",) + PRESETS:
+        cfg = ds_config(spec, None if side == "plain" else {"preset": side})
+        try:
+            results[side] = _side(rank, world, cfg, steps, os.path.join(root, side), spec.get("client"))
+        except Exception as e:  # a finding: recorded with its message
+            results[side] = {"error": short_error(e)}
+        dist.barrier()
+    return results
+
+
+def _child(spec: dict, steps: int, world: int) -> dict:
+    from xirang_ds.launch import run_ranks
+
+    with tempfile.TemporaryDirectory(prefix="xirang-matrix-") as root:
+        return run_ranks(one_configuration, world, spec, steps, root)[0]
+
+
+def run(args: argparse.Namespace) -> dict:
+    configs = {name: spec for name, spec in configurations().items()
+               if args.optimizer == "all" or (args.optimizer == "client") == ("client" in spec)}
+    names = args.only or list(configs)
+    unknown = [n for n in names if n not in configs]
+    if unknown:
+        raise SystemExit(f"--only: unknown configuration(s) {unknown}; known: {list(configs)}")
+    rows = []
+    for name in names:
+        start = time.perf_counter()
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(configs[name]),
+               "--steps", str(args.steps), "--world-size", str(args.world_size)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            if proc.returncode == 0:
+                sides = json.loads(proc.stdout.strip().splitlines()[-1])
+            else:
+                sides = {"error": short_error(Exception(proc.stderr[-4000:]))}
+        except subprocess.TimeoutExpired:
+            sides = {"error": f"timed out after {args.timeout} s"}
+        rows.append({"name": name, **configs[name], "seconds": round(time.perf_counter() - start, 1),
+                     "sides": sides})
+        print(f"{name}: {summary_line(rows[-1])}", flush=True)
+    return {"command": "python benchmarks/presets_matrix.py " + " ".join(sys.argv[1:]), "steps": args.steps,
+            "world_size": args.world_size, "model": "gpt-tiny", "rows": rows}
+
+
+def summary_line(row: dict) -> str:
+    sides = row["sides"]
+    if "error" in sides:
+        return "FAILED " + sides["error"]
+    parts = []
+    for side, r in sides.items():
+        if "error" in r:
+            parts.append(f"{side} ERROR {r['error']}")
+            continue
+        text = f"{side} {r['losses'][-1]:.4f}" + ("" if r["resumes_identically"] else " RESUME-DIFFERS")
+        if r.get("left_out"):
+            text += f" (left out {','.join(r['left_out'])})"
+        parts.append(text)
+    return "; ".join(parts)
+
+
+def render(data: dict) -> str:
+    """One Markdown row per stage, offload and optimizer (over precision, accumulation and clipping): the
+    configurations, the sides that failed, the resumed steps equal bit for bit, and what each preset left
+    out, with the configurations where it did when not all; then every failure in full."""
+    rows = data["rows"]
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["stage"], row["offload"], row.get("client") or "ds_config AdamW"), []).append(row)
+    lines = ["| ZeRO | offload | optimizer | configurations | preset sides failed | resumed step bit for bit | "
+             + " | ".join(f"{p} leaves out" for p in PRESETS) + " |", "|---" * (6 + len(PRESETS)) + "|"]
+    failures = []
+    for (stage, offload, optimizer), members in groups.items():
+        sides = [(row, side, r) for row in members for side, r in _sides(row).items()]
+        failed = [(row, side, r) for row, side, r in sides if "error" in r]
+        failures += [f"- {row['name']}, {side}: {r['error']}" + (" (plain DeepSpeed fails the same way)"
+                                                                 if _plain_fails_alike(row, r) else "")
+                     for row, side, r in failed]
+        ours = [1 for row, side, r in failed if side != "plain" and not _plain_fails_alike(row, r)]
+        resumed = sum(1 for _, _, r in sides if r.get("resumes_identically"))
+        cells = []
+        for preset in PRESETS:
+            where: dict[str, list[str]] = {}
+            for row in members:
+                for item in _sides(row).get(preset, {}).get("left_out", []):
+                    where.setdefault(item, []).append(_variant(row))
+            cells.append(", ".join(item + ("" if len(names) == len(members) else f" ({_common(names, members)})")
+                                   for item, names in where.items()) or "-")
+        failed_cell = f"{len(ours)}" + (f" ({len(failed)} with plain's own)" if len(failed) > len(ours) else "")
+        lines.append(f"| {stage} | {offload} | {optimizer} | {len(members)} | {failed_cell} | {resumed} of "
+                     f"{len(sides)} | " + " | ".join(cells) + " |")
+    total = sum(len(_sides(r)) for r in rows)
+    lines += ["", f"{len(rows)} configurations, {total} sides (plain DeepSpeed and each preset): "
+                  f"{len(failures)} failed."]
+    return "\n".join(lines + failures)
+
+
+def _plain_fails_alike(row: dict, side: dict) -> bool:
+    """A side's error is plain DeepSpeed's own in that configuration (its plain side failed the same way)."""
+    plain = _sides(row).get("plain", {})
+    return "error" in side and "error" in plain and (side is plain or side["error"] == plain["error"])
+
+
+
+def _sides(row: dict) -> dict:
+    sides = row["sides"]
+    return {"run": sides} if "error" in sides else sides
+
+
+def _variant(row: dict) -> str:
+    return f"{row['dtype']} gas{row['gas']} {'clip' if row['clip'] else 'noclip'}"
+
+
+def _common(names: list[str], members: list[dict]) -> str:
+    """``names`` shortened: a precision whose every variant is there, by its name alone (``fp16, fp32 gas4``)."""
+    out = []
+    for dtype in DTYPES:
+        mine = [n for n in names if n.split()[0] == dtype]
+        if not mine:
+            continue
+        every = [_variant(r) for r in members if r["dtype"] == dtype]
+        rest = [set(n.split()[1:]) for n in mine]
+        shared = set.intersection(*rest)
+        if len(mine) == len(every):
+            out.append(dtype)
+        elif shared and len(mine) == len(every) // 2:
+            out.append(f"{dtype} {' '.join(sorted(shared))}")
+        else:
+            out.append("; ".join(mine))
+    return ", ".join(out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--only", action="append")
+    parser.add_argument("--optimizer", choices=("all", "ds_config", "client"), default="all",
+                        help="the ds_config's AdamW block, torch optimizers passed to initialize, or both")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per configuration")
+    parser.add_argument("--json")
+    parser.add_argument("--render")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(_child(json.loads(args.child), args.steps, args.world_size)))
+        return 0
+    print(render(load_or_run(args, run, indent=None)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

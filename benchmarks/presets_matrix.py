@@ -14,8 +14,14 @@ limit, so one that hangs cannot hold the rest.
 Beside the ds_config's AdamW, each stage and precision (accumulation 4, clipping) also trains with a torch
 optimizer passed to ``initialize``: AdamW, which optimizer_states replaces, and SGD and Adagrad, which it
 leaves alone (``--optimizer ds_config`` or ``client`` runs one half).
+``--budget-fraction 0.3`` gives every preset ``activations.budget_fraction`` 0.3, so that its planner
+recomputes, offloads or compresses in each configuration (without it the presets keep every activation).
 ``--only "zero3 bf16 offload_param gas4 clip"`` (repeatable) runs the named configurations;
-``--render JSON`` prints the summary of a saved run.
+``--render JSON`` prints the summary of a saved run; ``--compare JSON`` adds each preset's losses against
+another run's (the budget's against none: where the plans change a number):
+
+    .venv/bin/python benchmarks/presets_matrix.py --render benchmarks/results/presets_matrix_budget.json \
+        --compare benchmarks/results/presets_matrix.json
 """
 from __future__ import annotations
 
@@ -139,7 +145,8 @@ def _says_left_out(line: str) -> bool:
     return any(words in line for words in ("left out", "falls back", "fell back"))
 
 
-def one_configuration(rank: int, world: int, spec: dict, steps: int, root: str) -> dict:
+def one_configuration(rank: int, world: int, spec: dict, steps: int, root: str,
+                      budget_fraction: float | None) -> dict:
     """Plain DeepSpeed, then each preset, in this rank's process; an error is recorded, not raised."""
     import torch.distributed as dist
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
@@ -149,7 +156,10 @@ def one_configuration(rank: int, world: int, spec: dict, steps: int, root: str) 
     CPU_Accelerator.is_fp16_supported = lambda self: True
     results = {}
     for side in ("plain",) + PRESETS:
-        cfg = ds_config(spec, None if side == "plain" else {"preset": side})
+        block = {"preset": side}
+        if budget_fraction is not None:  # the planner recomputes, offloads or compresses to fit
+            block["activations"] = {"budget_fraction": budget_fraction}
+        cfg = ds_config(spec, None if side == "plain" else block)
         try:
             results[side] = _side(rank, world, cfg, steps, os.path.join(root, side), spec.get("client"))
         except Exception as e:  # a finding: recorded with its message
@@ -158,11 +168,11 @@ def one_configuration(rank: int, world: int, spec: dict, steps: int, root: str) 
     return results
 
 
-def _child(spec: dict, steps: int, world: int) -> dict:
+def _child(spec: dict, steps: int, world: int, budget_fraction: float | None) -> dict:
     from xirang_ds.launch import run_ranks
 
     with tempfile.TemporaryDirectory(prefix="xirang-matrix-") as root:
-        return run_ranks(one_configuration, world, spec, steps, root)[0]
+        return run_ranks(one_configuration, world, spec, steps, root, budget_fraction)[0]
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -177,6 +187,8 @@ def run(args: argparse.Namespace) -> dict:
         start = time.perf_counter()
         cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(configs[name]),
                "--steps", str(args.steps), "--world-size", str(args.world_size)]
+        if args.budget_fraction is not None:
+            cmd += ["--budget-fraction", str(args.budget_fraction)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             if proc.returncode == 0:
@@ -189,6 +201,7 @@ def run(args: argparse.Namespace) -> dict:
                      "sides": sides})
         print(f"{name}: {summary_line(rows[-1])}", flush=True)
     return {"command": "python benchmarks/presets_matrix.py " + " ".join(sys.argv[1:]), "steps": args.steps,
+            "budget_fraction": args.budget_fraction,
             "world_size": args.world_size, "model": "gpt-tiny", "rows": rows}
 
 
@@ -251,6 +264,22 @@ def _plain_fails_alike(row: dict, side: dict) -> bool:
 
 
 
+def compare(data: dict, other: dict) -> str:
+    """Each preset's losses in ``data`` against the same configuration's in ``other`` (a budget against
+    none): how many runs are equal bit for bit, and the largest relative difference of any step's loss."""
+    theirs = {row["name"]: _sides(row) for row in other["rows"]}
+    lines = []
+    for preset in PRESETS:
+        pairs = [(r[preset]["losses"], theirs[row["name"]][preset]["losses"]) for row in data["rows"]
+                 for r in [_sides(row)] if "losses" in r.get(preset, {})
+                 and "losses" in theirs.get(row["name"], {}).get(preset, {})]
+        worst = max((abs(a - b) / abs(b) for mine, yours in pairs for a, b in zip(mine, yours)), default=0.0)
+        equal = sum(1 for mine, yours in pairs if mine == yours)
+        lines.append(f"{preset}: {equal} of {len(pairs)} runs equal bit for bit; largest relative difference "
+                     f"of a step's loss {worst:.2e}")
+    return "\n".join(lines)
+
+
 def _sides(row: dict) -> dict:
     sides = row["sides"]
     return {"run": sides} if "error" in sides else sides
@@ -287,14 +316,22 @@ def main() -> int:
     parser.add_argument("--optimizer", choices=("all", "ds_config", "client"), default="all",
                         help="the ds_config's AdamW block, torch optimizers passed to initialize, or both")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per configuration")
+    parser.add_argument("--budget-fraction", type=float,
+                        help="each preset's activations.budget_fraction: the planner fits its saved activations "
+                             "into this fraction of what keeping every module saves")
     parser.add_argument("--json")
     parser.add_argument("--render")
+    parser.add_argument("--compare", help="a saved run of the same configurations: each preset's losses against it")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(_child(json.loads(args.child), args.steps, args.world_size)))
+        print(json.dumps(_child(json.loads(args.child), args.steps, args.world_size, args.budget_fraction)))
         return 0
-    print(render(load_or_run(args, run, indent=None)))
+    data = load_or_run(args, run, indent=None)
+    print(render(data))
+    if args.compare:
+        with open(args.compare, encoding="utf-8") as f:
+            print(compare(data, json.load(f)))
     return 0
 
 

@@ -31,8 +31,10 @@ _CONSERVATIVE = {
 }
 
 PRESETS: dict[str, dict] = {
-    # Lossless options only: no value is approximated (grad_release reduces in its own bucket order,
-    # so bf16 rounding can differ from DeepSpeed's: +0.01% / +0.16% final loss in the convergence runs).
+    # Lossless options only: no value is approximated, but two sums run in another order (grad_release
+    # reduces in its own bucket order, so bf16 rounding can differ from DeepSpeed's: +0.01% / +0.16% final
+    # loss in the convergence runs; a chunked head sums its weight gradient over the slices: losses within
+    # 1.9e-5 relative of the unchunked run, benchmarks/presets_matrix.py --compare).
     "conservative": _CONSERVATIVE,
     # Adds int8 optimizer states from the first step (norms and small tensors stay fp32, embeddings
     # until their measured int8 error allows; no fp32 warm-up: its states would set the run's peak,

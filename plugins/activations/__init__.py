@@ -443,7 +443,7 @@ class ActivationsPlugin(Plugin):
         roots, before, after = build_tree(self._candidates, self._fixed, profiles, self.options, self._tolerant,
                                           self._bandwidth, streams, self.config.offload_prefetch)
         self.outside_bytes = before + after
-        self.choices = choose(roots, self.budget_bytes, before, after)
+        self.choices = choose(roots, self.budget_bytes, before, after, self.region)
         self.reach = reach(roots, before, after, other, self.profiles, self.choices, self._heads, self.budget_bytes)
         self.planned_peaks = estimate_peak(roots, self.choices, before, after)
         self._apply({name: c.option for name, c in self.choices.items()})

@@ -138,17 +138,27 @@ def resolve_budget(config: ActivationsConfig, memory_budget: object, device_tota
     return total - other
 
 
-def choose(roots: list[Node], budget_bytes: int, before: int, after: int) -> dict[str, Choice]:
-    """The plan; a budget no plan fits is a configuration error naming the figures."""
+def choose(roots: list[Node], budget_bytes: int, before: int, after: int,
+           region: Optional[str] = None) -> dict[str, Choice]:
+    """The plan; a budget no plan fits is a configuration error naming the figures.
+
+    Args:
+        region: how the whole model runs compiled (`compiled.compiled_region`), when it does: it is then
+            one unit, whose saved tensors all come back at once in backward, and the error says so.
+    """
     try:
         return plan(roots, budget_bytes, before, after)
     except BudgetError as e:
+        fix = "raise the budget (or budget_fraction / memory_budget), or add candidates and options"
+        if region is not None:
+            fix = (f"{region}, so the model is one unit whose saved tensors all come back at once in its "
+                   "backward; compile its repeated blocks instead of the whole model (torch.compile(block) "
+                   "or block.compile() for each), which the planner then plans one by one, or " + fix)
         raise XirangConfigError([(f"{PATH}.budget",
                                   f"{format_bytes(budget_bytes)} of saved activations is below the least any plan "
                                   f"needs ({format_bytes(e.least_bytes)}: inputs kept by recompute, small tensors, "
                                   f"{format_bytes(before + after)} saved outside the candidates, and one module's "
-                                  "tensors back during its backward); raise the budget (or budget_fraction / "
-                                  "memory_budget), or add candidates and options")]) from None
+                                  f"tensors back during its backward); {fix}")]) from None
 
 
 def check_memory_budget(requested: object, engine: Any) -> None:

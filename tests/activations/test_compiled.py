@@ -113,6 +113,13 @@ def compiled_runs(rank, world, ckpt):
            for name, spec in RUNS.items()}
     spec = RUNS["blocks offload"]
     out["blocks offload resumed"] = _train(rank, *spec, steps=1, load=True, skip=2, ckpt=ckpt)
+    from xirang_ds.config.validate import XirangConfigError
+
+    try:  # last: the engine is left mid-forward (the plan is made after two profiling passes)
+        _train(rank, "model", {"preset": "balanced", "activations": {"budget_fraction": 0.05}}, steps=2)
+        out["model under too small a budget"] = None
+    except XirangConfigError as e:
+        out["model under too small a budget"] = str(e)
     return out
 
 
@@ -165,6 +172,16 @@ def test_a_compiled_model_is_one_unit_and_trains_like_the_compiled_plain_run(run
                                  "the model runs compiled (engine.compile() or model.compile())")
         assert _same(run, rank["model"]) and run["breaks"] == 0
         assert run["restored"]
+
+
+def test_a_budget_a_compiled_model_cannot_meet_names_the_compiled_unit_and_the_fix(runs):
+    """A model compiled whole is one unit: its saved tensors all come back in its one backward, so no plan
+    keeps them under 5%; the error says why and to compile the blocks instead."""
+    for r in runs:
+        message = r["model under too small a budget"]
+        assert message is not None and "xirang.activations.budget" in message
+        assert "the model was compiled before initialize, so the model is one unit" in message
+        assert "compile its repeated blocks instead of the whole model" in message
 
 
 def test_what_cannot_apply_inside_compiled_code_is_an_error():

@@ -13,7 +13,8 @@ limit, so one that hangs cannot hold the rest.
 
 Beside the ds_config's AdamW, each stage and precision (accumulation 4, clipping) also trains with a torch
 optimizer passed to ``initialize``: AdamW, which optimizer_states replaces, and SGD and Adagrad, which it
-leaves alone (``--optimizer ds_config`` or ``client`` runs one half).
+leaves alone; and at each stage a compiled model, compiled before ``initialize`` or by ``engine.compile()``
+after it (bf16, accumulation 2, clipping). ``--kind ds_config``, ``client`` or ``compiled`` runs one part.
 ``--budget-fraction 0.3`` gives every preset ``activations.budget_fraction`` 0.3, so that its planner
 recomputes, offloads or compresses in each configuration (without it the presets keep every activation).
 ``--only "zero3 bf16 offload_param gas4 clip"`` (repeatable) runs the named configurations;
@@ -45,6 +46,9 @@ DTYPES = ("bf16", "fp16", "fp32")
 CLIENT_OPTIMIZERS = ("AdamW", "SGD", "Adagrad")
 """torch optimizers passed to ``initialize`` (the ds_config then has no optimizer block): an Adam type
 optimizer_states can replace, and two it cannot."""
+COMPILED = ("model", "engine")
+"""torch.compile: the model compiled before ``initialize``, or ``engine.compile()`` after it (DeepSpeed's way at
+ZeRO-3, where its engine does not take an already compiled model)."""
 CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
                       "tinyshakespeare.txt")
 
@@ -58,6 +62,9 @@ def configurations() -> dict[str, dict]:
     for stage, dtype, client in itertools.product((0, 1, 2, 3), DTYPES, CLIENT_OPTIMIZERS):
         name = f"zero{stage} {dtype} none gas4 clip client {client}"
         out[name] = dict(stage=stage, dtype=dtype, offload="none", gas=4, clip=1.0, client=client)
+    for stage, compiled in itertools.product((0, 1, 2, 3), COMPILED):
+        name = f"zero{stage} bf16 none gas2 clip compiled {compiled}"
+        out[name] = dict(stage=stage, dtype="bf16", offload="none", gas=2, clip=1.0, compiled=compiled)
     return out
 
 
@@ -87,13 +94,14 @@ def ds_config(spec: dict, xirang: dict | None) -> dict:
     return cfg
 
 
-def _engine(cfg: dict, client: str | None):
+def _engine(cfg: dict, client: str | None, compiled: str | None = None):
     import deepspeed
     import torch
 
     import xirang_ds
     from xirang_ds.models import BUILTIN_SPECS, build_model
 
+    torch._dynamo.reset()
     model = build_model(BUILTIN_SPECS["gpt-tiny"], seed=0)
     optimizer = None
     if client == "AdamW":
@@ -102,12 +110,17 @@ def _engine(cfg: dict, client: str | None):
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
     elif client == "Adagrad":
         optimizer = torch.optim.Adagrad(model.parameters(), lr=1e-2)
+    if compiled == "model":
+        model = torch.compile(model)
     init = xirang_ds.initialize if "xirang" in cfg else deepspeed.initialize
     engine, *_ = init(model=model, model_parameters=model.parameters(), optimizer=optimizer, config=cfg)
+    if compiled == "engine":
+        engine.compile()
     return engine
 
 
-def _side(rank: int, world: int, cfg: dict, steps: int, ckpt: str, client: str | None) -> dict:
+def _side(rank: int, world: int, cfg: dict, steps: int, ckpt: str, client: str | None = None,
+          compiled: str | None = None) -> dict:
     from xirang_ds.bench import optimizer_step
     from xirang_ds.data import batches, load_tokens
 
@@ -118,7 +131,7 @@ def _side(rank: int, world: int, cfg: dict, steps: int, ckpt: str, client: str |
             next(it)
         return it
 
-    engine = _engine(cfg, client)
+    engine = _engine(cfg, client, compiled)
     gas = engine.gradient_accumulation_steps()
     it = data(0)
     losses = [optimizer_step(engine, it) for _ in range(steps)]
@@ -131,7 +144,7 @@ def _side(rank: int, world: int, cfg: dict, steps: int, ckpt: str, client: str |
                    said=[line.strip() for line in session.summary().splitlines() if _says_left_out(line)])
         session.remove()
     del engine
-    resumed_engine = _engine(cfg, client)
+    resumed_engine = _engine(cfg, client, compiled)
     resumed_engine.load_checkpoint(ckpt)
     out["resumed"] = optimizer_step(resumed_engine, data(steps * gas))
     out["resumes_identically"] = out["resumed"] == continued
@@ -161,9 +174,13 @@ def one_configuration(rank: int, world: int, spec: dict, steps: int, root: str,
             block["activations"] = {"budget_fraction": budget_fraction}
         cfg = ds_config(spec, None if side == "plain" else block)
         try:
-            results[side] = _side(rank, world, cfg, steps, os.path.join(root, side), spec.get("client"))
-        except Exception as e:  # a finding: recorded with its message
-            results[side] = {"error": short_error(e)}
+            results[side] = _side(rank, world, cfg, steps, os.path.join(root, side), spec.get("client"),
+                                  spec.get("compiled"))
+        except Exception as e:  # a finding: recorded with its message (a refusal: xirang's own clear error)
+            from xirang_ds.config.validate import XirangConfigError
+
+            results[side] = {"error": short_error(e) if not isinstance(e, XirangConfigError) else str(e),
+                             "refused": isinstance(e, XirangConfigError)}
         dist.barrier()
     return results
 
@@ -176,8 +193,10 @@ def _child(spec: dict, steps: int, world: int, budget_fraction: float | None) ->
 
 
 def run(args: argparse.Namespace) -> dict:
+    kinds = {"ds_config": lambda spec: "client" not in spec and "compiled" not in spec,
+             "client": lambda spec: "client" in spec, "compiled": lambda spec: "compiled" in spec}
     configs = {name: spec for name, spec in configurations().items()
-               if args.optimizer == "all" or (args.optimizer == "client") == ("client" in spec)}
+               if args.kind == "all" or kinds[args.kind](spec)}
     names = args.only or list(configs)
     unknown = [n for n in names if n not in configs]
     if unknown:
@@ -228,17 +247,21 @@ def render(data: dict) -> str:
     rows = data["rows"]
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        groups.setdefault((row["stage"], row["offload"], row.get("client") or "ds_config AdamW"), []).append(row)
+        kind = row.get("client") or "ds_config AdamW" + (f", compiled {row['compiled']}" if row.get("compiled") else "")
+        groups.setdefault((row["stage"], row["offload"], kind), []).append(row)
     lines = ["| ZeRO | offload | optimizer | configurations | preset sides failed | resumed step bit for bit | "
              + " | ".join(f"{p} leaves out" for p in PRESETS) + " |", "|---" * (6 + len(PRESETS)) + "|"]
     failures = []
     for (stage, offload, optimizer), members in groups.items():
         sides = [(row, side, r) for row in members for side, r in _sides(row).items()]
         failed = [(row, side, r) for row, side, r in sides if "error" in r]
-        failures += [f"- {row['name']}, {side}: {r['error']}" + (" (plain DeepSpeed fails the same way)"
-                                                                 if _plain_fails_alike(row, r) else "")
-                     for row, side, r in failed]
-        ours = [1 for row, side, r in failed if side != "plain" and not _plain_fails_alike(row, r)]
+        failures += [f"- {row['name']}, {side}: {' '.join(r['error'].split())}" + (
+            " (plain DeepSpeed fails the same way)" if _plain_fails_alike(row, r) else
+            " (refused at initialize; plain DeepSpeed fails)" if r.get("refused") and side != "plain" else "")
+            for row, side, r in failed]
+        refused = [1 for row, side, r in failed if r.get("refused") and "error" in _sides(row).get("plain", {})]
+        ours = [1 for row, side, r in failed if side != "plain" and not _plain_fails_alike(row, r) and not
+                (r.get("refused") and "error" in _sides(row).get("plain", {}))]
         resumed = sum(1 for _, _, r in sides if r.get("resumes_identically"))
         cells = []
         for preset in PRESETS:
@@ -248,7 +271,10 @@ def render(data: dict) -> str:
                     where.setdefault(item, []).append(_variant(row))
             cells.append(", ".join(item + ("" if len(names) == len(members) else f" ({_common(names, members)})")
                                    for item, names in where.items()) or "-")
-        failed_cell = f"{len(ours)}" + (f" ({len(failed)} with plain's own)" if len(failed) > len(ours) else "")
+        notes = [f"{len(refused)} refused at initialize, where plain DeepSpeed fails"] if refused else []
+        if len(failed) - len(refused) > len(ours):
+            notes.append(f"{len(failed) - len(refused) - len(ours)} failing as plain DeepSpeed does")
+        failed_cell = f"{len(ours)}" + (f" ({'; '.join(notes)})" if notes else "")
         lines.append(f"| {stage} | {offload} | {optimizer} | {len(members)} | {failed_cell} | {resumed} of "
                      f"{len(sides)} | " + " | ".join(cells) + " |")
     total = sum(len(_sides(r)) for r in rows)
@@ -313,8 +339,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--only", action="append")
-    parser.add_argument("--optimizer", choices=("all", "ds_config", "client"), default="all",
-                        help="the ds_config's AdamW block, torch optimizers passed to initialize, or both")
+    parser.add_argument("--kind", choices=("all", "ds_config", "client", "compiled"), default="all",
+                        help="the ds_config's AdamW block, torch optimizers passed to initialize, a compiled model, "
+                             "or all three")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per configuration")
     parser.add_argument("--budget-fraction", type=float,
                         help="each preset's activations.budget_fraction: the planner fits its saved activations "

@@ -184,6 +184,23 @@ def test_a_budget_a_compiled_model_cannot_meet_names_the_compiled_unit_and_the_f
         assert "compile its repeated blocks instead of the whole model" in message
 
 
+def test_a_model_compiled_before_initialize_at_zero3_is_refused_with_the_fix():
+    """DeepSpeed's ZeRO-3 engine fails at the first forward of a compiled wrapper (plain DeepSpeed too); with
+    the block it is refused at initialize, beside the block's own problems, naming engine.compile()."""
+    import torch
+
+    import xirang_ds
+    from xirang_ds.config.validate import XirangConfigError
+
+    model = torch.compile(_model())
+    cfg = ds_config(stage=3, dtype="fp32", micro=4, xirang={"preset": "balanced", "monitor": {"warn_at": 1.5}})
+    with pytest.raises(XirangConfigError) as e:
+        xirang_ds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    paths = [path for path, _ in e.value.problems]
+    assert paths == ["xirang.monitor.warn_at", "zero_optimization.stage"]
+    assert "call engine.compile() after initialize" in str(e.value)
+
+
 def test_what_cannot_apply_inside_compiled_code_is_an_error():
     from xirang_ds.plugins.activations.compiled import compiled_units, fixed_problems
 

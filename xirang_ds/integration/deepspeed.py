@@ -15,7 +15,7 @@ from typing import Any, Optional
 import deepspeed
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
-from xirang_ds.compat.torch import uncompiled
+from xirang_ds.compat.torch import is_optimized_module, uncompiled
 from xirang_ds.config.auto import choose_preset
 from xirang_ds.config.fit import fit_block
 from xirang_ds.config.loader import BLOCK_KEY, read_ds_config
@@ -90,6 +90,7 @@ def initialize(
         return _ORIGINAL_INITIALIZE(**passthrough)  # DeepSpeed's own error for a missing model
     ds_config[BLOCK_KEY], preset_choice = choose_preset(ds_config[BLOCK_KEY], ds_config, uncompiled(model),
                                                         world_size=_world_size())
+    _check_model(model, ds_config, client)
     fitted = fit_block(ds_config[BLOCK_KEY], ds_config, client)
     session = Session(fitted.config, ds_config, left_out=fitted.left_out)
     session.preset_choice = preset_choice
@@ -106,6 +107,29 @@ def initialize(
     if engine.global_rank == 0:
         logger.info(session.summary())
     return engine, opt, loader, sched
+
+
+def _check_model(model: Any, ds_config: dict, client: Any) -> None:
+    """What DeepSpeed cannot run with this model, said at ``initialize`` with the block's own problems,
+    instead of a failure deep inside DeepSpeed at the first forward.
+
+    Raises:
+        XirangConfigError: every problem of the block and the model.
+    """
+    from xirang_ds.config.validate import XirangConfigError
+
+    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    if not (is_optimized_module(model) and str(stage) == "3"):
+        return
+    problems = [("zero_optimization.stage", "3 with a model compiled before initialize (torch.compile(model)): "
+                 "DeepSpeed's ZeRO-3 engine does not run a compiled wrapper (plain DeepSpeed fails at the first "
+                 "forward: 'dict' object has no attribute '_in_forward'); pass the model "
+                 "uncompiled and call engine.compile() after initialize, which ZeRO-3 runs with every preset")]
+    try:
+        fit_block(ds_config[BLOCK_KEY], ds_config, client)
+    except XirangConfigError as e:
+        problems = e.problems + problems
+    raise XirangConfigError(problems)
 
 
 def _world_size() -> int:

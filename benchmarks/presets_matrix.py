@@ -14,7 +14,10 @@ limit, so one that hangs cannot hold the rest.
 Beside the ds_config's AdamW, each stage and precision (accumulation 4, clipping) also trains with a torch
 optimizer passed to ``initialize``: AdamW, which optimizer_states replaces, and SGD and Adagrad, which it
 leaves alone; and at each stage a compiled model, compiled before ``initialize`` or by ``engine.compile()``
-after it (bf16, accumulation 2, clipping). ``--kind ds_config``, ``client`` or ``compiled`` runs one part.
+after it (bf16, accumulation 2, clipping); and settings users write beside those (`EXTRAS`: a batch size
+DeepSpeed derives, fp16 loss-scale keys, overlap_comm, grad_accum_dtype, communication_data_type, a
+scheduler, sub_group_size, 16-bit weights gathered on save). ``--kind ds_config``, ``client``, ``compiled``
+or ``settings`` runs one part.
 ``--budget-fraction 0.3`` gives every preset ``activations.budget_fraction`` 0.3, so that its planner
 recomputes, offloads or compresses in each configuration (without it the presets keep every activation).
 ``--only "zero3 bf16 offload_param gas4 clip"`` (repeatable) runs the named configurations;
@@ -36,7 +39,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from results_table import load_or_run, short_error  # noqa: E402
+from results_table import deep_merge, load_or_run, short_error  # noqa: E402
 
 PRESETS = ("conservative", "balanced", "aggressive")
 OFFLOADS = {0: ("none",), 1: ("none", "offload_optimizer"), 2: ("none", "offload_optimizer"),
@@ -46,6 +49,25 @@ DTYPES = ("bf16", "fp16", "fp32")
 CLIENT_OPTIMIZERS = ("AdamW", "SGD", "Adagrad")
 """torch optimizers passed to ``initialize`` (the ds_config then has no optimizer block): an Adam type
 optimizer_states can replace, and two it cannot."""
+EXTRAS = {
+    "zero2 bf16 train_batch_size derives accumulation": dict(stage=2, gas=4, set={"train_batch_size": 16},
+                                                              drop=["gradient_accumulation_steps"]),
+    "zero2 bf16 train_batch_size derives micro-batch": dict(stage=2, gas=4, set={"train_batch_size": 16},
+                                                             drop=["train_micro_batch_size_per_gpu"]),
+    "zero2 fp16 static loss scale": dict(stage=2, dtype="fp16", set={"fp16": {"loss_scale": 128}}),
+    "zero2 fp16 hysteresis and window": dict(stage=2, dtype="fp16", gas=4,
+                                             set={"fp16": {"hysteresis": 1, "loss_scale_window": 50}}),
+    "zero2 bf16 overlap_comm without contiguous_gradients": dict(
+        stage=2, set={"zero_optimization": {"overlap_comm": True, "contiguous_gradients": False}}),
+    "zero1 bf16 grad_accum_dtype fp32": dict(stage=1, gas=4, set={"data_types": {"grad_accum_dtype": "fp32"}}),
+    "zero2 bf16 communication_data_type fp32": dict(stage=2, gas=4, set={"communication_data_type": "fp32"}),
+    "zero2 bf16 WarmupDecayLR": dict(stage=2, set={"scheduler": {"type": "WarmupDecayLR", "params": {
+        "warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 2, "total_num_steps": 10}}}),
+    "zero3 bf16 sub_group_size": dict(stage=3, gas=4, set={"zero_optimization": {"sub_group_size": 100000}}),
+    "zero3 bf16 16-bit weights gathered on save": dict(
+        stage=3, set={"zero_optimization": {"stage3_gather_16bit_weights_on_model_save": True}}),
+}
+"""ds_config settings users write beside the ones above (bf16, clipping, accumulation 1 unless stated)."""
 COMPILED = ("model", "engine")
 """torch.compile: the model compiled before ``initialize``, or ``engine.compile()`` after it (DeepSpeed's way at
 ZeRO-3, where its engine does not take an already compiled model)."""
@@ -62,6 +84,8 @@ def configurations() -> dict[str, dict]:
     for stage, dtype, client in itertools.product((0, 1, 2, 3), DTYPES, CLIENT_OPTIMIZERS):
         name = f"zero{stage} {dtype} none gas4 clip client {client}"
         out[name] = dict(stage=stage, dtype=dtype, offload="none", gas=4, clip=1.0, client=client)
+    for name, extra in EXTRAS.items():
+        out[name] = {"dtype": "bf16", "offload": "none", "gas": 1, "clip": 1.0, **extra}
     for stage, compiled in itertools.product((0, 1, 2, 3), COMPILED):
         name = f"zero{stage} bf16 none gas2 clip compiled {compiled}"
         out[name] = dict(stage=stage, dtype="bf16", offload="none", gas=2, clip=1.0, compiled=compiled)
@@ -89,6 +113,9 @@ def ds_config(spec: dict, xirang: dict | None) -> dict:
         cfg["bf16"] = {"enabled": True}
     elif spec["dtype"] == "fp16":
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    for key in spec.get("drop", ()):
+        del cfg[key]
+    cfg = deep_merge(cfg, spec.get("set", {}))
     if xirang is not None:
         cfg["xirang"] = xirang
     return cfg
@@ -193,8 +220,9 @@ def _child(spec: dict, steps: int, world: int, budget_fraction: float | None) ->
 
 
 def run(args: argparse.Namespace) -> dict:
-    kinds = {"ds_config": lambda spec: "client" not in spec and "compiled" not in spec,
-             "client": lambda spec: "client" in spec, "compiled": lambda spec: "compiled" in spec}
+    kinds = {"ds_config": lambda spec: not {"client", "compiled", "set", "drop"} & set(spec),
+             "client": lambda spec: "client" in spec, "compiled": lambda spec: "compiled" in spec,
+             "settings": lambda spec: bool({"set", "drop"} & set(spec))}
     configs = {name: spec for name, spec in configurations().items()
                if args.kind == "all" or kinds[args.kind](spec)}
     names = args.only or list(configs)
@@ -248,6 +276,8 @@ def render(data: dict) -> str:
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         kind = row.get("client") or "ds_config AdamW" + (f", compiled {row['compiled']}" if row.get("compiled") else "")
+        if {"set", "drop"} & set(row):  # a setting of EXTRAS: its name after the stage
+            kind = f"ds_config AdamW, {row['name'].split(' ', 1)[1]}"
         groups.setdefault((row["stage"], row["offload"], kind), []).append(row)
     lines = ["| ZeRO | offload | optimizer | configurations | preset sides failed | resumed step bit for bit | "
              + " | ".join(f"{p} leaves out" for p in PRESETS) + " |", "|---" * (6 + len(PRESETS)) + "|"]
@@ -339,9 +369,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--only", action="append")
-    parser.add_argument("--kind", choices=("all", "ds_config", "client", "compiled"), default="all",
+    parser.add_argument("--kind", choices=("all", "ds_config", "client", "compiled", "settings"), default="all",
                         help="the ds_config's AdamW block, torch optimizers passed to initialize, a compiled model, "
-                             "or all three")
+                             "other ds_config settings (EXTRAS), or all")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per configuration")
     parser.add_argument("--budget-fraction", type=float,
                         help="each preset's activations.budget_fraction: the planner fits its saved activations "

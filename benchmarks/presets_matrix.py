@@ -286,6 +286,7 @@ def render(data: dict) -> str:
         sides = [(row, side, r) for row in members for side, r in _sides(row).items()]
         failed = [(row, side, r) for row, side, r in sides if "error" in r]
         failures += [f"- {row['name']}, {side}: {' '.join(r['error'].split())}" + (
+            " (DeepSpeed's own)" if side == "plain" else
             " (plain DeepSpeed fails the same way)" if _plain_fails_alike(row, r) else
             " (refused at initialize; plain DeepSpeed fails)" if r.get("refused") and side != "plain" else "")
             for row, side, r in failed]

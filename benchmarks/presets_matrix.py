@@ -275,7 +275,8 @@ def render(data: dict) -> str:
     rows = data["rows"]
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        kind = row.get("client") or "ds_config AdamW" + (f", compiled {row['compiled']}" if row.get("compiled") else "")
+        kind = (f"torch {row['client']}, passed in" if row.get("client") else
+                "ds_config AdamW" + (f", compiled {row['compiled']}" if row.get("compiled") else ""))
         if {"set", "drop"} & set(row):  # a setting of EXTRAS: its name after the stage
             kind = f"ds_config AdamW, {row['name'].split(' ', 1)[1]}"
         groups.setdefault((row["stage"], row["offload"], kind), []).append(row)

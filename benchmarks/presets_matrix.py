@@ -16,7 +16,8 @@ optimizer passed to ``initialize``: AdamW, which optimizer_states replaces, and 
 leaves alone; and at each stage a compiled model, compiled before ``initialize`` or by ``engine.compile()``
 after it (bf16, accumulation 2, clipping); and settings users write beside those (`EXTRAS`: a batch size
 DeepSpeed derives, fp16 loss-scale keys, overlap_comm, grad_accum_dtype, communication_data_type, a
-scheduler, sub_group_size, 16-bit weights gathered on save). ``--kind ds_config``, ``client``, ``compiled``
+scheduler, sub_group_size, 16-bit weights gathered on save, where ``save_16bit_model``'s file must equal the
+engine's gathered weights). ``--kind ds_config``, ``client``, ``compiled``
 or ``settings`` runs one part.
 ``--budget-fraction 0.3`` gives every preset ``activations.budget_fraction`` 0.3, so that its planner
 recomputes, offloads or compresses in each configuration (without it the presets keep every activation).
@@ -163,8 +164,22 @@ def _side(rank: int, world: int, cfg: dict, steps: int, ckpt: str, client: str |
     it = data(0)
     losses = [optimizer_step(engine, it) for _ in range(steps)]
     engine.save_checkpoint(ckpt)
+    out: dict = {}
+    if cfg["zero_optimization"].get("stage3_gather_16bit_weights_on_model_save"):
+        # the 16-bit weights gathered into one file, as for inference: each equals the engine's own
+        import torch
+        from deepspeed.runtime.zero import GatheredParameters
+
+        engine.save_16bit_model(ckpt, "model_16bit.bin")
+        torch.distributed.barrier()  # rank 0 writes the file
+        saved = torch.load(os.path.join(ckpt, "model_16bit.bin"), map_location="cpu")
+        with GatheredParameters(list(engine.module.parameters())):
+            own = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        out["16bit_weights_equal"] = set(saved) >= set(own) and all(torch.equal(saved[n], own[n]) for n in own)
+        if not out["16bit_weights_equal"]:  # a finding, recorded as the side's error
+            raise AssertionError("save_16bit_model wrote weights that differ from the engine's gathered ones")
     continued = optimizer_step(engine, it)
-    out: dict = {"losses": losses + [continued]}
+    out["losses"] = losses + [continued]
     session = getattr(engine, "xirang", None)
     if session is not None:
         out.update(plugins=[p.section for p in session.plugins], left_out=[i.section for i in session.left_out],

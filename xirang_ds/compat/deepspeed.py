@@ -48,7 +48,8 @@ UPSTREAM_NAMES: dict[str, tuple[str, ...]] = {
         "self.__param_id_to_grad_partition", "def _prepare_sub_group(self, sub_group_id, timer_names)",
         "def _release_sub_group(self, sub_group_id, timer_names)",
         "self.fp16_partitioned_groups_flat[sub_group_id].data.copy_(",
-        "state_dict[FP32_FLAT_GROUPS] = self.fp32_partitioned_groups_flat"),
+        "state_dict[FP32_FLAT_GROUPS] = self.fp32_partitioned_groups_flat",
+        "self.optimizer = torch.optim.Adagrad(self.fp32_partitioned_groups_flat, **self.optimizer.defaults)"),
     "deepspeed/utils/mixed_precision_linkage.py": ("lp_param._hp_mapping = get_hp_fragment_mapping(",),
     "deepspeed/runtime/zero/parameter_offload.py": (
         "return apply_to_tensors_only(module.pre_bwd_fn.apply,", "module.pre_bwd_fn = PreBackwardFunctionForModule",
@@ -201,6 +202,31 @@ def hp_mapping(param: Any) -> Any:
     """A 16-bit parameter's fragment of the fp32 partition under ZeRO-1/2 or the bf16 optimizer
     (mixed_precision_linkage.py L29), or ``None``."""
     return getattr(param, "_hp_mapping", None)
+
+
+def settle_zero3_adagrad(engine: Any) -> bool:
+    """Empty the param groups of a torch Adagrad that DeepSpeed's ZeRO-3 rebuilt over its fp32 partitions.
+
+    ``initialize_optimizer_states`` (stage3.py L1357) builds a new Adagrad over the partitions (Adagrad makes
+    its state in its constructor) and leaves them in its groups, where every other optimizer's groups are
+    empty between steps (``_optimizer_step``, ``_clear_fp32_optimizer_param_groups``). Saving appends the
+    partitions once more (``_rigid_state_dict``), so a fresh engine's group never matches a saved one and
+    ``load_checkpoint`` fails ("loaded state dict contains a parameter group that doesn't match the size of
+    optimizer's group"), plain DeepSpeed too. Emptied as a step leaves them, save and load agree.
+
+    Returns:
+        Whether there was such an optimizer to settle.
+    """
+    import torch
+
+    optimizer = getattr(engine, "optimizer", None)
+    inner = getattr(optimizer, "optimizer", None)
+    if not (isinstance(inner, torch.optim.Adagrad) and hasattr(optimizer, "_clear_fp32_optimizer_param_groups")):
+        return False
+    if not any(group["params"] for group in inner.param_groups):
+        return False
+    optimizer._clear_fp32_optimizer_param_groups()
+    return True
 
 
 @contextlib.contextmanager

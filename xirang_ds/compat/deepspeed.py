@@ -207,7 +207,7 @@ def hp_mapping(param: Any) -> Any:
 def settle_zero3_adagrad(engine: Any) -> bool:
     """Empty the param groups of a torch Adagrad that DeepSpeed's ZeRO-3 rebuilt over its fp32 partitions.
 
-    ``initialize_optimizer_states`` (stage3.py L1357) builds a new Adagrad over the partitions (Adagrad makes
+    ``initialize_optimizer_states`` (stage3.py L1358) builds a new Adagrad over the partitions (Adagrad makes
     its state in its constructor) and leaves them in its groups, where every other optimizer's groups are
     empty between steps (``_optimizer_step``, ``_clear_fp32_optimizer_param_groups``). Saving appends the
     partitions once more (``_rigid_state_dict``), so a fresh engine's group never matches a saved one and

@@ -72,8 +72,6 @@ EXTRAS = {
 COMPILED = ("model", "engine")
 """torch.compile: the model compiled before ``initialize``, or ``engine.compile()`` after it (DeepSpeed's way at
 ZeRO-3, where its engine does not take an already compiled model)."""
-CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
-                      "tinyshakespeare.txt")
 
 
 def configurations() -> dict[str, dict]:
@@ -150,11 +148,10 @@ def _engine(cfg: dict, client: str | None, compiled: str | None = None):
 def _side(rank: int, world: int, cfg: dict, steps: int, ckpt: str, client: str | None = None,
           compiled: str | None = None) -> dict:
     from xirang_ds.bench import optimizer_step
-    from xirang_ds.data import batches, load_tokens
+    from xirang_ds.data import batches, find_default_corpus, load_tokens
 
     def data(skip: int):
-        it = batches(load_tokens(CORPUS if os.path.isfile(CORPUS) else None), 2, 64, seed=0, rank=rank,
-                     world_size=world)
+        it = batches(load_tokens(find_default_corpus()), 2, 64, seed=0, rank=rank, world_size=world)
         for _ in range(skip):
             next(it)
         return it
@@ -301,14 +298,11 @@ def render(data: dict) -> str:
     for (stage, offload, optimizer), members in groups.items():
         sides = [(row, side, r) for row in members for side, r in _sides(row).items()]
         failed = [(row, side, r) for row, side, r in sides if "error" in r]
-        failures += [f"- {row['name']}, {side}: {' '.join(r['error'].split())}" + (
-            " (DeepSpeed's own)" if side == "plain" else
-            " (plain DeepSpeed fails the same way)" if _plain_fails_alike(row, r) else
-            " (refused at initialize; plain DeepSpeed fails)" if r.get("refused") and side != "plain" else "")
-            for row, side, r in failed]
-        refused = [1 for row, side, r in failed if r.get("refused") and "error" in _sides(row).get("plain", {})]
-        ours = [1 for row, side, r in failed if side != "plain" and not _plain_fails_alike(row, r) and not
-                (r.get("refused") and "error" in _sides(row).get("plain", {}))]
+        kinds = [_failure(row, side, r) for row, side, r in failed]
+        failures += [f"- {row['name']}, {side}: {' '.join(r['error'].split())}{FAILURES[kind]}"
+                     for (row, side, r), kind in zip(failed, kinds)]
+        ours, refused = kinds.count("ours"), kinds.count("refused")
+        deepspeeds = kinds.count("plain") + kinds.count("alike")
         resumed = sum(1 for _, _, r in sides if r.get("resumes_identically"))
         cells = []
         for preset in PRESETS:
@@ -318,10 +312,10 @@ def render(data: dict) -> str:
                     where.setdefault(item, []).append(_variant(row))
             cells.append(", ".join(item + ("" if len(names) == len(members) else f" ({_common(names, members)})")
                                    for item, names in where.items()) or "-")
-        notes = [f"{len(refused)} refused at initialize, where plain DeepSpeed fails"] if refused else []
-        if len(failed) - len(refused) > len(ours):
-            notes.append(f"{len(failed) - len(refused) - len(ours)} failing as plain DeepSpeed does")
-        failed_cell = f"{len(ours)}" + (f" ({'; '.join(notes)})" if notes else "")
+        notes = [f"{refused} refused at initialize, where plain DeepSpeed fails"] if refused else []
+        if deepspeeds:
+            notes.append(f"{deepspeeds} failing as plain DeepSpeed does")
+        failed_cell = f"{ours}" + (f" ({'; '.join(notes)})" if notes else "")
         lines.append(f"| {stage} | {offload} | {optimizer} | {len(members)} | {failed_cell} | {resumed} of "
                      f"{len(sides)} | " + " | ".join(cells) + " |")
     total = sum(len(_sides(r)) for r in rows)
@@ -330,10 +324,20 @@ def render(data: dict) -> str:
     return "\n".join(lines + failures)
 
 
-def _plain_fails_alike(row: dict, side: dict) -> bool:
-    """A side's error is plain DeepSpeed's own in that configuration (its plain side failed the same way)."""
+FAILURES = {"plain": " (DeepSpeed's own)", "alike": " (plain DeepSpeed fails the same way)",
+            "refused": " (refused at initialize; plain DeepSpeed fails)", "ours": ""}
+"""A failed side's kind → how the summary lists it; only ``ours`` counts against a preset."""
+
+
+def _failure(row: dict, side: str, result: dict) -> str:
+    """The kind of a failed side: plain DeepSpeed's own, a preset failing as plain does, a preset refused at
+    initialize where plain fails, or a failure of ours."""
     plain = _sides(row).get("plain", {})
-    return "error" in side and "error" in plain and (side is plain or side["error"] == plain["error"])
+    if side == "plain":
+        return "plain"
+    if "error" in plain and result.get("refused"):
+        return "refused"
+    return "alike" if "error" in plain and result["error"] == plain["error"] else "ours"
 
 
 

@@ -265,9 +265,7 @@ class Session:
         engine.xirang = self
         if checkpoints:
             from xirang_ds.checkpoints import engine_files
-            from xirang_ds.compat.deepspeed import settle_zero3_adagrad
 
-            settle_zero3_adagrad(engine)  # so that its checkpoints load (plain DeepSpeed's do not)
             self._handles.append(wrap_method(engine, "save_checkpoint", functools.partial(engine_files.save, self)))
         for p in self.plugins:
             p.attach(engine)

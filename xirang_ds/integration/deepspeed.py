@@ -15,6 +15,7 @@ from typing import Any, Optional
 import deepspeed
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
+from xirang_ds.compat.deepspeed import settle_zero3_adagrad
 from xirang_ds.compat.torch import is_optimized_module, uncompiled
 from xirang_ds.config.auto import choose_preset
 from xirang_ds.config.fit import fit_block
@@ -90,8 +91,7 @@ def initialize(
         return _ORIGINAL_INITIALIZE(**passthrough)  # DeepSpeed's own error for a missing model
     ds_config[BLOCK_KEY], preset_choice = choose_preset(ds_config[BLOCK_KEY], ds_config, uncompiled(model),
                                                         world_size=_world_size())
-    _check_model(model, ds_config, client)
-    fitted = fit_block(ds_config[BLOCK_KEY], ds_config, client)
+    fitted = _fit(model, ds_config, client)
     session = Session(fitted.config, ds_config, left_out=fitted.left_out)
     session.preset_choice = preset_choice
     session.model = uncompiled(model)  # a model compiled before initialize: plugins attach to its modules inside
@@ -103,14 +103,15 @@ def initialize(
         chosen = optimizer  # no plugin replaced it: DeepSpeed builds it from the block as usual
     passthrough.update(optimizer=chosen, config=session.ds_config, config_params=None)
     engine, opt, loader, sched = _call_with_dict(passthrough, from_args)
+    settle_zero3_adagrad(engine)  # so that its checkpoints load (plain DeepSpeed's do not)
     session.attach(engine, checkpoints=True)
     if engine.global_rank == 0:
         logger.info(session.summary())
     return engine, opt, loader, sched
 
 
-def _check_model(model: Any, ds_config: dict, client: Any) -> None:
-    """What DeepSpeed cannot run with this model, said at ``initialize`` with the block's own problems,
+def _fit(model: Any, ds_config: dict, client: Any) -> Any:
+    """`fit_block`, with what DeepSpeed cannot run with this model among the problems: said at ``initialize``
     instead of a failure deep inside DeepSpeed at the first forward.
 
     Raises:
@@ -118,18 +119,20 @@ def _check_model(model: Any, ds_config: dict, client: Any) -> None:
     """
     from xirang_ds.config.validate import XirangConfigError
 
+    problems = []
     stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
-    if not (is_optimized_module(model) and str(stage) == "3"):
-        return
-    problems = [("zero_optimization.stage", "3 with a model compiled before initialize (torch.compile(model)): "
-                 "DeepSpeed's ZeRO-3 engine does not run a compiled wrapper (plain DeepSpeed fails at the first "
-                 "forward: 'dict' object has no attribute '_in_forward'); pass the model "
-                 "uncompiled and call engine.compile() after initialize, which ZeRO-3 runs with every preset")]
+    if is_optimized_module(model) and str(stage) == "3":
+        problems.append(("zero_optimization.stage", "3 with a model compiled before initialize (torch.compile(model)): "
+                         "DeepSpeed's ZeRO-3 engine does not run a compiled wrapper (plain DeepSpeed fails at the "
+                         "first forward: 'dict' object has no attribute '_in_forward'); pass the model uncompiled "
+                         "and call engine.compile() after initialize, which ZeRO-3 runs with every preset"))
     try:
-        fit_block(ds_config[BLOCK_KEY], ds_config, client)
+        fitted = fit_block(ds_config[BLOCK_KEY], ds_config, client)
     except XirangConfigError as e:
-        problems = e.problems + problems
-    raise XirangConfigError(problems)
+        raise XirangConfigError(e.problems + problems) from None
+    if problems:
+        raise XirangConfigError(problems)
+    return fitted
 
 
 def _world_size() -> int:

@@ -64,8 +64,8 @@ def parameter_count(model: str) -> int:
         return sum(p.numel() for p in build_model(parse_model_spec(model), seed=0).parameters())
 
 
-def states_per_param(row: dict, params: int) -> str:
-    by = row.get("peak_by_category")
+def states_per_param(row: dict, params: int, key: str = "peak_by_category") -> str:
+    by = row.get(key)
     if not by or not params:
         return ""
     pool = by.get("memory_pool", 0)
@@ -103,7 +103,8 @@ def run(args: argparse.Namespace) -> dict:
             plain = run_side(args.model, base, args.steps, args.world_size, args.data, 0, False)
         data["rows"].append({"stage": stage, "config": "plain", "peak_bytes": plain.peak_bytes,
                              "step_time_s": plain.step_time_median_s, "final_loss": plain.final_loss,
-                             "peak_phase": plain.peak_phase, "peak_by_category": plain.peak_by_category})
+                             "peak_phase": plain.peak_phase, "peak_by_category": plain.peak_by_category,
+                             **steady_of(plain)})
         for preset in args.presets:
             print(f"ZeRO-{stage}: preset {preset} ...", file=sys.stderr, flush=True)
             row = {"stage": stage, "config": preset}
@@ -120,9 +121,17 @@ def run(args: argparse.Namespace) -> dict:
                            peak_by_category=ours.peak_by_category,
                            peak_ratio=ours.peak_bytes / plain.peak_bytes,
                            step_time_ratio=ours.step_time_median_s / plain.step_time_median_s,
-                           loss_delta=ours.final_loss - plain.final_loss, left_out=left_out(ours.summary))
+                           loss_delta=ours.final_loss - plain.final_loss, left_out=left_out(ours.summary),
+                           **steady_of(ours))
             data["rows"].append(row)
     return data
+
+
+def steady_of(side) -> dict:
+    """The side's peak over the steps after the first (`bench.SideResult.steady_peak_bytes`), if measured."""
+    if getattr(side, "steady_peak_bytes", None) is None:
+        return {}
+    return {"steady_peak_bytes": side.steady_peak_bytes, "steady_peak_by_category": side.steady_peak_by_category}
 
 
 def saved_plain(args: argparse.Namespace, stage: int) -> argparse.Namespace:
@@ -141,7 +150,8 @@ def saved_plain(args: argparse.Namespace, stage: int) -> argparse.Namespace:
     r = rows[0]
     return argparse.Namespace(peak_bytes=r["peak_bytes"], step_time_median_s=r["step_time_s"],
                               final_loss=r["final_loss"], peak_phase=r["peak_phase"],
-                              peak_by_category=r["peak_by_category"])
+                              peak_by_category=r["peak_by_category"], steady_peak_bytes=r.get("steady_peak_bytes"),
+                              steady_peak_by_category=r.get("steady_peak_by_category"))
 
 
 def render(data: dict) -> str:
@@ -157,14 +167,24 @@ def render(data: dict) -> str:
              "peak phase | step time ratio | final loss (Δ) | left out |",
              "|---|---|---|---|---|---|---|---|---|"]
     params = data.get("parameters", 0)
+    steady = any(r.get("steady_peak_bytes") for r in data["rows"])
+    if steady:  # the steady steps' peak and model states, after the peak's
+        lines[-2] = lines[-2].replace(" peak phase |", " steady peak, model states (B/param) | peak phase |")
+        lines[-1] += "---|"
     for r in data["rows"]:
         states, phase = states_per_param(r, params), r.get("peak_phase", "")
+        if steady and r.get("steady_peak_bytes"):
+            states += (f" | {r['steady_peak_bytes'] / mib:.2f} MiB, "
+                       f"{states_per_param(r, params, 'steady_peak_by_category')}")
+        elif steady:
+            states += " |"
         fraction = r.get("budget_fraction", (data.get("budgets") or {}).get(r["config"]))
         budget = f" (memory_budget {fraction}x)" if "memory_budget" in r else ""
         if "error" in r:
             reason = r["error"].split("problem): ", 1)[-1].split("; raise")[0]
             reason = reason.split(": inputs kept")[0] + ")" if ": inputs kept" in reason else reason
-            lines.append(f"| {r['stage']} | preset {r['config']}{budget} | refused: {reason} | | | | | | |")
+            lines.append(f"| {r['stage']} | preset {r['config']}{budget} | refused: {reason} | | | | | | |"
+                         + (" |" if steady else ""))
         elif r["config"] == "plain":
             lines.append(f"| {r['stage']} | plain DeepSpeed | {r['peak_bytes'] / mib:.2f} MiB | 1.00 | {states} | "
                          f"{phase} | 1.00 | {r['final_loss']:.4f} | |")
@@ -175,7 +195,9 @@ def render(data: dict) -> str:
     if params:
         lines += ["", f"{params:,} parameters; model states at the peak: the tracker's parameters, gradients and "
                       "optimizer states in the peak's mix, per parameter, worst rank; the memory pool's reservation "
-                      "(int8/int4 states and activation payloads, when on) beside it."]
+                      "(int8/int4 states and activation payloads, when on) beside it."
+                      + (" Steady peak: the same over the steps after the first (the first step's measuring and "
+                         "profiling passes left out)." if steady else "")]
     return "\n".join(lines)
 
 

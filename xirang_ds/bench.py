@@ -43,6 +43,10 @@ class SideResult:
     allocator_peak_bytes: Optional[int] = None
     summary: str = ""
     category_peaks: dict[str, int] = field(default_factory=dict)
+    steady_peak_bytes: Optional[int] = None
+    """The tracker's peak over the steps after the first (worst rank): the first step's measuring and
+    profiling passes left out, so the steps a long run repeats (None with one step)."""
+    steady_peak_by_category: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items()}
@@ -178,7 +182,10 @@ def bench_rank(rank: int, world: int, model_text: str, ds_config: dict, steps: i
     data = batches(tokens, engine.train_micro_batch_size_per_gpu(), seq, seed=seed, vocab=vocab, rank=rank,
                    world_size=world)
     losses, times = [], []
-    for _ in range(steps):
+    steady = None
+    for step in range(steps):
+        if step == 1:
+            steady = tracker.open_window()
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -195,6 +202,10 @@ def bench_rank(rank: int, world: int, model_text: str, ds_config: dict, steps: i
         "summary": session.summary() if session is not None else "",
         "category_peaks": window.category_peaks(),
     }
+    if steady is not None:
+        steady_report = steady.report()
+        out.update(steady_peak_bytes=steady_report.peak_bytes, steady_peak_by_category=steady_report.by_category)
+        steady.close()
     out["plugin_figures"] = session.figures() if session is not None else {}
     window.close()
     if device_window is not None:
@@ -221,7 +232,17 @@ def combine(per_rank: list[dict]) -> SideResult:
         losses=losses, step_times_s=times, per_rank_peak_bytes=[r["peak_bytes"] for r in per_rank],
         allocator_peak_bytes=worst["allocator_peak_bytes"], summary=per_rank[0]["summary"],
         category_peaks={c: max(r["category_peaks"].get(c, 0) for r in per_rank) for c in CATEGORIES},
-        plugin_figures=per_rank[0].get("plugin_figures", {}))
+        plugin_figures=per_rank[0].get("plugin_figures", {}), **_steady(per_rank))
+
+
+def _steady(per_rank: list[dict]) -> dict:
+    """The worst rank's peak over the steps after the first (`SideResult.steady_peak_bytes`)."""
+    ranks = [r for r in per_rank if r.get("steady_peak_bytes") is not None]
+    if not ranks:
+        return {}
+    worst = max(ranks, key=lambda r: r["steady_peak_bytes"])
+    return {"steady_peak_bytes": worst["steady_peak_bytes"],
+            "steady_peak_by_category": worst["steady_peak_by_category"]}
 
 
 def strip_block(ds_config: dict) -> dict:

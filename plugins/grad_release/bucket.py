@@ -118,6 +118,8 @@ class Bucket(MasterSlices):
         self.arrived = [False] * len(self.params)
         self.missing = len(self.params)
         self.by_rows_done = False
+        self.rows_taken: Optional[str] = None  # where `rows.RowSink` put each round: "acc" or "host"
+        self.rows_sumsq: Optional[torch.Tensor] = None  # the rounds' squared norms, summed (`sumsq`)
         self.target: Optional[torch.Tensor] = None
         self._target_accumulates = False
         self.reduced: Optional[torch.Tensor] = None
@@ -133,6 +135,7 @@ class Bucket(MasterSlices):
         self.arrived = [False] * len(self.params)
         self.missing = len(self.params)
         self.by_rows_done = False  # handed over by rows in this backward (`rows.RowSink`)
+        self.rows_taken, self.rows_sumsq = None, None
 
     def add(self, index: int, grad: torch.Tensor, local: bool = False, peek: bool = False) -> None:
         """Take parameter ``index``'s gradient of this backward.
@@ -156,13 +159,23 @@ class Bucket(MasterSlices):
 
     def add_late(self, index: int, grad: torch.Tensor) -> None:
         """A gradient of parameter ``index`` that arrives after its rows were reduced (`rows.RowSink`),
-        its bucket still in flight: reduced now and added to the reduced shard."""
+        its bucket still in flight: reduced now and added to the reduced shard (or to the accumulator,
+        or to the shard brought back from the host, where the rounds went; its norm is then taken whole)."""
         with self.scope(GRADIENTS):
             buffer = torch.zeros(self.layout.numel, dtype=self.comm_dtype, device=grad.device)
             self.layout.write(buffer, index, grad.reshape(-1))
             late = torch.empty(self.layout.shard_numel, dtype=self.comm_dtype, device=grad.device)
         wait(self.comm.reduce_scatter(late, buffer))
-        self.reduced.add_(late)
+        del buffer
+        if self.rows_taken == "acc":
+            self.acc.add_(late, alpha=1.0 / self.comm.world)
+        elif self.rows_taken == "host":  # back on the device, where the reduction would have left it
+            self.rows_taken = None
+            self.reduced = torch.empty_like(late)
+            self.reduced.copy_(self._host).add_(late)
+        else:
+            self.reduced.add_(late)
+        self.rows_sumsq = None
 
     def _adopts(self, flat: torch.Tensor) -> bool:
         """Whether the gradient itself is this backward's communication buffer, with no copy: the bucket's
@@ -221,12 +234,18 @@ class Bucket(MasterSlices):
     # gradients folded -------------------------------------------------------------------------
     def fold(self) -> None:
         """Not the last micro-step: add this micro-step's averaged shard into the accumulator."""
+        if self.rows_taken == "acc":  # each round was added as it was reduced
+            return
         self._accumulator().add_(self.reduced, alpha=1.0 / self.comm.world)
         self.reduced = None
 
     def finalize(self) -> None:
         """Last micro-step: make ``grad`` (the step's gradient shard) from the reduction."""
-        if self.sharded and self.acc is not None:
+        if self.rows_taken == "host":
+            self.grad, self.grad_scale = self._host, 1.0 / self.comm.world
+        elif self.rows_taken == "acc":
+            self.grad, self.grad_scale = self.acc, 1.0
+        elif self.sharded and self.acc is not None:
             self.acc.add_(self.reduced, alpha=1.0 / self.comm.world)
             self.grad, self.grad_scale = self.acc, 1.0
         else:
@@ -236,6 +255,8 @@ class Bucket(MasterSlices):
 
     def sumsq(self) -> torch.Tensor:
         """Squared L2 norm of the step's gradient shard (float64 scalar; nan/inf if non-finite)."""
+        if self.rows_sumsq is not None:  # summed over the rounds as they were reduced (`rows.RowSink`)
+            return self.rows_sumsq
         if self.norm_counted is None or all(self.norm_counted):
             norm = torch.linalg.vector_norm(self.grad, dtype=torch.float32).double() * self.grad_scale
             return norm * norm
@@ -264,17 +285,24 @@ class Bucket(MasterSlices):
         current stream (no host sync); the device shard is freed once the tensor is dropped, which the
         caching allocator orders after the copy on that stream."""
         grad = self.grad
+        if grad is self._host:  # its rounds went there as they were reduced (`rows.RowSink`)
+            return
+        host = self.host_shard(grad.shape, grad.dtype)
+        host.copy_(grad, non_blocking=True)
+        self.grad = host
+
+    def host_shard(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """The host buffer `stash` keeps the gradient shard in (pinned on accelerators), reused every step."""
         host = self._host
-        if host is None or host.shape != grad.shape or host.dtype != grad.dtype:
+        if host is None or host.shape != shape or host.dtype != dtype:
             with self.host_scope():
-                host = torch.empty(grad.shape, dtype=grad.dtype, device="cpu")
-                if grad.device.type != "cpu":
+                host = torch.empty(shape, dtype=dtype, device="cpu")
+                if self.params[0].device.type != "cpu":
                     from deepspeed.accelerator import get_accelerator
 
                     host = get_accelerator().pin_memory(host)
             self._host = host
-        host.copy_(grad, non_blocking=True)
-        self.grad = host
+        return host
 
     def unstash(self) -> None:
         """Bring a stashed gradient shard back to the device (just before its update)."""

@@ -6,7 +6,12 @@ producers can instead make them a round of rows at a time, each row complete: th
 (`xirang_ds.plugins.activations.head_rows`) and an input embedding (`embedding_rows`). A `RowSink`
 takes those rounds: in each, every rank makes the same rows of every rank's shard, and the round is
 reduce-scattered at once into this rank's shard of the reduced gradient and freed. So the device
-holds this rank's shard (``1/world`` of the gradient) and one round, never the whole.
+holds this rank's shard (``1/world`` of the gradient) and one round, never the whole; and not even
+the shard where each round's rows have somewhere to go as they come: into the fp32 accumulator
+(gradient accumulation, and the last micro-step of one), or into the host buffer where exact clipping
+keeps the reduced shards until the norm is known (``exact_method: host``). Then the device holds one
+round. The rounds' squared norms are summed as they come, so the norm does not depend on where they
+went (the rows' norm is a sum over rounds, one summation order more than the whole shard's).
 
 Offered (`RowHandOver.take`) only where it changes nothing else: a sharded bucket (ZeRO 1/2 over
 more than one rank) holding this one parameter, a 2-D parameter whose rows split evenly over the
@@ -24,10 +29,14 @@ import torch
 
 from xirang_ds.compat.torch import has_grad_hooks
 from xirang_ds.memory.categories import GRADIENTS
+from xirang_ds.plugins.grad_release.pipeline import Pass
 
 if TYPE_CHECKING:  # pragma: no cover
     from xirang_ds.plugins.grad_release.bucket import Bucket
     from xirang_ds.plugins.grad_release.pipeline import ReleasePipeline
+
+FINAL = (Pass.FUSED, Pass.UPDATE, Pass.HOLD)
+"""The passes whose reduced gradient is the step's: the rounds' squared norms are summed."""
 
 ATTR = "xirang_rows"
 """The attribute grad_release sets on a parameter whose gradient it can take by rows: its `RowHandOver`."""
@@ -65,6 +74,12 @@ class RowSink:
         self.dtype = self.bucket.comm_dtype
         self.device = param.device
         self.closed = False
+        kind, bucket = pipeline.kind, self.bucket
+        self.into_acc = kind is Pass.ACCUMULATE or (kind in FINAL and bucket.acc is not None)
+        self.to_host = not self.into_acc and kind is Pass.HOLD and pipeline.stash_held
+        counted = bucket.norm_counted is None or bucket.norm_counted[0]
+        self.sumsq = torch.zeros((), dtype=torch.float64, device=self.device) if kind in FINAL and counted else None
+        self.host = bucket.host_shard(torch.Size([bucket.layout.shard_numel]), self.dtype) if self.to_host else None
 
     def round_rows(self, parts: int = 8) -> int:
         """Rows of each shard per round when the caller has no size of its own: ``1/parts`` of the shard."""
@@ -82,13 +97,25 @@ class RowSink:
         if self.closed or self.done + rows > self.rows:
             raise RuntimeError(f"xirang.grad_release: {bucket.names[0]}: a round of {rows} rows past the "
                                f"{self.rows} rows of each shard ({self.done} reduced)")
-        if bucket.reduced is None:
+        start, end = self.done * self.row_numel, (self.done + rows) * self.row_numel
+        if self.into_acc or self.to_host:
             with bucket.scope(GRADIENTS):
-                bucket.reduced = torch.empty(bucket.layout.shard_numel, dtype=self.dtype, device=self.device)
-        out = bucket.reduced[self.done * self.row_numel:(self.done + rows) * self.row_numel]
+                out = torch.empty(end - start, dtype=self.dtype, device=self.device)
+        else:
+            if bucket.reduced is None:
+                with bucket.scope(GRADIENTS):
+                    bucket.reduced = torch.empty(bucket.layout.shard_numel, dtype=self.dtype, device=self.device)
+            out = bucket.reduced[start:end]
         work = bucket.comm.reduce_scatter(out, buffer.view(-1))
         if work is not None:
             work.wait()
+        if self.into_acc:  # as `Bucket.fold` and `Bucket.finalize` add the whole shard
+            out = bucket._accumulator()[start:end].add_(out, alpha=1.0 / self.world)
+        if self.sumsq is not None:
+            norm = torch.linalg.vector_norm(out, dtype=torch.float32).double()
+            self.sumsq += (norm if self.into_acc else norm / self.world) ** 2
+        if self.to_host:  # queued on the current stream, as `Bucket.stash` copies
+            self.host[start:end].copy_(out, non_blocking=True)
         self.done += rows
 
     def close(self) -> None:
@@ -97,6 +124,9 @@ class RowSink:
             raise RuntimeError(f"xirang.grad_release: {self.bucket.names[0]}: {self.done} of {self.rows} rows "
                                "reduced when the rows ended")
         self.closed = True
+        bucket = self.bucket
+        bucket.rows_taken = "acc" if self.into_acc else "host" if self.to_host else None
+        bucket.rows_sumsq = self.sumsq
         self.pipeline.delivered(self.b)
 
 

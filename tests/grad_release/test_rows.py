@@ -38,9 +38,9 @@ class Twice(torch.nn.Module):
         return self.inner(x, y) + 0.5 * self.inner(x, y)
 
 
-def _config(dtype, rows=True, method="host", stage=2):
+def _config(dtype, rows=True, method="host", stage=2, gas=2):
     release = {"enabled": True, "bucket_size_numel": 20_000, "exact_method": method}
-    return ds_config(stage=stage, dtype=dtype, micro=2, gas=2, clip=0.5,
+    return ds_config(stage=stage, dtype=dtype, micro=2, gas=gas, clip=0.5,
                      xirang={"grad_release": release, "activations": CHUNK}), rows
 
 
@@ -67,11 +67,17 @@ def _train(rank, world, setup, steps=3, tie=False, twice=False, reads=False, sav
         plugin.pipeline.by_rows = [False] * len(plugin.buckets)
     from xirang_ds.plugins.grad_release.bucket import Bucket
 
-    closed, late = [], []
+    closed, late, at_close = [], [], []
     close, add_late = RowSink.close, Bucket.add_late
-    RowSink.close = lambda self: closed.append(".".join(self.bucket.names[0].split(".")[-2:])) or close(self)
-    Bucket.add_late = lambda self, *a: late.append(self.names[0]) or add_late(self, *a)
     tracker = engine.xirang.track_memory()
+
+    def closing(sink):
+        closed.append(".".join(sink.bucket.names[0].split(".")[-2:]))
+        at_close.append(tracker.by_category(tracker.live_records())["gradients"])
+        close(sink)
+
+    RowSink.close = closing
+    Bucket.add_late = lambda self, *a: late.append(self.names[0]) or add_late(self, *a)
     window = tracker.open_window()
     data = engine_runs.data_iter(2, spec.seq, rank, world)
     for _ in range(skip * config["gradient_accumulation_steps"]):
@@ -87,6 +93,7 @@ def _train(rank, world, setup, steps=3, tie=False, twice=False, reads=False, sav
     window.close()
     engine.xirang.remove()
     return {"losses": losses, "params": params, "closed": closed, "gradients": gradients, "late": late,
+            "at_close": at_close,
             "by_rows": plugin.pipeline.by_rows[plugin.pipeline.slots[head.weight][0]],
             "attr": hasattr(head.weight, "xirang_rows")}
 
@@ -99,6 +106,9 @@ def _scenarios(rank, world, tmp):
     for name, setup in (("stage1", dict(dtype="fp32", stage=1)), ("fp16", dict(dtype="fp16"))):
         out[name] = _train(rank, world, _config(**setup))
         out[name + "_tokens"] = _train(rank, world, _config(rows=False, **setup))
+    for method in ("host", "hold"):
+        out["gas1", method] = _train(rank, world, _config("bf16", method=method, gas=1))
+    out["gas1", "tokens"] = _train(rank, world, _config("bf16", rows=False, gas=1))
     out["two_pass"] = _train(rank, world, _config("fp32", method="two_pass"))
     out["two_pass_tokens"] = _train(rank, world, _config("fp32", rows=False, method="two_pass"))
     out["tied"] = _train(rank, world, _config("fp32"), tie=True)
@@ -142,6 +152,22 @@ def test_the_whole_weight_gradient_is_never_made(runs, dtype):
         rows, tokens = out[dtype, "rows"], out[dtype, "tokens"]
         assert tokens["gradients"] >= HEAD_NUMEL * itemsize
         assert rows["gradients"] <= tokens["gradients"] - HEAD_NUMEL * itemsize // 2
+
+
+@pytest.mark.distributed
+def test_rounds_go_to_the_host_or_the_accumulator_as_they_come(runs):
+    """Under exact clipping's ``host`` at accumulation 1 each reduced round goes to the host buffer as
+    it comes, so the device never holds the head's shard: when the head's rows close, ``hold`` has its
+    bf16 shard (half the head) live and ``host`` not even that. Both train the same, bit for bit (the
+    rounds' norms are summed alike); the accumulator's rounds are the tests above (accumulation 2)."""
+    shard = HEAD_NUMEL // 2 * 2
+    for out in runs:
+        host, hold, tokens = out["gas1", "host"], out["gas1", "hold"], out["gas1", "tokens"]
+        assert host["closed"][0] == hold["closed"][0] == "lm_head.weight"
+        heads = range(0, len(host["closed"]), 3)
+        assert all(hold["at_close"][i] - host["at_close"][i] >= shard for i in heads), (host, hold)
+        assert torch.equal(host["params"], hold["params"]) and host["losses"] == hold["losses"]
+        torch.testing.assert_close(host["params"], tokens["params"], rtol=0, atol=2e-2)
 
 
 @pytest.mark.distributed

@@ -78,4 +78,8 @@ def test_zero3_gathered_weights_count_as_parameters_not_activations():
     for stage in (2, 3):
         side = run_side("gpt-tiny", ds_config(stage=stage, dtype="bf16", micro=4), 2, 2, None, 0, False)
         highs[stage] = side.category_peaks
+        # the steps after the first: a peak of their own, within the whole run's, its categories summing to it
+        steady = side.steady_peak_by_category
+        assert 0 < side.steady_peak_bytes <= side.peak_bytes
+        assert sum(v for k, v in steady.items() if k != "host") == side.steady_peak_bytes
     assert highs[3]["activations"] == highs[2]["activations"]

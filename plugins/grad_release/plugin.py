@@ -245,7 +245,6 @@ class GradReleasePlugin(Plugin):
         for n in by_rows:
             whole_numels.remove(n)
         largest = max(whole_numels, default=0)
-        rows_held = max((lp * (math.ceil(n / world) + world * math.ceil(n / world / 8)) for n in by_rows), default=0)
         bucket = min(max(bucket_numel, largest), total)
         kind = self._masters if shape.dtype == torch.bfloat16 else "fp32"
         masters = {"fp32": 4 * part, "remainders": 2 * part + math.ceil(part / 8), "none": 0}[kind] if lp != 4 else 0
@@ -254,8 +253,14 @@ class GradReleasePlugin(Plugin):
             states = phases["forward"].get(OPTIMIZER_STATES, states)  # that plugin's own model (it runs first)
         clipping = self.setup.gradient_clipping if self.setup is not None else 0.0
         fp16 = self.setup is not None and self.setup.fp16 is not None
-        holds = self.config.exact_method == "hold" and (clipping > 0 and self.config.clipping == "exact" or fp16
-                                                        or self.retries_oom())
+        global_pass = clipping > 0 and self.config.clipping == "exact" or fp16 or self.retries_oom()
+        holds = self.config.exact_method == "hold" and global_pass
+        # the rows' shard stays on the device unless each round goes on as it comes (`rows.RowSink`): into
+        # the accumulator, or to the host under ``host``; then one round more (its reduced part)
+        streams = shape.grad_accum > 1 or self.config.exact_method == "host" and global_pass
+        rows_held = max((lp * (world * math.ceil(n / world / 8)
+                               + (math.ceil(n / world / 8) if streams else math.ceil(n / world))) for n in by_rows),
+                        default=0)
         accum = 4 * part if shape.grad_accum > 1 else 0
         in_flight = (2 if self.config.overlap_comm and len(planned) > 1 else 1) * lp * bucket
         # the largest gradient, made whole before its hook, is copied into its bucket's buffer, unless it is

@@ -54,12 +54,17 @@ def test_estimate_within_ten_percent_of_measured(model, stage, dtype, micro, wor
 
 def test_grad_release_estimate_takes_the_largest_gradients_by_rows(monkeypatch):
     """The chunked head's and the embedding's weights (2048 x 64 each, alone in their buckets) give their
-    gradients by rows: the backward's gradients are one shard (65,536 elements) and one round of
-    1/8 shard per rank (2 x 8,192), 163,840 bf16 bytes, where the head's whole gradient was 262,144."""
+    gradients by rows. Under DeepSpeed's default clipping (1.0, exact, ``host``) each round goes to the
+    host as it comes: the backward's gradients are one round of 1/8 shard per rank (2 x 8,192) and its
+    reduced part (8,192), 49,152 bf16 bytes; with ``hold`` the shard (65,536 elements) stays instead of
+    the reduced round, 163,840 bytes; the head's whole gradient was 262,144."""
     from xirang_ds.plugins.grad_release.plugin import GradReleasePlugin
 
     config = ds_config(stage=2, dtype="bf16", micro=4, xirang={**CHUNK, **GRAD_RELEASE})
-    assert estimate_spec(VOCAB, config, 2).phases["backward"]["gradients"] == 163_840
+    assert estimate_spec(VOCAB, config, 2).phases["backward"]["gradients"] == 49_152
+    held = ds_config(stage=2, dtype="bf16", micro=4,
+                     xirang={**CHUNK, "grad_release": {"enabled": True, "exact_method": "hold"}})
+    assert estimate_spec(VOCAB, held, 2).phases["backward"]["gradients"] == 163_840
     monkeypatch.setattr(GradReleasePlugin, "_rows_numels", lambda self, world, bucket: [])
     assert estimate_spec(VOCAB, config, 2).phases["backward"]["gradients"] == 262_144
 

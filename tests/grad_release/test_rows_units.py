@@ -1,6 +1,7 @@
 """Rows of a weight gradient against autograd's whole gradient, in one process: the chunked head's
 rounds (`head_rows.backward`) and the input embedding's (`embedding_rows.RowsEmbedding`), through a
-sink that keeps what each round would reduce."""
+sink that keeps what each round would reduce; and a real `RowSink`'s rounds going where the whole shard
+would (the device shard, the host buffer, the accumulator) over a bucket of rank 0 of 2."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -118,3 +119,65 @@ def test_embedding_without_the_rows_is_autograds_own_gradient():
     hand = Hand(None)  # take() gives no sink: the whole gradient, as autograd makes it
     (RowsEmbedding.apply(ids, weight, 0, hand) * upstream).sum().backward()
     assert torch.equal(weight.grad, want)
+
+
+class TwoRanks:
+    """Rank 0 of two ranks that make the same gradients: a reduce-scatter is this rank's half, doubled."""
+
+    world, rank = 2, 0
+
+    def reduce_scatter(self, out, buffer):
+        torch.mul(buffer.view(2, -1)[0], 2, out=out)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind,stash,acc", [("hold", True, False), ("hold", False, False), ("fused", False, False),
+                                            ("accumulate", False, False), ("hold", True, True)])
+def test_a_sinks_rounds_go_where_the_whole_shard_would(kind, stash, acc, device):
+    """A real `RowSink` over a bucket of rank 0 of 2: under ``host`` (stash) each round goes to the pinned
+    host buffer, under accumulation into the fp32 accumulator, else into the device shard; the bucket then
+    finalizes to the same gradient and norm as the whole shard, and the device never held the shard
+    where the rounds went on."""
+    from xirang_ds.plugins.grad_release.bucket import Bucket
+    from xirang_ds.plugins.grad_release.layout import BucketLayout
+    from xirang_ds.plugins.grad_release.pipeline import Pass
+    from xirang_ds.plugins.grad_release.rows import RowSink
+
+    torch.manual_seed(0)
+    vocab, width = 64, 8
+    weight = torch.nn.Parameter(torch.randn(vocab, width, device=device, dtype=torch.bfloat16))
+    bucket = Bucket(0, [weight], ["head.weight"], [0], BucketLayout.build([weight.numel()], 2), TwoRanks(),
+                    torch.optim.AdamW([weight]), torch.bfloat16)
+    earlier = torch.randn(vocab // 2 * width, device=device)
+    if acc:
+        bucket.acc = earlier.clone()
+    pipeline = type("Pipeline", (), {"kind": Pass[kind.upper()], "stash_held": stash, "buckets": [bucket],
+                                     "delivered": lambda self, b: None})()
+    bucket.begin_backward()
+    sink = RowSink(pipeline, 0)
+    grad = torch.randn(vocab, width, device=device, dtype=torch.bfloat16)  # every rank's, alike
+    shards = []
+    for start in range(0, sink.rows, 5):
+        rows = min(5, sink.rows - start)
+        buffer = sink.buffer(rows)
+        for r in range(2):
+            buffer[r] = grad[r * sink.rows + start:r * sink.rows + start + rows]
+        sink.reduce(buffer)
+        shards.append(bucket.reduced)
+    sink.close()
+    reduced = (grad[:sink.rows] * 2).reshape(-1)  # rank 0's rows, summed over the two ranks
+    went_on = stash or kind == "accumulate" or acc
+    assert (bucket.reduced is None) == went_on and all(s is None for s in shards) == went_on
+    if kind == "accumulate":
+        bucket.fold()
+        torch.testing.assert_close(bucket.acc, reduced.float() / 2, rtol=0, atol=0)
+        return
+    bucket.finalize()
+    whole = reduced.float() / 2 + (earlier if acc else 0)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert bucket.grad.device.type == ("cpu" if stash and not acc else device)
+    torch.testing.assert_close(bucket.grad.float().to(device) * bucket.grad_scale, whole, rtol=0, atol=0)
+    torch.testing.assert_close(bucket.sumsq(), whole.double().square().sum(), rtol=1e-6, atol=0)
+    if stash and not acc and device == "cuda":
+        assert bucket.grad.is_pinned()

@@ -140,12 +140,26 @@ def summarize(rows: list[dict]) -> dict:
             "not_modelled": [r["config"] for r in rows if not r["modelled"]]}
 
 
+def render(data: dict) -> str:
+    lines = ["| configuration | measured peak (bytes) | phase | predicted (bytes) | phase | error |",
+             "|---|---:|---|---:|---|---:|"]
+    for r in data["rows"]:
+        lines.append(f"| {r['config']} | {r['measured_peak_bytes']:,} | {r['measured_phase']} | "
+                     f"{r['predicted_peak_bytes']:,} | {r['predicted_phase']} | {r['error'] * 100:+.2f}% |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dev", action="store_true", help="the configurations the estimator was fitted on")
     p.add_argument("--only", default="", help="run the configurations whose label contains this")
+    p.add_argument("--render", metavar="JSON", help="print the Markdown table of a saved run (docs/observability.md)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.render:
+        with open(args.render, encoding="utf-8") as f:
+            print(render(json.load(f)))
+        return
     name = "estimator_dev.json" if args.dev else "estimator_matrix.json"
     out = args.out or os.path.join(os.path.dirname(__file__), "results", name)
     rows = []

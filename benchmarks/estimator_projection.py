@@ -1,6 +1,7 @@
 """The estimator at scale: per-rank peaks of 1.3B, 7B and 13B GPTs projected without any memory.
 
     .venv/bin/python benchmarks/estimator_projection.py [--out benchmarks/results/estimator_projection.json]
+    .venv/bin/python benchmarks/estimator_projection.py --render benchmarks/results/estimator_projection.json
 
 Each row traces the real model once under ``FakeTensorMode`` (no storage is allocated; a few seconds
 per row) and models one rank of 8 data-parallel ranks on an 80 GB device: bf16, micro-batch 1,
@@ -64,7 +65,12 @@ def korthikanti(layers: int, hidden: int, heads: int, seq: int, micro: int = 1) 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "estimator_projection.json"))
+    p.add_argument("--render", metavar="JSON", help="print the Markdown table of a saved run (docs/observability.md)")
     args = p.parse_args()
+    if args.render:
+        with open(args.render, encoding="utf-8") as f:
+            print(render(json.load(f)))
+        return
     rows = []
     for name, shape in MODELS.items():
         for seq in SEQS:
@@ -96,6 +102,20 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump({"command": "benchmarks/estimator_projection.py", "world_size": WORLD, "device_bytes": DEVICE_BYTES,
                    "rows": rows}, f, indent=1)
+
+
+def render(data: dict) -> str:
+    lines = ["| model | seq | configuration | predicted peak (GiB) | phase | model states at the peak "
+             "| activations (traced) | Megatron states (formula) | Megatron activations (formula) "
+             "| Korthikanti activations |",
+             "|---|---:|---|---:|---|---:|---:|---:|---:|---:|"]
+    for r in data["rows"]:
+        gib = [r[k] / GIB for k in ("predicted_peak_bytes", "states_at_peak_bytes", "activations_at_forward_end_bytes",
+                                    "megatron_states_bytes", "megatron_activations_bytes",
+                                    "korthikanti_activations_bytes")]
+        lines.append(f"| {r['model']} | {r['seq']} | {r['config']} | {gib[0]:.2f} | {r['peak_phase']} | "
+                     + " | ".join(f"{g:.2f}" for g in gib[1:]) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -293,8 +293,10 @@ class GradReleasePlugin(Plugin):
             cats["comm_buffers"] = 0
             if name == "backward":
                 # mid-backward, at the traced run's highest point there (the activations still alive
-                # then): the buckets in flight and the largest gradient made whole before its hook (`whole`)
-                cats[GRADIENTS] = accum + in_flight + whole
+                # then): the buckets in flight and the largest gradient made whole before its hook (`whole`),
+                # but no more than the traced run's own gradients there: where DeepSpeed's hold none yet
+                # (the point is before the first gradient), no bucket has been filled either
+                cats[GRADIENTS] = accum + min(in_flight + whole, phases[name].get(GRADIENTS, 0))
                 # early in backward, before the first bucket is full, the activations are all there
                 # with the loss's gradient temporaries; at its end the activations are gone, buckets
                 # are in flight and updating, and the held shard (if any) is whole
@@ -305,8 +307,9 @@ class GradReleasePlugin(Plugin):
                     cats = late
             elif name == BACKWARD_START:
                 # the first gradient autograd makes (the output head's, where the model has one: the
-                # largest parameter) exists whole before its hook copies it into a bucket, unless by rows
-                cats[GRADIENTS] = accum + max(lp * largest, rows_held)
+                # largest parameter) exists whole before its hook copies it into a bucket, unless by rows;
+                # no more than the traced run's own gradients there (none yet: none here either)
+                cats[GRADIENTS] = accum + min(max(lp * largest, rows_held), phases[name].get(GRADIENTS, 0))
             elif name in ("optimizer_step", STEP_PREPARE):
                 cats["temporaries"] = 0
                 cats["activations"] = 0

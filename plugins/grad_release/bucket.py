@@ -170,9 +170,7 @@ class Bucket(MasterSlices):
         if self.rows_taken == "acc":
             self.acc.add_(late, alpha=1.0 / self.comm.world)
         elif self.rows_taken == "host":  # back on the device, where the reduction would have left it
-            self.rows_taken = None
-            self.reduced = torch.empty_like(late)
-            self.reduced.copy_(self._host).add_(late)
+            self.rows_taken, self.reduced = None, late.add_(self._host.to(late.device))
         else:
             self.reduced.add_(late)
         self.rows_sumsq = None

@@ -131,13 +131,16 @@ class TwoRanks:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind,stash,acc", [("hold", True, False), ("hold", False, False), ("fused", False, False),
-                                            ("accumulate", False, False), ("hold", True, True)])
-def test_a_sinks_rounds_go_where_the_whole_shard_would(kind, stash, acc, device):
+@pytest.mark.parametrize("kind,stash,acc,late", [
+    ("hold", True, False, False), ("hold", False, False, False), ("fused", False, False, False),
+    ("accumulate", False, False, False), ("hold", True, True, False), ("hold", True, False, True),
+    ("hold", True, True, True)])
+def test_a_sinks_rounds_go_where_the_whole_shard_would(kind, stash, acc, late, device):
     """A real `RowSink` over a bucket of rank 0 of 2: under ``host`` (stash) each round goes to the pinned
     host buffer, under accumulation into the fp32 accumulator, else into the device shard; the bucket then
     finalizes to the same gradient and norm as the whole shard, and the device never held the shard
-    where the rounds went on."""
+    where the rounds went on. A late gradient (``Bucket.add_late``) is added where the rounds went: the
+    shard comes back from the host to the device, or the accumulator takes it."""
     from xirang_ds.plugins.grad_release.bucket import Bucket
     from xirang_ds.plugins.grad_release.layout import BucketLayout
     from xirang_ds.plugins.grad_release.pipeline import Pass
@@ -168,12 +171,22 @@ def test_a_sinks_rounds_go_where_the_whole_shard_would(kind, stash, acc, device)
     reduced = (grad[:sink.rows] * 2).reshape(-1)  # rank 0's rows, summed over the two ranks
     went_on = stash or kind == "accumulate" or acc
     assert (bucket.reduced is None) == went_on and all(s is None for s in shards) == went_on
+    after = 0
+    if late:  # a use of the weight the rows did not see, reduced on arrival
+        other = torch.randn(vocab, width, device=device, dtype=torch.bfloat16)
+        bucket.add_late(0, other)
+        extra = (other[:sink.rows] * 2).reshape(-1)
+        if acc:
+            after = extra.float() / 2  # added to the accumulator after the rounds
+        else:
+            reduced = reduced + extra  # in bf16, as the shard brought back adds it
+        stash = acc  # the shard is on the device again
     if kind == "accumulate":
         bucket.fold()
         torch.testing.assert_close(bucket.acc, reduced.float() / 2, rtol=0, atol=0)
         return
     bucket.finalize()
-    whole = reduced.float() / 2 + (earlier if acc else 0)
+    whole = reduced.float() / 2 + (earlier if acc else 0) + after
     if device == "cuda":
         torch.cuda.synchronize()
     assert bucket.grad.device.type == ("cpu" if stash and not acc else device)

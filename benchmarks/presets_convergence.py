@@ -6,7 +6,8 @@ Each model trains plain DeepSpeed (ZeRO-2 bf16, hand-tuned buckets) and then eac
 (conservative 0.75, balanced 0.5, aggressive 0.25), same data order and seed. The check is the
 relative difference of the final loss (mean of the last 10% of steps) against the issue's bounds:
 0.5% / 1% / 2%. `VARIANTS` adds rows of a preset with keys changed, at the preset's budget (aggressive
-with exact masters, against its default of none).
+with exact masters, against its default of none; balanced with exact masters, against its 8-bit
+remainders).
 
     .venv/bin/python benchmarks/presets_convergence.py --steps 300 --world-size 2 \\
         --data ../shared/data/tinyshakespeare.txt --json benchmarks/results/presets_convergence.json
@@ -32,7 +33,9 @@ from results_table import BASE, PRESET_BUDGETS, deep_merge, short_error  # noqa:
 
 BOUNDS = {"conservative": 0.005, "balanced": 0.01, "aggressive": 0.02}
 VARIANTS = {"aggressive, exact masters": ("aggressive", {2: {"grad_release": {"masters": "auto"}},
-                                                         3: {"optimizer_states": {"masters": "auto"}}})}
+                                                         3: {"optimizer_states": {"masters": "auto"}}}),
+            "balanced, exact masters": ("balanced", {2: {"grad_release": {"masters": "auto"}},
+                                                     3: {"optimizer_states": {"masters": "auto"}}})}
 """Row name → (preset, ZeRO stage → keys laid over it)."""
 
 

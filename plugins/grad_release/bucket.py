@@ -64,7 +64,8 @@ class Bucket(MasterSlices):
         scope: tracker scope for the bucket's transient buffers (`no_scope` without a tracker).
         host_scope: where the bucket's host buffer is made (the tracker's host tier; `stash`).
         masters: how bf16 parameters' masters are kept between updates: ``fp32``, ``remainders``
-            (exact) or ``none`` (rounded stochastically into the weights). Other dtypes: ``fp32``.
+            (exact), ``remainders_8bit`` (to 16 significant bits) or ``none`` (rounded stochastically
+            into the weights). Other dtypes: ``fp32``.
 
     Attributes:
         grad: after ``finalize``, the step's gradient shard (``grad * grad_scale`` is the average).
@@ -95,7 +96,7 @@ class Bucket(MasterSlices):
         self.has_master = self.dtype != torch.float32
         self.master: Optional[torch.Tensor] = None  # None for fp32, and between updates unless masters is fp32
         self.masters = masters if self.dtype == torch.bfloat16 else "fp32"
-        self.remainders = self.masters == "remainders"
+        self.remainders = self.masters in ("remainders", "remainders_8bit")
         self.transient = self.masters != "fp32"  # the master exists only during an update (or a load)
         # none, under an optimizer that widens and rounds back a chunk at a time: no master, ever (it
         # takes the fp32 gradient on the bf16 weight: torch with Tensor.grad_dtype)
@@ -103,8 +104,8 @@ class Bucket(MasterSlices):
                          and GRAD_DTYPE_SETTABLE)
         if self.in_place:
             self.transient = self.has_master = False
-        self.remainder: Optional[torch.Tensor] = None  # int16, one per master element
-        self.ties: Optional[torch.Tensor] = None  # uint8, one bit per master element
+        self.remainder: Optional[torch.Tensor] = None  # int16 (int8: remainders_8bit), one per master element
+        self.ties: Optional[torch.Tensor] = None  # uint8, one bit per master element (none: remainders_8bit)
         self.views: list[torch.Tensor] = []
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.group_sources: list[int] = []
@@ -426,10 +427,8 @@ class Bucket(MasterSlices):
         optimizer state (fp32 parameters: optimizer state only)."""
         master = self.master
         if self.remainders:
-            from xirang_ds.plugins.grad_release.remainders import join
-
             master = torch.empty_like(self.remainder, dtype=torch.float32)
-            join(self._weight_shard(), self.remainder, self.ties, master)
+            self._join(master)
         elif self.transient or self.in_place:
             master = self._weight_shard(torch.float32)
         return {"master": master, "optimizer": self.optimizer.state_dict() if self.optimizer else None,

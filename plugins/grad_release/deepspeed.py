@@ -76,7 +76,9 @@ class DeepSpeedRelease(FrameworkPath):
         p = self.plugin
         stage = p.setup.zero_stage
         shards = f"sharded 1/{p.comm.world}" if p.policy.sharded else "replicated"
-        masters = (" (as bf16 remainders, exact)" if any(b.remainders for b in p.buckets) else
+        masters = (" (as 8-bit remainders: 16 significant bits, rounded stochastically)"
+                   if any(b.masters == "remainders_8bit" for b in p.buckets) else
+                   " (as bf16 remainders, exact)" if any(b.remainders for b in p.buckets) else
                    " (none: bf16 weights rounded stochastically)" if any(b.masters == "none" for b in p.buckets)
                    else "")
         clip = (f"clipping {p.setup.gradient_clipping} ({p.config.clipping}"
@@ -163,9 +165,9 @@ class DeepSpeedRelease(FrameworkPath):
 
     def _load_checkpoint(self, original: Any, *args: Any, **kwargs: Any) -> Any:
         """DeepSpeed loads weights, hyperparameters and counters; then this rank's file, unless told not to."""
+        from xirang_ds.checkpoints.engine_files import load_checkpoint_options
         from xirang_ds.checkpoints.tags import resolve_tag
         from xirang_ds.plugins.grad_release.checkpoint import load_rank_state, saved_basic_groups
-        from xirang_ds.checkpoints.engine_files import load_checkpoint_options
 
         p = self.plugin
         options = load_checkpoint_options(p.engine, *args, **kwargs)

@@ -25,6 +25,7 @@ CASTABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 """Parameter dtypes DeepSpeed casts to the 16-bit dtype (``engine.py`` ``CASTABLE_DTYPES``)."""
 DTYPE_NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 BF16_MASTERS = {"remainders": "the master's low 16 bits rebuild it only beside its bf16 rounding",
+                "remainders_8bit": "the master's second byte rebuilds it only beside its bf16 rounding",
                  "none": "the stochastic rounding of an update is onto bf16 weights"}
 """``masters`` values that only bf16 parameters can take, and why."""
 

@@ -6,7 +6,9 @@ through ``xirang_write_back`` (``in_place``): it steps the bf16 slices themselve
 rounded stochastically into the weight. With ``remainders`` (bf16 only) the master exists only
 during the bucket's update: between updates it is the bf16 weight plus ``remainders.py``'s 16-bit
 remainder and tie bit, and the views the optimizer steps (its states are keyed by them) point at an
-empty tensor until the next update rebuilds it. With ``none`` (bf16 only) there is no master at all.
+empty tensor until the next update rebuilds it. With ``remainders_8bit`` (bf16 only, not exact) the
+remainder is one byte and each update rounds the master to 16 significant bits first (`remainders.round8_`).
+With ``none`` (bf16 only) there is no master at all.
 `bucket.Bucket` holds the state these methods read (``params``, ``pieces``, ``master``, ``views``, ...).
 """
 from __future__ import annotations
@@ -68,9 +70,11 @@ class MasterSlices:
                 if self.remainders:  # a master equal to its bf16 weight has no remainder and no tie
                     from xirang_ds.plugins.grad_release.remainders import tie_bytes
 
-                    device = self.master.device
-                    self.remainder = torch.zeros(self.master.numel(), dtype=torch.int16, device=device)
-                    self.ties = torch.zeros(tie_bytes(self.master.numel()), dtype=torch.uint8, device=device)
+                    device, eight = self.master.device, self.masters == "remainders_8bit"
+                    self.remainder = torch.zeros(self.master.numel(), dtype=torch.int8 if eight else torch.int16,
+                                                 device=device)
+                    self.ties = None if eight else torch.zeros(tie_bytes(self.master.numel()), dtype=torch.uint8,
+                                                               device=device)
         for piece, view in zip(self.pieces, self.views):
             param = self.params[piece.index]
             view.xirang_slice_of = SliceOf(self.names[piece.index], tuple(param.shape), piece.start, piece.numel)
@@ -86,10 +90,8 @@ class MasterSlices:
             return
         with torch.no_grad(), self.scope(PARAMETERS):
             if self.remainders:
-                from xirang_ds.plugins.grad_release.remainders import join
-
                 master = torch.empty(self.remainder.numel(), dtype=torch.float32, device=self.remainder.device)
-                join(self._weight_shard(), self.remainder, self.ties, master)
+                self._join(master)
             else:
                 master = self._weight_shard(torch.float32)
         self._point_views(master)
@@ -117,20 +119,35 @@ class MasterSlices:
         if not self.transient:
             return
         if self.remainders:
-            from xirang_ds.plugins.grad_release.remainders import split
+            from xirang_ds.plugins.grad_release.remainders import split, split8
 
-            split(self.master, weight, self.remainder, self.ties)
+            if self.ties is None:
+                split8(self.master, self.remainder)
+            else:
+                split(self.master, weight, self.remainder, self.ties)
         self._point_views(None)
+
+    def _join(self, master: torch.Tensor) -> None:
+        """The master (out, laid out as the shard) from the bf16 weights and the remainders."""
+        from xirang_ds.plugins.grad_release.remainders import join, join8
+
+        if self.ties is None:
+            join8(self._weight_shard(), self.remainder, master)
+        else:
+            join(self._weight_shard(), self.remainder, self.ties, master)
 
     def _round(self, out: torch.Tensor) -> None:
         """The updated master into ``out`` (the parameter dtype, laid out as the master): to nearest,
-        or with ``none`` stochastically (the master is consumed)."""
-        if self.masters != "none":
+        with ``none`` stochastically (the master is consumed), with ``remainders_8bit`` to nearest after
+        the master is rounded stochastically to 16 significant bits (`remainders.round8_`)."""
+        if self.masters not in ("none", "remainders_8bit"):
             out.copy_(self.master)
             return
+        from xirang_ds.plugins.grad_release.remainders import round8_
         from xirang_ds.plugins.grad_release.stochastic import noise_seed, round_
 
-        round_(self.master, out, noise_seed(self.index, self.steps_applied, self.comm.rank if self.sharded else 0))
+        seed = noise_seed(self.index, self.steps_applied, self.comm.rank if self.sharded else 0)
+        (round8_ if self.masters == "remainders_8bit" else round_)(self.master, out, seed)
 
     @contextlib.contextmanager
     def fp32_masters(self, write_params: bool = False):
@@ -146,7 +163,11 @@ class MasterSlices:
         finally:
             if self.has_master and (write_params or self.transient):
                 with torch.no_grad():
-                    weight = self.master.to(self.dtype)
+                    if self.masters == "remainders_8bit":  # a master rebuilt by the remainders rounds to itself
+                        weight = torch.empty(self.master.numel(), dtype=self.dtype, device=self.master.device)
+                        self._round(weight)
+                    else:
+                        weight = self.master.to(self.dtype)
                     if write_params:
                         self._write_params(weight)
                 self._release(weight)

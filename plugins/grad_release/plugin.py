@@ -100,8 +100,10 @@ class GradReleasePlugin(Plugin):
         from xirang_ds.plugins.grad_release.ds_config import parameter_dtype
 
         dtype = parameter_dtype(ds_config)
-        if config.masters == "none" and dtype != torch.bfloat16:
-            return [("masters", "auto", f"'none' (no master, bf16 weights rounded stochastically) needs bf16 "
+        kinds = {"none": "no master, bf16 weights rounded stochastically",
+                 "remainders_8bit": "the master's second byte beside its bf16 rounding"}
+        if config.masters in kinds and dtype != torch.bfloat16:
+            return [("masters", "auto", f"{config.masters!r} ({kinds[config.masters]}) needs bf16 "
                                         f"parameters and this run trains in {str(dtype).replace('torch.', '')}; "
                                         "masters stay \"auto\"")]
         return []
@@ -221,7 +223,7 @@ class GradReleasePlugin(Plugin):
     def adjust_estimate(self, phases: dict, shape: Any, numels: list) -> Optional[dict]:
         """Model states as the buckets hold them and gradients a bucket at a time (the table under
         "One step of a bucket" in docs/grad_release.md): 16-bit parameters whole, fp32 masters and
-        Adam states over this rank's shard (masters as remainders: 2 bytes and a tie bit per element,
+        Adam states over this rank's shard (masters as remainders: 2 bytes and a tie bit per element, or 1,
         rebuilt for a bucket's update; ``none``: no master, the weights widened for the update and
         rounded back a chunk at a time), one bucket filling and one reducing, this rank's shard
         held until backward ends when exact clipping uses ``hold``, and the update's temporaries in
@@ -247,7 +249,8 @@ class GradReleasePlugin(Plugin):
         largest = max(whole_numels, default=0)
         bucket = min(max(bucket_numel, largest), total)
         kind = self._masters if shape.dtype == torch.bfloat16 else "fp32"
-        masters = {"fp32": 4 * part, "remainders": 2 * part + math.ceil(part / 8), "none": 0}[kind] if lp != 4 else 0
+        masters = {"fp32": 4 * part, "remainders": 2 * part + math.ceil(part / 8), "remainders_8bit": part,
+                   "none": 0}[kind] if lp != 4 else 0
         states = 8 * part
         if self.session.state_quantizer is not None:
             states = phases["forward"].get(OPTIMIZER_STATES, states)  # that plugin's own model (it runs first)
@@ -277,8 +280,12 @@ class GradReleasePlugin(Plugin):
 
         piece = min(shard, math.ceil(max(numels) / world))
         adam = _adam_temporaries(shape, [piece] if shape.adam_impl == "single_tensor" else [shard])
+        # the stochastic rounding: the master, the 16-bit shard and a chunk's noise (``none``: and its
+        # finite mask; ``remainders_8bit`` needs none, `remainders.round8_`)
+        rounded = 6 * shard + 5 * min(shard, CHUNK_NUMEL)
         update = {"fp32": 4 * shard + adam, "remainders": max(10 * shard, 8 * shard + adam),
-                  "none": max(8 * shard + adam, 6 * shard + 5 * min(shard, CHUNK_NUMEL))}[kind]
+                  "remainders_8bit": max(10 * shard, 8 * shard + adam, rounded - min(shard, CHUNK_NUMEL)),
+                  "none": max(8 * shard + adam, rounded)}[kind]
         quantizer = self.session.state_quantizer
         if kind == "none" and quantizer is not None and GRAD_DTYPE_SETTABLE:
             # in place (masters.py): DynamicAdamW's chunk in fp32 (parameter, gradient, two moments:

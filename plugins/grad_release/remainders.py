@@ -18,6 +18,17 @@ no tie bit and makes the weight differ from the fp32-master run's at every tie.
 
 Both functions work on views of the fp32 tensor's two 16-bit halves (little-endian: the low half
 first), so they allocate nothing the size of the master.
+
+**8-bit remainders** (``masters: remainders_8bit``, not exact): after each update the master is
+rounded stochastically to 16 significant bits (its low 8 bits cleared: up, away from zero, with
+probability equal to the fraction of a step they are; `round8_`), and the weight is that number
+rounded to bf16 half away from zero, as Megatron rounds. Its fp32 bits then differ from the weight's
+shifted left by 16 by ``-0x8000`` to ``0x7F00``, a multiple of 256: one signed byte, which is the
+master's second byte (`split8`, `join8`). A master costs 1 byte instead of 4 and no tie bit; training
+is no longer the fp32-master run's bit for bit. Against ``masters: none`` the stochastic rounding's
+step is 256 times finer (2**-16 of the weight instead of 2**-8), so its noise is 256 times smaller.
+A master already on that grid (rebuilt by `join8`, or loaded from a checkpoint this format wrote)
+rounds to itself, so a save and load round trip is exact.
 """
 from __future__ import annotations
 
@@ -94,4 +105,53 @@ def join(weight: torch.Tensor, remainder: torch.Tensor, ties: torch.Tensor, mast
     halves[:, 0] = remainder
 
 
-__all__ = ["join", "split", "tie_bytes"]
+def round8_(master: torch.Tensor, out: torch.Tensor, seed: int) -> None:
+    """Round fp32 ``master`` (flat; overwritten) stochastically to 16 significant bits and write its bf16
+    rounding half away from zero into ``out`` (bf16, flat, same numel): the pair `split8` keeps.
+
+    The noise comes from a generator seeded with ``seed`` (`stochastic.noise_seed`), a chunk of
+    `stochastic.CHUNK_NUMEL` elements at a time; infinities stay, a NaN becomes the canonical one
+    (whose low half is zero); the largest finite numbers can round to infinity, as to nearest."""
+    from xirang_ds.plugins.grad_release.stochastic import CHUNK_NUMEL
+
+    generator = torch.Generator(device=master.device)
+    generator.manual_seed(seed)
+    bits = master.view(torch.int32)
+    for start in range(0, master.numel(), CHUNK_NUMEL):  # 4 bytes an element of a chunk: the noise
+        part = bits[start:start + CHUNK_NUMEL]
+        values = master[start:start + CHUNK_NUMEL]
+        # infinities and canonical NaNs have a zero low half: adding less than 256 (or 0x8000) and
+        # clearing what was added gives them back, so no finiteness mask is needed
+        values.masked_fill_(torch.isnan(values), float("nan"))
+        noise = torch.randint(0, _LOW_BYTE, part.shape, dtype=torch.int32, device=part.device, generator=generator)
+        part.add_(noise).bitwise_and_(_HIGH_BYTES)
+        half = noise.fill_(_HALF).add_(part).bitwise_and_(_HIGH_HALF)  # half away from zero
+        out[start:start + CHUNK_NUMEL].copy_(half.view(torch.float32))  # exact: the low half is zero
+
+
+def split8(master: torch.Tensor, remainder: torch.Tensor) -> None:
+    """Write ``master``'s 8-bit remainder (int8, flat, ``master.numel()``; out). ``master`` is what
+    `round8_` left, its weight what it wrote: the master's bits minus the weight's shifted left by 16
+    are the low half read as a signed number (negative where the weight was rounded up), a multiple
+    of 256, so its high byte, the master's second, is the remainder."""
+    remainder.copy_(master.view(torch.int8).view(master.numel(), 4)[:, 1])
+
+
+def join8(weight: torch.Tensor, remainder: torch.Tensor, master: torch.Tensor) -> None:
+    """Rebuild the fp32 ``master`` (out, flat) from the bf16 ``weight`` and its 8-bit ``remainder``:
+    the high half is the weight's bits minus one where the remainder is negative, the second byte
+    the remainder, the first zero."""
+    halves = _halves(master)
+    torch.add(weight.view(torch.int16), remainder >> 7, out=halves[:, 1])
+    parts = master.view(torch.int8).view(master.numel(), 4)
+    parts[:, 1] = remainder
+    parts[:, 0] = 0
+
+
+_LOW_BYTE = 1 << 8
+_HIGH_BYTES = -(1 << 8)  # 0xFFFFFF00 as int32
+_HALF = 1 << 15
+_HIGH_HALF = -(1 << 16)
+
+
+__all__ = ["join", "join8", "round8_", "split", "split8", "tie_bytes"]

@@ -61,17 +61,17 @@ def ds_config_problems(config: Any, ds_config: dict) -> list[tuple[str, str]]:
                          f"keeps the optimizer states in host memory and steps its own CPU Adam, so there are no "
                          f"device states to shrink. Fix: remove offload_optimizer or disable optimizer_states"))
     masters = getattr(config, "masters", "auto")
-    if masters in ("remainders", "none"):
+    if masters in ("remainders", "remainders_8bit", "none"):
         stage = int(zero.get("stage", 0) or 0)
         if stage != 3:
             problems.append((f"{SECTION}.masters",
                              f"is {masters!r} but zero_optimization.stage is {stage}: this key keeps DeepSpeed's "
                              f"ZeRO-3 masters; at ZeRO 0-2 grad_release keeps them "
-                             f"(grad_release.masters: remainders or none). "
+                             f"(grad_release.masters: remainders, remainders_8bit or none). "
                              f"Fix: set masters \"auto\" or \"fp32\", or enable grad_release"))
         if (ds_config.get("bf16") or {}).get("enabled") not in (True, "true"):
             why = ("remainders rebuild an fp32 master from its bf16 rounding (an fp16 weight is not the top half "
-                   "of an fp32 number)" if masters == "remainders" else
+                   "of an fp32 number)" if masters in ("remainders", "remainders_8bit") else
                    "'none' rounds each update stochastically into bf16 weights")
             problems.append((f"{SECTION}.masters",
                              f"is {masters!r} but bf16.enabled is not true: {why}. "
@@ -175,17 +175,20 @@ class DeepSpeedStates(FrameworkPath):
             return
         problem = zero3_problem(engine.optimizer) if p.session.stepper is None else "grad_release holds them"
         if problem is not None:
-            if p.config.masters in ("remainders", "none"):
+            if p.config.masters in ("remainders", "remainders_8bit", "none"):
                 raise XirangConfigError([(f"{SECTION}.masters", f"is {p.config.masters!r} but {problem}. "
                                                                  "Fix: set masters \"auto\" or \"fp32\"")])
             p.masters_line = f"as the run keeps them ({problem})"
             return
-        stochastic = p.config.masters == "none"
-        parked = ParkedMasters(engine.optimizer, p.session.tracker.scope, stochastic=stochastic)
+        stochastic, eight = p.config.masters == "none", p.config.masters == "remainders_8bit"
+        parked = ParkedMasters(engine.optimizer, p.session.tracker.scope, stochastic=stochastic, eight=eight)
+        count = len(parked.masters)
         p.keep_parked([parked], f"none (no master: each update rounded stochastically into the bf16 weights; one of "
-                                f"{len(parked.masters)} sub-group(s) widened at a time)" if stochastic else
+                                f"{count} sub-group(s) widened at a time)" if stochastic else
+                      f"remainders_8bit (ZeRO-3's fp32 masters to 16 significant bits, 8-bit remainders between "
+                      f"updates; one of {count} sub-group(s) whole at a time)" if eight else
                       f"remainders (ZeRO-3's fp32 masters as bf16 remainders between updates; one of "
-                      f"{len(parked.masters)} sub-group(s) whole at a time)")
+                      f"{count} sub-group(s) whole at a time)")
 
     def states_moved(self) -> None:
         """Quantized buffers moved into the pool: DeepSpeed's views of the states are rebuilt."""

@@ -14,7 +14,10 @@ parked again. So at most one sub-group's master is whole at a time, and training
 fp32 masters, bit for bit, whatever the basic optimizer. With ``masters: none`` (lossy) nothing is
 kept: parking rounds the master stochastically into the bf16 partition (grad_release's
 ``stochastic.round_``) in place of DeepSpeed's round-to-nearest, and the next update starts from the
-partition widened to fp32.
+partition widened to fp32. With ``masters: remainders_8bit`` (not exact) parking rounds the master
+stochastically to 16 significant bits and the bf16 partition to its nearest, ties away from zero
+(grad_release's `remainders.round8_`), and keeps one byte per element (`split8`); a load's master
+already on that grid rounds to itself.
 
 What else reads or writes the masters sees them whole:
 
@@ -42,7 +45,7 @@ import torch
 from xirang_ds.compat.deepspeed import ZERO3_WHOLE_MASTERS, around_zero3_update
 from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import PARAMETERS
-from xirang_ds.plugins.grad_release.remainders import join, split, tie_bytes
+from xirang_ds.plugins.grad_release.remainders import join, join8, round8_, split, split8, tie_bytes
 
 SECTION = "xirang.optimizer_states"
 
@@ -82,14 +85,17 @@ class Parking:
             tensor in its list).
         scope: ``scope(category)``, the tracker's context naming what is allocated inside it.
         stochastic: keep no master (lossy): each park rounds the master into the weight stochastically.
+        eight: keep an 8-bit remainder (``remainders_8bit``, not exact): each park rounds the master
+            to 16 significant bits and the weight to its nearest (`remainders.round8_`).
     """
 
     def __init__(self, weights: list[torch.Tensor], masters: list[torch.Tensor], scope: Callable[[str], Any],
-                 stochastic: bool = False):
+                 stochastic: bool = False, eight: bool = False):
         self.weights, self.masters, self.scope, self.stochastic = weights, masters, scope, stochastic
+        self.eight = eight and not stochastic
         self.parked: dict[int, tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Size]] = {}
         """Entry → (remainder, tie bits, the master's shape) while its master is parked (``None`` twice
-        with ``stochastic``)."""
+        with ``stochastic``, no tie bits with ``eight``)."""
         self._depth = 0  # `whole` blocks entered (a framework's loaders call one another)
         self._handles: list[Any] = []
 
@@ -102,6 +108,13 @@ class Parking:
         if self.stochastic:
             self._round_into_weight(i, master.detach().view(-1))
             self.parked[i] = (None, None, master.shape)
+        elif self.eight:
+            flat = master.detach().view(-1)
+            self._round_into_weight(i, flat, round8_)
+            with torch.no_grad(), self.scope(PARAMETERS):
+                remainder = torch.empty(master.numel(), dtype=torch.int8, device=master.device)
+                split8(flat, remainder)
+            self.parked[i] = (remainder, None, master.shape)
         else:
             weight = self._weight(i, master.device)
             with torch.no_grad(), self.scope(PARAMETERS):
@@ -127,11 +140,15 @@ class Parking:
             if remainder is None:  # stochastic: the weight is the master
                 return self._weight(i, self.masters[i].device).to(torch.float32).view(shape)
             master = torch.empty(remainder.numel(), dtype=torch.float32, device=remainder.device)
-            join(self._weight(i, remainder.device), remainder, ties, master)
+            if ties is None:
+                join8(self._weight(i, remainder.device), remainder, master)
+            else:
+                join(self._weight(i, remainder.device), remainder, ties, master)
         return master.view(shape)
 
-    def _round_into_weight(self, i: int, master: torch.Tensor) -> None:
-        """``masters: none``: the fp32 ``master`` (flat, consumed) rounded stochastically into weight ``i``.
+    def _round_into_weight(self, i: int, master: torch.Tensor, rounding: Optional[Callable[..., None]] = None) -> None:
+        """``masters: none``: the fp32 ``master`` (flat, consumed) rounded stochastically into weight ``i``
+        (``rounding``: `remainders.round8_` for ``remainders_8bit``, the master kept to 16 bits).
         The noise is a function of the entry, its update count and the rank (`stochastic.noise_seed`),
         so a resumed run draws what the uninterrupted one would have; a master its weight already
         holds exactly (before the first update, after a load) rounds to that weight."""
@@ -142,12 +159,13 @@ class Parking:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         weight = self.weights[i].detach().view(-1)
         seed = noise_seed(i, self.updates(i), rank)
+        rounder = rounding or round_
         with torch.no_grad(), self.scope(PARAMETERS):
             if weight.device == master.device:
-                round_(master, weight, seed)
+                rounder(master, weight, seed)
             else:  # parameters offloaded: rounded on the master's device, then copied
                 rounded = torch.empty(master.numel(), dtype=torch.bfloat16, device=master.device)
-                round_(master, rounded, seed)
+                rounder(master, rounded, seed)
                 weight.copy_(rounded)
 
     def updates(self, i: int) -> int:
@@ -163,9 +181,10 @@ class Parking:
     def park_all(self, check: bool = False) -> None:
         """Park every whole master; with ``check`` (after anything that may have written a weight or a
         master apart: a load, a zero-gradient update), only those whose bf16 weight is their rounding;
-        the others stay whole until their next update, which rounds the weight from the master."""
+        the others stay whole until their next update, which rounds the weight from the master
+        (``eight`` parks them all: its park rounds the weight from the master)."""
         for i, master in enumerate(self.masters):
-            if check and i not in self.parked and master.numel():
+            if check and not self.eight and i not in self.parked and master.numel():
                 if not torch.equal(master.detach().view(-1).to(torch.bfloat16), self._weight(i, master.device)):
                     continue
             self.park(i)
@@ -189,10 +208,11 @@ class Parking:
 
     def held_bytes(self) -> int:
         """Bytes the parked masters hold (remainders and tie bits; none with ``stochastic``)."""
-        return sum(r.numel() * r.element_size() + t.numel() for r, t, _ in self.parked.values() if r is not None)
+        return sum(r.numel() * r.element_size() + (t.numel() if t is not None else 0)
+                   for r, t, _ in self.parked.values() if r is not None)
 
     def memory_roles(self) -> list[tuple[str, list[torch.Tensor]]]:
-        return [(PARAMETERS, [t for r, ties, _ in self.parked.values() if r is not None for t in (r, ties)])]
+        return [(PARAMETERS, [t for r, ties, _ in self.parked.values() for t in (r, ties) if t is not None])]
 
     def remove(self) -> None:
         """Every master whole again, the framework's methods its own."""
@@ -220,9 +240,9 @@ class ParkedMasters(Parking):
         scope: ``scope(category)``, the tracker's context naming what is allocated inside it.
     """
 
-    def __init__(self, optimizer: Any, scope: Callable[[str], Any], stochastic: bool = False):
+    def __init__(self, optimizer: Any, scope: Callable[[str], Any], stochastic: bool = False, eight: bool = False):
         super().__init__(optimizer.fp16_partitioned_groups_flat, optimizer.fp32_partitioned_groups_flat, scope,
-                         stochastic)
+                         stochastic, eight)
         self.optimizer = optimizer
         self._handles += around_zero3_update(optimizer, self.unpark, self.park)
         self._handles.append(wrap_method(optimizer, "state_dict", self._state_dict))
@@ -374,15 +394,17 @@ __all__ = ["MegatronMasters", "ParkedMasters", "Parking", "megatron_problem", "z
 
 
 # estimate ---------------------------------------------------------------------------------------
-def adjust_phases(phases: dict, shape: Any, numels: list[int], sub_group_size: int, stochastic: bool = False) -> dict:
+def adjust_phases(phases: dict, shape: Any, numels: list[int], sub_group_size: int, stochastic: bool = False,
+                  eight: bool = False) -> dict:
     """The estimate's phases with ZeRO-3's masters parked: the model's ``4 * partition`` fp32 bytes
-    become the remainders and tie bits of every sub-group (nothing with ``stochastic``), and the step
+    become the remainders and tie bits of every sub-group (nothing with ``stochastic``, one byte an
+    element with ``eight``), and the step
     holds one sub-group's master whole besides them (its own remainders freed while it updates, held
     while it is rebuilt or split: the larger of that and the update's temporaries)."""
     from xirang_ds.memory.run_shape import partition_numel, sub_group_numels
 
     subs = sub_group_numels(numels, shape.groups, shape.world_size, sub_group_size)
-    held = [0 if stochastic else 2 * s + tie_bytes(s) for s in subs]
+    held = [0 if stochastic else s if eight else 2 * s + tie_bytes(s) for s in subs]
     largest = max(range(len(subs)), key=subs.__getitem__)
     saved = 4 * partition_numel(sum(numels), shape.world_size) - sum(held)
     out = {}

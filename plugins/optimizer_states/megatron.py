@@ -111,9 +111,9 @@ def replace_inner(optimizer: Any, config: OptimizerStatesConfig, kept: dict[int,
                              f"{type(inner).__module__}.{type(inner).__name__}; optimizer_states replaces Adam and "
                              "AdamW only (Megatron-LM --optimizer adam); use it, or set "
                              f"{SECTION}.enabled to false"))
-    if config.masters == "none":
-        problems.append((f"{SECTION}.masters", "is 'none' but this is a Megatron-core run: Megatron's optimizers "
-                                               "copy their masters into the parameters (and the distributed "
+    if config.masters in ("none", "remainders_8bit"):
+        problems.append((f"{SECTION}.masters", f"is {config.masters!r} but this is a Megatron-core run: Megatron's "
+                                               "optimizers copy their masters into the parameters (and the distributed "
                                                "optimizer gathers them) inside their step, so no master can be "
                                                "rounded stochastically in their place. Fix: set masters \"auto\", "
                                                "\"remainders\" or \"fp32\""))

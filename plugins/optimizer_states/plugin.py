@@ -247,7 +247,8 @@ class OptimizerStatesPlugin(Plugin):
         if masters.parks(self.config, self.session.ds_config) and self.session.stepper is None:
             zero = self.session.ds_config.get("zero_optimization") or {}
             out = masters.adjust_phases(out, shape, [p.numel() for p in params],
-                                        int(float(zero.get("sub_group_size", 1e9))), self.config.masters == "none")
+                                        int(float(zero.get("sub_group_size", 1e9))), self.config.masters == "none",
+                                        self.config.masters == "remainders_8bit")
         return out
 
     # reporting and checkpoints ----------------------------------------------------------------
@@ -270,7 +271,8 @@ class OptimizerStatesPlugin(Plugin):
                 f"{format_bytes(held)} on this rank; {len(self.keep_reasons) - measured} parameter(s) kept fp32"
                 + (f", {measured} embedding(s) measured ({len(checks)} check(s), {moved} moved)" if measured else "")
                 + f"; {self.optimizers[0].fused.describe()}"
-                + (f"; masters as remainders: {format_bytes(sum(m.held_bytes() for m in self.parked))}"
+                + (f"; masters as {'8-bit ' if self.parked[0].eight else ''}remainders: "
+                   f"{format_bytes(sum(m.held_bytes() for m in self.parked))}"
                    if self.parked and not self.parked[0].stochastic else "")
                 + ("; no masters (stochastic rounding into the bf16 weights)"
                    if self.parked and self.parked[0].stochastic else ""))

@@ -49,6 +49,13 @@ def _steps(engine, rank, world, skip, count):
     return [optimizer_step(engine, data) for _ in range(count)]
 
 
+BALANCED = {"preset": "balanced", "grad_release": {"masters": "auto"}}
+"""balanced with exact masters (remainders): the preset keeps them to 16 significant bits, which no
+other run's arithmetic follows, and the checks here compare trajectories bit for bit across runs."""
+BALANCED3 = {"preset": "balanced", "optimizer_states": {"masters": "auto"}}
+"""The same at ZeRO-3, where the preset hands its masters to optimizer_states."""
+
+
 def _run(block, rank, world, save_dir, count, stage=2, **kind):
     """``count`` steps from scratch, saved after the second."""
     engine = _engine(block, stage, **kind)
@@ -122,7 +129,7 @@ def scenarios(rank, world, tmp):
     out["after_the_crash"]["plain"] = _resume(None, rank, world, os.path.join(tmp, "crash"), 2)["losses"]
     out["plain_into_grad_release"] = _resume(GRAD_RELEASE, rank, world, plain, 2)
     out["plain_into_optimizer_states"] = _resume(OPTIMIZER_STATES, rank, world, plain, 2)
-    out["plain_into_balanced"] = _resume({"preset": "balanced"}, rank, world, plain, 3)
+    out["plain_into_balanced"] = _resume(BALANCED, rank, world, plain, 3)
     out["ours_into_optimizer_states"] = _resume(OPTIMIZER_STATES, rank, world, ours, 2)
     out["int8"] = _run(INT8, rank, world, os.path.join(tmp, "int8"), 4)
     if rank == 0:
@@ -134,11 +141,15 @@ def scenarios(rank, world, tmp):
     out["int8_files"] = sorted(os.listdir(os.path.join(tmp, "int8", "global_step2", "xirang_optimizer_states")))
     out["int8_into_plain_deepspeed"] = _resume(None, rank, world, os.path.join(tmp, "int8"), 2)
     out["int8_into_int8"] = _resume(INT8, rank, world, os.path.join(tmp, "int8"), 2)
-    out["balanced"] = _run({"preset": "balanced"}, rank, world, os.path.join(tmp, "balanced"), 4)
+    out["balanced"] = _run(BALANCED, rank, world, os.path.join(tmp, "balanced"), 4)
     out["balanced_into_grad_release"] = _resume(GRAD_RELEASE, rank, world, os.path.join(tmp, "balanced"), 2)
-    out["balanced_into_balanced"] = _resume({"preset": "balanced"}, rank, world, os.path.join(tmp, "balanced"), 2)
+    out["balanced_into_balanced"] = _resume(BALANCED, rank, world, os.path.join(tmp, "balanced"), 2)
     out["ours_into_plain_deepspeed"] = _resume(None, rank, world, ours, 2)
     out["balanced_into_plain_deepspeed"] = _resume(None, rank, world, os.path.join(tmp, "balanced"), 2)
+    # the preset as it is: masters kept to 16 significant bits (8-bit remainders)
+    out["balanced8"] = _run({"preset": "balanced"}, rank, world, os.path.join(tmp, "balanced8"), 4)
+    out["balanced8_into_balanced8"] = _resume({"preset": "balanced"}, rank, world, os.path.join(tmp, "balanced8"), 2)
+    out["balanced8_into_plain_deepspeed"] = _resume(None, rank, world, os.path.join(tmp, "balanced8"), 2)
     engine = _engine(GRAD_RELEASE, stage=1, dtype="fp16")  # fp16 at ZeRO-1, a loss scale that moved
     out["fp16"] = _steps(engine, rank, world, 0, 2)
     engine.xirang.plugin("grad_release").policy.loss_scaler.cur_scale = 1024.0
@@ -194,16 +205,16 @@ def scenarios(rank, world, tmp):
     out["exported_stage0_into_plain_zero2"] = _resume(None, rank, world, stage0, 2, stage=2)
     out["plain_zero3"] = _run(None, rank, world, os.path.join(tmp, "plain3"), 4, stage=3)
     # saved without plain files (codes in DeepSpeed's files), exported below
-    out["plain_zero3_into_balanced"] = _resume({"preset": "balanced", "deepspeed_files": False}, rank, world,
+    out["plain_zero3_into_balanced"] = _resume({**BALANCED3, "deepspeed_files": False}, rank, world,
                                                os.path.join(tmp, "plain3"), 2, stage=3,
                                                save_to=os.path.join(tmp, "balanced3"))
     balanced3, beside3 = os.path.join(tmp, "balanced3"), os.path.join(tmp, "balanced3_beside")
     if rank == 0:
         out["zero_to_fp32_balanced3"] = _zero_to_fp32_matches(balanced3)
-    out["balanced3_into_balanced3"] = _resume({"preset": "balanced"}, rank, world, balanced3, 2, stage=3,
+    out["balanced3_into_balanced3"] = _resume(BALANCED3, rank, world, balanced3, 2, stage=3,
                                               save_to=beside3)
     out["beside3_into_plain_deepspeed"] = _resume(None, rank, world, beside3, 2, stage=3)
-    out["beside3_into_balanced3"] = _resume({"preset": "balanced"}, rank, world, beside3, 2, stage=3)
+    out["beside3_into_balanced3"] = _resume(BALANCED3, rank, world, beside3, 2, stage=3)
     if rank == 0:
         out["zero_to_fp32_beside3"] = _zero_to_fp32_matches(beside3)
     torch.distributed.barrier()
@@ -366,6 +377,11 @@ def test_plain_deepspeed_and_zero_to_fp32_read_a_grad_release_checkpoint(runs):
         assert r["ours_into_plain_deepspeed"]["losses"] == r["ours"][2:]  # grad_release is ZeRO-2's arithmetic
         assert r["ours_into_plain_deepspeed"]["steps"] == 4
         assert r["balanced_into_plain_deepspeed"]["losses"] == r["balanced"][2:]  # int8 decoded, as its next step did
+        # 8-bit remainders: the checkpoint's masters are the rebuilt ones, so the preset resumes bit for bit, and
+        # plain DeepSpeed goes on from the same masters and moments with its own rounding (to nearest even)
+        assert r["balanced8_into_balanced8"]["losses"] == r["balanced8"][2:]
+        plain8 = r["balanced8_into_plain_deepspeed"]["losses"]
+        assert plain8 != r["balanced8"][2:] and plain8 == pytest.approx(r["balanced8"][2:], rel=1e-3)
     assert runs[0]["zero_to_fp32"] == {"count": 29, "equal": True}
     # optimizer_states alone keeps DeepSpeed's own files (its codes inside): zero_to_fp32 reads them at ZeRO 2 and 3
     assert runs[0]["zero_to_fp32_int8"] == runs[0]["zero_to_fp32_balanced3"] == {"count": 29, "equal": True,

@@ -1,7 +1,9 @@
 """grad_release with ``masters: none`` on real DeepSpeed engines over 2 gloo ranks: bf16 weights
 rounded stochastically, no master between updates, against fp32 masters; stage 0's ranks agree; a
 checkpoint round trip resumes bit for bit. The same under optimizer_states (DynamicAdamW steps the
-bf16 weights in place, a chunk at a time): no fp32 copy of a shard even during the update."""
+bf16 weights in place, a chunk at a time): no fp32 copy of a shard even during the update. And
+``masters: remainders_8bit`` (the balanced preset's): one byte per master element, the same checks,
+and nearer the fp32-master run than ``none``."""
 import copy
 
 import pytest
@@ -62,7 +64,9 @@ def _train(rank, world, config, steps, skip=0, save_dir=None, load_dir=None, mea
         engine.save_checkpoint(save_dir)
     buckets = engine.xirang.plugin("grad_release").buckets
     held = {"masters": [b.master is None for b in buckets], "remainders": [b.remainder is None for b in buckets],
-            "kinds": sorted({b.masters for b in buckets})}
+            "kinds": sorted({b.masters for b in buckets}), "ties": [b.ties is None for b in buckets],
+            "remainder_bytes": [(b.remainder.numel() * b.remainder.element_size(), b.layout.shard_numel)
+                                for b in buckets if b.remainder is not None]}
     params = torch.cat([p.detach().float().reshape(-1) for p in engine.module.parameters()])
     out = {"losses": losses, "params": params, "held": held, "summary": engine.xirang.summary(),
            "in_place": [b.in_place for b in buckets]}
@@ -94,6 +98,13 @@ def _scenarios(rank, world, ckpt_dir):
     out["in_place_first_half"] = _train(rank, world, _config(states=True), STEPS // 2, save_dir=states_dir)
     out["in_place_resumed"] = _train(rank, world, _config(states=True), STEPS - STEPS // 2, skip=STEPS // 2,
                                      load_dir=states_dir)
+    eight_dir = os.path.join(ckpt_dir, "eight")
+    out["eight"] = _train(rank, world, _config(masters="remainders_8bit"), STEPS, measure=True)
+    out["eight_stage0"] = _train(rank, world, _config(stage=0, masters="remainders_8bit"), 3)
+    out["eight_first_half"] = _train(rank, world, _config(masters="remainders_8bit"), STEPS // 2, save_dir=eight_dir)
+    out["eight_resumed"] = _train(rank, world, _config(masters="remainders_8bit"), STEPS - STEPS // 2,
+                                  skip=STEPS // 2, load_dir=eight_dir)
+    out["eight_states"] = _train(rank, world, _config(masters="remainders_8bit", states=True), STEPS)
     return out
 
 
@@ -171,3 +182,46 @@ def test_under_optimizer_states_the_weights_are_stepped_in_place_without_any_fp3
         assert torch.equal(mine["params"], runs[0]["in_place"]["params"])
         assert_resumed(mine, r["in_place_resumed"], at=STEPS // 2, first=r["in_place_first_half"], params=True)
     assert torch.equal(runs[0]["in_place_stage0"]["params"], runs[1]["in_place_stage0"]["params"])
+
+
+@pytest.mark.distributed
+def test_8bit_remainders_hold_one_byte_per_master_element_and_no_tie_bit(runs):
+    """Between updates each bucket keeps no master and an int8 remainder of its shard's size, no tie
+    bits; the parameters' bytes at rest are exactly the no-master run's plus one byte per element of
+    this rank's shards."""
+    for r in runs:
+        held = r["eight"]["held"]
+        assert held["kinds"] == ["remainders_8bit"] and all(held["masters"]) and all(held["ties"])
+        assert not any(held["remainders"])
+        assert all(nbytes == numel for nbytes, numel in held["remainder_bytes"])
+        shard_elements = sum(numel for _, numel in held["remainder_bytes"])
+        assert r["eight"]["parameters"][0] == r["none"]["parameters"][0] + shard_elements
+        assert "8-bit remainders" in r["eight"]["summary"]
+
+
+@pytest.mark.distributed
+def test_8bit_remainders_train_nearer_fp32_masters_than_no_master(runs):
+    """The same first loss as the fp32-master run, every later loss within 0.2% of it, and the
+    weights nearer its weights than ``none``'s (mean absolute difference, a third or less)."""
+    for r in runs:
+        fp32, eight, none = r["fp32"], r["eight"], r["none"]
+        assert eight["losses"][0] == fp32["losses"][0]
+        for a, b in zip(eight["losses"], fp32["losses"]):
+            assert abs(a / b - 1) < 0.002, (eight["losses"], fp32["losses"])
+        assert torch.equal(eight["params"], runs[0]["eight"]["params"])
+        near = float((eight["params"] - fp32["params"]).abs().mean())
+        far = float((none["params"] - fp32["params"]).abs().mean())
+        assert 0 < near < far / 3, (near, far)
+        states, states_fp32 = r["eight_states"], r["states_fp32"]
+        assert states["held"]["kinds"] == ["remainders_8bit"]
+        for a, b in zip(states["losses"], states_fp32["losses"]):
+            assert abs(a / b - 1) < 0.002, (states["losses"], states_fp32["losses"])
+    assert torch.equal(runs[0]["eight_stage0"]["params"], runs[1]["eight_stage0"]["params"])
+
+
+@pytest.mark.distributed
+def test_8bit_remainders_resume_bit_for_bit(runs):
+    """The checkpoint keeps the masters rebuilt from the remainders (on the 16-significant-bit grid, so
+    a load rounds each to itself) and the buckets' step counts (the noise's seeds)."""
+    for r in runs:
+        assert_resumed(r["eight"], r["eight_resumed"], at=STEPS // 2, first=r["eight_first_half"], params=True)

@@ -38,9 +38,13 @@ PRESETS: dict[str, dict] = {
     "conservative": _CONSERVATIVE,
     # Adds int8 optimizer states from the first step (norms and small tensors stay fp32, embeddings
     # until their measured int8 error allows; no fp32 warm-up: its states would set the run's peak,
-    # which is what a budget must hold) and recompute among the planner's options.
+    # which is what a budget must hold), recompute among the planner's options, and bf16 masters kept
+    # to 16 significant bits as 8-bit remainders (1 byte instead of 2.125, each update rounded
+    # stochastically onto that grid; where grad_release is left out (ZeRO-3) handed to DeepSpeed's
+    # masters, `fit.HANDED_OVER`; other dtypes keep their masters).
     "balanced": {
         **_CONSERVATIVE,
+        "grad_release": {"enabled": True, "masters": "remainders_8bit"},
         "optimizer_states": {"enabled": True, "schedule": [{"dtype": "int8"}],
                              "keep_fp32_embeddings_and_norms": "measured"},
         "activations": {"enabled": True, "budget": "auto", "options": list(_LOSSLESS_STORAGE + _RECOMPUTE)},

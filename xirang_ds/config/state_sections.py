@@ -103,16 +103,19 @@ class OptimizerStatesConfig(Section):
     is off, so codes stuck by round-to-nearest move again (0 = never)."""
     seed: NonNegativeInt = 0
     """Seed of the stochastic-rounding draws (the same on every rank)."""
-    masters: Literal["auto", "fp32", "remainders", "none"] = "auto"
+    masters: Literal["auto", "fp32", "remainders", "remainders_8bit", "none"] = "auto"
     """How DeepSpeed's ZeRO-3 optimizer keeps this rank's fp32 masters of bf16 parameters between
     updates: ``fp32`` (4 bytes per element of the partition), or ``remainders``: beside the bf16
     partition it already holds, the master's low 16 bits and one tie bit (2.125 bytes), from which
     each sub-group's update rebuilds its master bit for bit, so training is the one with fp32
     masters (exact; one sub-group's master is whole at a time, one extra pass over it before and
     after its update; where ``zero_optimization.sub_group_size`` is not set, sub-groups of 1/8 of
-    the partition); ``none`` (lossy, the aggressive preset at ZeRO-3): no master, each sub-group's
-    update starts from its bf16 weights widened to fp32 and is rounded back into them
-    stochastically (grad_release's ``masters: none``, 0 bytes). ``auto`` = ``remainders``
+    the partition); ``remainders_8bit`` (the balanced preset at ZeRO-3; not exact): each park rounds
+    the master stochastically to 16 significant bits and the bf16 partition to its nearest, and one
+    byte an element rebuilds it (grad_release's ``remainders_8bit``; not under Megatron-core, whose
+    step writes the parameters itself); ``none`` (lossy, the aggressive preset at ZeRO-3): no
+    master, each sub-group's update starts from its bf16 weights widened to fp32 and is rounded back
+    into them stochastically (grad_release's ``masters: none``, 0 bytes). ``auto`` = ``remainders``
     wherever DeepSpeed's ZeRO-3 optimizer holds bf16 weights and their masters on the device, else
     ``fp32``. At ZeRO 0-2 grad_release holds the masters (``grad_release.masters``). Under Megatron-core
     the same remainders keep the masters of the Float16 and distributed optimizers between steps
@@ -186,16 +189,20 @@ class GradReleaseConfig(Section):
     overlap_comm: bool = True
     """Reduce the next bucket while the previous one is applied and backward continues (one
     reduction in flight); ``false`` reduces and applies each bucket synchronously."""
-    masters: Literal["auto", "fp32", "remainders", "none"] = "auto"
+    masters: Literal["auto", "fp32", "remainders", "remainders_8bit", "none"] = "auto"
     """How the fp32 masters of 16-bit parameters are kept between updates: ``fp32`` (4 bytes per
     element of this rank's shard); ``remainders``: the bf16 weight the model holds plus the
     master's low 16 bits and one tie bit (2.125 bytes), from which each update rebuilds the master
-    bit for bit, so training is the one with fp32 masters (exact); ``none`` (lossy, the aggressive
-    preset): no master, each update steps the bf16 weights widened to fp32 and rounds the result
-    back stochastically (0 bytes; under optimizer_states a chunk at a time, with no fp32 copy of the
-    shard even during the update; convergence measured in docs/grad_release.md). ``remainders`` and
-    ``none`` need bf16 parameters (an fp16 weight is not the top half of an fp32 number). ``auto`` =
-    ``remainders`` with bf16 parameters, else ``fp32``."""
+    bit for bit, so training is the one with fp32 masters (exact); ``remainders_8bit`` (the
+    balanced preset; not exact): each update rounds the master stochastically to 16 significant
+    bits and the weight to nearest (ties away from zero), and one byte beside the weight rebuilds
+    the master (1 byte; the rounding's step is 2**-16 of the weight, against 2**-8 with ``none``);
+    ``none`` (lossy, the aggressive preset): no master, each update steps the bf16 weights widened
+    to fp32 and rounds the result back stochastically (0 bytes; under optimizer_states a chunk at a
+    time, with no fp32 copy of the shard even during the update; convergence measured in
+    docs/grad_release.md). ``remainders``, ``remainders_8bit`` and ``none`` need bf16 parameters (an
+    fp16 weight is not the top half of an fp32 number). ``auto`` = ``remainders`` with bf16
+    parameters, else ``fp32``."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -76,7 +76,9 @@ def search_space(ds_config: dict, world_size: int, lossless_only: bool = False,
         dims.append(states)
     if "grad_release" in built:
         release = [Option(""), Option("grad_release", {"grad_release": {"enabled": True}})]
-        if (ds_config.get("bf16") or {}).get("enabled") in (True, "true"):  # no master: bf16 weights only
+        if (ds_config.get("bf16") or {}).get("enabled") in (True, "true"):  # 8-bit remainders, no master: bf16 only
+            release.append(Option("grad_release_masters_8bit",
+                                  {"grad_release": {"enabled": True, "masters": "remainders_8bit"}}, lossy=True))
             release.append(Option("grad_release_no_master", {"grad_release": {"enabled": True, "masters": "none"}},
                                   lossy=True))
         dims.append(release)

@@ -123,7 +123,7 @@ def redo(args: argparse.Namespace) -> int:
             data["rows"].append(row)
         else:
             data["rows"][index] = row
-    data["command"] += " && python benchmarks/presets_convergence.py " + " ".join(sys.argv[1:])
+    data["command"] += " && " + shlex.join(["python", "benchmarks/presets_convergence.py"] + sys.argv[1:])
     with open(args.json, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=1)
     print(render(data))

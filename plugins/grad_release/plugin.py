@@ -274,23 +274,23 @@ class GradReleasePlugin(Plugin):
         # the update (bucket.py ``apply``): the bucket shard's fp32 gradient, then with remainders its
         # master rebuilt from a 16-bit copy of its weights (freed once joined; ``none``: widened in
         # place), then the optimizer over the parameters' pieces, one at a time for torch's
-        # single-tensor Adam; ``none`` then rounds the master into the 16-bit shard, the noise and
-        # the finite mask a chunk at a time (5 bytes an element), the gradient freed by then
+        # single-tensor Adam; ``none`` then rounds the master into the 16-bit shard, the noise a
+        # chunk at a time (4 bytes an element), the gradient freed by then
         from xirang_ds.plugins.grad_release.stochastic import CHUNK_NUMEL
 
         piece = min(shard, math.ceil(max(numels) / world))
         adam = _adam_temporaries(shape, [piece] if shape.adam_impl == "single_tensor" else [shard])
-        # the stochastic rounding: the master, the 16-bit shard and a chunk's noise (``none``: and its
-        # finite mask; ``remainders_8bit`` needs none, `remainders.round8_`)
-        rounded = 6 * shard + 5 * min(shard, CHUNK_NUMEL)
+        # the stochastic rounding: the master, the 16-bit shard and a chunk's noise (`stochastic.round_`,
+        # `remainders.round8_`)
+        rounded = 6 * shard + 4 * min(shard, CHUNK_NUMEL)
         update = {"fp32": 4 * shard + adam, "remainders": max(10 * shard, 8 * shard + adam),
-                  "remainders_8bit": max(10 * shard, 8 * shard + adam, rounded - min(shard, CHUNK_NUMEL)),
+                  "remainders_8bit": max(10 * shard, 8 * shard + adam, rounded),
                   "none": max(8 * shard + adam, rounded)}[kind]
         quantizer = self.session.state_quantizer
         if kind == "none" and quantizer is not None and GRAD_DTYPE_SETTABLE:
             # in place (masters.py): DynamicAdamW's chunk in fp32 (parameter, gradient, two moments:
-            # 16 bytes an element) and the rounding's noise and finite mask (5), nothing per shard
-            update = 21 * min(shard, quantizer.config.chunk_numel)
+            # 16 bytes an element) and the rounding's noise (4), nothing per shard
+            update = 20 * min(shard, quantizer.config.chunk_numel)
         out = {}
         for name, cats in phases.items():
             cats = dict(cats)

@@ -11,7 +11,9 @@ the fp32-master run's bit for bit, and docs/grad_release.md has the measured con
 The rounding works on the fp32 bits: add a uniform 16-bit integer to the magnitude's low half
 (sign-magnitude: the same add moves both signs away from zero) and clear the low half. A carry is
 the round up; the largest finite numbers can round up to infinity, as in torchao. Infinities and
-NaNs get no noise and stay what they are (a NaN becomes the canonical one).
+NaNs stay what they are (a NaN becomes the canonical one first): their low half is zero, so the add
+never carries out of it and clearing it gives them back, with no mask of them (4 bytes an element of
+a chunk: the noise).
 
 The noise is a function of the bucket, the step and the rank holding the shard (`noise_seed`), not of
 a generator's running state: stage 0's ranks, which update the same whole bucket, draw the same
@@ -22,7 +24,7 @@ from __future__ import annotations
 import torch
 
 CHUNK_NUMEL = 1 << 20
-"""Elements rounded per pass: the noise (4 bytes) and the finite mask (1 byte) are this large."""
+"""Elements rounded per pass: the noise (4 bytes an element) is this large."""
 
 _LOW_HALF = 1 << 16
 _HIGH_HALF = -(1 << 16)  # 0xFFFF0000 as int32
@@ -48,10 +50,9 @@ def round_(master: torch.Tensor, out: torch.Tensor, seed: int) -> None:
     for start in range(0, master.numel(), CHUNK_NUMEL):
         part = bits[start:start + CHUNK_NUMEL]
         values = master[start:start + CHUNK_NUMEL]
-        noise = torch.randint(0, _LOW_HALF, part.shape, dtype=torch.int32, device=part.device, generator=generator)
-        noise.masked_fill_(~torch.isfinite(values), 0)
         values.masked_fill_(torch.isnan(values), float("nan"))  # a NaN whose payload is all low bits stays NaN
-        part.add_(noise).bitwise_and_(_HIGH_HALF)
+        noise = torch.randint(0, _LOW_HALF, part.shape, dtype=torch.int32, device=part.device, generator=generator)
+        part.add_(noise).bitwise_and_(_HIGH_HALF)  # an infinity or a canonical NaN has a zero low half: it stays
         del noise
         out[start:start + CHUNK_NUMEL].copy_(values)  # exact: the low half is zero
 

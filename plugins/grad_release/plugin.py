@@ -291,6 +291,13 @@ class GradReleasePlugin(Plugin):
             # in place (masters.py): DynamicAdamW's chunk in fp32 (parameter, gradient, two moments:
             # 16 bytes an element) and the rounding's noise (4), nothing per shard
             update = 20 * min(shard, quantizer.config.chunk_numel)
+        # gradients the traced run makes in this backward, above those it carries from earlier micro-steps
+        # (DeepSpeed keeps them from forward on under accumulation): a bucket fills only from the former
+        carried = phases.get("forward", {}).get(GRADIENTS, 0)
+
+        def made(name: str) -> int:
+            return max(0, phases[name].get(GRADIENTS, 0) - carried)
+
         out = {}
         for name, cats in phases.items():
             cats = dict(cats)
@@ -301,9 +308,9 @@ class GradReleasePlugin(Plugin):
             if name == "backward":
                 # mid-backward, at the traced run's highest point there (the activations still alive
                 # then): the buckets in flight and the largest gradient made whole before its hook (`whole`),
-                # but no more than the traced run's own gradients there: where DeepSpeed's hold none yet
-                # (the point is before the first gradient), no bucket has been filled either
-                cats[GRADIENTS] = accum + min(in_flight + whole, phases[name].get(GRADIENTS, 0))
+                # but no more than the traced run's own gradients made there: where DeepSpeed has made none
+                # yet (the point is before the first gradient), no bucket has been filled either
+                cats[GRADIENTS] = accum + min(in_flight + whole, made(name))
                 # early in backward, before the first bucket is full, the activations are all there
                 # with the loss's gradient temporaries; at its end the activations are gone, buckets
                 # are in flight and updating, and the held shard (if any) is whole
@@ -315,8 +322,8 @@ class GradReleasePlugin(Plugin):
             elif name == BACKWARD_START:
                 # the first gradient autograd makes (the output head's, where the model has one: the
                 # largest parameter) exists whole before its hook copies it into a bucket, unless by rows;
-                # no more than the traced run's own gradients there (none yet: none here either)
-                cats[GRADIENTS] = accum + min(max(lp * largest, rows_held), phases[name].get(GRADIENTS, 0))
+                # no more than the traced run's own gradients made there (none yet: none here either)
+                cats[GRADIENTS] = accum + min(max(lp * largest, rows_held), made(name))
             elif name in ("optimizer_step", STEP_PREPARE):
                 cats["temporaries"] = 0
                 cats["activations"] = 0

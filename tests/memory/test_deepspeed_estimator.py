@@ -57,14 +57,27 @@ def test_estimate_within_ten_percent_of_measured(model, stage, dtype, micro, wor
 
 def test_grad_release_estimate_takes_the_largest_gradients_by_rows(monkeypatch):
     """The chunked head's and the embedding's weights (2048 x 64 each, alone in their buckets) give their
-    gradients by rows. Under accumulation each round goes into the fp32 accumulator as it comes: mid-backward
-    the gradients are the accumulator and one round of 1/8 shard per rank (2 x 8,192) with its reduced part
-    (8,192), 49,152 bf16 bytes more, where the head's whole gradient was 262,144."""
+    gradients by rows. Under accumulation each round goes into the fp32 accumulator as it comes: at a
+    backward point where the traced run has made gradients, they are the accumulator and one round of 1/8
+    shard per rank (2 x 8,192) with its reduced part (8,192), 49,152 bf16 bytes more, where the head's whole
+    gradient was 262,144. At this model's traced points DeepSpeed has made none in this micro-step yet (it
+    holds only those carried from the one before): the accumulator alone."""
+    from xirang_ds.memory.categories import GRADIENTS
+    from xirang_ds.memory.estimator import BACKWARD_START
     from xirang_ds.plugins.grad_release.plugin import GradReleasePlugin
 
     config = ds_config(stage=2, dtype="bf16", micro=4, gas=2, xirang={**CHUNK, **GRAD_RELEASE})
     accumulator = estimate_spec(VOCAB, config, 2).phases["forward"]["gradients"]  # fp32, this rank's shard
     assert accumulator == 4 * sum(-(-p.numel() // 2) for p in build_model(parse_model_spec(VOCAB)).parameters())
+    assert estimate_spec(VOCAB, config, 2).phases["backward"]["gradients"] == accumulator
+    adjust = GradReleasePlugin.adjust_estimate
+
+    def made_there(self, phases, shape, numels):  # traced points past the first gradients of this micro-step
+        made = {name: {**phases[name], GRADIENTS: phases[name].get(GRADIENTS, 0) + 10 ** 7}
+                for name in ("backward", BACKWARD_START)}
+        return adjust(self, {**phases, **made}, shape, numels)
+
+    monkeypatch.setattr(GradReleasePlugin, "adjust_estimate", made_there)
     assert estimate_spec(VOCAB, config, 2).phases["backward"]["gradients"] == accumulator + 49_152
     monkeypatch.setattr(GradReleasePlugin, "_rows_numels", lambda self, world, bucket: [])
     assert estimate_spec(VOCAB, config, 2).phases["backward"]["gradients"] == accumulator + 262_144

@@ -37,6 +37,8 @@ import sys
 import torch
 
 _TIE = -32768  # 0x8000 as int16
+_HALF = 1 << 15  # added to the bits before clearing the low half: rounds half away from zero
+_HIGH_HALF = -(1 << 16)  # 0xFFFF0000 as int32
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
     raise ImportError("xirang grad_release remainders assume little-endian fp32 layout")
@@ -112,21 +114,11 @@ def round8_(master: torch.Tensor, out: torch.Tensor, seed: int) -> None:
     The noise comes from a generator seeded with ``seed`` (`stochastic.noise_seed`), a chunk of
     `stochastic.CHUNK_NUMEL` elements at a time; infinities stay, a NaN becomes the canonical one
     (whose low half is zero); the largest finite numbers can round to infinity, as to nearest."""
-    from xirang_ds.plugins.grad_release.stochastic import CHUNK_NUMEL
+    from xirang_ds.plugins.grad_release.stochastic import rounded_chunks
 
-    generator = torch.Generator(device=master.device)
-    generator.manual_seed(seed)
-    bits = master.view(torch.int32)
-    for start in range(0, master.numel(), CHUNK_NUMEL):  # 4 bytes an element of a chunk: the noise
-        part = bits[start:start + CHUNK_NUMEL]
-        values = master[start:start + CHUNK_NUMEL]
-        # infinities and canonical NaNs have a zero low half: adding less than 256 (or 0x8000) and
-        # clearing what was added gives them back, so no finiteness mask is needed
-        values.masked_fill_(torch.isnan(values), float("nan"))
-        noise = torch.randint(0, _LOW_BYTE, part.shape, dtype=torch.int32, device=part.device, generator=generator)
-        part.add_(noise).bitwise_and_(_HIGH_BYTES)
+    for start, part, noise in rounded_chunks(master, seed, low_bits=8):  # 4 bytes an element of a chunk
         half = noise.fill_(_HALF).add_(part).bitwise_and_(_HIGH_HALF)  # half away from zero
-        out[start:start + CHUNK_NUMEL].copy_(half.view(torch.float32))  # exact: the low half is zero
+        out[start:start + part.numel()].copy_(half.view(torch.float32))  # exact: the low half is zero
 
 
 def split8(master: torch.Tensor, remainder: torch.Tensor) -> None:
@@ -146,12 +138,6 @@ def join8(weight: torch.Tensor, remainder: torch.Tensor, master: torch.Tensor) -
     parts = master.view(torch.int8).view(master.numel(), 4)
     parts[:, 1] = remainder
     parts[:, 0] = 0
-
-
-_LOW_BYTE = 1 << 8
-_HIGH_BYTES = -(1 << 8)  # 0xFFFFFF00 as int32
-_HALF = 1 << 15
-_HIGH_HALF = -(1 << 16)
 
 
 __all__ = ["join", "join8", "round8_", "split", "split8", "tie_bytes"]

@@ -21,13 +21,13 @@ noise and keep identical weights, and a resumed run draws what the uninterrupted
 """
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 
 CHUNK_NUMEL = 1 << 20
 """Elements rounded per pass: the noise (4 bytes an element) is this large."""
 
-_LOW_HALF = 1 << 16
-_HIGH_HALF = -(1 << 16)  # 0xFFFF0000 as int32
 
 
 def noise_seed(bucket: int, step: int, rank: int) -> int:
@@ -42,8 +42,11 @@ def chunk_seed(seed: int, offset: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + offset) % (1 << 63)
 
 
-def round_(master: torch.Tensor, out: torch.Tensor, seed: int) -> None:
-    """Round fp32 ``master`` (flat; overwritten) stochastically into bf16 ``out`` (flat, same numel)."""
+def rounded_chunks(master: torch.Tensor, seed: int,
+                   low_bits: int = 16) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Round fp32 ``master`` (flat; overwritten) stochastically, its ``low_bits`` low bits cleared, a chunk
+    of `CHUNK_NUMEL` at a time; after each chunk yield ``(start, bits, noise)``: the chunk's offset, its
+    int32 view and the chunk's noise buffer (free for the caller's use until the next chunk)."""
     generator = torch.Generator(device=master.device)
     generator.manual_seed(seed)
     bits = master.view(torch.int32)
@@ -51,10 +54,17 @@ def round_(master: torch.Tensor, out: torch.Tensor, seed: int) -> None:
         part = bits[start:start + CHUNK_NUMEL]
         values = master[start:start + CHUNK_NUMEL]
         values.masked_fill_(torch.isnan(values), float("nan"))  # a NaN whose payload is all low bits stays NaN
-        noise = torch.randint(0, _LOW_HALF, part.shape, dtype=torch.int32, device=part.device, generator=generator)
-        part.add_(noise).bitwise_and_(_HIGH_HALF)  # an infinity or a canonical NaN has a zero low half: it stays
+        noise = torch.randint(0, 1 << low_bits, part.shape, dtype=torch.int32, device=part.device,
+                              generator=generator)
+        part.add_(noise).bitwise_and_(-(1 << low_bits))  # an infinity or a canonical NaN has them zero: it stays
+        yield start, part, noise
         del noise
-        out[start:start + CHUNK_NUMEL].copy_(values)  # exact: the low half is zero
 
 
-__all__ = ["CHUNK_NUMEL", "chunk_seed", "noise_seed", "round_"]
+def round_(master: torch.Tensor, out: torch.Tensor, seed: int) -> None:
+    """Round fp32 ``master`` (flat; overwritten) stochastically into bf16 ``out`` (flat, same numel)."""
+    for start, part, _ in rounded_chunks(master, seed):
+        out[start:start + part.numel()].copy_(part.view(torch.float32))  # exact: the low half is zero
+
+
+__all__ = ["CHUNK_NUMEL", "chunk_seed", "noise_seed", "round_", "rounded_chunks"]

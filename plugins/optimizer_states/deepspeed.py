@@ -26,6 +26,8 @@ from xirang_ds.registry import FrameworkPath, OptimizerSpec
 logger = logging.getLogger("xirang_ds")
 
 SECTION = "xirang.optimizer_states"
+PARKED_MASTERS = ("remainders", "remainders_8bit", "none")
+"""``masters`` values that park DeepSpeed's ZeRO-3 masters (`masters.ParkedMasters`): ZeRO-3 in bf16 only."""
 
 
 def check_ds_config(config: Any, ds_config: dict) -> None:
@@ -61,7 +63,7 @@ def ds_config_problems(config: Any, ds_config: dict) -> list[tuple[str, str]]:
                          f"keeps the optimizer states in host memory and steps its own CPU Adam, so there are no "
                          f"device states to shrink. Fix: remove offload_optimizer or disable optimizer_states"))
     masters = getattr(config, "masters", "auto")
-    if masters in ("remainders", "remainders_8bit", "none"):
+    if masters in PARKED_MASTERS:
         stage = int(zero.get("stage", 0) or 0)
         if stage != 3:
             problems.append((f"{SECTION}.masters",
@@ -175,7 +177,7 @@ class DeepSpeedStates(FrameworkPath):
             return
         problem = zero3_problem(engine.optimizer) if p.session.stepper is None else "grad_release holds them"
         if problem is not None:
-            if p.config.masters in ("remainders", "remainders_8bit", "none"):
+            if p.config.masters in PARKED_MASTERS:
                 raise XirangConfigError([(f"{SECTION}.masters", f"is {p.config.masters!r} but {problem}. "
                                                                  "Fix: set masters \"auto\" or \"fp32\"")])
             p.masters_line = f"as the run keeps them ({problem})"

@@ -38,6 +38,7 @@ from xirang_ds.plugins.grad_release.comm import DataParallelComm, wait
 from xirang_ds.plugins.grad_release.layout import BucketLayout, Piece
 from xirang_ds.plugins.grad_release.masters import MasterSlices
 from xirang_ds.plugins.grad_release.optimizers import sync_hyperparameters
+from xirang_ds.plugins.grad_release.parked_states import ParkedStates
 
 Scope = Callable[[str], ContextManager[None]]
 Coefficient = Union[float, torch.Tensor]
@@ -48,7 +49,7 @@ def no_scope(category: str) -> ContextManager[None]:
     return contextlib.nullcontext()
 
 
-class Bucket(MasterSlices):
+class Bucket(MasterSlices, ParkedStates):
     """A bucket of parameters on this rank.
 
     Args:
@@ -66,6 +67,8 @@ class Bucket(MasterSlices):
         masters: how bf16 parameters' masters are kept between updates: ``fp32``, ``remainders``
             (exact), ``remainders_8bit`` (to 16 significant bits) or ``none`` (rounded stochastically
             into the weights). Other dtypes: ``fp32``.
+        states: where the optimizer's states live between updates: ``device`` or ``host``
+            (`parked_states.ParkedStates`).
 
     Attributes:
         grad: after ``finalize``, the step's gradient shard (``grad * grad_scale`` is the average).
@@ -78,7 +81,8 @@ class Bucket(MasterSlices):
     def __init__(self, index: int, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  sources: Sequence[int], layout: BucketLayout, comm: DataParallelComm,
                  basic_optimizer: torch.optim.Optimizer, comm_dtype: torch.dtype, scope: Scope = no_scope,
-                 host_scope: Callable[[], ContextManager] = contextlib.nullcontext, masters: str = "fp32"):
+                 host_scope: Callable[[], ContextManager] = contextlib.nullcontext, masters: str = "fp32",
+                 states: str = "device"):
         self.index = index
         self.params = list(params)
         self.names = list(names)
@@ -90,6 +94,7 @@ class Bucket(MasterSlices):
         self.scope = scope
         self.host_scope = host_scope
         self._host: Optional[torch.Tensor] = None  # where `stash` keeps the gradient shard, reused every step
+        self.states_on, self._parked = states, {}
         self.sharded = layout.world > 1
         self.dtype = self.params[0].dtype
         self.pieces: list[Piece] = [p for p in layout.pieces(comm.rank if self.sharded else 0) if p.numel > 0]
@@ -346,7 +351,9 @@ class Bucket(MasterSlices):
                     view.xirang_grad_scale = tuple(s for s in (self.grad_scale, c)
                                                    if isinstance(s, torch.Tensor) or s != 1.0)
             sync_hyperparameters(self.basic.param_groups, self.optimizer, self.group_sources)
+            self.fetch_states()
             self.optimizer.step()
+            self.park_states()
             for view in self.views:
                 view.grad = None
         del grad
@@ -431,6 +438,7 @@ class Bucket(MasterSlices):
             self._join(master)
         elif self.transient or self.in_place:
             master = self._weight_shard(torch.float32)
+        self.settle_states()
         return {"master": master, "optimizer": self.optimizer.state_dict() if self.optimizer else None,
                 "steps_applied": self.steps_applied}
 
@@ -450,7 +458,8 @@ class Bucket(MasterSlices):
 
     def _load_optimizer(self, state: dict) -> None:
         if self.optimizer is not None and state["optimizer"] is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.optimizer.load_state_dict(state["optimizer"])  # onto the device, as torch loads them
+            self.park_states()
 
     def fingerprint(self) -> dict:
         """What must match for a checkpoint of this bucket to load here."""

@@ -94,9 +94,12 @@ def read_setup(ds_config: dict, config: GradReleaseConfig) -> TrainingSetup:
     for key, section in (("offload_optimizer", zero.offload_optimizer), ("offload_param", zero.offload_param)):
         device = getattr(section, "device", "none") if section is not None else "none"
         if str(getattr(device, "value", device)) != "none":
+            instead = (" (xirang.grad_release.states \"host\" keeps the optimizer states in host memory and steps "
+                       "them on the device)" if key == "offload_optimizer" else "")
             problems.append(_problem(f"zero_optimization.{key}.device", str(getattr(device, "value", device)),
                                      "grad_release steps the optimizer on the device during backward; allowed: "
-                                     "\"none\"", f"remove zero_optimization.{key}, or disable xirang.grad_release"))
+                                     "\"none\"", f"remove zero_optimization.{key}{instead}, or disable "
+                                     "xirang.grad_release"))
     if zero.zenflow is not None:
         problems.append(_problem("zero_optimization.zenflow", "set", "ZenFlow schedules its own optimizer updates",
                                  "remove zero_optimization.zenflow, or disable xirang.grad_release"))

@@ -22,6 +22,7 @@ def hand_back(buckets: list[Bucket]) -> None:
     (``bucket.basic``: DeepSpeed's basic optimizer, or under Megatron the torch optimizer inside
     Megatron's); collective when sharded."""
     for bucket in buckets:
+        bucket.fetch_states()  # states kept on the host go back to the device, where the engine steps them
         optimizer = bucket.basic
         for param, state in _full_states(bucket).items():
             optimizer.state[param] = {k: (v.to(param.dtype) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)

@@ -212,11 +212,16 @@ class MegatronRelease(FrameworkPath):
 
     @classmethod
     def check(cls, config: Any) -> list[tuple[str, str]]:
+        issues = []
         if config.exact_method == "two_pass":
-            return [("exact_method", "xirang.grad_release.exact_method = \"two_pass\" runs backward twice, "
-                                     "and under Megatron backward is Megatron's schedule's; allowed there: "
-                                     "\"hold\". Fix: set exact_method to \"hold\"")]
-        return []
+            issues.append(("exact_method", "xirang.grad_release.exact_method = \"two_pass\" runs backward twice, "
+                                           "and under Megatron backward is Megatron's schedule's; allowed there: "
+                                           "\"hold\". Fix: set exact_method to \"hold\""))
+        if config.states == "host":
+            issues.append(("states", "xirang.grad_release.states = \"host\" is not wired into Megatron's checkpoint "
+                                     "path, which lends the buckets' states to Megatron's optimizer; allowed there: "
+                                     "\"device\". Fix: remove the key"))
+        return issues
 
     def attach(self, run: Any) -> None:
         """Take over Megatron DDP's gradient path and Megatron's optimizer step."""

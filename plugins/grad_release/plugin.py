@@ -201,7 +201,7 @@ class GradReleasePlugin(Plugin):
                                           [group_of[p][1] for p in params],
                                           BucketLayout.build([p.numel() for p in params], world), self.comm, basic,
                                           self.setup.comm_dtype, tracker.scope, tracker.host_tier,
-                                          masters=self._masters))
+                                          masters=self._masters, states=self.config.states))
                 except TypeError as e:
                     raise XirangConfigError([("", f"xirang.grad_release: the optimizer {type(basic).__name__} cannot "
                                                   f"be rebuilt as type(opt)(param_groups, **opt.defaults) for each "
@@ -225,7 +225,8 @@ class GradReleasePlugin(Plugin):
         "One step of a bucket" in docs/grad_release.md): 16-bit parameters whole, fp32 masters and
         Adam states over this rank's shard (masters as remainders: 2 bytes and a tie bit per element, or 1,
         rebuilt for a bucket's update; ``none``: no master, the weights widened for the update and
-        rounded back a chunk at a time), one bucket filling and one reducing, this rank's shard
+        rounded back a chunk at a time; ``states: host``: only the updating bucket's states, at the end of
+        backward), one bucket filling and one reducing, this rank's shard
         held until backward ends when exact clipping uses ``hold``, and the update's temporaries in
         backward, one bucket shard at a time. There is no separate optimizer-step phase."""
         from xirang_ds.memory.estimator import BACKWARD_START, STEP_PREPARE, _adam_temporaries
@@ -254,6 +255,7 @@ class GradReleasePlugin(Plugin):
         states = 8 * part
         if self.session.state_quantizer is not None:
             states = phases["forward"].get(OPTIMIZER_STATES, states)  # that plugin's own model (it runs first)
+        parked = self.config.states == "host"  # on the device only a bucket's, during its update
         clipping = self.setup.gradient_clipping if self.setup is not None else 0.0
         fp16 = self.setup is not None and self.setup.fp16 is not None
         global_pass = clipping > 0 and self.config.clipping == "exact" or fp16 or self.retries_oom()
@@ -291,6 +293,9 @@ class GradReleasePlugin(Plugin):
             # in place (masters.py): DynamicAdamW's chunk in fp32 (parameter, gradient, two moments:
             # 16 bytes an element) and the rounding's noise (4), nothing per shard
             update = 20 * min(shard, quantizer.config.chunk_numel)
+        order = list(reversed(numels))  # the largest bucket's states, of the buckets `plan_buckets` makes
+        fetched = max(math.ceil(states * sum(math.ceil(order[i] / world) for i in b) / part)
+                      for b in planned) if parked else 0
         # gradients the traced run makes in this backward, above those it carries from earlier micro-steps
         # (DeepSpeed keeps them from forward on under accumulation): a bucket fills only from the former
         carried = phases.get("forward", {}).get(GRADIENTS, 0)
@@ -302,7 +307,7 @@ class GradReleasePlugin(Plugin):
         for name, cats in phases.items():
             cats = dict(cats)
             cats[PARAMETERS] = lp * total + masters
-            cats[OPTIMIZER_STATES] = states
+            cats[OPTIMIZER_STATES] = 0 if parked else states
             cats[GRADIENTS] = accum
             cats["comm_buffers"] = 0
             if name == "backward":
@@ -315,7 +320,7 @@ class GradReleasePlugin(Plugin):
                 # with the loss's gradient temporaries; at its end the activations are gone, buckets
                 # are in flight and updating, and the held shard (if any) is whole
                 late = {**cats, "activations": 0, "comm_buffers": in_flight,
-                        "temporaries": update,
+                        "temporaries": update, OPTIMIZER_STATES: cats[OPTIMIZER_STATES] + fetched,
                         GRADIENTS: accum + (lp * part if holds else 0) + whole}
                 if sum(late.values()) > sum(cats.values()):
                     cats = late

@@ -203,6 +203,13 @@ class GradReleaseConfig(Section):
     docs/grad_release.md). ``remainders``, ``remainders_8bit`` and ``none`` need bf16 parameters (an
     fp16 weight is not the top half of an fp32 number). ``auto`` = ``remainders`` with bf16
     parameters, else ``fp32``."""
+    states: Literal["device", "host"] = "device"
+    """Where the buckets' optimizer states (Adam's moments over this rank's shard) live between
+    updates: ``device``, or ``host``: (pinned) host memory, each bucket's states copied to the device
+    just before its update and back right after it, on the current stream (lossless: the same update
+    of the same values, bit for bit). The device then holds one bucket's states, during its update,
+    instead of all of them (fp32 Adam: 8 bytes per shard element); the states cross the host link
+    twice per optimizer step. Not under Megatron-core."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,150 @@
+"""grad_release with ``states: host`` on real DeepSpeed engines over 2 gloo ranks (ZeRO-2 and 0, bf16,
+accumulation 2, clipping, WarmupLR): the buckets' optimizer states live in host buffers between updates
+and training is bit-identical to ``states: device``; at rest the device holds none of them and during
+the step at most one bucket's; checkpoints resume bit for bit across the two; removal hands the states
+back to the engine, which continues as plain DeepSpeed."""
+import copy
+import os
+
+import pytest
+import torch
+
+from tests.harness import engine_runs
+from tests.harness.checks import assert_resumed, same_tensors
+from tests.harness.engine_runs import ds_config
+from xirang_ds.launch import run_ranks
+
+SCHEDULER = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2, "warmup_num_steps": 4}}
+STEPS = 4
+INT8 = {"enabled": True, "schedule": [{"dtype": "int8"}], "min_numel": 0, "chunk_numel": 4096}
+
+
+def _config(states="device", stage=2, dtype="bf16", quantized=False):
+    xirang = {"grad_release": {"enabled": True, "bucket_size_numel": 20_000, "states": states}}
+    if quantized:
+        xirang["optimizer_states"] = INT8
+    return ds_config(stage=stage, dtype=dtype, micro=2, gas=2, clip=0.05, scheduler=SCHEDULER, xirang=xirang)
+
+
+def _train(rank, world, config, steps, skip=0, save_dir=None, load_dir=None, measure=False, remove_at=None):
+    import xirang_ds
+    from xirang_ds.models import BUILTIN_SPECS, build_model
+
+    gas = config["gradient_accumulation_steps"]
+    spec = BUILTIN_SPECS["gpt-tiny"]
+    model = build_model(spec, seed=0)
+    engine, *_ = xirang_ds.initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(config))
+    if load_dir is not None:
+        engine.load_checkpoint(load_dir)
+    data = engine_runs.data_iter(2, spec.seq, rank, world)
+    for _ in range(skip * gas):
+        next(data)
+    out, window, tracker = {}, None, None
+    if measure:
+        tracker = engine.xirang.track_memory()
+        window = tracker.open_window()
+    losses = []
+    for step in range(steps):
+        if step == remove_at:
+            engine.xirang.remove()
+            out["handed_back"] = sum(isinstance(t, torch.Tensor) and t.dim() > 0
+                                     for s in engine.basic_optimizer.state.values() for t in s.values())
+        total = 0.0
+        for _ in range(gas):
+            x, y = next(data)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        losses.append(total / gas)
+    if save_dir is not None:
+        engine.save_checkpoint(save_dir)
+    out.update(losses=losses, params=torch.cat([p.detach().float().reshape(-1) for p in engine.module.parameters()]))
+    if window is not None:
+        buckets = engine.xirang.plugin("grad_release").buckets
+        at_rest = tracker.by_category(tracker.live_records())
+        out["at_rest"] = {k: at_rest[k] for k in ("optimizer_states", "host")}
+        out["step_states_peak"] = window.category_peaks()["optimizer_states"]
+        out["state_bytes"] = [sum(t.numel() * t.element_size() for s in b.optimizer.state.values()
+                                  for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+                              for b in buckets]
+        out["step_counts"] = sum(t.numel() * t.element_size() for b in buckets for s in b.optimizer.state.values()
+                                 for t in s.values() if isinstance(t, torch.Tensor) and t.dim() == 0)
+        out["parked"] = sorted({b.states_on for b in buckets})
+        window.close()
+    return out
+
+
+def _scenarios(rank, world, ckpt_dir):
+    host_dir, device_dir = os.path.join(ckpt_dir, "host"), os.path.join(ckpt_dir, "device")
+    out = {"device": _train(rank, world, _config(), STEPS, measure=True),
+           "host": _train(rank, world, _config("host"), STEPS, measure=True),
+           "device_stage0": _train(rank, world, _config(stage=0), 2),
+           "host_stage0": _train(rank, world, _config("host", stage=0), 2),
+           "device_int8": _train(rank, world, _config(quantized=True), STEPS),
+           "host_int8": _train(rank, world, _config("host", quantized=True), STEPS, measure=True)}
+    half = STEPS // 2
+    out["host_first_half"] = _train(rank, world, _config("host"), half, save_dir=host_dir)
+    out["host_resumed"] = _train(rank, world, _config("host"), STEPS - half, skip=half, load_dir=host_dir)
+    _train(rank, world, _config(), half, save_dir=device_dir)
+    out["host_from_device"] = _train(rank, world, _config("host"), STEPS - half, skip=half, load_dir=device_dir)
+    out["device_from_host"] = _train(rank, world, _config(), STEPS - half, skip=half, load_dir=host_dir)
+    # fp32: the engine steps the handed-back states exactly as grad_release would have
+    out["plain_fp32"] = _train(rank, world, {k: v for k, v in _config(dtype="fp32").items() if k != "xirang"}, STEPS)
+    out["removed_fp32"] = _train(rank, world, _config("host", dtype="fp32"), STEPS, remove_at=half)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_ranks(_scenarios, 2, str(tmp_path_factory.mktemp("host_states_ckpt")))
+
+
+@pytest.mark.distributed
+def test_host_states_train_bit_identically(runs):
+    for r in runs:
+        for kind in ("", "_stage0", "_int8"):
+            assert r[f"host{kind}"]["losses"] == r[f"device{kind}"]["losses"], kind
+            assert same_tensors(r[f"host{kind}"]["params"], r[f"device{kind}"]["params"]), kind
+
+
+@pytest.mark.distributed
+def test_the_device_holds_no_state_at_rest_and_one_bucket_at_the_step(runs):
+    for r in runs:
+        device, host = r["device"], r["host"]
+        assert device["parked"] == ["device"] and host["parked"] == ["host"]
+        states = sum(device["state_bytes"])
+        assert states > 0 and sum(host["state_bytes"]) == states
+        counts = host["step_counts"]  # each view's 0-dim step count stays where the optimizer made it
+        assert device["at_rest"]["optimizer_states"] == states + counts
+        assert host["at_rest"]["optimizer_states"] == counts
+        assert host["at_rest"]["host"] - device["at_rest"]["host"] == states
+        assert host["step_states_peak"] == max(host["state_bytes"]) + counts < states
+        int8 = r["host_int8"]
+        assert int8["at_rest"]["optimizer_states"] == int8["step_counts"]
+        assert int8["step_states_peak"] == max(int8["state_bytes"]) + int8["step_counts"]
+
+
+@pytest.mark.distributed
+def test_host_states_checkpoints_resume_bit_for_bit_either_way(runs):
+    for r in runs:
+        assert_resumed(r["host"], r["host_resumed"], STEPS // 2, first=r["host_first_half"], params=True)
+        assert_resumed(r["host"], r["host_from_device"], STEPS // 2, params=True)
+        assert_resumed(r["device"], r["device_from_host"], STEPS // 2, params=True)
+
+
+@pytest.mark.distributed
+def test_removal_hands_the_states_back_on_the_device(runs):
+    for r in runs:
+        removed = r["removed_fp32"]
+        assert removed["handed_back"] > 0
+        assert torch.allclose(removed["params"], r["plain_fp32"]["params"], rtol=0, atol=1e-6)
+
+
+def test_megatron_refuses_host_states():
+    from xirang_ds.config.schema import GradReleaseConfig
+    from xirang_ds.plugins.grad_release.megatron import MegatronRelease
+
+    problems = MegatronRelease.check(GradReleaseConfig(enabled=True, states="host", exact_method="two_pass"))
+    assert [k for k, _ in problems] == ["exact_method", "states"]
+    assert "allowed there: \"device\"" in problems[1][1]

@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -90,7 +91,7 @@ def left_out(summary: str) -> list[str]:
 def run(args: argparse.Namespace) -> dict:
     from xirang_ds.bench import run_side
 
-    data = {"command": " ".join(["python", "benchmarks/presets_zero.py"] + sys.argv[1:]), "model": args.model,
+    data = {"command": shlex.join(["python", "benchmarks/presets_zero.py"] + sys.argv[1:]), "model": args.model,
             "steps": args.steps, "world_size": args.world_size, "micro_batch": args.micro_batch, "dtype": args.dtype,
             "parameters": parameter_count(args.model), "budgets": dict(args.budget), "extra": args.extra, "rows": []}
     for stage in args.stages:

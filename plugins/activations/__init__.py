@@ -438,7 +438,7 @@ class ActivationsPlugin(Plugin):
         self._bandwidth, other = -extra[0], (int(extra[1]) if other is not None else None)
         self.profiles = profiles
         self.budget_bytes = resolve_budget(self.config, self.session.config.memory_budget,
-                                           int(get_accelerator().total_memory()), profiles, other)
+                                           int(get_accelerator().total_memory()), profiles, other, self.session.stepper)
         streams = rt.offloader.stream is not None
         roots, before, after = build_tree(self._candidates, self._fixed, profiles, self.options, self._tolerant,
                                           self._bandwidth, streams, self.config.offload_prefetch)

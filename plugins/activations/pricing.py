@@ -117,8 +117,11 @@ def build_tree(candidates: list[str], fixed: dict[str, str], profiles: dict[str,
 
 
 def resolve_budget(config: ActivationsConfig, memory_budget: object, device_total: int, profiles: dict,
-                   other_peak: Optional[int]) -> int:
+                   other_peak: Optional[int], stepper: Any = None) -> int:
     """Device bytes the saved activations may take per rank.
+
+    Args:
+        stepper: the plugin that steps in backward (grad_release), whose ``budget_fixes()`` the error adds.
 
     Raises:
         XirangConfigError: ``memory_budget`` is below what the rank needs besides activations.
@@ -130,10 +133,11 @@ def resolve_budget(config: ActivationsConfig, memory_budget: object, device_tota
     total = device_total if memory_budget == "auto" else int(memory_budget)
     other = other_peak or 0
     if total <= other:
+        other_fixes = stepper.budget_fixes() if stepper is not None else ""
         raise XirangConfigError([("xirang.memory_budget",
                                   f"{format_bytes(total)} is below what this rank needs besides saved activations "
                                   f"({format_bytes(other)} at the peak of the profiling passes: model states, "
-                                  "gradients, communication buffers, temporaries); raise it, or set "
+                                  f"gradients, communication buffers, temporaries); raise it{other_fixes}, or set "
                                   f"{PATH}.budget to the bytes activations may take")])
     return total - other
 

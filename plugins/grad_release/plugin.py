@@ -429,6 +429,12 @@ class GradReleasePlugin(Plugin):
                         self.engine.global_steps + 1, norm,
                         f", loss scale now {scale:g}" if self.policy.loss_scaler is not None else "")
 
+    def budget_fixes(self) -> str:
+        """What grad_release can still lower losslessly, for a memory_budget error (", or ...")."""
+        if self.config.states == "device" and self.buckets:
+            return ", keep the optimizer states in host memory (xirang.grad_release.states \"host\", lossless)"
+        return ""
+
     # memory roles -------------------------------------------------------------------------------
     def _memory_roles(self) -> list[tuple[str, Any]]:
         from xirang_ds.plugins.grad_release.optimizers import state_tensors

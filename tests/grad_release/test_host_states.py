@@ -148,3 +148,22 @@ def test_megatron_refuses_host_states():
     problems = MegatronRelease.check(GradReleaseConfig(enabled=True, states="host", exact_method="two_pass"))
     assert [k for k, _ in problems] == ["exact_method", "states"]
     assert "allowed there: \"device\"" in problems[1][1]
+
+
+def test_a_budget_below_the_rest_names_host_states_where_they_are_on_the_device():
+    from types import SimpleNamespace
+
+    from xirang_ds.config.schema import ActivationsConfig, GradReleaseConfig
+    from xirang_ds.config.validate import XirangConfigError
+    from xirang_ds.plugins.activations.pricing import resolve_budget
+    from xirang_ds.plugins.grad_release.plugin import GradReleasePlugin
+
+    def error(states):
+        stepper = SimpleNamespace(config=GradReleaseConfig(enabled=True, states=states), buckets=[object()])
+        stepper.budget_fixes = lambda: GradReleasePlugin.budget_fixes(stepper)
+        with pytest.raises(XirangConfigError) as e:
+            resolve_budget(ActivationsConfig(enabled=True), 1000, 10 ** 9, {}, 2000, stepper)
+        return str(e.value)
+
+    assert "xirang.grad_release.states \"host\"" in error("device")
+    assert "grad_release" not in error("host") and "raise it, or set" in error("host")

@@ -58,10 +58,9 @@ from xirang_ds.plugins.activations.pricing import (
     build_tree,
     check_agreed,
     check_memory_budget,
-    choose,
     escalation,
+    plan_within,
     reach,
-    resolve_budget,
 )
 from xirang_ds.plugins.activations.profile import ModuleProfile, Profiler
 from xirang_ds.plugins.activations.recompute import timings_line
@@ -433,17 +432,18 @@ class ActivationsPlugin(Plugin):
         rt.profiler = None
         rt.offloader.synchronize()
         rt.offloader.pool.clear()  # profiling offloaded everything; the plan's own buffers pool anew
-        other = self._close_other_peak()
-        extra = agree(profiles, [-self._bandwidth, float(other or 0)], rt.device, self._groups)
+        other, stepper = self._close_other_peak(), self.session.stepper
+        parkable = stepper.parkable_bytes() if stepper is not None else 0  # the least over ranks, as all agree
+        extra = agree(profiles, [-self._bandwidth, float(other or 0), -float(parkable)], rt.device, self._groups)
         self._bandwidth, other = -extra[0], (int(extra[1]) if other is not None else None)
         self.profiles = profiles
-        self.budget_bytes = resolve_budget(self.config, self.session.config.memory_budget,
-                                           int(get_accelerator().total_memory()), profiles, other, self.session.stepper)
         streams = rt.offloader.stream is not None
         roots, before, after = build_tree(self._candidates, self._fixed, profiles, self.options, self._tolerant,
                                           self._bandwidth, streams, self.config.offload_prefetch)
         self.outside_bytes = before + after
-        self.choices = choose(roots, self.budget_bytes, before, after, self.region)
+        self.budget_bytes, self.choices, other = plan_within(
+            self.config, self.session.config.memory_budget, int(get_accelerator().total_memory()), profiles, other,
+            (roots, before, after), self.region, stepper, int(-extra[2]))
         self.reach = reach(roots, before, after, other, self.profiles, self.choices, self._heads, self.budget_bytes)
         self.planned_peaks = estimate_peak(roots, self.choices, before, after)
         self._apply({name: c.option for name, c in self.choices.items()})

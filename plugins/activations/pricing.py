@@ -165,6 +165,38 @@ def choose(roots: list[Node], budget_bytes: int, before: int, after: int,
                                   f"tensors back during its backward); {fix}")]) from None
 
 
+def plan_within(config: ActivationsConfig, memory_budget: object, device_total: int, profiles: dict,
+                other: Optional[int], tree: tuple[list[Node], int, int], region: Optional[str] = None,
+                stepper: Any = None, parkable: int = 0) -> tuple[int, dict[str, Choice], Optional[int]]:
+    """`resolve_budget`, then `choose` the plan under it: ``(budget bytes, plan, other)``.
+
+    Where no plan fits what ``memory_budget`` leaves and one fits with ``parkable`` bytes fewer besides
+    activations, the stepper (grad_release with ``states: auto``) moves its optimizer states to host memory
+    (``park_states``), and that plan is taken; ``other`` is then the figure without them.
+    """
+    roots, before, after = tree
+
+    def attempt(rest: Optional[int]) -> tuple[int, dict[str, Choice], Optional[int]]:
+        budget = resolve_budget(config, memory_budget, device_total, profiles, rest, stepper)
+        return budget, choose(roots, budget, before, after, region), rest
+
+    try:
+        return attempt(other)
+    except XirangConfigError:
+        if not parkable or other is None or config.budget != "auto" or config.budget_fraction is not None:
+            raise
+        try:
+            found = attempt(other - parkable)
+        except XirangConfigError as e:  # said as it would be with the states off the device
+            moved = (f"with grad_release's optimizer states in host memory ({format_bytes(parkable)} off the device; "
+                     "states: auto)")
+            raise XirangConfigError([(key, f"{moved}: {message}") for key, message in e.problems]) from None
+    total = device_total if memory_budget == "auto" else int(memory_budget)
+    stepper.park_states(f"no activation plan fits memory_budget {format_bytes(total)} with them on the device, "
+                        f"{format_bytes(parkable)} of them there; the plan's budget is {format_bytes(found[0])}")
+    return found
+
+
 def check_memory_budget(requested: object, engine: Any) -> None:
     """``memory_budget`` below the model states the rank already holds is an error at attach.
 

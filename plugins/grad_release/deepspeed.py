@@ -28,6 +28,9 @@ logger = logging.getLogger("xirang_ds")
 class DeepSpeedRelease(FrameworkPath):
     """The DeepSpeed engine's backward, step and checkpoints, with the update applied in backward."""
 
+    parks_states = True
+    """``states: auto`` may move the buckets' optimizer states to host memory (checkpoints read them there)."""
+
     def attach(self, engine: Any) -> None:
         from xirang_ds.plugins.grad_release.comm import DataParallelComm
         from xirang_ds.plugins.grad_release.ds_config import make_loss_scaler
@@ -84,8 +87,10 @@ class DeepSpeedRelease(FrameworkPath):
         clip = (f"clipping {p.setup.gradient_clipping} ({p.config.clipping}"
                 + (f", {p.config.exact_method}" if p.config.clipping != "per_layer" else "") + ")"
                 if p.setup.gradient_clipping > 0 else "no clipping")
+        host = (" in host memory between updates" + (f" (states auto: {p.parked_why})" if p.parked_why else "")
+                if any(b.states_on == "host" for b in p.buckets) else "")
         return (f"step in backward, ZeRO-{stage} semantics over {p.comm.world} rank(s): {len(p.buckets)} buckets "
-                f"of <= {p.bucket_numel:,} elements, masters{masters} and optimizer states {shards}, {clip}"
+                f"of <= {p.bucket_numel:,} elements, masters{masters} and optimizer states {shards}{host}, {clip}"
                 + (f", updates held to the end of backward ({p.config.exact_method}) for on_oom"
                    if p.policy.hold_updates else "")
                 + (", fp16 loss scaling" if p.setup.fp16 is not None else ""))

@@ -210,6 +210,9 @@ class StateLoan:
 class MegatronRelease(FrameworkPath):
     """Megatron-core's DDP gradient path and optimizer step, taken over (the module docstring)."""
 
+    parks_states = False
+    """``states: auto`` keeps the optimizer states on the device: Megatron's checkpoints borrow them (`check`)."""
+
     @classmethod
     def check(cls, config: Any) -> list[tuple[str, str]]:
         issues = []

@@ -38,6 +38,10 @@ class ParkedStates:
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     yield i, state, key, value
 
+    def state_bytes(self) -> int:
+        """Bytes of the optimizer's state tensors (not the 0-dim step counts), wherever they are."""
+        return sum(value.numel() * value.element_size() for *_, value in self._state_items())
+
     def park_states(self) -> None:
         """Copy the states into their host buffers and drop the device tensors (``states: host``)."""
         if self.states_on != "host":

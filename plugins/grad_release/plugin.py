@@ -22,16 +22,18 @@ import torch
 
 from xirang_ds.compat.torch import GRAD_DTYPE_SETTABLE
 from xirang_ds.config.schema import GradReleaseConfig
+from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import CallbackHandle
 from xirang_ds.memory.categories import GRADIENTS, OPTIMIZER_STATES, PARAMETERS
+from xirang_ds.plugins.grad_release.states_tier import StatesTier
 from xirang_ds.registry import UPDATE_IN_BACKWARD, Plugin, register_plugin
 
 logger = logging.getLogger("xirang_ds")
 
 
 @register_plugin(GradReleaseConfig, section="grad_release", order=50)
-class GradReleasePlugin(Plugin):
+class GradReleasePlugin(StatesTier, Plugin):
     """Optimizer step fused into backward, with data parallel, accumulation, clipping and fp16.
 
     Under Megatron-core it replaces DDP's gradient buffer and Megatron's optimizer step
@@ -67,6 +69,8 @@ class GradReleasePlugin(Plugin):
         self.freed_bytes = 0  # Megatron: bytes of DDP's gradient buffer freed
         self._applied_at_micro_step: Optional[int] = None
         self._micro = 0  # Megatron: backwards since the last optimizer step
+        self.parked_why: Optional[str] = None  # states: auto, in host memory (`states_tier.StatesTier`)
+        self.estimate_note: Optional[str] = None  # what adjust_estimate chose for the states (the estimate's notes)
 
     @classmethod
     def check_ds_config(cls, config: GradReleaseConfig, ds_config: dict) -> list[tuple[str, str]]:
@@ -121,6 +125,7 @@ class GradReleasePlugin(Plugin):
         if self.setup is None:
             return  # Megatron: its own modules decide the dtype (only fp32 is taken over, see attach)
         cast_model(model, self.setup.param_dtype)
+        self.choose_states_tier(model)
 
     def prepare_optimizer(self, optimizer: Any) -> Any:
         if optimizer is None:
@@ -201,7 +206,7 @@ class GradReleasePlugin(Plugin):
                                           [group_of[p][1] for p in params],
                                           BucketLayout.build([p.numel() for p in params], world), self.comm, basic,
                                           self.setup.comm_dtype, tracker.scope, tracker.host_tier,
-                                          masters=self._masters, states=self.config.states))
+                                          masters=self._masters, states=self.states_tier()))
                 except TypeError as e:
                     raise XirangConfigError([("", f"xirang.grad_release: the optimizer {type(basic).__name__} cannot "
                                                   f"be rebuilt as type(opt)(param_groups, **opt.defaults) for each "
@@ -255,7 +260,6 @@ class GradReleasePlugin(Plugin):
         states = 8 * part
         if self.session.state_quantizer is not None:
             states = phases["forward"].get(OPTIMIZER_STATES, states)  # that plugin's own model (it runs first)
-        parked = self.config.states == "host"  # on the device only a bucket's, during its update
         clipping = self.setup.gradient_clipping if self.setup is not None else 0.0
         fp16 = self.setup is not None and self.setup.fp16 is not None
         global_pass = clipping > 0 and self.config.clipping == "exact" or fp16 or self.retries_oom()
@@ -294,8 +298,7 @@ class GradReleasePlugin(Plugin):
             # 16 bytes an element) and the rounding's noise (4), nothing per shard
             update = 20 * min(shard, quantizer.config.chunk_numel)
         order = list(reversed(numels))  # the largest bucket's states, of the buckets `plan_buckets` makes
-        fetched = max(math.ceil(states * sum(math.ceil(order[i] / world) for i in b) / part)
-                      for b in planned) if parked else 0
+        fetched = max(math.ceil(states * sum(math.ceil(order[i] / world) for i in b) / part) for b in planned)
         # gradients the traced run makes in this backward, above those it carries from earlier micro-steps
         # (DeepSpeed keeps them from forward on under accumulation): a bucket fills only from the former
         carried = phases.get("forward", {}).get(GRADIENTS, 0)
@@ -303,36 +306,46 @@ class GradReleasePlugin(Plugin):
         def made(name: str) -> int:
             return max(0, phases[name].get(GRADIENTS, 0) - carried)
 
-        out = {}
-        for name, cats in phases.items():
-            cats = dict(cats)
-            cats[PARAMETERS] = lp * total + masters
-            cats[OPTIMIZER_STATES] = 0 if parked else states
-            cats[GRADIENTS] = accum
-            cats["comm_buffers"] = 0
-            if name == "backward":
-                # mid-backward, at the traced run's highest point there (the activations still alive
-                # then): the buckets in flight and the largest gradient made whole before its hook (`whole`),
-                # but no more than the traced run's own gradients made there: where DeepSpeed has made none
-                # yet (the point is before the first gradient), no bucket has been filled either
-                cats[GRADIENTS] = accum + min(in_flight + whole, made(name))
-                # early in backward, before the first bucket is full, the activations are all there
-                # with the loss's gradient temporaries; at its end the activations are gone, buckets
-                # are in flight and updating, and the held shard (if any) is whole
-                late = {**cats, "activations": 0, "comm_buffers": in_flight,
-                        "temporaries": update, OPTIMIZER_STATES: cats[OPTIMIZER_STATES] + fetched,
-                        GRADIENTS: accum + (lp * part if holds else 0) + whole}
-                if sum(late.values()) > sum(cats.values()):
-                    cats = late
-            elif name == BACKWARD_START:
-                # the first gradient autograd makes (the output head's, where the model has one: the
-                # largest parameter) exists whole before its hook copies it into a bucket, unless by rows;
-                # no more than the traced run's own gradients made there (none yet: none here either)
-                cats[GRADIENTS] = accum + min(max(lp * largest, rows_held), made(name))
-            elif name in ("optimizer_step", STEP_PREPARE):
-                cats["temporaries"] = 0
-                cats["activations"] = 0
-            out[name] = cats
+        def held(parked: bool) -> dict:
+            out = {}
+            for name, cats in phases.items():
+                cats = dict(cats)
+                cats[PARAMETERS] = lp * total + masters
+                cats[OPTIMIZER_STATES] = 0 if parked else states
+                cats[GRADIENTS] = accum
+                cats["comm_buffers"] = 0
+                if name == "backward":
+                    # mid-backward, at the traced run's highest point there (the activations still alive
+                    # then): the buckets in flight and the largest gradient made whole before its hook
+                    # (`whole`), but no more than the traced run's own gradients made there: where DeepSpeed
+                    # has made none yet (the point is before the first gradient), no bucket has been filled
+                    cats[GRADIENTS] = accum + min(in_flight + whole, made(name))
+                    # early in backward, before the first bucket is full, the activations are all there
+                    # with the loss's gradient temporaries; at its end the activations are gone, buckets
+                    # are in flight and updating, and the held shard (if any) is whole
+                    late = {**cats, "activations": 0, "comm_buffers": in_flight, "temporaries": update,
+                            OPTIMIZER_STATES: fetched if parked else states,
+                            GRADIENTS: accum + (lp * part if holds else 0) + whole}
+                    if sum(late.values()) > sum(cats.values()):
+                        cats = late
+                elif name == BACKWARD_START:
+                    # the first gradient autograd makes (the output head's, where the model has one: the
+                    # largest parameter) exists whole before its hook copies it into a bucket, unless by
+                    # rows; no more than the traced run's own gradients made there (none yet: none here)
+                    cats[GRADIENTS] = accum + min(max(lp * largest, rows_held), made(name))
+                elif name in ("optimizer_step", STEP_PREPARE):
+                    cats["temporaries"] = 0
+                    cats["activations"] = 0
+                out[name] = cats
+            return out
+
+        out = held(self.config.states == "host")
+        budget = self.session.config.memory_budget
+        need = max(sum(v for k, v in c.items() if k != "host") for c in out.values())
+        if self.config.states == "auto" and budget != "auto" and need > int(budget):
+            out = held(True)  # where the run starts them on the host (`states_tier.StatesTier`)
+            self.estimate_note = (f"optimizer states in host memory (states auto): {format_bytes(need)} with them "
+                                  f"on the device exceed memory_budget {format_bytes(int(budget))}")
         return out
 
     def _rows_numels(self, world: int, bucket_numel: int) -> list[int]:
@@ -428,12 +441,6 @@ class GradReleasePlugin(Plugin):
             logger.info("xirang grad_release: step %d skipped (gradient norm %s); no parameter updated%s",
                         self.engine.global_steps + 1, norm,
                         f", loss scale now {scale:g}" if self.policy.loss_scaler is not None else "")
-
-    def budget_fixes(self) -> str:
-        """What grad_release can still lower losslessly, for a memory_budget error (", or ...")."""
-        if self.config.states == "device" and self.buckets:
-            return ", keep the optimizer states in host memory (xirang.grad_release.states \"host\", lossless)"
-        return ""
 
     # memory roles -------------------------------------------------------------------------------
     def _memory_roles(self) -> list[tuple[str, Any]]:

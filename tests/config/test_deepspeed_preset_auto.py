@@ -21,34 +21,42 @@ def _meta_model():
         return build_model(BUILTIN_SPECS["gpt-small"])
 
 
-def _needs(model, world=2):
-    return {name: estimate_states(model, {**BASE, "xirang": {"preset": name}}, world).predicted_peak_bytes
+def _needs(model, world=2, states="device"):
+    """Each preset's estimate with grad_release's optimizer states on the device or in host memory."""
+    return {name: estimate_states(model, {**BASE, "xirang": {"preset": name, "grad_release": {"states": states}}},
+                                  world).predicted_peak_bytes
             for name in ("conservative", "balanced", "aggressive")}
 
 
 def test_least_aggressive_preset_that_fits_within_the_sensitivity():
     model = _meta_model()
-    need = _needs(model)
+    need, host = _needs(model), _needs(model, states="host")
     assert need["conservative"] > need["balanced"] > need["aggressive"]  # int8, then int4 states
-    cases = [("normal", need["conservative"] + 1, "conservative"), ("normal", need["conservative"] - 1, "balanced"),
-             ("tolerant", need["balanced"] - 1, "aggressive"), ("lossless", need["conservative"], "conservative")]
-    for sensitivity, budget, taken in cases:
+    # grad_release's states: auto takes the host where the estimate with them on the device is over the budget
+    assert host["conservative"] < need["balanced"] and all(host[n] < need[n] for n in need)
+    cases = [("normal", need["conservative"] + 1, "conservative", False),
+             ("normal", need["conservative"] - 1, "conservative", True),
+             ("normal", host["conservative"] - 1, "balanced", True),
+             ("tolerant", host["balanced"] - 1, "aggressive", True),
+             ("lossless", need["conservative"], "conservative", False)]
+    for sensitivity, budget, taken, on_host in cases:
         block, line = choose_preset({"preset": "auto", "memory_budget": budget, "sensitivity": sensitivity,
                                      "monitor": {"warn_at": 0.8}}, BASE, model, world_size=2)
         assert block == {"preset": taken, "memory_budget": budget, "monitor": {"warn_at": 0.8}}, (sensitivity, budget)
         assert line.startswith(f"preset auto took {taken}: ") and f"sensitivity {sensitivity}" in line
+        assert ("optimizer states in host memory (states auto)" in line) == on_host, line
         validate_block(block)  # an ordinary preset from here on
-    # no fit: the shortfall of the least needy allowed preset, in bytes
-    budget = need["balanced"] - 1000
+    # no fit: the shortfall of the least needy allowed preset, in bytes (its states in host memory)
+    budget = host["balanced"] - 1000
     with pytest.raises(XirangConfigError) as e:
         choose_preset({"preset": "auto", "memory_budget": budget}, BASE, model, world_size=2)
-    assert f"the least, balanced, needs" in str(e.value) and f"{need['balanced'] - budget:,} bytes more" in str(e.value)
+    assert "the least, balanced, needs" in str(e.value) and f"{host['balanced'] - budget:,} bytes more" in str(e.value)
     assert "Fix: raise memory_budget" in str(e.value)
     with pytest.raises(XirangConfigError, match="the least, conservative"):
-        choose_preset({"preset": "auto", "memory_budget": need["conservative"] - 1, "sensitivity": "lossless"}, BASE,
+        choose_preset({"preset": "auto", "memory_budget": host["conservative"] - 1, "sensitivity": "lossless"}, BASE,
                       model, world_size=2)
     # memory_budget auto: the device's capacity
-    block, _ = choose_preset({"preset": "auto"}, BASE, model, world_size=2, total_memory=need["conservative"] - 1)
+    block, _ = choose_preset({"preset": "auto"}, BASE, model, world_size=2, total_memory=host["conservative"] - 1)
     assert block["preset"] == "balanced"
     assert choose_preset({"preset": "balanced"}, BASE, model) == ({"preset": "balanced"}, None)
 
@@ -75,7 +83,7 @@ def test_validate_cli_resolves_auto_with_a_model(tmp_path, capsys):
     from xirang_ds.cli import main
 
     model = _meta_model()
-    budget = _needs(model)["conservative"] - 1
+    budget = _needs(model, states="host")["conservative"] - 1
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({**BASE, "xirang": {"preset": "auto", "memory_budget": budget}}))
     assert main(["validate", str(path), "--model", "gpt-small", "--world-size", "2", "--show-resolved"]) == 0
@@ -105,10 +113,13 @@ def _initialize(rank, world, budgets):
 
 
 def test_initialize_takes_the_preset_and_says_so():
-    need = _needs(_meta_model(), world=1)
-    roomy, tight, short = run_ranks(_initialize, 1, ["4GB", need["conservative"] - 1, need["balanced"] - 1],
-                                    threads=1)[0]
-    for (preset, summary, sections), taken in ((roomy, "conservative"), (tight, "balanced")):
+    need, host = _needs(_meta_model(), world=1), _needs(_meta_model(), world=1, states="host")
+    budgets = ["4GB", need["conservative"] - 1, host["conservative"] - 1, host["balanced"] - 1]
+    roomy, hosted, tight, short = run_ranks(_initialize, 1, budgets, threads=1)[0]
+    for (preset, summary, sections), taken in ((roomy, "conservative"), (hosted, "conservative"), (tight, "balanced")):
         assert preset == taken and f"preset auto took {taken}" in summary
         assert ("optimizer_states" in sections) == (taken == "balanced")
+    # where the preset's estimate took the host for grad_release's states, the run starts them there
+    assert "in host memory between updates (states auto: the estimated" in hosted[1]
+    assert "in host memory" not in roomy[1]
     assert "no preset that sensitivity 'normal' allows fits" in short

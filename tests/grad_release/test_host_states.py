@@ -167,3 +167,68 @@ def test_a_budget_below_the_rest_names_host_states_where_they_are_on_the_device(
 
     assert "xirang.grad_release.states \"host\"" in error("device")
     assert "grad_release" not in error("host") and "raise it, or set" in error("host")
+
+
+# states: auto (the default) under the activation planner --------------------------------------------------
+BUDGET = 30_000_000
+"""gpt-small, conservative, ZeRO-2 bf16, micro-batch 2: the estimate with the states on the device fits (they start
+there), but the rest besides activations is 34.06 MiB in the profiling passes, 11.42 MiB of it optimizer states:
+28.61 MiB fits a plan only with the states off the device."""
+
+
+def _conservative(rank, world, budget=None, states=None, steps=5):
+    import xirang_ds
+    from xirang_ds.models import BUILTIN_SPECS, build_model
+
+    block = {"preset": "conservative", **({"memory_budget": budget} if budget else {}),
+             **({"grad_release": {"states": states}} if states else {})}
+    spec = BUILTIN_SPECS["gpt-small"]
+    model = build_model(spec, seed=0)
+    config = ds_config(stage=2, dtype="bf16", micro=2, clip=1.0, xirang=block)
+    engine, *_ = xirang_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
+    buckets = engine.xirang.plugin("grad_release").buckets
+    started = sorted({b.states_on for b in buckets})
+    try:
+        tracker = engine.xirang.track_memory()
+        data = engine_runs.data_iter(2, spec.seq, rank, world)
+        losses, window = [], None
+        for step in range(steps):
+            if step == steps - 2:  # planned at the third forward: the steady steps after it
+                window = tracker.open_window()
+            x, y = next(data)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    except Exception as e:  # the planner's error, raised at the first forward after profiling
+        return {"error": str(e), "started": started, "summary": engine.xirang.summary()}
+    return {"started": started, "losses": losses, "steady_peak": window.peak_bytes,
+            "parked": sorted({b.states_on for b in buckets}),
+            "summary": engine.xirang.summary(), "events": [e["kind"] for e in engine.xirang.events]}
+
+
+def _auto_scenarios(rank, world):
+    return {"unbudgeted": _conservative(rank, world), "auto": _conservative(rank, world, BUDGET),
+            "device": _conservative(rank, world, BUDGET, "device"), "short": _conservative(rank, world, 24_000_000)}
+
+
+@pytest.fixture(scope="module")
+def auto_runs():
+    return run_ranks(_auto_scenarios, 2)
+
+
+@pytest.mark.distributed
+def test_auto_puts_the_states_on_the_host_only_where_the_device_cannot_hold_them(auto_runs):
+    for r in auto_runs:
+        assert r["unbudgeted"]["parked"] == ["device"] and "host memory" not in r["unbudgeted"]["summary"]
+        auto = r["auto"]
+        assert auto["parked"] == ["host"] and auto["events"].count("states_to_host") == 1
+        assert "in host memory between updates (states auto: no activation plan fits" in auto["summary"]
+        assert auto["steady_peak"] <= BUDGET
+        assert "keep the optimizer states in host memory (xirang.grad_release.states \"host\"" in r["device"]["error"]
+        assert auto["started"] == ["device"]  # the estimate with them on the device fits 30,000,000 bytes
+        # 24,000,000 bytes: the estimate does not, so they start on the host; no plan fits even so
+        short = r["short"]
+        assert short["started"] == ["host"]
+        assert "the estimated model states, gradients and optimizer step" in short["summary"]
+        assert "below the least any plan needs" in short["error"]

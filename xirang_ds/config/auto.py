@@ -68,13 +68,18 @@ def choose_preset(block: dict, ds_config: dict, model: Any, world_size: int = 1,
     needs: list[tuple[str, int]] = []
     for name in allowed:
         candidate = {**rest, "preset": name}
-        need = estimate_states(model, {**ds_config, "xirang": candidate}, world_size, device).predicted_peak_bytes
+        # the budget in bytes, as the run compares it (grad_release's states: auto takes the host over it)
+        estimate = estimate_states(model, {**ds_config, "xirang": {**candidate, "memory_budget": budget}}, world_size,
+                                   device)
+        need = estimate.predicted_peak_bytes
         needs.append((name, need))
         if need <= budget:
             tried = "".join(f"; {n} needs {format_bytes(b)}" for n, b in needs[:-1])
+            host = ", with grad_release's optimizer states in host memory (states auto)" if any(
+                n.startswith("grad_release: optimizer states in host memory") for n in estimate.notes) else ""
             return candidate, (f"preset auto took {name}: model states, gradients and the optimizer step estimated "
-                               f"{format_bytes(need)} per rank against memory_budget {format_bytes(budget)}{tried} "
-                               f"(sensitivity {sensitivity}: {', '.join(allowed)})")
+                               f"{format_bytes(need)} per rank{host} against memory_budget {format_bytes(budget)}"
+                               f"{tried} (sensitivity {sensitivity}: {', '.join(allowed)})")
     name, need = min(needs, key=lambda item: item[1])
     listed = ", ".join(f"{n} {format_bytes(b)}" for n, b in needs)
     more = "" if sensitivity == "tolerant" else ", set sensitivity to a lossier one (\"tolerant\" allows aggressive)"

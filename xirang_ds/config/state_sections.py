@@ -203,13 +203,17 @@ class GradReleaseConfig(Section):
     docs/grad_release.md). ``remainders``, ``remainders_8bit`` and ``none`` need bf16 parameters (an
     fp16 weight is not the top half of an fp32 number). ``auto`` = ``remainders`` with bf16
     parameters, else ``fp32``."""
-    states: Literal["device", "host"] = "device"
+    states: Literal["auto", "device", "host"] = "auto"
     """Where the buckets' optimizer states (Adam's moments over this rank's shard) live between
     updates: ``device``, or ``host``: (pinned) host memory, each bucket's states copied to the device
     just before its update and back right after it, on the current stream (lossless: the same update
     of the same values, bit for bit). The device then holds one bucket's states, during its update,
     instead of all of them (fp32 Adam: 8 bytes per shard element); the states cross the host link
-    twice per optimizer step. Not under Megatron-core."""
+    twice per optimizer step. ``auto``: on the device, unless the estimated model states, gradients and
+    optimizer step with them there exceed ``memory_budget`` (then on the host from the start), or the
+    activation planner finds no plan within it with them there and one with them on the host (then
+    moved there, once); the session summary says which and why. ``host`` is not for Megatron-core
+    (``auto`` stays on the device there)."""
 
 
 # --------------------------------------------------------------------------------------------

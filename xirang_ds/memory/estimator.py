@@ -225,6 +225,8 @@ def _apply_plugins(session: Any, phases: dict, shape: RunShape, numels: list[int
             notes.append(f"{plugin.section}: its effect on memory is not modelled; measure with xirang-ds bench")
         else:
             phases = adjusted
+            if getattr(plugin, "estimate_note", None):  # what it chose for this estimate (grad_release's states)
+                notes.append(f"{plugin.section}: {plugin.estimate_note}")
     return phases
 
 

@@ -71,7 +71,7 @@ from xirang_ds.registry import ACTIVATION_PLAN, Plugin, register_plugin
 
 logger = logging.getLogger("xirang_ds")
 
-HOOKED_OPTIONS = ("compress", "quantize", "sparsify", "offload", "recompute_offload")
+HOOKED_OPTIONS = ("compress", "quantize", "sparsify", "offload", "recompute_offload", "recompute_tiled_offload")
 """Options that pack saved tensors inside the module (a kept descendant must shield itself)."""
 
 
@@ -116,7 +116,7 @@ class ActivationsPlugin(Plugin):
         self._heads: frozenset = frozenset()
         """Output heads (`head_loss`): deferred while profiling and under chunk."""
         self._ds_settings: dict = {}
-        self._tolerant: frozenset = frozenset()
+        self._tolerant = self._token_wise = frozenset()
         self._passes = 0
         self._other_peak: Optional[OtherPeak] = None
         self._engine: Any = None
@@ -167,7 +167,7 @@ class ActivationsPlugin(Plugin):
         problems = path.stage_problems(problems)
         if problems:
             raise XirangConfigError(problems)
-        self._tolerant = tolerant_names(model, self.config)
+        self._tolerant, self._token_wise = tolerant_names(model, self.config), path.token_wise(model)
 
     def attach(self, engine: Any) -> None:
         from deepspeed.accelerator import get_accelerator
@@ -439,7 +439,7 @@ class ActivationsPlugin(Plugin):
         self.profiles = profiles
         streams = rt.offloader.stream is not None
         roots, before, after = build_tree(self._candidates, self._fixed, profiles, self.options, self._tolerant,
-                                          self._bandwidth, streams, self.config.offload_prefetch)
+                                          self._bandwidth, streams, self.config.offload_prefetch, self._token_wise)
         self.outside_bytes = before + after
         self.budget_bytes, self.choices, other = plan_within(
             self.config, self.session.config.memory_budget, int(get_accelerator().total_memory()), profiles, other,
@@ -477,7 +477,7 @@ class ActivationsPlugin(Plugin):
             hooked_above = any(name.startswith(o + ".") and plan[o] in HOOKED_OPTIONS for o in plan)
             p = self.profiles.get(name)
             must_save = frozenset(p.must_save) if p is not None and p.calls else None
-            wrapper.apply(option, must_save, passthrough=hooked_above and option == "keep")
+            wrapper.apply(option, must_save, hooked_above and option == "keep", choice.rows if choice else 0)
 
     def _log_plan(self) -> None:
         self.plan_text = plan_table(self.plan, self.choices, self.profiles, self.budget_bytes, self.outside_bytes,

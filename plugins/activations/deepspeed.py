@@ -76,6 +76,13 @@ class DeepSpeedActivations(FrameworkPath):
         """The section's problems on this rank's model (every rank holds the whole model)."""
         return problems
 
+    def token_wise(self, model: torch.nn.Module) -> frozenset:
+        """Modules the planner may slice under ``recompute_tiled`` (none at ZeRO-3, whose module hooks
+        gather the weights a slice's recomputation would use: untested there)."""
+        from xirang_ds.plugins.activations.selection import token_wise_names
+
+        return frozenset() if self._zero3() else token_wise_names(model, self.plugin.config)
+
     def without_selective(self) -> Optional[str]:
         """Why selective recompute cannot run here (``None``: it can)."""
         if self._zero3():

@@ -20,7 +20,8 @@ from xirang_ds.memory.categories import ACTIVATIONS
 from xirang_ds.plugins.activations.head_loss import CHUNK
 from xirang_ds.plugins.activations.selection import fixed_plan
 
-NOT_MODELLED = ("recompute", "selective_recompute", "recompute_offload", "compress", "quantize", "sparsify", "offload")
+NOT_MODELLED = ("recompute", "selective_recompute", "recompute_offload", "compress", "quantize", "sparsify", "offload",
+                "recompute_tiled", "recompute_tiled_offload")
 """Fixed options whose effect the estimate does not model."""
 
 

@@ -72,6 +72,11 @@ class MegatronActivations(FrameworkPath):
         elsewhere = {key for key, hit in zip(keys, matched.tolist()) if hit}
         return [(key, message) for key, message in problems if not (NO_MATCH in message and key in elsewhere)]
 
+    def token_wise(self, model: torch.nn.Module) -> frozenset:
+        """None: ``recompute_tiled`` is not offered under Megatron-core (its RNG tracker and sequence
+        parallelism are not sliced; a fixed one recomputes whole)."""
+        return frozenset()
+
     def without_selective(self) -> Optional[str]:
         # local attention masks the baddbmm output in place (transformer/utils.py attention_mask_func:
         # masked_fill_), and torch refuses a mutated selective-checkpoint cache

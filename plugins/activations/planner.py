@@ -47,6 +47,7 @@ import numpy as np
 from xirang_ds.config.schema import LOSSY_ACTIVATION_OPTIONS
 from xirang_ds.config.types import format_bytes
 from xirang_ds.plugins.activations.profile import ModuleProfile
+from xirang_ds.plugins.activations.tiled import tile_count
 
 RECOMPUTE_OVERHEAD_S = 50e-6
 """Fixed cost of one checkpointed call (saving RNG state, the checkpoint frame)."""
@@ -70,7 +71,7 @@ class Choice:
     added_s: float
     transient_bytes: int = 0
     rows: int = 0
-    """``chunk``: rows (tokens) per slice."""
+    """``chunk``: rows (tokens) per slice; ``recompute_tiled``: slices."""
 
 
 @dataclass
@@ -99,13 +100,14 @@ def transfer_s(nbytes: int, bandwidth_bps: float) -> float:
 
 
 def option_costs(p: ModuleProfile, options: tuple[str, ...], tolerant: bool, bandwidth_bps: float,
-                 streams: bool, prefetch: int = 1) -> list[Choice]:
+                 streams: bool, prefetch: int = 1, token_wise: bool = False) -> list[Choice]:
     """The choices a module has, priced from its profile.
 
     Args:
         p: the module's profile.
         options: the options allowed.
         tolerant: lossy options are allowed for this module.
+        token_wise: ``recompute_tiled`` is allowed for this module (`tiled.py`).
         bandwidth_bps: device-host bytes per second.
         streams: copies overlap compute (a side stream exists).
         prefetch: offloaded modules fetched ahead in backward (with streams).
@@ -140,6 +142,19 @@ def option_costs(p: ModuleProfile, options: tuple[str, ...], tolerant: bool, ban
             kept = p.input_bytes + p.selective_bytes
             out.append(Choice(option, kept, p.selective_time_s + calls * RECOMPUTE_OVERHEAD_S,
                               max(0, p.keep_bytes - kept)))
+        elif option in ("recompute_tiled", "recompute_tiled_offload"):
+            # a slice's intermediates at a time (`tiled.tile_count` slices, carried in ``rows``), token-wise
+            # modules only; each slice costs a recomputation's overhead, so recompute wins where both fit;
+            # with the inputs offloaded they come back for the module's backward, beside one slice
+            if token_wise and not p.compiled:
+                rebuilt = max(0, p.keep_bytes - p.input_bytes)
+                tiles = tile_count(rebuilt, p.input_bytes)
+                added = p.time_s + calls * (tiles + 1) * RECOMPUTE_OVERHEAD_S
+                if option == "recompute_tiled":
+                    out.append(Choice(option, p.input_bytes, added, -(-rebuilt // tiles), tiles))
+                else:
+                    out.append(Choice(option, 0, added + offload_s(p.input_bytes),
+                                      p.input_bytes + -(-rebuilt // tiles), tiles))
         elif option == "recompute_offload":
             out.append(Choice(option, 0, p.time_s + calls * RECOMPUTE_OVERHEAD_S + offload_s(p.input_bytes),
                               p.keep_bytes))
@@ -351,7 +366,8 @@ def format_plan(choices: dict[str, Choice], profiles: dict[str, ModuleProfile], 
         c = choices[name]
         p = profiles.get(name)
         keep = p.keep_bytes if p is not None else 0
-        option = f"{c.option} ({c.rows} rows)" if c.rows else c.option
+        unit = "slices" if c.option.startswith("recompute_tiled") else "rows"
+        option = f"{c.option} ({c.rows} {unit})" if c.rows else c.option
         rows.append((name, option, format_bytes(keep), format_bytes(c.device_bytes),
                      format_bytes(c.device_bytes + c.transient_bytes), f"{c.added_s * 1e3:.2f} ms"))
         total_keep += keep

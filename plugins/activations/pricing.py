@@ -76,8 +76,8 @@ def _inside(name: str, ancestor: str) -> bool:
 
 
 def build_tree(candidates: list[str], fixed: dict[str, str], profiles: dict[str, ModuleProfile],
-               options: tuple[str, ...], tolerant: frozenset, bandwidth_bps: float, streams: bool, prefetch: int = 1
-               ) -> tuple[list[Node], int, int]:
+               options: tuple[str, ...], tolerant: frozenset, bandwidth_bps: float, streams: bool, prefetch: int = 1,
+               token_wise: frozenset = frozenset()) -> tuple[list[Node], int, int]:
     """Planning nodes (candidates and fixed modules) and the saved bytes outside all of them, before
     the first candidate runs and after.
 
@@ -93,11 +93,11 @@ def build_tree(candidates: list[str], fixed: dict[str, str], profiles: dict[str,
     for name in names:
         p = profiles.get(name, empty)
         if name in fixed:
-            choices = option_costs(p, (fixed[name],), True, bandwidth_bps, streams, prefetch)
+            choices = option_costs(p, (fixed[name],), True, bandwidth_bps, streams, prefetch, True)
         elif any(_inside(f, name) for f in fixed):
             choices = []
         else:
-            choices = option_costs(p, options, name in tolerant, bandwidth_bps, streams, prefetch)
+            choices = option_costs(p, options, name in tolerant, bandwidth_bps, streams, prefetch, name in token_wise)
         nodes[name] = Node(name, choices, p.keep_bytes, fixed=name in fixed,
                            order=p.order if p.order >= 0 else len(profiles) + names.index(name))
     roots = []

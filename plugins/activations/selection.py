@@ -19,7 +19,8 @@ from xirang_ds.config.schema import ACTIVATION_OPTIONS, LOSSY_ACTIVATION_OPTIONS
 logger = logging.getLogger("xirang_ds")
 
 Problems = list[tuple[str, str]]
-RECOMPUTE_OPTIONS = ("recompute", "selective_recompute", "recompute_offload")
+RECOMPUTE_OPTIONS = ("recompute", "selective_recompute", "recompute_offload", "recompute_tiled",
+                     "recompute_tiled_offload")
 DS_SECTION = "activation_checkpointing"
 PATH = "xirang.activations"
 
@@ -144,12 +145,18 @@ def fixed_plan(model: nn.Module, config: ActivationsConfig, ds_config: dict, pro
                 continue
             plan[name], source[name] = option, key
     globs = [g for g in config.tolerant if g != FEED_FORWARD]
-    matched = match(globs, names, f"{PATH}.tolerant", problems) + feed_forward_modules(model, config)
+    matched = match(globs, names, f"{PATH}.tolerant", problems) + feed_forward_modules(model, config.tolerant)
     tolerant = {n for n in names if any(n == t or _inside(n, t) for t in matched)}
+    match([g for g in config.token_wise if g != FEED_FORWARD], names, f"{PATH}.token_wise", problems)
+    token_wise = token_wise_names(model, config)
     for name, option in plan.items():
         if option in LOSSY_ACTIVATION_OPTIONS and name not in tolerant:
             problems.append((source[name], f"{option} is lossy and {name!r} is not marked tolerant; add a glob "
                                            f"matching it to {PATH}.tolerant, or use compress (lossless)"))
+        if option.startswith("recompute_tiled") and name not in token_wise:
+            problems.append((source[name], f"{name!r} is not marked token-wise, and {option} runs it a slice "
+                                           f"of tokens at a time; add a glob matching it to {PATH}.token_wise if "
+                                           "each token's output depends on that token alone, or use recompute"))
     settings: dict = {}
     if config.honour_deepspeed_checkpointing and isinstance(ds_config.get(DS_SECTION), dict):
         settings = _apply_deepspeed_section(model, ds_config[DS_SECTION], plan, source, problems)
@@ -212,8 +219,16 @@ def tolerant_names(model: nn.Module, config: ActivationsConfig) -> frozenset:
     module inside them (the globs were checked by `fixed_plan`)."""
     names = module_names(model)
     matched = [n for n in names if any(glob_matches(g, n) for g in config.tolerant if g != FEED_FORWARD)]
-    matched += feed_forward_modules(model, config)
+    matched += feed_forward_modules(model, config.tolerant)
     return frozenset(n for n in names if any(n == t or _inside(n, t) for t in matched))
+
+
+def token_wise_names(model: nn.Module, config: ActivationsConfig) -> frozenset:
+    """Modules ``recompute_tiled`` may slice: those matched by ``token_wise`` (not what is inside them)."""
+    names = module_names(model)
+    globs = [g for g in config.token_wise if g != FEED_FORWARD]
+    return frozenset([n for n in names if any(glob_matches(g, n) for g in globs)]
+                     + feed_forward_modules(model, config.token_wise))
 
 
 FEED_FORWARD = "feed_forward"
@@ -223,8 +238,9 @@ inside it are what 8-bit activation storage is known to tolerate (ActNN, GACT). 
 without error on a model that has no such child."""
 
 
-def feed_forward_modules(model: nn.Module, config: ActivationsConfig) -> list[str]:
-    if FEED_FORWARD not in config.tolerant:
+def feed_forward_modules(model: nn.Module, globs: tuple[str, ...]) -> list[str]:
+    """The repeated blocks' feed-forward children, where ``globs`` holds `FEED_FORWARD`."""
+    if FEED_FORWARD not in globs:
         return []
     blocks = repeated_blocks(model)
     out = []

@@ -42,6 +42,10 @@ from xirang_ds.plugins.activations.recompute import (
 )
 from xirang_ds.plugins.activations.saved import Eligibility, PackContext
 from xirang_ds.plugins.activations.storage import PayloadStorage
+from xirang_ds.plugins.activations.tiled import DEFAULT_TILES, run_tiled, tileable
+
+OFFLOADED_INPUTS = ("recompute_offload", "recompute_tiled_offload")
+"""Options that recompute with the inputs they keep held in host memory."""
 
 
 class _KeepHandler:
@@ -101,6 +105,7 @@ class Runtime:
             "sparsify": CodecHandler("sparsify", self.storage, threshold=threshold, mark=mark),
             "offload": offload,
             "recompute_offload": offload,
+            "recompute_tiled_offload": offload,
         }
         self.keep_handler = _KeepHandler()
         self.profiler: Optional[Profiler] = None
@@ -146,6 +151,7 @@ class ModuleWrapper:
         self.must_save: Optional[frozenset] = None
         self._option: Optional[str] = None
         self._context_fn: Optional[Callable[[], tuple]] = None
+        self.tiles = DEFAULT_TILES
         self.handle = self._wrap()
 
     def _wrap(self) -> Any:
@@ -158,15 +164,18 @@ class ModuleWrapper:
     def option(self) -> Optional[str]:
         return self._option
 
-    def apply(self, option: Optional[str], must_save: Optional[frozenset] = None, passthrough: bool = False) -> None:
-        """Run the next calls under ``option`` (``None``: the plain forward)."""
+    def apply(self, option: Optional[str], must_save: Optional[frozenset] = None, passthrough: bool = False,
+              tiles: int = 0) -> None:
+        """Run the next calls under ``option`` (``None``: the plain forward); ``tiles``: the slices of
+        ``recompute_tiled`` (0: `tiled.DEFAULT_TILES`)."""
         self.must_save = must_save
         self.passthrough = passthrough
         self._option = option
+        self.tiles = tiles or DEFAULT_TILES
         scope = self.runtime.recompute_scope(self.name)
         if option == "selective_recompute":
             self._context_fn = selective_context(scope, must_save)
-        elif option in ("recompute", "recompute_offload"):
+        elif option in ("recompute", "recompute_offload", "recompute_tiled", "recompute_tiled_offload"):
             self._context_fn = full_context(scope)
         else:
             self._context_fn = None
@@ -199,14 +208,20 @@ class ModuleWrapper:
         if option == "recompute" and self.distributable and rt.distribute is not None:
             with self._pack(rt.distribute, rt.eligible):
                 return run_checkpointed(original, args, kwargs, self._context_fn, rt.rng)
-        if option in ("recompute", "selective_recompute"):
+        tiled = (option in ("recompute_tiled", "recompute_tiled_offload") and tileable(args, kwargs)
+                 and rt.rng is None and not any(map(head_zero3.is_zero3, self.module.parameters())))
+        if option == "recompute_tiled" and tiled:
+            return run_tiled(original, args[0], kwargs, self.tiles, self.module, rt.recompute_scope(self.name))
+        if option in ("recompute", "selective_recompute", "recompute_tiled"):  # a call it cannot slice: whole
             return run_checkpointed(original, args, kwargs, self._context_fn, rt.rng)
         with self._pack(rt.handlers[option], rt.eligible) as ctx:
-            if option == "recompute_offload":
+            if tiled:
+                out = run_tiled(original, args[0], kwargs, self.tiles, self.module, rt.recompute_scope(self.name))
+            elif option in OFFLOADED_INPUTS:
                 out = run_checkpointed(original, args, kwargs, self._context_fn, rt.rng)
             else:
                 out = original(*args, **kwargs)
-        if ctx.pushed and option in ("offload", "recompute_offload") and rt.offloader.stream is not None:
+        if ctx.pushed and option in ("offload", *OFFLOADED_INPUTS) and rt.offloader.stream is not None:
             hook_outputs(out, ctx.call, rt.offloader)
         return out
 

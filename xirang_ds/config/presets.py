@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 
 _LOSSLESS_STORAGE = ("keep", "compress", "offload", "chunk")
-_RECOMPUTE = ("recompute", "selective_recompute", "recompute_offload")
+_RECOMPUTE = ("recompute", "selective_recompute", "recompute_offload", "recompute_tiled", "recompute_tiled_offload")
 _LOSSY = ("quantize", "sparsify")
 
 _CONSERVATIVE = {

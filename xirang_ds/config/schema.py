@@ -42,9 +42,9 @@ from xirang_ds.config.types import (
 
 
 ActivationOption = Literal["keep", "recompute", "selective_recompute", "recompute_offload", "compress",
-                           "quantize", "sparsify", "offload", "chunk"]
+                           "quantize", "sparsify", "offload", "chunk", "recompute_tiled", "recompute_tiled_offload"]
 ACTIVATION_OPTIONS = ("keep", "recompute", "selective_recompute", "recompute_offload", "compress", "quantize",
-                      "sparsify", "offload", "chunk")
+                      "sparsify", "offload", "chunk", "recompute_tiled", "recompute_tiled_offload")
 """What can happen to the tensors a module saves for backward; each is also the key of a fixed plan."""
 LOSSY_ACTIVATION_OPTIONS = ("quantize", "sparsify")
 """Options whose decoded tensors differ from the saved ones: only for modules listed in ``tolerant``."""
@@ -100,6 +100,17 @@ class ActivationsConfig(Section):
     """Output heads (``nn.Linear`` modules whose output feeds ``cross_entropy``) fixed to the chunked
     head and loss: the logits are made and consumed ``chunk_tokens`` rows at a time in forward and
     again in backward, never held whole; only the head's input is kept (docs/activations.md)."""
+    recompute_tiled: tuple[Glob, ...] = ()
+    """Token-wise modules (``token_wise``) fixed to tiled recompute: only their inputs are kept, and their
+    forward and its recomputation in backward run a slice of tokens at a time, so backward holds one
+    slice's intermediates (gradients to rounding of ``recompute``'s, docs/activations.md)."""
+    recompute_tiled_offload: tuple[Glob, ...] = ()
+    """Token-wise modules fixed to tiled recompute with their inputs held in host memory (as
+    ``recompute_offload`` holds them)."""
+    token_wise: tuple[Glob, ...] = ("feed_forward",)
+    """Modules whose output for a token depends on that token's input alone, which ``recompute_tiled``
+    may slice: globs, or ``"feed_forward"`` for every repeated block's MLP child (a name containing mlp,
+    ffn or feed_forward; none is not an error); ``[]`` offers the tiled options nowhere."""
     chunk_tokens: AutoInt = "auto"
     """Rows (tokens) per slice of a chunked head; ``auto`` = a slice whose fp32 logits are as large as
     the head's weight (hidden / 2 rows for a bf16 head)."""

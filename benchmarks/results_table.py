@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace) -> dict:
         entry["wall_s"] = time.perf_counter() - t0
         results.append(entry)
     return {
-        "command": " ".join([os.path.relpath(sys.executable, ROOT)] + [os.path.relpath(__file__, ROOT)] + sys.argv[1:]),
+        "command": shlex.join([os.path.relpath(sys.executable, ROOT)] + [os.path.relpath(__file__, ROOT)] + sys.argv[1:]),
         "model": args.model, "parameters": params, "world_size": args.world_size, "steps": args.steps,
         "data": args.data, "seed": args.seed,
         "environment": {"python": platform.python_version(), "cpus": os.cpu_count(), **_versions()},

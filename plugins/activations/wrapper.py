@@ -11,6 +11,8 @@ restores the original forward. Each call runs the module's current option:
   that option's handler; offload also hooks the outputs' gradients to prefetch in backward;
 * ``recompute_offload``: the checkpointed forward inside the offload pack context, which then
   holds the checkpoint's inputs in host memory;
+* ``recompute_tiled`` / ``recompute_tiled_offload``: `tiled.run_tiled` (slices of tokens), the latter
+  inside the offload pack context; a call it cannot slice recomputes whole;
 * ``chunk`` (output heads, and every head while profiling): the head returns `DeferredLogits` and
   ``cross_entropy`` on them (Megatron: the model's ``compute_language_model_loss``) runs chunked
   (`head_loss`, `head_megatron`); while profiling it runs whole inside the head's frame, so the

@@ -339,7 +339,7 @@ class GradReleasePlugin(StatesTier, Plugin):
                 out[name] = cats
             return out
 
-        out = held(self.config.states == "host")
+        out, self.estimate_note = held(self.config.states == "host"), None
         budget = self.session.config.memory_budget
         need = max(sum(v for k, v in c.items() if k != "host") for c in out.values())
         if self.config.states == "auto" and budget != "auto" and need > int(budget):

@@ -170,30 +170,39 @@ def plan_within(config: ActivationsConfig, memory_budget: object, device_total: 
                 stepper: Any = None, parkable: int = 0) -> tuple[int, dict[str, Choice], Optional[int]]:
     """`resolve_budget`, then `choose` the plan under it: ``(budget bytes, plan, other)``.
 
-    Where no plan fits what ``memory_budget`` leaves and one fits with ``parkable`` bytes fewer besides
-    activations, the stepper (grad_release with ``states: auto``) moves its optimizer states to host memory
-    (``park_states``), and that plan is taken; ``other`` is then the figure without them.
+    With a stepper whose optimizer states' tier is open (grad_release's ``states: auto``; ``parkable``: the
+    device bytes they take beyond one bucket's), the plan with them on the device is tried first and, where
+    none fits, the one with ``parkable`` bytes fewer besides activations; the stepper then keeps them where
+    the plan taken assumed (`StatesTier.settle_tier`). ``other`` is measured with them in host memory where
+    the stepper kept them there while profiling (``tier_pending``), and the figure returned is the plan's.
     """
     roots, before, after = tree
+    pending = bool(getattr(stepper, "tier_pending", False))
 
     def attempt(rest: Optional[int]) -> tuple[int, dict[str, Choice], Optional[int]]:
         budget = resolve_budget(config, memory_budget, device_total, profiles, rest, stepper)
         return budget, choose(roots, budget, before, after, region), rest
 
+    open_tier = bool(parkable) and other is not None and config.budget == "auto" and config.budget_fraction is None
+    on_device = other + parkable if open_tier and pending else other
     try:
-        return attempt(other)
+        found = attempt(on_device)
     except XirangConfigError:
-        if not parkable or other is None or config.budget != "auto" or config.budget_fraction is not None:
+        if not open_tier:
             raise
         try:
-            found = attempt(other - parkable)
+            found = attempt(on_device - parkable)
         except XirangConfigError as e:  # said as it would be with the states off the device
             moved = (f"with grad_release's optimizer states in host memory ({format_bytes(parkable)} off the device; "
                      "states: auto)")
             raise XirangConfigError([(key, f"{moved}: {message}") for key, message in e.problems]) from None
-    total = device_total if memory_budget == "auto" else int(memory_budget)
-    stepper.park_states(f"no activation plan fits memory_budget {format_bytes(total)} with them on the device, "
-                        f"{format_bytes(parkable)} of them there; the plan's budget is {format_bytes(found[0])}")
+        total = device_total if memory_budget == "auto" else int(memory_budget)
+        stepper.settle_tier(True, f"no activation plan fits memory_budget {format_bytes(total)} with them on the "
+                                  f"device, {format_bytes(parkable)} of them there; the plan's budget is "
+                                  f"{format_bytes(found[0])}")
+        return found
+    if stepper is not None and pending:
+        stepper.settle_tier(False)
     return found
 
 

@@ -87,7 +87,8 @@ class DeepSpeedRelease(FrameworkPath):
         clip = (f"clipping {p.setup.gradient_clipping} ({p.config.clipping}"
                 + (f", {p.config.exact_method}" if p.config.clipping != "per_layer" else "") + ")"
                 if p.setup.gradient_clipping > 0 else "no clipping")
-        host = (" in host memory between updates" + (f" (states auto: {p.parked_why})" if p.parked_why else "")
+        host = (" in host memory until the activation planner settles them (states auto)" if p.tier_pending else
+                " in host memory between updates" + (f" (states auto: {p.parked_why})" if p.parked_why else "")
                 if any(b.states_on == "host" for b in p.buckets) else "")
         return (f"step in backward, ZeRO-{stage} semantics over {p.comm.world} rank(s): {len(p.buckets)} buckets "
                 f"of <= {p.bucket_numel:,} elements, masters{masters} and optimizer states {shards}{host}, {clip}"
@@ -144,6 +145,7 @@ class DeepSpeedRelease(FrameworkPath):
         engine = p.engine
         if not engine.is_gradient_accumulation_boundary():
             return original(*args, **kwargs)
+        p.settle_pending()
         outcome, p.policy.outcome = p.policy.outcome, None
         skipped = outcome.skipped if outcome is not None else False
         norm = outcome.grad_norm if outcome is not None else None

@@ -6,9 +6,12 @@
   and optimizer step with the states on the device (the figure ``"preset": "auto"`` compares,
   `xirang_ds.memory.estimator.estimate_states`) exceed ``memory_budget`` (``auto``: the device's
   capacity), the states start in host memory: the first steps would not fit otherwise;
-* after the activation planner's profiling passes (`park_states`, called by
-  `xirang_ds.plugins.activations.pricing.plan_within`): if no plan fits the budget with them on the
-  device and one fits with them on the host, they move there, once.
+* otherwise, where the activation planner profiles under a ``memory_budget`` in bytes, the states stay
+  in host memory through its profiling passes (which then measure the rest besides activations without
+  them, inside the budget), and the planner settles them (`settle_tier`, called by
+  `xirang_ds.plugins.activations.pricing.plan_within`): back on the device where a plan fits with them
+  there, else in host memory for good. A planner that settles without planning (every module fixed)
+  brings them back at the next optimizer step (`settle_pending`).
 
 `GradReleasePlugin` mixes this in; `parked_states.ParkedStates` moves the tensors.
 """
@@ -25,9 +28,12 @@ logger = logging.getLogger("xirang_ds")
 class StatesTier:
     """The states' tier of `plugin.GradReleasePlugin` (a mixin: the plugin holds the state)."""
 
+    tier_pending = False
+    """``auto``: the states are in host memory until the activation planner settles them."""
+
     def states_tier(self) -> str:
-        """Where the buckets start: ``host`` when asked for, or when ``auto`` chose it at initialize."""
-        return "host" if self.config.states == "host" or self.parked_why else "device"
+        """Where the buckets start: ``host`` when asked for, or when ``auto`` chose it or left it pending."""
+        return "host" if self.config.states == "host" or self.parked_why or self.tier_pending else "device"
 
     def choose_states_tier(self, model: Any) -> None:
         """``auto``: start in host memory where the estimate with the states on the device is over
@@ -50,6 +56,11 @@ class StatesTier:
             self.parked_why = (f"the estimated model states, gradients and optimizer step with them on the device, "
                                f"{format_bytes(need)}, exceed memory_budget {format_bytes(total)}")
             self.session.record_event("states_to_host", reason=self.parked_why)
+            return
+        planner = self.session.activation_planner
+        c = planner.config if planner is not None else None
+        self.tier_pending = (budget != "auto" and c is not None and c.planner and c.budget == "auto"
+                             and c.budget_fraction is None)
 
     def budget_fixes(self) -> str:
         """What grad_release can still lower losslessly, for a memory_budget error (", or ...")."""
@@ -58,22 +69,35 @@ class StatesTier:
         return ""
 
     def parkable_bytes(self) -> int:
-        """Device bytes ``auto`` frees by moving the optimizer states to host memory now: all the buckets'
-        but the largest bucket's, which comes back for each update (0 unless auto, and under Megatron-core)."""
-        if self.config.states != "auto" or not self.path.parks_states:
+        """Device bytes the optimizer states take there beyond the largest bucket's (which comes back for
+        each update), where the planner may still choose their tier: 0 unless ``auto`` and not settled on
+        the host at initialize, and under Megatron-core."""
+        if self.config.states != "auto" or not self.path.parks_states or (self.parked_why and not self.tier_pending):
             return 0
-        held = [b.state_bytes() for b in self.buckets if b.states_on == "device"]
+        held = [b.state_bytes() for b in self.buckets]
         return sum(held) - max(held, default=0)
 
-    def park_states(self, why: str) -> None:
-        """``auto``: keep the optimizer states in host memory from now on (`parked_states.ParkedStates`)."""
+    def settle_tier(self, on_host: bool, why: str = "") -> None:
+        """``auto``: the optimizer states in host memory from now on (``why`` in the summary), or on the device."""
         for bucket in self.buckets:
-            bucket.states_on = "host"
-            bucket.park_states()
-        self.parked_why = why
-        self.session.record_event("states_to_host", reason=why)
-        if self.engine is not None and self.engine.global_rank == 0:
-            logger.info("xirang grad_release: optimizer states moved to host memory: %s", why)
+            if on_host:
+                bucket.states_on = "host"
+                bucket.park_states()
+            elif bucket.states_on == "host":
+                bucket.fetch_states()
+                bucket.states_on, bucket._parked = "device", {}
+        self.tier_pending = False
+        if on_host:
+            self.parked_why = why
+            self.session.record_event("states_to_host", reason=why)
+            if self.engine is not None and self.engine.global_rank == 0:
+                logger.info("xirang grad_release: optimizer states in host memory: %s", why)
+
+    def settle_pending(self) -> None:
+        """A pending tier the planner settled without planning: the states back on the device."""
+        planner = self.session.activation_planner
+        if self.tier_pending and (planner is None or planner.settled()):
+            self.settle_tier(False)
 
 
 __all__ = ["StatesTier"]

@@ -452,7 +452,14 @@ class GradReleasePlugin(StatesTier, Plugin):
 
     # checkpoints --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"world": self.comm.world, "zero_stage": self.setup.zero_stage, "buckets": len(self.buckets)}
+        return {"world": self.comm.world, "zero_stage": self.setup.zero_stage, "buckets": len(self.buckets),
+                "states_pending": self.tier_pending, "states_why": self.parked_why}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A resumed run whose activation plan comes from the checkpoint (no profiling) keeps the states
+        where the saved run's planner settled them (`StatesTier.settle_tier`)."""
+        if self.tier_pending and state.get("states_pending") is False:
+            self.settle_tier(bool(state.get("states_why")), state.get("states_why") or "")
 
     # removal ------------------------------------------------------------------------------------
     def remove(self) -> None:

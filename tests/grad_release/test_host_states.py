@@ -176,7 +176,7 @@ there the rest besides activations is 34.06 MiB in the profiling passes, 11.42 M
 fits a plan only with the states off the device."""
 
 
-def _conservative(rank, world, budget=None, states=None, steps=5):
+def _conservative(rank, world, budget=None, states=None, steps=5, save_dir=None, load_dir=None):
     import xirang_ds
     from xirang_ds.models import BUILTIN_SPECS, build_model
 
@@ -190,6 +190,9 @@ def _conservative(rank, world, budget=None, states=None, steps=5):
     started = sorted({b.states_on for b in buckets})
     try:
         tracker = engine.xirang.track_memory()
+        if load_dir is not None:
+            engine.load_checkpoint(load_dir)
+            started = sorted({b.states_on for b in buckets})  # where the checkpoint's run settled them
         whole = tracker.open_window()
         data = engine_runs.data_iter(2, spec.seq, rank, world)
         losses, window = [], None
@@ -201,22 +204,26 @@ def _conservative(rank, world, budget=None, states=None, steps=5):
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
+        out = {"started": started, "losses": losses, "steady_peak": window.peak_bytes, "peak": whole.peak_bytes,
+               "parked": sorted({b.states_on for b in buckets}),
+               "summary": engine.xirang.summary(), "events": [e["kind"] for e in engine.xirang.events]}
+        if save_dir is not None:  # after the peaks: writing DeepSpeed's files makes fp32 copies
+            engine.save_checkpoint(save_dir)
     except Exception as e:  # the planner's error, raised at the first forward after profiling
         return {"error": str(e), "started": started, "summary": engine.xirang.summary()}
-    return {"started": started, "losses": losses, "steady_peak": window.peak_bytes, "peak": whole.peak_bytes,
-            "parked": sorted({b.states_on for b in buckets}),
-            "summary": engine.xirang.summary(), "events": [e["kind"] for e in engine.xirang.events]}
+    return out
 
 
-def _auto_scenarios(rank, world):
-    return {"unbudgeted": _conservative(rank, world), "auto": _conservative(rank, world, BUDGET),
+def _auto_scenarios(rank, world, ckpt_dir):
+    return {"unbudgeted": _conservative(rank, world), "auto": _conservative(rank, world, BUDGET, save_dir=ckpt_dir),
+            "resumed": _conservative(rank, world, BUDGET, steps=2, load_dir=ckpt_dir),
             "roomy": _conservative(rank, world, 60_000_000), "device": _conservative(rank, world, BUDGET, "device"),
             "short": _conservative(rank, world, 24_000_000)}
 
 
 @pytest.fixture(scope="module")
-def auto_runs():
-    return run_ranks(_auto_scenarios, 2)
+def auto_runs(tmp_path_factory):
+    return run_ranks(_auto_scenarios, 2, str(tmp_path_factory.mktemp("states_auto_ckpt")))
 
 
 @pytest.mark.distributed
@@ -232,6 +239,9 @@ def test_auto_puts_the_states_on_the_host_only_where_the_device_cannot_hold_them
         assert auto["parked"] == ["host"] and auto["events"].count("states_to_host") == 1
         assert "in host memory between updates (states auto: no activation plan fits" in auto["summary"]
         assert auto["peak"] <= BUDGET  # the profiling passes too: the states were never on the device
+        # resumed with the checkpoint's plan (no profiling): the states stay where that run's planner put them
+        resumed = r["resumed"]
+        assert resumed["started"] == resumed["parked"] == ["host"] and resumed["peak"] <= BUDGET
         assert "keep the optimizer states in host memory (xirang.grad_release.states \"host\"" in r["device"]["error"]
         # 24,000,000 bytes: the estimate does not fit, so they start on the host for good; no plan fits even so
         short = r["short"]

@@ -87,6 +87,10 @@ class _Tiled(torch.autograd.Function):
             piece = x.narrow(dim, part.start, part.stop - part.start)
             states.append(_rng_state(x.device))
             outs.append(run(piece))
+            if not isinstance(outs[-1], torch.Tensor):
+                raise TypeError(f"xirang.activations: a recompute_tiled module returned {type(outs[-1]).__name__}; the "
+                                "tiled options slice modules that take and return one tensor. Fix: leave it out of "
+                                "xirang.activations.token_wise (or of the recompute_tiled lists)")
         ctx.run, ctx.scope, ctx.dim, ctx.parts, ctx.states, ctx.params = run, scope, dim, parts, states, params
         ctx.autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", x.device.type)]
         ctx.save_for_backward(x)  # through the saved-tensor hooks around the call, as recompute's inputs

@@ -141,3 +141,17 @@ def test_the_planner_slices_where_only_slices_fit(runs):
         planned = r["planned"]
         assert "recompute_tiled_offload" in planned["plan"].values(), planned["plan"]
         assert all(t >= 2 for t in planned["tiles"].values())  # the profile's count
+
+
+def test_a_module_returning_more_than_a_tensor_is_named():
+    class Pair(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x), None  # Megatron's layers return (output, bias)
+
+    m = Pair()
+    with pytest.raises(TypeError, match="leave it out of xirang.activations.token_wise"):
+        run_tiled(m.forward, torch.randn(4, 4, requires_grad=True), {}, 2, m, contextlib.nullcontext)

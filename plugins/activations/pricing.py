@@ -177,7 +177,7 @@ def plan_within(config: ActivationsConfig, memory_budget: object, device_total: 
     the stepper kept them there while profiling (``tier_pending``), and the figure returned is the plan's.
     """
     roots, before, after = tree
-    pending = bool(getattr(stepper, "tier_pending", False))
+    pending = stepper is not None and stepper.tier_pending
 
     def attempt(rest: Optional[int]) -> tuple[int, dict[str, Choice], Optional[int]]:
         budget = resolve_budget(config, memory_budget, device_total, profiles, rest, stepper)

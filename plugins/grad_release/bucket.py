@@ -299,13 +299,7 @@ class Bucket(MasterSlices, ParkedStates):
         """The host buffer `stash` keeps the gradient shard in (pinned on accelerators), reused every step."""
         host = self._host
         if host is None or host.shape != shape or host.dtype != dtype:
-            with self.host_scope():
-                host = torch.empty(shape, dtype=dtype, device="cpu")
-                if self.params[0].device.type != "cpu":
-                    from deepspeed.accelerator import get_accelerator
-
-                    host = get_accelerator().pin_memory(host)
-            self._host = host
+            self._host = host = self.host_tensor(shape, dtype)
         return host
 
     def unstash(self) -> None:

@@ -38,6 +38,16 @@ class ParkedStates:
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     yield i, state, key, value
 
+    def host_tensor(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A new host buffer in the tracker's host tier, pinned on accelerators (the states', `stash`'s)."""
+        with self.host_scope():
+            host = torch.empty(shape, dtype=dtype, device="cpu")
+            if self.params[0].device.type != "cpu":
+                from deepspeed.accelerator import get_accelerator
+
+                host = get_accelerator().pin_memory(host)
+        return host
+
     def state_bytes(self) -> int:
         """Bytes of the optimizer's state tensors (not the 0-dim step counts), wherever they are."""
         return sum(value.numel() * value.element_size() for *_, value in self._state_items())
@@ -51,12 +61,7 @@ class ParkedStates:
             host = self._parked.get((i, key))
             if value is not host:
                 if host is None or host.shape != value.shape or host.dtype != value.dtype:
-                    with self.host_scope():
-                        host = torch.empty(value.shape, dtype=value.dtype, device="cpu")
-                        if self.params[0].device.type != "cpu":
-                            from deepspeed.accelerator import get_accelerator
-
-                            host = get_accelerator().pin_memory(host)
+                    host = self.host_tensor(value.shape, value.dtype)
                 host.copy_(value, non_blocking=True)
                 state[key] = host
             parked[(i, key)] = host
@@ -74,6 +79,11 @@ class ParkedStates:
                     on_device = torch.empty(value.shape, dtype=value.dtype, device=device)
                 on_device.copy_(value, non_blocking=True)
                 state[key] = on_device
+
+    def unpark_states(self) -> None:
+        """Keep the states on the device from now on (``states: auto`` settled there); the host buffers go."""
+        self.fetch_states()
+        self.states_on, self._parked = "device", {}
 
     def settle_states(self) -> None:
         """Wait for the copies into the host buffers before host code reads them (a checkpoint)."""

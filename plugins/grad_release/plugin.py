@@ -26,7 +26,7 @@ from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import CallbackHandle
 from xirang_ds.memory.categories import GRADIENTS, OPTIMIZER_STATES, PARAMETERS
-from xirang_ds.plugins.grad_release.states_tier import StatesTier
+from xirang_ds.plugins.grad_release.states_tier import HOST_NOTE, StatesTier
 from xirang_ds.registry import UPDATE_IN_BACKWARD, Plugin, register_plugin
 
 logger = logging.getLogger("xirang_ds")
@@ -344,8 +344,9 @@ class GradReleasePlugin(StatesTier, Plugin):
         need = max(sum(v for k, v in c.items() if k != "host") for c in out.values())
         if self.config.states == "auto" and budget != "auto" and need > int(budget):
             out = held(True)  # where the run starts them on the host (`states_tier.StatesTier`)
-            self.estimate_note = (f"optimizer states in host memory (states auto): {format_bytes(need)} with them "
-                                  f"on the device exceed memory_budget {format_bytes(int(budget))}")
+            self.estimate_note = HOST_NOTE + (f"the estimated model states, gradients and optimizer step with them "
+                                              f"on the device, {format_bytes(need)}, exceed memory_budget "
+                                              f"{format_bytes(int(budget))}")
         return out
 
     def _rows_numels(self, world: int, bucket_numel: int) -> list[int]:

@@ -2,10 +2,11 @@
 
 ``auto`` decides twice, each time only where the device cannot hold them:
 
-* at initialize (`choose_states_tier`, under DeepSpeed): if the estimator's model states, gradients
-  and optimizer step with the states on the device (the figure ``"preset": "auto"`` compares,
-  `xirang_ds.memory.estimator.estimate_states`) exceed ``memory_budget`` (``auto``: the device's
-  capacity), the states start in host memory: the first steps would not fit otherwise;
+* at initialize (`choose_states_tier`, under DeepSpeed): where the estimate
+  (`xirang_ds.memory.estimator.estimate_states`, the figure ``"preset": "auto"`` compares) puts them in
+  host memory, by the plugin's own rule in ``adjust_estimate`` (with them on the device it is over
+  ``memory_budget``; ``auto``: the device's capacity), they start there: the first steps would not fit
+  otherwise;
 * otherwise, where the activation planner profiles under a ``memory_budget`` in bytes, the states stay
   in host memory through its profiling passes (which then measure the rest besides activations without
   them, inside the budget), and the planner settles them (`settle_tier`, called by
@@ -18,11 +19,18 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
-
-from xirang_ds.config.types import format_bytes
+from typing import Any, Optional
 
 logger = logging.getLogger("xirang_ds")
+
+HOST_NOTE = "optimizer states in host memory (states auto): "
+"""How grad_release's estimate says it took the host for the states, before why (the estimate's notes)."""
+
+
+def host_reason(notes: list[str]) -> Optional[str]:
+    """Why an estimate (`xirang_ds.memory.estimator.Estimate`) put grad_release's states in host memory, or None."""
+    prefix = f"grad_release: {HOST_NOTE}"
+    return next((n[len(prefix):] for n in notes if n.startswith(prefix)), None)
 
 
 class StatesTier:
@@ -36,25 +44,23 @@ class StatesTier:
         return "host" if self.config.states == "host" or self.parked_why or self.tier_pending else "device"
 
     def choose_states_tier(self, model: Any) -> None:
-        """``auto``: start in host memory where the estimate with the states on the device is over
-        ``memory_budget`` (``auto``: the device's capacity); said in the summary, recorded as a
-        ``states_to_host`` event."""
+        """``auto``: start in host memory where the estimate puts them there (its own rule, `adjust_estimate`:
+        with them on the device it is over ``memory_budget``; ``auto``: the device's capacity); said in the
+        summary, recorded as a ``states_to_host`` event."""
         if self.config.states != "auto":
             return
         from deepspeed.accelerator import get_accelerator
 
-        from xirang_ds.config.loader import BLOCK_KEY, deep_merge
+        from xirang_ds.config.loader import BLOCK_KEY
         from xirang_ds.memory.estimator import estimate_states
 
         budget = self.session.config.memory_budget
-        total = int(get_accelerator().total_memory()) if budget == "auto" else int(budget)
-        requested = dict(self.session.requested_ds_config)  # the estimate's own auto would take the host
-        requested[BLOCK_KEY] = deep_merge(requested[BLOCK_KEY], {"grad_release": {"states": "device"}})
-        need = estimate_states(model, requested, self.session.world_size,
-                               get_accelerator().device_name()).predicted_peak_bytes
-        if need > total:
-            self.parked_why = (f"the estimated model states, gradients and optimizer step with them on the device, "
-                               f"{format_bytes(need)}, exceed memory_budget {format_bytes(total)}")
+        requested = dict(self.session.requested_ds_config)
+        if budget == "auto":
+            requested[BLOCK_KEY] = {**requested[BLOCK_KEY], "memory_budget": int(get_accelerator().total_memory())}
+        estimate = estimate_states(model, requested, self.session.world_size, get_accelerator().device_name())
+        self.parked_why = host_reason(estimate.notes)
+        if self.parked_why is not None:
             self.session.record_event("states_to_host", reason=self.parked_why)
             return
         planner = self.session.activation_planner
@@ -84,8 +90,7 @@ class StatesTier:
                 bucket.states_on = "host"
                 bucket.park_states()
             elif bucket.states_on == "host":
-                bucket.fetch_states()
-                bucket.states_on, bucket._parked = "device", {}
+                bucket.unpark_states()
         self.tier_pending = False
         if on_host:
             self.parked_why = why
@@ -100,4 +105,4 @@ class StatesTier:
             self.settle_tier(False)
 
 
-__all__ = ["StatesTier"]
+__all__ = ["HOST_NOTE", "StatesTier", "host_reason"]

@@ -75,8 +75,10 @@ def choose_preset(block: dict, ds_config: dict, model: Any, world_size: int = 1,
         needs.append((name, need))
         if need <= budget:
             tried = "".join(f"; {n} needs {format_bytes(b)}" for n, b in needs[:-1])
-            host = ", with grad_release's optimizer states in host memory (states auto)" if any(
-                n.startswith("grad_release: optimizer states in host memory") for n in estimate.notes) else ""
+            from xirang_ds.plugins.grad_release.states_tier import host_reason
+
+            host = ", with grad_release's optimizer states in host memory (states auto)" if host_reason(
+                estimate.notes) else ""
             return candidate, (f"preset auto took {name}: model states, gradients and the optimizer step estimated "
                                f"{format_bytes(need)} per rank{host} against memory_budget {format_bytes(budget)}"
                                f"{tried} (sensitivity {sensitivity}: {', '.join(allowed)})")

@@ -80,10 +80,13 @@ def candidates(device: str = "cpu") -> dict[str, Callable[[list], torch.optim.Op
 
 
 def run(shapes: list[tuple[int, ...]], rounds: int, threads: int, device: str = "cpu",
-        deadline_s: float = math.inf) -> dict[str, Any]:
+        deadline_s: float = math.inf, progress: Callable[[dict[str, Any]], None] | None = None,
+        counts: bool = False) -> dict[str, Any]:
     """Every candidate's first step (states, compilation), then ``rounds`` timed steps each. Past 60%
     of ``deadline_s`` no further candidate is set up (it is reported as skipped), and past the whole
-    of it no further round starts once three are done: a time-limited run still reports."""
+    of it no further round starts once three are done: a time-limited run still reports.
+    ``progress`` gets the result so far after every round (a killed run keeps the rounds it did);
+    ``counts`` adds each candidate's ops, kernels and host syncs per step (`xirang_ds.step_counts`)."""
     began = time.monotonic()
     torch.set_num_threads(threads)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -103,6 +106,23 @@ def run(shapes: list[tuple[int, ...]], rounds: int, threads: int, device: str = 
         opt.step()  # creates states (and compiles torchao's step and the fused kernels)
         params[name], opts[name] = ps, opt
     times: dict[str, list[float]] = {name: [] for name in opts}
+    per_step: dict[str, dict] = {}
+
+    def result() -> dict[str, Any]:
+        rows = {}
+        for name in opts:
+            med = statistics.median(times[name]) if times[name] else math.nan
+            rows[name] = {"state_bytes_per_param": state_bytes(opts[name]) / numel,
+                          "update_ns_per_param": med * 1e9 / numel,
+                          "update_ns_per_param_all_rounds": [t * 1e9 / numel for t in times[name]]}
+            if name in per_step:
+                rows[name]["counts_per_step"] = per_step[name]
+        return {"shapes": [list(s) for s in shapes], "numel": numel, "rounds": rounds, "threads": threads,
+                "torch": torch.__version__,
+                "device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
+                "machine": f"{platform.machine()}, {os.cpu_count()} cpu(s)", "results": rows,
+                "rounds_done": len(next(iter(times.values()), [])), "skipped": skipped}
+
     for done in range(rounds):
         if done >= 3 and time.monotonic() - began > deadline_s:
             break
@@ -114,16 +134,16 @@ def run(shapes: list[tuple[int, ...]], rounds: int, threads: int, device: str = 
             opt.step()
             sync()
             times[name].append(time.perf_counter() - start)
-    rows = {}
-    for name in opts:
-        med = statistics.median(times[name])
-        rows[name] = {"state_bytes_per_param": state_bytes(opts[name]) / numel,
-                      "update_ns_per_param": med * 1e9 / numel,
-                      "update_ns_per_param_all_rounds": [t * 1e9 / numel for t in times[name]]}
-    return {"shapes": [list(s) for s in shapes], "numel": numel, "rounds": rounds, "threads": threads,
-            "torch": torch.__version__, "device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
-            "machine": f"{platform.machine()}, {os.cpu_count()} cpu(s)", "results": rows,
-            "rounds_done": len(next(iter(times.values()), [])), "skipped": skipped}
+        if progress is not None:
+            progress(result())
+    if counts:
+        from xirang_ds.step_counts import count_step
+
+        for name, opt in opts.items():
+            per_step[name] = count_step(opt.step, device).as_dict()
+            if progress is not None:
+                progress(result())
+    return result()
 
 
 def main() -> None:
@@ -135,11 +155,19 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--device", default="cpu", help="where the tensors live, e.g. cuda (the GPU check)")
     parser.add_argument("--deadline-s", type=float, default=math.inf, help="stop setting up and timing after this")
+    parser.add_argument("--jsonl", default=None, help="append the result so far here after every round")
+    parser.add_argument("--counts", action="store_true", help="ops, kernels and host syncs per step, each")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     shapes = ([tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")] if args.shapes
               else [(args.numel,)])
-    result = run(shapes, args.rounds, args.threads, args.device, args.deadline_s)
+    progress = None
+    if args.jsonl:
+        from xirang_ds.bench import append_jsonl
+
+        def progress(partial: dict) -> None:
+            append_jsonl(args.jsonl, {"kind": "optimizer", **partial})
+    result = run(shapes, args.rounds, args.threads, args.device, args.deadline_s, progress, args.counts)
     width = max(map(len, result["results"]))
     print(f"{'optimizer'.ljust(width)}  state B/param  update ns/param  ({args.threads} thread(s), "
           f"{result['numel']:,} elements, median of {result['rounds_done']})")

@@ -75,6 +75,21 @@ def optimizer_step(engine, data) -> float:
     return total / gas
 
 
+def timed_step(engine, data) -> tuple[float, float]:
+    """`optimizer_step` and its wall time; on CUDA the device is drained before and after, so the
+    time is the step's own, not the launches' alone."""
+    import torch
+
+    cuda = engine.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    loss = optimizer_step(engine, data)
+    if cuda:
+        torch.cuda.synchronize()
+    return loss, time.perf_counter() - start
+
+
 def _client_optimizer(factory: str):
     def make(model, ds_config: dict):
         params = dict((ds_config.get("optimizer") or {}).get("params") or {})
@@ -186,13 +201,8 @@ def bench_rank(rank: int, world: int, model_text: str, ds_config: dict, steps: i
     for step in range(steps):
         if step == 1:
             steady = tracker.open_window()
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        loss = optimizer_step(engine, data)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+        loss, seconds = timed_step(engine, data)
+        times.append(seconds)
         losses.append(loss)
     report = window.report()
     out = {
@@ -324,4 +334,28 @@ def write_json(result: dict, path: str) -> None:
         json.dump(result, f, indent=2)
 
 
-__all__ = ["optimizer_step", "run_bench", "run_side", "format_result", "write_json", "bench_rank", "SideResult", "PEERS"]
+def append_jsonl(path: str, record: dict) -> None:
+    """Add ``record`` as one JSON line of ``path``, flushed and synced before returning: results kept
+    as they come, so a run cut by a time limit or killed keeps every record it finished."""
+    line = json.dumps(record, default=str)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """Every whole record of ``path`` (none when absent); a line a killed writer left torn is skipped."""
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+__all__ = ["optimizer_step", "run_bench", "run_side", "format_result", "write_json", "append_jsonl", "timed_step", "read_jsonl", "bench_rank", "SideResult", "PEERS"]

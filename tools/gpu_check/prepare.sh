@@ -13,8 +13,10 @@
 #                           builders and the megatron/ package), with patches/ applied, when a clone
 #                           is given (a work tree or a bare repository); without one the Megatron-LM
 #                           step of run.sh is skipped and says so
+#   .gpu/data/              tinyshakespeare.txt from ../shared/data, for converge.sh, where present
 #   .gpu/MANIFEST.txt       what was prepared, with sha256 sums (run.sh --dry-run checks them)
-# Then, on the GPU machine: tools/gpu_check/run.sh (carry .gpu). Exit status 0 on success.
+# Then, on the GPU machine: tools/gpu_check/run.sh (carry .gpu); rehearse it first here with
+# tools/gpu_check/run.sh --rehearse. Exit status 0 on success.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 out="$root/.gpu"
@@ -83,6 +85,12 @@ if [ $# -ge 1 ]; then
     tar -czf "$out/megatron-lm.tar.gz" -C "$tmp" megatron-lm
 else
     echo "prepare.sh: no Megatron-LM clone given; run.sh will skip pretrain_gpt.py (pass a clone to include it)"
+fi
+
+# 6. the corpus converge.sh trains on, where the shared folder beside the checkout has it (the device
+#    carries only the checkout; without it the stdlib's docstrings are the data).
+if [ -f "$root/../shared/data/tinyshakespeare.txt" ]; then
+    mkdir -p "$out/data" && cp "$root/../shared/data/tinyshakespeare.txt" "$out/data/"
 fi
 
 (cd "$out" && find . -type f ! -name MANIFEST.txt -print0 | sort -z | xargs -0 sha256sum) >"$out/MANIFEST.txt"

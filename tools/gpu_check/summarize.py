@@ -1,10 +1,13 @@
-"""The GPU check's figures from its results folder, as JSON and a markdown table.
+"""The GPU check's figures from its results folder, whole or cut short, and what is missing.
 
-    python tools/gpu_check/summarize.py benchmarks/results/gpu/20261204
+    python tools/gpu_check/summarize.py benchmarks/results/gpu/<date>
 
-Reads what run.sh wrote: env.json, pytest.xml, bench.json and Megatron-LM's logs (its iteration
-lines and its "memory (MB)" lines). Writes summary.json beside them and prints the tables. Step
-times are medians over iterations 3 and later (the first two build kernels and caches).
+Reads what run.sh wrote: results.jsonl (the machine and imports, every bench side and its steps, the
+optimizer's rounds, every test) and Megatron-LM's logs (iteration lines, "memory (MB)" lines). Writes
+summary.json beside them (with ``"missing"``: each expected result that is absent or cut, and why
+where the records say) and prints the tables. Megatron step times are medians over iterations 4 and
+later (the first three build kernels and caches). A folder of the 2026-12-04 layout (bench.json,
+pytest.xml) is read too. Exit status 0 when nothing is missing.
 """
 from __future__ import annotations
 
@@ -14,13 +17,18 @@ import re
 import statistics
 import sys
 import xml.etree.ElementTree as ET
+from typing import Any, Optional
 
 ITERATION = re.compile(r"iteration +(\d+)/ *\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)"
                        r".*?lm loss: ([\d.E+-]+)")
-MEMORY = re.compile(r"\(after (\d+) iterations\) memory \(MB\) \| allocated: ([\d.]+) \| max allocated: ([\d.]+)")
+MEMORY = re.compile(r"\(after (\d+) iterations\) memory \(MB\) \| allocated: ([\d.]+) \| max allocated: ([\d.]+)"
+                    r"(?: \| reserved: ([\d.]+) \| max reserved: ([\d.]+))?")
+SIDES = ("plain", "conservative", "balanced", "aggressive")
+MEGATRON = ("plain", "xirang")
+WARMUP_ITERATIONS = 3
 
 
-def megatron(path: str) -> dict:
+def megatron(path: str) -> dict[str, Any]:
     """Losses, step times and the allocator's figures of one pretrain_gpt.py log."""
     losses, times, memory = {}, {}, {}
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -28,63 +36,181 @@ def megatron(path: str) -> dict:
             if m := ITERATION.search(line):
                 losses[int(m[1])], times[int(m[1])] = float(m[3]), float(m[2])
             if m := MEMORY.search(line):
-                memory[int(m[1])] = {"allocated_mb": float(m[2]), "max_allocated_mb": float(m[3])}
-    later = [t for i, t in times.items() if i >= 3]
+                memory[int(m[1])] = {"allocated_mb": float(m[2]), "max_allocated_mb": float(m[3]),
+                                     "reserved_mb": float(m[4]) if m[4] else None,
+                                     "max_reserved_mb": float(m[5]) if m[5] else None}
+    later = [t for i, t in times.items() if i > WARMUP_ITERATIONS]
     return {"iterations": len(losses), "losses": [losses[i] for i in sorted(losses)],
-            "step_time_median_ms": statistics.median(later) if later else None, "memory_mb": memory}
+            "step_time_median_ms": statistics.median(later) if later else None,
+            "steps_in_median": len(later), "memory_mb": memory}
 
 
-def pytest_counts(path: str) -> dict:
-    suite = ET.parse(path).getroot()
-    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-    return {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+def _records(path: str) -> list[dict]:
+    out = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # the line a killed writer left half-written
+                continue
+    return out
+
+
+def _side(record: dict) -> dict:
+    if "error" in record:
+        return {"error": record["error"]}
+    keep = ("parameters", "budget_bytes", "note", "peak_bytes", "allocator_peak_bytes", "reserved_peak_bytes",
+            "step_time_median_s", "warmup_step_times_s", "init_s", "final_loss", "counts_per_step", "wall_s")
+    return {k: record[k] for k in keep if k in record}
+
+
+def from_records(records: list[dict], missing: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    env = [r for r in records if r.get("kind") == "env"]
+    if env:
+        out["env"] = {k: v for k, v in env[-1].items() if k not in ("kind", "modules")}
+        for problem in env[-1].get("problems", []):
+            missing.append(f"imports: {problem}")
+    else:
+        missing.append("imports: no record (the step did not finish)")
+    sides: dict[str, dict] = {}
+    for name in SIDES:
+        done = [r for r in records if r.get("kind") == "side" and r.get("side") == name]
+        steps = [r for r in records if r.get("kind") == "step" and r.get("side") == name]
+        if done:
+            sides[name] = _side(done[-1])
+            if "error" in done[-1]:
+                missing.append(f"bench {name}: failed: {done[-1]['error']}")
+        elif steps:
+            sides[name] = {"cut_after_steps": len(steps), "losses": [s["loss"] for s in steps],
+                           "step_times_s": [s["time_s"] for s in steps]}
+            missing.append(f"bench {name}: cut by its limit after {len(steps)} step(s)")
+        else:
+            missing.append(f"bench {name}: no record (not started, or cut before its first step)")
+    plain = sides.get("plain", {})
+    for name, side in sides.items():
+        if name != "plain" and side.get("peak_bytes") and plain.get("peak_bytes"):
+            side["peak_ratio"] = side["peak_bytes"] / plain["peak_bytes"]
+            if side.get("step_time_median_s") and plain.get("step_time_median_s"):
+                side["step_time_ratio"] = side["step_time_median_s"] / plain["step_time_median_s"]
+    out["bench"] = sides
+    rounds = [r for r in records if r.get("kind") == "optimizer"]
+    if rounds:
+        last = rounds[-1]
+        out["optimizer"] = {"device": last.get("device"), "numel": last.get("numel"),
+                            "rounds_done": last.get("rounds_done"), "skipped": last.get("skipped"),
+                            "results": {name: {k: v for k, v in row.items() if k != "update_ns_per_param_all_rounds"}
+                                        for name, row in last["results"].items()}}
+        if last.get("rounds_done", 0) < last.get("rounds", 0):
+            missing.append(f"optimizer: {last['rounds_done']} of {last['rounds']} rounds")
+        if not any("counts_per_step" in row for row in last["results"].values()):
+            missing.append("optimizer: no counts per step (cut before them)")
+    else:
+        missing.append("optimizer: no record")
+    collected = [r for r in records if r.get("kind") == "collected"]
+    tests = {r["test"]: r for r in records if r.get("kind") == "test"}
+    outcomes: dict[str, int] = {}
+    for r in tests.values():
+        outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
+    out["pytest"] = {"collected": collected[-1]["tests"] if collected else None, "outcomes": outcomes,
+                     "failed": [t for t, r in tests.items() if r["outcome"] not in ("passed", "skipped")]}
+    if not collected:
+        missing.append("pytest: did not collect (no record)")
+    elif len(tests) < collected[-1]["tests"]:
+        missing.append(f"pytest: {len(tests)} of {collected[-1]['tests']} tests finished")
+    for r in records:
+        if r.get("kind") == "skipped":
+            missing.append(f"{r['step']}: skipped, the deadline was near")
+    return out
+
+
+def from_legacy(folder: str) -> dict[str, Any]:
+    """The 2026-12-04 layout: env.json, pytest.xml, bench.json."""
+    out: dict[str, Any] = {}
+    path = os.path.join(folder, "env.json")
+    if os.path.exists(path):
+        out["env"] = json.load(open(path, encoding="utf-8"))
+    path = os.path.join(folder, "pytest.xml")
+    if os.path.exists(path):
+        suite = ET.parse(path).getroot()
+        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        out["pytest"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    path = os.path.join(folder, "bench.json")
+    if os.path.exists(path):
+        bench = json.load(open(path, encoding="utf-8"))
+        out["bench"] = {name: ({"error": side["error"].strip().splitlines()[0]} if "error" in side else _side(side))
+                        for name, side in bench["sides"].items()}
+    return out
+
+
+def _ms(seconds: Optional[float]) -> str:
+    return f"{seconds * 1000:.1f} ms" if seconds else "-"
 
 
 def main(folder: str) -> int:
-    def have(name: str) -> str | None:
-        path = os.path.join(folder, name)
-        return path if os.path.exists(path) else None
-
-    out: dict = {}
-    if have("env.json"):
-        out["env"] = json.load(open(have("env.json"), encoding="utf-8"))
-    if have("pytest.xml"):
-        out["pytest"] = pytest_counts(have("pytest.xml"))
-    if have("bench.json"):
-        bench = json.load(open(have("bench.json"), encoding="utf-8"))
-        out["bench"] = {"model": bench["model"], "sides": {
-            name: ({"error": side["error"].splitlines()[-1] if "\n" in side["error"] else side["error"]}
-                   if "error" in side else {k: side[k] for k in ("peak_bytes", "allocator_peak_bytes", "peak_phase",
-                                                                 "step_time_median_s", "final_loss") if k in side}
-                   if "peak_bytes" in side else side)
-            for name, side in bench["sides"].items()}}
-    runs = {name: megatron(have(f"megatron_{name}.log")) for name in ("plain", "xirang") if have(f"megatron_{name}.log")}
+    missing: list[str] = []
+    records_path = os.path.join(folder, "results.jsonl")
+    out = from_records(_records(records_path), missing) if os.path.exists(records_path) else from_legacy(folder)
+    runs = {}
+    standins = {r["side"]: r for r in _records(records_path) if r.get("kind") == "megatron_standin"} \
+        if os.path.exists(records_path) else {}
+    for name in MEGATRON if not standins and out.get("env", {}).get("cuda_available", True) else ():
+        path = os.path.join(folder, f"megatron_{name}.log")
+        if not os.path.exists(path):
+            missing.append(f"megatron {name}: no log")
+            continue
+        runs[name] = megatron(path)
+        if runs[name]["iterations"] < 10:
+            missing.append(f"megatron {name}: {runs[name]['iterations']} of 10 iterations in the log")
     if runs:
         out["megatron"] = runs
+    if not out.get("env", {}).get("cuda_available", True):  # a rehearsal: megatron-core's loop stood in
+        out["megatron_standin"] = {name: standins[name]["ranks"] for name in standins}
+        missing.extend(f"megatron {name} (stand-in): no record" for name in MEGATRON if name not in standins)
+    if os.path.exists(os.path.join(folder, "converge.log")) and not os.path.exists(os.path.join(folder, "run.log")):
+        missing = [m for m in missing if m.startswith("bench ")]  # converge.sh: the bench sides alone
+        out = {k: v for k, v in out.items() if k in ("env", "bench")}
+    out["missing"] = missing
     with open(os.path.join(folder, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(out, f, indent=2)
 
     env = out.get("env", {})
-    print(f"{env.get('gpu', '?')}, torch {env.get('torch', '?')}, CUDA {env.get('cuda', '?')}, "
-          f"deepspeed {env.get('deepspeed', '?')}, megatron-core {env.get('megatron.core', '?')}")
+    print(f"{env.get('gpu') or 'no GPU'}, torch {env.get('torch', '?')}, CUDA {env.get('cuda', '?')}, "
+          f"deepspeed {env.get('deepspeed', '?')}, megatron-core {env.get('megatron-core', env.get('megatron.core', '?'))}")
+    if out.get("bench"):
+        print("| bench side | peak (allocator) | reserved | step (median) | warm-up | loss | ops/step | kernels/step | syncs/step |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for name, s in out["bench"].items():
+            if "peak_bytes" not in s:
+                print(f"| {name} | {s.get('error') or ('cut after %s steps' % s.get('cut_after_steps'))} |||||||")
+                continue
+            counts = {k: "-" if v is None else v for k, v in (s.get("counts_per_step") or {}).items()}
+            print(f"| {name} | {s['peak_bytes']:,} B | {s.get('reserved_peak_bytes') or '-'} | "
+                  f"{_ms(s.get('step_time_median_s'))} | {sum(s.get('warmup_step_times_s') or [0]):.1f} s | "
+                  f"{s.get('final_loss', float('nan')):.4f} | {counts.get('ops', '-')} | {counts.get('kernels', '-')} | "
+                  f"{counts.get('host_syncs', '-')} |")
+    if "optimizer" in out:
+        opt = out["optimizer"]
+        print(f"optimizer step ({opt['device']}, {opt['numel']:,} elements, {opt['rounds_done']} rounds):")
+        for name, row in opt["results"].items():
+            counts = {k: "-" if v is None else v for k, v in (row.get("counts_per_step") or {}).items()}
+            print(f"  {name}: {row['state_bytes_per_param']:.3f} B/param, {row['update_ns_per_param']:.3f} ns/param, "
+                  f"kernels {counts.get('kernels', '-')}, syncs {counts.get('host_syncs', '-')}, ops {counts.get('ops', '-')}")
     if "pytest" in out:
         print(f"pytest -m gpu: {out['pytest']}")
-    for name, side in out.get("bench", {}).get("sides", {}).items():
-        if "peak_bytes" in side:
-            print(f"bench {name}: peak {side['peak_bytes']:,} B, step {side['step_time_median_s'] * 1000:.0f} ms, "
-                  f"loss {side['final_loss']:.4f}")
-        else:
-            print(f"bench {name}: {side.get('error') or side.get('skipped')}")
     if runs:
-        print("| pretrain_gpt.py | loss at 10 | step (median, it. 3+) | allocated after it. 1 | max allocated |")
-        print("|---|---|---|---|---|")
+        print("| pretrain_gpt.py | loss at 10 | step (median, it. 4+) | allocated after it. 1 | max allocated | max reserved |")
+        print("|---|---|---|---|---|---|")
         for name, r in runs.items():
             mem = r["memory_mb"]
             last = mem[max(mem)] if mem else {}
-            print(f"| {name} | {r['losses'][-1]:.6f} | {r['step_time_median_ms']:.1f} ms | "
-                  f"{mem.get(1, {}).get('allocated_mb', float('nan')):.2f} MB | "
-                  f"{last.get('max_allocated_mb', float('nan')):.2f} MB |")
-    return 0
+            loss = f"{r['losses'][-1]:.6f}" if r["losses"] else "-"
+            step = f"{r['step_time_median_ms']:.1f} ms" if r["step_time_median_ms"] else "-"
+            print(f"| {name} | {loss} | {step} | {mem.get(1, {}).get('allocated_mb', float('nan')):.2f} MB | "
+                  f"{last.get('max_allocated_mb', float('nan')):.2f} MB | {last.get('max_reserved_mb') or '-'} MB |")
+    for line in missing:
+        print(f"missing: {line}")
+    return 1 if missing else 0
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import ACTIVATIONS, PARAMETERS
+from xirang_ds.memory.device_profile import PROFILES, DeviceProfile, profile_for
 from xirang_ds.plugins.activations import estimate
 from xirang_ds.plugins.activations.compiled import (
     INSIDE_ONLY,
@@ -48,7 +49,6 @@ from xirang_ds.plugins.activations.compiled import (
     CompiledWrapper,
     compiled_units,
     fixed_problems,
-    synchronizer,
 )
 from xirang_ds.plugins.activations.head_loss import CHUNK
 from xirang_ds.plugins.activations.planner import Choice, estimate_peak, plan_table
@@ -129,6 +129,9 @@ class ActivationsPlugin(Plugin):
         self._groups: tuple = (None,)
         """Process groups the profiles and the plan are agreed over."""
         self._bandwidth: Optional[float] = None
+        self.device_profile: DeviceProfile = PROFILES["cpu"]
+        """Prices the profiling passes' counts (`xirang_ds.memory.device_profile`): the run's device's."""
+        self.device_profile_note = ""
         self.options: tuple[str, ...] = config.options
         self.replicated_inputs: frozenset = frozenset()
         """Under Megatron: modules whose inputs are identical on every tensor-parallel rank."""
@@ -173,6 +176,7 @@ class ActivationsPlugin(Plugin):
         from deepspeed.accelerator import get_accelerator
 
         self._engine = engine
+        self.device_profile, self.device_profile_note = profile_for(engine.device)
         acc = get_accelerator()
         tracker = self.session.tracker
         parts = self.path.run_parts(engine)
@@ -260,7 +264,7 @@ class ActivationsPlugin(Plugin):
         if free:
             self.state = "profiling"
             self._bandwidth = (self.config.host_bandwidth_gbps * 1e9 if self.config.host_bandwidth_gbps != "auto"
-                               else self.runtime.offloader.measure_bandwidth())
+                               else self.device_profile.host_link_bytes_per_s)
         else:
             self._apply({name: option for name, option in self._fixed.items()})
             check_agreed(self.plan, self.runtime.device, self._groups)
@@ -307,6 +311,7 @@ class ActivationsPlugin(Plugin):
     # checkpoints ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"plan": dict(self.plan), "budget_bytes": self.budget_bytes, "bandwidth_bps": self._bandwidth,
+                "device_profile": self.device_profile.as_dict(),
                 "choices": {n: [c.option, c.device_bytes, c.added_s, c.transient_bytes, c.rows]
                             for n, c in self.choices.items()},
                 "outside_bytes": self.outside_bytes, "planned_peaks": self.planned_peaks,
@@ -405,7 +410,7 @@ class ActivationsPlugin(Plugin):
         rt = self.runtime
         lossy = tuple(k for k in ("quantize", "sparsify") if k in self.options)
         rt.profiler = Profiler(rt.eligible, rt.handlers["offload"], PayloadStorage(), self._tolerant, lossy,
-                               self.config.quantize_block_size, self.config.sparsify_threshold, synchronizer(rt.device))
+                               self.config.quantize_block_size, self.config.sparsify_threshold, self.device_profile)
         if self.config.budget_fraction is None and self.config.budget == "auto":
             self._other_peak = OtherPeak(self.session, self._engine)
             rt.head_stretch = self._other_peak.exclude
@@ -482,6 +487,8 @@ class ActivationsPlugin(Plugin):
     def _log_plan(self) -> None:
         self.plan_text = plan_table(self.plan, self.choices, self.profiles, self.budget_bytes, self.outside_bytes,
                                     self.planned_peaks)
+        if self.choices:  # priced: say by what
+            self.plan_text += f"\ntimes priced by the device profile {self.device_profile_note}"
         self._log("plan\n" + self.plan_text)
 
     def _log(self, message: str) -> None:

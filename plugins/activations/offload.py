@@ -15,7 +15,6 @@ accounted, not physically separate: host buffers are created inside the tracker'
 from __future__ import annotations
 
 import contextlib
-import time
 import weakref
 from typing import Any, Callable, ContextManager, Optional
 
@@ -166,19 +165,3 @@ class Offloader:
         if self.stream is not None:
             self.stream.synchronize()
 
-    def measure_bandwidth(self, nbytes: int = 8 << 20, repeats: int = 5) -> float:
-        """Median device→host→device bytes per second over ``repeats`` round trips of ``nbytes``
-        between buffers allocated (and touched) once, as pooled offload buffers are."""
-        src = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
-        dst = torch.empty_like(src)
-        host = self.pool.allocate(nbytes)
-        rates = []
-        for i in range(repeats + 1):
-            self.acc.synchronize()
-            start = time.perf_counter()
-            host.copy_(src, non_blocking=self.stream is not None)
-            dst.copy_(host, non_blocking=self.stream is not None)
-            self.acc.synchronize()
-            if i:  # the first round trip warms up
-                rates.append(2 * nbytes / max(time.perf_counter() - start, 1e-9))
-        return sorted(rates)[len(rates) // 2]

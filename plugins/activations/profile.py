@@ -7,7 +7,7 @@ During a profiling pass (the first ``profile_steps`` forward/backward passes of 
   each storage to every candidate module running at that moment (``blocks.3`` and
   ``blocks.3.mlp``), once per module call, and counts the bytes of storages it could pack
   (eligible) and of the small ones it leaves;
-* a ``TorchDispatchMode`` times every op and remembers which op produced which storage, so the
+* a ``TorchDispatchMode`` counts every op and remembers which op produced which storage, so the
   profile knows which saved tensors are outputs of expensive ops (what selective recompute keeps,
   by SAC's per-op index) and what the recomputed rest costs;
 * each eligible storage goes once through every encoding (lossless always, lossy ones for
@@ -16,13 +16,14 @@ During a profiling pass (the first ``profile_steps`` forward/backward passes of 
 * the storage is then offloaded to host memory, so a profiling pass keeps at most what the
   running module holds on the device (results are unchanged: offload is exact).
 
-Times are sums of op times (synchronised per op on accelerators), the fastest pass counts. Op
-times include the tracker's bookkeeping when the tracker runs, for every option alike.
+Times are counted, not measured: each op's FLOPs and bytes moved, and each encoding's bytes, priced
+by the run's device profile (`xirang_ds.memory.device_profile`), so the same model, config and
+profile give the same plan on any machine, and the passes never wait for the device. Only a
+compiled region, whose ops no dispatch mode sees, is timed (`record_compiled`).
 """
 from __future__ import annotations
 
 import contextlib
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
@@ -30,6 +31,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from xirang_ds.compat.torch import TorchDispatchMode, sac_ignored_ops
+from xirang_ds.memory.device_profile import DeviceProfile, op_seconds
 from xirang_ds.memory.tracker import _returns_alias
 from xirang_ds.plugins.activations.codecs import trial, trial_bytes
 from xirang_ds.plugins.activations.handlers import OffloadHandler
@@ -118,6 +120,21 @@ class ModuleProfile:
         return cls(**data)
 
 
+CODEC_LAUNCHES = {"compress": 8, "quantize": 12, "sparsify": 10}
+"""Kernels one encode and decode of a storage launch, counted on the eager codecs (`codecs.py`)."""
+QUANTIZE_WORK_BYTES = 12
+"""Bytes per element the int8 encoder's fp32 working copies move (`codecs.trial_bytes`)."""
+
+
+def codec_seconds(profile: DeviceProfile, kind: str, dtype: torch.dtype, dense_bytes: int, payload_bytes: int) -> float:
+    """One encode and decode of a storage: the dense bytes read and written back, the payload written
+    and read, the int8 encoder's fp32 working copies, and the codec's launches, priced by ``profile``."""
+    moved = 2 * (dense_bytes + payload_bytes)
+    if kind == "quantize":
+        moved += QUANTIZE_WORK_BYTES * dense_bytes // max(1, torch.empty((), dtype=dtype).element_size())
+    return profile.op_seconds(0, moved) + (CODEC_LAUNCHES[kind] - 1) * profile.launch_s
+
+
 @dataclass
 class _Op:
     key: str
@@ -159,12 +176,8 @@ class _OpTimer(TorchDispatchMode):
         kwargs = kwargs or {}
         if prof.in_hook or len(prof.stack) < 2 or func in prof.ignored:
             return func(*args, **kwargs)
-        prof.synchronize()
-        start = time.perf_counter()
         out = func(*args, **kwargs)
-        prof.synchronize()
-        seconds = time.perf_counter() - start
-        prof.record_op(func, out, seconds)
+        prof.record_op(func, out, op_seconds(prof.device_profile, func, args, kwargs, out))
         return out
 
 
@@ -195,12 +208,12 @@ class Profiler:
         tolerant: names of modules whose tensors may be stored lossily.
         lossy_kinds: lossy encodings to try on tolerant modules (``quantize``, ``sparsify``).
         block_size, threshold: settings of the lossy encodings.
-        synchronize: the accelerator's synchronize (no-op on CPU).
+        device_profile: prices ops and encodings (`xirang_ds.memory.device_profile`).
     """
 
     def __init__(self, eligible: Eligibility, handler: OffloadHandler, storage: PayloadStorage,
                  tolerant: frozenset, lossy_kinds: tuple[str, ...], block_size: int, threshold: float,
-                 synchronize: Callable[[], None]):
+                 device_profile: DeviceProfile):
         self.eligible = eligible
         self.handler = handler
         self.storage = storage
@@ -208,7 +221,7 @@ class Profiler:
         self.lossy_kinds = lossy_kinds
         self.block_size = block_size
         self.threshold = threshold
-        self.synchronize = synchronize
+        self.device_profile = device_profile
         self.trial_stretch: Optional[Callable[[bool], None]] = None
         """Begins (True) and ends (False) a stretch the planner's measured peak leaves out: the trials
         are this pass's own transient, which no planned step pays (`pricing.OtherPeak.exclude`)."""
@@ -317,7 +330,8 @@ class Profiler:
             for kind, r in results.items():
                 if kind == "compress" or frame.tolerant:
                     setattr(p, f"{kind}_bytes", getattr(p, f"{kind}_bytes") + r.nbytes)
-                    setattr(p, f"{kind}_time_s", getattr(p, f"{kind}_time_s") + r.seconds)
+                    seconds = codec_seconds(self.device_profile, kind, t.dtype, nbytes, r.nbytes)
+                    setattr(p, f"{kind}_time_s", getattr(p, f"{kind}_time_s") + seconds)
                     if kind != "compress":
                         setattr(p, f"{kind}_error", max(getattr(p, f"{kind}_error"), r.error_ratio))
             self._select(frame, key)
@@ -347,8 +361,7 @@ class Profiler:
         try:
             with torch.no_grad(), (self.host_tier() if on_host else contextlib.nullcontext()):
                 source = flat.to("cpu", copy=True) if on_host else flat  # on CPU too: a host-tier copy
-                results = {kind: trial(kind, source, self.storage, self.block_size, self.threshold, self.synchronize)
-                           for kind in kinds}
+                results = {kind: trial(kind, source, self.storage, self.block_size, self.threshold) for kind in kinds}
                 del source
         finally:
             if self.trial_stretch is not None:
@@ -358,7 +371,8 @@ class Profiler:
 
     # results -------------------------------------------------------------------------------------
     def combined(self) -> dict[str, ModuleProfile]:
-        """Bytes of the last pass, times of the fastest pass, per module."""
+        """Bytes of the last pass, times of the fastest pass (counted, so equal but for compiled
+        regions), per module."""
         if not self.passes:
             return {}
         last = self.passes[-1]

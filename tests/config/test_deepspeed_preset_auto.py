@@ -61,6 +61,17 @@ def test_least_aggressive_preset_that_fits_within_the_sensitivity():
     assert choose_preset({"preset": "balanced"}, BASE, model) == ({"preset": "balanced"}, None)
 
 
+def test_no_fit_never_advises_what_the_config_already_does():
+    model = _meta_model()
+    offloaded = {**ds_config(stage=3, micro=2, clip=1.0)}
+    offloaded["zero_optimization"] = {**offloaded["zero_optimization"], "offload_optimizer": {"device": "cpu"}}
+    for config, advised in ((BASE, True), (offloaded, False)):
+        with pytest.raises(XirangConfigError) as e:
+            choose_preset({"preset": "auto", "memory_budget": 1 << 20}, config, model, world_size=2)
+        assert ("offload the optimizer" in str(e.value)) == advised, str(e.value)
+        assert "train on more ranks" in str(e.value)
+
+
 def test_bad_input_names_the_key_and_the_fix():
     model = _meta_model()
     with pytest.raises(XirangConfigError, match=r"xirang.sensitivity: must be one of 'lossless', 'normal', 'tolerant'"):

@@ -85,12 +85,14 @@ def choose_preset(block: dict, ds_config: dict, model: Any, world_size: int = 1,
     name, need = min(needs, key=lambda item: item[1])
     listed = ", ".join(f"{n} {format_bytes(b)}" for n, b in needs)
     more = "" if sensitivity == "tolerant" else ", set sensitivity to a lossier one (\"tolerant\" allows aggressive)"
+    offloaded = ((ds_config.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
+    last = " or train on more ranks" if offloaded else (", train on more ranks, or offload the optimizer "
+                                                         "(zero_optimization.offload_optimizer)")
     raise XirangConfigError([("xirang.preset", f"auto: no preset that sensitivity {sensitivity!r} allows fits "
                                                f"memory_budget {format_bytes(budget)} per rank: the least, {name}, needs "
                                                f"{format_bytes(need)} for model states, gradients and the optimizer "
                                                f"step, {need - budget:,} bytes more ({listed}). Fix: raise memory_budget"
-                                               f"{more}, train on more ranks, or offload the optimizer "
-                                               "(zero_optimization.offload_optimizer)")])
+                                               f"{more}{last}")])
 
 
 def choose_for_spec(ds_config: dict, model: Any, world_size: int = 1, device: str = "cpu"

@@ -130,7 +130,8 @@ class ActivationsConfig(Section):
     offload_prefetch: PositiveInt = 1
     """How many offloaded modules ahead backward prefetches (on a side stream; CPU copies on demand)."""
     host_bandwidth_gbps: Union[Literal["auto"], Annotated[float, Range(0.0, low_exclusive=True)]] = "auto"
-    """Device-host copy bandwidth that prices offload, in GB/s; ``auto`` measures it."""
+    """Device-host copy bandwidth that prices offload, in GB/s; ``auto`` takes the device profile's
+    host link (`xirang_ds.memory.device_profile`: 64 GB/s on H100/H200, 32 on A100, 10 on a CPU)."""
     distribute_saved_inputs: bool = False
     """Megatron-core at tensor-parallel size > 1: a ``recompute`` module whose inputs are identical on
     every TP rank (a ``TransformerLayer`` and its ``self_attention``, ``mlp`` and norms) keeps 1/tp

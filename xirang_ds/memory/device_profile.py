@@ -1,0 +1,156 @@
+"""Device profiles: the figures that turn counts (FLOPs, bytes moved, launches, host-link bytes) into
+time, so that a plan priced from counts is the same on every machine for the same device profile.
+
+The activation planner used to time every op of its profiling passes (synchronised per op on an
+accelerator) and every encoding: plans moved with machine noise, and CPU timings, where a launch and
+a host copy cost next to nothing, decided plans for GPU users. Now the passes count and a profile
+prices: an op costs ``max(FLOPs / FLOP rate, bytes / memory bandwidth) + launch``, a host copy its
+bytes over the host link. The profile of a run is its device's, named by the device
+(`profile_for`); an accelerator it does not know takes H100's figures and says so.
+
+Figures (spec sheets; the FLOP rates scaled by ``efficiency``, what dense matmuls reach in practice:
+about 790 of the H200's 989 bf16 TFLOP/s were measured on the lent H200, docs of the device tool):
+
+========  ============  ==========  ============  =============  ========
+profile   bf16 matmul   fp32        memory        host link      launch
+========  ============  ==========  ============  =============  ========
+h100      989 TFLOP/s   67 TFLOP/s  3.35 TB/s     64 GB/s PCIe5  5 us
+h200      989 TFLOP/s   67 TFLOP/s  4.8 TB/s      64 GB/s PCIe5  5 us
+a100      312 TFLOP/s   19.5        2.04 TB/s     32 GB/s PCIe4  5 us
+cpu       100 GFLOP/s   100 GFLOP/s 20 GB/s       10 GB/s        5 us
+========  ============  ==========  ============  =============  ========
+
+The CPU's figures are stated constants for a small x86 server (2 cores with AVX2 FMA at about
+2.5 GHz, DDR4), not a measurement of this machine: a plan made on a CPU is the CPU profile's plan.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+import torch
+
+MATMUL_EFFICIENCY = 0.8
+"""Fraction of the spec FLOP rate dense matmuls reach (790 of 989 TFLOP/s measured on an H200)."""
+MEMORY_EFFICIENCY = 0.85
+"""Fraction of the spec memory bandwidth streaming ops reach."""
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What one device does per second, and what one launch costs.
+
+    Attributes:
+        name: ``h100``, ``h200``, ``a100`` or ``cpu``.
+        matmul_flops_per_s: 16-bit (bf16/fp16) dense matrix FLOP rate, spec.
+        fp32_flops_per_s: 32-bit FLOP rate (matmuls in fp32 without TF32, and arithmetic), spec.
+        memory_bytes_per_s: device memory bandwidth, spec.
+        host_link_bytes_per_s: device-host copy bandwidth, one direction (PCIe x16 for GPUs).
+        launch_s: the host's cost to start one kernel (an eager op's dispatch on a CPU).
+    """
+
+    name: str
+    matmul_flops_per_s: float
+    fp32_flops_per_s: float
+    memory_bytes_per_s: float
+    host_link_bytes_per_s: float
+    launch_s: float
+
+    def op_seconds(self, flops: float, bytes_moved: float, low_precision: bool = True) -> float:
+        """One op: the larger of its arithmetic and its memory traffic (a roofline), plus its launch."""
+        rate = (self.matmul_flops_per_s if low_precision else self.fp32_flops_per_s) * MATMUL_EFFICIENCY
+        return max(flops / rate, bytes_moved / (self.memory_bytes_per_s * MEMORY_EFFICIENCY)) + self.launch_s
+
+    def copy_seconds(self, nbytes: float) -> float:
+        """One device-host copy of ``nbytes`` (one direction)."""
+        return nbytes / self.host_link_bytes_per_s + self.launch_s
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+PROFILES: dict[str, DeviceProfile] = {
+    "h100": DeviceProfile("h100", 989e12, 67e12, 3.35e12, 64e9, 5e-6),
+    "h200": DeviceProfile("h200", 989e12, 67e12, 4.8e12, 64e9, 5e-6),
+    "a100": DeviceProfile("a100", 312e12, 19.5e12, 2.039e12, 32e9, 5e-6),
+    "cpu": DeviceProfile("cpu", 1e11, 1e11, 2e10, 1e10, 5e-6),
+}
+"""The named profiles (the module docstring's table)."""
+UNKNOWN_ACCELERATOR = "h100"
+"""The figures an accelerator of no known name is priced with."""
+
+
+def profile_named(name: str) -> DeviceProfile:
+    """The profile called ``name`` (case-insensitive).
+
+    Raises:
+        ValueError: naming the known profiles.
+    """
+    key = name.lower()
+    if key not in PROFILES:
+        raise ValueError(f"no device profile {name!r}; known: {', '.join(sorted(PROFILES))}")
+    return PROFILES[key]
+
+
+def profile_for(device: torch.device | str, device_name: Optional[str] = None) -> tuple[DeviceProfile, str]:
+    """The profile of ``device`` (its marketing name from ``device_name`` or the CUDA runtime) and a
+    note of how it was chosen."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return PROFILES["cpu"], "the CPU profile (stated constants)"
+    if device_name is None and device.type == "cuda" and torch.cuda.is_available():
+        device_name = torch.cuda.get_device_name(device)
+    text = (device_name or "").lower()
+    for key in ("h200", "h100", "a100"):
+        if key in text:
+            return PROFILES[key], f"{key} (from the device name {device_name!r})"
+    return PROFILES[UNKNOWN_ACCELERATOR], (f"{UNKNOWN_ACCELERATOR}'s figures: no profile for {device_name or device}")
+
+
+# ------------------------------------------------------------------------------------------------
+# counting one op
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size() if t.layout == torch.strided else 0
+
+
+def op_counts(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[int, int, bool]:
+    """``(FLOPs, bytes moved, low precision)`` of one ATen op call: FLOPs from PyTorch's own table
+    (``torch.utils.flop_counter``: matmuls, convolutions, attention; 0 for the rest, which their
+    bytes price), bytes as every tensor argument read and every output written once. Shapes only:
+    the same on any machine, and on fake tensors."""
+    from torch.utils.flop_counter import flop_registry
+
+    inputs = _tensors(args) + _tensors(kwargs)
+    outputs = _tensors(out)
+    moved = sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs)
+    counter = flop_registry.get(getattr(func, "overloadpacket", func))
+    flops = 0
+    if counter is not None:
+        try:
+            flops = int(counter(*args, **kwargs, out_val=out))
+        except Exception:  # a signature the table does not cover: priced by its bytes
+            flops = 0
+    low = any(t.dtype in (torch.bfloat16, torch.float16) for t in inputs) if inputs else True
+    return flops, moved, low
+
+
+def op_seconds(profile: DeviceProfile, func: Any, args: tuple, kwargs: dict, out: Any) -> float:
+    """`op_counts` priced by ``profile``."""
+    flops, moved, low = op_counts(func, args, kwargs, out)
+    return profile.op_seconds(flops, moved, low)
+
+
+__all__ = ["DeviceProfile", "MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY", "PROFILES", "UNKNOWN_ACCELERATOR", "op_counts",
+           "op_seconds", "profile_for", "profile_named"]

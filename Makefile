@@ -32,7 +32,7 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 reference: $(STAMP)
-	$(PY) -m xirang_ds.config.reference --write README.md
+	$(PY) -m xirang_ds.config.reference --write docs/config.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

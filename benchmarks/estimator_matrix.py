@@ -1,9 +1,10 @@
-"""Estimator error over a matrix of real DeepSpeed runs on CPU that the estimator was not fitted on.
+"""Estimator error over a matrix of real DeepSpeed runs on CPU (a regression matrix: first run as a
+hold-out, some of its rows have driven estimator fixes since, docs/observability.md).
 
     .venv/bin/python benchmarks/estimator_matrix.py [--only SUBSTRING] [--out benchmarks/results/estimator_matrix.json]
 
-Two models that no estimator change was made against (a GPT and a Llama decoder with their own
-widths, sequence lengths and vocabularies), and a design that crosses every ZeRO stage with
+Two models that no estimator change was made against before the matrix's first run (a GPT and a
+Llama decoder with their own widths, sequence lengths and vocabularies), and a design that crosses every ZeRO stage with
 micro-batch 1 to 8, gradient accumulation 1 and 4, clipping on and off, torch's Adam and DeepSpeed's
 fused Adam (its CPU build), reduction buckets of 5e5, 1e6, 3e7 and DeepSpeed's default, overlap_comm,
 bf16 and fp32, 1 and 2 ranks; then each xirang section alone and each preset, over both models.

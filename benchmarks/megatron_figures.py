@@ -4,8 +4,10 @@ live-storage tracker) with the arguments and "xirang" block below; each rank's r
 given by the example's ``--json``.
 
     .venv/bin/python benchmarks/megatron_figures.py [--only NAME ...] [--out benchmarks/results/megatron]
+    .venv/bin/python benchmarks/megatron_figures.py --render benchmarks/results/megatron/summary.json
 
-The runs' losses are compared in ``summary.json`` (bit-identical where docs/megatron.md says so).
+The runs' losses are compared in ``summary.json`` (bit-identical where docs/megatron.md says so);
+``--render`` prints the Markdown table of a saved run (docs/results.md).
 """
 from __future__ import annotations
 
@@ -64,12 +66,39 @@ def run(name: str, out: str, steps: int) -> list[dict]:
         return json.load(f)
 
 
+def render(summary: dict, folder: str = os.path.join(ROOT, "benchmarks", "results", "megatron")) -> str:
+    """One row per run of ``summary`` (its ``peak_bytes``; final losses from the runs' own JSONs in
+    ``folder``): the peak per rank against plain Megatron with the same arguments."""
+    plain = {json.dumps(summary["runs"][n]["args"]): n for n in summary["runs"] if summary["runs"][n]["xirang"] is None}
+    same: dict[str, list[str]] = {}
+    for pair, equal in summary["same_losses"].items():
+        first, second = pair.split(" vs ")
+        same.setdefault(second, []).extend([first] if equal else [])
+    lines = ["| run | Megatron arguments | \"xirang\" sections | peak per rank (bytes) | of plain | final loss | "
+             "losses bit-identical to |", "|---|---|---|---|---:|---:|---|"]
+    for name, run in summary["runs"].items():
+        with open(os.path.join(folder, f"{name}.json"), encoding="utf-8") as f:
+            loss = json.load(f)[0]["losses"][-1]
+        peaks = summary["peak_bytes"][name]
+        ref = summary["peak_bytes"][plain[json.dumps(run["args"])]]
+        sections = ", ".join(run["xirang"] or {}) or "plain"
+        lines.append(f"| {name} | {' '.join(run['args']) or '-'} | {sections} | "
+                     f"{' / '.join(f'{p:,}' for p in peaks)} | {max(peaks) / max(ref):.2f}x | {loss:.5f} | "
+                     f"{', '.join(same.get(name, [])) or '-'} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="*", default=None, choices=sorted(RUNS))
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "megatron"))
+    parser.add_argument("--render", default=None, metavar="JSON", help="print the table of a saved summary.json")
     opts = parser.parse_args()
+    if opts.render:
+        with open(opts.render, encoding="utf-8") as f:
+            print(render(json.load(f), os.path.dirname(os.path.abspath(opts.render))))
+        return 0
     os.makedirs(opts.out, exist_ok=True)
     results = {}
     for name in opts.only or RUNS:

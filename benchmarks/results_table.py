@@ -1,14 +1,15 @@
-"""The README's results table: every preset and every plugin alone against plain DeepSpeed (default
+"""The results table of docs/results.md: every preset and every plugin alone against plain DeepSpeed (default
 and hand-tuned buckets) and the tools users pick today, on the bench GPT.
 
 One invocation runs every row in fresh processes, one after the other, with the same model, data
 and seed (``xirang_ds.bench.run_side``, the machinery of ``xirang-ds bench``), writes the JSON and
-prints the Markdown table; ``--readme`` also replaces the table between the README's markers.
+prints the Markdown table; ``benchmarks/results_doc.py`` then puts it in docs/results.md.
 
     make bench-env    # torchao and bitsandbytes for the peers' rows (left out without them)
     .venv/bin/python benchmarks/results_table.py --steps 30 --world-size 2 \\
-        --data ../shared/data/tinyshakespeare.txt --json benchmarks/results/results_table.json --readme
-    .venv/bin/python benchmarks/results_table.py --render benchmarks/results/results_table.json --readme
+        --data ../shared/data/tinyshakespeare.txt --json benchmarks/results/results_table.json
+    .venv/bin/python benchmarks/results_table.py --render benchmarks/results/results_table.json
+    .venv/bin/python benchmarks/results_doc.py
 
 Ratios are against the hand-tuned baseline (plain DeepSpeed ZeRO-2 bf16 with 1e6-element buckets,
 what a user who read DeepSpeed issue 3338 writes); the default-bucket baseline's own ratio shows what
@@ -28,7 +29,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-BEGIN, END = "<!-- results-table:begin -->", "<!-- results-table:end -->"
 
 BASE = {
     "train_micro_batch_size_per_gpu": 8,
@@ -191,12 +191,6 @@ def render(data: dict) -> str:
     return "\n".join(lines)
 
 
-def write_readme(table: str, path: str) -> None:
-    from xirang_ds.config.reference import replace_marked
-
-    replace_marked(path, BEGIN, END, BEGIN + "\n" + table + "\n" + END)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="gpt-small")
@@ -208,13 +202,10 @@ def main() -> int:
                    help="run only rows whose name (as the table shows it) contains one of these")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--render", default=None, metavar="JSON", help="render an earlier run instead of running")
-    p.add_argument("--readme", action="store_true", help="replace the README's table")
     args = p.parse_args()
     data = load_or_run(args, run, indent=1)
     table = render(data)
     print(table)
-    if args.readme:
-        write_readme(table, os.path.join(ROOT, "README.md"))
     return 0
 
 

@@ -7,7 +7,7 @@ class under the entry-point group ``xirang_ds.plugins``; their section then beco
 block.
 
 Order: plugins are applied in ascending ``order`` at every seam and removed in reverse. The
-built-in order is documented in the README:
+built-in order is documented in docs/config.md:
 
     10 comm_buffers   (ds_config edits come first: bucket sizes)
     20 precision      (module casts and op lists, before anything reads dtypes)

@@ -333,11 +333,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             dh, db = head_rows.backward(sink, grad_out, hidden, weight, bias, target, total, ctx.lse, *ctx.settings,
                                         need_h, need_b)
             return (dh, None, db) + (None,) * 7
-        dh = torch.empty_like(hidden) if need_h else None
-        dw = db = None
         enum = _REDUCTIONS[reduction]
-        for start in range(0, hidden.shape[0], tokens):
-            h = hidden[start:start + tokens]
+
+        def logits_grad(start: int, h: torch.Tensor) -> torch.Tensor:
             # the slice's logits again, their gradient by torch's own kernels; the most held at once
             # is three slices of the loss's dtype (log-probabilities, their gradient, the logits')
             with scope() if scope is not None else contextlib.nullcontext():
@@ -351,14 +349,44 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 del logp, grad_logp
                 for dtype in reversed((hidden.dtype,) + casts[:-1]):
                     gz = gz.to(dtype)
-            if need_h:
-                torch.mm(gz, weight, out=dh[start:start + tokens])
-            if need_w:
-                dw = gz.t().mm(h) if dw is None else dw.addmm_(gz.t(), h)
-            if need_b:
-                db = gz.sum(0) if db is None else db.add_(gz.sum(0))
-            del gz
+            return gz
+
+        dh, dw, db = linear_backward_by_slices(hidden, weight, tokens, (need_h, need_w, need_b), logits_grad)
         return dh, dw, db, None, None, None, None, None, None, None
+
+
+def linear_backward_by_slices(hidden: torch.Tensor, weight: torch.Tensor, rows: int, needs: tuple[bool, bool, bool],
+                              logits_grad: Callable[[int, torch.Tensor], torch.Tensor]
+                              ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The input, weight and bias gradients of a linear head, ``rows`` tokens at a time: the chunked
+    backward of `ChunkedLinearCrossEntropy` and of Megatron's `head_megatron.ChunkedModelLoss`.
+
+    Args:
+        hidden: the head's input ``[tokens, hidden]``.
+        weight: its weight ``[vocab, hidden]``.
+        rows: tokens per slice.
+        needs: which of the input, weight and bias gradients to make.
+        logits_grad: ``logits_grad(start, h)`` the loss's gradient with respect to the logits of the slice
+            ``h = hidden[start:start + rows]``, in the head's dtype (the loss decides how).
+
+    Returns:
+        ``(dh, dw, db)``, ``None`` where not needed: the input's gradient slice by slice, the weight's and
+        the bias's as sums of the slices' products (one rounding per slice; bit-identical with one slice).
+    """
+    need_h, need_w, need_b = needs
+    dh = torch.empty_like(hidden) if need_h else None
+    dw = db = None
+    for start in range(0, hidden.shape[0], rows):
+        h = hidden[start:start + rows]
+        gz = logits_grad(start, h)
+        if need_h:
+            torch.mm(gz, weight, out=dh[start:start + rows])
+        if need_w:
+            dw = gz.t().mm(h) if dw is None else dw.addmm_(gz.t(), h)
+        if need_b:
+            db = gz.sum(0) if db is None else db.add_(gz.sum(0))
+        del gz
+    return dh, dw, db
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -401,4 +429,4 @@ def defer(module: nn.Module, args: tuple, kwargs: dict, consumer: Callable[..., 
 
 
 __all__ = ["CHUNK", "ChunkedLinearCrossEntropy", "DeferredLogits", "HeadCall", "auto_tokens", "chunked_cross_entropy",
-           "defer", "head_modules", "is_head"]
+           "defer", "head_modules", "is_head", "linear_backward_by_slices"]

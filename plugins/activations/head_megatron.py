@@ -32,7 +32,7 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 import torch.nn as nn
 
-from xirang_ds.plugins.activations.head_loss import DeferredLogits, HeadCall, auto_tokens
+from xirang_ds.plugins.activations.head_loss import DeferredLogits, HeadCall, auto_tokens, linear_backward_by_slices
 
 LOSS = "compute_language_model_loss"
 
@@ -159,10 +159,8 @@ class ChunkedModelLoss(torch.autograd.Function):
         hidden, weight, bias, target = ctx.saved_tensors
         loss_fn, rows, scope, group = ctx.settings
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        dh = torch.empty_like(hidden) if need_h else None
-        dw = db = None
-        for start in range(0, hidden.shape[0], rows):
-            h = hidden[start:start + rows]
+
+        def logits_grad(start: int, h: torch.Tensor) -> torch.Tensor:
             with scope() if scope is not None else contextlib.nullcontext():
                 with torch.no_grad():
                     z = _linear(h, weight, bias)
@@ -171,13 +169,9 @@ class ChunkedModelLoss(torch.autograd.Function):
                     loss = loss_fn(target[start:start + rows], z)
                 (gz,) = torch.autograd.grad(loss, z, grad_out[start:start + rows])
                 del z, loss
-            if need_h:
-                torch.matmul(gz, weight, out=dh[start:start + rows])
-            if need_w:
-                dw = gz.t().matmul(h) if dw is None else dw.addmm_(gz.t(), h)
-            if need_b:
-                db = gz.sum(0) if db is None else db.add_(gz.sum(0))
-            del gz
+            return gz
+
+        dh, dw, db = linear_backward_by_slices(hidden, weight, rows, (need_h, need_w, need_b), logits_grad)
         if need_h and group is not None:
             torch.distributed.all_reduce(dh, group=group)
         return dh, dw, db, None, None, None, None, None

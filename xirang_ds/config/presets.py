@@ -2,7 +2,7 @@
 
 A preset turns on only plugins that are built; a user's keys next to ``"preset"`` override the
 preset's key by key (`loader.resolve_block`). ``xirang-ds validate CONFIG --show-resolved`` prints
-the result, and the README documents each preset key by key from this table.
+the result, and docs/config.md documents each preset key by key from this table.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""Generate the README's config reference from the schema's field docstrings.
+"""Generate the config reference (docs/config.md) from the schema's field docstrings.
 
-    python -m xirang_ds.config.reference --write README.md
+    python -m xirang_ds.config.reference --write docs/config.md
 
-rewrites the part of README.md between the markers below; ``tests/tools/test_package.py`` fails when
-the README is stale.
+rewrites the part of docs/config.md between the markers below; ``tests/tools/test_package.py`` fails
+when it is stale.
 """
 from __future__ import annotations
 
@@ -156,14 +156,14 @@ def update(path: str, check: bool = False) -> bool:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--write", metavar="README", help="update the marked section of this file")
-    p.add_argument("--check", metavar="README", help="exit 1 if the marked section is stale")
+    p.add_argument("--write", metavar="MARKDOWN", help="update the marked section of this file")
+    p.add_argument("--check", metavar="MARKDOWN", help="exit 1 if the marked section is stale")
     args = p.parse_args(argv)
     if args.write:
         print("updated" if update(args.write) else "up to date")
     elif args.check:
         stale = update(args.check, check=True)
-        print("stale: run python -m xirang_ds.config.reference --write README.md" if stale else "up to date")
+        print(f"stale: run python -m xirang_ds.config.reference --write {args.check}" if stale else "up to date")
         return 1 if stale else 0
     else:
         print(render())

@@ -1,6 +1,6 @@
 """The typed schema of the ``"xirang"`` block: one frozen dataclass per section.
 
-Every field carries a docstring right under it (torchtitan and Megatron-core style); the README's
+Every field carries a docstring right under it (torchtitan and Megatron-core style); docs/config.md's
 config reference is generated from them (`xirang_ds.config.reference`). Sections are off by
 default: a block that only says ``{"preset": "balanced"}`` turns on what the preset lists.
 

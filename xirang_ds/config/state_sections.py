@@ -1,7 +1,7 @@
 """The sections that change how model states are held: optimizer_states, grad_release, precision.
 
 Part of the schema of the ``"xirang"`` block (`xirang_ds.config.schema`, which re-exports every name here):
-one frozen dataclass per section, a docstring under every field (the README's config reference is
+one frozen dataclass per section, a docstring under every field (docs/config.md's config reference is
 generated from them), cross-field rules in each section's ``check()``.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Activation memory planner: per module, keep / recompute / compress / offload what it saves for
-backward, chosen under a byte budget from measured costs; no change to model code.
+backward, chosen under a byte budget from counted costs; no change to model code.
 
 Lifecycle:
 
@@ -16,17 +16,12 @@ Lifecycle:
 5. ``remove``: every wrapper goes; the model runs as without the plugin.
 
 Under Megatron-core (docs/megatron.md) the plugin attaches to the integration's ``MegatronRun``:
-``auto`` candidates are the ``TransformerLayer``s and their children; the profiles are agreed and
-the plan checked over the tensor- and data-parallel groups (a recomputed layer re-issues its
-tensor-parallel all-reduce, so every rank must recompute the same modules); a recomputation restores
-Megatron's RNG tracker states along with torch's; views of Megatron's ``GlobalMemoryBuffer`` are
-never packed; ds_config's ``activation_checkpointing`` does not apply (Megatron's own recompute flags
-are refused next to the plugin by ``integration/megatron_conflicts.py``).
+``auto`` candidates are the ``TransformerLayer``s and their children; profiles and plan are agreed
+over the tensor- and data-parallel groups (a recomputed layer re-issues its all-reduce); a
+recomputation restores Megatron's RNG tracker states; ``GlobalMemoryBuffer`` views are never packed.
 
-Run-time seams for other plugins: `ActivationsPlugin.raise_recompute` and
-`ActivationsPlugin.raise_compression` (the monitor's actions), and `set_storage_provider` (memory
-lent to compressed activations; see `storage.py`). With the ``memory_pool`` section on, payloads
-no provider lends are blocks of ``session.pool()``.
+Seams for other plugins: `raise_recompute` and `raise_compression` (the monitor's actions),
+`set_storage_provider` (`storage.py`); with ``memory_pool`` on, other payloads are its blocks.
 """
 from __future__ import annotations
 
@@ -129,8 +124,7 @@ class ActivationsPlugin(Plugin):
         self._groups: tuple = (None,)
         """Process groups the profiles and the plan are agreed over."""
         self._bandwidth: Optional[float] = None
-        self.device_profile: DeviceProfile = PROFILES["cpu"]
-        """Prices the profiling passes' counts (`xirang_ds.memory.device_profile`): the run's device's."""
+        self.device_profile: DeviceProfile = PROFILES["cpu"]  # the run's device's (set at attach)
         self.device_profile_note = ""
         self.options: tuple[str, ...] = config.options
         self.replicated_inputs: frozenset = frozenset()
@@ -487,8 +481,7 @@ class ActivationsPlugin(Plugin):
     def _log_plan(self) -> None:
         self.plan_text = plan_table(self.plan, self.choices, self.profiles, self.budget_bytes, self.outside_bytes,
                                     self.planned_peaks)
-        if self.choices:  # priced: say by what
-            self.plan_text += f"\ntimes priced by the device profile {self.device_profile_note}"
+        self.plan_text += f"\ntimes priced by the device profile {self.device_profile_note}" if self.choices else ""
         self._log("plan\n" + self.plan_text)
 
     def _log(self, message: str) -> None:

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import deepspeed
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
+from xirang_ds.compat.accelerate import protect_block, unprotect_block
 from xirang_ds.compat.deepspeed import settle_zero3_adagrad
 from xirang_ds.compat.torch import is_optimized_module, uncompiled
 from xirang_ds.config.auto import choose_preset
@@ -174,15 +175,21 @@ def patch_deepspeed() -> None:
     ``deepspeed.initialize`` itself. Call it once before that code builds its engine; calling it
     again is harmless. Code that did ``from deepspeed import initialize`` before the patch keeps
     the original. `unpatch_deepspeed` undoes it.
+
+    Accelerate (and HF Trainer through it) fills every ``"auto"`` string of the ds_config with its own
+    values and stops at one it has none for; the patch makes it leave the block alone, so
+    ``"preset": "auto"`` and every other ``"auto"`` of the block reach xirang as written.
     """
+    protect_block(BLOCK_KEY)
     if getattr(deepspeed.initialize, "__xirang__", False):
         return
     deepspeed.initialize = _patched_initialize
 
 
 def unpatch_deepspeed() -> None:
-    """Restore the original ``deepspeed.initialize``."""
+    """Restore the original ``deepspeed.initialize`` (and Accelerate's own ``"auto"`` filling)."""
     deepspeed.initialize = _ORIGINAL_INITIALIZE
+    unprotect_block()
 
 
 def is_patched() -> bool:

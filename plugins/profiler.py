@@ -71,6 +71,12 @@ class ProfilerPlugin(Plugin):
             record_memory_history(max_entries=1_000_000)
         self._recording = True
 
+    def _zero_stage(self) -> int:
+        """The ZeRO stage the user asked for: a plugin may run DeepSpeed at another underneath (grad_release
+        runs it at stage 0 and shards itself), which the engine's own ``zero_optimization_stage()`` reports."""
+        requested = self.session.requested_ds_config.get("zero_optimization") or {}
+        return int(requested["stage"]) if "stage" in requested else self.engine.zero_optimization_stage()
+
     def _end(self) -> None:
         from xirang_ds.memory.report import breakdown_table, top_tensors_table
         from xirang_ds.memory.timeline import Timeline, export
@@ -85,7 +91,7 @@ class ProfilerPlugin(Plugin):
             self.report = self.window.report(top=self.config.top_tensors)
             self.timeline = Timeline.from_tracker(t, self.window, meta={
                 "step": self.config.step, "rank": rank, "world_size": self.engine.world_size,
-                "zero_stage": self.engine.zero_optimization_stage(),
+                "zero_stage": self._zero_stage(),
                 "micro_batch": self.engine.train_micro_batch_size_per_gpu(),
                 "gradient_accumulation": self.engine.gradient_accumulation_steps(),
                 "plugins": ", ".join(p.section for p in self.session.plugins)}, top=self.config.top_tensors)

@@ -70,6 +70,7 @@ _LAZY = {
     "patch_deepspeed": "xirang_ds.integration.deepspeed",
     "unpatch_deepspeed": "xirang_ds.integration.deepspeed",
     "MemoryTracker": "xirang_ds.memory.tracker",
+    "MemoryReport": "xirang_ds.memory.usage",
 }
 
 
@@ -84,5 +85,5 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = ["MemoryTracker", "OptimizerSpec", "Plugin", "XirangConfig", "XirangConfigError", "initialize",
+__all__ = ["MemoryReport", "MemoryTracker", "OptimizerSpec", "Plugin", "XirangConfig", "XirangConfigError", "initialize",
            "load_config", "patch_deepspeed", "register_plugin", "unpatch_deepspeed", "__version__"]

@@ -158,13 +158,12 @@ def bench_rank(rank: int, world: int, model_text: str, ds_config: dict, steps: i
     from xirang_ds.data import batches, load_tokens
     from xirang_ds.memory.engine_roles import watch_engine
     from xirang_ds.memory.tracker import MemoryTracker
-    from xirang_ds.models import ModelSpec, build_model, parse_model_spec
+    from xirang_ds.models import build_model, parse_model_spec
 
     spec = parse_model_spec(model_text)
     tokens = load_tokens(data_path)
     model = build_model(spec, seed=seed)
-    seq = spec.seq if isinstance(spec, ModelSpec) else int(getattr(model, "seq", 128))
-    vocab = spec.vocab if isinstance(spec, ModelSpec) else int(getattr(model, "vocab", 256))
+    seq, vocab = spec.seq, spec.vocab
     if compile_as == "blocks":  # the children of every ModuleList, each compiled in place
         for block in [b for m in model.modules() if isinstance(m, torch.nn.ModuleList) for b in m]:
             block.compile()
@@ -280,11 +279,13 @@ def run_bench(model_text: str, ds_config: dict, steps: int = 20, world_size: int
         baseline_config: the baseline's ds_config (default: ``ds_config`` without the block).
         compile_as: both sides compile ``"blocks"`` (each in place) or the whole ``"model"`` (``None``: eager).
     """
+    from xirang_ds.models import describe_model
+
     base = run_side(model_text, baseline_config or strip_block(ds_config), steps, world_size, data_path, seed, False,
                     compile_as=compile_as)
     ours = run_side(model_text, ds_config, steps, world_size, data_path, seed, True, compile_as=compile_as)
     return {
-        "model": model_text, "steps": steps, "world_size": world_size, "seed": seed, "compile": compile_as,
+        "model": describe_model(model_text), "steps": steps, "world_size": world_size, "seed": seed, "compile": compile_as,
         "data": data_path or "stdlib docstrings",
         "baseline": base.as_dict(), "xirang": ours.as_dict(),
         "peak_ratio": ours.peak_bytes / base.peak_bytes,

@@ -19,11 +19,39 @@ class UsageError(Exception):
     """A user error the CLI reports in one message with exit status 2."""
 
 
+def _read_config(path: str, args: argparse.Namespace) -> tuple[dict, list[str]]:
+    """The ds_config at ``path`` with ``--set`` applied and HF's ``"auto"`` fields filled, and a note per
+    field filled without a ``--set`` (`xirang_ds.config.placeholders`)."""
+    from xirang_ds.config.loader import read_ds_config
+    from xirang_ds.config.placeholders import fill_placeholders, parse_settings
+
+    return fill_placeholders(read_ds_config(path), parse_settings(args.set or []))
+
+
+def _model(args: argparse.Namespace) -> Any:
+    """``--model`` parsed, with ``--seq`` and ``--vocab`` (a factory needs both)."""
+    from xirang_ds.models import parse_model_spec
+
+    return parse_model_spec(args.model, seq=args.seq, vocab=args.vocab)
+
+
+def _add_config_flags(p: argparse.ArgumentParser, model: bool = True) -> None:
+    """``--set`` for HF-style ds_configs, and ``--seq``/``--vocab`` for ``--model``."""
+    p.add_argument("--set", action="append", default=None, metavar="KEY=VALUE",
+                   help="set a ds_config field before reading it, e.g. --set train_micro_batch_size_per_gpu=8 "
+                        "(the value as JSON); how a field HF Trainer/Accelerate would fill (\"auto\") gets its value")
+    if model:
+        p.add_argument("--seq", type=int, default=None,
+                       help="sequence length of the run's inputs (required for module:factory; replaces a spec's)")
+        p.add_argument("--vocab", type=int, default=None,
+                       help="vocabulary of the run's token ids (required for module:factory; replaces a spec's)")
+
+
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from xirang_ds.config import BLOCK_KEY, read_ds_config, to_dict
+    from xirang_ds.config import BLOCK_KEY, to_dict
     from xirang_ds.config.fit import fit_block
 
-    ds_config = read_ds_config(args.config)
+    ds_config, notes = _read_config(args.config, args)
     if BLOCK_KEY not in ds_config:
         print(f"{args.config}: no \"xirang\" block; the run is plain DeepSpeed")
         return 0
@@ -34,14 +62,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
             if args.world_size < 1:
                 raise UsageError(f"--world-size must be >= 1; got {args.world_size}")
-            ds_config, choice = choose_for_spec(ds_config, args.model, args.world_size)
+            ds_config, choice = choose_for_spec(ds_config, _model(args), args.world_size)
         fitted = fit_block(ds_config[BLOCK_KEY], ds_config)
     config = fitted.config
     enabled = ", ".join(config.enabled_sections()) or "none"
     print(f"{args.config}: valid; preset {config.preset or 'none'}; enabled sections: {enabled}")
-    if choice:
-        print(f"  {choice}")
-    for line in fitted.lines():
+    for line in ([choice] if choice else []) + notes + fitted.lines():
         print(f"  {line}")
     if args.show_resolved:
         print(json.dumps({"xirang": to_dict(config)}, indent=2))
@@ -64,8 +90,9 @@ def _setup_validate(p: argparse.ArgumentParser) -> None:
                    help="print the block with its preset expanded and every default filled in")
     p.add_argument("--model", default=None,
                    help="resolve \"preset\": \"auto\" for this model (gpt-small | gpt:layers=..,hidden=.. | "
-                        "package.module:factory; built on the meta device)")
+                        "module:factory; built on the meta device)")
     p.add_argument("--world-size", type=int, default=1, help="ranks, for --model (default 1)")
+    _add_config_flags(p)
 
 
 register_command("validate", "check a ds_config's \"xirang\" block", _setup_validate, _cmd_validate)
@@ -75,7 +102,7 @@ register_command("validate", "check a ds_config's \"xirang\" block", _setup_vali
 # (torch, deepspeed) happen inside the run functions
 def _setup_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="gpt-small | gpt:layers=4,hidden=256,heads=8,seq=128,vocab=256 | "
-                                                   "package.module:factory")
+                                                   "module:factory (with --seq and --vocab)")
     p.add_argument("--ds-config", required=True, help="ds_config with a \"xirang\" block")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps per side (default 20)")
     p.add_argument("--world-size", type=int, default=1, choices=(1, 2), help="ranks (gloo on CPU)")
@@ -87,25 +114,31 @@ def _setup_bench(p: argparse.ArgumentParser) -> None:
                    help="both sides torch.compile the model's blocks (each child of an nn.ModuleList, in place) or "
                         "the whole model before initialize")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON")
+    _add_config_flags(p)
 
 
 def _run_bench(args: argparse.Namespace) -> int:
     from xirang_ds.bench import format_result, run_bench, write_json
+    from xirang_ds.config.auto import choose_for_spec
     from xirang_ds.config.fit import fit_block
-    from xirang_ds.config.loader import BLOCK_KEY, read_ds_config
-    from xirang_ds.models import parse_model_spec
+    from xirang_ds.config.loader import BLOCK_KEY
 
-    parse_model_spec(args.model)  # fail fast on a bad spec
-    ds_config = read_ds_config(args.ds_config)
+    model = _model(args)  # fail fast on a bad spec
+    ds_config, notes = _read_config(args.ds_config, args)
     if BLOCK_KEY not in ds_config:
         raise UsageError(f"{args.ds_config} has no \"xirang\" block: nothing to compare")
-    fit_block(ds_config[BLOCK_KEY], ds_config)  # every clash with the ds_config before any rank starts
+    # every clash with the ds_config before any rank starts ("preset": "auto" resolved for the model, as the
+    # run's initialize will)
+    checked, _ = choose_for_spec(ds_config, model, args.world_size)
+    fit_block(checked[BLOCK_KEY], checked)
     if args.steps < 2:
         raise UsageError("--steps must be at least 2 (the first step is not timed)")
     if args.data and not os.path.isfile(args.data):
         raise UsageError(f"--data file not found: {args.data!r}")
-    baseline = read_ds_config(args.baseline_config) if args.baseline_config else None
-    result = run_bench(args.model, ds_config, steps=args.steps, world_size=args.world_size, data_path=args.data,
+    baseline = _read_config(args.baseline_config, args)[0] if args.baseline_config else None
+    for note in notes:
+        print(note)
+    result = run_bench(model, ds_config, steps=args.steps, world_size=args.world_size, data_path=args.data,
                        seed=args.seed, baseline_config=baseline, compile_as=args.compile)
     print(format_result(result))
     if args.json:
@@ -143,7 +176,7 @@ def _run_report(args: argparse.Namespace) -> int:
 
 def _setup_estimate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="gpt-small | gpt:layers=4,hidden=256,heads=8,seq=128,vocab=256 | "
-                                                   "package.module:factory")
+                                                   "module:factory (with --seq and --vocab)")
     p.add_argument("--ds-config", required=True, help="ds_config (JSON/YAML)")
     p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
@@ -151,6 +184,7 @@ def _setup_estimate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibrate", action="store_true",
                    help="then run 3 real steps here, measure, and report the error per category")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON")
+    _add_config_flags(p)
 
 
 def _run_estimate(args: argparse.Namespace) -> int:
@@ -158,22 +192,21 @@ def _run_estimate(args: argparse.Namespace) -> int:
 
     import torch
 
-    from xirang_ds.config.loader import read_ds_config
     from xirang_ds.memory.estimator import estimate_spec, format_estimate, recalibrate
-    from xirang_ds.models import parse_model_spec
 
-    parse_model_spec(args.model)
-    ds_config = read_ds_config(args.ds_config)
+    model = _model(args)
+    ds_config, notes = _read_config(args.ds_config, args)
     if args.world_size < 1:
         raise UsageError(f"--world-size must be >= 1; got {args.world_size}")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    est = estimate_spec(args.model, ds_config, args.world_size, device)  # resolves "preset": "auto", checks the block
+    est = estimate_spec(model, ds_config, args.world_size, device)  # resolves "preset": "auto", checks the block
+    est.notes.extend(notes)
     out = est.as_dict()
     print(format_estimate(est))
     if args.calibrate:
         from xirang_ds.bench import run_side
 
-        side = run_side(args.model, ds_config, 3, args.world_size, None, 0, "xirang" in ds_config)
+        side = run_side(model, ds_config, 3, args.world_size, None, 0, "xirang" in ds_config)
         cal = recalibrate(est, side.peak_by_category, side.peak_bytes)
         out["calibration"] = cal
         print(f"\nmeasured over 3 steps: {side.peak_bytes:,} bytes ({side.peak_phase}); "
@@ -187,7 +220,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
 
 def _setup_tune(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="gpt-small | gpt:layers=4,hidden=256,heads=8,seq=128,vocab=256 | "
-                                                   "package.module:factory")
+                                                   "module:factory (with --seq and --vocab)")
     p.add_argument("--ds-config", required=True, help="the ds_config to start from (its \"xirang\" block's autotune "
                                                       "section gives the defaults below)")
     p.add_argument("--budget", default=None, help="per-rank memory budget: 40GB, 512MiB, 5e8 "
@@ -203,18 +236,20 @@ def _setup_tune(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="where the winning ds_config goes (default: xirang.autotune.output)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the search report as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_config_flags(p)
 
 
 def _run_tune(args: argparse.Namespace) -> int:
     import json
 
-    from xirang_ds.config.loader import BLOCK_KEY, read_ds_config, validate_block
+    from xirang_ds.config.loader import BLOCK_KEY, validate_block
     from xirang_ds.config.types import format_bytes, parse_byte_size
-    from xirang_ds.models import parse_model_spec
     from xirang_ds.tune import format_result, winning_ds_config, write_json
 
-    parse_model_spec(args.model)
-    ds_config = read_ds_config(args.ds_config)
+    model = _model(args)
+    ds_config, notes = _read_config(args.ds_config, args)
+    for note in notes:
+        print(note)
     block = dict(ds_config.get(BLOCK_KEY, {}) or {})
     section = dict(block.pop("autotune", {}) or {})
     section.pop("enabled", None)
@@ -232,7 +267,7 @@ def _run_tune(args: argparse.Namespace) -> int:
     if args.data and not os.path.isfile(args.data):
         raise UsageError(f"--data file not found: {args.data!r}")
     try:
-        result = _tune(args, ds_config, budget, settings)
+        result = _tune(args, model, ds_config, budget, settings)
     except ValueError as e:
         raise UsageError(str(e)) from None
     print(format_result(result))
@@ -248,12 +283,12 @@ def _run_tune(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tune(args: argparse.Namespace, ds_config: dict, budget: int, settings: Any) -> Any:
+def _tune(args: argparse.Namespace, model: Any, ds_config: dict, budget: int, settings: Any) -> Any:
     import sys
 
     from xirang_ds.tune import Progress, tune
 
-    return tune(args.model, ds_config, budget, world_size=args.world_size,
+    return tune(model, ds_config, budget, world_size=args.world_size,
                 objective=args.objective or settings.objective, measure_top=args.measure_top or settings.measure_top,
                 time_limit_s=args.time_limit or settings.time_limit_s, lossless_only=args.lossless,
                 profile_steps=args.profile_steps, measure_steps=args.measure_steps, data=args.data,

@@ -1,8 +1,11 @@
 """Built-in model specs for ``estimate`` and ``bench``: a GPT-style decoder and a Llama-style one.
 
 A spec is written ``gpt:layers=4,hidden=256,heads=8,seq=128,vocab=1024`` or named
-(`BUILTIN_SPECS`); ``package.module:factory`` names a Python factory returning a module whose
-``forward(input_ids, labels)`` returns the loss. The micro-batch comes from the ds_config.
+(`BUILTIN_SPECS`); ``module:factory`` (``module`` importable, from the current directory too) names a
+Python factory returning a module whose ``forward(input_ids, labels)`` returns the loss. A factory's
+run feeds it token ids of the sequence length and vocabulary given with ``--seq`` and ``--vocab``
+(`FactorySpec`); the factory receives them as keywords when it takes ``seq`` and ``vocab``. The
+micro-batch comes from the ds_config.
 
 Module names are stable (``blocks.3.attn``, ``blocks.3.mlp``, ``lm_head``) so globs in the
 ``"xirang"`` block can select them.
@@ -10,9 +13,12 @@ Module names are stable (``blocks.3.attn``, ``blocks.3.mlp``, ``lm_head``) so gl
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
+import os
+import sys
 from dataclasses import dataclass, fields, replace
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -70,6 +76,53 @@ class ModelSpec:
                 f"seq={self.seq},vocab={self.vocab}" + (f",ffn={self.ffn}" if self.ffn else ""))
 
 
+@dataclass(frozen=True)
+class FactorySpec:
+    """A ``module:factory`` model and the shape of the token ids its run feeds it.
+
+    Attributes:
+        target: ``module:factory``; the module is imported with the current directory on ``sys.path``.
+        seq: the run's sequence length (``--seq``).
+        vocab: the run's vocabulary: token ids are drawn below it (``--vocab``).
+    """
+
+    target: str
+    seq: int
+    vocab: int
+
+    def load(self) -> Callable[..., nn.Module]:
+        """The factory function.
+
+        Raises:
+            ModelSpecError: the module does not import, or has no such callable.
+        """
+        module, _, name = self.target.partition(":")
+        if os.getcwd() not in sys.path:  # a module beside the user, as ``python -m`` finds it
+            sys.path.insert(0, os.getcwd())
+        try:
+            factory = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            raise ModelSpecError(f"cannot load model factory {self.target!r}: {e}") from None
+        if not callable(factory):
+            raise ModelSpecError(f"model factory {self.target!r} is not callable")
+        return factory
+
+    def build(self) -> nn.Module:
+        """Call the factory, with ``seq=`` and ``vocab=`` when it takes them."""
+        factory = self.load()
+        try:
+            accepted = inspect.signature(factory).parameters
+        except (TypeError, ValueError):
+            accepted = {}
+        return factory(**{k: getattr(self, k) for k in ("seq", "vocab") if k in accepted})
+
+    def describe(self) -> str:
+        return f"{self.target} (seq={self.seq}, vocab={self.vocab})"
+
+
+ModelArg = Union[str, ModelSpec, FactorySpec]
+"""A ``--model`` as text or parsed."""
+
 ARCHS = ("gpt", "llama")
 BUILTIN_SPECS: dict[str, ModelSpec] = {
     "gpt-tiny": ModelSpec("gpt", layers=2, hidden=64, heads=4, seq=64, vocab=256),
@@ -83,16 +136,29 @@ BUILTIN_SPECS: dict[str, ModelSpec] = {
 _INT_KEYS = {f.name for f in fields(ModelSpec)} - {"arch"}
 
 
-def parse_model_spec(text: str) -> Union[ModelSpec, Callable[[], nn.Module]]:
-    """Parse ``--model``: a built-in name, ``arch:key=value,...``, or ``package.module:factory``.
+def parse_model_spec(text: ModelArg, seq: Optional[int] = None,
+                     vocab: Optional[int] = None) -> Union[ModelSpec, FactorySpec]:
+    """Parse ``--model``: a built-in name, ``arch:key=value,...``, or ``module:factory``; a parsed spec is
+    returned as it is.
+
+    Args:
+        seq, vocab: the run's sequence length and vocabulary (``--seq``, ``--vocab``): required for a
+            factory; for a built-in spec they replace its own.
 
     Raises:
-        ModelSpecError: unknown name, missing or extra keys, bad numbers, or a factory that
-            cannot be imported.
+        ModelSpecError: unknown name, missing or extra keys, bad numbers, a factory without ``seq`` and
+            ``vocab``, or one that cannot be imported.
     """
+    problems = [f"--{name} must be >= 1; got {value}" for name, value in (("seq", seq), ("vocab", vocab))
+                if value is not None and value < 1]
+    if problems:
+        raise ModelSpecError("; ".join(problems))
+    if not isinstance(text, str):
+        return text
     text = text.strip()
+    given = {k: v for k, v in (("seq", seq), ("vocab", vocab)) if v is not None}
     if text in BUILTIN_SPECS:
-        return BUILTIN_SPECS[text]
+        return replace(BUILTIN_SPECS[text], **given)
     head, sep, tail = text.partition(":")
     if head in ARCHS:
         values: dict[str, Any] = {}
@@ -106,21 +172,28 @@ def parse_model_spec(text: str) -> Union[ModelSpec, Callable[[], nn.Module]]:
                 values[key] = int(float(value))
             except ValueError:
                 raise ModelSpecError(f"model spec {key}={value!r} is not a number") from None
+        values.update(given)
         missing = {"layers", "hidden", "heads", "seq", "vocab"} - values.keys()
         if missing:
             raise ModelSpecError(f"model spec {text!r} is missing {', '.join(sorted(missing))}; "
                                  f"write e.g. {head}:layers=4,hidden=256,heads=8,seq=128,vocab=256")
         return ModelSpec(arch=head, **values)
-    if sep and "." in head:
-        try:
-            factory = getattr(importlib.import_module(head), tail)
-        except (ImportError, AttributeError) as e:
-            raise ModelSpecError(f"cannot load model factory {text!r}: {e}") from None
-        if not callable(factory):
-            raise ModelSpecError(f"model factory {text!r} is not callable")
-        return factory
-    raise ModelSpecError(f"unknown model {text!r}; use one of {', '.join(BUILTIN_SPECS)}, "
-                         f"'gpt:layers=..,hidden=..,heads=..,seq=..,vocab=..' or 'package.module:factory'")
+    if not (sep and head and tail.isidentifier()):
+        raise ModelSpecError(f"unknown model {text!r}; use one of {', '.join(BUILTIN_SPECS)}, "
+                             f"'gpt:layers=..,hidden=..,heads=..,seq=..,vocab=..' or 'module:factory'")
+    missing_flags = [f"--{k}" for k in ("seq", "vocab") if k not in given]
+    if missing_flags:
+        raise ModelSpecError(f"model factory {text!r} needs the run's sequence length and vocabulary: pass "
+                             f"{' and '.join(missing_flags)} (the token ids the run feeds the model; e.g. --seq 512 "
+                             "--vocab 32000)")
+    spec = FactorySpec(text, seq=given["seq"], vocab=given["vocab"])
+    spec.load()  # fail fast on a module or name that is not there
+    return spec
+
+
+def describe_model(model: ModelArg) -> str:
+    """The model as results name it."""
+    return model if isinstance(model, str) else model.describe()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -224,13 +297,13 @@ class Decoder(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def build_model(spec: Union[ModelSpec, Callable[[], nn.Module]], seed: int = 0) -> nn.Module:
+def build_model(spec: Union[ModelSpec, FactorySpec], seed: int = 0) -> nn.Module:
     """Build the model of a spec with a fixed seed (same weights on every rank and run)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if isinstance(spec, ModelSpec):
             return Decoder(spec)
-        return spec()
+        return spec.build()
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -50,7 +50,7 @@ STORAGE_LENDER = "storage_lender"
 """It lends idle device memory for other plugins' tensors (comm_buffers' arena: `Session.storage_lender`)."""
 MEMORY_WATCH = "memory_watch"
 """It checks the device peak against the budget each step and feeds the session's calibrated prediction
-(monitor: `Session.start_calibration`)."""
+(monitor: `Session.start_calibration`); its ``peak()`` is `Session.memory`."""
 FACTS = (UPDATE_IN_BACKWARD, LOW_BIT_STATES, SHARED_POOL, ACTIVATION_PLAN, STORAGE_LENDER, MEMORY_WATCH)
 
 

@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from xirang_ds.memory.calibration import Calibration
     from xirang_ds.memory.engine_roles import TrainingWatch
     from xirang_ds.memory.tracker import MemoryTracker
+    from xirang_ds.memory.usage import MemoryReport
     from xirang_ds.plugins.activations import ActivationsPlugin
     from xirang_ds.plugins.activations.storage import StorageProvider
     from xirang_ds.plugins.grad_release.plugin import GradReleasePlugin
@@ -195,6 +196,24 @@ class Session:
             window = device_peak().open()
         self._handles.append(CallbackHandle(window.close))
         return window
+
+    def memory(self) -> "MemoryReport":
+        """This rank's device-memory peak over the run so far and its breakdown by category, as the monitor
+        measures it (the CPU's live-storage tracker; on CUDA the allocator's peak, without a breakdown).
+
+        Raises:
+            XirangConfigError: the block has no monitor (``xirang.monitor.enabled``, on in every preset).
+
+        Example:
+            >>> report = engine.xirang.memory()
+            >>> report.peak_bytes, report.by_category["activations"], report.host_bytes
+        """
+        watch = self._provider(MEMORY_WATCH)
+        if watch is None:
+            raise XirangConfigError([("xirang.monitor.enabled", "memory() reads the monitor's measurements; this "
+                                      "block has no monitor. Fix: set \"monitor\": {\"enabled\": true} (every "
+                                      "preset has it)")])
+        return watch.peak()
 
     def keep(self, handle: Any) -> Any:
         """Keep a removable handle (anything with ``.remove()``) that `remove` undoes after the plugins."""

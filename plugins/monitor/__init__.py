@@ -40,6 +40,7 @@ from xirang_ds.config.schema import MonitorConfig
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import CallbackHandle, wrap_method
+from xirang_ds.memory.usage import MemoryReport
 from xirang_ds.registry import MEMORY_WATCH, Plugin, register_plugin
 
 logger = logging.getLogger("xirang_ds")
@@ -102,6 +103,8 @@ class MonitorPlugin(Plugin):
         self.last_prediction: Optional[dict] = None
         """The session calibration's record of the last check (`Calibration.observe`)."""
         self._above_prediction = False
+        self._peak: Optional[MemoryReport] = None
+        """The highest check so far (`peak`)."""
 
     # ----------------------------------------------------------------------------------------
     def attach(self, engine: Any) -> None:
@@ -208,6 +211,8 @@ class MonitorPlugin(Plugin):
         record = {"step": step, "peak_bytes": peak, "fraction": own, "max_fraction": fraction, "level": level,
                   "predicted_bytes": predicted}
         self.history.append(record)
+        if self._peak is None or peak > self._peak.peak_bytes:
+            self._peak = MemoryReport.of(peak, self.last_report if self.on_cpu else None, step, self.budget)
         events = [(f"{EVENT_PREFIX}/peak_bytes", peak, step), (f"{EVENT_PREFIX}/budget_fraction", fraction, step)]
         if predicted is not None:
             events.append((f"{EVENT_PREFIX}/predicted_peak_bytes", predicted, step))
@@ -259,6 +264,14 @@ class MonitorPlugin(Plugin):
         elif not above and self._above_prediction:
             self._log(f"step {step}: peak {format_bytes(peak)} back within the calibrated prediction")
         self._above_prediction = above
+
+    def peak(self) -> MemoryReport:
+        """The highest device memory over every step so far: the checks' and the window still open."""
+        current = self.window.peak_bytes
+        if self._peak is not None and self._peak.peak_bytes >= current:
+            return self._peak
+        return MemoryReport.of(current, self.window.report() if self.on_cpu else None, self.engine.global_steps,
+                               self.budget)
 
     def figures(self) -> dict:
         calibration = self.session.calibration

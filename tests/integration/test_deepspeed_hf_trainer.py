@@ -37,6 +37,8 @@ def _hf_run(out_dir, block, hog_bytes=0):
     session = getattr(engine, "xirang", None)
     return {
         "plugins": [p.section for p in session.plugins] if session else None,
+        "preset": session.config.preset if session else None,
+        "choice": session.preset_choice if session else None,
         "steps": result.global_step,
         "loss": result.training_loss,
         "checks": len(session.plugin("monitor").history) if session else 0,
@@ -100,6 +102,21 @@ def test_hf_trainer_with_patch_deepspeed(tmp_path):
         # on_oom under HF Trainer: both ranks retried step 2 in two pieces; training alike
         assert survived["steps"] == 4 and survived["retries"] == [(2, "forward", 2)]
         assert abs(survived["loss"] - r["loss"]) <= 1e-3 * r["loss"], (survived["loss"], r["loss"])
+
+
+def _hf_auto(rank, world, out_dir):
+    import xirang_ds
+
+    xirang_ds.patch_deepspeed()
+    # "auto" in the block beside HF's own "auto" fields: Accelerate fills HF's, xirang resolves its own
+    return _hf_run(out_dir, {"preset": "auto", "memory_budget": "auto", "activations": {"budget": "auto"},
+                             "monitor": {"enabled": True}})
+
+
+def test_hf_trainer_with_preset_auto(tmp_path):
+    r = run_ranks(_hf_auto, 1, str(tmp_path))[0]
+    assert r["steps"] == 4 and r["loss"] > 0
+    assert r["preset"] == "conservative" and r["choice"].startswith("preset auto took conservative"), r["choice"]
 
 
 def _hf_resumable(out_dir, block, resume_from=None):

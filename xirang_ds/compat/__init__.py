@@ -4,6 +4,7 @@
 * `xirang_ds.compat.deepspeed`: DeepSpeed's engine and ZeRO optimizers' private methods and attributes.
 * `xirang_ds.compat.megatron`: megatron-core's internals (grad buffers, optimizer members, RNG tracker).
 * `xirang_ds.compat.apex`: NVIDIA Apex's amp registries, read when Apex is importable.
+* `xirang_ds.compat.accelerate`: Accelerate's ``"auto"`` filling of the ds_config, kept off the block.
 
 Each module names its version range, the release its names were read in, and each name's upstream
 file and line. ``tests/structure/test_compat.py`` checks two things: every name listed there still resolves in the

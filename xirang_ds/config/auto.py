@@ -101,14 +101,13 @@ def choose_for_spec(ds_config: dict, model: Any, world_size: int = 1, device: st
     ds_config with its block resolved."""
     import torch
 
-    from xirang_ds.models import ModelSpec, build_model, parse_model_spec
+    from xirang_ds.models import build_model, parse_model_spec
 
     block = ds_config.get("xirang")
     if not is_auto(block):
         return ds_config, None
-    spec = parse_model_spec(model) if isinstance(model, str) else model
     with torch.device("meta"):
-        net = build_model(spec) if isinstance(spec, ModelSpec) else spec()
+        net = build_model(parse_model_spec(model))
     block, line = choose_preset(block, ds_config, net, world_size, device)
     return {**ds_config, "xirang": block}, line
 

@@ -8,6 +8,7 @@ model and choose the basic optimizer, calls DeepSpeed, then attaches the plugins
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from typing import Any, Optional
@@ -15,6 +16,7 @@ from typing import Any, Optional
 import deepspeed
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
+from xirang_ds.compat.accelerate import protect_block, unprotect_block
 from xirang_ds.compat.deepspeed import settle_zero3_adagrad
 from xirang_ds.compat.torch import is_optimized_module, uncompiled
 from xirang_ds.config.auto import choose_preset
@@ -103,6 +105,7 @@ def initialize(
         chosen = optimizer  # no plugin replaced it: DeepSpeed builds it from the block as usual
     passthrough.update(optimizer=chosen, config=session.ds_config, config_params=None)
     engine, opt, loader, sched = _call_with_dict(passthrough, from_args)
+    _destroy_process_group_at_exit()
     settle_zero3_adagrad(engine)  # so that its checkpoints load (plain DeepSpeed's do not)
     session.attach(engine, checkpoints=True)
     if engine.global_rank == 0:
@@ -133,6 +136,29 @@ def _fit(model: Any, ds_config: dict, client: Any) -> Any:
     if problems:
         raise XirangConfigError(problems)
     return fitted
+
+
+def _destroy_process_group_at_exit() -> None:
+    """Shut the process groups down before the interpreter's teardown, once per process.
+
+    A process group's gloo worker threads and its store's are C++ ``std::thread``s; a script that ends with
+    the group alive (DeepSpeed's examples do not destroy it) leaves them to static destructors, and a rank
+    then aborts at exit now and then with ``terminate called without an active exception`` (SIGABRT, the
+    launcher reports a failed job; notes/cpu-runtime.md measured about 1 run in 10 at 2 ranks). Registered
+    after DeepSpeed made the group, so exit handlers registered later still find it; a group the script
+    destroyed itself is left alone.
+    """
+    if getattr(_destroy_process_group_at_exit, "registered", False):
+        return
+    _destroy_process_group_at_exit.registered = True  # type: ignore[attr-defined]
+    atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _world_size() -> int:
@@ -174,15 +200,21 @@ def patch_deepspeed() -> None:
     ``deepspeed.initialize`` itself. Call it once before that code builds its engine; calling it
     again is harmless. Code that did ``from deepspeed import initialize`` before the patch keeps
     the original. `unpatch_deepspeed` undoes it.
+
+    Accelerate (and HF Trainer through it) fills every ``"auto"`` string of the ds_config with its own
+    values and stops at one it has none for; the patch makes it leave the block alone, so
+    ``"preset": "auto"`` and every other ``"auto"`` of the block reach xirang as written.
     """
+    protect_block(BLOCK_KEY)
     if getattr(deepspeed.initialize, "__xirang__", False):
         return
     deepspeed.initialize = _patched_initialize
 
 
 def unpatch_deepspeed() -> None:
-    """Restore the original ``deepspeed.initialize``."""
+    """Restore the original ``deepspeed.initialize`` (and Accelerate's own ``"auto"`` filling)."""
     deepspeed.initialize = _ORIGINAL_INITIALIZE
+    unprotect_block()
 
 
 def is_patched() -> bool:

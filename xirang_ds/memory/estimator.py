@@ -237,22 +237,15 @@ def korthikanti_activations(layers: int, seq: int, batch: int, hidden: int, head
 
 
 def estimate_spec(model: Union[str, Any], ds_config: dict, world_size: int = 1, device: str = "cpu") -> Estimate:
-    """`estimate_run` for a ``--model`` spec (built-in name, ``gpt:...`` or ``module:factory``);
-    ``"preset": "auto"`` is resolved first (`xirang_ds.config.auto`), its choice a note."""
+    """`estimate_run` for a ``--model`` spec (built-in name, ``gpt:...``, or a parsed spec such as a
+    `xirang_ds.models.FactorySpec`: its ``seq`` and ``vocab`` shape the inputs); ``"preset": "auto"`` is
+    resolved first (`xirang_ds.config.auto`), its choice a note."""
     from xirang_ds.config.auto import choose_for_spec
     from xirang_ds.models import ModelSpec, build_model, parse_model_spec
 
-    ds_config, choice = choose_for_spec(ds_config, model, world_size, device)
-    spec = parse_model_spec(model) if isinstance(model, str) else model
-    if isinstance(spec, ModelSpec):
-        build = lambda: build_model(spec)  # noqa: E731
-        seq, vocab = spec.seq, spec.vocab
-    else:
-        build = spec
-        probe = None
-        seq = int(getattr(probe, "seq", 128))
-        vocab = 256
-    est = estimate_run(build, ds_config, seq, vocab, world_size, device)
+    spec = parse_model_spec(model)
+    ds_config, choice = choose_for_spec(ds_config, spec, world_size, device)
+    est = estimate_run(lambda: build_model(spec), ds_config, spec.seq, spec.vocab, world_size, device)
     if choice:
         est.notes.append(choice)
     if isinstance(spec, ModelSpec):

@@ -27,7 +27,8 @@ class Record:
         last_used: event clock of the last op that read or wrote it (timeline mode only).
         phase: phase at creation.
         category: role, or None until `resolve`.
-        module: module (forward) or autograd node (backward) that created it.
+        module: the module whose forward created it (recomputation in backward included), else ``""``.
+        node: the autograd node whose backward created it, else ``""``.
         op: the op that created it, or ``"seed"``.
         shape, dtype: of the first tensor seen on the storage.
     """
@@ -38,6 +39,7 @@ class Record:
     phase: str
     category: Optional[str] = None
     module: str = ""
+    node: str = ""
     op: str = ""
     shape: tuple = ()
     dtype: str = ""
@@ -45,6 +47,10 @@ class Record:
     last_used: int = -1
     ptr: int = 0
     host: bool = False
+
+    def creator(self) -> str:
+        """What created it, for tables: the module, else the autograd node, else the op."""
+        return self.module or self.node or self.op
 
     def resolved_category(self) -> str:
         return self.category or TEMPORARIES

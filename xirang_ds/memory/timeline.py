@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from xirang_ds.config.types import format_bytes
-from xirang_ds.memory.categories import CATEGORIES
+from xirang_ds.memory.categories import CATEGORIES, DEVICE_CATEGORIES, HOST
 from xirang_ds.memory.tracker import MemoryTracker, PeakReport, Record, Window
 
 FORMAT = "xirang-timeline"
@@ -140,7 +140,7 @@ class Timeline:
         trace: list[dict] = []
         events = []
         for t in self.tensors:
-            frames = [{"filename": t["category"], "line": 0, "name": t["module"] or t["op"]}]
+            frames = [{"filename": t["category"], "line": 0, "name": _creator(t)}]
             if t["created"] > self.start:
                 events.append((t["created"], 0, {"action": "alloc", "addr": t["addr"], "size": t["nbytes"],
                                                  "stream": 0, "frames": frames, "category": t["category"]}))
@@ -161,7 +161,7 @@ class Timeline:
                 if t["addr"] > last:
                     blocks.append({"size": t["addr"] - last, "state": "inactive"})
                 blocks.append({"size": t["nbytes"], "requested_size": t["nbytes"], "state": "active_allocated",
-                               "frames": [{"filename": t["category"], "line": 0, "name": t["module"] or t["op"]}]})
+                               "frames": [{"filename": t["category"], "line": 0, "name": _creator(t)}]})
                 last = t["addr"] + t["nbytes"]
             if end > last:
                 blocks.append({"size": end - last, "state": "inactive"})
@@ -185,16 +185,21 @@ class Timeline:
     def html(self) -> str:
         peak = self.peak
         title = f"xirang memory timeline: {self.meta.get('title', 'step ' + str(self.meta.get('step', '?')))}"
+        by_category = peak["peak_by_category"]
         rows = "".join(
             f"<tr><td><span class=sw style='background:{COLORS[c]}'></span>{c}</td>"
-            f"<td class=n>{format_bytes(b)}</td><td class=n>{b / peak['peak_bytes']:.1%}</td></tr>"
-            for c, b in peak["peak_by_category"].items() if b or c != "host") if peak["peak_bytes"] else ""
+            f"<td class=n>{format_bytes(by_category.get(c, 0))}</td>"
+            f"<td class=n>{by_category.get(c, 0) / peak['peak_bytes']:.1%}</td></tr>"
+            for c in DEVICE_CATEGORIES) if peak["peak_bytes"] else ""
+        host = by_category.get(HOST, 0)
+        host_line = (f"<p id=\"host-bytes\">Besides the device peak: {format_bytes(host)} in host memory at that moment "
+                     "(what plugins moved off the device).</p>" if host else "")
         phase_rows = "".join(f"<tr><td>{html.escape(p)}</td><td class=n>{format_bytes(b)}</td></tr>"
                              for p, b in peak["phase_peaks"].items())
         top_rows = "".join(
             f"<tr><td class=n>{format_bytes(t['nbytes'])}</td><td>{t['category']}</td>"
             f"<td>{html.escape(str(t['shape']))}</td><td>{t['dtype']}</td><td>{t['phase']}</td>"
-            f"<td>{html.escape(t['module'] or t['op'])}</td></tr>" for t in peak["top_tensors"])
+            f"<td>{html.escape(_creator(t))}</td></tr>" for t in peak["top_tensors"])
         module_rows = "".join(f"<tr><td>{html.escape(m)}</td><td class=n>{format_bytes(b)}</td></tr>"
                               for m, b in self.activations_by_module()[:20])
         meta = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(str(v))}</td></tr>"
@@ -211,6 +216,7 @@ td.n{{text-align:right;font-variant-numeric:tabular-nums}} .sw{{display:inline-b
 <b id="peak-phase">{html.escape(peak['peak_phase'])}</b>; {len(self.tensors)} storages in the window.</p>
 {self.svg()}
 <h2>At the peak, by category</h2><table id="by-category"><tr><th>category</th><th>bytes</th><th>share</th></tr>{rows}</table>
+{host_line}
 <h2>Peak per phase</h2><table><tr><th>phase</th><th>peak</th></tr>{phase_rows}</table>
 <h2>Largest tensors at the peak</h2><table><tr><th>bytes</th><th>category</th><th>shape</th><th>dtype</th>
 <th>created in</th><th>created by</th></tr>{top_rows}</table>
@@ -220,10 +226,12 @@ td.n{{text-align:right;font-variant-numeric:tabular-nums}} .sw{{display:inline-b
 """
 
     def activations_by_module(self) -> list[tuple[str, int]]:
+        """Bytes of activations each module's forward created (its recomputation in backward included),
+        largest first; what no module created (autograd nodes, code outside the modules) is left out."""
         out: dict[str, int] = {}
         for t in self.tensors:
-            if t["category"] == "activations":
-                out[t["module"] or "?"] = out.get(t["module"] or "?", 0) + t["nbytes"]
+            if t["category"] == "activations" and t["module"]:
+                out[t["module"]] = out.get(t["module"], 0) + t["nbytes"]
         return sorted(out.items(), key=lambda kv: -kv[1])
 
     def svg(self, width: int = 900, height: int = 320) -> str:
@@ -304,9 +312,15 @@ td.n{{text-align:right;font-variant-numeric:tabular-nums}} .sw{{display:inline-b
         return path
 
 
+def _creator(t: dict) -> str:
+    """What created a tensor of the JSON: its module, else its autograd node, else its op."""
+    return t["module"] or t.get("node", "") or t["op"]
+
+
 def _record_dict(r: Record) -> dict:
     return {"nbytes": r.nbytes, "category": "host" if r.host else r.resolved_category(), "created": r.created,
-            "freed": r.freed, "last_used": r.last_used, "phase": r.phase, "module": r.module, "op": r.op,
+            "freed": r.freed, "last_used": r.last_used, "phase": r.phase, "module": r.module, "node": r.node,
+            "op": r.op,
             "shape": list(r.shape), "dtype": r.dtype, "addr": r.ptr}
 
 

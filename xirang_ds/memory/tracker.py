@@ -172,7 +172,8 @@ class MemoryTracker:
             self.clock += 1
             scope = self._scopes[-1] if self._scopes else None
             rec = Record(serial=next(self._serial), nbytes=nbytes, created=self.clock, phase=self.phase,
-                         category=HOST if host else (category or scope), module=self._where(),
+                         category=HOST if host else (category or scope),
+                         module=self.module_stack[-1] if self.module_stack else "", node=self._node(),
                          op=str(func) if func is not None else "seed", shape=tuple(t.shape),
                          dtype=str(t.dtype).replace("torch.", ""), ptr=ptr, host=host)
             self._live[key] = rec
@@ -187,12 +188,13 @@ class MemoryTracker:
                 self._after_alloc()
             return rec
 
-    def _where(self) -> str:
+    def _node(self) -> str:
+        """The autograd node running now (backward), else ``""``."""
         if self.phase == "backward":
             node = current_autograd_node()
             if node is not None:
                 return node.name()
-        return self.module_stack[-1] if self.module_stack else ""
+        return ""
 
     def _on_free(self, key: int, serial: int) -> None:
         with self._lock:

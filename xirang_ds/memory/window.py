@@ -45,7 +45,7 @@ class PeakReport:
             "baseline_bytes": self.baseline_bytes,
             "top_tensors": [
                 {"nbytes": r.nbytes, "category": r.resolved_category(), "shape": list(r.shape),
-                 "dtype": r.dtype, "module": r.module, "op": r.op, "phase": r.phase}
+                 "dtype": r.dtype, "module": r.module, "node": r.node, "op": r.op, "phase": r.phase}
                 for r in self.top
             ],
         }

@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional
 
 from xirang_ds.config.loader import BLOCK_KEY, deep_merge
 from xirang_ds.config.types import format_bytes
+from xirang_ds.models import describe_model
 from xirang_ds.tune.cost import (
     _grow_micro_batch,
     _mb_scale,
@@ -89,7 +90,7 @@ class TuneResult:
     def as_dict(self) -> dict:
         measured = [c for c in self.candidates if c.measured_peak is not None]
         return {
-            "model": self.model, "budget_bytes": self.budget, "objective": self.objective,
+            "model": describe_model(self.model), "budget_bytes": self.budget, "objective": self.objective,
             "world_size": self.world_size, "seconds": self.seconds, "notes": self.notes,
             "calibration": self.calibration, "profiles": self.profiles,
             "winner": self.winner.as_dict() if self.winner else None,

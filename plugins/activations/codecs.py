@@ -70,8 +70,9 @@ class Payload:
     def part(self, name: str) -> torch.Tensor:
         p = self.parts[name]
         if not self.lease.readable:
-            raise RuntimeError("xirang activations: a compressed tensor in lent memory was decoded twice "
-                               "(backward with retain_graph=True); lent memory is handed back at the first decode")
+            raise RuntimeError("xirang activations: a compressed tensor in lent memory was decoded twice; lent "
+                               "memory is handed back at the first decode of a backward that does not retain "
+                               "its graph")
         buf = self.lease.buffer
         if buf.device != self.device:  # evicted to host by the lender
             buf = buf.to(self.device, non_blocking=True)

@@ -89,6 +89,12 @@ class DeepSpeedActivations(FrameworkPath):
             # ZeRO-3's own linear function and selective checkpointing's op cache do not give
             # bit-identical gradients (measured); full recompute, compress and offload do.
             return "with ZeRO stage 3 (its gradients are not bit-identical there)"
+        release = self.session.config.grad_release
+        if release.enabled and release.exact_method == "two_pass":
+            # the norm pass retains the graph and the update pass backs through it again; torch's
+            # selective checkpointing marks its cached outputs consumed at the first backward
+            # (torch/utils/checkpoint.py _CachedTorchDispatchMode, "Trying to backward an extra time")
+            return "beside xirang.grad_release.exact_method \"two_pass\" (it backs through each graph twice)"
         return None
 
     compiled = staticmethod(compiled_region)

@@ -59,8 +59,9 @@ class CodecHandler:
                 payload.meta["checksum"] = checksum(payload.lease.buffer[:payload.nbytes])
         return payload
 
-    def restore(self, payload: Payload, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """Decode (counted as activations) and hand lent bytes back."""
+    def restore(self, payload: Payload, dtype: torch.dtype, numel: int, keep: bool) -> torch.Tensor:
+        """Decode (counted as activations) and hand lent bytes back (with ``keep``, once decoded for the
+        last time: a backward over a retained graph decodes it again)."""
         with torch.no_grad():
             expected = payload.meta.get("checksum")
             if expected is not None:
@@ -71,7 +72,8 @@ class CodecHandler:
             flat = payload.decode()
         if self.mark is not None:
             self.mark(flat)
-        payload.release()  # lent bytes go back to the lender as soon as they are decoded
+        if not keep:
+            payload.release()  # lent bytes go back to the lender as soon as they are decoded
         return flat
 
 
@@ -89,9 +91,10 @@ class OffloadHandler:
         """Start the copy of the storage's bytes to host memory."""
         return self.offloader.to_host(flat.view(torch.uint8), call)
 
-    def restore(self, copy: HostCopy, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """The bytes back on the device (prefetched or fetched now), as ``dtype``."""
-        return self.offloader.fetch(copy).view(dtype)
+    def restore(self, copy: HostCopy, dtype: torch.dtype, numel: int, keep: bool) -> torch.Tensor:
+        """The bytes back on the device (prefetched or fetched now), as ``dtype``; with ``keep`` the
+        host copy stays for the next backward."""
+        return self.offloader.fetch(copy, keep).view(dtype)
 
 
 class ShardHandler:
@@ -131,8 +134,8 @@ class ShardHandler:
         self.sharded_bytes += raw.numel()
         return [raw[self.rank * part:(self.rank + 1) * part].clone()]
 
-    def restore(self, box: list[torch.Tensor], dtype: torch.dtype, numel: int) -> torch.Tensor:
-        shard = box.pop()
+    def restore(self, box: list[torch.Tensor], dtype: torch.dtype, numel: int, keep: bool) -> torch.Tensor:
+        shard = box[0] if keep else box.pop()
         part = shard.numel()
         with self.scope():
             full = torch.empty(part * self.world, dtype=torch.uint8, device=shard.device)

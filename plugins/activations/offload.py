@@ -20,6 +20,7 @@ from typing import Any, Callable, ContextManager, Optional
 
 import torch
 
+from xirang_ds.compat.torch import graph_retained
 from xirang_ds.plugins.activations.storage import HostPool
 
 
@@ -111,8 +112,9 @@ class Offloader:
         self.offloaded_bytes += nbytes
         return copy
 
-    def start_fetch(self, copy: HostCopy) -> None:
-        """Start the host-to-device copy of ``copy`` (no-op when already started)."""
+    def start_fetch(self, copy: HostCopy, keep: bool = False) -> None:
+        """Start the host-to-device copy of ``copy`` (no-op when already started); with ``keep`` the host
+        buffer stays with ``copy`` (a backward over a retained graph: the next one fetches it again)."""
         if copy.dev is not None or copy.host is None:
             return
         with self.scope():
@@ -122,22 +124,27 @@ class Offloader:
                     copy.dev.copy_(copy.host, non_blocking=True)
                     copy.h2d = self.acc.Event()
                     copy.h2d.record(self.stream)
-                self.pool.put(copy.host, copy.h2d)
+                if not keep:
+                    self.pool.put(copy.host, copy.h2d)
             else:
                 copy.dev = torch.empty(copy.nbytes, dtype=torch.uint8, device=copy.device)
                 copy.dev.copy_(copy.host)
-                self.pool.put(copy.host)
-        copy.host = None
+                if not keep:
+                    self.pool.put(copy.host)
+        if not keep:
+            copy.host = None
         self.fetched_bytes += copy.nbytes
 
-    def fetch(self, copy: HostCopy) -> torch.Tensor:
-        """The bytes back on the device, ready for the compute stream (the copy keeps no reference)."""
-        self.start_fetch(copy)
-        dev, copy.dev = copy.dev, None
+    def fetch(self, copy: HostCopy, keep: bool = False) -> torch.Tensor:
+        """The bytes back on the device, ready for the compute stream (the copy keeps no reference, except
+        with ``keep`` where the bytes never left the device: the host budget was full)."""
+        self.start_fetch(copy, keep)
+        dev = copy.dev
+        if not keep or copy.host is not None:
+            copy.dev = None
         if dev is None:
-            raise RuntimeError("xirang activations: an offloaded tensor was unpacked twice after its bytes "
-                               "were handed back; backward with retain_graph=True over offloaded modules "
-                               "is not supported")
+            raise RuntimeError("xirang activations: an offloaded tensor was unpacked again after a backward "
+                               "that did not retain its graph handed its bytes back")
         if self.stream is not None and copy.h2d is not None:  # None: kept on the device (host budget)
             current = self.acc.current_stream()
             current.wait_event(copy.h2d)
@@ -153,7 +160,7 @@ class Offloader:
             if g is None:
                 break
             for copy in g.copies:
-                self.start_fetch(copy)
+                self.start_fetch(copy, graph_retained())
             g = g.previous() if g.previous is not None else None
 
     def end_forward(self) -> None:

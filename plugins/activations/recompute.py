@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import time
 from collections import defaultdict
-from typing import Any, Callable, ContextManager, Iterator, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from xirang_ds.compat.torch import op_schema
+from xirang_ds.compat.torch import op_schema, uncompiled
+from xirang_ds.compat.transformers import is_checkpointing_layer, reads_cache_only
+
+logger = logging.getLogger("xirang_ds")
 
 HEAVY_OPS = frozenset({
     "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution", "aten::_scaled_mm",
@@ -52,6 +56,11 @@ class RecomputeScope:
     """Entered around each recomputation: the tracker's activations scope, plus DeepSpeed's
     ``synchronize_checkpoint_boundary`` (synchronize before and after) and ``profile`` (time it).
 
+    ``scope()`` is the context itself, and it may be entered again after it exits: the checkpoint
+    makes its recompute context once per forward and enters it at every recomputation, which is
+    once per backward, and twice for a graph that a first backward retained (grad_release's
+    ``two_pass``).
+
     Args:
         scope: factory of the tracker's activations scope.
         synchronize: accelerator synchronize, or ``None``.
@@ -62,15 +71,23 @@ class RecomputeScope:
     def __init__(self, scope: Callable[[], ContextManager], synchronize: Optional[Callable[[], None]] = None,
                  timings: Optional[list] = None, name: str = ""):
         self.scope, self.synchronize, self.timings, self.name = scope, synchronize, timings, name
+        self._open: list[tuple[ContextManager, float]] = []
 
-    @contextlib.contextmanager
-    def __call__(self) -> Iterator[None]:
+    def __call__(self) -> "RecomputeScope":
+        return self
+
+    def __enter__(self) -> None:
         if self.synchronize is not None:
             self.synchronize()
         start = time.perf_counter()
+        inner = self.scope()
+        inner.__enter__()
+        self._open.append((inner, start))
+
+    def __exit__(self, *exc: Any) -> None:
+        inner, start = self._open.pop()
         try:
-            with self.scope():
-                yield
+            inner.__exit__(*exc)
         finally:
             if self.synchronize is not None:
                 self.synchronize()
@@ -130,6 +147,40 @@ def selective_context(recompute_scope: Callable[[], ContextManager],
         return forward_ctx, _Both(recompute_ctx, recompute_scope())
 
     return context_fn
+
+
+_CACHE_KWARGS = ("cache", "layer_past", "past_key_value", "past_key_values")
+"""Keyword arguments by which Hugging Face layers receive the KV cache they write (``cache`` and
+``layer_past`` in transformers 5, ``past_key_value(s)`` before)."""
+
+_TOLD: set[type] = set()
+
+
+def without_cache_writes(module: torch.nn.Module, kwargs: dict) -> dict:
+    """``kwargs`` for a recomputed call of ``module``: a Hugging Face decoder layer does not write its
+    KV cache, as under HF's own gradient checkpointing.
+
+    A recomputation runs the layer's forward again; a layer called with a cache would append its keys
+    and values a second time, so the recomputed attention would see the forward's keys twice (other
+    sizes and strides than autograd saved: a compiled layer's backward stops on them). Training never
+    reads the cache, and HF drops it for a checkpointed layer (transformers 5.24
+    ``modeling_layers.py`` ``GradientCheckpointingLayer.forward_with_checkpointing``): ``use_cache``
+    becomes False, and unless the layer only reads its cache (``_can_checkpoint_with_cache``) the cache
+    is left out. Other modules' keyword arguments are returned as they are.
+    """
+    layer = uncompiled(module)
+    if not is_checkpointing_layer(layer):
+        return kwargs
+    dropped = {"use_cache": False} if kwargs.get("use_cache") else {}
+    if not reads_cache_only(layer):
+        dropped.update((key, None) for key in _CACHE_KWARGS if kwargs.get(key) is not None)
+    if not dropped:
+        return kwargs
+    if type(layer) not in _TOLD:
+        _TOLD.add(type(layer))
+        logger.info("xirang activations: a recomputed %s writes no KV cache (use_cache=False, cache=None), as under "
+                    "Hugging Face's own gradient checkpointing", type(layer).__name__)
+    return {**kwargs, **dropped}
 
 
 RngStates = tuple[Callable[[], Any], Callable[[Any], None]]

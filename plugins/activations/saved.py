@@ -4,8 +4,14 @@ Backward often saves several views of one storage (attention saves q, k and v, a
 qkv projection's output). Packing works on storages, not tensors: the first view of a storage
 packs the whole storage through a `Handler` (a codec, the offloader, the profiler); later views of
 it only record their size, stride and offset, and unpack rebuilds each view with ``as_strided``
-over the one restored storage. The bytes freed are exactly the bytes the saved views kept alive,
-and the restored views have the original strides (so backward's kernels see what they saw).
+over the one restored storage. The bytes freed are exactly the bytes the saved views kept alive.
+A view that ends in the first half of its storage packs only the storage's elements up to its end
+(`storage_flat`), which later views inside them share.
+
+Every unpacked tensor has the size, stride and storage offset autograd saved: a compiled backward
+asserts sizes and strides (``assert_size_stride``), and an explicit ``as_strided`` in a backward
+addresses storage offsets. A backward that keeps its graph (``retain_graph=True``: grad_release's
+``two_pass`` norm pass) leaves every handler's copy restorable for the next backward.
 
 Composition (``saved_tensors_hooks`` applies only the innermost pair): at entry `PackContext`
 reads the pair active outside it. Inside a ``torch.utils.checkpoint`` region it stays out of the
@@ -25,6 +31,7 @@ import torch
 from xirang_ds.compat.torch import (
     HookPair,
     current_saved_tensors_hooks,
+    graph_retained,
     is_checkpoint_hook,
     outside_dynamo,
     pop_saved_tensors_hooks,
@@ -44,8 +51,9 @@ class Handler(Protocol):
     def store(self, flat: torch.Tensor, call: Any) -> Any:
         """Take the storage's bytes (``flat``: 1-D, its dtype); ``None`` keeps the tensor as is."""
 
-    def restore(self, holder: Any, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """The flat tensor back on the device."""
+    def restore(self, holder: Any, dtype: torch.dtype, numel: int, keep: bool) -> torch.Tensor:
+        """The flat tensor back on the device; with ``keep``, ``holder`` stays restorable (a backward
+        over a retained graph: the next backward restores it again)."""
 
 
 class StorageIds:
@@ -81,23 +89,31 @@ class StorageIds:
 
 
 class PackedStorage:
-    """A storage held by a handler; restored once and shared by all its views."""
+    """A storage held by a handler (its first ``numel`` elements); restored once per backward and
+    shared by all its views."""
 
-    __slots__ = ("holder", "handler", "dtype", "numel", "pending", "_flat", "_weak")
+    __slots__ = ("holder", "handler", "dtype", "numel", "views", "pending", "_flat", "_weak")
 
     def __init__(self, holder: Any, handler: Handler, dtype: torch.dtype, numel: int):
         self.holder, self.handler, self.dtype, self.numel = holder, handler, dtype, numel
+        self.views = 0
         self.pending = 0
         self._flat: Optional[torch.Tensor] = None
         self._weak: Optional[weakref.ref] = None
+
+    def add_view(self) -> None:
+        self.views += 1
+        self.pending += 1
 
     def materialize(self) -> torch.Tensor:
         flat = self._flat
         if flat is None and self._weak is not None:
             flat = self._weak()  # a view unpacked again while the restored storage still lives
         if flat is None:
-            flat = self.handler.restore(self.holder, self.dtype, self.numel)
+            flat = self.handler.restore(self.holder, self.dtype, self.numel, graph_retained())
             self._weak = weakref.ref(flat)
+        if self.pending <= 0:  # a later backward over a retained graph unpacks every view again
+            self.pending = self.views
         self.pending -= 1
         self._flat = flat if self.pending > 0 else None  # hold it only for views still to come
         return flat
@@ -168,15 +184,18 @@ def span_elements(t: torch.Tensor) -> int:
 
 
 def storage_flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """A 1-D tensor of ``t``'s dtype over its whole storage, or over a compact copy of ``t`` when
-    ``t`` spans less than half of its storage (the second value says which)."""
+    """A 1-D tensor of ``t``'s dtype over its whole storage, or only over the storage's elements up to
+    ``t``'s last when ``t`` ends in the first half of it (the second value says which).
+
+    Either way ``t`` is ``as_strided(flat, t.size(), t.stride(), t.storage_offset())``: its size,
+    stride and storage offset hold over what is packed (permuted, sliced, expanded and channels-last
+    views alike), and so they do over what is restored."""
     st = t.untyped_storage()
     el = t.element_size()
-    span = t.storage_offset() + span_elements(t)
-    if st.nbytes() % el or 2 * span * el < st.nbytes():
-        return t.detach().reshape(-1), True
+    end = t.storage_offset() + span_elements(t)
+    part = bool(st.nbytes() % el) or 2 * end * el < st.nbytes()
     with torch.no_grad():
-        return t.new_empty(0).set_(st, 0, (st.nbytes() // el,), (1,)), False
+        return t.new_empty(0).set_(st, 0, (end if part else st.nbytes() // el,), (1,)), part
 
 
 class PackContext:
@@ -235,25 +254,21 @@ class PackContext:
 
     def pack(self, t: torch.Tensor) -> Any:
         """Pack one saved tensor (a view of a packed storage, or the tensor itself)."""
-        if not self.eligible(t):
+        if not self.eligible(t) or not t.numel():
             return t.detach()
         key = (self._ids(t.untyped_storage()), t.dtype)
         packed = self._seen.get(key)
         if packed is _KEEP:
             return t.detach()
-        if packed is None:
-            flat, compact = storage_flat(t)
+        if packed is None or packed.numel < t.storage_offset() + span_elements(t):
+            flat, part = storage_flat(t)
             holder = self.handler.store(flat, self.call)
             if holder is None:
-                if not compact:
+                if not part:
                     self._seen[key] = _KEEP
                 return t.detach()
-            packed = PackedStorage(holder, self.handler, flat.dtype, flat.numel())
-            if compact:  # this view alone was copied: it comes back contiguous
-                packed.pending += 1
-                return SavedView(packed, t.shape, _contiguous_strides(t.shape), 0)
-            self._seen[key] = packed
-        packed.pending += 1
+            packed = self._seen[key] = PackedStorage(holder, self.handler, flat.dtype, flat.numel())
+        packed.add_view()
         return SavedView(packed, t.shape, t.stride(), t.storage_offset())
 
 
@@ -264,10 +279,3 @@ def unpack(packed: Any) -> torch.Tensor:
     flat = packed.packed.materialize()
     return torch.as_strided(flat, packed.size, packed.stride, packed.offset)
 
-
-def _contiguous_strides(shape: torch.Size) -> tuple:
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(strides))

@@ -41,7 +41,9 @@ from xirang_ds.plugins.activations.recompute import (
     full_context,
     run_checkpointed,
     selective_context,
+    without_cache_writes,
 )
+from xirang_ds.plugins.activations.selection import RECOMPUTE_OPTIONS
 from xirang_ds.plugins.activations.saved import Eligibility, PackContext
 from xirang_ds.plugins.activations.storage import PayloadStorage
 from xirang_ds.plugins.activations.tiled import DEFAULT_TILES, run_tiled, tileable
@@ -207,6 +209,8 @@ class ModuleWrapper:
                 return original(*args, **kwargs)
             with self._pack(rt.keep_handler, never):
                 return original(*args, **kwargs)
+        if option in RECOMPUTE_OPTIONS:
+            kwargs = without_cache_writes(self.module, kwargs)
         if option == "recompute" and self.distributable and rt.distribute is not None:
             with self._pack(rt.distribute, rt.eligible):
                 return run_checkpointed(original, args, kwargs, self._context_fn, rt.rng)

@@ -107,12 +107,12 @@ def test_the_scan_finds_each_kind_of_access(tmp_path):
         "wrap_method(..., '_take_model_step')", "'_link_all_hp_params' in a literal"])
 
 
-@pytest.mark.parametrize("module", ["torch", "deepspeed", "megatron", "apex", "accelerate"])
+@pytest.mark.parametrize("module", ["torch", "deepspeed", "megatron", "apex", "accelerate", "transformers"])
 def test_every_listed_upstream_name_resolves(module):
     """``UPSTREAM_NAMES`` of each compat module: dotted paths resolve in the installed package; for a file
     of the installed package (``"deepspeed/runtime/engine.py"``), each listed line is in it."""
     pytest.importorskip({"torch": "torch", "deepspeed": "deepspeed", "megatron": "megatron.core",
-                         "apex": "apex.amp", "accelerate": "accelerate"}[module])
+                         "apex": "apex.amp", "accelerate": "accelerate", "transformers": "transformers"}[module])
     names = importlib.import_module(f"xirang_ds.compat.{module}").UPSTREAM_NAMES
     assert names, f"xirang_ds.compat.{module} lists no upstream names"
     missing = []

@@ -36,6 +36,8 @@ UPSTREAM_NAMES: dict[str, Any] = {
     "torch._C._autograd._top_saved_tensors_default_hooks": "torch/_C/_autograd.pyi L142",
     "torch._C._autograd._saved_tensors_hooks_is_enabled": "torch/autograd/graph.py (disable_saved_tensors_hooks)",
     "torch._C._current_autograd_node": "torch/_C/__init__.pyi L12348",
+    "torch._C._autograd._get_current_graph_task_keep_graph": "torch/_C/_autograd.pyi L129 (read by AOTAutograd, "
+                                                              "torch/_functorch/_aot_autograd/runtime_wrappers.py L2761)",
     "torch._C._DisableAutocast": "torch/_C/__init__.pyi L1640",
     "torch._C.DisableTorchFunctionSubclass": "torch/_C/__init__.pyi",
     "torch._C._get_privateuse1_backend_name": "torch/_C/__init__.pyi L1734",
@@ -215,6 +217,9 @@ top_saved_tensors_hooks: Callable[[bool], Optional[HookPair]] = torch._C._autogr
 """``top(ignore_is_tracing)``: the innermost active (pack, unpack) pair, or ``None``."""
 current_autograd_node: Callable[[], Any] = torch._C._current_autograd_node
 """The autograd node whose backward is running on this thread, or ``None``."""
+graph_retained: Callable[[], bool] = torch._C._autograd._get_current_graph_task_keep_graph
+"""True when the running backward keeps its graph (``retain_graph=True``: its saved tensors may be unpacked
+again by a later backward), and outside any backward."""
 
 _CHECKPOINT_PACK_OWNERS = ("_checkpoint_hook.", "_recomputation_hook.")
 
@@ -314,7 +319,8 @@ __all__ = [
     "current_autograd_node",
     "current_dispatch_mode", "current_saved_tensors_hooks", "destroy_library", "disable_current_modes",
     "dispatch_mode_active",
-    "dump_memory_snapshot", "fake_tensor_mode", "foreach_zero_", "is_checkpoint_hook", "is_optimized_module",
+    "dump_memory_snapshot", "fake_tensor_mode", "foreach_zero_", "graph_retained", "is_checkpoint_hook",
+    "is_optimized_module",
     "is_traceable_wrapper_subclass", "log_softmax_backward_data", "make_wrapper_subclass", "op_entry", "op_schema",
     "ops_with_kernel", "outside_dynamo", "parameter_table", "parse_to", "pop_mode_temporarily",
     "pop_saved_tensors_hooks",

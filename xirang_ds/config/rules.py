@@ -55,6 +55,13 @@ RULES: tuple[Rule, ...] = (
          "'halve_micro_batch' retries a failed backward, but grad_release's exact_method 'two_pass' applies "
          "updates during its second backward, where an error would leave a half-applied step; set "
          "grad_release.exact_method to \"host\" or \"hold\", or on_oom to \"raise\""),
+    Rule("grad_release.exact_method", ("grad_release", "activations"),
+         lambda c: (c.grad_release.enabled and c.grad_release.exact_method == "two_pass" and c.activations.enabled
+                    and bool(c.activations.selective_recompute)),
+         "\"two_pass\" runs each step's backward twice over one graph, and the modules fixed to "
+         "activations.selective_recompute allow one backward (torch's selective checkpointing consumes its cached "
+         "outputs); set exact_method to \"host\" or \"hold\", or move those modules to activations.recompute "
+         "(full recompute, offload and compress run under two_pass)"),
     Rule("comm_buffers.lend_to_activations", ("comm_buffers", "grad_release"),
          lambda c: _lends(c) and c.grad_release.enabled,
          "lends DeepSpeed's ZeRO reduction arena, but grad_release is on and reduces in its own buckets (there "

@@ -161,13 +161,12 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     shapes = ([tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")] if args.shapes
               else [(args.numel,)])
-    progress = None
-    if args.jsonl:
+    def progress(partial: dict) -> None:  # kept as it comes: a killed run keeps its rounds
         from xirang_ds.bench import append_jsonl
 
-        def progress(partial: dict) -> None:
-            append_jsonl(args.jsonl, {"kind": "optimizer", **partial})
-    result = run(shapes, args.rounds, args.threads, args.device, args.deadline_s, progress, args.counts)
+        append_jsonl(args.jsonl, {"kind": "optimizer", **partial})
+    result = run(shapes, args.rounds, args.threads, args.device, args.deadline_s, progress if args.jsonl else None,
+                 args.counts)
     width = max(map(len, result["results"]))
     print(f"{'optimizer'.ljust(width)}  state B/param  update ns/param  ({args.threads} thread(s), "
           f"{result['numel']:,} elements, median of {result['rounds_done']})")

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from tests.activations.test_units import _Arena
+from xirang_ds.memory.device_profile import PROFILES
 from xirang_ds.plugins.activations.handlers import CodecHandler, OffloadHandler
 from xirang_ds.plugins.activations.offload import Offloader
 from xirang_ds.plugins.activations.profile import Profiler
@@ -72,7 +73,7 @@ def _context(path):
     eligible = Eligibility("cpu", 0)
     if path == "profile":  # the profiling pass's own pack context (offloads every saved storage)
         handler, packed = _offload()
-        profiler = Profiler(eligible, handler, PayloadStorage(), frozenset(), (), 64, 0.0, lambda: None)
+        profiler = Profiler(eligible, handler, PayloadStorage(), frozenset(), (), 64, 0.0, PROFILES["cpu"])
         return profiler.run_pass(), packed
     if path == "composed":  # an outer pair (a user's) around ours: its pack runs first
         handler, packed = _offload()

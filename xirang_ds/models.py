@@ -181,13 +181,18 @@ def parse_model_spec(text: ModelArg, seq: Optional[int] = None,
     if not (sep and head and tail.isidentifier()):
         raise ModelSpecError(f"unknown model {text!r}; use one of {', '.join(BUILTIN_SPECS)}, "
                              f"'gpt:layers=..,hidden=..,heads=..,seq=..,vocab=..' or 'module:factory'")
+    spec = FactorySpec(text, seq=given.get("seq", 0), vocab=given.get("vocab", 0))
+    try:
+        spec.load()  # fail fast on a module or name that is not there
+    except ModelSpecError as e:
+        problems.append(str(e))
     missing_flags = [f"--{k}" for k in ("seq", "vocab") if k not in given]
     if missing_flags:
-        raise ModelSpecError(f"model factory {text!r} needs the run's sequence length and vocabulary: pass "
-                             f"{' and '.join(missing_flags)} (the token ids the run feeds the model; e.g. --seq 512 "
-                             "--vocab 32000)")
-    spec = FactorySpec(text, seq=given["seq"], vocab=given["vocab"])
-    spec.load()  # fail fast on a module or name that is not there
+        problems.append(f"model factory {text!r} needs the run's sequence length and vocabulary: pass "
+                        f"{' and '.join(missing_flags)} (the token ids the run feeds the model; e.g. --seq 512 "
+                        "--vocab 32000)")
+    if problems:  # both at once
+        raise ModelSpecError("; ".join(problems))
     return spec
 
 

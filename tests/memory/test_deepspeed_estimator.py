@@ -147,6 +147,12 @@ def test_bad_model_specs(text, fragment):
         parse_model_spec(text)
 
 
+def test_a_factory_that_does_not_load_and_lacks_its_flags_is_told_both_at_once():
+    with pytest.raises(ModelSpecError) as e:
+        parse_model_spec("nosuch.module:factory")
+    assert "cannot load model factory" in str(e.value) and "pass --seq and --vocab" in str(e.value)
+
+
 def test_cli_estimate_json(tmp_path, capsys):
     import json
 

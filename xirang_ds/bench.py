@@ -22,6 +22,7 @@ from typing import Optional
 
 from xirang_ds.config.types import format_bytes
 from xirang_ds.memory.categories import CATEGORIES
+from xirang_ds.step_counts import count_step
 
 
 @dataclass
@@ -47,6 +48,8 @@ class SideResult:
     """The tracker's peak over the steps after the first (worst rank): the first step's measuring and
     profiling passes left out, so the steps a long run repeats (None with one step)."""
     steady_peak_by_category: dict[str, int] = field(default_factory=dict)
+    counts: dict = field(default_factory=dict)
+    """Rank 0's step after the measured ones, counted (`step_counts`): what a CPU's step time hides."""
 
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items()}
@@ -216,6 +219,7 @@ def bench_rank(rank: int, world: int, model_text: str, ds_config: dict, steps: i
         out.update(steady_peak_bytes=steady_report.peak_bytes, steady_peak_by_category=steady_report.by_category)
         steady.close()
     out["plugin_figures"] = session.figures() if session is not None else {}
+    out["counts"] = step_counts(engine, data, tracker)  # after the figures: one more step, counted
     window.close()
     if device_window is not None:
         device_window.close()
@@ -225,6 +229,16 @@ def bench_rank(rank: int, world: int, model_text: str, ds_config: dict, steps: i
     elif session is not None:
         session.remove()
     return out
+
+
+def step_counts(engine, data, tracker=None) -> dict:
+    """One more training step, counted (`xirang_ds.step_counts`): kernels, host syncs, host-link bytes
+    by category and the optimizer's kernels per step, named as the bench's JSON gives them."""
+    c = count_step(lambda: optimizer_step(engine, data), engine.device, tracker)
+    return {"kernels_per_step": c.kernels, "host_syncs_per_step": c.host_syncs,
+            "link_bytes_per_step": c.link_bytes_total, "link_bytes_by_category": c.link_bytes,
+            "optimizer_kernels_per_step": c.optimizer_kernels, "device_kernels_per_step": c.device_kernels,
+            "device_syncs_per_step": c.device_syncs}
 
 
 def combine(per_rank: list[dict]) -> SideResult:
@@ -241,7 +255,8 @@ def combine(per_rank: list[dict]) -> SideResult:
         losses=losses, step_times_s=times, per_rank_peak_bytes=[r["peak_bytes"] for r in per_rank],
         allocator_peak_bytes=worst["allocator_peak_bytes"], summary=per_rank[0]["summary"],
         category_peaks={c: max(r["category_peaks"].get(c, 0) for r in per_rank) for c in CATEGORIES},
-        plugin_figures=per_rank[0].get("plugin_figures", {}), **_steady(per_rank))
+        plugin_figures=per_rank[0].get("plugin_figures", {}), counts=per_rank[0].get("counts", {}),
+        **_steady(per_rank))
 
 
 def _steady(per_rank: list[dict]) -> dict:
@@ -315,6 +330,12 @@ def format_result(result: dict) -> str:
                  f"{ours['step_time_median_s'] * 1000:.0f} ms", f"{result['step_time_ratio']:.2f}"))
     rows.append(("final loss", f"{base['final_loss']:.4f}", f"{ours['final_loss']:.4f}",
                  f"{result['loss_delta']:+.4f}"))
+    for key, label in (("kernels_per_step", "kernels per step"), ("host_syncs_per_step", "host syncs per step"),
+                       ("link_bytes_per_step", "host-link bytes per step"),
+                       ("optimizer_kernels_per_step", "optimizer kernels per step")):
+        a, b = base.get("counts", {}).get(key), ours.get("counts", {}).get(key)
+        if a is not None and b is not None:
+            rows.append((label, f"{a:,}", f"{b:,}", f"{b / a:.2f}" if a else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = [f"bench: {result['model']}, {result['world_size']} rank(s), {result['steps']} steps, "
              f"data: {os.path.basename(str(result['data']))}"]

@@ -1,29 +1,45 @@
 """What one training step asks of the device, counted rather than timed.
 
 A CPU hides what dominates a GPU step beside its arithmetic: a kernel launch, a host sync and a host
-copy cost next to nothing there. So the bench and the GPU check count them for one step:
+copy cost next to nothing there. So the bench and the GPU check count them for one step, the same
+counts on any machine for the same program:
 
-* ``ops``: ATen ops that compute (views and metadata-only ops left out), seen by a dispatch mode;
-  the same count on any machine for the same program, and the eager launch count's upper bound;
-* ``kernels`` and ``memcpys`` (CUDA only): device kernels and copies the profiler saw launched;
-* ``host_syncs`` (CUDA only): the times the host waited for the device, as
-  ``torch.cuda.set_sync_debug_mode`` reports them (``.item()``, ``bool(tensor)``, a copy to pageable
-  host memory, ``nonzero``...).
+* ``kernels``: ATen ops that compute (views and size queries left out), seen by a dispatch mode: what
+  an eager step launches. A compiled region runs eagerly under the mode (Dynamo declines to trace
+  under one), so it counts its ops, not its one graph call. On CUDA the profiler's count of kernels
+  really launched is ``device_kernels`` beside it.
+* ``host_syncs``: ops whose result the host must read before it goes on (``aten._local_scalar_dense``
+  behind ``.item()``, ``float(t)`` and ``bool(t)``; ``is_nonzero``, ``equal``; ops whose output
+  shape is data (``nonzero``, ``masked_select``, ``unique``...); a blocking copy into the host
+  tier). On CUDA ``device_syncs`` is what ``torch.cuda.set_sync_debug_mode`` reports beside it.
+* ``link_bytes``: bytes copied between the device and the host tier, by what moves: the tracker's
+  scope at the copy, else the category of the device-side storage (``activations``: offload;
+  ``optimizer_states``, ``gradients``: grad_release's host tiers). Off a CPU, host memory is the
+  CPU's; on a CPU the tracker's host tier tells (without a tracker there is one tier: 0).
+* ``optimizer_kernels``: ``kernels`` inside any ``torch.optim.Optimizer.step`` (grad_release's
+  bucket steps in backward included), through torch's global step hooks.
 
 Example:
-    counts = count_step(lambda: optimizer_step(engine, data), device)
-    counts.as_dict()   # {"ops": 691, "kernels": 702, "memcpys": 3, "host_syncs": 4}
+    counts = count_step(lambda: optimizer_step(engine, data), engine.device, engine.xirang.tracker)
+    counts.as_dict()   # {"kernels": 691, "host_syncs": 4, "link_bytes": {}, "optimizer_kernels": 52, ...}
 """
 from __future__ import annotations
 
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 
 from xirang_ds.compat.torch import TorchDispatchMode, op_schema
 
+_aten = torch.ops.aten
+_SIZE_OPS = {_aten.sym_size.int, _aten.sym_stride.int, _aten.sym_numel.default, _aten.sym_storage_offset.default,
+             _aten.is_same_size.default}
+_SYNC_PACKETS = {_aten._local_scalar_dense, _aten.is_nonzero, _aten.equal, _aten.nonzero, _aten.masked_select,
+                 _aten._unique, _aten._unique2, _aten.unique_dim, _aten.unique_consecutive, _aten.unique_dim_consecutive}
+"""Ops the host waits on: it reads their value, or the shape of their output is data."""
+_COPY_PACKETS = {_aten.copy_, _aten._to_copy}
 _FREE: dict[Any, bool] = {}
 
 
@@ -39,40 +55,98 @@ def _launches_nothing(func: Any) -> bool:
     return known
 
 
-_SIZE_OPS = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default,
-             torch.ops.aten.sym_storage_offset.default, torch.ops.aten.is_same_size.default}
-
-
-class _OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
+class _Counter(TorchDispatchMode):
+    def __init__(self, device_type: str = "cpu", tracker: Any = None) -> None:
         super().__init__()
-        self.ops = 0
+        self.device_type = device_type
+        self.tracker = tracker
+        self.kernels = self.host_syncs = self.optimizer_kernels = 0
+        self.link_bytes: dict[str, int] = {}
+        self.in_step = 0
+
+    def _host(self, t: torch.Tensor) -> bool:
+        """Off a CPU, host memory is the CPU's; on one, the tracker's host tier (one tier without it)."""
+        if self.device_type != "cpu":
+            return t.device.type == "cpu"
+        return bool(self.tracker is not None and self.tracker.is_host(t))
+
+    def _category(self, host_side: torch.Tensor, device_side: torch.Tensor) -> str:
+        """What moves: the tracker's open scope, else the device-side storage's category."""
+        if self.tracker is None:
+            return "other"
+        found = self.tracker.scope_category or self.tracker.category_of(device_side)
+        return found if found and found != "host" else "other"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not _launches_nothing(func):
-            self.ops += 1
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if _launches_nothing(func):
+            return out
+        self.kernels += 1
+        self.optimizer_kernels += self.in_step > 0
+        packet = getattr(func, "overloadpacket", None)
+        if packet in _SYNC_PACKETS:
+            self.host_syncs += 1
+        elif packet in _COPY_PACKETS:
+            self._copy(packet, args, kwargs, out)
+        return out
+
+    def _copy(self, packet: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        src, dst = (args[1], args[0]) if packet is _aten.copy_ else (args[0], out)
+        if not (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor)):
+            return
+        into_host = self._host(dst)
+        if into_host == self._host(src):
+            return
+        category = self._category(dst if into_host else src, src if into_host else dst)
+        self.link_bytes[category] = self.link_bytes.get(category, 0) + dst.numel() * dst.element_size()
+        blocking = not (kwargs.get("non_blocking") or (packet is _aten.copy_ and len(args) > 2 and args[2]))
+        if into_host and blocking:
+            self.host_syncs += 1  # the host waits for the copy to land
 
 
 @dataclass
 class StepCounts:
-    """One step's launches and waits (`count_step`); ``None`` where the device cannot tell."""
+    """One step's launches, waits and host-link bytes (`count_step`); the ``device_`` figures are
+    ``None`` where no CUDA device reports them."""
 
-    ops: Optional[int]
-    kernels: Optional[int] = None
-    memcpys: Optional[int] = None
+    kernels: Optional[int]
     host_syncs: Optional[int] = None
+    link_bytes: dict[str, int] = field(default_factory=dict)
+    optimizer_kernels: Optional[int] = None
+    device_kernels: Optional[int] = None
+    device_memcpys: Optional[int] = None
+    device_syncs: Optional[int] = None
 
-    def as_dict(self) -> dict[str, Optional[int]]:
-        return asdict(self)
+    @property
+    def link_bytes_total(self) -> int:
+        return sum(self.link_bytes.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "link_bytes_total": self.link_bytes_total}
 
 
-def count_ops(fn: Callable[[], Any]) -> tuple[Any, int]:
-    """Run ``fn`` under an op-counting dispatch mode; its result and the ops that compute."""
-    mode = _OpCounter()
-    with mode:
-        out = fn()
-    return out, mode.ops
+def count_ops(fn: Callable[[], Any], device: torch.device | str = "cpu", tracker: Any = None) -> tuple[Any, _Counter]:
+    """Run ``fn`` under the counting dispatch mode for a run on ``device`` (with ``tracker``: the host
+    tier and scope of each copy); its result and the counter."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    mode = _Counter(torch.device(device).type, tracker)
+
+    def enter(*_: Any) -> None:
+        mode.in_step += 1
+
+    def leave(*_: Any) -> None:
+        mode.in_step -= 1
+
+    hooks = [register_optimizer_step_pre_hook(enter), register_optimizer_step_post_hook(leave)]
+    try:
+        with mode:
+            out = fn()
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, mode
 
 
 def _device_events(fn: Callable[[], Any]) -> tuple[int, int]:
@@ -93,7 +167,7 @@ def _device_events(fn: Callable[[], Any]) -> tuple[int, int]:
     return kernels, memcpys
 
 
-def _host_syncs(fn: Callable[[], Any]) -> int:
+def _device_syncs(fn: Callable[[], Any]) -> int:
     """Synchronizing calls in ``fn``: debug mode 1 makes each one warn (c10's ``warn_or_error_on_sync``)."""
     previous = torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings(record=True) as caught:
@@ -106,21 +180,22 @@ def _host_syncs(fn: Callable[[], Any]) -> int:
     return sum(1 for w in caught if "synchronizing" in str(w.message))
 
 
-def count_step(step: Callable[[], Any], device: torch.device | str = "cpu") -> StepCounts:
-    """Counts for ``step``, which is run once per count: ops under a dispatch mode, then on CUDA once
-    under the profiler (kernels, copies) and once in sync debug mode (host syncs). Each run is a real
-    step (the model trains three steps): count after the timed steps. A step that cannot run under a
-    dispatch mode (Dynamo declines to trace under one) leaves ``ops`` ``None``."""
+def count_step(step: Callable[[], Any], device: torch.device | str = "cpu", tracker: Any = None) -> StepCounts:
+    """Counts for ``step``, which is run once per count: under the dispatch mode, then on CUDA once
+    under the profiler and once in sync debug mode. Each run is a real training step: count after
+    the steps that are measured. A step that cannot run under a dispatch mode leaves the mode's
+    counts ``None``."""
     try:
-        _, ops = count_ops(step)
-    except Exception:  # e.g. a compiled region refused under the mode: counted on the device alone
-        ops = None
-    if torch.device(device).type != "cuda":
-        return StepCounts(ops=ops)
-    torch.cuda.synchronize()
-    kernels, memcpys = _device_events(step)
-    syncs = _host_syncs(step)
-    return StepCounts(ops=ops, kernels=kernels, memcpys=memcpys, host_syncs=syncs)
+        _, mode = count_ops(step, device, tracker)
+        counts = StepCounts(kernels=mode.kernels, host_syncs=mode.host_syncs, link_bytes=dict(mode.link_bytes),
+                            optimizer_kernels=mode.optimizer_kernels)
+    except Exception:  # a compiled region refused under the mode: the device's counts alone
+        counts = StepCounts(kernels=None)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        counts.device_kernels, counts.device_memcpys = _device_events(step)
+        counts.device_syncs = _device_syncs(step)
+    return counts
 
 
-__all__ = ["StepCounts", "count_step", "count_ops"]
+__all__ = ["StepCounts", "count_ops", "count_step"]

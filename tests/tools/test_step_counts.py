@@ -1,11 +1,14 @@
-"""`xirang_ds.step_counts`: ops that compute are counted, views and size queries are not; the device
-counts are left ``None`` where no CUDA device can report them."""
+"""`xirang_ds.step_counts` on cases with known answers: ops that compute are kernels, views and size
+queries are not; each host read is a sync; copies across the tracker's host tier are link bytes by
+scope, the blocking ones into the host a sync too; ops inside an optimizer's step are counted apart;
+the device counts stay ``None`` without CUDA."""
 import torch
 
+from xirang_ds.memory.tracker import MemoryTracker
 from xirang_ds.step_counts import count_ops, count_step
 
 
-def test_views_and_size_queries_count_nothing_and_each_computing_op_once():
+def test_views_and_size_queries_are_no_kernels_and_each_computing_op_is_one():
     x = torch.randn(4, 6)
 
     def views():
@@ -16,14 +19,57 @@ def test_views_and_size_queries_count_nothing_and_each_computing_op_once():
         y.mul_(2)              # in place: computes, one
         return y.t().sum()     # a view (none), then one
 
-    assert count_ops(views)[1] == 0
-    out, ops = count_ops(three)
-    assert ops == 3 and torch.equal(out, ((x + 1) * 2).sum())
+    assert count_ops(views)[1].kernels == 0
+    out, mode = count_ops(three)
+    assert mode.kernels == 3 and mode.host_syncs == 0 and torch.equal(out, ((x + 1) * 2).sum())
 
 
-def test_a_training_step_on_the_cpu_counts_ops_only_and_runs_the_step():
+def test_every_host_read_is_one_sync():
+    a, b = torch.randn(8), torch.randn(8)
+
+    def reads():
+        a.sum().item()               # _local_scalar_dense
+        bool(a.max() > 0)            # is_nonzero
+        torch.equal(a, b)            # equal
+        a.nonzero()                  # a data-dependent shape
+        a.masked_select(a > 0)       # another
+
+    _, mode = count_ops(reads)
+    assert mode.host_syncs == 5
+
+
+def test_copies_across_the_host_tier_are_link_bytes_by_scope_and_a_blocking_one_into_the_host_a_sync():
+    tracker = MemoryTracker("cpu")
+    with tracker:
+        x = torch.randn(1000)
+
+        def move():
+            with tracker.scope("activations"):
+                with tracker.host_tier():
+                    host = torch.empty_like(x)
+                host.copy_(x)                          # out to the host, blocking: 4,000 bytes and a sync
+                back = torch.empty_like(x)
+                back.copy_(host, non_blocking=True)    # back to the device, not waited for: 4,000 bytes
+            with tracker.scope("optimizer_states"):
+                with tracker.host_tier():
+                    kept = torch.empty(250)
+                kept.copy_(x[:250], non_blocking=True)  # 1,000 bytes, no sync
+            x.clone()                                   # device to device: nothing
+            return back
+
+        back, mode = count_ops(move, "cpu", tracker)
+    assert torch.equal(back, x)
+    assert mode.link_bytes == {"activations": 8000, "optimizer_states": 1000}
+    assert mode.host_syncs == 1
+    _, untracked = count_ops(lambda: torch.empty(10).copy_(torch.ones(10)), "cpu")
+    assert untracked.link_bytes == {}  # a CPU without a tracker has one tier
+
+
+def test_an_optimizer_steps_kernels_are_counted_apart_and_the_step_runs():
     model = torch.nn.Linear(8, 8)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()  # momentum buffers exist from here on
     before = model.weight.detach().clone()
 
     def step():
@@ -31,7 +77,26 @@ def test_a_training_step_on_the_cpu_counts_ops_only_and_runs_the_step():
         model(torch.ones(2, 8)).sum().backward()
         opt.step()
 
-    counts = count_step(step, "cpu").as_dict()
-    assert counts["ops"] > 0 and counts["kernels"] is None and counts["host_syncs"] is None
+    counts = count_step(step, "cpu")
+    # SGD with momentum, one tensor at a time: buf.mul_(m).add_(grad), then param.add_(buf): 3 per parameter
+    assert counts.optimizer_kernels == 3 * 2 and counts.kernels > counts.optimizer_kernels
+    assert counts.device_kernels is None and counts.device_syncs is None  # no CUDA here
     assert not torch.equal(model.weight, before)  # the counted step is a real step
-    assert count_step(step, "cpu").ops == counts["ops"]  # the same program, the same count
+    assert count_step(step, "cpu").kernels == counts.kernels  # the same program, the same count
+
+
+def test_the_bench_gives_each_side_its_counts():
+    """Plain DeepSpeed copies nothing to the host; grad_release's exact clipping on the host (every preset's
+    default at ZeRO 0-2) copies each reduced gradient partition out and back: 2 x 2 bytes per element."""
+    from tests.harness.engine_runs import ds_config
+    from xirang_ds.bench import run_side
+
+    config = ds_config(stage=2, dtype="bf16", micro=2, clip=1.0)
+    plain = run_side("gpt-tiny", config, 2, 1, None, 0, False).counts
+    ours = run_side("gpt-tiny", {**config, "xirang": {"grad_release": {"enabled": True}}}, 2, 1, None, 0, True).counts
+    assert plain["link_bytes_per_step"] == 0 and plain["kernels_per_step"] > plain["optimizer_kernels_per_step"] > 0
+    from xirang_ds.models import BUILTIN_SPECS, build_model
+
+    numel = sum(p.numel() for p in build_model(BUILTIN_SPECS["gpt-tiny"]).parameters())
+    assert ours["link_bytes_by_category"] == {"gradients": 2 * 2 * numel}
+    assert ours["host_syncs_per_step"] >= plain["host_syncs_per_step"]

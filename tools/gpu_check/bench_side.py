@@ -10,8 +10,8 @@ only itself. Records, each appended and synced as it happens (`xirang_ds.bench.a
 * ``{"kind": "step", ...}`` after every optimizer step: its loss and time (a cut side keeps its steps);
 * ``{"kind": "side", ...}`` at the end: the allocator's peak and reserved bytes over the steps (on a CPU
   the live-storage tracker's peak instead), the first ``--warmup`` steps' times apart (compilation,
-  the planner's passes), the median of the ``--steps`` timed steps after them, and per step the ops,
-  kernels, copies and host syncs (`xirang_ds.step_counts`), or the error that stopped the side.
+  the planner's passes), the median of the ``--steps`` timed steps after them, and per step the kernels,
+  host syncs and host-link bytes (`xirang_ds.step_counts`), or the error that stopped the side.
 """
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> dict:
                    peak_by_category=report.by_category, allocator_peak_bytes=None, reserved_peak_bytes=None)
         window.close()
     if args.counts:  # after the figures above: these steps run under a profiler and a dispatch mode
-        out["counts_per_step"] = count_step(lambda: optimizer_step(engine, data), engine.device).as_dict()
+        out["counts_per_step"] = count_step(lambda: optimizer_step(engine, data), engine.device, tracker).as_dict()
     out["summary"] = session.summary() if session is not None else ""
     if watch is not None:
         watch.remove()

@@ -178,7 +178,7 @@ def main(folder: str) -> int:
     print(f"{env.get('gpu') or 'no GPU'}, torch {env.get('torch', '?')}, CUDA {env.get('cuda', '?')}, "
           f"deepspeed {env.get('deepspeed', '?')}, megatron-core {env.get('megatron-core', env.get('megatron.core', '?'))}")
     if out.get("bench"):
-        print("| bench side | peak (allocator) | reserved | step (median) | warm-up | loss | ops/step | kernels/step | syncs/step |")
+        print("| bench side | peak (allocator) | reserved | step (median) | warm-up | loss | kernels/step (ops; CUDA) | host syncs/step (ops; CUDA) | link bytes/step |")
         print("|---|---|---|---|---|---|---|---|---|")
         for name, s in out["bench"].items():
             if "peak_bytes" not in s:
@@ -187,15 +187,16 @@ def main(folder: str) -> int:
             counts = {k: "-" if v is None else v for k, v in (s.get("counts_per_step") or {}).items()}
             print(f"| {name} | {s['peak_bytes']:,} B | {s.get('reserved_peak_bytes') or '-'} | "
                   f"{_ms(s.get('step_time_median_s'))} | {sum(s.get('warmup_step_times_s') or [0]):.1f} s | "
-                  f"{s.get('final_loss', float('nan')):.4f} | {counts.get('ops', '-')} | {counts.get('kernels', '-')} | "
-                  f"{counts.get('host_syncs', '-')} |")
+                  f"{s.get('final_loss', float('nan')):.4f} | {counts.get('kernels', '-')}; {counts.get('device_kernels', '-')} | "
+                  f"{counts.get('host_syncs', '-')}; {counts.get('device_syncs', '-')} | {counts.get('link_bytes_total', '-')} |")
     if "optimizer" in out:
         opt = out["optimizer"]
         print(f"optimizer step ({opt['device']}, {opt['numel']:,} elements, {opt['rounds_done']} rounds):")
         for name, row in opt["results"].items():
             counts = {k: "-" if v is None else v for k, v in (row.get("counts_per_step") or {}).items()}
             print(f"  {name}: {row['state_bytes_per_param']:.3f} B/param, {row['update_ns_per_param']:.3f} ns/param, "
-                  f"kernels {counts.get('kernels', '-')}, syncs {counts.get('host_syncs', '-')}, ops {counts.get('ops', '-')}")
+                  f"kernels {counts.get('kernels', '-')} (CUDA {counts.get('device_kernels', '-')}), "
+                  f"host syncs {counts.get('host_syncs', '-')} (CUDA {counts.get('device_syncs', '-')})")
     if "pytest" in out:
         print(f"pytest -m gpu: {out['pytest']}")
     if runs:

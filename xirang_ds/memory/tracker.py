@@ -287,6 +287,23 @@ class MemoryTracker:
         finally:
             self._scopes.pop()
 
+    def is_host(self, t: torch.Tensor) -> Optional[bool]:
+        """Whether ``t``'s storage is host tier (``None``: the tracker does not know it)."""
+        key, _ = self._key_and_storage(t)
+        rec = self._live.get(key) if key is not None else None
+        return None if rec is None else rec.host
+
+    def category_of(self, t: torch.Tensor) -> Optional[str]:
+        """The category of ``t``'s storage (``host`` for the host tier; ``None``: not tracked)."""
+        key, _ = self._key_and_storage(t)
+        rec = self._live.get(key) if key is not None else None
+        return None if rec is None else (HOST if rec.host else rec.resolved_category())
+
+    @property
+    def scope_category(self) -> Optional[str]:
+        """The category of the innermost `scope` open now (``None`` outside any)."""
+        return self._scopes[-1] if self._scopes else None
+
     @contextlib.contextmanager
     def host_tier(self) -> Iterator[None]:
         """Storages created inside the block are host tier: counted as ``host``, not device.

@@ -91,7 +91,7 @@ def test_rehearsal_runs_every_step_from_the_installed_package(tmp_path):
     for name, side in sides.items():
         assert "error" not in side, side.get("traceback")
         assert len(side["step_times_s"]) == 5 and len(side["warmup_step_times_s"]) == 3
-        assert side["counts_per_step"]["kernels"] > 0 and side["counts_per_step"]["device_kernels"] is None  # no CUDA
+        assert side["counts"]["kernels_per_step"] > 0 and side["counts"]["device_kernels_per_step"] is None  # no CUDA
         if name != "plain":
             assert side["budget_bytes"] == int(plain * {"conservative": 0.75, "balanced": 0.5, "aggressive": 0.6}[name])
     assert len([x for x in records if x["kind"] == "step"]) == 4 * (3 + 5)
@@ -112,7 +112,7 @@ def test_rehearsal_runs_every_step_from_the_installed_package(tmp_path):
 def test_summarize_keeps_what_a_cut_run_finished_and_names_what_is_missing(tmp_path):
     lines = [{"kind": "env", "torch": "2.11.0", "cuda_available": True, "gpu": "NVIDIA H200", "problems": []},
              {"kind": "side", "side": "plain", "model": "m", "peak_bytes": 1000, "step_time_median_s": 0.5,
-              "final_loss": 5.0, "warmup_step_times_s": [2.0], "counts_per_step": {"device_kernels": 700, "device_syncs": 4}},
+              "final_loss": 5.0, "warmup_step_times_s": [2.0], "counts": {"device_kernels_per_step": 700, "device_syncs_per_step": 4}},
              {"kind": "step", "side": "conservative", "model": "m", "step": 1, "loss": 5.1, "time_s": 0.9},
              {"kind": "side", "side": "balanced", "model": "m", "error": "RuntimeError: CUDA out of memory"},
              {"kind": "collected", "tests": 3, "xirang_ds": "/site/xirang_ds/__init__.py"},

@@ -8,7 +8,7 @@ run.sh starts one process per side, each under its own time limit, so a slow or 
 only itself. Records, each appended and synced as it happens (`xirang_ds.bench.append_jsonl`):
 
 * ``{"kind": "step", ...}`` after every optimizer step: its loss and time (a cut side keeps its steps);
-* ``{"kind": "side", ...}`` at the end: the allocator's peak and reserved bytes over the steps (on a CPU
+* ``{"kind": "side", ...}`` at the end: the allocator's peak over the steps and its reserved peak (on a CPU
   the live-storage tracker's peak instead), the first ``--warmup`` steps' times apart (compilation,
   the planner's passes), the median of the ``--steps`` timed steps after them, and per step the kernels,
   host syncs and host-link bytes (`xirang_ds.step_counts`), or the error that stopped the side.
@@ -62,13 +62,12 @@ def run(args: argparse.Namespace) -> dict:
     import torch
 
     import xirang_ds
-    from xirang_ds.bench import optimizer_step, timed_step
+    from xirang_ds.bench import step_counts, timed_step
     from xirang_ds.data import batches, load_tokens
     from xirang_ds.launch import prepare_cpu_process
     from xirang_ds.memory.engine_roles import watch_engine
     from xirang_ds.memory.tracker import MemoryTracker
     from xirang_ds.models import build_model, parse_model_spec
-    from xirang_ds.step_counts import count_step
 
     prepare_cpu_process(0, 1)
     config, budget, note = config_for(args.side, args.model, args.jsonl, args.micro_batch)
@@ -85,9 +84,11 @@ def run(args: argparse.Namespace) -> dict:
     cuda = engine.device.type == "cuda"
     session = getattr(engine, "xirang", None)
     tracker = watch = None
-    if cuda:
+    if cuda:  # the allocator's peak through its one owner, which the session's readers share
+        from xirang_ds.memory.device_peak import device_peak
+
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        device_window = device_peak().open()
     else:  # a CPU has no allocator counter: the live-storage tracker, as `xirang-ds bench` does
         if session is not None:
             tracker = session.track_memory()
@@ -109,16 +110,17 @@ def run(args: argparse.Namespace) -> dict:
            "losses": losses, "final_loss": losses[-1], "warmup_step_times_s": times[:args.warmup],
            "step_times_s": times[args.warmup:],
            "step_time_median_s": statistics.median(times[args.warmup:]) if args.steps else None}
-    if cuda:
-        out.update(peak_bytes=torch.cuda.max_memory_allocated(), allocator_peak_bytes=torch.cuda.max_memory_allocated(),
+    if cuda:  # reserved: since the process started (resetting it would reset the owner's counter too)
+        out.update(peak_bytes=device_window.peak_bytes, allocator_peak_bytes=device_window.peak_bytes,
                    reserved_peak_bytes=torch.cuda.max_memory_reserved())
+        device_window.close()
     else:
         report = window.report()
         out.update(peak_bytes=report.peak_bytes, tracker_peak_bytes=report.peak_bytes,
                    peak_by_category=report.by_category, allocator_peak_bytes=None, reserved_peak_bytes=None)
         window.close()
     if args.counts:  # after the figures above: these steps run under a profiler and a dispatch mode
-        out["counts_per_step"] = count_step(lambda: optimizer_step(engine, data), engine.device, tracker).as_dict()
+        out["counts"] = step_counts(engine, data, tracker)
     out["summary"] = session.summary() if session is not None else ""
     if watch is not None:
         watch.remove()
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     append_jsonl(args.jsonl, out)
     peak = out["peak_bytes"]
     median = out["step_time_median_s"]
-    counts = out.get("counts_per_step") or {}
+    counts = out.get("counts") or {}
     print(f"{args.side}: peak {peak:,} B, reserved {out['reserved_peak_bytes']}, "
           f"step {median * 1000 if median else float('nan'):.1f} ms (warm-up {sum(out['warmup_step_times_s']):.1f} s), "
           f"loss {out['final_loss']:.4f}, per step: {counts}", flush=True)

@@ -60,7 +60,7 @@ def _side(record: dict) -> dict:
     if "error" in record:
         return {"error": record["error"]}
     keep = ("parameters", "budget_bytes", "note", "peak_bytes", "allocator_peak_bytes", "reserved_peak_bytes",
-            "step_time_median_s", "warmup_step_times_s", "init_s", "final_loss", "counts_per_step", "wall_s")
+            "step_time_median_s", "warmup_step_times_s", "init_s", "final_loss", "counts", "wall_s")
     return {k: record[k] for k in keep if k in record}
 
 
@@ -184,11 +184,12 @@ def main(folder: str) -> int:
             if "peak_bytes" not in s:
                 print(f"| {name} | {s.get('error') or ('cut after %s steps' % s.get('cut_after_steps'))} |||||||")
                 continue
-            counts = {k: "-" if v is None else v for k, v in (s.get("counts_per_step") or {}).items()}
+            counts = {k: "-" if v is None else v for k, v in (s.get("counts") or {}).items()}
             print(f"| {name} | {s['peak_bytes']:,} B | {s.get('reserved_peak_bytes') or '-'} | "
                   f"{_ms(s.get('step_time_median_s'))} | {sum(s.get('warmup_step_times_s') or [0]):.1f} s | "
-                  f"{s.get('final_loss', float('nan')):.4f} | {counts.get('kernels', '-')}; {counts.get('device_kernels', '-')} | "
-                  f"{counts.get('host_syncs', '-')}; {counts.get('device_syncs', '-')} | {counts.get('link_bytes_total', '-')} |")
+                  f"{s.get('final_loss', float('nan')):.4f} | {counts.get('kernels_per_step', '-')}; "
+                  f"{counts.get('device_kernels_per_step', '-')} | {counts.get('host_syncs_per_step', '-')}; "
+                  f"{counts.get('device_syncs_per_step', '-')} | {counts.get('link_bytes_per_step', '-')} |")
     if "optimizer" in out:
         opt = out["optimizer"]
         print(f"optimizer step ({opt['device']}, {opt['numel']:,} elements, {opt['rounds_done']} rounds):")

@@ -11,7 +11,10 @@ counts on any machine for the same program:
 * ``host_syncs``: ops whose result the host must read before it goes on (``aten._local_scalar_dense``
   behind ``.item()``, ``float(t)`` and ``bool(t)``; ``is_nonzero``, ``equal``; ops whose output
   shape is data (``nonzero``, ``masked_select``, ``unique``...); a blocking copy into the host
-  tier). On CUDA ``device_syncs`` is what ``torch.cuda.set_sync_debug_mode`` reports beside it.
+  tier). On CUDA ``device_syncs`` is what ``torch.cuda.set_sync_debug_mode`` reports beside it. On
+  a CPU every tensor is on the device, so reads of tensors a GPU run keeps in host memory (torch
+  optimizers' ``step`` counters: one ``.item()`` per parameter in single-tensor AdamW) count too: an
+  upper bound of the GPU's syncs.
 * ``link_bytes``: bytes copied between the device and the host tier, by what moves: the tracker's
   scope at the copy, else the category of the device-side storage (``activations``: offload;
   ``optimizer_states``, ``gradients``: grad_release's host tiers). Off a CPU, host memory is the

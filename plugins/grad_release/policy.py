@@ -146,7 +146,8 @@ class ReleasePolicy:
             self.comm.all_reduce(total, async_op=False)
         for comm in self.norm_comms:
             comm.all_reduce(total, async_op=False)
-        return math.sqrt(float(total)) / self.loss_scale if math.isfinite(float(total)) else float(total)
+        value = float(total)  # the one host read of this step's norm
+        return math.sqrt(value) / self.loss_scale if math.isfinite(value) else value
 
     def finish_step(self, norm: float, applied: bool) -> StepOutcome:
         """Record a boundary backward's result; update the loss scale like DeepSpeed does each step."""

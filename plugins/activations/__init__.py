@@ -481,7 +481,7 @@ class ActivationsPlugin(Plugin):
     def _log_plan(self) -> None:
         self.plan_text = plan_table(self.plan, self.choices, self.profiles, self.budget_bytes, self.outside_bytes,
                                     self.planned_peaks)
-        self.plan_text += f"\ntimes priced by the device profile {self.device_profile_note}" if self.choices else ""
+        self.plan_text += f"\ntimes priced by the device profile: {self.device_profile_note}" if self.choices else ""
         self._log("plan\n" + self.plan_text)
 
     def _log(self, message: str) -> None:

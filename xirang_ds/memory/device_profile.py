@@ -97,7 +97,7 @@ def profile_for(device: torch.device | str, device_name: Optional[str] = None) -
     note of how it was chosen."""
     device = torch.device(device)
     if device.type == "cpu":
-        return PROFILES["cpu"], "the CPU profile (stated constants)"
+        return PROFILES["cpu"], "cpu (stated constants)"
     if device_name is None and device.type == "cuda" and torch.cuda.is_available():
         device_name = torch.cuda.get_device_name(device)
     text = (device_name or "").lower()

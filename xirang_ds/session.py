@@ -33,7 +33,6 @@ from xirang_ds.registry import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from xirang_ds.config.fit import LeftOut
     from xirang_ds.memory.calibration import Calibration
     from xirang_ds.memory.engine_roles import TrainingWatch
     from xirang_ds.memory.tracker import MemoryTracker
@@ -65,7 +64,7 @@ class Session:
     """
 
     def __init__(self, config: XirangConfig, ds_config: dict, world_size: Optional[int] = None,
-                 framework: str = "deepspeed", left_out: Iterable["LeftOut"] = ()):
+                 framework: str = "deepspeed", left_out: Iterable[Any] = (), estimator: Any = None):
         if framework not in FRAMEWORKS:
             raise ValueError(f"framework must be one of {FRAMEWORKS}; got {framework!r}")
         problems = check_framework(config, framework)
@@ -82,9 +81,13 @@ class Session:
         """Ranks of the run (the estimator sets it; at initialize it comes from the launcher)."""
         self.plugins: list[Plugin] = [cls(section, self) for cls, section in plugins_for(config)]
         self.preset_choice: Optional[str] = None
-        """With ``"preset": "auto"``: which preset it took and why (`xirang_ds.config.auto`)."""
-        self.left_out: tuple["LeftOut", ...] = tuple(left_out)
-        """Sections the preset turned on that this run's ds_config leaves out (`xirang_ds.config.fit`)."""
+        """With ``"preset": "auto"``: which preset it took and why (`xirang_ds.planning.auto`)."""
+        self.left_out: tuple[Any, ...] = tuple(left_out)
+        """Sections the preset turned on that this run's ds_config leaves out (`xirang_ds.planning.fit`)."""
+        self.estimator: Any = estimator
+        """What predicts this run's memory before it runs (`xirang_ds.planning.estimator`: its ``estimate_states``
+        and ``estimate_run``), handed down by the integration that builds the session, which sits above the
+        estimator; grad_release's ``states: auto`` and the calibration ask it. ``None`` where nothing estimates."""
         self.engine: Any = None
         self.model: Any = None
         self._tracker = None
@@ -93,7 +96,7 @@ class Session:
         self._handles: list[Any] = []
         self.events: list[dict] = []
         self.memory_roles: list[Callable[[], Iterable[tuple[str, Any]]]] = []
-        self.oom_guard: Optional[Any] = None
+        self.oom_guard: Any = None
         """The monitor's `xirang_ds.oom.OomGuard` with ``on_oom = "halve_micro_batch"``: a plugin that
         applies an update inside backward calls its ``confirm_update()`` first."""
         self.calibration: Optional["Calibration"] = None

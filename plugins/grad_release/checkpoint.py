@@ -191,10 +191,10 @@ def basic_groups(model_states: dict) -> Optional[list[dict]]:
 
 def saved_basic_groups(tag_dir: Optional[str]) -> Optional[list[dict]]:
     """`basic_groups` of the tag's model-states file (memory-mapped); ``None`` without one."""
-    from xirang_ds.checkpoints.deepspeed_files import MODEL_STATES, _load
+    from xirang_ds.checkpoints.deepspeed_files import MODEL_STATES, load_states_file
 
     path = os.path.join(tag_dir, MODEL_STATES) if tag_dir is not None else ""
-    return basic_groups(_load(path)) if os.path.isfile(path) else None
+    return basic_groups(load_states_file(path)) if os.path.isfile(path) else None
 
 
 def mismatch(saved: dict, current: dict) -> list[str]:

@@ -26,6 +26,7 @@ from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import CallbackHandle
 from xirang_ds.memory.categories import GRADIENTS, OPTIMIZER_STATES, PARAMETERS
+from xirang_ds.memory.model_states import BACKWARD_START, STEP_PREPARE, adam_temporaries
 from xirang_ds.plugins.grad_release.states_tier import HOST_NOTE, StatesTier
 from xirang_ds.registry import UPDATE_IN_BACKWARD, Plugin, register_plugin
 
@@ -234,7 +235,6 @@ class GradReleasePlugin(StatesTier, Plugin):
         backward), one bucket filling and one reducing, this rank's shard
         held until backward ends when exact clipping uses ``hold``, and the update's temporaries in
         backward, one bucket shard at a time. There is no separate optimizer-step phase."""
-        from xirang_ds.memory.estimator import BACKWARD_START, STEP_PREPARE, _adam_temporaries
         from xirang_ds.plugins.grad_release.layout import plan_buckets
 
         if not numels:
@@ -285,7 +285,7 @@ class GradReleasePlugin(StatesTier, Plugin):
         from xirang_ds.plugins.grad_release.stochastic import CHUNK_NUMEL
 
         piece = min(shard, math.ceil(max(numels) / world))
-        adam = _adam_temporaries(shape, [piece] if shape.adam_impl == "single_tensor" else [shard])
+        adam = adam_temporaries(shape, [piece] if shape.adam_impl == "single_tensor" else [shard])
         # the stochastic rounding: the master, the 16-bit shard and a chunk's noise (`stochastic.round_`,
         # `remainders.round8_`)
         rounded = 6 * shard + 4 * min(shard, CHUNK_NUMEL)

@@ -52,7 +52,7 @@ import torch
 from xirang_ds.config.schema import OptimizerStatesConfig
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
-from xirang_ds.plugins.optimizer_states.build import MEASURED, _client_kind, _group_decoupled, settings_from_client
+from xirang_ds.plugins.optimizer_states.build import MEASURED, client_kind, group_decoupled, settings_from_client
 from xirang_ds.plugins.optimizer_states.export import decode_state
 from xirang_ds.plugins.optimizer_states.optimizer import DynamicAdamW, config_to_dict
 from xirang_ds.registry import FrameworkPath
@@ -105,7 +105,7 @@ def replace_inner(optimizer: Any, config: OptimizerStatesConfig, kept: dict[int,
     problems = []
     for i, member in enumerate(members):
         inner = getattr(member, "optimizer", None)
-        if _client_kind(inner) is None:
+        if client_kind(inner) is None:
             problems.append((f"{SECTION}.enabled",
                              f"member {i} of Megatron's optimizer ({type(member).__name__}) steps "
                              f"{type(inner).__module__}.{type(inner).__name__}; optimizer_states replaces Adam and "
@@ -131,9 +131,9 @@ def replace_inner(optimizer: Any, config: OptimizerStatesConfig, kept: dict[int,
     for member in members:
         inner = member.optimizer
         settings = settings_from_client(inner)
-        kind = _client_kind(inner)
+        kind = client_kind(inner)
         for group in inner.param_groups:
-            group["adam_w_mode"] = _group_decoupled(kind, group, settings.adam_w_mode)
+            group["adam_w_mode"] = group_decoupled(kind, group, settings.adam_w_mode)
         pinned = {i: r for i, r in kept.items() if not r.startswith(MEASURED)}
         new = over_groups(inner.param_groups, **settings.as_kwargs(), states=config_to_dict(config),
                           keep_fp32_params=kept_steps(member, pinned),

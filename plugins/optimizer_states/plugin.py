@@ -26,6 +26,7 @@ import torch
 from xirang_ds.config.schema import OptimizerStatesConfig
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
+from xirang_ds.memory.model_states import adam_temporaries
 from xirang_ds.registry import LOW_BIT_STATES, Plugin, register_plugin
 
 logger = logging.getLogger("xirang_ds")
@@ -207,7 +208,6 @@ class OptimizerStatesPlugin(Plugin):
         parameters, over ZeRO's partition; step temporaries of one chunk instead of whole tensors."""
         import math
 
-        from xirang_ds.memory.estimator import _adam_temporaries
         from xirang_ds.plugins.optimizer_states import masters
         from xirang_ds.plugins.optimizer_states.build import keep_reasons
         from xirang_ds.plugins.optimizer_states.formats import MOMENTS, make_format
@@ -236,7 +236,7 @@ class OptimizerStatesPlugin(Plugin):
                                                             default=0)
         chunk = min(self.config.chunk_numel, max(largest, 1))
         temps = (8 if fmt_name == "fp32" else 16) * chunk
-        plain_temps = _adam_temporaries(shape, [part(sum(numels))] if shape.stage >= 1 else list(numels))
+        plain_temps = adam_temporaries(shape, [part(sum(numels))] if shape.stage >= 1 else list(numels))
         out = {}
         for name, cats in phases.items():
             cats = dict(cats)

@@ -91,7 +91,7 @@ def resolve_block(block: Any, problems: Optional[list[tuple[str, str]]] = None) 
                                              f"got {describe_value(block)}")])
     preset = block.get("preset")
     local: list[tuple[str, str]] = []
-    if preset == "auto":  # resolved where the model is known (`xirang_ds.config.auto`)
+    if preset == "auto":  # resolved where the model is known (`xirang_ds.planning.auto`)
         local.append((f"{BLOCK_KEY}.preset", "\"auto\" is chosen from the model's parameters against memory_budget, "
                                              "and this path has no model. Fix: use xirang_ds.initialize (or "
                                              "patch_deepspeed), pass --model to xirang-ds validate / estimate, or "

@@ -21,7 +21,7 @@ def stage_calibration(profile: dict) -> dict[str, float]:
     return phase_factors(measured, profile["predicted_phases"])
 
 
-def _grow_micro_batch(c: Candidate, peak_at: Callable[[dict], int], budget: int, max_doublings: int = 12) -> None:
+def grow_micro_batch(c: Candidate, peak_at: Callable[[dict], int], budget: int, max_doublings: int = 12) -> None:
     """Double the candidate's micro-batch while ``peak_at(ds_config)`` fits (halve it while it does not)."""
     def at(mb: int) -> tuple[dict, int]:
         cfg = deep_merge(c.ds_config, {"train_micro_batch_size_per_gpu": mb})
@@ -41,7 +41,7 @@ def _grow_micro_batch(c: Candidate, peak_at: Callable[[dict], int], budget: int,
     c.micro_batch, c.predicted_peak = mb, peak
 
 
-def _mb_scale(profiles: dict, stage: int, mb0: int, mb1: int, mb: int) -> float:
+def micro_batch_scale(profiles: dict, stage: int, mb0: int, mb1: int, mb: int) -> float:
     """Step time at ``mb`` over step time at ``mb0``: the line through the two profiled points when
     there are two, else proportional to the micro-batch."""
     t0 = profiles.get(f"zero{stage}", {}).get("step_time_s")
@@ -54,7 +54,7 @@ def _mb_scale(profiles: dict, stage: int, mb0: int, mb1: int, mb: int) -> float:
     return mb / mb0
 
 
-def _micro_batch(cfg: dict) -> int:
+def micro_batch_of(cfg: dict) -> int:
     return int(cfg.get("train_micro_batch_size_per_gpu", 1) or 1)
 
 

@@ -12,6 +12,15 @@ import os
 import sys
 from typing import Any, Callable, Optional
 
+from xirang_ds.config.loader import read_ds_config
+from xirang_ds.config.placeholders import fill_placeholders, parse_settings
+from xirang_ds.config import BLOCK_KEY, to_dict
+from xirang_ds.bench import format_result, run_bench, write_json
+from xirang_ds.bench import run_side
+from xirang_ds.config.types import format_bytes, parse_byte_size
+from xirang_ds import __version__
+from xirang_ds.config.validate import XirangConfigError
+
 USAGE_ERROR = 2
 
 
@@ -22,9 +31,6 @@ class UsageError(Exception):
 def _read_config(path: str, args: argparse.Namespace) -> tuple[dict, list[str]]:
     """The ds_config at ``path`` with ``--set`` applied and HF's ``"auto"`` fields filled, and a note per
     field filled without a ``--set`` (`xirang_ds.config.placeholders`)."""
-    from xirang_ds.config.loader import read_ds_config
-    from xirang_ds.config.placeholders import fill_placeholders, parse_settings
-
     return fill_placeholders(read_ds_config(path), parse_settings(args.set or []))
 
 
@@ -48,7 +54,6 @@ def _add_config_flags(p: argparse.ArgumentParser, model: bool = True) -> None:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from xirang_ds.config import BLOCK_KEY, to_dict
     from xirang_ds.planning.preset import resolve
 
     ds_config, notes = _read_config(args.config, args)
@@ -116,7 +121,6 @@ def _setup_bench(p: argparse.ArgumentParser) -> None:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from xirang_ds.bench import format_result, run_bench, write_json
     from xirang_ds.config.loader import BLOCK_KEY
     from xirang_ds.planning.preset import resolve
 
@@ -201,8 +205,6 @@ def _run_estimate(args: argparse.Namespace) -> int:
     out = est.as_dict()
     print(format_estimate(est))
     if args.calibrate:
-        from xirang_ds.bench import run_side
-
         side = run_side(model, ds_config, 3, args.world_size, None, 0, "xirang" in ds_config)
         cal = recalibrate(est, side.peak_by_category, side.peak_bytes)
         out["calibration"] = cal
@@ -240,7 +242,6 @@ def _run_tune(args: argparse.Namespace) -> int:
     import json
 
     from xirang_ds.config.loader import BLOCK_KEY, validate_block
-    from xirang_ds.config.types import format_bytes, parse_byte_size
     from xirang_ds.tune import format_result, winning_ds_config, write_json
 
     model = _model(args)
@@ -338,7 +339,6 @@ register_command("report", "render a recorded memory timeline as HTML and PNG", 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xirang-ds", description="xirang_ds: less device memory for "
                                      "DeepSpeed and Megatron-core training.")
-    from xirang_ds import __version__
 
     parser.add_argument("--version", action="version", version=f"xirang_ds {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -350,8 +350,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from xirang_ds.config.validate import XirangConfigError
-
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

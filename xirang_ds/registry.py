@@ -26,7 +26,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, ContextManager, Optional, Protocol, runtime_checkable
 
-from xirang_ds.config.schema import Section, XirangConfig
+from xirang_ds.config.schema import SECTION_NAMES, Section, XirangConfig
 from xirang_ds.version import __version__
 
 
@@ -448,7 +448,6 @@ def extension_sections() -> dict[str, type]:
     """Sections contributed by third-party plugins: key → config dataclass."""
     _load_builtins()
     _load_entry_points()
-    from xirang_ds.config.schema import SECTION_NAMES
 
     return {k: v for k, v in _REGISTRY.by_section.items() if k not in SECTION_NAMES}
 

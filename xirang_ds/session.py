@@ -17,9 +17,11 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
+from xirang_ds.checkpoints import engine_files
 from xirang_ds.config.schema import XirangConfig
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import CallbackHandle, wrap_method
+from xirang_ds.memory.device_peak import device_peak
 from xirang_ds.registry import (
     ACTIVATION_PLAN,
     LOW_BIT_STATES,
@@ -194,8 +196,6 @@ class Session:
         if torch.device(self.engine.device).type == "cpu":
             window = self.track_memory().open_window()
         else:
-            from xirang_ds.memory.device_peak import device_peak
-
             window = device_peak().open()
         self._handles.append(CallbackHandle(window.close))
         return window
@@ -286,8 +286,6 @@ class Session:
         self._watch_factory = watch
         engine.xirang = self
         if checkpoints:
-            from xirang_ds.checkpoints import engine_files
-
             self._handles.append(wrap_method(engine, "save_checkpoint", functools.partial(engine_files.save, self)))
         for p in self.plugins:
             p.attach(engine)

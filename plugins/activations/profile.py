@@ -36,7 +36,7 @@ from xirang_ds.memory.dispatch import returns_alias
 from xirang_ds.plugins.activations.codecs import trial, trial_bytes
 from xirang_ds.plugins.activations.handlers import OffloadHandler
 from xirang_ds.plugins.activations.recompute import op_key
-from xirang_ds.plugins.activations.saved import Eligibility, PackContext, StorageIds
+from xirang_ds.plugins.activations.saved import Eligibility, PackContext, StorageIds, storage_flat
 from xirang_ds.plugins.activations.storage import PayloadStorage
 
 ROOT = ""
@@ -351,7 +351,6 @@ class Profiler:
         known = self._trials.get(key)
         if known is not None:
             return known
-        from xirang_ds.plugins.activations.saved import storage_flat
 
         flat, _ = storage_flat(t)
         kinds = ("compress",) + (self.lossy_kinds if any(f.tolerant for f in self.stack) else ())

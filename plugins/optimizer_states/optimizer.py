@@ -30,6 +30,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from xirang_ds.config.schema import STATE_DTYPE_ORDER, OptimizerStatesConfig
+from xirang_ds.config.validate import XirangConfigError, convert_section
 from xirang_ds.plugins.optimizer_states import export, first_step
 from xirang_ds.plugins.optimizer_states.formats import (
     MOMENTS,
@@ -63,7 +64,6 @@ def config_from_dict(data: Any) -> OptimizerStatesConfig:
     """
     if isinstance(data, OptimizerStatesConfig):
         return data
-    from xirang_ds.config.validate import XirangConfigError, convert_section
 
     problems: list = []
     config = convert_section(dict(data or {}), OptimizerStatesConfig, "xirang.optimizer_states", problems)

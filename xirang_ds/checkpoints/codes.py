@@ -27,7 +27,17 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
+from xirang_ds.checkpoints import save_atomically
+from xirang_ds.checkpoints.deepspeed_files import (
+    CheckpointReadError,
+    ds_config_dtype,
+    load_states_file,
+    read_zero12,
+    read_zero3,
+)
+from xirang_ds.checkpoints.deepspeed_writer import add_param_shapes
 from xirang_ds.checkpoints.param_states import ParamStates
+from xirang_ds.compat.deepspeed import around_zero_file_names, around_zero_save, redirect_zero_files, zero_param_shapes
 
 FOLDER = "xirang_optimizer_states"
 """The tag's folder of DynamicAdamW's codes, one DeepSpeed ZeRO file per rank."""
@@ -58,8 +68,6 @@ def in_marker(marker: dict) -> bool:
 def read_codes(tag_dir: str, names: Sequence[str], shapes: dict[str, torch.Size]) -> ParamStates:
     """The optimizer state per parameter, from the codes (cheaper to read than the plain files, and
     there before them while a save writes them)."""
-    from xirang_ds.checkpoints.deepspeed_files import CheckpointReadError, ds_config_dtype, load_states_file, read_zero3, read_zero12
-
     found = files(tag_dir)
     if not found:
         raise CheckpointReadError(f"{tag_dir}: no {FOLDER}/rank*.pt although its marker names them")
@@ -104,10 +112,6 @@ def saving_beside(engine: Any, tag_dir: str, marker: dict, facts: Any,
     writes ``latest``."""
     import deepspeed.comm as dist
 
-    from xirang_ds.checkpoints import save_atomically
-    from xirang_ds.checkpoints.deepspeed_writer import add_param_shapes
-    from xirang_ds.compat.deepspeed import around_zero_save, redirect_zero_files, zero_param_shapes
-
     rank = dist.get_rank(group=engine.optimizer.dp_process_group)
 
     def write_plain() -> None:
@@ -138,8 +142,6 @@ def saving_beside(engine: Any, tag_dir: str, marker: dict, facts: Any,
 @contextlib.contextmanager
 def loading(engine: Any, tag_dir: str) -> Iterator[None]:
     """While DeepSpeed's ``load_checkpoint`` runs: its ZeRO files are the codes beside the plain ones."""
-    from xirang_ds.compat.deepspeed import around_zero_file_names
-
     def names(original: Callable, load_dir: str, tag: Any, bf16_mode: bool) -> list[str]:
         return [path(tag_dir, r) for r in range(len(original(load_dir, tag, bf16_mode)))]
 

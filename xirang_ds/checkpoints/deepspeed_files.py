@@ -35,6 +35,7 @@ from xirang_ds.checkpoints.param_states import (
     hyperparameters,
     state_step,
 )
+from xirang_ds.plugins.optimizer_states.export import moment_range, torch_layout
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
@@ -128,8 +129,6 @@ def _group_states(base: Any) -> tuple[list[dict], list[int], list[dict]]:
 
 def read_zero12(files: list[str], stage: int, dtype: str, shapes: dict[str, torch.Size]) -> ParamStates:
     """Each parameter assembled, when asked for, from its fragments in rank order (`LazyParams`)."""
-    from xirang_ds.plugins.optimizer_states.export import moment_range
-
     index: dict[str, tuple[int, list]] = {}  # name → (group, [(file, group index, address)])
     steps: dict[int, int] = {}
     hyper: list[dict] = []
@@ -208,8 +207,6 @@ def read_zero3(tag_dir: str, files: list[str], dtype: str, param_shapes: Optiona
             states[rank, j] = (state, _keys(state, files[rank]))
 
     def build(name: str) -> ParamState:
-        from xirang_ds.plugins.optimizer_states.export import moment_range
-
         shape, j, offset, part = index[name]
         master = torch.cat([o["fp32_flat_groups"][j][offset:offset + part].float() for o in osds])
         state, keys = states[0, j]
@@ -225,8 +222,6 @@ def read_zero3(tag_dir: str, files: list[str], dtype: str, param_shapes: Optiona
 
 
 def _read_stage0(saved: dict, names: Sequence[str], shapes: dict[str, torch.Size], dtype: str) -> ParamStates:
-    from xirang_ds.plugins.optimizer_states.export import torch_layout
-
     wrapped = "optimizer_state_dict" in saved  # DeepSpeed's fp16/bf16 optimizer at stage 0
     if wrapped and "fp32_groups_flat" in saved:
         saved = _unflatten_fused(saved, names, shapes)

@@ -14,6 +14,8 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Optional
 
+from xirang_ds.checkpoints import BASIC_GROUPS
+from xirang_ds.compat.deepspeed import shared_params
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
 from xirang_ds.version import __version__
@@ -76,7 +78,6 @@ def _save_with_stage0_entry(session: Any, original, tag_dir: str, marker: dict, 
     own groups go under `BASIC_GROUPS` for this block's resume."""
     import deepspeed.comm as dist
 
-    from xirang_ds.checkpoints import BASIC_GROUPS
     from xirang_ds.checkpoints.tags import stage0_optimizer_entry
 
     client_state[BASIC_GROUPS] = facts.optimizer_groups
@@ -97,7 +98,6 @@ def _write_deepspeed_files(session: Any, save_dir: str, tag_dir: str, marker: di
 
     from xirang_ds.checkpoints.deepspeed_writer import copy_recovery_script, zero_model_entries
     from xirang_ds.checkpoints.tags import write_deepspeed_files
-    from xirang_ds.compat.deepspeed import shared_params
 
     dist.barrier()  # every rank's shard is on disk
     _, groups = write_deepspeed_files(tag_dir, marker, facts, ranks=[session.stepper.comm.rank])

@@ -10,6 +10,7 @@ import json
 import os
 from typing import Any, Mapping, Optional, Union
 
+from xirang_ds import registry
 from xirang_ds.config.presets import PRESETS, expand_preset
 from xirang_ds.config.schema import SECTION_NAMES, XirangConfig
 from xirang_ds.config.validate import XirangConfigError, convert_section, describe_value, suggest
@@ -138,8 +139,6 @@ def validate_block(block: Any) -> XirangConfig:
     Raises:
         XirangConfigError: every problem in the block, each with its dotted path.
     """
-    from xirang_ds import registry
-
     problems: list[tuple[str, str]] = []
     resolved = resolve_block(block, problems)
     extensions = registry.extension_sections()

@@ -35,9 +35,12 @@ import logging
 import os
 from typing import Any, Callable, Optional, Sequence, Union
 
+from xirang_ds.compat.megatron import check_version, is_megatron_optimizer, num_microbatches, unwrap
 from xirang_ds.config.loader import BLOCK_KEY, DsConfig, read_ds_config
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import CallbackHandle
+from xirang_ds.integration.megatron_conflicts import check_args, check_model, check_optimizer
+from xirang_ds.integration.megatron_run import MegatronRun, watch_run
 from xirang_ds.planning import estimator
 from xirang_ds.planning.preset import process_rank, resolve
 from xirang_ds.session import Session
@@ -120,7 +123,6 @@ def build_session(config: Union[DsConfig, None], world_size: Optional[int] = Non
     if BLOCK_KEY not in data:
         return None
     xcfg = resolve(data, framework=FRAMEWORK).config
-    from xirang_ds.compat.megatron import check_version
 
     check_version()
     others = sorted(k for k in data if k != BLOCK_KEY)
@@ -132,8 +134,6 @@ def build_session(config: Union[DsConfig, None], world_size: Optional[int] = Non
 
 def session_of(model: Union[Any, Sequence[Any]]) -> Optional[Session]:
     """The session `prepare_model` attached to a model (or to any chunk of a list), else ``None``."""
-    from xirang_ds.compat.megatron import unwrap
-
     chunks = model if isinstance(model, (list, tuple)) else [model]
     for chunk in chunks:
         session = getattr(unwrap(chunk), "xirang", None)
@@ -159,8 +159,6 @@ def prepare_model(session: Session, model: Any, ddp_config: Any = None) -> None:
         XirangConfigError: a Megatron setting clashes with the block (both named), or a plugin
             refuses the DDP config.
     """
-    from xirang_ds.integration.megatron_conflicts import check_model
-
     problems = check_model(session.config, model)
     if problems:
         raise XirangConfigError(problems)
@@ -189,10 +187,6 @@ def attach(session: Session, model: Union[Any, Sequence[Any]], optimizer: Any, *
         TypeError: ``optimizer`` is not a Megatron optimizer.
         XirangConfigError: Megatron's optimizer settings clash with the block (both named).
     """
-    from xirang_ds.compat.megatron import is_megatron_optimizer
-    from xirang_ds.integration.megatron_conflicts import check_optimizer
-    from xirang_ds.integration.megatron_run import MegatronRun, watch_run
-
     if not is_megatron_optimizer(optimizer):
         raise TypeError(f"xirang's Megatron integration attaches to Megatron's optimizer "
                         f"(megatron.core.optimizer.get_megatron_optimizer); got {type(optimizer).__name__}. "
@@ -297,8 +291,6 @@ def prepare_optimizer(optimizer: Any, model: Sequence[Any], get_args: Optional[A
     if session is None or optimizer is None:
         return optimizer
     margs = (get_args or _megatron_lm_args)()
-    from xirang_ds.compat.megatron import num_microbatches
-    from xirang_ds.integration.megatron_conflicts import check_args
 
     problems = check_args(session.config, margs)
     if problems:

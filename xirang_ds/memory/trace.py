@@ -16,8 +16,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from xirang_ds.compat.torch import fake_tensor_mode
 from xirang_ds.memory.categories import COMM_BUFFERS, GRADIENTS, PARAMETERS, TEMPORARIES
 from xirang_ds.memory.run_shape import EstimateError, RunShape, fullest_rank
+from xirang_ds.memory.storages import tensors_in
 
 
 @dataclass
@@ -150,8 +152,6 @@ def loss_of(output: Any) -> Optional[torch.Tensor]:
 def _stand_in_loss(output: Any) -> torch.Tensor:
     """A loss for a forward whose output holds none: the sum of its floating tensors (what a loss
     computed outside the model keeps for backward is not traced)."""
-    from xirang_ds.memory.storages import tensors_in
-
     floats = [t for t in tensors_in(output) if t.is_floating_point() and t.requires_grad]
     if not floats:
         raise EstimateError("the model's forward returns no loss and no tensor that needs a gradient")
@@ -166,7 +166,6 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
     what ``inputs`` makes (a run's own batch: `xirang_ds.memory.calibration`); then a forward whose
     output holds no loss is traced with a stand-in (`Trace.loss_outside`). The ``session``'s plugins
     apply what they change in forward and backward to the fake model meanwhile (`Plugin.trace_context`)."""
-    from xirang_ds.compat.torch import fake_tensor_mode
     from xirang_ds.memory.tracker import MemoryTracker, tensors_in
 
     # a live model's copy may keep plain tensor attributes (a cached mask): fakified on first use

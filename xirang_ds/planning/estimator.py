@@ -25,6 +25,9 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from xirang_ds.compat.torch import fake_tensor_mode
+from xirang_ds.config.loader import BLOCK_KEY
+from xirang_ds.config.types import format_bytes
 from xirang_ds.memory.categories import CATEGORIES
 from xirang_ds.memory.model_states import (
     BACKWARD_START,
@@ -48,8 +51,6 @@ from xirang_ds.memory.run_shape import (
     fullest_rank,
     partition_numel,
 )
-from xirang_ds.compat.torch import fake_tensor_mode
-from xirang_ds.config.loader import BLOCK_KEY
 from xirang_ds.memory.trace import Inputs, Trace, loss_of, trace_model
 from xirang_ds.planning.fit import fit_block
 from xirang_ds.session import Session
@@ -243,8 +244,6 @@ def recalibrate(estimate: Estimate, measured_by_category: dict[str, int], measur
 
 def format_estimate(est: Estimate) -> str:
     """The estimate as a table: each phase's total and the breakdown at the predicted peak."""
-    from xirang_ds.config.types import format_bytes
-
     lines = ["predicted per-rank peak: " + format_bytes(est.predicted_peak_bytes) +
              f" ({est.predicted_peak_bytes:,} bytes) in {est.peak_phase}"]
     lines += ["  " + n for n in est.notes]

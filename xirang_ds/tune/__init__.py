@@ -34,13 +34,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from xirang_ds.bench import run_side
 from xirang_ds.config.loader import BLOCK_KEY, deep_merge
 from xirang_ds.config.types import format_bytes
+from xirang_ds.config.validate import XirangConfigError
+from xirang_ds.memory.calibration import calibrated_peak
 from xirang_ds.models import describe_model
+from xirang_ds.planning.estimator import EstimateError
+from xirang_ds.planning.spec import estimate_spec
 from xirang_ds.tune.cost import (
     grow_micro_batch,
-    micro_batch_scale,
     micro_batch_of,
+    micro_batch_scale,
     planned_peak,
     planner_line,
     stage_calibration,
@@ -106,8 +111,6 @@ Runner = Callable[[dict, int], Any]  # (ds_config, steps) -> SideResult
 
 
 def _default_runner(model: str, world_size: int, data: Optional[str], seed: int) -> Runner:
-    from xirang_ds.bench import run_side
-
     def run(cfg: dict, steps: int) -> Any:
         return run_side(model, cfg, steps, world_size, data, seed, True)
 
@@ -116,8 +119,6 @@ def _default_runner(model: str, world_size: int, data: Optional[str], seed: int)
 
 def _estimate(model: str, cfg: dict, world_size: int, device: str) -> tuple[int, list[str], dict[str, int]]:
     """The estimator's peak, the sections it does not model, and each phase's total."""
-    from xirang_ds.planning.spec import estimate_spec
-
     est = estimate_spec(model, cfg, world_size, device)
     unmodelled = [n.split(":")[0] for n in est.notes if "not modelled" in n]
     return est.predicted_peak_bytes, unmodelled, {p: v["total"] for p, v in est.phases.items()}
@@ -193,9 +194,6 @@ def _predict(search: _Search, pool: list[Candidate]) -> list[Candidate]:
     Raises:
         ValueError: no candidate is valid.
     """
-    from xirang_ds.config.validate import XirangConfigError
-    from xirang_ds.planning.estimator import EstimateError
-
     progress = search.progress
     for i, c in enumerate(pool):
         progress.update(i, len(pool), "estimate", c.name)
@@ -265,8 +263,6 @@ def _rank(search: _Search, pool: list[Candidate], live: list[Candidate], profile
           ) -> tuple[list[Candidate], dict[str, float]]:
     """The cost model of every live candidate (calibrated peak, step time; growing, its largest micro-batch)
     and those predicted to fit, best first; with the calibration each stage's factors make of its base."""
-    from xirang_ds.memory.calibration import calibrated_peak
-
     model, world_size, device, budget = search.model, search.world_size, search.device, search.budget
     user_stage, user_mb, far_mb, grow = search.user_stage, search.user_mb, search.far_mb, search.grow
     stages = sorted({_stage(c) for c in live})

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from xirang_ds.config.loader import deep_merge
+from xirang_ds.memory.calibration import PHASES, phase_factors
 from xirang_ds.tune.space import Candidate
 
 
@@ -13,8 +14,6 @@ def stage_calibration(profile: dict) -> dict[str, float]:
     """A profiled base's calibration, as a session calibrates its own prediction
     (`xirang_ds.memory.calibration.phase_factors`): per phase, measured over estimated, where the
     run measured its phases; else one factor for the total."""
-    from xirang_ds.memory.calibration import PHASES, phase_factors
-
     measured = {p: b for p, b in (profile.get("phase_peaks") or {}).items() if p in PHASES}
     if not measured:
         measured = {"peak": profile["peak_bytes"]}

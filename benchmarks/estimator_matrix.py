@@ -10,7 +10,7 @@ fused Adam (its CPU build), reduction buckets of 5e5, 1e6, 3e7 and DeepSpeed's d
 bf16 and fp32, 1 and 2 ranks; then each xirang section alone and each preset, over both models.
 
 Each configuration trains 3 steps with the live-storage tracker on (the worst rank's peak and its
-phase are the measurement) and is estimated by `xirang_ds.memory.estimator` without running. Memory on
+phase are the measurement) and is estimated by `xirang_ds.planning.estimator` without running. Memory on
 CPU is exact, so the table is reproducible to the byte. The configurations the estimator's changes
 were made against (gpt-small, llama-small, gpt-medium and others) are `DEV`, run with ``--dev``.
 """
@@ -23,7 +23,7 @@ from typing import Optional
 
 from xirang_ds.bench import bench_rank
 from xirang_ds.launch import run_ranks
-from xirang_ds.memory.estimator import estimate_spec
+from xirang_ds.planning.spec import estimate_spec
 
 MODELS = ("gpt:layers=3,hidden=320,heads=5,seq=96,vocab=1000", "llama:layers=3,hidden=256,heads=4,seq=160,vocab=768")
 

@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from xirang_ds.memory.estimator import estimate_spec
+from xirang_ds.planning.spec import estimate_spec
 from xirang_ds.models import build_model, parse_model_spec
 
 GIB = 2**30

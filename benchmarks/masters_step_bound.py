@@ -25,7 +25,7 @@ def main() -> int:
     from tests.harness.engine_runs import ds_config
     from xirang_ds.bench import bench_rank
     from xirang_ds.launch import run_ranks
-    from xirang_ds.memory.estimator import estimate_spec
+    from xirang_ds.planning.spec import estimate_spec
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", default=None)

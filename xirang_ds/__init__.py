@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from xirang_ds.version import __version__
 
 import logging as _logging  # noqa: E402
 

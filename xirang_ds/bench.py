@@ -20,8 +20,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+import xirang_ds
 from xirang_ds.config.types import format_bytes
-from xirang_ds.memory.categories import CATEGORIES
+from xirang_ds.memory.categories import CATEGORIES, OPTIMIZER_STATES
+from xirang_ds.memory.device_peak import device_peak
 from xirang_ds.step_counts import count_step
 
 
@@ -126,8 +128,6 @@ def _untracked_step(optimizer, tracker) -> None:
     """torchao's step is torch.compile'd, and Dynamo refuses to trace under a dispatch mode: run it
     with the tracker paused and register its states after each step (the compiled step's own
     temporaries go uncounted)."""
-    from xirang_ds.memory.categories import OPTIMIZER_STATES
-
     step = optimizer.step
 
     def tracked_step(*args, **kwargs):
@@ -157,7 +157,6 @@ def bench_rank(rank: int, world: int, model_text: str, ds_config: dict, steps: i
     import deepspeed
     import torch
 
-    import xirang_ds
     from xirang_ds.data import batches, load_tokens
     from xirang_ds.memory.engine_roles import watch_engine
     from xirang_ds.memory.tracker import MemoryTracker
@@ -191,8 +190,6 @@ def bench_rank(rank: int, world: int, model_text: str, ds_config: dict, steps: i
     cuda = torch.cuda.is_available() and engine.device.type == "cuda"
     device_window = None
     if cuda:
-        from xirang_ds.memory.device_peak import device_peak
-
         torch.cuda.synchronize()
         device_window = device_peak().open()  # the monitor's window resets only itself
     window = tracker.open_window()

@@ -12,6 +12,15 @@ import os
 import sys
 from typing import Any, Callable, Optional
 
+from xirang_ds.config.loader import read_ds_config
+from xirang_ds.config.placeholders import fill_placeholders, parse_settings
+from xirang_ds.config import BLOCK_KEY, to_dict
+from xirang_ds.bench import format_result, run_bench, write_json
+from xirang_ds.bench import run_side
+from xirang_ds.config.types import format_bytes, parse_byte_size
+from xirang_ds import __version__
+from xirang_ds.config.validate import XirangConfigError
+
 USAGE_ERROR = 2
 
 
@@ -22,9 +31,6 @@ class UsageError(Exception):
 def _read_config(path: str, args: argparse.Namespace) -> tuple[dict, list[str]]:
     """The ds_config at ``path`` with ``--set`` applied and HF's ``"auto"`` fields filled, and a note per
     field filled without a ``--set`` (`xirang_ds.config.placeholders`)."""
-    from xirang_ds.config.loader import read_ds_config
-    from xirang_ds.config.placeholders import fill_placeholders, parse_settings
-
     return fill_placeholders(read_ds_config(path), parse_settings(args.set or []))
 
 
@@ -48,26 +54,23 @@ def _add_config_flags(p: argparse.ArgumentParser, model: bool = True) -> None:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from xirang_ds.config import BLOCK_KEY, to_dict
-    from xirang_ds.config.fit import fit_block
+    from xirang_ds.planning.preset import resolve
 
     ds_config, notes = _read_config(args.config, args)
     if BLOCK_KEY not in ds_config:
         print(f"{args.config}: no \"xirang\" block; the run is plain DeepSpeed")
         return 0
-    choice = None
+    spec = None
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's import-time log lines stay off stdout (JSON)
         if args.model is not None:
-            from xirang_ds.config.auto import choose_for_spec
-
             if args.world_size < 1:
                 raise UsageError(f"--world-size must be >= 1; got {args.world_size}")
-            ds_config, choice = choose_for_spec(ds_config, _model(args), args.world_size)
-        fitted = fit_block(ds_config[BLOCK_KEY], ds_config)
-    config = fitted.config
+            spec = _model(args)
+        resolved = resolve(ds_config, spec=spec, world_size=args.world_size)
+    config = resolved.config
     enabled = ", ".join(config.enabled_sections()) or "none"
     print(f"{args.config}: valid; preset {config.preset or 'none'}; enabled sections: {enabled}")
-    for line in ([choice] if choice else []) + notes + fitted.lines():
+    for line in ([resolved.choice] if resolved.choice else []) + notes + resolved.lines():
         print(f"  {line}")
     if args.show_resolved:
         print(json.dumps({"xirang": to_dict(config)}, indent=2))
@@ -118,10 +121,8 @@ def _setup_bench(p: argparse.ArgumentParser) -> None:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from xirang_ds.bench import format_result, run_bench, write_json
-    from xirang_ds.config.auto import choose_for_spec
-    from xirang_ds.config.fit import fit_block
     from xirang_ds.config.loader import BLOCK_KEY
+    from xirang_ds.planning.preset import resolve
 
     model = _model(args)  # fail fast on a bad spec
     ds_config, notes = _read_config(args.ds_config, args)
@@ -129,8 +130,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.ds_config} has no \"xirang\" block: nothing to compare")
     # every clash with the ds_config before any rank starts ("preset": "auto" resolved for the model, as the
     # run's initialize will)
-    checked, _ = choose_for_spec(ds_config, model, args.world_size)
-    fit_block(checked[BLOCK_KEY], checked)
+    resolve(ds_config, spec=model, world_size=args.world_size)
     if args.steps < 2:
         raise UsageError("--steps must be at least 2 (the first step is not timed)")
     if args.data and not os.path.isfile(args.data):
@@ -192,7 +192,8 @@ def _run_estimate(args: argparse.Namespace) -> int:
 
     import torch
 
-    from xirang_ds.memory.estimator import estimate_spec, format_estimate, recalibrate
+    from xirang_ds.planning.estimator import format_estimate, recalibrate
+    from xirang_ds.planning.spec import estimate_spec
 
     model = _model(args)
     ds_config, notes = _read_config(args.ds_config, args)
@@ -204,8 +205,6 @@ def _run_estimate(args: argparse.Namespace) -> int:
     out = est.as_dict()
     print(format_estimate(est))
     if args.calibrate:
-        from xirang_ds.bench import run_side
-
         side = run_side(model, ds_config, 3, args.world_size, None, 0, "xirang" in ds_config)
         cal = recalibrate(est, side.peak_by_category, side.peak_bytes)
         out["calibration"] = cal
@@ -243,7 +242,6 @@ def _run_tune(args: argparse.Namespace) -> int:
     import json
 
     from xirang_ds.config.loader import BLOCK_KEY, validate_block
-    from xirang_ds.config.types import format_bytes, parse_byte_size
     from xirang_ds.tune import format_result, winning_ds_config, write_json
 
     model = _model(args)
@@ -341,7 +339,6 @@ register_command("report", "render a recorded memory timeline as HTML and PNG", 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xirang-ds", description="xirang_ds: less device memory for "
                                      "DeepSpeed and Megatron-core training.")
-    from xirang_ds import __version__
 
     parser.add_argument("--version", action="version", version=f"xirang_ds {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -353,8 +350,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from xirang_ds.config.validate import XirangConfigError
-
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

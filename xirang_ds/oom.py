@@ -44,6 +44,7 @@ from xirang_ds.compat.deepspeed import (
     zero_state_missing,
 )
 from xirang_ds.compat.torch import version
+from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
 from xirang_ds.microbatch import loss_of, require_loss, with_loss
 
@@ -130,8 +131,6 @@ class OomGuard:
     def __init__(self, engine: Any, splitter: Any, session: Any, on_retry: Callable[[dict], None]):
         import deepspeed
         import torch.distributed as dist
-
-        from xirang_ds.config.validate import XirangConfigError
 
         missing = zero_state_missing(engine.optimizer)
         if missing:

@@ -24,12 +24,11 @@ from __future__ import annotations
 import importlib
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, ClassVar, ContextManager, Optional, Protocol, runtime_checkable
 
-from xirang_ds.config.schema import Section, XirangConfig
+from xirang_ds.config.schema import SECTION_NAMES, Section, XirangConfig
+from xirang_ds.version import __version__
 
-if TYPE_CHECKING:  # pragma: no cover
-    from xirang_ds.session import Session
 
 logger = logging.getLogger("xirang_ds")
 
@@ -184,7 +183,7 @@ class Plugin:
     error; the others are set to that value, so the validated section says what runs
     (`xirang_ds.integration.megatron.validate_for_megatron`). ``None``: any written value is an error."""
 
-    def __init__(self, config: Section, session: "Session"):
+    def __init__(self, config: Section, session: Any):
         self.config = config
         self.session = session
         self._handles: list[Any] = []
@@ -266,13 +265,13 @@ class Plugin:
         return {}
 
     def estimate_shape(self, shape: Any) -> Any:
-        """The `xirang_ds.memory.estimator.RunShape` the estimate uses, as this plugin changes what
+        """The `xirang_ds.planning.estimator.RunShape` the estimate uses, as this plugin changes what
         DeepSpeed runs (default: unchanged; precision's on-demand copies run DeepSpeed in fp32)."""
         return shape
 
     def trace_context(self, model: Any, tracker: Any) -> Optional[ContextManager[Any]]:
         """What this plugin changes in forward and backward, applied to the estimator's fake copy of the
-        model while it is traced (`xirang_ds.memory.estimator.trace_model`), so the trace measures it;
+        model while it is traced (`xirang_ds.planning.estimator.trace_model`), so the trace measures it;
         ``None`` (the default) when the trace runs the model as it is.
 
         Args:
@@ -286,7 +285,7 @@ class Plugin:
 
         Args:
             phases: ``{"forward"|"backward"|"optimizer_step": {category: bytes}}`` for plain DeepSpeed.
-            shape: the run's `xirang_ds.memory.estimator.RunShape` (stage, dtype, world size, ...).
+            shape: the run's `xirang_ds.planning.estimator.RunShape` (stage, dtype, world size, ...).
             numels: element count of each trainable parameter.
 
         Returns:
@@ -312,7 +311,7 @@ class Plugin:
     def check_ds_config(cls, config: Section, ds_config: dict) -> list[tuple[str, str]]:
         """Problems running this plugin, configured as ``config``, with the user's ds_config (read
         before any plugin edits it). A preset leaves a plugin with problems out and says why; a
-        section the user wrote is refused with them (`xirang_ds.config.fit`).
+        section the user wrote is refused with them (`xirang_ds.planning.fit`).
 
         Returns:
             ``[(path, message)]``, each message naming the key, its value, what is allowed and the
@@ -329,14 +328,14 @@ class Plugin:
     @classmethod
     def preset_leave_out(cls, config: Section, ds_config: dict) -> Optional[str]:
         """Why a preset leaves this plugin out although it can run: with the user's ds_config it would
-        lower nothing a step holds and only cost time (`xirang_ds.config.fit`; a section the user wrote
+        lower nothing a step holds and only cost time (`xirang_ds.planning.fit`; a section the user wrote
         runs as written). ``None`` when it pays."""
         return None
 
     @classmethod
     def preset_fallbacks(cls, config: Section, ds_config: dict) -> list[tuple[str, Any, str]]:
         """Keys of this section, as a preset set them, that the user's ds_config cannot take, each
-        with the value that replaces it and why (`xirang_ds.config.fit`; a key the user wrote is
+        with the value that replaces it and why (`xirang_ds.planning.fit`; a key the user wrote is
         kept and meets `check_ds_config`).
 
         Returns:
@@ -449,15 +448,12 @@ def extension_sections() -> dict[str, type]:
     """Sections contributed by third-party plugins: key → config dataclass."""
     _load_builtins()
     _load_entry_points()
-    from xirang_ds.config.schema import SECTION_NAMES
 
     return {k: v for k, v in _REGISTRY.by_section.items() if k not in SECTION_NAMES}
 
 
 def check_available(config: XirangConfig) -> list[tuple[str, str]]:
     """Problems for enabled sections whose plugin is not built in this version."""
-    from xirang_ds import __version__
-
     problems = []
     for name, section in config.enabled_sections().items():
         if name == "autotune":

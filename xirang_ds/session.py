@@ -17,9 +17,11 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
+from xirang_ds.checkpoints import engine_files
 from xirang_ds.config.schema import XirangConfig
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import CallbackHandle, wrap_method
+from xirang_ds.memory.device_peak import device_peak
 from xirang_ds.registry import (
     ACTIVATION_PLAN,
     LOW_BIT_STATES,
@@ -33,7 +35,6 @@ from xirang_ds.registry import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from xirang_ds.config.fit import LeftOut
     from xirang_ds.memory.calibration import Calibration
     from xirang_ds.memory.engine_roles import TrainingWatch
     from xirang_ds.memory.tracker import MemoryTracker
@@ -65,7 +66,7 @@ class Session:
     """
 
     def __init__(self, config: XirangConfig, ds_config: dict, world_size: Optional[int] = None,
-                 framework: str = "deepspeed", left_out: Iterable["LeftOut"] = ()):
+                 framework: str = "deepspeed", left_out: Iterable[Any] = (), estimator: Any = None):
         if framework not in FRAMEWORKS:
             raise ValueError(f"framework must be one of {FRAMEWORKS}; got {framework!r}")
         problems = check_framework(config, framework)
@@ -82,9 +83,13 @@ class Session:
         """Ranks of the run (the estimator sets it; at initialize it comes from the launcher)."""
         self.plugins: list[Plugin] = [cls(section, self) for cls, section in plugins_for(config)]
         self.preset_choice: Optional[str] = None
-        """With ``"preset": "auto"``: which preset it took and why (`xirang_ds.config.auto`)."""
-        self.left_out: tuple["LeftOut", ...] = tuple(left_out)
-        """Sections the preset turned on that this run's ds_config leaves out (`xirang_ds.config.fit`)."""
+        """With ``"preset": "auto"``: which preset it took and why (`xirang_ds.planning.auto`)."""
+        self.left_out: tuple[Any, ...] = tuple(left_out)
+        """Sections the preset turned on that this run's ds_config leaves out (`xirang_ds.planning.fit`)."""
+        self.estimator: Any = estimator
+        """What predicts this run's memory before it runs (`xirang_ds.planning.estimator`: its ``estimate_states``
+        and ``estimate_run``), handed down by the integration that builds the session, which sits above the
+        estimator; grad_release's ``states: auto`` and the calibration ask it. ``None`` where nothing estimates."""
         self.engine: Any = None
         self.model: Any = None
         self._tracker = None
@@ -93,7 +98,7 @@ class Session:
         self._handles: list[Any] = []
         self.events: list[dict] = []
         self.memory_roles: list[Callable[[], Iterable[tuple[str, Any]]]] = []
-        self.oom_guard: Optional[Any] = None
+        self.oom_guard: Any = None
         """The monitor's `xirang_ds.oom.OomGuard` with ``on_oom = "halve_micro_batch"``: a plugin that
         applies an update inside backward calls its ``confirm_update()`` first."""
         self.calibration: Optional["Calibration"] = None
@@ -191,8 +196,6 @@ class Session:
         if torch.device(self.engine.device).type == "cpu":
             window = self.track_memory().open_window()
         else:
-            from xirang_ds.memory.device_peak import device_peak
-
             window = device_peak().open()
         self._handles.append(CallbackHandle(window.close))
         return window
@@ -283,8 +286,6 @@ class Session:
         self._watch_factory = watch
         engine.xirang = self
         if checkpoints:
-            from xirang_ds.checkpoints import engine_files
-
             self._handles.append(wrap_method(engine, "save_checkpoint", functools.partial(engine_files.save, self)))
         for p in self.plugins:
             p.attach(engine)

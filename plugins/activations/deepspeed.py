@@ -10,6 +10,8 @@ from xirang_ds.compat.torch import uncompiled
 from xirang_ds.config.schema import ActivationsConfig
 from xirang_ds.plugins.activations import head_loss
 from xirang_ds.plugins.activations.compiled import compiled_region
+from xirang_ds.plugins.activations.gathered import GatheredRefs
+from xirang_ds.plugins.activations.selection import token_wise_names
 from xirang_ds.registry import FrameworkPath
 
 
@@ -79,8 +81,6 @@ class DeepSpeedActivations(FrameworkPath):
     def token_wise(self, model: torch.nn.Module) -> frozenset:
         """Modules the planner may slice under ``recompute_tiled`` (none at ZeRO-3, whose module hooks
         gather the weights a slice's recomputation would use: untested there)."""
-        from xirang_ds.plugins.activations.selection import token_wise_names
-
         return frozenset() if self._zero3() else token_wise_names(model, self.plugin.config)
 
     def without_selective(self) -> Optional[str]:
@@ -105,8 +105,6 @@ class DeepSpeedActivations(FrameworkPath):
         return self.session.ds_config
 
     def run_parts(self, engine: Any) -> RunParts:
-        from xirang_ds.plugins.activations.gathered import GatheredRefs
-
         model = uncompiled(engine.module)
         return RunParts(model=model, groups=(None,), forward_scope=GatheredRefs(model) if self._zero3() else None)
 

@@ -1,4 +1,4 @@
-"""What the estimator (`xirang_ds.memory.estimator`) knows of the activations plugin before anything runs.
+"""What the estimator (`xirang_ds.planning.estimator`) knows of the activations plugin before anything runs.
 
 * Heads fixed to ``chunk`` (the block's ``chunk`` list) run chunked in the estimator's fake trace
   (`trace_context`), so the trace measures what the chunked head and loss keep for backward (the

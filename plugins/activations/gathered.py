@@ -29,7 +29,10 @@ from typing import Any, Optional
 
 import torch
 
+from xirang_ds.compat.deepspeed import pass_pre_backward
 from xirang_ds.compat.torch import pop_saved_tensors_hooks, push_saved_tensors_hooks
+from xirang_ds.plugins.activations.head_loss import DeferredLogits
+from xirang_ds.plugins.activations.head_zero3 import gathered
 from xirang_ds.plugins.activations.saved import span_elements
 
 
@@ -58,9 +61,6 @@ class GatheredRefs:
     """
 
     def __init__(self, model: torch.nn.Module):
-        from xirang_ds.compat.deepspeed import pass_pre_backward
-        from xirang_ds.plugins.activations.head_loss import DeferredLogits
-
         self._by_storage: dict[int, list[torch.nn.Parameter]] = {}
         self._handles = [m.register_forward_pre_hook(self._record) for m in model.modules()
                          if any(True for _ in m.parameters(recurse=False))]
@@ -127,8 +127,6 @@ class GatheredRefs:
         p = packed.param
         data = p.data
         if not data.numel():
-            from xirang_ds.plugins.activations.head_zero3 import gathered
-
             self.regathered += 1
             with gathered(p):
                 data = p.data.clone()

@@ -7,10 +7,13 @@ from typing import Any, Optional
 
 import torch
 
+from xirang_ds.compat import megatron as mc
+from xirang_ds.compat.megatron import REPLICATED_INPUT_CHILDREN, transformer_layers
 from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import ACTIVATIONS
 from xirang_ds.plugins.activations import head_megatron
 from xirang_ds.plugins.activations.deepspeed import RunParts
+from xirang_ds.plugins.activations.handlers import ShardHandler
 from xirang_ds.plugins.activations.selection import NO_MATCH, PATH, glob_keys
 from xirang_ds.registry import FrameworkPath
 
@@ -21,8 +24,6 @@ class MegatronActivations(FrameworkPath):
     def blocks(self, model: torch.nn.Module, problems: list) -> Optional[list[str]]:
         """Every ``TransformerLayer``; the modules whose inputs are identical on every tensor-parallel rank
         are remembered for ``distribute_saved_inputs``, which sequence parallelism rules out."""
-        from xirang_ds.compat.megatron import REPLICATED_INPUT_CHILDREN, transformer_layers
-
         p = self.plugin
         blocks = [name for name, _ in transformer_layers(model)]
         children = [f"{b}.{child}" for b in blocks for child in REPLICATED_INPUT_CHILDREN]
@@ -92,14 +93,10 @@ class MegatronActivations(FrameworkPath):
         return {}
 
     def run_parts(self, run: Any) -> RunParts:
-        from xirang_ds.compat import megatron as mc
-
         p = self.plugin
         distribute = None
         if p.config.distribute_saved_inputs and run.tp_world_size > 1:
             from megatron.core import parallel_state
-
-            from xirang_ds.plugins.activations.handlers import ShardHandler
 
             tracker = self.session.tracker
             distribute = ShardHandler(parallel_state.get_tensor_model_parallel_group(),

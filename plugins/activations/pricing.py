@@ -10,6 +10,9 @@ import torch
 from xirang_ds.config.schema import ActivationsConfig
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
+from xirang_ds.memory.device_peak import device_peak
+from xirang_ds.memory.engine_roles import model_state_bytes
+from xirang_ds.memory.tracker import MemoryTracker
 from xirang_ds.plugins.activations.planner import BudgetError, Choice, Node, least_budget, option_costs, plan
 from xirang_ds.plugins.activations.profile import ROOT, ModuleProfile
 
@@ -214,7 +217,6 @@ def check_memory_budget(requested: object, engine: Any) -> None:
     """
     if requested == "auto":
         return
-    from xirang_ds.memory.engine_roles import model_state_bytes
 
     held = engine.model_state_bytes() if hasattr(engine, "model_state_bytes") else model_state_bytes(engine)
     if int(requested) < held:
@@ -242,15 +244,11 @@ class OtherPeak:
         tracker = session.tracker
         if torch.device(engine.device).type == "cpu":
             if not tracker.active:
-                from xirang_ds.memory.tracker import MemoryTracker
-
                 tracker = MemoryTracker()
                 self._watch = (tracker, session.watch(tracker, engine))
                 tracker.start()
             self._window = tracker.open_window()
         else:
-            from xirang_ds.memory.device_peak import device_peak
-
             self._window = device_peak().open()
 
     def stop(self) -> int:

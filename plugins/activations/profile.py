@@ -32,11 +32,11 @@ import torch
 
 from xirang_ds.compat.torch import TorchDispatchMode, sac_ignored_ops
 from xirang_ds.memory.device_profile import DeviceProfile, op_seconds
-from xirang_ds.memory.tracker import _returns_alias
+from xirang_ds.memory.dispatch import returns_alias
 from xirang_ds.plugins.activations.codecs import trial, trial_bytes
 from xirang_ds.plugins.activations.handlers import OffloadHandler
 from xirang_ds.plugins.activations.recompute import op_key
-from xirang_ds.plugins.activations.saved import Eligibility, PackContext, StorageIds
+from xirang_ds.plugins.activations.saved import Eligibility, PackContext, StorageIds, storage_flat
 from xirang_ds.plugins.activations.storage import PayloadStorage
 
 ROOT = ""
@@ -287,7 +287,7 @@ class Profiler:
     def record_op(self, func: Any, out: Any, seconds: float) -> None:
         key, heavy = op_key(func)
         outputs = []
-        if not _returns_alias(func):
+        if not returns_alias(func):
             for t in (out if isinstance(out, (tuple, list)) else (out,)):
                 if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type == self.eligible.device_type:
                     st = t.untyped_storage()
@@ -351,7 +351,6 @@ class Profiler:
         known = self._trials.get(key)
         if known is not None:
             return known
-        from xirang_ds.plugins.activations.saved import storage_flat
 
         flat, _ = storage_flat(t)
         kinds = ("compress",) + (self.lossy_kinds if any(f.tolerant for f in self.stack) else ())

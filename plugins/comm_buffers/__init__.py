@@ -60,6 +60,7 @@ from xirang_ds.config.schema import CommBuffersConfig
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.links import RING_RANKS_MAX, backend_link, efficient_numel
+from xirang_ds.memory.arena import Arena
 from xirang_ds.memory.run_shape import DEFAULT_MAX_LIVE_PARAMETERS, DEFAULT_MAX_REUSE_DISTANCE
 from xirang_ds.registry import STORAGE_LENDER, Plugin, register_plugin
 
@@ -347,8 +348,6 @@ class CommBuffersPlugin(Plugin):
         if size and hasattr(opt, "reduce_bucket_size") and int(size) != int(opt.reduce_bucket_size):
             opt.reduce_bucket_size = int(size)
             if self.arena is not None:
-                from xirang_ds.memory.arena import Arena
-
                 self.path.replace_arena(Arena(int(size), self.arena.slots, self.arena.dtype, self.arena.device))
         self.changes = list(state.get("changes", []))
 

@@ -7,6 +7,7 @@ from typing import Any, Optional
 from xirang_ds.compat.deepspeed import gradient_reduction_dtype
 from xirang_ds.config.types import format_bytes
 from xirang_ds.hooks import wrap_method
+from xirang_ds.memory.arena import Arena, ArenaLender, ArenaServer, bucket_slots, reductions_ordered
 from xirang_ds.plugins.comm_buffers import MAX_REDUCTIONS_PER_STEP, PRESSURE
 from xirang_ds.registry import FrameworkPath
 
@@ -19,8 +20,6 @@ class DeepSpeedBuffers(FrameworkPath):
         self._window: Any = None
 
     def attach(self, engine: Any) -> None:
-        from xirang_ds.memory.arena import Arena, ArenaServer, bucket_slots
-
         p = self.plugin
         opt = engine.optimizer
         slots = bucket_slots(opt)
@@ -38,14 +37,11 @@ class DeepSpeedBuffers(FrameworkPath):
             self._window = p.session.open_peak_window()
 
     def _start_lending(self, opt: Any) -> None:
-        from xirang_ds.memory.arena import ArenaLender
-
         p = self.plugin
         if len(getattr(opt, "ipg_buckets", {}) or {}) != 1:
             p.log(f"lend_to_activations: not lending ({len(opt.ipg_buckets)} communication dtypes, so the "
                   "arena holds one bucket per dtype; lending handles one)")
             return
-        from xirang_ds.memory.arena import reductions_ordered
 
         unsafe = reductions_ordered() if getattr(opt, "reduction_stream", None) is not None else None
         if unsafe is not None:
@@ -117,8 +113,6 @@ class DeepSpeedBuffers(FrameworkPath):
         p.changes.append(change)
         p.session.record_event("comm_buffers_resize", **change)
         if p.arena is not None:
-            from xirang_ds.memory.arena import Arena
-
             self.replace_arena(Arena(new, p.arena.slots, p.arena.dtype, p.arena.device))
         p.log(f"step {change['step']}: reduce_bucket_size {size:,} -> {new:,} elements ({reason})")
         return change

@@ -13,6 +13,20 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
+from xirang_ds.checkpoints import save_atomically
+from xirang_ds.checkpoints.param_states import (
+    LazyParams,
+    ParamState,
+    ParamStates,
+    elementwise_keys,
+    hyperparameters,
+    state_step,
+)
+from xirang_ds.plugins.grad_release.layout import BucketLayout
+from xirang_ds.plugins.optimizer_states.export import torch_layout
+from xirang_ds.checkpoints import BASIC_GROUPS
+from xirang_ds.checkpoints.deepspeed_files import MODEL_STATES, load_states_file
+
 if TYPE_CHECKING:  # pragma: no cover
     from xirang_ds.checkpoints.param_states import ParamStates
 
@@ -28,8 +42,6 @@ def shard_path(tag_dir: str, rank: int) -> str:
 
 def save_shard(path: str, payload: dict) -> None:
     """Write one rank's file (atomically: a partial file never has the final name)."""
-    from xirang_ds.checkpoints import save_atomically
-
     os.makedirs(os.path.dirname(path), exist_ok=True)
     save_atomically({"format": FORMAT, **payload}, path)
 
@@ -105,16 +117,6 @@ def read_param_states(tag_dir: str, optimizer_groups: Optional[list] = None) -> 
         ValueError: a file of another format, or one that does not say which param group each
             parameter's slice is in while its optimizer has several.
     """
-    from xirang_ds.checkpoints.param_states import (
-        LazyParams,
-        ParamState,
-        ParamStates,
-        elementwise_keys,
-        hyperparameters,
-        state_step,
-    )
-    from xirang_ds.plugins.grad_release.layout import BucketLayout
-
     first = load_shard(shard_path(tag_dir, 0), mmap=True)
     files = [first] + [load_shard(shard_path(tag_dir, r), mmap=True) for r in range(1, int(first["world"]))]
     index: dict[str, list[tuple]] = {}  # name → (numel, group, [(file, bucket, piece, state id)])
@@ -153,8 +155,6 @@ def read_param_states(tag_dir: str, optimizer_groups: Optional[list] = None) -> 
             groups.setdefault(origins[g], hyperparameters(group))
 
     def build(name: str) -> ParamState:
-        from xirang_ds.plugins.optimizer_states.export import torch_layout
-
         numel, source, pieces = index[name]
         group = origins.get(source, source)
         master, moments, step = None, {}, None
@@ -182,8 +182,6 @@ def read_param_states(tag_dir: str, optimizer_groups: Optional[list] = None) -> 
 def basic_groups(model_states: dict) -> Optional[list[dict]]:
     """The basic optimizer's param groups a grad_release run's model-states file records: under
     `BASIC_GROUPS` when its ``optimizer`` entry is plain DeepSpeed's stage-0 one, else that entry's."""
-    from xirang_ds.checkpoints import BASIC_GROUPS
-
     if model_states.get(BASIC_GROUPS) is not None:
         return model_states[BASIC_GROUPS]
     return (model_states.get("optimizer") or {}).get("param_groups")
@@ -191,10 +189,8 @@ def basic_groups(model_states: dict) -> Optional[list[dict]]:
 
 def saved_basic_groups(tag_dir: Optional[str]) -> Optional[list[dict]]:
     """`basic_groups` of the tag's model-states file (memory-mapped); ``None`` without one."""
-    from xirang_ds.checkpoints.deepspeed_files import MODEL_STATES, _load
-
     path = os.path.join(tag_dir, MODEL_STATES) if tag_dir is not None else ""
-    return basic_groups(_load(path)) if os.path.isfile(path) else None
+    return basic_groups(load_states_file(path)) if os.path.isfile(path) else None
 
 
 def mismatch(saved: dict, current: dict) -> list[str]:

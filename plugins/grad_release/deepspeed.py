@@ -15,8 +15,24 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from xirang_ds.checkpoints.engine_files import load_checkpoint_options
+from xirang_ds.checkpoints.param_states import Fragment, Slot, load_slots, set_hyperparameters
+from xirang_ds.checkpoints.tags import resolve_tag
+from xirang_ds.compat.deepspeed import protocol_holds, restore_gradient_clipping, step_protocol
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import CallbackHandle, wrap_method
+from xirang_ds.plugins.grad_release.checkpoint import (
+    load_rank_state,
+    load_shard,
+    mismatch,
+    save_rank_state,
+    saved_basic_groups,
+    shard_path,
+)
+from xirang_ds.plugins.grad_release.comm import DataParallelComm
+from xirang_ds.plugins.grad_release.ds_config import make_loss_scaler
+from xirang_ds.plugins.grad_release.pipeline import Pass
+from xirang_ds.plugins.grad_release.policy import ReleasePolicy
 from xirang_ds.registry import FrameworkPath
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -32,10 +48,6 @@ class DeepSpeedRelease(FrameworkPath):
     """``states: auto`` may move the buckets' optimizer states to host memory (checkpoints read them there)."""
 
     def attach(self, engine: Any) -> None:
-        from xirang_ds.plugins.grad_release.comm import DataParallelComm
-        from xirang_ds.plugins.grad_release.ds_config import make_loss_scaler
-        from xirang_ds.plugins.grad_release.policy import ReleasePolicy
-
         p = self.plugin
         p.engine = engine
         self._check_engine(engine)
@@ -57,8 +69,6 @@ class DeepSpeedRelease(FrameworkPath):
 
     @staticmethod
     def _check_engine(engine: Any) -> None:
-        from xirang_ds.compat.deepspeed import protocol_holds
-
         problems = [("", f"xirang.grad_release: {m}; this DeepSpeed version is not supported")
                     for m in protocol_holds()]
         if type(engine).__name__ == "PipelineEngine":
@@ -99,8 +109,6 @@ class DeepSpeedRelease(FrameworkPath):
     # engine.backward / engine.step --------------------------------------------------------------
     def _backward(self, original: Any, loss: torch.Tensor, retain_graph: bool = False,
                   scale_wrt_gas: bool = True) -> Any:
-        from xirang_ds.plugins.grad_release.pipeline import Pass
-
         p = self.plugin
         engine = p.engine
         if engine.inside_no_sync_ctxt:
@@ -139,8 +147,6 @@ class DeepSpeedRelease(FrameworkPath):
         return result
 
     def _step(self, original: Any, *args: Any, **kwargs: Any) -> Any:
-        from xirang_ds.compat.deepspeed import step_protocol
-
         p = self.plugin
         engine = p.engine
         if not engine.is_gradient_accumulation_boundary():
@@ -160,8 +166,6 @@ class DeepSpeedRelease(FrameworkPath):
 
     def _save_checkpoint(self, original: Any, save_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
         """Each rank writes its file first; then DeepSpeed writes its files and the ``latest`` pointer."""
-        from xirang_ds.plugins.grad_release.checkpoint import save_rank_state
-
         p = self.plugin
         name = str(tag) if tag is not None else f"global_step{p.engine.global_steps}"  # DeepSpeed's default
         if any(b.acc is not None for b in p.buckets) and p.engine.global_rank == 0:
@@ -172,10 +176,6 @@ class DeepSpeedRelease(FrameworkPath):
 
     def _load_checkpoint(self, original: Any, *args: Any, **kwargs: Any) -> Any:
         """DeepSpeed loads weights, hyperparameters and counters; then this rank's file, unless told not to."""
-        from xirang_ds.checkpoints.engine_files import load_checkpoint_options
-        from xirang_ds.checkpoints.tags import resolve_tag
-        from xirang_ds.plugins.grad_release.checkpoint import load_rank_state, saved_basic_groups
-
         p = self.plugin
         options = load_checkpoint_options(p.engine, *args, **kwargs)
         p.pipeline.discard_all()
@@ -201,8 +201,6 @@ class DeepSpeedRelease(FrameworkPath):
 
     def layout_differs(self, tag_dir: str) -> bool:
         """True if the tag holds grad_release shards of another layout (world size, stage, buckets)."""
-        from xirang_ds.plugins.grad_release.checkpoint import load_shard, mismatch, shard_path
-
         p = self.plugin
         path = shard_path(tag_dir, p.comm.rank)
         if not os.path.isfile(path):
@@ -213,8 +211,6 @@ class DeepSpeedRelease(FrameworkPath):
         """Continue from another owner's optimizer state (plain DeepSpeed's ZeRO files, or this
         plugin's with another layout or optimizer): every bucket's masters and optimizer states are
         cut from the whole per-parameter states, and the fp16 loss scale is taken over."""
-        from xirang_ds.checkpoints.param_states import Fragment, Slot, load_slots, set_hyperparameters
-
         p = self.plugin
         # the buckets' optimizers copy these before every step; an LR scheduler drives them
         set_hyperparameters(p.engine.optimizer, {param: n for n, param in p.engine.module.named_parameters()}, states)
@@ -232,8 +228,6 @@ class DeepSpeedRelease(FrameworkPath):
 
     def remove(self) -> None:
         """The engine clips at the user's value again; without fp32 masters it says so."""
-        from xirang_ds.compat.deepspeed import restore_gradient_clipping
-
         p = self.plugin
         restore_gradient_clipping(p.engine, p.setup.gradient_clipping)
         if p.setup.param_dtype != torch.float32 and p.engine.global_rank == 0:

@@ -23,6 +23,8 @@ from xirang_ds.compat.torch import allow_any_grad_dtype
 from xirang_ds.memory.categories import PARAMETERS
 from xirang_ds.plugins.grad_release.layout import Piece
 from xirang_ds.plugins.grad_release.optimizers import clone_optimizer, hyperparameters
+from xirang_ds.plugins.grad_release.remainders import join, join8, round8_, split, split8, tie_bytes
+from xirang_ds.plugins.grad_release.stochastic import chunk_seed, noise_seed, round_
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,6 @@ class MasterSlices:
                     view.copy_(self._param_slice(piece).reshape(-1))
                     self.views.append(view if self.sharded else view.view(self.params[piece.index].shape))
                 if self.remainders:  # a master equal to its bf16 weight has no remainder and no tie
-                    from xirang_ds.plugins.grad_release.remainders import tie_bytes
 
                     device, eight = self.master.device, self.masters == "remainders_8bit"
                     self.remainder = torch.zeros(self.master.numel(), dtype=torch.int8 if eight else torch.int16,
@@ -119,8 +120,6 @@ class MasterSlices:
         if not self.transient:
             return
         if self.remainders:
-            from xirang_ds.plugins.grad_release.remainders import split, split8
-
             if self.ties is None:
                 split8(self.master, self.remainder)
             else:
@@ -129,8 +128,6 @@ class MasterSlices:
 
     def _join(self, master: torch.Tensor) -> None:
         """The master (out, laid out as the shard) from the bf16 weights and the remainders."""
-        from xirang_ds.plugins.grad_release.remainders import join, join8
-
         if self.ties is None:
             join8(self._weight_shard(), self.remainder, master)
         else:
@@ -143,8 +140,6 @@ class MasterSlices:
         if self.masters not in ("none", "remainders_8bit"):
             out.copy_(self.master)
             return
-        from xirang_ds.plugins.grad_release.remainders import round8_
-        from xirang_ds.plugins.grad_release.stochastic import noise_seed, round_
 
         seed = noise_seed(self.index, self.steps_applied, self.comm.rank if self.sharded else 0)
         (round8_ if self.masters == "remainders_8bit" else round_)(self.master, out, seed)
@@ -181,8 +176,6 @@ class MasterSlices:
         """``view``'s ``xirang_write_back`` (in-place ``none``): an updated fp32 chunk rounded
         stochastically into the weight, its noise a function of the bucket, the step, the rank and
         the chunk's place in the shard (stage 0's ranks draw alike; a resumed run draws the same)."""
-        from xirang_ds.plugins.grad_release.stochastic import chunk_seed, noise_seed, round_
-
         flat = view.view(-1)
         rank = self.comm.rank if self.sharded else 0
 

@@ -37,8 +37,14 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from xirang_ds.compat.megatron import optimizer_configs, optimizer_members, unwrap
+from xirang_ds.compat.torch import queue_end_of_backward
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import CallbackHandle, wrap_method
+from xirang_ds.plugins.grad_release.comm import DataParallelComm
+from xirang_ds.plugins.grad_release.ds_config import BF16_MASTERS, TrainingSetup
+from xirang_ds.plugins.grad_release.pipeline import Pass
+from xirang_ds.plugins.grad_release.policy import ReleasePolicy
 from xirang_ds.registry import FrameworkPath
 
 DISARMED_DDP_METHODS = ("zero_grad_buffer", "start_grad_sync", "finish_grad_sync", "scale_gradients")
@@ -54,8 +60,6 @@ def problems(config: Any, run: Any, clip_grads: list[float]) -> list[tuple[str, 
         clip_grads: each optimizer member's ``OptimizerConfig.clip_grad``.
     """
     from megatron.core import parallel_state
-
-    from xirang_ds.compat.megatron import optimizer_members, unwrap
 
     out: list[tuple[str, str]] = []
 
@@ -230,11 +234,6 @@ class MegatronRelease(FrameworkPath):
         """Take over Megatron DDP's gradient path and Megatron's optimizer step."""
         from megatron.core import parallel_state
 
-        from xirang_ds.compat.megatron import optimizer_configs, unwrap
-        from xirang_ds.plugins.grad_release.comm import DataParallelComm
-        from xirang_ds.plugins.grad_release.ds_config import BF16_MASTERS, TrainingSetup
-        from xirang_ds.plugins.grad_release.policy import ReleasePolicy
-
         p = self.plugin
         p.engine = run
         clip_grads = [float(c.clip_grad) for c in optimizer_configs(run.optimizer)]
@@ -277,9 +276,6 @@ class MegatronRelease(FrameworkPath):
         p.pipeline.on_grad(param)
 
     def _begin_backward(self) -> None:
-        from xirang_ds.compat.torch import queue_end_of_backward
-        from xirang_ds.plugins.grad_release.pipeline import Pass
-
         p = self.plugin
         expected = int(p.engine.gradient_accumulation_steps())
         micro = p._micro + 1

@@ -25,8 +25,20 @@ from xirang_ds.config.schema import GradReleaseConfig
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import CallbackHandle
+from xirang_ds.links import backend_link, efficient_numel
 from xirang_ds.memory.categories import GRADIENTS, OPTIMIZER_STATES, PARAMETERS
+from xirang_ds.memory.model_states import BACKWARD_START, STEP_PREPARE, adam_temporaries
+from xirang_ds.plugins.grad_release import embedding_rows, rows
+from xirang_ds.plugins.grad_release.bucket import Bucket
+from xirang_ds.plugins.grad_release.ds_config import cast_model, hand_over, parameter_dtype, read_setup
+from xirang_ds.plugins.grad_release.embedding_rows import plain
+from xirang_ds.plugins.grad_release.handback import hand_back
+from xirang_ds.plugins.grad_release.layout import BucketLayout, auto_bucket_numel, plan_buckets
+from xirang_ds.plugins.grad_release.optimizers import optimizer_problems, state_tensors
+from xirang_ds.plugins.grad_release.pipeline import Pass, ReleasePipeline
+from xirang_ds.plugins.grad_release.rows import owners as rows_owners
 from xirang_ds.plugins.grad_release.states_tier import HOST_NOTE, StatesTier
+from xirang_ds.plugins.grad_release.stochastic import CHUNK_NUMEL
 from xirang_ds.registry import UPDATE_IN_BACKWARD, Plugin, register_plugin
 
 logger = logging.getLogger("xirang_ds")
@@ -74,8 +86,6 @@ class GradReleasePlugin(StatesTier, Plugin):
 
     @classmethod
     def check_ds_config(cls, config: GradReleaseConfig, ds_config: dict) -> list[tuple[str, str]]:
-        from xirang_ds.plugins.grad_release.ds_config import read_setup
-
         try:
             read_setup(ds_config, config)
         except XirangConfigError as e:
@@ -88,8 +98,6 @@ class GradReleasePlugin(StatesTier, Plugin):
         plain DeepSpeed holds there, so nothing falls (gpt-small, 2 ranks, accumulation 4: peak 1.00x,
         step 1.07x; docs/grad_release.md "Gradient accumulation"). With bf16/fp16 the masters'
         remainders and the 16-bit gradients still pay, and at stage 1/2 the accumulator is sharded."""
-        from xirang_ds.plugins.grad_release.ds_config import read_setup
-
         setup = read_setup(ds_config, config)  # asked only where check_ds_config found nothing
         accumulation = ds_config.get("gradient_accumulation_steps", 1)
         if (setup.zero_stage == 0 and isinstance(accumulation, int) and accumulation > 1
@@ -101,8 +109,6 @@ class GradReleasePlugin(StatesTier, Plugin):
 
     @classmethod
     def preset_fallbacks(cls, config: GradReleaseConfig, ds_config: dict) -> list[tuple[str, Any, str]]:
-        from xirang_ds.plugins.grad_release.ds_config import parameter_dtype
-
         dtype = parameter_dtype(ds_config)
         kinds = {"none": "no master, bf16 weights rounded stochastically",
                  "remainders_8bit": "the master's second byte beside its bf16 rounding"}
@@ -114,14 +120,10 @@ class GradReleasePlugin(StatesTier, Plugin):
 
     # seams before DeepSpeed -----------------------------------------------------------------
     def prepare_ds_config(self, ds_config: dict) -> None:
-        from xirang_ds.plugins.grad_release.ds_config import hand_over, read_setup
-
         self.setup = read_setup(ds_config, self.config)
         hand_over(ds_config)
 
     def prepare_model(self, model: Any) -> None:
-        from xirang_ds.plugins.grad_release.ds_config import cast_model
-
         if self.setup is None:
             return  # Megatron: its own modules decide the dtype (only fp32 is taken over, see attach)
         cast_model(model, self.setup.param_dtype)
@@ -141,9 +143,6 @@ class GradReleasePlugin(StatesTier, Plugin):
     def start_pipeline(self, on_grad: Optional[Callable[[torch.Tensor], None]] = None) -> None:
         """The pipeline over the planned buckets, fed by one post-accumulate-grad hook per parameter
         (``on_grad``, default the pipeline's own), and the buckets' tensors declared by role."""
-        from xirang_ds.plugins.grad_release import embedding_rows, rows
-        from xirang_ds.plugins.grad_release.pipeline import ReleasePipeline
-
         tracker = self.session.tracker
         by_rows = [rows.fits(b, b.params[0], self._owners.get(id(b.params[0]), 0)) for b in self.buckets]
         self.pipeline = ReleasePipeline(self.buckets, self.config.overlap_comm,
@@ -169,11 +168,6 @@ class GradReleasePlugin(StatesTier, Plugin):
     def plan_buckets(self, module: torch.nn.Module, optimizers: list[Any], sharded: bool) -> list[Any]:
         """Buckets over ``module``'s trainable parameters in reverse registration order, each within one
         dtype and one of ``optimizers`` (cloned for the bucket; Megatron has one per param-group kind)."""
-        from xirang_ds.plugins.grad_release.bucket import Bucket
-        from xirang_ds.plugins.grad_release.layout import BucketLayout, plan_buckets
-        from xirang_ds.plugins.grad_release.optimizers import optimizer_problems
-        from xirang_ds.plugins.grad_release.rows import owners as rows_owners
-
         problems = [p for basic in optimizers for p in optimizer_problems(basic, sharded, self.setup.zero_stage)]
         if problems:
             raise XirangConfigError([("", f"xirang.grad_release: {p}") for p in dict.fromkeys(problems)])
@@ -217,9 +211,6 @@ class GradReleasePlugin(StatesTier, Plugin):
     def _bucket_numel(self, total: int, comm_bytes: int, ranks: int) -> int:
         """``bucket_size_numel``, or its ``auto`` value for ``total`` trainable elements reduced in
         ``comm_bytes``-byte elements over ``ranks`` ranks on this run's collective backend."""
-        from xirang_ds.links import backend_link, efficient_numel
-        from xirang_ds.plugins.grad_release.layout import auto_bucket_numel
-
         if self.config.bucket_size_numel != "auto":
             return int(self.config.bucket_size_numel)
         _, latency, bandwidth = backend_link()
@@ -234,9 +225,6 @@ class GradReleasePlugin(StatesTier, Plugin):
         backward), one bucket filling and one reducing, this rank's shard
         held until backward ends when exact clipping uses ``hold``, and the update's temporaries in
         backward, one bucket shard at a time. There is no separate optimizer-step phase."""
-        from xirang_ds.memory.estimator import BACKWARD_START, STEP_PREPARE, _adam_temporaries
-        from xirang_ds.plugins.grad_release.layout import plan_buckets
-
         if not numels:
             return phases
         total = sum(numels)
@@ -282,10 +270,9 @@ class GradReleasePlugin(StatesTier, Plugin):
         # place), then the optimizer over the parameters' pieces, one at a time for torch's
         # single-tensor Adam; ``none`` then rounds the master into the 16-bit shard, the noise a
         # chunk at a time (4 bytes an element), the gradient freed by then
-        from xirang_ds.plugins.grad_release.stochastic import CHUNK_NUMEL
 
         piece = min(shard, math.ceil(max(numels) / world))
-        adam = _adam_temporaries(shape, [piece] if shape.adam_impl == "single_tensor" else [shard])
+        adam = adam_temporaries(shape, [piece] if shape.adam_impl == "single_tensor" else [shard])
         # the stochastic rounding: the master, the 16-bit shard and a chunk's noise (`stochastic.round_`,
         # `remainders.round8_`)
         rounded = 6 * shard + 4 * min(shard, CHUNK_NUMEL)
@@ -353,9 +340,6 @@ class GradReleasePlugin(StatesTier, Plugin):
         """Element counts of the estimate's parameters whose gradient comes by rows (`rows.fits`): an
         input ``nn.Embedding``'s weight and a head the block fixes to ``chunk``, larger than a bucket,
         untied, their rows split evenly over ``world`` ranks."""
-        from xirang_ds.plugins.grad_release.embedding_rows import plain
-        from xirang_ds.plugins.grad_release.rows import owners as rows_owners
-
         model = self.session.model
         if model is None:
             return []
@@ -382,8 +366,6 @@ class GradReleasePlugin(StatesTier, Plugin):
     # a finished pass --------------------------------------------------------------------------
     def after_pass(self, kind: Any, sumsq: Optional[torch.Tensor]) -> bool:
         """Act on a finished pass; False stops the passes of this backward (step skipped)."""
-        from xirang_ds.plugins.grad_release.pipeline import Pass
-
         if kind is Pass.ACCUMULATE:
             return True
         policy, pipeline = self.policy, self.pipeline
@@ -445,8 +427,6 @@ class GradReleasePlugin(StatesTier, Plugin):
 
     # memory roles -------------------------------------------------------------------------------
     def _memory_roles(self) -> list[tuple[str, Any]]:
-        from xirang_ds.plugins.grad_release.optimizers import state_tensors
-
         masters = [t for b in self.buckets for t in (b.master, b.remainder, b.ties) if t is not None]
         states = [t for b in self.buckets for t in state_tensors(b.optimizer)]
         return [(PARAMETERS, masters), (OPTIMIZER_STATES, states)]
@@ -466,8 +446,6 @@ class GradReleasePlugin(StatesTier, Plugin):
     def remove(self) -> None:
         """Hand the optimizer state back to the engine's basic optimizer, then undo every hook."""
         if self.engine is not None and self.buckets:
-            from xirang_ds.plugins.grad_release.handback import hand_back
-
             self.pipeline.discard_all()
             for bucket in self.buckets:
                 bucket.materialize()  # the optimizer's views hold the masters again

@@ -36,6 +36,8 @@ import sys
 
 import torch
 
+from xirang_ds.plugins.grad_release.stochastic import rounded_chunks
+
 _TIE = -32768  # 0x8000 as int16
 _HALF = 1 << 15  # added to the bits before clearing the low half: rounds half away from zero
 _HIGH_HALF = -(1 << 16)  # 0xFFFF0000 as int32
@@ -114,8 +116,6 @@ def round8_(master: torch.Tensor, out: torch.Tensor, seed: int) -> None:
     The noise comes from a generator seeded with ``seed`` (`stochastic.noise_seed`), a chunk of
     `stochastic.CHUNK_NUMEL` elements at a time; infinities stay, a NaN becomes the canonical one
     (whose low half is zero); the largest finite numbers can round to infinity, as to nearest."""
-    from xirang_ds.plugins.grad_release.stochastic import rounded_chunks
-
     for start, part, noise in rounded_chunks(master, seed, low_bits=8):  # 4 bytes an element of a chunk
         half = noise.fill_(_HALF).add_(part).bitwise_and_(_HIGH_HALF)  # half away from zero
         out[start:start + part.numel()].copy_(half.view(torch.float32))  # exact: the low half is zero

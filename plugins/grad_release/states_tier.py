@@ -3,7 +3,7 @@
 ``auto`` decides twice, each time only where the device cannot hold them:
 
 * at initialize (`choose_states_tier`, under DeepSpeed): where the estimate
-  (`xirang_ds.memory.estimator.estimate_states`, the figure ``"preset": "auto"`` compares) puts them in
+  (`xirang_ds.planning.estimator.estimate_states`, the figure ``"preset": "auto"`` compares) puts them in
   host memory, by the plugin's own rule in ``adjust_estimate`` (with them on the device it is over
   ``memory_budget``; ``auto``: the device's capacity), they start there: the first steps would not fit
   otherwise;
@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
+from xirang_ds.config.loader import BLOCK_KEY
+
 logger = logging.getLogger("xirang_ds")
 
 HOST_NOTE = "optimizer states in host memory (states auto): "
@@ -28,7 +30,7 @@ HOST_NOTE = "optimizer states in host memory (states auto): "
 
 
 def host_reason(notes: list[str]) -> Optional[str]:
-    """Why an estimate (`xirang_ds.memory.estimator.Estimate`) put grad_release's states in host memory, or None."""
+    """Why an estimate (`xirang_ds.planning.estimator.Estimate`) put grad_release's states in host memory, or None."""
     prefix = f"grad_release: {HOST_NOTE}"
     return next((n[len(prefix):] for n in notes if n.startswith(prefix)), None)
 
@@ -51,14 +53,12 @@ class StatesTier:
             return
         from deepspeed.accelerator import get_accelerator
 
-        from xirang_ds.config.loader import BLOCK_KEY
-        from xirang_ds.memory.estimator import estimate_states
-
         budget = self.session.config.memory_budget
         requested = dict(self.session.requested_ds_config)
         if budget == "auto":
             requested[BLOCK_KEY] = {**requested[BLOCK_KEY], "memory_budget": int(get_accelerator().total_memory())}
-        estimate = estimate_states(model, requested, self.session.world_size, get_accelerator().device_name())
+        estimate = self.session.estimator.estimate_states(model, requested, self.session.world_size,
+                                                          get_accelerator().device_name())
         self.parked_why = host_reason(estimate.notes)
         if self.parked_why is not None:
             self.session.record_event("states_to_host", reason=self.parked_why)

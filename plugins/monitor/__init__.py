@@ -41,6 +41,8 @@ from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import CallbackHandle, wrap_method
 from xirang_ds.memory.usage import MemoryReport
+from xirang_ds.microbatch import MicroBatchSplitter
+from xirang_ds.oom import OomGuard
 from xirang_ds.registry import MEMORY_WATCH, Plugin, register_plugin
 
 logger = logging.getLogger("xirang_ds")
@@ -120,12 +122,8 @@ class MonitorPlugin(Plugin):
         if self.config.enforce_budget:
             self._enforce(tracker)
         if "halve_micro_batch" in self.config.actions or self.config.on_oom == "halve_micro_batch":
-            from xirang_ds.microbatch import MicroBatchSplitter
-
             self.splitter = self.keep(MicroBatchSplitter(engine))
         if self.config.on_oom == "halve_micro_batch":
-            from xirang_ds.oom import OomGuard
-
             self.guard = self.keep(OomGuard(engine, self.splitter, self.session, self._on_retry))
             self.session.oom_guard = self.guard
             self.keep(CallbackHandle(lambda: setattr(self.session, "oom_guard", None)))

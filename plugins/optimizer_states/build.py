@@ -171,7 +171,7 @@ def settings_from_client(optimizer: Any) -> AdamSettings:
     Raises:
         XirangConfigError: not an Adam-type optimizer, or one using amsgrad.
     """
-    kind = _client_kind(optimizer)
+    kind = client_kind(optimizer)
     if kind is None:
         raise XirangConfigError([("optimizer", unsupported_message(f"{type(optimizer).__module__}."
                                                                   f"{type(optimizer).__name__} (client optimizer)"))])
@@ -192,7 +192,7 @@ def unsupported_message(what: str) -> str:
             f"xirang.optimizer_states.enabled to false")
 
 
-def _client_kind(optimizer: Any) -> Optional[str]:
+def client_kind(optimizer: Any) -> Optional[str]:
     if type(optimizer) is torch.optim.AdamW:
         return "AdamW"
     if type(optimizer) is torch.optim.Adam:
@@ -202,7 +202,7 @@ def _client_kind(optimizer: Any) -> Optional[str]:
     return None
 
 
-def _group_decoupled(kind: Optional[str], group: dict, default: bool) -> bool:
+def group_decoupled(kind: Optional[str], group: dict, default: bool) -> bool:
     if kind == "AdamW":
         return True
     if kind == "Adam":
@@ -245,11 +245,11 @@ def from_client(optimizer: Any, config: OptimizerStatesConfig, model: torch.nn.M
             ``keep_fp32`` glob matches nothing.
     """
     settings = settings_from_client(optimizer)
-    kind = _client_kind(optimizer)
+    kind = client_kind(optimizer)
     groups = []
     for g in optimizer.param_groups:
         own = {k: g[k] for k in ("lr", "betas", "eps", "weight_decay", "maximize", "bias_correction") if k in g}
-        own["adam_w_mode"] = _group_decoupled(kind, g, settings.adam_w_mode)
+        own["adam_w_mode"] = group_decoupled(kind, g, settings.adam_w_mode)
         groups.append({**own, "params": list(g["params"])})
     new = build_optimizer(groups, settings, config, keep_reasons(model, config))
     for p, st in optimizer.state.items():

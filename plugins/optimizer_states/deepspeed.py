@@ -21,6 +21,11 @@ import torch
 
 from xirang_ds.compat.deepspeed import relink_hp_params, zero3_param_groups
 from xirang_ds.config.validate import XirangConfigError
+from xirang_ds.plugins.optimizer_states import build
+from xirang_ds.plugins.optimizer_states.build import settings_from_spec
+from xirang_ds.plugins.optimizer_states.export import to_torch_optimizer
+from xirang_ds.plugins.optimizer_states.masters import ParkedMasters, zero3_problem
+from xirang_ds.plugins.optimizer_states.optimizer import DynamicAdamW
 from xirang_ds.registry import FrameworkPath, OptimizerSpec
 
 logger = logging.getLogger("xirang_ds")
@@ -46,8 +51,6 @@ def ds_config_problems(config: Any, ds_config: dict) -> list[tuple[str, str]]:
     offload (DeepSpeed then steps its own CPU Adam on host memory); ``masters`` ``"remainders"`` or
     ``"none"`` other than at ZeRO-3 in bf16; an ``optimizer`` block `build.settings_from_spec` refuses
     (not Adam or AdamW, amsgrad, a key it does not know)."""
-    from xirang_ds.plugins.optimizer_states.build import settings_from_spec
-
     zero = ds_config.get("zero_optimization") or {}
     problems = []
     spec = ds_config.get("optimizer")
@@ -118,8 +121,6 @@ class DeepSpeedStates(FrameworkPath):
         return {}
 
     def prepare_optimizer(self, optimizer: Any) -> Any:
-        from xirang_ds.plugins.optimizer_states import build
-
         p = self.plugin
         if isinstance(optimizer, OptimizerSpec):
             p.source = f"ds_config optimizer {optimizer.type}"
@@ -152,8 +153,6 @@ class DeepSpeedStates(FrameworkPath):
         return built
 
     def attach(self, engine: Any) -> None:
-        from xirang_ds.plugins.optimizer_states.optimizer import DynamicAdamW
-
         p = self.plugin
         if not isinstance(getattr(engine, "basic_optimizer", None), DynamicAdamW):
             raise RuntimeError("xirang optimizer_states: DeepSpeed did not take the optimizer this plugin built "
@@ -169,8 +168,6 @@ class DeepSpeedStates(FrameworkPath):
 
     def _park_masters(self, engine: Any) -> None:
         """``masters``: ZeRO-3's fp32 masters kept as remainders where they can be (`masters.py`)."""
-        from xirang_ds.plugins.optimizer_states.masters import ParkedMasters, zero3_problem
-
         p = self.plugin
         if p.config.masters == "fp32":
             p.masters_line = "fp32 (masters: fp32)"
@@ -198,8 +195,6 @@ class DeepSpeedStates(FrameworkPath):
 
     def remove(self) -> None:
         """Hand the engine a ``torch.optim`` Adam/AdamW with the states decoded to fp32."""
-        from xirang_ds.plugins.optimizer_states.export import to_torch_optimizer
-
         p = self.plugin
         if p.engine is None or p.optimizer is None:
             return

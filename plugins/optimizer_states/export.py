@@ -2,12 +2,11 @@
 for reading a checkpoint without it."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from xirang_ds.plugins.optimizer_states.formats import MOMENTS, format_of, make_format
-from xirang_ds.plugins.optimizer_states.optimizer import DynamicAdamW
 
 
 def decode_state(state: dict, param: torch.Tensor) -> dict:
@@ -42,8 +41,8 @@ def torch_layout(state: Optional[dict], numel: int) -> dict:
     return decode_state(state, torch.empty(numel, device="meta")) if "format" in state else state
 
 
-def to_torch_optimizer(opt: DynamicAdamW, into: Optional[torch.optim.Optimizer] = None) -> torch.optim.Optimizer:
-    """A ``torch.optim`` Adam/AdamW continuing where ``opt`` is: same param-group dicts (so learning
+def to_torch_optimizer(opt: Any, into: Optional[torch.optim.Optimizer] = None) -> torch.optim.Optimizer:
+    """A ``torch.optim`` Adam/AdamW continuing where ``opt`` (a `DynamicAdamW`) is: same param-group dicts (so learning
     rate schedulers holding either keep working), states decoded to fp32.
 
     Args:

@@ -19,6 +19,7 @@ fp32 path).
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -43,17 +44,15 @@ def applies(opt: Any, p: torch.Tensor, state: dict, hyper: AdamHyper) -> bool:
 
 def first_update(opt: Any, p: torch.Tensor, state: dict, hyper: AdamHyper) -> None:
     """``p``'s first update, its states measured chunk by chunk (module docstring)."""
-    from xirang_ds.plugins.optimizer_states.optimizer import _flat, _lcm
-
     state["step"] = torch.tensor(1.0, dtype=torch.float32)
     names = candidates(opt, state, 1)
     formats = [opt._format(name) for name in names]
     outs = [{k: v for m in MOMENTS for k, v in fmt.zeros(m, p.numel(), p.device, opt._empty()).items()}
             for fmt in formats]
     generator = opt._rounding(p, 1)
-    flat_p, flat_g = _flat(p), _flat(p.grad)
+    flat_p, flat_g = flat_view(p), flat_view(p.grad)
     n = flat_p.numel()
-    chunk = _lcm(opt.config.chunk_numel, *(fmt.block_size for fmt in formats))
+    chunk = math.lcm(opt.config.chunk_numel, *(fmt.block_size for fmt in formats))
     sums = torch.zeros(len(formats), 2, dtype=torch.float64, device=flat_p.device)
     for start in range(0, n, chunk):
         end = min(n, start + chunk)
@@ -111,4 +110,15 @@ def _settle(opt: Any, p: torch.Tensor, state: dict, name: str, fmt: Any, buffers
             hook(opt, p, "fp32", name)
 
 
-__all__ = ["applies", "candidates", "first_update"]
+def flat_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as one flat view (DynamicAdamW steps parameters and gradients as flat runs of elements).
+
+    Raises:
+        ValueError: ``t`` is not contiguous.
+    """
+    if not t.is_contiguous():
+        raise ValueError(f"DynamicAdamW needs contiguous parameters and gradients; got strides {t.stride()}")
+    return t.view(-1)
+
+
+__all__ = ["applies", "candidates", "first_update", "flat_view"]

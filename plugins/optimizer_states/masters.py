@@ -43,9 +43,12 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from xirang_ds.compat.deepspeed import ZERO3_WHOLE_MASTERS, around_zero3_update
+from xirang_ds.compat.megatron import DUMMY_STATE_INIT, wrap_range_state_seams
 from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import PARAMETERS
+from xirang_ds.memory.run_shape import partition_numel, sub_group_numels
 from xirang_ds.plugins.grad_release.remainders import join, join8, round8_, split, split8, tie_bytes
+from xirang_ds.plugins.grad_release.stochastic import noise_seed, round_
 
 SECTION = "xirang.optimizer_states"
 
@@ -153,8 +156,6 @@ class Parking:
         so a resumed run draws what the uninterrupted one would have; a master its weight already
         holds exactly (before the first update, after a load) rounds to that weight."""
         import torch.distributed as dist
-
-        from xirang_ds.plugins.grad_release.stochastic import noise_seed, round_
 
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         weight = self.weights[i].detach().view(-1)
@@ -341,7 +342,6 @@ class MegatronMasters(Parking):
         super().__init__([w for w, _ in pairs], [m for _, m in pairs], scope)
         self.member = member
         self._index = {id(m): i for i, m in enumerate(self.masters)}
-        from xirang_ds.compat.megatron import DUMMY_STATE_INIT, wrap_range_state_seams
 
         self._handles += [wrap_method(member, "prepare_grads", self._whole_for_step),
                           wrap_method(member, "step_with_ready_grads", self._parked_after_step),
@@ -401,8 +401,6 @@ def adjust_phases(phases: dict, shape: Any, numels: list[int], sub_group_size: i
     element with ``eight``), and the step
     holds one sub-group's master whole besides them (its own remainders freed while it updates, held
     while it is rebuilt or split: the larger of that and the update's temporaries)."""
-    from xirang_ds.memory.run_shape import partition_numel, sub_group_numels
-
     subs = sub_group_numels(numels, shape.groups, shape.world_size, sub_group_size)
     held = [0 if stochastic else s if eight else 2 * s + tie_bytes(s) for s in subs]
     largest = max(range(len(subs)), key=subs.__getitem__)

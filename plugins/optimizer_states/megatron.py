@@ -49,11 +49,13 @@ from typing import Any
 
 import torch
 
+from xirang_ds.compat.megatron import optimizer_members, parallel_layers, wrap_range_state_seams
 from xirang_ds.config.schema import OptimizerStatesConfig
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
-from xirang_ds.plugins.optimizer_states.build import MEASURED, _client_kind, _group_decoupled, settings_from_client
-from xirang_ds.plugins.optimizer_states.export import decode_state
+from xirang_ds.plugins.optimizer_states.build import MEASURED, client_kind, group_decoupled, settings_from_client
+from xirang_ds.plugins.optimizer_states.export import decode_state, to_torch_optimizer
+from xirang_ds.plugins.optimizer_states.masters import MegatronMasters, megatron_problem
 from xirang_ds.plugins.optimizer_states.optimizer import DynamicAdamW, config_to_dict
 from xirang_ds.registry import FrameworkPath
 
@@ -64,8 +66,6 @@ logger = logging.getLogger("xirang_ds")
 def megatron_keep_reasons(model: torch.nn.Module, config: OptimizerStatesConfig) -> dict[int, str]:
     """Reasons to keep fp32 states that only Megatron's layers give (by parameter ``id``): replicated
     on the tensor-parallel group, or the vocab-parallel embedding's shard."""
-    from xirang_ds.compat.megatron import parallel_layers
-
     reasons: dict[int, str] = {}
     if config.keep_fp32_embeddings_and_norms:
         prefix = MEASURED if config.keep_fp32_embeddings_and_norms == "measured" else ""
@@ -99,13 +99,11 @@ def replace_inner(optimizer: Any, config: OptimizerStatesConfig, kept: dict[int,
     """
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from xirang_ds.compat.megatron import optimizer_members
-
     members = optimizer_members(optimizer)
     problems = []
     for i, member in enumerate(members):
         inner = getattr(member, "optimizer", None)
-        if _client_kind(inner) is None:
+        if client_kind(inner) is None:
             problems.append((f"{SECTION}.enabled",
                              f"member {i} of Megatron's optimizer ({type(member).__name__}) steps "
                              f"{type(inner).__module__}.{type(inner).__name__}; optimizer_states replaces Adam and "
@@ -118,8 +116,6 @@ def replace_inner(optimizer: Any, config: OptimizerStatesConfig, kept: dict[int,
                                                "rounded stochastically in their place. Fix: set masters \"auto\", "
                                                "\"remainders\" or \"fp32\""))
     if config.masters == "remainders":
-        from xirang_ds.plugins.optimizer_states.masters import megatron_problem
-
         for i, member in enumerate(members):
             problem = megatron_problem(member)
             if problem is not None:
@@ -131,9 +127,9 @@ def replace_inner(optimizer: Any, config: OptimizerStatesConfig, kept: dict[int,
     for member in members:
         inner = member.optimizer
         settings = settings_from_client(inner)
-        kind = _client_kind(inner)
+        kind = client_kind(inner)
         for group in inner.param_groups:
-            group["adam_w_mode"] = _group_decoupled(kind, group, settings.adam_w_mode)
+            group["adam_w_mode"] = group_decoupled(kind, group, settings.adam_w_mode)
         pinned = {i: r for i, r in kept.items() if not r.startswith(MEASURED)}
         new = over_groups(inner.param_groups, **settings.as_kwargs(), states=config_to_dict(config),
                           keep_fp32_params=kept_steps(member, pinned),
@@ -190,8 +186,6 @@ def distributed_seams(member: Any, optimizer: DynamicAdamW) -> list:
                 state["step"] = state["step"].clone()
         return out
 
-    from xirang_ds.compat.megatron import wrap_range_state_seams
-
     loaders = [wrap_method(member, name, load) for name in DISTRIBUTED_LOADERS]
     return [*wrap_range_state_seams(member, read, write), *loaders]
 
@@ -239,8 +233,6 @@ def kept_steps(member: Any, kept: dict[int, str]) -> list[torch.Tensor]:
 
 def restore_inner(replaced: list[Replaced]) -> None:
     """Give each member its ``torch.optim`` object back, holding the states decoded to fp32."""
-    from xirang_ds.plugins.optimizer_states.export import to_torch_optimizer
-
     for member, original, new, handles in replaced:
         for handle in handles:
             handle.remove()
@@ -274,8 +266,6 @@ class MegatronStates(FrameworkPath):
     def _park_masters(self) -> None:
         """``masters``: the fp32 masters of each member's bf16 parameters parked between steps
         (`masters.MegatronMasters`); `replace_inner` refused an explicit ``remainders`` where it cannot."""
-        from xirang_ds.plugins.optimizer_states.masters import MegatronMasters, megatron_problem
-
         p = self.plugin
         if p.config.masters == "fp32":
             p.masters_line = "fp32 (masters: fp32)"

@@ -30,7 +30,8 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from xirang_ds.config.schema import STATE_DTYPE_ORDER, OptimizerStatesConfig
-from xirang_ds.plugins.optimizer_states import first_step
+from xirang_ds.config.validate import XirangConfigError, convert_section
+from xirang_ds.plugins.optimizer_states import export, first_step
 from xirang_ds.plugins.optimizer_states.formats import (
     MOMENTS,
     StateFormat,
@@ -63,7 +64,6 @@ def config_from_dict(data: Any) -> OptimizerStatesConfig:
     """
     if isinstance(data, OptimizerStatesConfig):
         return data
-    from xirang_ds.config.validate import XirangConfigError, convert_section
 
     problems: list = []
     config = convert_section(dict(data or {}), OptimizerStatesConfig, "xirang.optimizer_states", problems)
@@ -272,8 +272,8 @@ class DynamicAdamW(torch.optim.Optimizer):
                     step: int, hyper: AdamHyper, measure: bool, generator: Optional[torch.Generator]
                     ) -> Optional[Measurement]:
         """Decode, update and encode ``p`` chunk by chunk; the measurement when ``measure``."""
-        flat_p = _flat(p)
-        flat_g = _flat(p.grad)
+        flat_p = first_step.flat_view(p)
+        flat_g = first_step.flat_view(p.grad)
         n = flat_p.numel()
         chunk = _lcm(self.config.chunk_numel, src.block_size, dst.block_size)
         fuse = not measure and generator is None and src is dst and self.fused.applies(src, flat_p, flat_g)
@@ -313,10 +313,8 @@ class DynamicAdamW(torch.optim.Optimizer):
         """``p``'s state in ``torch.optim.AdamW`` layout (fp32 moments shaped like ``p``, ``step``);
         empty before its first update. Other code that moves states (grad_release handing them
         back on removal) reads them through this."""
-        from xirang_ds.plugins.optimizer_states.export import decode_state
-
         state = self.state.get(p)
-        return decode_state(state, p) if state else {}
+        return export.decode_state(state, p) if state else {}
 
     def _init_state(self, p: torch.Tensor, state: dict, name: str) -> None:
         fmt = self._format(name)
@@ -482,12 +480,6 @@ def _check_numel(state: dict, p: torch.Tensor, index: int) -> None:
             f"ZeRO-3 sub-groups (zero_optimization.sub_group_size) or another set of parameters cannot be matched "
             f"element by element. Resume with the world size and sub_group_size the checkpoint was saved with, or "
             f"load with load_optimizer_states=False to restart the moments.")
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    if not t.is_contiguous():
-        raise ValueError(f"DynamicAdamW needs contiguous parameters and gradients; got strides {t.stride()}")
-    return t.view(-1)
 
 
 def _lcm(*values: int) -> int:

@@ -23,9 +23,20 @@ from typing import Any, Optional
 
 import torch
 
-from xirang_ds.config.schema import OptimizerStatesConfig
+from xirang_ds.config.schema import STATE_DTYPE_ORDER, OptimizerStatesConfig
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
+from xirang_ds.memory.model_states import adam_temporaries
+from xirang_ds.memory.pool import align_up
+from xirang_ds.memory.run_shape import sub_group_size
+from xirang_ds.plugins.optimizer_states import masters
+from xirang_ds.plugins.optimizer_states.build import MEASURED, keep_reasons, settings_from_client
+from xirang_ds.plugins.optimizer_states.deepspeed import check_ds_config, ds_config_problems
+from xirang_ds.plugins.optimizer_states.formats import MOMENTS, make_format
+from xirang_ds.plugins.optimizer_states.masters import parks
+from xirang_ds.plugins.optimizer_states.optimizer import config_to_dict
+from xirang_ds.plugins.optimizer_states.schedule import make_policy
+from xirang_ds.plugins.optimizer_states.update import param_numel
 from xirang_ds.registry import LOW_BIT_STATES, Plugin, register_plugin
 
 logger = logging.getLogger("xirang_ds")
@@ -72,16 +83,12 @@ class OptimizerStatesPlugin(Plugin):
 
     @classmethod
     def check_ds_config(cls, config: OptimizerStatesConfig, ds_config: dict) -> list[tuple[str, str]]:
-        from xirang_ds.plugins.optimizer_states.deepspeed import ds_config_problems
-
         return ds_config_problems(config, ds_config)
 
     @classmethod
     def check_optimizer(cls, config: OptimizerStatesConfig, optimizer: Any) -> list[tuple[str, str]]:
         """No optimizer to replace, or a client optimizer `build.settings_from_client` refuses (not Adam
         or AdamW, amsgrad); a ds_config block's is `check_ds_config`'s."""
-        from xirang_ds.plugins.optimizer_states.build import settings_from_client
-
         if optimizer is None:
             return [(f"{SECTION}.enabled", NO_OPTIMIZER)]
         try:
@@ -94,8 +101,6 @@ class OptimizerStatesPlugin(Plugin):
     @classmethod
     def preset_leave_out(cls, config: OptimizerStatesConfig, ds_config: dict) -> Optional[str]:
         """fp32 states and DeepSpeed's masters kept fp32: `DynamicAdamW` would hold what AdamW holds."""
-        from xirang_ds.plugins.optimizer_states.masters import parks
-
         exact = config.policy == "steps" and all(e.dtype == "fp32" for e in config.schedule)
         if exact and not parks(config, ds_config):
             return ("fp32 states, and DeepSpeed's masters stay fp32 here (they are kept as remainders only at "
@@ -104,10 +109,6 @@ class OptimizerStatesPlugin(Plugin):
 
     # seams ------------------------------------------------------------------------------------
     def prepare_ds_config(self, ds_config: dict) -> None:
-        from xirang_ds.memory.run_shape import sub_group_size
-        from xirang_ds.plugins.optimizer_states import masters
-        from xirang_ds.plugins.optimizer_states.deepspeed import check_ds_config
-
         check_ds_config(self.config, ds_config)
         zero = ds_config.get("zero_optimization") or {}
         if int(zero.get("stage", 0) or 0) > 0:
@@ -119,8 +120,6 @@ class OptimizerStatesPlugin(Plugin):
             zero["sub_group_size"] = sub_group_size(trainable, self.session.world_size)
 
     def prepare_model(self, model: Any) -> None:
-        from xirang_ds.plugins.optimizer_states.build import keep_reasons
-
         self.model = model
         by_id = keep_reasons(model, self.config)  # a keep_fp32 glob matching nothing fails here
         by_id = {**self.path.keep_reasons(model), **by_id}
@@ -188,8 +187,6 @@ class OptimizerStatesPlugin(Plugin):
     def estimate_shape(self, shape: Any) -> Any:
         """DeepSpeed's groups as this plugin splits them (`split_groups`: policy-driven, kept fp32,
         measured): ZeRO 1/2 partitions each on its own, so each has its own rank boundary."""
-        from xirang_ds.plugins.optimizer_states.build import MEASURED, keep_reasons
-
         model = self.session.model
         if model is None or self.session.stepper is not None:
             return shape  # grad_release hands DeepSpeed stage 0 and models its own layout
@@ -206,12 +203,6 @@ class OptimizerStatesPlugin(Plugin):
         schedule only lowers precision, stability never rises above its start), fp32 for the kept
         parameters, over ZeRO's partition; step temporaries of one chunk instead of whole tensors."""
         import math
-
-        from xirang_ds.memory.estimator import _adam_temporaries
-        from xirang_ds.plugins.optimizer_states import masters
-        from xirang_ds.plugins.optimizer_states.build import keep_reasons
-        from xirang_ds.plugins.optimizer_states.formats import MOMENTS, make_format
-        from xirang_ds.plugins.optimizer_states.schedule import make_policy
 
         model = self.session.model
         if model is None:
@@ -236,7 +227,7 @@ class OptimizerStatesPlugin(Plugin):
                                                             default=0)
         chunk = min(self.config.chunk_numel, max(largest, 1))
         temps = (8 if fmt_name == "fp32" else 16) * chunk
-        plain_temps = _adam_temporaries(shape, [part(sum(numels))] if shape.stage >= 1 else list(numels))
+        plain_temps = adam_temporaries(shape, [part(sum(numels))] if shape.stage >= 1 else list(numels))
         out = {}
         for name, cats in phases.items():
             cats = dict(cats)
@@ -253,8 +244,6 @@ class OptimizerStatesPlugin(Plugin):
 
     # reporting and checkpoints ----------------------------------------------------------------
     def describe(self) -> str:
-        from xirang_ds.plugins.optimizer_states.build import MEASURED
-
         if not self.optimizers:
             return "not built"
         numel: dict[str, int] = {}
@@ -278,13 +267,9 @@ class OptimizerStatesPlugin(Plugin):
                    if self.parked and self.parked[0].stochastic else ""))
 
     def state_dict(self) -> dict:
-        from xirang_ds.plugins.optimizer_states.optimizer import config_to_dict
-
         return {"config": config_to_dict(self.config)}
 
     def load_state_dict(self, state: dict) -> None:
-        from xirang_ds.plugins.optimizer_states.optimizer import config_to_dict
-
         self._rehome()  # the loaded states are plain copies
         self.loaded_config = state.get("config")
         apart = ("fused", "masters")  # neither changes what a checkpoint holds
@@ -297,8 +282,6 @@ class OptimizerStatesPlugin(Plugin):
 
 def quantized_formats(config: OptimizerStatesConfig) -> list[str]:
     """The int8/int4 formats the policy can put a tensor in."""
-    from xirang_ds.config.schema import STATE_DTYPE_ORDER
-
     if config.policy == "steps":
         names = [e.dtype for e in config.schedule]
     else:
@@ -311,10 +294,6 @@ def quantized_demand(optimizer: Any) -> tuple[int, int]:
     """``(bytes, largest)``: the most pool bytes the optimizer's int8/int4 buffers hold at once (the
     largest format's total, plus one tensor of another format while it converts) and its largest
     single buffer, each rounded up to the pool's alignment."""
-    from xirang_ds.memory.pool import align_up
-    from xirang_ds.plugins.optimizer_states.formats import MOMENTS
-    from xirang_ds.plugins.optimizer_states.update import param_numel
-
     totals, per_tensor, largest = [], [], 0
     for name in quantized_formats(optimizer.config):
         fmt = optimizer._format(name)

@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 import torch
 
+from xirang_ds.compat.torch import disable_current_modes
 from xirang_ds.config.schema import PrecisionConfig
 
 logger = logging.getLogger("xirang_ds")
@@ -209,7 +210,6 @@ def check_device_dtype(device_type: str, dtype: torch.dtype, accelerator: Any) -
     native = bool(getattr(accelerator, probe)()) if probe and accelerator is not None else False
     if device_type != "cpu":
         return None if native else f"DeepSpeed's {device_type} accelerator reports that this device cannot run {name}"
-    from xirang_ds.compat.torch import disable_current_modes
 
     try:
         with disable_current_modes():  # a real probe, also under the estimator's FakeTensorMode

@@ -41,12 +41,11 @@ from xirang_ds.compat.torch import (
     OpOverload,
     destroy_library,
     op_entry,
-    ops_with_kernel,
     pop_saved_tensors_hooks,
     privateuse1_backend_name,
     push_saved_tensors_hooks,
 )
-from xirang_ds.plugins.precision.op_lists import OpLists
+from xirang_ds.plugins.precision.op_lists import OpLists, native_autocast_ops
 from xirang_ds.plugins.precision.recast import CastSet, widest
 
 _AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA", "xpu": "AutocastXPU", "hpu": "AutocastHPU",
@@ -66,11 +65,6 @@ def autocast_key(device_type: str) -> str:
         raise ValueError(f"device type {device_type!r} has no torch autocast support; precision runs on "
                          f"{', '.join(sorted(_AUTOCAST_KEYS))} or the registered privateuse1 backend")
     return key
-
-
-def native_autocast_ops(key: str) -> frozenset[str]:
-    """Qualified overloads that have a kernel at ``key`` (PyTorch's own list, read from the dispatcher)."""
-    return ops_with_kernel(key)
 
 
 @dataclass(frozen=True)

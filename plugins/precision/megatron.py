@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from xirang_ds.compat.megatron import unwrap
 from xirang_ds.compat.torch import DisableAutocast
 from xirang_ds.config.schema import PrecisionConfig
 from xirang_ds.hooks import wrap_method
@@ -54,8 +55,6 @@ class MegatronPrecision(FrameworkPath):
         p.decide(decided, lists, device_type, accelerator, problems)
 
     def attach(self, run: Any) -> None:
-        from xirang_ds.compat.megatron import unwrap
-
         p = self.plugin
         model = unwrap(run.module)  # the names of the rules are the GPTModel's
         for handle in p.runtime.attach(model):

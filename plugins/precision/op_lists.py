@@ -30,7 +30,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from xirang_ds.compat.torch import OpOverload, OpOverloadPacket, all_op_names, op_schema
+from xirang_ds.compat.torch import OpOverload, OpOverloadPacket, all_op_names, op_schema, ops_with_kernel
 
 DEFAULT_TOKEN = "default"
 """The token that stands for a built-in list."""
@@ -300,11 +300,14 @@ def build_op_lists(low_tokens: Iterable[str], fp32_tokens: Iterable[str], path: 
                    promote=frozenset(promote - listed))
 
 
+def native_autocast_ops(key: str) -> frozenset[str]:
+    """Qualified overloads that have a kernel at ``key`` (PyTorch's own list, read from the dispatcher)."""
+    return ops_with_kernel(key)
+
+
 def torch_cpu_autocast_lists() -> OpLists:
     """PyTorch's own CPU autocast lists as an `OpLists`, read from the dispatcher (for comparisons:
     with them the plugin computes exactly what ``torch.autocast("cpu")`` computes)."""
-    from xirang_ds.plugins.precision.kernels import native_autocast_ops
-
     native = native_autocast_ops("AutocastCPU")
     low = frozenset(o for o in native if short(o) in TORCH_CPU_AUTOCAST_LOW)
     promote = {"cat", "stack", "index_copy"}

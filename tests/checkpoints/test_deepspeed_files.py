@@ -133,18 +133,18 @@ def test_every_plain_layout_reads_into_the_trained_state(checkpoints, stage, dty
 @pytest.mark.distributed
 @pytest.mark.parametrize("stage,dtype", [(s, d) for s, d in LAYOUTS if s in (1, 2)])
 def test_zero_files_written_from_the_states_equal_deepspeeds_own(checkpoints, stage, dtype, tmp_path):
-    from xirang_ds.checkpoints.deepspeed_files import _load, read_deepspeed_states
+    from xirang_ds.checkpoints.deepspeed_files import load_states_file, read_deepspeed_states
     from xirang_ds.checkpoints.deepspeed_writer import optim_file_name, write_zero_files
 
     names, shapes = _model()
     tag_dir = os.path.join(checkpoints, f"s{stage}_{dtype}", "global_step1")
     states = read_deepspeed_states(tag_dir, names, shapes)
-    theirs = [_load(os.path.join(tag_dir, optim_file_name(r, dtype))) for r in range(2)]
+    theirs = [load_states_file(os.path.join(tag_dir, optim_file_name(r, dtype))) for r in range(2)]
     torch_groups = theirs[0]["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]
     write_zero_files(str(tmp_path), states, [names], {n: shapes[n].numel() for n in names}, torch_groups, stage, dtype,
                      2, ds_config=theirs[0]["ds_config"])
     for rank in range(2):
-        ours = _load(os.path.join(tmp_path, optim_file_name(rank, dtype)))
+        ours = load_states_file(os.path.join(tmp_path, optim_file_name(rank, dtype)))
         # clip_grad is left out (the loading run keeps its own), and so is a bf16/fp32 run's static scaler
         left_out = {".optimizer_state_dict.clip_grad (one side)"} | (
             set() if dtype == "fp16" else {".optimizer_state_dict.loss_scaler (one side)"})
@@ -155,11 +155,11 @@ def test_zero_files_written_from_the_states_equal_deepspeeds_own(checkpoints, st
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32", "bf16_fused", "fp16_fused"])
 def test_the_stage0_entry_written_from_the_states_equals_deepspeeds_own(checkpoints, dtype):
     """torch's optimizer (fp32), FP16_UnfusedOptimizer and FP16_Optimizer over FusedAdam (bf16/fp16)."""
-    from xirang_ds.checkpoints.deepspeed_files import MODEL_STATES, _load, read_deepspeed_states
+    from xirang_ds.checkpoints.deepspeed_files import MODEL_STATES, load_states_file, read_deepspeed_states
     from xirang_ds.checkpoints.deepspeed_writer import stage0_entry
 
     names, shapes = _model()
-    model_states = _load(os.path.join(checkpoints, f"s0_{dtype}", "global_step1", MODEL_STATES))
+    model_states = load_states_file(os.path.join(checkpoints, f"s0_{dtype}", "global_step1", MODEL_STATES))
     theirs = model_states["optimizer"]
     states = read_deepspeed_states(os.path.join(checkpoints, f"s0_{dtype}", "global_step1"), names, shapes)
     torch_groups = theirs.get("optimizer_state_dict", theirs)["param_groups"]

@@ -11,7 +11,7 @@ import torch
 
 from tests.harness.engine_runs import data_iter, ds_config
 from xirang_ds.bench import optimizer_step
-from xirang_ds.config.fit import fit_block
+from xirang_ds.planning.fit import fit_block
 from xirang_ds.launch import run_ranks
 from xirang_ds.registry import OptimizerSpec
 

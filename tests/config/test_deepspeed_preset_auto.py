@@ -1,4 +1,4 @@
-"""``"preset": "auto"`` (xirang_ds/config/auto.py): the least aggressive preset the sensitivity allows
+"""``"preset": "auto"`` (xirang_ds/planning/auto.py): the least aggressive preset the sensitivity allows
 whose estimated model states fit memory_budget; no fit names the shortfall in bytes; the choice is
 said in the session summary and by ``xirang-ds validate --model``; bad input is reported with the key
 and the fix."""
@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from tests.harness.engine_runs import ds_config
-from xirang_ds.config.auto import choose_preset
+from xirang_ds.planning.auto import choose_preset
 from xirang_ds.config.loader import validate_block
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.launch import run_ranks
-from xirang_ds.memory.estimator import estimate_states
+from xirang_ds.planning.estimator import estimate_states
 from xirang_ds.models import BUILTIN_SPECS, build_model
 
 BASE = ds_config(stage=2, micro=2, clip=1.0)

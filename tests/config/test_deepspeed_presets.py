@@ -6,7 +6,7 @@ import math
 import pytest
 
 from tests.harness.engine_runs import data_iter, ds_config
-from xirang_ds.config.fit import fit_block
+from xirang_ds.planning.fit import fit_block
 from xirang_ds.config.presets import PRESETS
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.launch import run_ranks
@@ -357,7 +357,7 @@ def test_auto_candidates_follow_the_structure():
 
 
 def test_the_estimate_fits_the_preset_as_initialize_does():
-    from xirang_ds.memory.estimator import estimate_spec
+    from xirang_ds.planning.spec import estimate_spec
 
     est = estimate_spec("gpt-tiny", _config("zero3 bf16, accumulation 4, clipping", {"preset": "balanced"}))
     assert est.predicted_peak_bytes > 0

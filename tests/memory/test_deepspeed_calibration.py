@@ -116,7 +116,7 @@ def test_signature_keys_by_shape_not_value():
 def test_estimate_of_a_forward_with_keywords_and_no_loss():
     """A model called with keywords whose output is logits (the loss computed outside): traced with a
     stand-in loss, and the estimate says what it did not see."""
-    from xirang_ds.memory.estimator import estimate_run
+    from xirang_ds.planning.estimator import estimate_run
 
     class Head(torch.nn.Module):
         def __init__(self):

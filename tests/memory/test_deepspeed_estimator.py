@@ -7,7 +7,8 @@ import pytest
 from tests.harness.engine_runs import ds_config
 from xirang_ds.bench import bench_rank
 from xirang_ds.launch import run_ranks
-from xirang_ds.memory.estimator import EstimateError, RunShape, estimate_spec, korthikanti_activations
+from xirang_ds.planning.estimator import EstimateError, RunShape, korthikanti_activations
+from xirang_ds.planning.spec import estimate_spec
 from xirang_ds.models import ModelSpecError, build_model, parse_model_spec
 
 INT8 = {"optimizer_states": {"enabled": True, "schedule": [{"dtype": "int8"}], "min_numel": 0}}
@@ -65,7 +66,7 @@ def test_grad_release_estimate_takes_the_largest_gradients_by_rows(monkeypatch):
     gradient was 262,144. At this model's traced points DeepSpeed has made none in this micro-step yet (it
     holds only those carried from the one before): the accumulator alone."""
     from xirang_ds.memory.categories import GRADIENTS
-    from xirang_ds.memory.estimator import BACKWARD_START
+    from xirang_ds.planning.estimator import BACKWARD_START
     from xirang_ds.plugins.grad_release.plugin import GradReleasePlugin
 
     config = ds_config(stage=2, dtype="bf16", micro=4, gas=2, xirang={**CHUNK, **GRAD_RELEASE})

@@ -175,7 +175,7 @@ def test_tracker_limit_raises_before_counting():
 
 def test_refused_where_a_retry_cannot_be_exact():
     from xirang_ds import XirangConfigError
-    from xirang_ds.config.fit import fit_block
+    from xirang_ds.planning.fit import fit_block
 
     monitor = {"monitor": {"enabled": True, "on_oom": "halve_micro_batch"}}
     with pytest.raises(XirangConfigError, match="exact_method 'two_pass' applies updates during its second backward"):

@@ -180,7 +180,7 @@ def test_zero3_masters_as_remainders_are_exact_and_hold_2_125_bytes(tmp_path):
 
 @pytest.mark.parametrize("masters", ["remainders", "none"])  # none: test_masters_none.py
 def test_remainders_elsewhere_is_refused_with_every_problem(masters):
-    from xirang_ds.config.fit import fit_block
+    from xirang_ds.planning.fit import fit_block
     from xirang_ds.config.validate import XirangConfigError
 
     block = {"optimizer_states": {"enabled": True, "masters": masters}}

@@ -149,7 +149,7 @@ def test_the_preset_hands_its_masters_over_where_grad_release_is_left_out(preset
     Written by the user where it cannot run it is an error
     (`test_masters.test_remainders_elsewhere_is_refused_with_every_problem`)."""
     from tests.harness.engine_runs import ds_config
-    from xirang_ds.config.fit import fit_block
+    from xirang_ds.planning.fit import fit_block
 
     def fitted(stage, dtype, **block):
         return fit_block({"preset": preset, **block}, ds_config(stage=stage, dtype=dtype))

@@ -7,7 +7,7 @@ import pytest
 
 from xirang_ds.config.loader import validate_block
 from xirang_ds.config.validate import XirangConfigError
-from xirang_ds.memory.estimator import estimate_spec
+from xirang_ds.planning.spec import estimate_spec
 from xirang_ds.tune import Progress, format_result, search_space, tune, winning_ds_config
 
 DS = {
@@ -150,13 +150,13 @@ def test_cli_tune_end_to_end(tmp_path, capsys):
 
 
 def test_step_time_is_a_line_in_the_micro_batch():
-    from xirang_ds.tune import _mb_scale
+    from xirang_ds.tune import micro_batch_scale
 
     profiles = {"zero2": {"step_time_s": 0.2}, "zero2@mb64": {"step_time_s": 0.83}}
-    assert _mb_scale(profiles, 2, 4, 64, 4) == 1.0
-    assert _mb_scale(profiles, 2, 4, 64, 64) == pytest.approx(0.83 / 0.2)
-    assert _mb_scale(profiles, 2, 4, 64, 34) == pytest.approx((0.2 + 0.63 / 2) / 0.2)
-    assert _mb_scale({"zero2": {"step_time_s": 0.2}}, 2, 4, 4, 8) == 2.0  # one point: proportional
+    assert micro_batch_scale(profiles, 2, 4, 64, 4) == 1.0
+    assert micro_batch_scale(profiles, 2, 4, 64, 64) == pytest.approx(0.83 / 0.2)
+    assert micro_batch_scale(profiles, 2, 4, 64, 34) == pytest.approx((0.2 + 0.63 / 2) / 0.2)
+    assert micro_batch_scale({"zero2": {"step_time_s": 0.2}}, 2, 4, 4, 8) == 2.0  # one point: proportional
 
 
 def test_largest_micro_batch_grows_each_combination():

@@ -23,11 +23,21 @@ import contextlib
 import glob
 import os
 import re
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
+from xirang_ds.checkpoints import save_atomically
+from xirang_ds.checkpoints.deepspeed_files import (
+    CheckpointReadError,
+    ds_config_dtype,
+    load_states_file,
+    read_zero12,
+    read_zero3,
+)
+from xirang_ds.checkpoints.deepspeed_writer import add_param_shapes
 from xirang_ds.checkpoints.param_states import ParamStates
+from xirang_ds.compat.deepspeed import around_zero_file_names, around_zero_save, redirect_zero_files, zero_param_shapes
 
 FOLDER = "xirang_optimizer_states"
 """The tag's folder of DynamicAdamW's codes, one DeepSpeed ZeRO file per rank."""
@@ -58,17 +68,15 @@ def in_marker(marker: dict) -> bool:
 def read_codes(tag_dir: str, names: Sequence[str], shapes: dict[str, torch.Size]) -> ParamStates:
     """The optimizer state per parameter, from the codes (cheaper to read than the plain files, and
     there before them while a save writes them)."""
-    from xirang_ds.checkpoints.deepspeed_files import CheckpointReadError, _dtype, _load, _read_zero3, _read_zero12
-
     found = files(tag_dir)
     if not found:
         raise CheckpointReadError(f"{tag_dir}: no {FOLDER}/rank*.pt although its marker names them")
-    first = _load(found[0])
+    first = load_states_file(found[0])
     stage = int(first["optimizer_state_dict"]["zero_stage"])
-    dtype = _dtype(first.get("ds_config"))
+    dtype = ds_config_dtype(first.get("ds_config"))
     if stage == 3:
-        return _read_zero3(tag_dir, found, dtype, param_shapes=_load(os.path.join(tag_dir, FOLDER, PARAM_SHAPES)))
-    return _read_zero12(found, stage, dtype, shapes)
+        return read_zero3(tag_dir, found, dtype, param_shapes=load_states_file(os.path.join(tag_dir, FOLDER, PARAM_SHAPES)))
+    return read_zero12(found, stage, dtype, shapes)
 
 
 def resumes_own(engine: Any, sections: set[str], marker: dict) -> bool:
@@ -78,8 +86,6 @@ def resumes_own(engine: Any, sections: set[str], marker: dict) -> bool:
     ``masters`` sets; a checkpoint that does not record them is taken over). Elsewhere the codes are
     taken over, whole parameters."""
     import deepspeed.comm as dist
-
-    from xirang_ds.checkpoints.tags import zero3_sub_groups
 
     if not in_marker(marker) or "optimizer_states" not in sections or "grad_release" in sections:
         return False
@@ -91,17 +97,20 @@ def resumes_own(engine: Any, sections: set[str], marker: dict) -> bool:
     return layout.get("world") == dist.get_world_size(group=engine.optimizer.dp_process_group)
 
 
+def zero3_sub_groups(engine: Any) -> Optional[list[int]]:
+    """The elements of each ZeRO-3 sub-group on a rank (its 16-bit partitions'), else ``None``."""
+    weights = getattr(engine.optimizer, "fp16_partitioned_groups_flat", None)
+    return None if weights is None else [int(w.numel()) for w in weights]
+
+
 @contextlib.contextmanager
-def saving_beside(engine: Any, tag_dir: str, marker: dict, facts: Any) -> Iterator[None]:
+def saving_beside(engine: Any, tag_dir: str, marker: dict, facts: Any,
+                  write_deepspeed_files: Callable[..., tuple[Any, list]]) -> Iterator[None]:
     """While DeepSpeed's ``save_checkpoint`` runs: its ZeRO file goes to `path` (rank 0 adds ZeRO-3's
     ``param_shapes``), then, after a barrier, this rank writes its plain files for ``facts``
-    (`tags.RunFacts`), before DeepSpeed writes ``latest``."""
+    (`tags.RunFacts`) with ``write_deepspeed_files`` (`tags.write_deepspeed_files`), before DeepSpeed
+    writes ``latest``."""
     import deepspeed.comm as dist
-
-    from xirang_ds.checkpoints import save_atomically
-    from xirang_ds.checkpoints.deepspeed_writer import add_param_shapes
-    from xirang_ds.checkpoints.tags import write_deepspeed_files
-    from xirang_ds.compat.deepspeed import around_zero_save, redirect_zero_files, zero_param_shapes
 
     rank = dist.get_rank(group=engine.optimizer.dp_process_group)
 
@@ -133,8 +142,6 @@ def saving_beside(engine: Any, tag_dir: str, marker: dict, facts: Any) -> Iterat
 @contextlib.contextmanager
 def loading(engine: Any, tag_dir: str) -> Iterator[None]:
     """While DeepSpeed's ``load_checkpoint`` runs: its ZeRO files are the codes beside the plain ones."""
-    from xirang_ds.compat.deepspeed import around_zero_file_names
-
     def names(original: Callable, load_dir: str, tag: Any, bf16_mode: bool) -> list[str]:
         return [path(tag_dir, r) for r in range(len(original(load_dir, tag, bf16_mode)))]
 
@@ -146,4 +153,4 @@ def loading(engine: Any, tag_dir: str) -> Iterator[None]:
 
 
 __all__ = ["FOLDER", "PARAM_SHAPES", "files", "in_marker", "loading", "path", "read_codes", "resumes_own",
-           "saving_beside"]
+           "saving_beside", "zero3_sub_groups"]

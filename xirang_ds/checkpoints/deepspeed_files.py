@@ -35,6 +35,7 @@ from xirang_ds.checkpoints.param_states import (
     hyperparameters,
     state_step,
 )
+from xirang_ds.plugins.optimizer_states.export import moment_range, torch_layout
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
@@ -44,7 +45,7 @@ class CheckpointReadError(ValueError):
     """The tag folder holds no optimizer state this reader understands; the message says what it holds."""
 
 
-def _load(path: str) -> Any:
+def load_states_file(path: str) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except RuntimeError:  # saved in torch's legacy (non-zip) format: no memory map
@@ -76,22 +77,22 @@ def read_deepspeed_states(tag_dir: str, names: Sequence[str], shapes: dict[str, 
     """
     files = optim_files(tag_dir)
     if files:
-        first = _load(files[0])
+        first = load_states_file(files[0])
         stage = int(first["optimizer_state_dict"]["zero_stage"])
-        dtype = _dtype(first.get("ds_config"))
+        dtype = ds_config_dtype(first.get("ds_config"))
         if stage == 3:
-            return _read_zero3(tag_dir, files, dtype)
-        return _read_zero12(files, stage, dtype, shapes)
+            return read_zero3(tag_dir, files, dtype)
+        return read_zero12(files, stage, dtype, shapes)
     path = os.path.join(tag_dir, MODEL_STATES)
     if not os.path.isfile(path):
         raise CheckpointReadError(f"{tag_dir} has neither {MODEL_STATES} nor ZeRO optimizer files")
-    saved = _load(path).get("optimizer")
+    saved = load_states_file(path).get("optimizer")
     if saved is None:
         raise CheckpointReadError(f"{tag_dir} was saved without optimizer state ({MODEL_STATES} has none)")
-    return _read_stage0(saved, names, shapes, _dtype(_load(path).get("ds_config")))
+    return _read_stage0(saved, names, shapes, ds_config_dtype(load_states_file(path).get("ds_config")))
 
 
-def _dtype(ds_config: Optional[dict]) -> str:
+def ds_config_dtype(ds_config: Optional[dict]) -> str:
     """The training dtype a ds_config names (``"?"`` when the file does not carry its ds_config)."""
     if not isinstance(ds_config, dict):
         return "?"
@@ -126,16 +127,14 @@ def _group_states(base: Any) -> tuple[list[dict], list[int], list[dict]]:
     return states, origins, [hyper.get(i, {}) for i in range(max(origins, default=-1) + 1)]
 
 
-def _read_zero12(files: list[str], stage: int, dtype: str, shapes: dict[str, torch.Size]) -> ParamStates:
+def read_zero12(files: list[str], stage: int, dtype: str, shapes: dict[str, torch.Size]) -> ParamStates:
     """Each parameter assembled, when asked for, from its fragments in rank order (`LazyParams`)."""
-    from xirang_ds.plugins.optimizer_states.export import moment_range
-
     index: dict[str, tuple[int, list]] = {}  # name → (group, [(file, group index, address)])
     steps: dict[int, int] = {}
     hyper: list[dict] = []
     loss_scale = None
     for path in files:
-        osd = _load(path)["optimizer_state_dict"]
+        osd = load_states_file(path)["optimizer_state_dict"]
         if "param_slice_mappings" not in osd:
             raise CheckpointReadError(f"{path} was written by DeepSpeed {osd.get('ds_version', '?')}, whose ZeRO files "
                                       "do not say where each parameter sits in them (param_slice_mappings); resume "
@@ -176,7 +175,7 @@ def _keys(state: dict, where: str) -> tuple[str, ...]:
         raise CheckpointReadError(f"{where}: {e}") from None
 
 
-def _read_zero3(tag_dir: str, files: list[str], dtype: str, param_shapes: Optional[list] = None) -> ParamStates:
+def read_zero3(tag_dir: str, files: list[str], dtype: str, param_shapes: Optional[list] = None) -> ParamStates:
     """ZeRO-3 cuts each param group into sub-groups (``sub_group_size``), one flat partition each;
     ``param_shapes`` (default: rank 0's model-states file's) lists the parameters of each sub-group in
     order, each taking ``ceil(numel / world)`` elements of its sub-group's flat on every rank; the basic
@@ -186,8 +185,8 @@ def _read_zero3(tag_dir: str, files: list[str], dtype: str, param_shapes: Option
         model_states = os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")
         if not os.path.isfile(model_states):
             raise CheckpointReadError(f"{tag_dir}: ZeRO-3 optimizer files without {os.path.basename(model_states)}")
-        param_shapes = _load(model_states)["param_shapes"]
-    osds = [_load(p)["optimizer_state_dict"] for p in files]
+        param_shapes = load_states_file(model_states)["param_shapes"]
+    osds = [load_states_file(p)["optimizer_state_dict"] for p in files]
     torch_sd = osds[0]["optimizer_state_dict"]
     origin_of_sub, hyper = {}, {}
     for g, group in enumerate(torch_sd["param_groups"]):
@@ -208,8 +207,6 @@ def _read_zero3(tag_dir: str, files: list[str], dtype: str, param_shapes: Option
             states[rank, j] = (state, _keys(state, files[rank]))
 
     def build(name: str) -> ParamState:
-        from xirang_ds.plugins.optimizer_states.export import moment_range
-
         shape, j, offset, part = index[name]
         master = torch.cat([o["fp32_flat_groups"][j][offset:offset + part].float() for o in osds])
         state, keys = states[0, j]
@@ -225,8 +222,6 @@ def _read_zero3(tag_dir: str, files: list[str], dtype: str, param_shapes: Option
 
 
 def _read_stage0(saved: dict, names: Sequence[str], shapes: dict[str, torch.Size], dtype: str) -> ParamStates:
-    from xirang_ds.plugins.optimizer_states.export import torch_layout
-
     wrapped = "optimizer_state_dict" in saved  # DeepSpeed's fp16/bf16 optimizer at stage 0
     if wrapped and "fp32_groups_flat" in saved:
         saved = _unflatten_fused(saved, names, shapes)

@@ -20,7 +20,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from xirang_ds.checkpoints import save_atomically, update_saved
-from xirang_ds.checkpoints.deepspeed_files import MODEL_STATES, _load
+from xirang_ds.checkpoints.deepspeed_files import MODEL_STATES, load_states_file
 from xirang_ds.checkpoints.param_states import ParamState, ParamStates
 
 ALIGNMENT_FACTOR = 2
@@ -312,7 +312,7 @@ def add_param_shapes(tag_dir: str, groups: Sequence[Sequence[str]], shapes: dict
     """`zero_model_entries` into a saved model-states file, keeping its other entries and any frozen
     or shared parameters it already records; written atomically."""
     path = os.path.join(tag_dir, MODEL_STATES)
-    saved = _load(path)
+    saved = load_states_file(path)
     update_saved(path, **{key: value for key, value in zero_model_entries(groups, shapes).items()
                           if key == "param_shapes" or saved.get(key) is None})
 

@@ -14,13 +14,15 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Optional
 
+from xirang_ds.checkpoints import BASIC_GROUPS
+from xirang_ds.compat.deepspeed import shared_params
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
+from xirang_ds.version import __version__
 
 if TYPE_CHECKING:  # pragma: no cover
     from xirang_ds.checkpoints.param_states import ParamStates
     from xirang_ds.checkpoints.tags import RunFacts
-    from xirang_ds.session import Session
 
 logger = logging.getLogger("xirang_ds")
 
@@ -38,13 +40,12 @@ def load_checkpoint_options(engine: Any, *args: Any, **kwargs: Any) -> dict:
     return dict(bound.arguments)
 
 
-def save(session: "Session", original, save_dir, tag=None, client_state=None, *args, **kwargs):
+def save(session: Any, original, save_dir, tag=None, client_state=None, *args, **kwargs):
     """The plugins' state into ``client_state``, the marker, and (``deepspeed_files``) DeepSpeed's own
     ZeRO files, all before DeepSpeed writes its files and then ``latest``: a save that dies midway
     leaves ``latest`` on the previous checkpoint."""
-    from xirang_ds import __version__
     from xirang_ds.checkpoints import codes
-    from xirang_ds.checkpoints.tags import facts_of_run, layout_record, write_marker
+    from xirang_ds.checkpoints.tags import facts_of_run, layout_record, write_deepspeed_files, write_marker
 
     client_state = dict(client_state or {})
     client_state[CHECKPOINT_KEY] = session.state_dict()
@@ -64,20 +65,19 @@ def save(session: "Session", original, save_dir, tag=None, client_state=None, *a
         return _save_with_stage0_entry(session, original, tag_dir, marker, facts, save_dir, tag, client_state,
                                             *args, **kwargs)
     if codes_beside:
-        with codes.saving_beside(session.engine, tag_dir, marker, facts):
+        with codes.saving_beside(session.engine, tag_dir, marker, facts, write_deepspeed_files):
             return original(save_dir, tag, client_state, *args, **kwargs)
     if facts is not None:
         client_state.update(_write_deepspeed_files(session, save_dir, tag_dir, marker, facts))
     return original(save_dir, tag, client_state, *args, **kwargs)
 
-def _save_with_stage0_entry(session: "Session", original, tag_dir: str, marker: dict, facts: "RunFacts", save_dir, tag,
+def _save_with_stage0_entry(session: Any, original, tag_dir: str, marker: dict, facts: "RunFacts", save_dir, tag,
                             client_state: dict, *args, **kwargs):
     """A stage-0 save whose model-states file holds plain DeepSpeed's optimizer entry, built by the
     writing rank from every rank's grad_release shard (written just before); the basic optimizer's
     own groups go under `BASIC_GROUPS` for this block's resume."""
     import deepspeed.comm as dist
 
-    from xirang_ds.checkpoints import BASIC_GROUPS
     from xirang_ds.checkpoints.tags import stage0_optimizer_entry
 
     client_state[BASIC_GROUPS] = facts.optimizer_groups
@@ -91,14 +91,13 @@ def _save_with_stage0_entry(session: "Session", original, tag_dir: str, marker: 
     finally:
         handle.remove()
 
-def _write_deepspeed_files(session: "Session", save_dir: str, tag_dir: str, marker: dict, facts: "RunFacts") -> dict:
+def _write_deepspeed_files(session: Any, save_dir: str, tag_dir: str, marker: dict, facts: "RunFacts") -> dict:
     """This rank's ZeRO file, from every rank's grad_release shard (written just before); returns the
     model-states entries a ZeRO run records (``param_shapes``, ...), for DeepSpeed to write."""
     import deepspeed.comm as dist
 
     from xirang_ds.checkpoints.deepspeed_writer import copy_recovery_script, zero_model_entries
     from xirang_ds.checkpoints.tags import write_deepspeed_files
-    from xirang_ds.compat.deepspeed import shared_params
 
     dist.barrier()  # every rank's shard is on disk
     _, groups = write_deepspeed_files(tag_dir, marker, facts, ranks=[session.stepper.comm.rank])
@@ -107,7 +106,7 @@ def _write_deepspeed_files(session: "Session", save_dir: str, tag_dir: str, mark
     frozen = [(n, p) for n, p in session.engine.module.named_parameters() if not p.requires_grad]
     return zero_model_entries(groups, facts.params, frozen, shared_params(session.engine))
 
-def load(session: "Session", original, *args, **kwargs):
+def load(session: Any, original, *args, **kwargs):
     """DeepSpeed's load; when the checkpoint's optimizer state belongs to another owner (plain
     DeepSpeed's ZeRO files under grad_release, grad_release's shards without it, torch AdamW's
     states under optimizer_states and back, another grad_release layout), DeepSpeed loads all but
@@ -137,7 +136,7 @@ def load(session: "Session", original, *args, **kwargs):
         session.load_state_dict(client_state.pop(CHECKPOINT_KEY))
     return load_path, client_state
 
-def _foreign_optimizer_state(session: "Session", options: dict) -> Optional[tuple[str, dict]]:
+def _foreign_optimizer_state(session: Any, options: dict) -> Optional[tuple[str, dict]]:
     """``(tag folder, its marker)`` when the optimizer state of the checkpoint DeepSpeed is about to
     load is not this run's owner's own, else ``None``."""
     from xirang_ds.checkpoints.tags import OWNERS, read_marker, resolve_tag, state_owners
@@ -156,7 +155,7 @@ def _foreign_optimizer_state(session: "Session", options: dict) -> Optional[tupl
         return tag_dir, marker
     return None
 
-def _own_codes(session: "Session", options: dict) -> Optional[str]:
+def _own_codes(session: Any, options: dict) -> Optional[str]:
     """The tag folder whose optimizer_states codes this run resumes as its own, through DeepSpeed's own
     load (`codes.resumes_own`); ``None`` otherwise."""
     from xirang_ds.checkpoints import codes
@@ -170,7 +169,7 @@ def _own_codes(session: "Session", options: dict) -> Optional[str]:
         return None
     return tag_dir
 
-def _read_states(session: "Session", tag_dir: str, marker: dict) -> "ParamStates":
+def _read_states(session: Any, tag_dir: str, marker: dict) -> "ParamStates":
     """The checkpoint's optimizer state per parameter.
 
     Raises:
@@ -212,7 +211,7 @@ def _read_states(session: "Session", tag_dir: str, marker: dict) -> "ParamStates
     return states
 
 
-def _stepped(session: "Session") -> Any:
+def _stepped(session: Any) -> Any:
     """The optimizer whose kind the taken-over state must be: grad_release's buckets step copies of the
     engine's basic optimizer; elsewhere DeepSpeed's basic optimizer (`deepspeed_slots.engine_slots`)."""
     from xirang_ds.checkpoints.deepspeed_slots import engine_slots
@@ -222,7 +221,7 @@ def _stepped(session: "Session") -> Any:
     return engine_slots(session.engine)[0]
 
 
-def _take_over(session: "Session", states: "ParamStates") -> None:
+def _take_over(session: Any, states: "ParamStates") -> None:
     """Put the whole per-parameter states into whichever optimizer steps this run."""
     from xirang_ds.checkpoints.deepspeed_slots import load_engine_states
 

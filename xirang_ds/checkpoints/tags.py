@@ -10,7 +10,23 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
+from xirang_ds.checkpoints import BASIC_GROUPS, codes, update_saved
+from xirang_ds.checkpoints.deepspeed_files import (
+    MODEL_STATES,
+    ds_config_dtype,
+    load_states_file,
+    optim_files,
+    read_deepspeed_states,
+)
+from xirang_ds.checkpoints.deepspeed_writer import (
+    add_param_shapes,
+    copy_recovery_script,
+    stage0_entry,
+    write_zero3_files,
+    write_zero_files,
+)
 from xirang_ds.checkpoints.param_states import ParamStates, group_of, with_masters
+from xirang_ds.plugins.grad_release.checkpoint import basic_groups, load_shard, read_param_states, shard_path
 
 MARKER = "xirang_block.json"
 """Written into each checkpoint's tag folder: the xirang_ds version, the preset and the sections that
@@ -80,10 +96,6 @@ def read_states(tag_dir: str, marker: dict, names: Sequence[str], shapes: dict[s
         optimizer_groups: the basic optimizer's param groups, when the model-states file is not written
             yet (at save).
     """
-    from xirang_ds.checkpoints import codes
-    from xirang_ds.checkpoints.deepspeed_files import read_deepspeed_states
-    from xirang_ds.plugins.grad_release.checkpoint import read_param_states
-
     if "grad_release" in state_owners(marker):
         return read_param_states(tag_dir, optimizer_groups)
     if codes.in_marker(marker):
@@ -150,13 +162,7 @@ def facts_of_run(session: Any) -> Optional[RunFacts]:
     weights = ({n: p for n, p in engine.module.named_parameters() if p.requires_grad} if dtype == "fp32" else None)
     return RunFacts(params=params, optimizer_groups=groups, dtype=dtype, stage=stage, world=world,
                     ds_config=session.requested_ds_config, fused=_plain_optimizer_fused(session),
-                    sub_groups=zero3_sub_groups(engine), weights=weights)
-
-
-def zero3_sub_groups(engine: Any) -> Optional[list[int]]:
-    """The elements of each ZeRO-3 sub-group on a rank (its 16-bit partitions'), else ``None``."""
-    weights = getattr(engine.optimizer, "fp16_partitioned_groups_flat", None)
-    return None if weights is None else [int(w.numel()) for w in weights]
+                    sub_groups=codes.zero3_sub_groups(engine), weights=weights)
 
 
 def _plain_optimizer_fused(session: Any) -> bool:
@@ -185,8 +191,6 @@ def write_deepspeed_files(tag_dir: str, marker: dict, facts: RunFacts,
     Raises:
         ValueError: a stage these files cannot express, with what to do instead.
     """
-    from xirang_ds.checkpoints.deepspeed_writer import write_zero3_files, write_zero_files
-
     zero3_files = os.path.isfile(os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt"))
     if facts.stage == 0:
         raise ValueError(f"{tag_dir}: stage 0 keeps its plain optimizer state inside the model-states file "
@@ -214,8 +218,6 @@ def write_deepspeed_files(tag_dir: str, marker: dict, facts: RunFacts,
 def stage0_optimizer_entry(tag_dir: str, marker: dict, facts: RunFacts) -> tuple[dict, list[list[str]]]:
     """The ``optimizer`` entry of the tag's model-states file in the layout plain DeepSpeed at stage 0
     loads for ``facts`` (`deepspeed_writer.stage0_entry`), and the param groups' names."""
-    from xirang_ds.checkpoints.deepspeed_writer import stage0_entry
-
     states, groups, torch_groups = _plain_groups(tag_dir, marker, facts)
     return stage0_entry(states, groups, facts.params, torch_groups, facts.dtype, facts.fused, facts.ds_config), groups
 
@@ -252,8 +254,6 @@ def export_deepspeed_files(save_dir: str, tag: Optional[str] = None, stage: Opti
     Returns:
         the paths written ([] when the optimizer state already is in DeepSpeed's own layout).
     """
-    from xirang_ds.checkpoints.deepspeed_writer import add_param_shapes, copy_recovery_script
-
     tag_dir = resolve_tag(save_dir, tag)
     if tag_dir is None:
         raise ValueError(f"{save_dir} has no checkpoint tag {tag!r} (no 'latest' file or no such folder)")
@@ -277,16 +277,12 @@ def export_deepspeed_files(save_dir: str, tag: Optional[str] = None, stage: Opti
 def _export_stage0(tag_dir: str, marker: dict, facts: RunFacts) -> str:
     """The model-states file with plain DeepSpeed's stage-0 ``optimizer`` entry, the basic optimizer's
     own groups kept under `BASIC_GROUPS`; returns its path."""
-    from xirang_ds.checkpoints import BASIC_GROUPS, update_saved
-    from xirang_ds.checkpoints.deepspeed_files import MODEL_STATES, _load
-    from xirang_ds.plugins.grad_release.checkpoint import basic_groups
-
     path = os.path.join(tag_dir, MODEL_STATES)
     if not os.path.isfile(path):
         raise ValueError(f"{tag_dir} was written by a ZeRO-3 run (no {MODEL_STATES}) and cannot hold a stage-0 "
                          "optimizer entry. Fix: export for stage 3, then DeepSpeed's ds_to_universal converts it")
     entry, _ = stage0_optimizer_entry(tag_dir, marker, facts)
-    kept = {BASIC_GROUPS: basic_groups(_load(path))} if "grad_release" in state_owners(marker) else {}
+    kept = {BASIC_GROUPS: basic_groups(load_states_file(path))} if "grad_release" in state_owners(marker) else {}
     update_saved(path, optimizer=entry, **kept)
     write_marker(tag_dir, {**marker, "deepspeed_files": layout_record(facts)})
     return path
@@ -300,11 +296,8 @@ def layout_record(facts: RunFacts) -> dict:
 
 def facts_from_files(tag_dir: str, marker: dict) -> RunFacts:
     """`RunFacts` of the run that wrote the tag, read from its files."""
-    from xirang_ds.checkpoints.deepspeed_files import MODEL_STATES, _dtype, _load, optim_files
-    from xirang_ds.plugins.grad_release.checkpoint import basic_groups, load_shard, shard_path
-
     zero3 = os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")
-    model = _load(zero3 if os.path.isfile(zero3) else os.path.join(tag_dir, MODEL_STATES))
+    model = load_states_file(zero3 if os.path.isfile(zero3) else os.path.join(tag_dir, MODEL_STATES))
     module, buffers = model["module"], set(model.get("buffer_names") or [])
     params = {n: t.shape for n, t in module.items() if n not in buffers}
     if os.path.isfile(zero3):  # partitioned: the saved module tensors are empty, param_shapes has the shapes
@@ -321,26 +314,22 @@ def facts_from_files(tag_dir: str, marker: dict) -> RunFacts:
     files = optim_files(tag_dir)
     if not files:
         return RunFacts(params, saved_optimizer.get("param_groups"), "fp32", 0, 1)
-    first = _load(files[0])
+    first = load_states_file(files[0])
     base = first["optimizer_state_dict"].get("base_optimizer_state", first["optimizer_state_dict"].get(
         "optimizer_state_dict"))
     return RunFacts(params, base.get("param_groups") if isinstance(base, dict) else None,
-                    _dtype(first.get("ds_config")), int(first["optimizer_state_dict"]["zero_stage"]), len(files),
+                    ds_config_dtype(first.get("ds_config")), int(first["optimizer_state_dict"]["zero_stage"]), len(files),
                     first.get("ds_config"))
 
 
 def describe(tag_dir: str) -> list[str]:
     """What wrote the tag and what can load it, one line each (``xirang-ds checkpoint show``)."""
-    from xirang_ds.checkpoints.deepspeed_files import optim_files
-
     marker = read_marker(tag_dir)
     sections = marker.get("sections", [])
     owners = state_owners(marker)
     lines = [f"{tag_dir}: written by " + (f"xirang_ds {marker.get('xirang_ds', '?')} (preset "
                                           f"{marker.get('preset') or 'none'}; sections {', '.join(sections) or 'none'})"
                                           if marker else "plain DeepSpeed")]
-    from xirang_ds.checkpoints import codes
-
     holder = ("grad_release's shards (xirang_grad_release/)" if "grad_release" in owners else
               "DeepSpeed's files, as optimizer_states' int8/int4 codes over its own param groups"
               if "optimizer_states" in owners else

@@ -28,6 +28,7 @@ import contextlib
 import inspect
 from typing import Any, Callable, Iterator, Optional
 
+from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import COMM_BUFFERS, GRADIENTS, PARAMETERS
 
 UPSTREAM_NAMES: dict[str, tuple[str, ...]] = {
@@ -135,24 +136,18 @@ def zero_param_shapes(engine: Any) -> Any:
 def redirect_zero_files(engine: Any, path_of: Callable[[], str]) -> Any:
     """While the handle lives, DeepSpeed writes this rank's ZeRO file at ``path_of()`` (engine.py L4331
     ``_get_zero_ckpt_name``); returns the handle (``remove()``)."""
-    from xirang_ds.hooks import wrap_method
-
     return wrap_method(engine, "_get_zero_ckpt_name", lambda _original, *_: path_of())
 
 
 def around_zero_save(engine: Any, save: Callable[..., Any]) -> Any:
     """Wrap DeepSpeed's write of this rank's ZeRO file (engine.py L5549 ``_save_zero_checkpoint``, called
     before ``latest`` is written): ``save(original, save_path, tag)``; returns the handle."""
-    from xirang_ds.hooks import wrap_method
-
     return wrap_method(engine, "_save_zero_checkpoint", save)
 
 
 def around_zero_file_names(engine: Any, names: Callable[..., list[str]]) -> Any:
     """Wrap the list of ZeRO files DeepSpeed's load reads (engine.py L4785 ``_get_all_zero_checkpoint_names``):
     ``names(original, load_dir, tag, bf16_mode)``; returns the handle."""
-    from xirang_ds.hooks import wrap_method
-
     return wrap_method(engine, "_get_all_zero_checkpoint_names", names)
 
 
@@ -246,8 +241,6 @@ def around_zero3_update(optimizer: Any, before: Callable[[int], None], after: Ca
     steps it, ``_reassign_or_swap_out_partitioned_parameters(i)`` copies it into the 16-bit partition
     and ``_release_sub_group(i, ...)`` drops the gradient (L2731). ``before(i)`` runs before the first,
     ``after(i)`` after the last. Returns the handles (``remove()``)."""
-    from xirang_ds.hooks import wrap_method
-
     def prepare(original: Callable[..., Any], sub_group_id: int, *args: Any) -> Any:
         before(sub_group_id)
         return original(sub_group_id, *args)

@@ -14,6 +14,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from xirang_ds.hooks import wrap_method
+
 logger = logging.getLogger("xirang_ds")
 
 CHECKED_RANGE = ((0, 12), (0, 20))
@@ -279,8 +281,6 @@ def wrap_range_state_seams(member: Any, read: Callable, write: Callable) -> list
     Returns:
         The two `xirang_ds.hooks.MethodWrap` handles.
     """
-    from xirang_ds.hooks import wrap_method
-
     return [wrap_method(member, "_get_main_param_and_optimizer_states", read),
             wrap_method(member, "_set_main_param_and_optimizer_states", write)]
 

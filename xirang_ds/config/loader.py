@@ -10,6 +10,7 @@ import json
 import os
 from typing import Any, Mapping, Optional, Union
 
+from xirang_ds import registry
 from xirang_ds.config.presets import PRESETS, expand_preset
 from xirang_ds.config.schema import SECTION_NAMES, XirangConfig
 from xirang_ds.config.validate import XirangConfigError, convert_section, describe_value, suggest
@@ -91,7 +92,7 @@ def resolve_block(block: Any, problems: Optional[list[tuple[str, str]]] = None) 
                                              f"got {describe_value(block)}")])
     preset = block.get("preset")
     local: list[tuple[str, str]] = []
-    if preset == "auto":  # resolved where the model is known (`xirang_ds.config.auto`)
+    if preset == "auto":  # resolved where the model is known (`xirang_ds.planning.auto`)
         local.append((f"{BLOCK_KEY}.preset", "\"auto\" is chosen from the model's parameters against memory_budget, "
                                              "and this path has no model. Fix: use xirang_ds.initialize (or "
                                              "patch_deepspeed), pass --model to xirang-ds validate / estimate, or "
@@ -138,8 +139,6 @@ def validate_block(block: Any) -> XirangConfig:
     Raises:
         XirangConfigError: every problem in the block, each with its dotted path.
     """
-    from xirang_ds import registry
-
     problems: list[tuple[str, str]] = []
     resolved = resolve_block(block, problems)
     extensions = registry.extension_sections()

@@ -8,10 +8,8 @@ plugin's `check_ds_config`; rules between a section and a framework are its `Fra
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
-if TYPE_CHECKING:  # pragma: no cover
-    from xirang_ds.config.schema import XirangConfig
 
 PACKING = ("compress", "quantize", "sparsify")
 """Activation options whose payloads can live in lent memory."""
@@ -25,21 +23,21 @@ class Rule:
     """The key the problem is reported on, relative to the block (``"monitor.actions"``)."""
     sections: tuple[str, ...]
     """The sections involved."""
-    clashes: Callable[["XirangConfig"], bool]
+    clashes: Callable[[Any], bool]
     """True when ``config`` breaks the rule."""
     message: str
     """What is wrong and the fix."""
 
 
-def _acts_through_activations(action: str) -> Callable[["XirangConfig"], bool]:
+def _acts_through_activations(action: str) -> Callable[[Any], bool]:
     return lambda c: c.monitor.enabled and action in c.monitor.actions and not c.activations.enabled
 
 
-def _lends(c: "XirangConfig") -> bool:
+def _lends(c: Any) -> bool:
     return c.comm_buffers.enabled and c.comm_buffers.lend_to_activations
 
 
-def _nothing_to_lend_to(c: "XirangConfig") -> bool:
+def _nothing_to_lend_to(c: Any) -> bool:
     a = c.activations
     return (_lends(c) and a.enabled and not any(getattr(a, o) for o in PACKING)
             and not (a.planner and set(a.options) & set(PACKING)))
@@ -77,7 +75,7 @@ RULES: tuple[Rule, ...] = (
 """The cross-section rules, in the order their problems are reported."""
 
 
-def check(config: "XirangConfig") -> list[tuple[str, str]]:
+def check(config: Any) -> list[tuple[str, str]]:
     """``[(key, message)]`` for every rule ``config`` breaks."""
     return [(rule.key, rule.message) for rule in RULES if rule.clashes(config)]
 

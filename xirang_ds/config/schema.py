@@ -15,8 +15,9 @@ import fnmatch
 from dataclasses import dataclass, field
 from typing import Annotated, Literal, Optional, Union
 
+from xirang_ds.config.rules import check
 from xirang_ds.config.section import Issues, Section
-from xirang_ds.config.state_sections import (  # the sections of model states, re-exported
+from xirang_ds.config.state_sections import (
     STATE_DTYPE_ORDER,
     GradReleaseConfig,
     OptimizerStatesConfig,
@@ -25,16 +26,7 @@ from xirang_ds.config.state_sections import (  # the sections of model states, r
     StabilityConfig,
     StateDtype,
 )
-from xirang_ds.config.types import (
-    AutoBytes,
-    AutoInt,
-    Fraction,
-    Glob,
-    MultipleOf,
-    NonNegativeInt,
-    PositiveInt,
-    Range,
-)
+from xirang_ds.config.types import AutoBytes, AutoInt, Fraction, Glob, MultipleOf, NonNegativeInt, PositiveInt, Range
 
 # --------------------------------------------------------------------------------------------
 # activations
@@ -368,8 +360,6 @@ class XirangConfig:
 
     def check(self) -> Issues:
         """Rules across sections (`xirang_ds.config.rules`)."""
-        from xirang_ds.config.rules import check
-
         return check(self)
 
 

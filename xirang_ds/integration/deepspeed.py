@@ -19,9 +19,9 @@ from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from xirang_ds.compat.accelerate import protect_block, unprotect_block
 from xirang_ds.compat.deepspeed import settle_zero3_adagrad
 from xirang_ds.compat.torch import is_optimized_module, uncompiled
-from xirang_ds.config.auto import choose_preset
-from xirang_ds.config.fit import fit_block
 from xirang_ds.config.loader import BLOCK_KEY, read_ds_config
+from xirang_ds.planning import estimator
+from xirang_ds.planning.preset import resolve
 from xirang_ds.registry import OptimizerSpec
 from xirang_ds.session import Session
 
@@ -89,13 +89,13 @@ def initialize(
         block = ds_config["optimizer"]
         client = OptimizerSpec(type=str(block.get("type", "")), params=dict(block.get("params", {})))
     if model is None:
-        fit_block(ds_config[BLOCK_KEY], ds_config, client)  # the block's own problems first
+        resolve(ds_config, optimizer=client)  # the block's own problems first
         return _ORIGINAL_INITIALIZE(**passthrough)  # DeepSpeed's own error for a missing model
-    ds_config[BLOCK_KEY], preset_choice = choose_preset(ds_config[BLOCK_KEY], ds_config, uncompiled(model),
-                                                        world_size=_world_size())
-    fitted = _fit(model, ds_config, client)
-    session = Session(fitted.config, ds_config, left_out=fitted.left_out)
-    session.preset_choice = preset_choice
+    resolved = resolve(ds_config, model=uncompiled(model), optimizer=client, world_size=_world_size(),
+                       more_problems=_model_problems(model, ds_config))
+    ds_config = resolved.ds_config
+    session = Session(resolved.config, ds_config, left_out=resolved.left_out, estimator=estimator)
+    session.preset_choice = resolved.choice
     session.model = uncompiled(model)  # a model compiled before initialize: plugins attach to its modules inside
     session.prepare_ds_config()
     session.start_calibration(session.model)  # the model's structure, before any plugin hooks it
@@ -113,29 +113,16 @@ def initialize(
     return engine, opt, loader, sched
 
 
-def _fit(model: Any, ds_config: dict, client: Any) -> Any:
-    """`fit_block`, with what DeepSpeed cannot run with this model among the problems: said at ``initialize``
-    instead of a failure deep inside DeepSpeed at the first forward.
-
-    Raises:
-        XirangConfigError: every problem of the block and the model.
-    """
-    from xirang_ds.config.validate import XirangConfigError
-
-    problems = []
+def _model_problems(model: Any, ds_config: dict) -> list[tuple[str, str]]:
+    """What DeepSpeed cannot run with this model, said at ``initialize`` with the block's problems instead of
+    a failure deep inside DeepSpeed at the first forward."""
     stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
     if is_optimized_module(model) and str(stage) == "3":
-        problems.append(("zero_optimization.stage", "3 with a model compiled before initialize (torch.compile(model)): "
-                         "DeepSpeed's ZeRO-3 engine does not run a compiled wrapper (plain DeepSpeed fails at the "
-                         "first forward: 'dict' object has no attribute '_in_forward'); pass the model uncompiled "
-                         "and call engine.compile() after initialize, which ZeRO-3 runs with every preset"))
-    try:
-        fitted = fit_block(ds_config[BLOCK_KEY], ds_config, client)
-    except XirangConfigError as e:
-        raise XirangConfigError(e.problems + problems) from None
-    if problems:
-        raise XirangConfigError(problems)
-    return fitted
+        return [("zero_optimization.stage", "3 with a model compiled before initialize (torch.compile(model)): "
+                 "DeepSpeed's ZeRO-3 engine does not run a compiled wrapper (plain DeepSpeed fails at the "
+                 "first forward: 'dict' object has no attribute '_in_forward'); pass the model uncompiled "
+                 "and call engine.compile() after initialize, which ZeRO-3 runs with every preset")]
+    return []
 
 
 def _destroy_process_group_at_exit() -> None:

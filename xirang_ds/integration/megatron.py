@@ -35,10 +35,14 @@ import logging
 import os
 from typing import Any, Callable, Optional, Sequence, Union
 
-from xirang_ds.config.loader import BLOCK_KEY, DsConfig, read_ds_config, validate_block
+from xirang_ds.compat.megatron import check_version, is_megatron_optimizer, num_microbatches, unwrap
+from xirang_ds.config.loader import BLOCK_KEY, DsConfig, read_ds_config
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import CallbackHandle
-from xirang_ds.registry import check_framework
+from xirang_ds.integration.megatron_conflicts import check_args, check_model, check_optimizer
+from xirang_ds.integration.megatron_run import MegatronRun, watch_run
+from xirang_ds.planning import estimator
+from xirang_ds.planning.preset import process_rank, resolve
 from xirang_ds.session import Session
 
 logger = logging.getLogger("xirang_ds")
@@ -50,64 +54,12 @@ ArgsGetter = Callable[[], argparse.Namespace]
 
 
 def validate_for_megatron(block: Any) -> Any:
-    """Validate a block for a Megatron run: what a preset turned on that does not run under Megatron
-    yet (and the user did not write next to it) is left off, and said once; everything the user
-    enabled by name must run here.
+    """The block validated for a Megatron run (`xirang_ds.planning.preset.resolve` with ``framework="megatron"``).
 
     Raises:
         XirangConfigError: the block is invalid, or a plugin the user enabled does not run here.
     """
-    from xirang_ds import registry
-    from xirang_ds.config.presets import PRESETS
-
-    if isinstance(block, dict) and block.get("preset") in PRESETS:
-        block = dict(block)
-        left_off = []
-        for name, section in PRESETS[block["preset"]].items():
-            cls = registry.plugin_class(name)
-            if name not in block and isinstance(section, dict) and section.get("enabled") and cls is not None \
-                    and FRAMEWORK not in (cls.preset_frameworks or cls.frameworks):
-                block[name] = {"enabled": False}
-                left_off.append(name)
-        if left_off and _rank() == 0:
-            logger.info("xirang: preset %r under Megatron: %s are left off (not run under Megatron yet, or only "
-                        "when named: docs/megatron.md)",
-                        block["preset"], ", ".join(left_off))
-    block, problems = _inert_keys_off(block)
-    try:
-        config = validate_block(block)
-    except XirangConfigError as e:
-        raise XirangConfigError(problems + list(e.problems)) from None
-    problems += check_framework(config, FRAMEWORK)
-    if problems:
-        raise XirangConfigError(problems)
-    return config
-
-
-def _inert_keys_off(block: Any) -> tuple[Any, list[tuple[str, str]]]:
-    """The block with each section's keys that do nothing under Megatron (`Plugin.inert_keys`) set to
-    the value that asks for nothing, where the user did not write them; the problems of those the user
-    wrote with another value (such a key would be accepted and ignored)."""
-    from xirang_ds import registry
-    from xirang_ds.config.validate import describe_value
-
-    if not isinstance(block, dict):
-        return block, []
-    block, problems = dict(block), []
-    for cls in filter(None, map(registry.plugin_class, sorted(registry.built_sections()))):
-        keys = cls.inert_keys.get(FRAMEWORK) or {}
-        written = block.get(cls.section)
-        if not keys or (written is not None and not isinstance(written, dict)):
-            continue
-        written = written or {}
-        wrong = [(key, off, why) for key, (off, why) in keys.items() if key in written and written[key] != off]
-        for key, off, why in wrong:
-            fix = f"drop the key (or set it to {describe_value(off)})" if off is not None else "drop the key"
-            problems.append((f"{BLOCK_KEY}.{cls.section}.{key}", f"{describe_value(written[key])} does nothing "
-                             f"under Megatron: {why}. Fix: {fix} for Megatron runs"))
-        if not wrong:  # else the section is checked as written, so its own checks do not follow from ours
-            block[cls.section] = {**{k: off for k, (off, _) in keys.items() if off is not None}, **written}
-    return block, problems
+    return resolve({BLOCK_KEY: block}, framework=FRAMEWORK).config
 
 
 # 1. arguments ------------------------------------------------------------------------------------
@@ -118,7 +70,7 @@ def _config_file(path: str) -> str:
         if BLOCK_KEY not in data:
             raise XirangConfigError([("", f"{path} has no \"{BLOCK_KEY}\" block; add one (for example "
                                           f"{{\"{BLOCK_KEY}\": {{\"preset\": \"balanced\"}}}}) or drop {FLAG}")])
-        validate_for_megatron(data[BLOCK_KEY])
+        resolve(data, framework=FRAMEWORK)
     except XirangConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return path
@@ -170,21 +122,18 @@ def build_session(config: Union[DsConfig, None], world_size: Optional[int] = Non
     data = read_ds_config(config)
     if BLOCK_KEY not in data:
         return None
-    xcfg = validate_for_megatron(data[BLOCK_KEY])
-    from xirang_ds.compat.megatron import check_version
+    xcfg = resolve(data, framework=FRAMEWORK).config
 
     check_version()
     others = sorted(k for k in data if k != BLOCK_KEY)
-    if others and _rank() == 0:
+    if others and process_rank() == 0:
         logger.info("Megatron run: reading the \"%s\" block only; the DeepSpeed keys next to it (%s) do not "
                     "apply (Megatron's own flags set those)", BLOCK_KEY, ", ".join(others))
-    return Session(xcfg, data, world_size, framework=FRAMEWORK)
+    return Session(xcfg, data, world_size, framework=FRAMEWORK, estimator=estimator)
 
 
 def session_of(model: Union[Any, Sequence[Any]]) -> Optional[Session]:
     """The session `prepare_model` attached to a model (or to any chunk of a list), else ``None``."""
-    from xirang_ds.compat.megatron import unwrap
-
     chunks = model if isinstance(model, (list, tuple)) else [model]
     for chunk in chunks:
         session = getattr(unwrap(chunk), "xirang", None)
@@ -210,8 +159,6 @@ def prepare_model(session: Session, model: Any, ddp_config: Any = None) -> None:
         XirangConfigError: a Megatron setting clashes with the block (both named), or a plugin
             refuses the DDP config.
     """
-    from xirang_ds.integration.megatron_conflicts import check_model
-
     problems = check_model(session.config, model)
     if problems:
         raise XirangConfigError(problems)
@@ -240,10 +187,6 @@ def attach(session: Session, model: Union[Any, Sequence[Any]], optimizer: Any, *
         TypeError: ``optimizer`` is not a Megatron optimizer.
         XirangConfigError: Megatron's optimizer settings clash with the block (both named).
     """
-    from xirang_ds.compat.megatron import is_megatron_optimizer
-    from xirang_ds.integration.megatron_conflicts import check_optimizer
-    from xirang_ds.integration.megatron_run import MegatronRun, watch_run
-
     if not is_megatron_optimizer(optimizer):
         raise TypeError(f"xirang's Megatron integration attaches to Megatron's optimizer "
                         f"(megatron.core.optimizer.get_megatron_optimizer); got {type(optimizer).__name__}. "
@@ -265,14 +208,6 @@ def _megatron_lm_args() -> argparse.Namespace:
     from megatron.training import get_args
 
     return get_args()
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
 
 
 def ddp_config_from_args(args: argparse.Namespace, model: Any) -> Any:
@@ -356,8 +291,6 @@ def prepare_optimizer(optimizer: Any, model: Sequence[Any], get_args: Optional[A
     if session is None or optimizer is None:
         return optimizer
     margs = (get_args or _megatron_lm_args)()
-    from xirang_ds.compat.megatron import num_microbatches
-    from xirang_ds.integration.megatron_conflicts import check_args
 
     problems = check_args(session.config, margs)
     if problems:

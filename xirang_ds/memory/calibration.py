@@ -1,7 +1,7 @@
 """The session's prediction of its own peak, calibrated on its first steady measured step.
 
 Before a run the estimator predicts a peak from a ds_config and a model spec
-(`xirang_ds.memory.estimator`), within a few percent on the configurations it was fitted on and
+(`xirang_ds.planning.estimator`), within a few percent on the configurations it was fitted on and
 those it was not. A running session knows more: its own model, its own batches, and what it
 measured. With the monitor on, the session keeps a `Calibration`:
 
@@ -335,14 +335,13 @@ class Calibration:
         if sig.key in self._estimates:
             self._estimates.move_to_end(sig.key)
             return self._estimates[sig.key]
-        from xirang_ds.memory.estimator import estimate_run
-
         session = self.session
         tracker = session.started_tracker
         try:
             with tracker.paused() if tracker is not None else contextlib.nullcontext():
-                est = estimate_run(self.twin.build, session.requested_ds_config, world_size=session.world_size,
-                                   device="cuda" if self.on_accelerator else "cpu", inputs=sig.fake)
+                est = session.estimator.estimate_run(self.twin.build, session.requested_ds_config,
+                                                     world_size=session.world_size,
+                                                     device="cuda" if self.on_accelerator else "cpu", inputs=sig.fake)
         except Exception as e:  # fake tensors cannot run every model (data-dependent shapes, custom ops)
             self.notes.append(f"the estimator could not trace this model on {sig.describe()} ({type(e).__name__}: "
                               f"{' '.join(str(e).split())[:200]}); the prediction is the measured steady peak, for "

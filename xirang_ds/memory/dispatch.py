@@ -6,20 +6,18 @@ known from the op's schema) is not a new storage.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from xirang_ds.compat.torch import TorchDispatchMode, op_schema
 
-if TYPE_CHECKING:
-    from xirang_ds.memory.tracker import MemoryTracker
 
 
 _ALIASING: dict[Any, bool] = {}
 
 
-def _returns_alias(func: Any) -> bool:
+def returns_alias(func: Any) -> bool:
     """True for ops whose outputs alias an input (views, in-place and out= ops)."""
     known = _ALIASING.get(func)
     if known is None:
@@ -29,8 +27,8 @@ def _returns_alias(func: Any) -> bool:
     return known
 
 
-class _Mode(TorchDispatchMode):
-    def __init__(self, tracker: "MemoryTracker"):
+class TrackingMode(TorchDispatchMode):
+    def __init__(self, tracker: Any):
         super().__init__()
         self.tracker = tracker
 
@@ -41,7 +39,7 @@ class _Mode(TorchDispatchMode):
             tracker._use(args, kwargs)
         # An output that aliases an input is not a new storage: only a known storage is looked
         # at (it may have been resized in place); an untracked one stays untracked.
-        new = not _returns_alias(func)
+        new = not returns_alias(func)
         if isinstance(out, torch.Tensor):
             tracker._see(out, func, new=new)
         elif isinstance(out, (tuple, list)):

@@ -3,7 +3,7 @@
 By ZeRO stage and dtype, following DeepSpeed's buffers (flat 16-bit parameters, fp32 partitions, states
 over the partition, fp32 gradient partitions at the step) and the optimizer implementation's temporaries
 (torch's single-tensor Adam on CPU, foreach on CUDA, none for fused kernels). Each term is a dict of bytes
-by category (`_cat`, `_add`), the form the phases of `xirang_ds.memory.estimator` are summed in.
+by category (`category_bytes`, `add_categories`), the form the phases of `xirang_ds.planning.estimator` are summed in.
 """
 from __future__ import annotations
 
@@ -12,17 +12,25 @@ from typing import Optional
 import torch
 
 from xirang_ds.memory.categories import CATEGORIES
-from xirang_ds.memory.run_shape import RunShape, _fullest_rank, partition_numel, sub_group_numels
+from xirang_ds.memory.run_shape import RunShape, fullest_rank, partition_numel, sub_group_numels
 
 
-def _cat(**parts: int) -> dict[str, int]:
+STEP_PREPARE = "step_prepare"
+"""The part of ``engine.step()`` before the basic optimizer's update, a phase of its own while
+plugins adjust the estimate (`Plugin.adjust_estimate`), then merged into ``optimizer_step``."""
+BACKWARD_START = "backward_start"
+"""Backward until its first gradient is ready (`Trace.backward_start_by_category`), a phase of its
+own while plugins adjust the estimate, then merged into ``backward``: the larger is backward's peak."""
+
+
+def category_bytes(**parts: int) -> dict[str, int]:
     out = {c: 0 for c in CATEGORIES}
     for k, v in parts.items():
         out[k] += int(v)
     return out
 
 
-def _add(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+def add_categories(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
     return {c: a.get(c, 0) + b.get(c, 0) for c in CATEGORIES}
 
 
@@ -35,15 +43,15 @@ def model_states(shape: RunShape, numels: list[int]) -> dict[str, int]:
     groups = 1
     if shape.stage == 0:
         master = 4 * total if shape.dtype != torch.float32 else 0
-        return _cat(parameters=lp * total + master, optimizer_states=8 * total + 4 * len(numels))
+        return category_bytes(parameters=lp * total + master, optimizer_states=8 * total + 4 * len(numels))
     if shape.stage in (1, 2):
         master = 0 if shape.shared_masters else 4 * part
-        return _cat(parameters=lp * padded + master, optimizer_states=8 * part + 4 * groups)
+        return category_bytes(parameters=lp * padded + master, optimizer_states=8 * part + 4 * groups)
     # ZeRO 3: 16-bit partition, fp32 partition, states over the partition
-    return _cat(parameters=lp * part + 4 * part, optimizer_states=8 * part + 4 * groups)
+    return category_bytes(parameters=lp * part + 4 * part, optimizer_states=8 * part + 4 * groups)
 
 
-def _adam_temporaries(shape: RunShape, tensors: list[int]) -> int:
+def adam_temporaries(shape: RunShape, tensors: list[int]) -> int:
     """Peak temporaries of one Adam step over tensors of these numels (fp32)."""
     if shape.adam_impl == "fused" or not tensors:
         return 0
@@ -52,7 +60,7 @@ def _adam_temporaries(shape: RunShape, tensors: list[int]) -> int:
     return 2 * 4 * max(tensors)  # sqrt() and its quotient, one tensor at a time
 
 
-def _optimizer_step(shape: RunShape, states: dict, numels: list[int]) -> tuple[dict, Optional[dict]]:
+def optimizer_step(shape: RunShape, states: dict, numels: list[int]) -> tuple[dict, Optional[dict]]:
     """``engine.step()`` at the boundary: the wrapper's preparation of the gradients (``None`` where
     it allocates nothing), then the basic optimizer's update.
 
@@ -70,28 +78,28 @@ def _optimizer_step(shape: RunShape, states: dict, numels: list[int]) -> tuple[d
     sixteen = shape.dtype != torch.float32
     if shape.stage == 0:
         grads = lp * total + (4 * total if sixteen else 0)
-        update = _add(states, _cat(gradients=grads, temporaries=_adam_temporaries(shape, numels)))
+        update = add_categories(states, category_bytes(gradients=grads, temporaries=adam_temporaries(shape, numels)))
         prepare = None
         if sixteen and shape.adam_impl == "fused":
-            prepare = _add(states, _cat(gradients=lp * total + 4 * total, temporaries=4 * total))
+            prepare = add_categories(states, category_bytes(gradients=lp * total + 4 * total, temporaries=4 * total))
         return update, prepare
     if shape.stage == 3:  # the 16-bit gradient partition and the reduction bucket stay allocated
         sub = max(sub_group_numels(numels, shape.groups, shape.world_size, shape.sub_group_size))
-        resident = _add(states, _cat(gradients=lp * part, comm_buffers=lp * shape.reduce_bucket))
-        prepare = _add(resident, _cat(gradients=4 * sub if sixteen else 0, temporaries=lp * sub))
-        return _add(resident, _cat(gradients=4 * sub, temporaries=_adam_temporaries(shape, [sub]))), prepare
+        resident = add_categories(states, category_bytes(gradients=lp * part, comm_buffers=lp * shape.reduce_bucket))
+        prepare = add_categories(resident, category_bytes(gradients=4 * sub if sixteen else 0, temporaries=lp * sub))
+        return add_categories(resident, category_bytes(gradients=4 * sub, temporaries=adam_temporaries(shape, [sub]))), prepare
     # group by group: its 16-bit gradients flattened and upcast, then freed before the next group's
-    rank = _fullest_rank(shape, numels)
+    rank = fullest_rank(shape, numels)
     parts = [partition_numel(sum(numels[i] for i in g), shape.world_size)
              for g in (shape.groups or (tuple(range(len(numels))),))]
-    points = [_cat(gradients=lp * sum(rank.by_group[g:]) + (4 * sum(parts[:g + 1]) if sixteen else 0),
+    points = [category_bytes(gradients=lp * sum(rank.by_group[g:]) + (4 * sum(parts[:g + 1]) if sixteen else 0),
                    temporaries=lp * parts[g]) for g in range(len(parts))]
-    prepare = _add(states, max(points, key=lambda c: sum(c.values())))
-    update = _add(states, _cat(gradients=4 * part, temporaries=_adam_temporaries(shape, [part])))
+    prepare = add_categories(states, max(points, key=lambda c: sum(c.values())))
+    update = add_categories(states, category_bytes(gradients=4 * part, temporaries=adam_temporaries(shape, [part])))
     return update, prepare
 
 
-def _stage3_working_set(shape: RunShape, numels: list[int], fwd: dict, bwd: dict) -> tuple[dict, dict]:
+def stage3_working_set(shape: RunShape, numels: list[int], fwd: dict, bwd: dict) -> tuple[dict, dict]:
     """ZeRO 3: parameters live as partitions; the trace counted them whole, gathered. Replace the
     whole 16-bit parameters by the gathered working set and add the persistent reduction buffers.
 
@@ -116,7 +124,7 @@ def _stage3_working_set(shape: RunShape, numels: list[int], fwd: dict, bwd: dict
     gathered = min(sum(released), kept + max(shape.prefetch_bucket, largest) + largest) + persistent
     if shape.world_size == 1:
         gathered = 0  # one rank's partition is the whole parameter: gathering allocates nothing
-    extra = _cat(parameters=lp * gathered,
+    extra = category_bytes(parameters=lp * gathered,
                  comm_buffers=lp * shape.reduce_bucket,
                  gradients=lp * partition_numel(total, shape.world_size))
-    return _add(fwd, extra), _add(bwd, extra)
+    return add_categories(fwd, extra), add_categories(bwd, extra)

@@ -43,6 +43,7 @@ import torch
 
 from xirang_ds.compat.torch import storage_at, storage_key
 from xirang_ds.config.validate import XirangConfigError
+from xirang_ds.memory.tracker import SUBALLOCATIONS
 
 SIZE_KEY = "xirang.memory_pool.size"
 
@@ -248,8 +249,6 @@ class MemoryPool:
             return self._block(offset, nbytes, dtype)
 
     def _block(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-        from xirang_ds.memory.tracker import SUBALLOCATIONS
-
         buffer = self.buffer
         stream = self._order_after_other_streams()
         storage = block_storage(buffer, offset, nbytes)
@@ -268,8 +267,6 @@ class MemoryPool:
             self._block_streams.setdefault(storage_key(block.untyped_storage()), set()).add(stream)
 
     def _on_block_freed(self, key: int, generation: int, offset: int, stream: Any, buffer: torch.Tensor) -> None:
-        from xirang_ds.memory.tracker import SUBALLOCATIONS
-
         SUBALLOCATIONS.pop(key, None)
         streams = self._block_streams.pop(key, set()) | ({stream} if stream is not None else set())
         for used in streams:  # work queued there may still read the block: later users wait for it

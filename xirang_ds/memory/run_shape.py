@@ -139,7 +139,7 @@ class _Partition:
     by_group: tuple[int, ...] = ()  # the numel it keeps whole in each group
 
 
-def _fullest_rank(shape: RunShape, numels: list[int]) -> _Partition:
+def fullest_rank(shape: RunShape, numels: list[int]) -> _Partition:
     """The rank whose ZeRO 1/2 gradient partition is largest: each group's flat 16-bit buffer is split
     evenly in parameter order, and a rank keeps the gradients of every parameter that reaches into its
     range whole (stage_1_and_2.py ``params_in_partition``; ``grads_in_partition`` is their sum), in

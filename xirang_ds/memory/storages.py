@@ -56,7 +56,7 @@ class Record:
         return self.category or TEMPORARIES
 
 
-def _storage_of(t: torch.Tensor):
+def storage_of(t: torch.Tensor):
     try:
         st = t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # sparse, meta-only or functional wrappers
@@ -71,28 +71,28 @@ SUBALLOCATIONS: dict[int, Any] = {}
 The pool adds a block when it hands it out and drops it when the block's storage dies."""
 
 
-def _inner_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
+def inner_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
     """The plain tensors a wrapper subclass holds (``__tensor_flatten__``), recursively."""
     names, _ = t.__tensor_flatten__()
     for name in names:
         inner = getattr(t, name)
         if is_traceable_wrapper_subclass(inner):
-            yield from _inner_tensors(inner)
+            yield from inner_tensors(inner)
         else:
             yield inner
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
     """Every tensor in nested lists, tuples, dicts and optimizer states (wrapper subclasses as the
     plain tensors inside them)."""
     if isinstance(obj, torch.Tensor):
         if is_traceable_wrapper_subclass(obj):
-            yield from _inner_tensors(obj)
+            yield from inner_tensors(obj)
         else:
             yield obj
     elif isinstance(obj, dict):
         for v in obj.values():
-            yield from _tensors(v)
+            yield from tensors_in(v)
     elif isinstance(obj, (list, tuple, set)) or hasattr(obj, "__iter__") and not isinstance(obj, (str, bytes)):
         for v in obj:
-            yield from _tensors(v)
+            yield from tensors_in(v)

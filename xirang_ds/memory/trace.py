@@ -6,7 +6,7 @@ milliseconds whatever the model size) measured by the same live-storage tracker 
 that allocate what the engine allocates when it allocates it: the reduction bucket at the first gradient
 (ZeRO 1/2), ZeRO-2's gradient partition at the first bucket reduction, gradients moved out of
 ``param.grad`` (ZeRO 2). So the activation term is exact for any architecture (the estimate reports the
-Korthikanti et al. formula beside it for reference: `xirang_ds.memory.estimator`).
+Korthikanti et al. formula beside it for reference: `xirang_ds.planning.estimator`).
 """
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from xirang_ds.compat.torch import fake_tensor_mode
 from xirang_ds.memory.categories import COMM_BUFFERS, GRADIENTS, PARAMETERS, TEMPORARIES
-from xirang_ds.memory.run_shape import EstimateError, RunShape, _fullest_rank
+from xirang_ds.memory.run_shape import EstimateError, RunShape, fullest_rank
+from xirang_ds.memory.storages import tensors_in
 
 
 @dataclass
@@ -67,7 +69,7 @@ class _EngineEmulation:
         self.pending: list[torch.Tensor] = []
         self.backward_start: Any = None  # a tracker window opened as backward starts
         self.backward_starts: list[Any] = []  # its report at the micro-step's first gradient
-        rank = _fullest_rank(shape, [p.numel() for p in params])
+        rank = fullest_rank(shape, [p.numel() for p in params])
         self.partition_numel = rank.numel
         self.in_partition = {id(params[i]) for i in rank.params}
 
@@ -150,9 +152,7 @@ def loss_of(output: Any) -> Optional[torch.Tensor]:
 def _stand_in_loss(output: Any) -> torch.Tensor:
     """A loss for a forward whose output holds none: the sum of its floating tensors (what a loss
     computed outside the model keeps for backward is not traced)."""
-    from xirang_ds.memory.tracker import _tensors
-
-    floats = [t for t in _tensors(output) if t.is_floating_point() and t.requires_grad]
+    floats = [t for t in tensors_in(output) if t.is_floating_point() and t.requires_grad]
     if not floats:
         raise EstimateError("the model's forward returns no loss and no tensor that needs a gradient")
     return sum(t.sum() for t in floats)
@@ -166,8 +166,7 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
     what ``inputs`` makes (a run's own batch: `xirang_ds.memory.calibration`); then a forward whose
     output holds no loss is traced with a stand-in (`Trace.loss_outside`). The ``session``'s plugins
     apply what they change in forward and backward to the fake model meanwhile (`Plugin.trace_context`)."""
-    from xirang_ds.compat.torch import fake_tensor_mode
-    from xirang_ds.memory.tracker import MemoryTracker, _tensors
+    from xirang_ds.memory.tracker import MemoryTracker, tensors_in
 
     # a live model's copy may keep plain tensor attributes (a cached mask): fakified on first use
     mode = fake_tensor_mode(allow_non_fake_inputs=inputs is not None)
@@ -181,7 +180,7 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
             args, kwargs = (x, y), {}
         else:
             args, kwargs = inputs()
-        batch = list(_tensors((args, kwargs)))
+        batch = list(tensors_in((args, kwargs)))
         tracker = MemoryTracker("cpu", fake=True)
         tracker.seed(model.parameters(), PARAMETERS)
         tracker.seed(batch, TEMPORARIES)

@@ -32,8 +32,8 @@ from xirang_ds.compat.torch import (
     storage_key,
 )
 from xirang_ds.memory.categories import ACTIVATIONS, CATEGORIES, HOST, PRIORITY
-from xirang_ds.memory.dispatch import _Mode, _returns_alias
-from xirang_ds.memory.storages import SUBALLOCATIONS, Record, _inner_tensors, _storage_of, _tensors
+from xirang_ds.memory.dispatch import TrackingMode, returns_alias
+from xirang_ds.memory.storages import SUBALLOCATIONS, Record, inner_tensors, storage_of, tensors_in
 from xirang_ds.memory.window import PeakReport, Window
 
 PHASES = ("setup", "forward", "backward", "optimizer_step", "idle")
@@ -76,7 +76,7 @@ class MemoryTracker:
         self._scopes: list[str] = []
         self._host_depth = 0
         self._forward_start_serial: Optional[int] = None
-        self._mode: Optional[_Mode] = None
+        self._mode: Optional[TrackingMode] = None
         self._handles: list[Any] = []
         self.phase_log: list[tuple[int, str]] = [(0, "setup")]
         self._windows: list[Window] = []
@@ -91,7 +91,7 @@ class MemoryTracker:
     def start(self) -> "MemoryTracker":
         """Begin tracking (enter the dispatch mode on this thread)."""
         if self._mode is None:
-            self._mode = _Mode(self)
+            self._mode = TrackingMode(self)
             self._mode.__enter__()
         return self
 
@@ -136,14 +136,14 @@ class MemoryTracker:
     def _key_and_storage(self, t: torch.Tensor):
         if t.device.type != self.device_type:
             return None, None
-        st = _storage_of(t)
+        st = storage_of(t)
         if st is None or (st.nbytes() == 0 if self.fake else st.data_ptr() == 0):
             return None, None
         return storage_key(st), st
 
     def _see(self, t: torch.Tensor, func: Any, category: Optional[str] = None, new: bool = True) -> Optional[Record]:
         if is_traceable_wrapper_subclass(t):  # torchao's quantized states, DTensor: the bytes are inside
-            for inner in _inner_tensors(t):
+            for inner in inner_tensors(t):
                 self._see(inner, func, category, new)
             return None
         key, st = self._key_and_storage(t)
@@ -222,7 +222,7 @@ class MemoryTracker:
             items = a if isinstance(a, (list, tuple)) else (a,)
             for t in items:
                 if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
-                    st = _storage_of(t)
+                    st = storage_of(t)
                     if st is not None:
                         rec = self._live.get(storage_key(st))
                         if rec is not None:
@@ -258,7 +258,7 @@ class MemoryTracker:
         Returns the bytes newly registered (storages already known count zero).
         """
         added = 0
-        for t in _tensors(tensors):
+        for t in tensors_in(tensors):
             before = self.live_bytes + self.host_bytes
             self._see(t, None, category)
             added += self.live_bytes + self.host_bytes - before
@@ -268,7 +268,7 @@ class MemoryTracker:
         """Give the storages of ``tensors`` a role (the strongest role wins, see PRIORITY)."""
         if category not in CATEGORIES:
             raise ValueError(f"unknown category {category!r}; one of {CATEGORIES}")
-        for t in _tensors(tensors):
+        for t in tensors_in(tensors):
             key, st = self._key_and_storage(t)
             if key is None:
                 continue
@@ -440,6 +440,6 @@ def default_device_type() -> str:
 
 
 # The moved names stay importable from here (`xirang_ds.memory.pool` fills ``SUBALLOCATIONS``; the
-# activations plugin's profile reads ``_returns_alias``; the estimator's trace walks outputs with ``_tensors``).
-__all__ = ["PHASES", "SUBALLOCATIONS", "MemoryTracker", "PeakReport", "Record", "Window", "_returns_alias", "_tensors",
+# activations plugin's profile reads ``returns_alias``; the estimator's trace walks outputs with ``tensors_in``).
+__all__ = ["PHASES", "SUBALLOCATIONS", "MemoryTracker", "PeakReport", "Record", "Window", "returns_alias", "tensors_in",
            "default_device_type"]

@@ -7,13 +7,10 @@ counts an allocation. `PeakReport` is a window's state at its peak.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 from xirang_ds.memory.categories import CATEGORIES, DEVICE_CATEGORIES, HOST
 from xirang_ds.memory.storages import Record
-
-if TYPE_CHECKING:
-    from xirang_ds.memory.tracker import MemoryTracker
 
 
 @dataclass

@@ -34,13 +34,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from xirang_ds.bench import run_side
 from xirang_ds.config.loader import BLOCK_KEY, deep_merge
 from xirang_ds.config.types import format_bytes
+from xirang_ds.config.validate import XirangConfigError
+from xirang_ds.memory.calibration import calibrated_peak
 from xirang_ds.models import describe_model
+from xirang_ds.planning.estimator import EstimateError
+from xirang_ds.planning.spec import estimate_spec
 from xirang_ds.tune.cost import (
-    _grow_micro_batch,
-    _mb_scale,
-    _micro_batch,
+    grow_micro_batch,
+    micro_batch_of,
+    micro_batch_scale,
     planned_peak,
     planner_line,
     stage_calibration,
@@ -106,8 +111,6 @@ Runner = Callable[[dict, int], Any]  # (ds_config, steps) -> SideResult
 
 
 def _default_runner(model: str, world_size: int, data: Optional[str], seed: int) -> Runner:
-    from xirang_ds.bench import run_side
-
     def run(cfg: dict, steps: int) -> Any:
         return run_side(model, cfg, steps, world_size, data, seed, True)
 
@@ -116,8 +119,6 @@ def _default_runner(model: str, world_size: int, data: Optional[str], seed: int)
 
 def _estimate(model: str, cfg: dict, world_size: int, device: str) -> tuple[int, list[str], dict[str, int]]:
     """The estimator's peak, the sections it does not model, and each phase's total."""
-    from xirang_ds.memory.estimator import estimate_spec
-
     est = estimate_spec(model, cfg, world_size, device)
     unmodelled = [n.split(":")[0] for n in est.notes if "not modelled" in n]
     return est.predicted_peak_bytes, unmodelled, {p: v["total"] for p, v in est.phases.items()}
@@ -193,9 +194,6 @@ def _predict(search: _Search, pool: list[Candidate]) -> list[Candidate]:
     Raises:
         ValueError: no candidate is valid.
     """
-    from xirang_ds.config.validate import XirangConfigError
-    from xirang_ds.memory.estimator import EstimateError
-
     progress = search.progress
     for i, c in enumerate(pool):
         progress.update(i, len(pool), "estimate", c.name)
@@ -209,7 +207,7 @@ def _predict(search: _Search, pool: list[Candidate]) -> list[Candidate]:
         for c in live:
             if not any(o.block for o in c.options) and _stage(c) == search.user_stage:
                 plain = Candidate(c.options, copy.deepcopy(c.ds_config), c.micro_batch, c.predicted_peak)
-                _grow_micro_batch(plain, lambda cfg: search.estimate(cfg)[0], search.budget)
+                grow_micro_batch(plain, lambda cfg: search.estimate(cfg)[0], search.budget)
                 search.far_mb = plain.micro_batch
     search.seconds["estimate"] = time.perf_counter() - search.start
     if not live:
@@ -265,8 +263,6 @@ def _rank(search: _Search, pool: list[Candidate], live: list[Candidate], profile
           ) -> tuple[list[Candidate], dict[str, float]]:
     """The cost model of every live candidate (calibrated peak, step time; growing, its largest micro-batch)
     and those predicted to fit, best first; with the calibration each stage's factors make of its base."""
-    from xirang_ds.memory.calibration import calibrated_peak
-
     model, world_size, device, budget = search.model, search.world_size, search.device, search.budget
     user_stage, user_mb, far_mb, grow = search.user_stage, search.user_mb, search.far_mb, search.grow
     stages = sorted({_stage(c) for c in live})
@@ -308,11 +304,11 @@ def _rank(search: _Search, pool: list[Candidate], live: list[Candidate], profile
                 rest = raw_peak * peak_ratio / profiles[planner]["predicted_peak_bytes"]
 
                 def planned(cfg, line=line, rest=rest):
-                    other, keep, least = line(_micro_batch(cfg))
+                    other, keep, least = line(micro_batch_of(cfg))
                     return planned_peak(other * rest, keep, least, budget)
 
                 c.predicted_peak = planned(c.ds_config)[0]
-                _grow_micro_batch(c, lambda cfg: planned(cfg)[0], budget)
+                grow_micro_batch(c, lambda cfg: planned(cfg)[0], budget)
                 passes = int(c.ds_config.get("gradient_accumulation_steps", 1) or 1)
                 least_s = profiles[planner]["activation_figures"]["least_added_s"] or 0.0
                 added_s = planned(c.ds_config)[1] * least_s * (c.micro_batch / user_mb) * passes
@@ -320,9 +316,9 @@ def _rank(search: _Search, pool: list[Candidate], live: list[Candidate], profile
                 def at(cfg, r=peak_ratio, f=factors[stage_key]):
                     return int(calibrated_peak(_estimate(model, cfg, world_size, device)[2], f) * r)
 
-                _grow_micro_batch(c, at, budget)
+                grow_micro_batch(c, at, budget)
         c.predicted_time_s = (profiles[stage_key]["step_time_s"] * time_ratio
-                              * _mb_scale(profiles, user_stage, user_mb, far_mb, c.micro_batch)) + added_s
+                              * micro_batch_scale(profiles, user_stage, user_mb, far_mb, c.micro_batch)) + added_s
     fitting = [c for c in live if c.rejected is None and c.predicted_peak <= budget]
 
     def rank_key(c: Candidate) -> tuple:
@@ -417,6 +413,6 @@ def write_json(result: TuneResult, path: str) -> None:
         json.dump(result.as_dict(), f, indent=2)
 
 
-# `_mb_scale`, `planned_peak`, `planner_line` and `SEARCHED` stay importable from here (the tests read them)
-__all__ = ["SEARCHED", "Candidate", "Option", "Progress", "TuneResult", "_mb_scale", "format_result", "planned_peak",
+# `micro_batch_scale`, `planned_peak`, `planner_line` and `SEARCHED` stay importable from here (the tests read them)
+__all__ = ["SEARCHED", "Candidate", "Option", "Progress", "TuneResult", "micro_batch_scale", "format_result", "planned_peak",
            "planner_line", "search_space", "tune", "winning_ds_config", "write_json"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from xirang_ds.config.loader import deep_merge
+from xirang_ds.memory.calibration import PHASES, phase_factors
 from xirang_ds.tune.space import Candidate
 
 
@@ -13,15 +14,13 @@ def stage_calibration(profile: dict) -> dict[str, float]:
     """A profiled base's calibration, as a session calibrates its own prediction
     (`xirang_ds.memory.calibration.phase_factors`): per phase, measured over estimated, where the
     run measured its phases; else one factor for the total."""
-    from xirang_ds.memory.calibration import PHASES, phase_factors
-
     measured = {p: b for p, b in (profile.get("phase_peaks") or {}).items() if p in PHASES}
     if not measured:
         measured = {"peak": profile["peak_bytes"]}
     return phase_factors(measured, profile["predicted_phases"])
 
 
-def _grow_micro_batch(c: Candidate, peak_at: Callable[[dict], int], budget: int, max_doublings: int = 12) -> None:
+def grow_micro_batch(c: Candidate, peak_at: Callable[[dict], int], budget: int, max_doublings: int = 12) -> None:
     """Double the candidate's micro-batch while ``peak_at(ds_config)`` fits (halve it while it does not)."""
     def at(mb: int) -> tuple[dict, int]:
         cfg = deep_merge(c.ds_config, {"train_micro_batch_size_per_gpu": mb})
@@ -41,7 +40,7 @@ def _grow_micro_batch(c: Candidate, peak_at: Callable[[dict], int], budget: int,
     c.micro_batch, c.predicted_peak = mb, peak
 
 
-def _mb_scale(profiles: dict, stage: int, mb0: int, mb1: int, mb: int) -> float:
+def micro_batch_scale(profiles: dict, stage: int, mb0: int, mb1: int, mb: int) -> float:
     """Step time at ``mb`` over step time at ``mb0``: the line through the two profiled points when
     there are two, else proportional to the micro-batch."""
     t0 = profiles.get(f"zero{stage}", {}).get("step_time_s")
@@ -54,7 +53,7 @@ def _mb_scale(profiles: dict, stage: int, mb0: int, mb1: int, mb: int) -> float:
     return mb / mb0
 
 
-def _micro_batch(cfg: dict) -> int:
+def micro_batch_of(cfg: dict) -> int:
     return int(cfg.get("train_micro_batch_size_per_gpu", 1) or 1)
 
 

@@ -2,7 +2,7 @@
 
 The candidates are the presets the block's ``sensitivity`` allows, least aggressive first:
 ``lossless`` allows conservative, ``normal`` (the default) conservative and balanced, ``tolerant``
-all three. Each is estimated on the model's parameters (`estimator.estimate_states`: model states,
+all three. Each is estimated on the model's parameters (`xirang_ds.planning.estimator.estimate_states`: model states,
 gradients, buffers and the optimizer step, as each preset lays them out at this ds_config; the
 activations are the planner's to fit into what is left, and the model's inputs are not known
 before training), and the first whose estimate fits ``memory_budget`` (``auto``: the device's
@@ -17,8 +17,14 @@ from __future__ import annotations
 import copy
 from typing import Any, Optional
 
+import torch
+
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError, describe_value
+from xirang_ds.models import build_model, parse_model_spec
+from xirang_ds.planning.estimator import estimate_states
+from xirang_ds.planning.fit import fit_block
+from xirang_ds.plugins.grad_release.states_tier import host_reason
 
 AUTO = "auto"
 SENSITIVITY_KEY = "sensitivity"
@@ -48,9 +54,6 @@ def choose_preset(block: dict, ds_config: dict, model: Any, world_size: int = 1,
     """
     if not is_auto(block):
         return block, None
-    from xirang_ds.config.fit import fit_block
-    from xirang_ds.memory.estimator import estimate_states
-
     sensitivity = block.get(SENSITIVITY_KEY, "normal")
     if not isinstance(sensitivity, str) or sensitivity not in SENSITIVITIES:
         raise XirangConfigError([(f"xirang.{SENSITIVITY_KEY}", f"must be one of {', '.join(map(repr, SENSITIVITIES))}; "
@@ -75,8 +78,6 @@ def choose_preset(block: dict, ds_config: dict, model: Any, world_size: int = 1,
         needs.append((name, need))
         if need <= budget:
             tried = "".join(f"; {n} needs {format_bytes(b)}" for n, b in needs[:-1])
-            from xirang_ds.plugins.grad_release.states_tier import host_reason
-
             host = ", with grad_release's optimizer states in host memory (states auto)" if host_reason(
                 estimate.notes) else ""
             return candidate, (f"preset auto took {name}: model states, gradients and the optimizer step estimated "
@@ -99,10 +100,6 @@ def choose_for_spec(ds_config: dict, model: Any, world_size: int = 1, device: st
                     ) -> tuple[dict, Optional[str]]:
     """`choose_preset` for a ``--model`` spec (built on the meta device: no weights are made); the
     ds_config with its block resolved."""
-    import torch
-
-    from xirang_ds.models import build_model, parse_model_spec
-
     block = ds_config.get("xirang")
     if not is_auto(block):
         return ds_config, None

@@ -25,14 +25,19 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from xirang_ds.compat.torch import fake_tensor_mode
+from xirang_ds.config.loader import BLOCK_KEY
+from xirang_ds.config.types import format_bytes
 from xirang_ds.memory.categories import CATEGORIES
 from xirang_ds.memory.model_states import (
-    _adam_temporaries,
-    _add,
-    _cat,
-    _optimizer_step,
-    _stage3_working_set,
+    BACKWARD_START,
+    STEP_PREPARE,
+    adam_temporaries,
+    add_categories,
+    category_bytes,
     model_states,
+    optimizer_step,
+    stage3_working_set,
 )
 from xirang_ds.memory.run_shape import (
     DEFAULT_ALLGATHER_BUCKET,
@@ -43,10 +48,12 @@ from xirang_ds.memory.run_shape import (
     DTYPE_BYTES,
     EstimateError,
     RunShape,
-    _fullest_rank,
+    fullest_rank,
     partition_numel,
 )
 from xirang_ds.memory.trace import Inputs, Trace, loss_of, trace_model
+from xirang_ds.planning.fit import fit_block
+from xirang_ds.session import Session
 
 
 @dataclass
@@ -110,15 +117,15 @@ def estimate_states(model: torch.nn.Module, ds_config: dict, world_size: int = 1
         raise EstimateError(f"zero_optimization.stage must be 0-3; got {shape.stage}")
     numels = [p.numel() for p in model.parameters() if p.requires_grad]
     total = sum(numels)
-    backward = _cat()
+    backward = category_bytes()
     if shape.stage in (0, 1):
-        backward = _cat(gradients=shape.lp_bytes * total)
+        backward = category_bytes(gradients=shape.lp_bytes * total)
     elif shape.stage == 2:
         buffers = (2 if shape.overlap_comm else 1) if shape.contiguous_gradients else 0
-        backward = _cat(gradients=shape.lp_bytes * _fullest_rank(shape, numels).numel,
+        backward = category_bytes(gradients=shape.lp_bytes * fullest_rank(shape, numels).numel,
                         comm_buffers=buffers * shape.reduce_bucket * shape.lp_bytes)
     trace = Trace(forward_peak=0, activations=0, backward_peak=sum(backward.values()), backward_by_category=backward,
-                  forward_by_category=_cat(), inputs=0, param_numels=numels)
+                  forward_by_category=category_bytes(), inputs=0, param_numels=numels)
     return _estimate(session, shape, trace)
 
 
@@ -137,14 +144,6 @@ def _plugin_shape(session: Any, ds_config: dict, world_size: int, device: str) -
     return shape
 
 
-STEP_PREPARE = "step_prepare"
-"""The part of ``engine.step()`` before the basic optimizer's update, a phase of its own while
-plugins adjust the estimate (`Plugin.adjust_estimate`), then merged into ``optimizer_step``."""
-BACKWARD_START = "backward_start"
-"""Backward until its first gradient is ready (`Trace.backward_start_by_category`), a phase of its
-own while plugins adjust the estimate, then merged into ``backward``: the larger is backward's peak."""
-
-
 def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
     """The phases from a trace (or what stands for one), the step, and the plugins' adjustments."""
     numels = trace.param_numels
@@ -155,30 +154,30 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
              f"{n} rank(s), {total:,} parameters", f"optimizer step temporaries: {shape.adam_impl}"]
     notes += [f"zero_optimization.{k}: host offload is not modelled (the estimate keeps on the device what "
               "it moves to the host); measure with xirang-ds bench" for k in shape.offloaded]
-    inputs = _cat(temporaries=trace.inputs)
-    accum = _cat()  # gradients carried into the next micro-step's forward (unless the trace holds them)
+    inputs = category_bytes(temporaries=trace.inputs)
+    accum = category_bytes()  # gradients carried into the next micro-step's forward (unless the trace holds them)
     if shape.grad_accum > 1 and not trace.accumulates:
         if shape.stage in (0, 1):
-            accum = _cat(gradients=lp * total)
+            accum = category_bytes(gradients=lp * total)
         elif shape.stage == 2:
-            accum = _cat(gradients=lp * _fullest_rank(shape, numels).numel)
-    fwd = _add(_add(states, inputs), _add(accum, trace.forward_by_category))
-    bwd = _add(_add(states, inputs), trace.backward_by_category)
-    start = _add(_add(states, inputs), trace.backward_start_by_category or trace.backward_by_category)
+            accum = category_bytes(gradients=lp * fullest_rank(shape, numels).numel)
+    fwd = add_categories(add_categories(states, inputs), add_categories(accum, trace.forward_by_category))
+    bwd = add_categories(add_categories(states, inputs), trace.backward_by_category)
+    start = add_categories(add_categories(states, inputs), trace.backward_start_by_category or trace.backward_by_category)
     if shape.stage == 2:
-        bwd, start = _add(bwd, accum), _add(start, accum)
+        bwd, start = add_categories(bwd, accum), add_categories(start, accum)
     if shape.stage == 0:
         # engine.allreduce_gradients at the boundary (buffered_allreduce_fallback): every gradient
         # alive plus a flattened copy of up to 5e8 elements (engine.py allreduce_and_copy), after
         # the activations are gone; it runs even on one rank.
         flat = min(total, int(5e8))
-        reduce = _add(_add(states, inputs), _cat(gradients=lp * total, temporaries=lp * flat))
+        reduce = add_categories(add_categories(states, inputs), category_bytes(gradients=lp * total, temporaries=lp * flat))
         if sum(reduce.values()) > sum(bwd.values()):
             bwd = reduce
     if shape.stage == 3:
-        fwd, bwd = _stage3_working_set(shape, numels, fwd, bwd)
-        start = _stage3_working_set(shape, numels, start, start)[0]
-    step, prepare = _optimizer_step(shape, states, numels)
+        fwd, bwd = stage3_working_set(shape, numels, fwd, bwd)
+        start = stage3_working_set(shape, numels, start, start)[0]
+    step, prepare = optimizer_step(shape, states, numels)
     phases = {"forward": fwd, "backward": bwd, "optimizer_step": step, BACKWARD_START: start}
     if prepare is not None:
         phases[STEP_PREPARE] = prepare
@@ -199,11 +198,6 @@ def _session_for(build: Callable[[], torch.nn.Module], ds_config: dict, world_si
     """A session over a fake copy of the model (``fake``; else over ``build()`` itself) whose plugins
     have edited a copy of the ds_config."""
     import copy
-
-    from xirang_ds.compat.torch import fake_tensor_mode
-    from xirang_ds.config.fit import fit_block
-    from xirang_ds.config.loader import BLOCK_KEY
-    from xirang_ds.session import Session
 
     if BLOCK_KEY not in ds_config:
         return None
@@ -236,25 +230,6 @@ def korthikanti_activations(layers: int, seq: int, batch: int, hidden: int, head
     return int(layers * seq * batch * hidden * (34 + 5 * heads * seq / hidden))
 
 
-def estimate_spec(model: Union[str, Any], ds_config: dict, world_size: int = 1, device: str = "cpu") -> Estimate:
-    """`estimate_run` for a ``--model`` spec (built-in name, ``gpt:...``, or a parsed spec such as a
-    `xirang_ds.models.FactorySpec`: its ``seq`` and ``vocab`` shape the inputs); ``"preset": "auto"`` is
-    resolved first (`xirang_ds.config.auto`), its choice a note."""
-    from xirang_ds.config.auto import choose_for_spec
-    from xirang_ds.models import ModelSpec, build_model, parse_model_spec
-
-    spec = parse_model_spec(model)
-    ds_config, choice = choose_for_spec(ds_config, spec, world_size, device)
-    est = estimate_run(lambda: build_model(spec), ds_config, spec.seq, spec.vocab, world_size, device)
-    if choice:
-        est.notes.append(choice)
-    if isinstance(spec, ModelSpec):
-        shape = RunShape.from_ds_config(ds_config, world_size, device)
-        est.korthikanti_activations = korthikanti_activations(spec.layers, spec.seq, shape.micro_batch,
-                                                              spec.hidden, spec.heads)
-    return est
-
-
 def recalibrate(estimate: Estimate, measured_by_category: dict[str, int], measured_peak: int) -> dict:
     """Compare with a measured peak: the error and a factor per category (measured / predicted)."""
     factors = {}
@@ -269,8 +244,6 @@ def recalibrate(estimate: Estimate, measured_by_category: dict[str, int], measur
 
 def format_estimate(est: Estimate) -> str:
     """The estimate as a table: each phase's total and the breakdown at the predicted peak."""
-    from xirang_ds.config.types import format_bytes
-
     lines = ["predicted per-rank peak: " + format_bytes(est.predicted_peak_bytes) +
              f" ({est.predicted_peak_bytes:,} bytes) in {est.peak_phase}"]
     lines += ["  " + n for n in est.notes]
@@ -287,10 +260,9 @@ def format_estimate(est: Estimate) -> str:
     return "\n".join(lines)
 
 
-# The moved names stay importable from here; ``_adam_temporaries`` is read by the grad_release and
-# optimizer_states plugins' ``adjust_estimate``.
+# The moved names stay importable from here.
 __all__ = ["BACKWARD_START", "DEFAULT_ALLGATHER_BUCKET", "DEFAULT_MAX_REUSE_DISTANCE", "DEFAULT_PERSISTENCE_THRESHOLD",
            "DEFAULT_PREFETCH_BUCKET", "DEFAULT_REDUCE_BUCKET", "DTYPE_BYTES", "Estimate", "EstimateError", "Inputs",
-           "RunShape", "STEP_PREPARE", "Trace", "_adam_temporaries", "estimate_run", "estimate_spec", "estimate_states",
+           "RunShape", "STEP_PREPARE", "Trace", "adam_temporaries", "estimate_run", "estimate_states",
            "format_estimate", "korthikanti_activations", "loss_of", "model_states", "partition_numel", "recalibrate",
            "trace_model"]

@@ -23,6 +23,7 @@ from typing import Any, Optional
 from xirang_ds.config.loader import deep_merge, validate_block
 from xirang_ds.config.schema import XirangConfig
 from xirang_ds.config.validate import XirangConfigError
+from xirang_ds.registry import plugin_for
 
 HANDED_OVER = {("grad_release", "masters"): ("optimizer_states", "masters")}
 """(left-out section, key) → (section, key) that keeps the masters where the first cannot run:
@@ -83,8 +84,6 @@ def fit_block(block: Any, ds_config: dict, optimizer: Any = UNKNOWN) -> FittedBl
             ds_config (every problem at once, each naming the key, the value, what is allowed and
             the fix).
     """
-    from xirang_ds.registry import plugin_for
-
     config = validate_block(block)
     explicit = {key for key in block if key != "preset"} if config.preset is not None else set(block)
     fallbacks: list[LeftOut] = []
@@ -129,8 +128,6 @@ def _take_over(block: dict, config: XirangConfig, left_out: list[LeftOut], ds_co
                optimizer: Any) -> tuple[dict, list[LeftOut]]:
     """``block`` with `TAKEN_OVER`'s sections turned on for the left-out sections whose job they do, and
     the left-out lines saying so."""
-    from xirang_ds.registry import plugin_for
-
     out = []
     for item in left_out:
         target, keys, job = TAKEN_OVER.get(item.section, (None, None, None))
@@ -150,8 +147,6 @@ def _take_over(block: dict, config: XirangConfig, left_out: list[LeftOut], ds_co
 
 def _hand_over(block: dict, config: XirangConfig, left: set[str], ds_config: dict) -> dict:
     """``block`` with `HANDED_OVER`'s keys of the left-out sections given to the sections that take them."""
-    from xirang_ds.registry import plugin_for
-
     for (source, key), (target, target_key) in HANDED_OVER.items():
         section = getattr(config, target, None)
         written = block.get(target) if isinstance(block.get(target), dict) else {}
@@ -168,8 +163,6 @@ def _hand_over(block: dict, config: XirangConfig, left: set[str], ds_config: dic
 
 def _fall_back(block: dict, config: XirangConfig, ds_config: dict) -> tuple[dict, list[LeftOut]]:
     """The preset's keys this ds_config cannot take, replaced (the user's own keys stay as written)."""
-    from xirang_ds.registry import plugin_for
-
     over: dict[str, dict] = {}
     lines: list[LeftOut] = []
     for name, section in config.enabled_sections().items():

@@ -1,0 +1,31 @@
+"""A ``--model`` spec planned: its ``"preset": "auto"`` decided for the model, then its peak estimated.
+
+Above `xirang_ds.planning.auto`, which estimates each candidate preset with the estimator, so the
+estimator itself never decides a preset.
+"""
+from __future__ import annotations
+
+from typing import Any, Union
+
+from xirang_ds.models import ModelSpec, build_model, parse_model_spec
+from xirang_ds.planning.auto import choose_for_spec
+from xirang_ds.planning.estimator import Estimate, RunShape, estimate_run, korthikanti_activations
+
+
+def estimate_spec(model: Union[str, Any], ds_config: dict, world_size: int = 1, device: str = "cpu") -> Estimate:
+    """`estimate_run` for a ``--model`` spec (built-in name, ``gpt:...``, or a parsed spec such as a
+    `xirang_ds.models.FactorySpec`: its ``seq`` and ``vocab`` shape the inputs); ``"preset": "auto"`` is
+    resolved first (`xirang_ds.planning.auto`), its choice a note."""
+    spec = parse_model_spec(model)
+    ds_config, choice = choose_for_spec(ds_config, spec, world_size, device)
+    est = estimate_run(lambda: build_model(spec), ds_config, spec.seq, spec.vocab, world_size, device)
+    if choice:
+        est.notes.append(choice)
+    if isinstance(spec, ModelSpec):
+        shape = RunShape.from_ds_config(ds_config, world_size, device)
+        est.korthikanti_activations = korthikanti_activations(spec.layers, spec.seq, shape.micro_batch,
+                                                              spec.hidden, spec.heads)
+    return est
+
+
+__all__ = ["estimate_spec"]

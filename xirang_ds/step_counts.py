@@ -34,15 +34,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from xirang_ds.compat.torch import TorchDispatchMode, op_schema
+from xirang_ds.compat.torch import TorchDispatchMode, copy_ops, host_read_ops, op_schema
 
 _aten = torch.ops.aten
 _SIZE_OPS = {_aten.sym_size.int, _aten.sym_stride.int, _aten.sym_numel.default, _aten.sym_storage_offset.default,
              _aten.is_same_size.default}
-_SYNC_PACKETS = {_aten._local_scalar_dense, _aten.is_nonzero, _aten.equal, _aten.nonzero, _aten.masked_select,
-                 _aten._unique, _aten._unique2, _aten.unique_dim, _aten.unique_consecutive, _aten.unique_dim_consecutive}
-"""Ops the host waits on: it reads their value, or the shape of their output is data."""
-_COPY_PACKETS = {_aten.copy_, _aten._to_copy}
+_SYNC_PACKETS = host_read_ops()
+_COPY_INTO, _COPY_NEW = copy_ops()
 _FREE: dict[Any, bool] = {}
 
 
@@ -90,12 +88,12 @@ class _Counter(TorchDispatchMode):
         packet = getattr(func, "overloadpacket", None)
         if packet in _SYNC_PACKETS:
             self.host_syncs += 1
-        elif packet in _COPY_PACKETS:
+        elif packet is _COPY_INTO or packet is _COPY_NEW:
             self._copy(packet, args, kwargs, out)
         return out
 
     def _copy(self, packet: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        src, dst = (args[1], args[0]) if packet is _aten.copy_ else (args[0], out)
+        src, dst = (args[1], args[0]) if packet is _COPY_INTO else (args[0], out)
         if not (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor)):
             return
         into_host = self._host(dst)
@@ -103,7 +101,7 @@ class _Counter(TorchDispatchMode):
             return
         category = self._category(dst if into_host else src, src if into_host else dst)
         self.link_bytes[category] = self.link_bytes.get(category, 0) + dst.numel() * dst.element_size()
-        blocking = not (kwargs.get("non_blocking") or (packet is _aten.copy_ and len(args) > 2 and args[2]))
+        blocking = not (kwargs.get("non_blocking") or (packet is _COPY_INTO and len(args) > 2 and args[2]))
         if into_host and blocking:
             self.host_syncs += 1  # the host waits for the copy to land
 

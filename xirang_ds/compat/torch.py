@@ -58,6 +58,10 @@ UPSTREAM_NAMES: dict[str, Any] = {
     "torch._dynamo.is_dynamo_supported": "torch/_dynamo/eval_frame.py L1641",
     "torch.utils._triton.has_triton": "torch/utils/_triton.py L178",
     "torch.utils._python_dispatch._get_current_dispatch_mode": "torch/utils/_python_dispatch.py L270",
+    "torch.ops.aten._local_scalar_dense": "what .item(), float(t) and bool(t) dispatch (native_functions.yaml)",
+    "torch.ops.aten._unique": "unique without dim (native_functions.yaml)",
+    "torch.ops.aten._unique2": "unique with inverse and counts (native_functions.yaml)",
+    "torch.ops.aten._to_copy": "what Tensor.to dispatches when it copies (native_functions.yaml)",
     "torch.nn.modules.batchnorm._NormBase": "torch/nn/modules/batchnorm.py L25",
     "torch.nn.Module._parameters": "torch/nn/modules/module.py (the module's own parameter table)",
     "torch.Tensor._backward_hooks": "a tensor's register_hook hooks (C property, torch/_C/__init__.pyi; None if none)",
@@ -246,6 +250,20 @@ def sac_ignored_ops() -> frozenset:
     return frozenset(getattr(checkpoint, "SAC_IGNORED_OPS", {torch.ops.aten.detach.default}))
 
 
+def host_read_ops() -> frozenset:
+    """ATen op packets the host waits on: it reads their value (``.item()``, a truth value, ``equal``)
+    or the shape of their output is data (``nonzero``, ``masked_select``, ``unique``)."""
+    aten = torch.ops.aten
+    return frozenset((aten._local_scalar_dense, aten.is_nonzero, aten.equal, aten.nonzero, aten.masked_select,
+                      aten._unique, aten._unique2, aten.unique_dim, aten.unique_consecutive,
+                      aten.unique_dim_consecutive))
+
+
+def copy_ops() -> tuple[Any, Any]:
+    """The ATen op packets of a copy into an existing tensor (``copy_``) and into a new one (``_to_copy``)."""
+    return torch.ops.aten.copy_, torch.ops.aten._to_copy
+
+
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the backward in progress finishes (call it from inside one of its hooks)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
@@ -315,7 +333,8 @@ __all__ = [
     "DisableAutocast", "DisableTorchFunctionSubclass", "GRAD_DTYPE_SETTABLE", "NormBase", "OpOverload",
     "OpOverloadPacket",
     "SCHEDULER_PER_GROUP_LISTS", "TorchDispatchMode", "UPSTREAM_NAMES", "all_op_names", "allow_any_grad_dtype",
-    "amp_foreach_non_finite_check_and_unscale_", "buffer_table", "compile_unavailable", "compiled_entry",
+    "amp_foreach_non_finite_check_and_unscale_", "buffer_table", "compile_unavailable", "compiled_entry", "copy_ops",
+    "host_read_ops",
     "current_autograd_node",
     "current_dispatch_mode", "current_saved_tensors_hooks", "destroy_library", "disable_current_modes",
     "dispatch_mode_active",

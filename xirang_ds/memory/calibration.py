@@ -229,7 +229,7 @@ class Calibration:
         offload = getattr(getattr(self.session.engine, "optimizer", None), "parameter_offload", None)
         if offload is not None and offload.get_param_coordinator().is_invalid_trace():
             return False
-        return all(p.settled() for p in self.session.plugins_with(SettlesLate))
+        return all(p.settled() for p in self.session.plugins if isinstance(p, SettlesLate))
 
     def window_started(self) -> None:
         """A measurement window starts now (after a check and its actions)."""

@@ -187,7 +187,8 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
         tracker.seed(batch, TEMPORARIES)
         base = tracker.live_bytes
         applied = contextlib.ExitStack()
-        for plugin in (session.plugins_with(ChangesTrace) if session is not None else ()):
+        changing = [p for p in (session.plugins if session is not None else ()) if isinstance(p, ChangesTrace)]
+        for plugin in changing:
             context = plugin.trace_context(model, tracker)
             if context is not None:
                 applied.enter_context(context)

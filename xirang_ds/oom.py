@@ -47,6 +47,7 @@ from xirang_ds.compat.torch import version
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
 from xirang_ds.microbatch import loss_of, require_loss, with_loss
+from xirang_ds.roles import DropsGradients
 
 logger = logging.getLogger("xirang_ds")
 
@@ -121,7 +122,7 @@ class OomGuard:
         engine: the DeepSpeed engine (its ``forward``, ``backward`` and ``step`` are wrapped, outside
             every plugin's wrappers: create it after they attached).
         splitter: the `MicroBatchSplitter` whose pieces double at each retry.
-        session: the xirang session (plugins' `Plugin.drop_gradients`, events).
+        session: the xirang session (its plugins that play `xirang_ds.roles.DropsGradients`, events).
         on_retry: called with each retry's record (the monitor logs it and sends its event).
 
     Attributes:
@@ -244,7 +245,7 @@ class OomGuard:
         micro = engine.train_micro_batch_size_per_gpu()
         while True:
             self._pending = None
-            for plugin in self.session.plugins:
+            for plugin in self.session.plugins_with(DropsGradients):
                 plugin.drop_gradients()
             drop_step_gradients(engine)
             gc.collect()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, ContextManager, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, ClassVar, Optional, Protocol, runtime_checkable
 
 from xirang_ds.config.schema import SECTION_NAMES, Section, XirangConfig
 from xirang_ds.version import __version__
@@ -138,13 +138,13 @@ class FrameworkPath:
 
 
 class Plugin:
-    """Base class of every plugin. Override the seams you need; each default does nothing.
+    """Base class of every plugin: the seams every plugin has. Override the ones you need; each default
+    does nothing. What only some plugins do (edit the ds_config, say whether they fit it, adjust the
+    estimate, keep checkpoint state, lend storage, ...) is a role in `xirang_ds.roles`: a plugin plays
+    it by defining the role's methods, and the session asks for the plugins that play it.
 
     Seams, called by the session in plugin order:
 
-    * ``prepare_ds_config(ds_config)``: edit the ds_config copy handed to DeepSpeed.
-    * ``prepare_ddp_config(ddp_config)``: Megatron-core only; edit the
-      ``DistributedDataParallelConfig`` before Megatron's DDP wraps the model.
     * ``prepare_model(model)``: hooks or module swaps before DeepSpeed (or Megatron's DDP) wraps
       the model.
     * ``prepare_optimizer(optimizer)``: receive the basic optimizer (a ``torch.optim`` object, an
@@ -153,7 +153,7 @@ class Plugin:
       `xirang_ds.integration.megatron_run.MegatronRun`; what differs between the two is in the plugin's
       `FrameworkPath` for each (`Plugin.paths`).
     * ``remove()``: undo everything; the run behaves as without the plugin afterwards.
-    * ``state_dict()``/``load_state_dict(state)``: plugin state saved in engine checkpoints.
+    * ``describe()``: one line for the session summary.
 
     Attributes:
         config: this plugin's validated section.
@@ -164,7 +164,8 @@ class Plugin:
     config_type: ClassVar[type] = Section
     order: ClassVar[int] = 50
     memory_neutral: ClassVar[bool] = False
-    """True for plugins that only observe (the estimate needs no adjustment)."""
+    """True for plugins that only observe: without `xirang_ds.roles.Estimates` the estimate keeps its phases
+    (otherwise it notes that the plugin's effect is not modelled)."""
     frameworks: ClassVar[tuple[str, ...]] = ("deepspeed",)
     """Training frameworks the plugin attaches to: ``"deepspeed"``, ``"megatron"``. A plugin lists
     ``"megatron"`` once it handles Megatron-core's seams (docs/megatron.md)."""
@@ -213,12 +214,6 @@ class Plugin:
         return self._path
 
     # seams ---------------------------------------------------------------------------------
-    def prepare_ds_config(self, ds_config: dict) -> None:
-        """Edit the ds_config DeepSpeed will see (a private copy)."""
-
-    def prepare_ddp_config(self, ddp_config: Any) -> None:
-        """Megatron-core: edit the ``DistributedDataParallelConfig`` before DDP wraps the model."""
-
     def prepare_model(self, model: Any) -> None:
         """Attach to the model before DeepSpeed wraps it."""
 
@@ -234,68 +229,10 @@ class Plugin:
         while self._handles:
             self._handles.pop().remove()
 
-    def state_dict(self) -> dict:
-        """Plugin state for checkpoints (plain data)."""
-        return {}
-
     def describe(self) -> str:
         """One line for the session summary on what the plugin does in this run (after ``attach``); ``""``
         leaves the plugin out of the summary."""
         return ""
-
-    def lent_storage(self) -> Any:
-        """With `STORAGE_LENDER`: the `xirang_ds.plugins.activations.storage.StorageProvider` it lends now
-        (``None`` until attached, or when nothing is lent in this run)."""
-        return None
-
-    def drop_gradients(self) -> None:
-        """Forget every gradient this plugin holds for the step in progress, partial ones of an
-        interrupted backward included: an out-of-memory retry (``monitor.on_oom``) runs the step's
-        micro-batches again from the first (`xirang_ds.oom`)."""
-
-    def settled(self) -> bool:
-        """Whether this plugin's memory is as every later step will hold it (``False`` while it still
-        profiles or warms up): the session calibrates its prediction on settled steps only
-        (`xirang_ds.memory.calibration`)."""
-        return True
-
-    def figures(self) -> dict:
-        """What the plugin measured in this run, as plain data for benchmarks and cost models
-        (``xirang-ds bench`` JSON, the tuner); ``{}`` when there is nothing to report."""
-        return {}
-
-    def estimate_shape(self, shape: Any) -> Any:
-        """The `xirang_ds.planning.estimator.RunShape` the estimate uses, as this plugin changes what
-        DeepSpeed runs (default: unchanged; precision's on-demand copies run DeepSpeed in fp32)."""
-        return shape
-
-    def trace_context(self, model: Any, tracker: Any) -> Optional[ContextManager[Any]]:
-        """What this plugin changes in forward and backward, applied to the estimator's fake copy of the
-        model while it is traced (`xirang_ds.planning.estimator.trace_model`), so the trace measures it;
-        ``None`` (the default) when the trace runs the model as it is.
-
-        Args:
-            model: the fake model (parameters in the estimate's dtype, under ``FakeTensorMode``).
-            tracker: the trace's tracker (its ``scope`` gives roles).
-        """
-        return None
-
-    def adjust_estimate(self, phases: dict, shape: Any, numels: list) -> Optional[dict]:
-        """Change the estimator's prediction for what this plugin does before anything runs.
-
-        Args:
-            phases: ``{"forward"|"backward"|"optimizer_step": {category: bytes}}`` for plain DeepSpeed.
-            shape: the run's `xirang_ds.planning.estimator.RunShape` (stage, dtype, world size, ...).
-            numels: element count of each trainable parameter.
-
-        Returns:
-            The adjusted phases, or ``None`` when this plugin's effect is not modelled (the
-            estimate then says so in its notes).
-        """
-        return phases if self.memory_neutral else None
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what `state_dict` returned."""
 
     @classmethod
     def check_framework(cls, config: Section, framework: str) -> list[tuple[str, str]]:
@@ -306,42 +243,6 @@ class Plugin:
             return path.check(config) if path is not None else []
         return [("enabled", f"the {cls.section} plugin does not run under {framework} yet (it supports "
                             f"{', '.join(cls.frameworks)}); set it to false for {framework} runs")]
-
-    @classmethod
-    def check_ds_config(cls, config: Section, ds_config: dict) -> list[tuple[str, str]]:
-        """Problems running this plugin, configured as ``config``, with the user's ds_config (read
-        before any plugin edits it). A preset leaves a plugin with problems out and says why; a
-        section the user wrote is refused with them (`xirang_ds.planning.fit`).
-
-        Returns:
-            ``[(path, message)]``, each message naming the key, its value, what is allowed and the
-            fix (``" Fix: ..."``, dropped where a preset leaves the plugin out); empty when it can run.
-        """
-        return []
-
-    @classmethod
-    def check_optimizer(cls, config: Section, optimizer: Any) -> list[tuple[str, str]]:
-        """As `check_ds_config`, for the optimizer ``initialize`` steps: the client's, the ds_config block's
-        `OptimizerSpec`, or ``None`` (none; not asked where it is not known: ``xirang-ds validate``)."""
-        return []
-
-    @classmethod
-    def preset_leave_out(cls, config: Section, ds_config: dict) -> Optional[str]:
-        """Why a preset leaves this plugin out although it can run: with the user's ds_config it would
-        lower nothing a step holds and only cost time (`xirang_ds.planning.fit`; a section the user wrote
-        runs as written). ``None`` when it pays."""
-        return None
-
-    @classmethod
-    def preset_fallbacks(cls, config: Section, ds_config: dict) -> list[tuple[str, Any, str]]:
-        """Keys of this section, as a preset set them, that the user's ds_config cannot take, each
-        with the value that replaces it and why (`xirang_ds.planning.fit`; a key the user wrote is
-        kept and meets `check_ds_config`).
-
-        Returns:
-            ``[(key, replacement, reason)]``; empty when every key can run.
-        """
-        return []
 
     # helpers --------------------------------------------------------------------------------
     def keep(self, handle: Any) -> Any:

@@ -15,7 +15,7 @@ import copy
 import functools
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, TypeVar
 
 from xirang_ds.checkpoints import engine_files
 from xirang_ds.config.schema import XirangConfig
@@ -33,6 +33,7 @@ from xirang_ds.registry import (
     check_framework,
     plugins_for,
 )
+from xirang_ds.roles import Checkpoints, EditsDdpConfig, EditsDsConfig, LendsStorage, ReportsFigures
 
 if TYPE_CHECKING:  # pragma: no cover
     from xirang_ds.memory.calibration import Calibration
@@ -46,6 +47,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from xirang_ds.plugins.optimizer_states.plugin import OptimizerStatesPlugin
 
 logger = logging.getLogger("xirang_ds")
+R = TypeVar("R")
+"""A role of `xirang_ds.roles` (`Session.plugins_with`)."""
 
 FRAMEWORKS = ("deepspeed", "megatron")
 """Training frameworks a session drives plugins through."""
@@ -110,6 +113,10 @@ class Session:
         """The attached plugin of a section, or ``None``."""
         return next((p for p in self.plugins if p.section == section), None)
 
+    def plugins_with(self, role: type[R]) -> list[R]:
+        """The plugins that play ``role`` (a protocol of `xirang_ds.roles`), in plugin order."""
+        return [p for p in self.plugins if isinstance(p, role)]
+
     # what the plugins offer each other (`xirang_ds.registry.FACTS`) ---------------------------------
     def _provider(self, fact: str) -> Optional[Plugin]:
         return next((p for p in self.plugins if fact in p.provides), None)
@@ -138,7 +145,7 @@ class Session:
         """Idle device memory another plugin lends now for encoded activations (comm_buffers' arena between
         reductions), or ``None``."""
         lender = self._provider(STORAGE_LENDER)
-        return lender.lent_storage() if lender is not None else None
+        return lender.lent_storage() if isinstance(lender, LendsStorage) else None
 
     def pool(self) -> Any:
         """The `xirang_ds.memory.pool.MemoryPool` plugins allocate from, or ``None`` (the
@@ -245,12 +252,12 @@ class Session:
 
     # seams, in plugin order -----------------------------------------------------------------
     def prepare_ds_config(self) -> None:
-        for p in self.plugins:
+        for p in self.plugins_with(EditsDsConfig):
             p.prepare_ds_config(self.ds_config)
 
     def prepare_ddp_config(self, ddp_config: Any) -> None:
         """Megatron-core: let plugins edit the ``DistributedDataParallelConfig`` (bucket sizes)."""
-        for p in self.plugins:
+        for p in self.plugins_with(EditsDdpConfig):
             p.prepare_ddp_config(ddp_config)
 
     def start_calibration(self, model: Any) -> None:
@@ -313,16 +320,18 @@ class Session:
 
     # checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {p.section: p.state_dict() for p in self.plugins}
+        """Each plugin's checkpoint state by section (``{}`` for a plugin that keeps none)."""
+        return {p.section: p.state_dict() if isinstance(p, Checkpoints) else {} for p in self.plugins}
 
     def load_state_dict(self, state: dict) -> None:
-        for p in self.plugins:
+        for p in self.plugins_with(Checkpoints):
             if p.section in state:
                 p.load_state_dict(state[p.section])
 
     def figures(self) -> dict[str, dict]:
-        """Each plugin's `Plugin.figures`, by section (plugins with nothing to report left out)."""
-        return {p.section: f for p in self.plugins if (f := p.figures())}
+        """Each plugin's `xirang_ds.roles.ReportsFigures.figures`, by section (plugins with nothing to report
+        left out)."""
+        return {p.section: f for p in self.plugins_with(ReportsFigures) if (f := p.figures())}
 
     def summary(self) -> str:
         """One line per plugin saying what it does in this run."""

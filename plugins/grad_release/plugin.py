@@ -118,6 +118,12 @@ class GradReleasePlugin(StatesTier, Plugin):
                                         "masters stay \"auto\"")]
         return []
 
+    @classmethod
+    def check_optimizer(cls, config: GradReleaseConfig, optimizer: Any) -> list[tuple[str, str]]:
+        """Nothing asked in advance: the buckets step whatever optimizer there is, and a missing one is
+        refused where `prepare_optimizer` meets it."""
+        return []
+
     # seams before DeepSpeed -----------------------------------------------------------------
     def prepare_ds_config(self, ds_config: dict) -> None:
         self.setup = read_setup(ds_config, self.config)

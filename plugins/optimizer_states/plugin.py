@@ -107,6 +107,11 @@ class OptimizerStatesPlugin(Plugin):
                     "zero_optimization.stage 3 in bf16 without offload_optimizer): it would lower nothing")
         return None
 
+    @classmethod
+    def preset_fallbacks(cls, config: OptimizerStatesConfig, ds_config: dict) -> list[tuple[str, Any, str]]:
+        """None: every key a preset sets runs with any ds_config the plugin can run with."""
+        return []
+
     # seams ------------------------------------------------------------------------------------
     def prepare_ds_config(self, ds_config: dict) -> None:
         check_ds_config(self.config, ds_config)

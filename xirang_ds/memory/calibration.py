@@ -17,7 +17,7 @@ measured. With the monitor on, the session keeps a `Calibration`:
    phase. For the calibrated shapes it is the steady measured peak; for other shapes (a longer
    sequence) the estimator carries the shape's effect and the factors what it does not model.
 
-A window is steady when every plugin has settled (`Plugin.settled`: no profiling passes left) and
+A window is steady when every plugin has settled (`xirang_ds.roles.SettlesLate`: no profiling passes left) and
 ZeRO-3 holds a parameter trace (not in the first step) at both ends, and no memory-changing event (a monitor action, the activation plan escalated, buckets
 resized) happened in it; such an event also makes the calibration stale, and the next steady window
 calibrates again. Every later check records the prediction for the shapes it saw beside what it
@@ -42,6 +42,7 @@ import torch
 
 from xirang_ds.compat.torch import buffer_table, parameter_table, pytree
 from xirang_ds.memory.categories import OPTIMIZER_STATES, PARAMETERS
+from xirang_ds.roles import SettlesLate
 
 logger = logging.getLogger("xirang_ds")
 
@@ -228,7 +229,7 @@ class Calibration:
         offload = getattr(getattr(self.session.engine, "optimizer", None), "parameter_offload", None)
         if offload is not None and offload.get_param_coordinator().is_invalid_trace():
             return False
-        return all(p.settled() for p in self.session.plugins)
+        return all(p.settled() for p in self.session.plugins if isinstance(p, SettlesLate))
 
     def window_started(self) -> None:
         """A measurement window starts now (after a check and its actions)."""

@@ -17,7 +17,7 @@ from xirang_ds.memory.run_shape import RunShape, fullest_rank, partition_numel, 
 
 STEP_PREPARE = "step_prepare"
 """The part of ``engine.step()`` before the basic optimizer's update, a phase of its own while
-plugins adjust the estimate (`Plugin.adjust_estimate`), then merged into ``optimizer_step``."""
+plugins adjust the estimate (`xirang_ds.roles.Estimates`), then merged into ``optimizer_step``."""
 BACKWARD_START = "backward_start"
 """Backward until its first gradient is ready (`Trace.backward_start_by_category`), a phase of its
 own while plugins adjust the estimate, then merged into ``backward``: the larger is backward's peak."""

@@ -20,6 +20,7 @@ from xirang_ds.compat.torch import fake_tensor_mode
 from xirang_ds.memory.categories import COMM_BUFFERS, GRADIENTS, PARAMETERS, TEMPORARIES
 from xirang_ds.memory.run_shape import EstimateError, RunShape, fullest_rank
 from xirang_ds.memory.storages import tensors_in
+from xirang_ds.roles import ChangesTrace
 
 
 @dataclass
@@ -165,7 +166,7 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
     The batch is ``(input_ids, labels)`` of ``shape.micro_batch`` x ``seq`` tokens below ``vocab``, or
     what ``inputs`` makes (a run's own batch: `xirang_ds.memory.calibration`); then a forward whose
     output holds no loss is traced with a stand-in (`Trace.loss_outside`). The ``session``'s plugins
-    apply what they change in forward and backward to the fake model meanwhile (`Plugin.trace_context`)."""
+    apply what they change in forward and backward to the fake model meanwhile (`xirang_ds.roles.ChangesTrace`)."""
     from xirang_ds.memory.tracker import MemoryTracker, tensors_in
 
     # a live model's copy may keep plain tensor attributes (a cached mask): fakified on first use
@@ -186,7 +187,8 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
         tracker.seed(batch, TEMPORARIES)
         base = tracker.live_bytes
         applied = contextlib.ExitStack()
-        for plugin in (session.plugins if session is not None else ()):
+        changing = [p for p in (session.plugins if session is not None else ()) if isinstance(p, ChangesTrace)]
+        for plugin in changing:
             context = plugin.trace_context(model, tracker)
             if context is not None:
                 applied.enter_context(context)

@@ -53,6 +53,7 @@ from xirang_ds.memory.run_shape import (
 )
 from xirang_ds.memory.trace import Inputs, Trace, loss_of, trace_model
 from xirang_ds.planning.fit import fit_block
+from xirang_ds.roles import Estimates, ReshapesRun
 from xirang_ds.session import Session
 
 
@@ -90,7 +91,7 @@ def estimate_run(build: Callable[[], torch.nn.Module], ds_config: dict, seq: Opt
     ``seq`` tokens below ``vocab`` per sample or on the batch ``inputs`` makes (`trace_model`).
 
     With a ``"xirang"`` block, the enabled plugins first edit the ds_config as they would at
-    ``initialize`` (bucket sizes), then adjust the phases (`Plugin.adjust_estimate`).
+    ``initialize`` (bucket sizes), then adjust the phases (`xirang_ds.roles.Estimates`).
     """
     session = _session_for(build, ds_config, world_size)
     shape = _plugin_shape(session, ds_config, world_size, device)
@@ -139,7 +140,7 @@ def _plugin_shape(session: Any, ds_config: dict, world_size: int, device: str) -
         shape = dataclasses.replace(shape, reduce_bucket=edited.reduce_bucket, allgather_bucket=edited.allgather_bucket,
                                     prefetch_bucket=edited.prefetch_bucket, overlap_comm=edited.overlap_comm,
                                     max_reuse_distance=edited.max_reuse_distance, sub_group_size=edited.sub_group_size)
-        for plugin in session.plugins:
+        for plugin in session.plugins_with(ReshapesRun):
             shape = plugin.estimate_shape(shape)
     return shape
 
@@ -210,11 +211,15 @@ def _session_for(build: Callable[[], torch.nn.Module], ds_config: dict, world_si
 
 
 def _apply_plugins(session: Any, phases: dict, shape: RunShape, numels: list[int], notes: list[str]) -> dict:
-    """Let each enabled plugin of the block adjust the phases (`Plugin.adjust_estimate`)."""
+    """Let each enabled plugin of the block adjust the phases (`xirang_ds.roles.Estimates`; a plugin without
+    the role keeps them when it is ``memory_neutral`` and is noted as not modelled otherwise)."""
     if session is None:
         return phases
     for plugin in session.plugins:
-        adjusted = plugin.adjust_estimate(phases, shape, numels)
+        if isinstance(plugin, Estimates):
+            adjusted = plugin.adjust_estimate(phases, shape, numels)
+        else:
+            adjusted = phases if plugin.memory_neutral else None
         if adjusted is None:
             notes.append(f"{plugin.section}: its effect on memory is not modelled; measure with xirang-ds bench")
         else:

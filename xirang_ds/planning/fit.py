@@ -2,13 +2,13 @@
 
 A preset is a proposal: a plugin it turns on that cannot run with the user's ds_config (grad_release
 at ZeRO-3, optimizer_states under optimizer offload, ...), or that would save nothing there
-(`Plugin.preset_leave_out`: grad_release in fp32 accumulating at ZeRO-0), is left out, with one line
+(`FitsDsConfig.preset_leave_out`: grad_release in fp32 accumulating at ZeRO-0), is left out, with one line
 saying why, in the session summary and in ``xirang-ds validate --show-resolved``. A section the user
 wrote in the block (any key of it) is a request: if it cannot run there, that is an error, and
-every such problem is reported at once. Each plugin says what it cannot run with through `Plugin.check_ds_config`,
-read on the user's ds_config before any plugin edits it. A key a preset set that this ds_config
-cannot take (grad_release's ``masters: none`` without bf16) falls back to the value a plugin's
-`Plugin.preset_fallbacks` names, with its line, unless the user wrote that key. A key of a section
+every such problem is reported at once. Each plugin says what it cannot run with through
+`FitsDsConfig.check_ds_config`, read on the user's ds_config before any plugin edits it. A key a preset set
+that this ds_config cannot take (grad_release's ``masters: none`` without bf16) falls back to the value a plugin's
+`FitsDsConfig.preset_fallbacks` names, with its line, unless the user wrote that key. A key of a section
 left out is handed to the section that does the same job in this configuration (`HANDED_OVER`), where
 that section runs, the user did not write the key and the section's check takes the value; a section
 left out whose job another section can do where the preset does not turn that one on hands the job over
@@ -24,6 +24,7 @@ from xirang_ds.config.loader import deep_merge, validate_block
 from xirang_ds.config.schema import XirangConfig
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.registry import plugin_for
+from xirang_ds.roles import FitsDsConfig
 
 HANDED_OVER = {("grad_release", "masters"): ("optimizer_states", "masters")}
 """(left-out section, key) → (section, key) that keeps the masters where the first cannot run:
@@ -34,7 +35,7 @@ TAKEN_OVER = {"grad_release": ("optimizer_states", {"schedule": [{"dtype": "fp32
 """Left-out section → (section, its keys, what it does): the section that keeps its exact masters where the
 preset does not turn that section on (conservative at ZeRO-3): optimizer_states with fp32 states (`DynamicAdamW`
 in fp32 is AdamW bit for bit) keeps DeepSpeed's ZeRO-3 masters as remainders, where it can run and pays
-(`Plugin.preset_leave_out`: only where it parks the masters, ZeRO-3 in bf16 without optimizer offload)."""
+(`FitsDsConfig.preset_leave_out`: only where it parks the masters, ZeRO-3 in bf16 without optimizer offload)."""
 
 UNKNOWN = object()
 """`fit_block`'s optimizer where the ds_config is all that is known (``xirang-ds validate``)."""
@@ -77,7 +78,7 @@ def _reason(section: str, message: str) -> str:
 
 def fit_block(block: Any, ds_config: dict, optimizer: Any = UNKNOWN) -> FittedBlock:
     """Validate ``block`` and fit it to ``ds_config`` (the user's, before any plugin edits it) and, where
-    known, to the ``optimizer`` ``initialize`` steps (`Plugin.check_optimizer`).
+    known, to the ``optimizer`` ``initialize`` steps (`FitsDsConfig.check_optimizer`).
 
     Raises:
         XirangConfigError: the block is invalid, or a section the user wrote cannot run with this
@@ -96,7 +97,7 @@ def fit_block(block: Any, ds_config: dict, optimizer: Any = UNKNOWN) -> FittedBl
         cls = plugin_for(section)
         found = _problems(cls, section, ds_config, optimizer)
         if not found:
-            unpaid = cls.preset_leave_out(section, ds_config) if cls is not None and name not in explicit else None
+            unpaid = _unpaid(cls, section, ds_config) if name not in explicit else None
             if unpaid:
                 left_out.append(LeftOut(name, unpaid))
             continue
@@ -118,10 +119,15 @@ def fit_block(block: Any, ds_config: dict, optimizer: Any = UNKNOWN) -> FittedBl
 
 def _problems(cls: Any, section: Any, ds_config: dict, optimizer: Any) -> list[tuple[str, str]]:
     """The plugin's problems with the ds_config and the optimizer (none for a section with no plugin)."""
-    if cls is None:
+    if cls is None or not issubclass(cls, FitsDsConfig):
         return []
     return cls.check_ds_config(section, ds_config) + ([] if optimizer is UNKNOWN else
                                                       cls.check_optimizer(section, optimizer))
+
+
+def _unpaid(cls: Any, section: Any, ds_config: dict) -> Optional[str]:
+    """Why a preset leaves the plugin out although it can run (`FitsDsConfig.preset_leave_out`), or ``None``."""
+    return cls.preset_leave_out(section, ds_config) if cls is not None and issubclass(cls, FitsDsConfig) else None
 
 
 def _take_over(block: dict, config: XirangConfig, left_out: list[LeftOut], ds_config: dict,
@@ -137,7 +143,7 @@ def _take_over(block: dict, config: XirangConfig, left_out: list[LeftOut], ds_co
         candidate = deep_merge(block, {target: {"enabled": True, **keys}})
         section = getattr(validate_block(candidate), target)
         cls = plugin_for(section)
-        if _problems(cls, section, ds_config, optimizer) or cls.preset_leave_out(section, ds_config):
+        if _problems(cls, section, ds_config, optimizer) or _unpaid(cls, section, ds_config):
             out.append(item)
             continue
         block = candidate
@@ -156,7 +162,7 @@ def _hand_over(block: dict, config: XirangConfig, left: set[str], ds_config: dic
         if value == getattr(type(section)(), target_key):
             continue  # the default: nothing to hand over
         taken = replace(section, **{target_key: value})
-        if not plugin_for(taken).check_ds_config(taken, ds_config):
+        if not _problems(plugin_for(taken), taken, ds_config, UNKNOWN):
             block = deep_merge(block, {target: {target_key: value}})
     return block
 
@@ -168,7 +174,8 @@ def _fall_back(block: dict, config: XirangConfig, ds_config: dict) -> tuple[dict
     for name, section in config.enabled_sections().items():
         cls = plugin_for(section)
         written = block.get(name) if isinstance(block.get(name), dict) else {}
-        for key, value, reason in (cls.preset_fallbacks(section, ds_config) if cls is not None else []):
+        fits = cls is not None and issubclass(cls, FitsDsConfig)
+        for key, value, reason in (cls.preset_fallbacks(section, ds_config) if fits else []):
             if key not in written:
                 over.setdefault(name, {})[key] = value
                 lines.append(LeftOut(f"{name}.{key}", reason))

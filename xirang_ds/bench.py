@@ -158,8 +158,6 @@ def bench_rank(rank: int, world: int, model_text: str, ds_config: dict, steps: i
     import torch
 
     from xirang_ds.data import batches, load_tokens
-    from xirang_ds.memory.engine_roles import watch_engine
-    from xirang_ds.memory.tracker import MemoryTracker
     from xirang_ds.models import build_model, parse_model_spec
 
     spec = parse_model_spec(model_text)
@@ -178,13 +176,7 @@ def bench_rank(rank: int, world: int, model_text: str, ds_config: dict, steps: i
         model = torch.compile(model)
     engine, *_ = init(model=model, model_parameters=parameters, config=ds_config, optimizer=optimizer)
     session = getattr(engine, "xirang", None)
-    if session is not None:
-        tracker = session.track_memory()
-        watch = None
-    else:
-        tracker = MemoryTracker()
-        watch = watch_engine(tracker, engine)
-        tracker.start()
+    tracker, watch = track_engine(engine)
     if peer is not None and peer.startswith("torchao"):
         _untracked_step(optimizer, tracker)
     cuda = torch.cuda.is_available() and engine.device.type == "cuda"
@@ -226,6 +218,22 @@ def bench_rank(rank: int, world: int, model_text: str, ds_config: dict, steps: i
     elif session is not None:
         session.remove()
     return out
+
+
+def track_engine(engine) -> tuple:
+    """The live-storage tracker of a run: the session's (``engine.xirang``), or for plain DeepSpeed one
+    started here with the engine's roles watched. Returns ``(tracker, watch)``; ``watch`` is ``None``
+    for the session's, else remove it and stop the tracker when done."""
+    from xirang_ds.memory.engine_roles import watch_engine
+    from xirang_ds.memory.tracker import MemoryTracker
+
+    session = getattr(engine, "xirang", None)
+    if session is not None:
+        return session.track_memory(), None
+    tracker = MemoryTracker()
+    watch = watch_engine(tracker, engine)
+    tracker.start()
+    return tracker, watch
 
 
 def step_counts(engine, data, tracker=None) -> dict:
@@ -377,4 +385,4 @@ def read_jsonl(path: str) -> list[dict]:
     return out
 
 
-__all__ = ["optimizer_step", "run_bench", "run_side", "format_result", "write_json", "append_jsonl", "timed_step", "read_jsonl", "bench_rank", "SideResult", "PEERS"]
+__all__ = ["optimizer_step", "run_bench", "run_side", "format_result", "write_json", "append_jsonl", "timed_step", "track_engine", "step_counts", "read_jsonl", "bench_rank", "SideResult", "PEERS"]

@@ -62,11 +62,9 @@ def run(args: argparse.Namespace) -> dict:
     import torch
 
     import xirang_ds
-    from xirang_ds.bench import step_counts, timed_step
+    from xirang_ds.bench import step_counts, timed_step, track_engine
     from xirang_ds.data import batches, load_tokens
     from xirang_ds.launch import prepare_cpu_process
-    from xirang_ds.memory.engine_roles import watch_engine
-    from xirang_ds.memory.tracker import MemoryTracker
     from xirang_ds.models import build_model, parse_model_spec
 
     prepare_cpu_process(0, 1)
@@ -90,12 +88,7 @@ def run(args: argparse.Namespace) -> dict:
         torch.cuda.synchronize()
         device_window = device_peak().open()
     else:  # a CPU has no allocator counter: the live-storage tracker, as `xirang-ds bench` does
-        if session is not None:
-            tracker = session.track_memory()
-        else:
-            tracker = MemoryTracker()
-            watch = watch_engine(tracker, engine)
-            tracker.start()
+        tracker, watch = track_engine(engine)
         window = tracker.open_window()
     data = batches(tokens, engine.train_micro_batch_size_per_gpu(), spec.seq, seed=args.seed,
                    vocab=spec.vocab)

@@ -46,14 +46,10 @@ def megatron(path: str) -> dict[str, Any]:
 
 
 def _records(path: str) -> list[dict]:
-    out = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:  # the line a killed writer left half-written
-                continue
-    return out
+    """Every whole record; the line a killed writer left half-written is skipped."""
+    from xirang_ds.bench import read_jsonl
+
+    return read_jsonl(path)
 
 
 def _side(record: dict) -> dict:

@@ -30,6 +30,8 @@ from typing import Any, Optional
 
 import torch
 
+from xirang_ds.memory.storages import tensors_in
+
 MATMUL_EFFICIENCY = 0.8
 """Fraction of the spec FLOP rate dense matmuls reach (790 of 989 TFLOP/s measured on an H200)."""
 MEMORY_EFFICIENCY = 0.85
@@ -111,16 +113,6 @@ def profile_for(device: torch.device | str, device_name: Optional[str] = None) -
 # counting one op
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size() if t.layout == torch.strided else 0
 
@@ -132,8 +124,8 @@ def op_counts(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[int, int,
     the same on any machine, and on fake tensors."""
     from torch.utils.flop_counter import flop_registry
 
-    inputs = _tensors(args) + _tensors(kwargs)
-    outputs = _tensors(out)
+    inputs = list(tensors_in((args, kwargs)))
+    outputs = list(tensors_in(out))
     moved = sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs)
     counter = flop_registry.get(getattr(func, "overloadpacket", func))
     flops = 0

@@ -181,6 +181,9 @@ def _setup_estimate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="device the run will use (changes the optimizer's temporaries)")
+    p.add_argument("--gpu", default=None, choices=("h100", "h200", "a100"),
+                   help="the GPU the run will use: its device profile prices the activation plan and its memory "
+                        "stands for memory_budget \"auto\" (implies --device cuda)")
     p.add_argument("--calibrate", action="store_true",
                    help="then run 3 real steps here, measure, and report the error per category")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON")
@@ -192,6 +195,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
 
     import torch
 
+    from xirang_ds.memory.device_profile import profile_named
     from xirang_ds.planning.estimator import format_estimate, recalibrate
     from xirang_ds.planning.spec import estimate_spec
 
@@ -200,7 +204,13 @@ def _run_estimate(args: argparse.Namespace) -> int:
     if args.world_size < 1:
         raise UsageError(f"--world-size must be >= 1; got {args.world_size}")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    est = estimate_spec(model, ds_config, args.world_size, device)  # resolves "preset": "auto", checks the block
+    profile = profile_named(args.gpu) if args.gpu else None
+    if profile is not None:
+        if args.device == "cpu":
+            raise UsageError(f"--gpu {args.gpu} is a CUDA device; drop --device cpu")
+        device = "cuda"
+    # resolves "preset": "auto", checks the block
+    est = estimate_spec(model, ds_config, args.world_size, device, device_profile=profile)
     est.notes.extend(notes)
     out = est.as_dict()
     print(format_estimate(est))

@@ -13,6 +13,7 @@ Module names are stable (``blocks.3.attn``, ``blocks.3.mlp``, ``lm_head``) so gl
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import math
 import os
@@ -23,6 +24,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from xirang_ds.hooks import wrap_method
 
 
 class ModelSpecError(ValueError):
@@ -120,7 +123,60 @@ class FactorySpec:
         return f"{self.target} (seq={self.seq}, vocab={self.vocab})"
 
 
-ModelArg = Union[str, ModelSpec, FactorySpec]
+@dataclass(frozen=True)
+class HFSpec:
+    """A Hugging Face causal LM from its ``config.json`` (``hf:PATH``, a file or the folder holding it),
+    built from the config alone (no weights), fed ``input_ids`` and ``labels`` by keyword.
+
+    Attributes:
+        path: the ``config.json`` (or its folder).
+        seq: the run's sequence length (``--seq``; default the config's ``max_position_embeddings``).
+        vocab: token ids are drawn below it (``--vocab``; default the config's ``vocab_size``).
+    """
+
+    path: str
+    seq: int
+    vocab: int
+
+    def config(self) -> Any:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.path if os.path.isdir(self.path) else os.path.dirname(self.path) or ".")
+
+    def build(self) -> nn.Module:
+        """The model from its config (``use_cache`` off, as a training run has it), its ``forward`` taking
+        ``(input_ids, labels)`` positionally like the built-in models'."""
+        from transformers import AutoModelForCausalLM
+
+        config = self.config()
+        config.use_cache = False
+        model = AutoModelForCausalLM.from_config(config)
+        wrap_method(model, "forward", _labels_by_keyword)  # innermost of the chain others wrap
+        return model
+
+    def describe(self) -> str:
+        return f"hf:{self.path} (seq={self.seq}, vocab={self.vocab})"
+
+
+def _labels_by_keyword(forward: Callable[..., Any], input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+    return forward(input_ids=input_ids, labels=labels)
+
+
+def _hf_spec(path: str, seq: Optional[int], vocab: Optional[int]) -> HFSpec:
+    file = path if not os.path.isdir(path) else os.path.join(path, "config.json")
+    if not os.path.isfile(file) or os.path.basename(file) != "config.json":
+        raise ModelSpecError(f"hf:{path}: no config.json there; pass hf:PATH/config.json or the folder holding it")
+    if importlib.util.find_spec("transformers") is None:
+        raise ModelSpecError("hf: models need transformers (pip install transformers)")
+    spec = HFSpec(file, seq or 0, vocab or 0)
+    config = spec.config()
+    seq = seq or getattr(config, "max_position_embeddings", None)
+    if not seq:
+        raise ModelSpecError(f"hf:{path}: the config has no max_position_embeddings; pass --seq")
+    return replace(spec, seq=int(seq), vocab=int(vocab or config.vocab_size))
+
+
+ModelArg = Union[str, ModelSpec, FactorySpec, HFSpec]
 """A ``--model`` as text or parsed."""
 
 ARCHS = ("gpt", "llama")
@@ -160,6 +216,8 @@ def parse_model_spec(text: ModelArg, seq: Optional[int] = None,
     if text in BUILTIN_SPECS:
         return replace(BUILTIN_SPECS[text], **given)
     head, sep, tail = text.partition(":")
+    if head == "hf" and sep:
+        return _hf_spec(tail, seq, vocab)
     if head in ARCHS:
         values: dict[str, Any] = {}
         for item in filter(None, (s.strip() for s in tail.split(","))):
@@ -302,7 +360,7 @@ class Decoder(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def build_model(spec: Union[ModelSpec, FactorySpec], seed: int = 0) -> nn.Module:
+def build_model(spec: Union[ModelSpec, FactorySpec, HFSpec], seed: int = 0) -> nn.Module:
     """Build the model of a spec with a fixed seed (same weights on every rank and run)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -73,7 +73,8 @@ class FitsDsConfig(Protocol):
 class Estimates(Protocol):
     """It models its effect on the estimator's prediction (`xirang_ds.planning.estimator`). A plugin
     without the role leaves the phases as they are when it is ``memory_neutral`` (it only observes), and
-    otherwise the estimate notes that its effect is not modelled."""
+    otherwise the estimate notes that its effect is not modelled. One whose class sets ``adjusts_last``
+    (the activation planner, which plans within what the others leave) adjusts after the others."""
 
     def adjust_estimate(self, phases: dict, shape: Any, numels: list) -> Optional[dict]:
         """Change the estimator's prediction for what this plugin does before anything runs.

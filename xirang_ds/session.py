@@ -93,6 +93,11 @@ class Session:
         """What predicts this run's memory before it runs (`xirang_ds.planning.estimator`: its ``estimate_states``
         and ``estimate_run``), handed down by the integration that builds the session, which sits above the
         estimator; grad_release's ``states: auto`` and the calibration ask it. ``None`` where nothing estimates."""
+        self.device_profile: Any = None
+        """The `xirang_ds.memory.device_profile.DeviceProfile` an estimate is priced by (``--gpu``, or the run's
+        device when a run asks the estimator for its plan); ``None``: the CPU's."""
+        self.device_total_bytes: Optional[int] = None
+        """What ``memory_budget: auto`` stands for in an estimate for a device this machine does not have."""
         self.engine: Any = None
         self.model: Any = None
         self._tracker = None

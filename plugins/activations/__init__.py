@@ -25,7 +25,6 @@ Seams for other plugins: `raise_recompute` and `raise_compression` (the monitor'
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any, Optional
 
@@ -46,21 +45,14 @@ from xirang_ds.plugins.activations.compiled import (
     fixed_problems,
 )
 from xirang_ds.plugins.activations.head_loss import CHUNK
-from xirang_ds.plugins.activations.planner import Choice, estimate_peak, plan_table
-from xirang_ds.plugins.activations.pricing import (
-    OtherPeak,
-    agree,
-    build_tree,
-    check_agreed,
-    check_memory_budget,
-    escalation,
-    plan_within,
-    reach,
-)
-from xirang_ds.plugins.activations.profile import ModuleProfile, Profiler
+from xirang_ds.plugins.activations.passes import Passes
+from xirang_ds.plugins.activations.planner import Choice, plan_table
+from xirang_ds.plugins.activations.pricing import OtherPeak, check_agreed, check_memory_budget, escalation
+from xirang_ds.plugins.activations.profile import ModuleProfile
 from xirang_ds.plugins.activations.recompute import timings_line
+from xirang_ds.plugins.activations.run_plan import BEFORE_RUN, twin_for
 from xirang_ds.plugins.activations.selection import PATH, find_candidates, fixed_plan, tolerant_names
-from xirang_ds.plugins.activations.storage import PayloadStorage, StorageProvider, use_pool
+from xirang_ds.plugins.activations.storage import StorageProvider, use_pool
 from xirang_ds.plugins.activations.wrapper import ModuleWrapper, Runtime
 from xirang_ds.registry import ACTIVATION_PLAN, Plugin, register_plugin
 
@@ -71,7 +63,7 @@ HOOKED_OPTIONS = ("compress", "quantize", "sparsify", "offload", "recompute_offl
 
 
 @register_plugin(ActivationsConfig, section="activations", order=30)
-class ActivationsPlugin(Plugin):
+class ActivationsPlugin(Passes, Plugin):
     """Chooses and applies an option per module (see the module docstring).
 
     Attributes:
@@ -83,6 +75,8 @@ class ActivationsPlugin(Plugin):
     """
 
     provides = frozenset({ACTIVATION_PLAN})
+    adjusts_last = True
+    """The estimate's plan is made within what the other plugins leave (`estimate.adjust_estimate`)."""
 
     frameworks = ("deepspeed", "megatron")
     paths = {"deepspeed": "xirang_ds.plugins.activations.deepspeed:DeepSpeedActivations",
@@ -100,6 +94,7 @@ class ActivationsPlugin(Plugin):
         self.planned_peaks: Optional[tuple[int, int]] = None
         """Planned saved-activation bytes: (end of forward, worst point of backward)."""
         self.plan_text = ""
+        self.plan_source = "planned on the first profiled passes"
         self.state = "idle"
         self.runtime: Optional[Runtime] = None
         self.wrappers: dict[str, ModuleWrapper] = {}
@@ -108,10 +103,17 @@ class ActivationsPlugin(Plugin):
         self._fixed: dict[str, str] = {}
         self.traced_heads: tuple = ()
         """Heads the estimator's fake trace ran chunked (`estimate.trace_context`)."""
-        self._heads: frozenset = frozenset()
+        self.trace_free: list[str] = []
+        self.trace_profiles: dict[str, ModuleProfile] = {}
+        self.estimate_plan: Any = None
+        """The plan the estimator made on its fake trace (`trace_plan.TracePlan`), in the estimator's session."""
+        self.head_names: frozenset = frozenset()
         """Output heads (`head_loss`): deferred while profiling and under chunk."""
         self._ds_settings: dict = {}
-        self._tolerant = self._token_wise = frozenset()
+        self.tolerant_names = self.token_wise_names = frozenset()
+        """Modules whose saved tensors may be stored lossily; modules that work token by token."""
+        self._twin: Any = None
+        """The model's twin the estimator plans on before the run (`run_plan`), until the first forward."""
         self._passes = 0
         self._other_peak: Optional[OtherPeak] = None
         self._engine: Any = None
@@ -154,7 +156,7 @@ class ActivationsPlugin(Plugin):
             why = path.head_problem(model, name)
             if why is not None:
                 problems.append((f"{PATH}.chunk", f"{name!r} {why}; remove it from the list"))
-        self._heads = frozenset(fixed_heads + [n for n in self._candidates if n in planned])
+        self.head_names = frozenset(fixed_heads + [n for n in self._candidates if n in planned])
         if without_selective is not None:
             self.options = tuple(o for o in self.options if o != "selective_recompute")
             for name, option in self._fixed.items():
@@ -164,7 +166,8 @@ class ActivationsPlugin(Plugin):
         problems = path.stage_problems(problems)
         if problems:
             raise XirangConfigError(problems)
-        self._tolerant, self._token_wise = tolerant_names(model, self.config), path.token_wise(model)
+        self.tolerant_names, self.token_wise_names = tolerant_names(model, self.config), path.token_wise(model)
+        self._twin = twin_for(self, model)
 
     def attach(self, engine: Any) -> None:
         from deepspeed.accelerator import get_accelerator
@@ -215,7 +218,9 @@ class ActivationsPlugin(Plugin):
         problems = fixed_problems(self._fixed, compiled, self.region)
         if problems:
             raise XirangConfigError(problems)
-        self._heads = frozenset(h for h in self._heads if h in self._candidates + list(self._fixed)) - compiled
+        if self.region is not None or compiled - {REGION}:
+            self._twin = None  # compiled code is timed, not counted: planned on profiled passes (`run_plan`)
+        self.head_names = frozenset(h for h in self.head_names if h in self._candidates + list(self._fixed)) - compiled
         modules = {**dict(model.named_modules()), REGION: self._engine.module}
         for name in list(self._fixed) + [c for c in self._candidates if c not in self._fixed]:
             if name in compiled:
@@ -224,11 +229,11 @@ class ActivationsPlugin(Plugin):
                 continue
             self.wrappers[name] = ModuleWrapper(name, modules[name], self.runtime)
             self.wrappers[name].distributable = name in self.replicated_inputs
-            self.wrappers[name].head = self.path.defer if name in self._heads else None
+            self.wrappers[name].head = self.path.defer if name in self.head_names else None
             self.wrappers[name].fixed_chunk = self._fixed.get(name) == CHUNK
             self.wrappers[name].chunk_tokens = (None if self.config.chunk_tokens == "auto"
                                                 else int(self.config.chunk_tokens))  # profiled with it
-        self._forward_handles = [*self.path.head_hooks(model, self._heads),
+        self._forward_handles = [*self.path.head_hooks(model, self.head_names),
                                  wrap_method(model if self.region is None else self._engine, "forward",
                                              self._root_forward)]
         units, left = [n for n in self.wrappers if n in compiled], [o for o in INSIDE_ONLY if o in self.options]
@@ -251,10 +256,15 @@ class ActivationsPlugin(Plugin):
             self._begin()
         return result
 
+    def free_candidates(self) -> list[str]:
+        """The candidates the planner chooses for: neither fixed nor inside a fixed module."""
+        return [c for c in self._candidates if c not in self._fixed and not any(
+            c.startswith(f + ".") for f in self._fixed)]
+
+
     def _begin(self) -> None:
         """Profile the free candidates, or put the fixed plan in force at once."""
-        free = [c for c in self._candidates if c not in self._fixed and not any(
-            c.startswith(f + ".") for f in self._fixed)]
+        free = self.free_candidates()
         if free:
             self.state = "profiling"
             self._bandwidth = (self.config.host_bandwidth_gbps * 1e9 if self.config.host_bandwidth_gbps != "auto"
@@ -285,6 +295,11 @@ class ActivationsPlugin(Plugin):
         """The plan that keeps every saved tensor, which the planner takes whenever the run fits
         (`estimate.adjust_estimate`); below that its choices come from profiled passes, not modelled."""
         return estimate.adjust_estimate(self, phases, shape)
+
+    def reducible_bytes(self) -> int:
+        """Saved-activation bytes a plan can take off the estimator's trace (keep-all less the least any
+        plan needs; 0 before a trace or without free candidates), for grad_release's ``states: auto``."""
+        return estimate.reducible_bytes(self)
 
     def settled(self) -> bool:
         return self.state != "profiling"
@@ -361,7 +376,7 @@ class ActivationsPlugin(Plugin):
         if self.state != "planned" or not self.profiles:
             return False
         found = escalation(self.profiles, self.plan, list(self.wrappers), tuple(o for o in options if o in self.options),
-                           self._tolerant, self._bandwidth or 1e10, self.runtime.offloader.stream is not None)
+                           self.tolerant_names, self._bandwidth or 1e10, self.runtime.offloader.stream is not None)
         if found is None:
             return False
         name, choice = found
@@ -378,83 +393,13 @@ class ActivationsPlugin(Plugin):
             raise RuntimeError("set_storage_provider() needs the engine; call it from Plugin.attach or later")
         self.runtime.storage.provider = provider
 
-    # passes ---------------------------------------------------------------------------------------
-    def _root_forward(self, original: Any, *args: Any, **kwargs: Any) -> Any:
-        rt = self.runtime
-        if not torch.is_grad_enabled():
-            return original(*args, **kwargs)
-        rt.eligible.refresh(self._model)
-        rt.offloader.end_forward()
-        scope = self._forward_scope if self._forward_scope is not None else contextlib.nullcontext()
-        if self.state == "profiling":
-            if self._passes == self.config.profile_steps:
-                self._finish_profiling()
-            else:
-                self._passes += 1
-                if rt.profiler is None:
-                    self._start_profiling()
-                with scope, rt.profiler.run_pass():  # the pass's pack composes with the scope's
-                    return original(*args, **kwargs)
-        with scope:
-            return original(*args, **kwargs)
-
-    def _start_profiling(self) -> None:
-        from deepspeed.accelerator import get_accelerator
-
-        rt = self.runtime
-        lossy = tuple(k for k in ("quantize", "sparsify") if k in self.options)
-        rt.profiler = Profiler(rt.eligible, rt.handlers["offload"], PayloadStorage(), self._tolerant, lossy,
-                               self.config.quantize_block_size, self.config.sparsify_threshold, self.device_profile)
-        if self.config.budget_fraction is None and self.config.budget == "auto":
-            self._other_peak = OtherPeak(self.session, self._engine)
-            rt.head_stretch = self._other_peak.exclude
-            budget = self.session.config.memory_budget
-            total = int(get_accelerator().total_memory()) if budget == "auto" else int(budget)
-            other = self._other_peak
-            rt.head_room = lambda: total - other.live_bytes()
-            rt.profiler.trial_stretch, rt.profiler.trial_room = other.exclude, rt.head_room
-            if self.session.tracker.active:
-                rt.profiler.host_tier = self.session.tracker.host_tier
-
-    def _close_other_peak(self) -> Optional[int]:
-        peak = self._other_peak.stop() if self._other_peak is not None else None
-        self._other_peak = None
-        if self.runtime is not None:
-            self.runtime.head_stretch = self.runtime.head_room = None
-        return peak
-
-    def _finish_profiling(self) -> None:
-        from deepspeed.accelerator import get_accelerator
-
-        rt = self.runtime
-        profiles = rt.profiler.combined()
-        rt.profiler = None
-        rt.offloader.synchronize()
-        rt.offloader.pool.clear()  # profiling offloaded everything; the plan's own buffers pool anew
-        other, stepper = self._close_other_peak(), self.session.stepper
-        parkable = stepper.parkable_bytes() if stepper is not None else 0  # the least over ranks, as all agree
-        extra = agree(profiles, [-self._bandwidth, float(other or 0), -float(parkable)], rt.device, self._groups)
-        self._bandwidth, other = -extra[0], (int(extra[1]) if other is not None else None)
-        self.profiles = profiles
-        streams = rt.offloader.stream is not None
-        roots, before, after = build_tree(self._candidates, self._fixed, profiles, self.options, self._tolerant,
-                                          self._bandwidth, streams, self.config.offload_prefetch, self._token_wise)
-        self.outside_bytes = before + after
-        self.budget_bytes, self.choices, other = plan_within(
-            self.config, self.session.config.memory_budget, int(get_accelerator().total_memory()), profiles, other,
-            (roots, before, after), self.region, stepper, int(-extra[2]))
-        self.reach = reach(roots, before, after, other, self.profiles, self.choices, self._heads, self.budget_bytes)
-        self.planned_peaks = estimate_peak(roots, self.choices, before, after)
-        self._apply({name: c.option for name, c in self.choices.items()})
-        check_agreed(self.plan, rt.device, self._groups)
-        self.state = "planned"
-        self._log_plan()
-
     def figures(self) -> dict:
         """The planner's reach once it planned (`pricing.reach`), and the offload host buffers (held bytes,
         most in use at once, bytes trimmed, bytes the host budget kept on the device); at ZeRO-3 the
         gathered weights saved by reference in the last forward and those gathered again for it."""
         out = dict(self.reach) if self.reach else {}
+        if self.plan:
+            out["plan"] = dict(sorted(self.plan.items()))
         if self._forward_scope is not None:
             out["gathered_refs"] = {"saved": self._forward_scope.saved, "regathered": self._forward_scope.regathered}
         if self.runtime is not None:
@@ -480,8 +425,9 @@ class ActivationsPlugin(Plugin):
 
     def _log_plan(self) -> None:
         self.plan_text = plan_table(self.plan, self.choices, self.profiles, self.budget_bytes, self.outside_bytes,
-                                    self.planned_peaks)
+                                    self.planned_peaks, errors_measured=self.plan_source != BEFORE_RUN)
         self.plan_text += f"\ntimes priced by the device profile: {self.device_profile_note}" if self.choices else ""
+        self.plan_text += f"\n{self.plan_source}" if self.choices else ""
         self._log("plan\n" + self.plan_text)
 
     def _log(self, message: str) -> None:

@@ -52,6 +52,9 @@ class DeepSpeedActivations(FrameworkPath):
         zero = self.session.ds_config.get("zero_optimization") or {}
         return isinstance(zero, dict) and zero.get("stage") == 3
 
+    plans_before_run = True
+    """The estimator models this engine, so the run takes the plan it makes (`run_plan`)."""
+
     # output heads (the chunk option; at ZeRO-3 the chunked loss gathers the head's weight itself,
     # `head_zero3.gathered`)
     defer = staticmethod(head_loss.defer)

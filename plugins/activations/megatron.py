@@ -35,6 +35,9 @@ class MegatronActivations(FrameworkPath):
                              "set distribute_saved_inputs to false"))
         return blocks
 
+    plans_before_run = False
+    """The estimator models DeepSpeed's engine, not Megatron's: the run plans on profiled passes (`run_plan`)."""
+
     # output heads: a LanguageModule's output_layer and its own loss (`head_megatron`)
     defer = staticmethod(head_megatron.defer)
 

@@ -10,11 +10,16 @@ During a profiling pass (the first ``profile_steps`` forward/backward passes of 
 * a ``TorchDispatchMode`` counts every op and remembers which op produced which storage, so the
   profile knows which saved tensors are outputs of expensive ops (what selective recompute keeps,
   by SAC's per-op index) and what the recomputed rest costs;
-* each eligible storage goes once through every encoding (lossless always, lossy ones for
-  modules marked tolerant): encoded bytes, encode+decode time and the measured error against the
-  stated bound;
+* each eligible storage is priced once for every encoding (lossless always, lossy ones for modules
+  marked tolerant) at the size it has whatever its values (`planned_bytes`): a size only the data can
+  tell (zeros after a ReLU, values that happen to fit a narrower dtype) is planned at its bound, the
+  dense size, so the plan is the same on any data, a fake trace's included; on real data a lossy
+  encoding also runs once, for its measured error against the stated bound;
 * the storage is then offloaded to host memory, so a profiling pass keeps at most what the
   running module holds on the device (results are unchanged: offload is exact).
+
+The passes run on real tensors during training, or on a ``FakeTensorMode`` trace (no memory, no data)
+before it (`estimate.trace_plan`): the figures are the same.
 
 Times are counted, not measured: each op's FLOPs and bytes moved, and each encoding's bytes, priced
 by the run's device profile (`xirang_ds.memory.device_profile`), so the same model, config and
@@ -24,16 +29,17 @@ compiled region, whose ops no dispatch mode sees, is timed (`record_compiled`).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from xirang_ds.compat.torch import TorchDispatchMode, sac_ignored_ops
+from xirang_ds.compat.torch import TorchDispatchMode, cast_ops, sac_ignored_ops
 from xirang_ds.memory.device_profile import DeviceProfile, op_seconds
 from xirang_ds.memory.dispatch import returns_alias
-from xirang_ds.plugins.activations.codecs import trial, trial_bytes
+from xirang_ds.plugins.activations.codecs import Trial, trial, trial_bytes
 from xirang_ds.plugins.activations.handlers import OffloadHandler
 from xirang_ds.plugins.activations.recompute import op_key
 from xirang_ds.plugins.activations.saved import Eligibility, PackContext, StorageIds, storage_flat
@@ -126,6 +132,28 @@ QUANTIZE_WORK_BYTES = 12
 """Bytes per element the int8 encoder's fp32 working copies move (`codecs.trial_bytes`)."""
 
 
+NARROWING_CASTS = {torch.float32: (torch.bfloat16, torch.float16), torch.float64: (torch.float32,)}
+"""A cast's output of the key dtype from one of these holds values the narrower dtype holds exactly."""
+
+
+def planned_bytes(kind: str, flat: torch.Tensor, narrowable: bool, block_size: int) -> int:
+    """Bytes ``kind`` stores ``flat`` in whatever its values (`codecs`): ``compress`` packs bools 8 per
+    byte and stores a storage a cast made from a narrower float (``narrowable``) in that dtype;
+    ``quantize`` stores each block of a float tensor in int8 with one fp32 scale (as `codecs.encode_int8`
+    carves it); anything else, sparsify's share of dropped values included, is the dense size: what the
+    data gives beyond it is headroom, never planned on."""
+    n, dense = flat.numel(), flat.numel() * flat.element_size()
+    if kind == "compress":
+        if flat.dtype == torch.bool:
+            return (n + 7) // 8
+        return n * NARROWING_CASTS[flat.dtype][-1].itemsize if narrowable else dense
+    if kind == "quantize" and flat.is_floating_point():
+        blocks = math.ceil(n / block_size)
+        if blocks * (block_size + 4) < dense:
+            return -(-4 * blocks // 16) * 16 + blocks * block_size  # the scales, aligned, then the values
+    return dense
+
+
 def codec_seconds(profile: DeviceProfile, kind: str, dtype: torch.dtype, dense_bytes: int, payload_bytes: int) -> float:
     """One encode and decode of a storage: the dense bytes read and written back, the payload written
     and read, the int8 encoder's fp32 working copies, and the codec's launches, priced by ``profile``."""
@@ -174,11 +202,18 @@ class _OpTimer(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         prof = self.profiler
         kwargs = kwargs or {}
-        if prof.in_hook or len(prof.stack) < 2 or func in prof.ignored:
-            return func(*args, **kwargs)
         out = func(*args, **kwargs)
-        prof.record_op(func, out, op_seconds(prof.device_profile, func, args, kwargs, out))
+        if prof.in_hook:
+            return out
+        if func in _CASTS and isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor) \
+                and args[0].dtype in NARROWING_CASTS.get(out.dtype, ()):
+            prof.narrowable.add(prof.ids(out.untyped_storage()))
+        if len(prof.stack) >= 2 and func not in prof.ignored:
+            prof.record_op(func, out, op_seconds(prof.device_profile, func, args, kwargs, out))
         return out
+
+
+_CASTS = cast_ops()
 
 
 class _ProfilePack(PackContext):
@@ -234,6 +269,8 @@ class Profiler:
         self.stack: list[_Frame] = []
         self.in_hook = False
         self.ids = StorageIds()
+        self.narrowable: set[int] = set()
+        """Storages a cast made from a narrower float in this pass (`planned_bytes`)."""
         self._trials: dict[int, dict[str, Any]] = {}
 
     # passes --------------------------------------------------------------------------------------
@@ -252,6 +289,7 @@ class Profiler:
                 self.stack[0].close()
                 self.stack = []
                 self._trials = {}
+                self.narrowable = set()
                 self.ids.clear()
 
     @contextlib.contextmanager
@@ -307,10 +345,10 @@ class Profiler:
 
     def record_saved(self, t: torch.Tensor) -> None:
         """Attribute one saved tensor to every module running now."""
-        if type(t) is not torch.Tensor or t.layout != torch.strided or t.device.type != self.eligible.device_type:
+        if not self.eligible.plain(t):
             return
         st = t.untyped_storage()
-        if st.data_ptr() in self.eligible.model_storages or st.data_ptr() == 0:
+        if self.eligible.storage_id(st) in self.eligible.model_storages or not (self.eligible.fake or st.data_ptr()):
             return
         key, nbytes = self.ids(st), st.nbytes()
         eligible = self.eligible(t)
@@ -348,25 +386,33 @@ class Profiler:
                 frame.profile.selective_bytes += nbytes
 
     def _trial(self, t: torch.Tensor, key: int) -> dict[str, Any]:
+        """Each encoding's planned bytes for ``t``'s storage (`planned_bytes`) and, on real data, each lossy
+        one's measured error (one encode and decode; ``trial_room`` decides whether it runs on a host copy)."""
         known = self._trials.get(key)
         if known is not None:
             return known
-
         flat, _ = storage_flat(t)
-        kinds = ("compress",) + (self.lossy_kinds if any(f.tolerant for f in self.stack) else ())
+        lossy = self.lossy_kinds if any(f.tolerant for f in self.stack) else ()
+        errors = self._errors(flat, lossy) if lossy and not self.eligible.fake else {}
+        results = {kind: Trial(planned_bytes(kind, flat, key in self.narrowable, self.block_size), 0.0,
+                               errors.get(kind, 0.0)) for kind in ("compress",) + lossy}
+        self._trials[key] = results
+        return results
+
+    def _errors(self, flat: torch.Tensor, kinds: tuple[str, ...]) -> dict[str, float]:
         on_host = self.trial_room is not None and self.trial_room() < trial_bytes(flat, kinds)
         if self.trial_stretch is not None:
             self.trial_stretch(True)
         try:
             with torch.no_grad(), (self.host_tier() if on_host else contextlib.nullcontext()):
                 source = flat.to("cpu", copy=True) if on_host else flat  # on CPU too: a host-tier copy
-                results = {kind: trial(kind, source, self.storage, self.block_size, self.threshold) for kind in kinds}
+                errors = {kind: trial(kind, source, self.storage, self.block_size, self.threshold).error_ratio
+                          for kind in kinds}
                 del source
         finally:
             if self.trial_stretch is not None:
                 self.trial_stretch(False)
-        self._trials[key] = results
-        return results
+        return errors
 
     # results -------------------------------------------------------------------------------------
     def combined(self) -> dict[str, ModuleProfile]:

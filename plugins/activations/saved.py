@@ -33,6 +33,7 @@ from xirang_ds.compat.torch import (
     current_saved_tensors_hooks,
     graph_retained,
     is_checkpoint_hook,
+    is_fake,
     outside_dynamo,
     pop_saved_tensors_hooks,
     push_saved_tensors_hooks,
@@ -153,27 +154,40 @@ class Eligibility:
     """
 
     def __init__(self, device_type: str, min_bytes: int,
-                 arenas: Optional[Callable[[], list[torch.Tensor]]] = None):
+                 arenas: Optional[Callable[[], list[torch.Tensor]]] = None, fake: bool = False):
         self.device_type = device_type
         self.min_bytes = min_bytes
         self.arenas = arenas
+        self.fake = fake
+        """Tensors of a ``FakeTensorMode`` (the estimator's trace): storages are told apart by identity,
+        as they have no addresses."""
         self.model_storages: frozenset[int] = frozenset()
+
+    def storage_id(self, st: torch.UntypedStorage) -> int:
+        """What tells storages apart: the address, or the storage's identity under a fake trace."""
+        return storage_key(st) if self.fake else st.data_ptr()
 
     def refresh(self, model: torch.nn.Module) -> None:
         """Remember the storages of parameters and buffers (ZeRO's flat buffers included)."""
-        ptrs = set()
+        ids = set()
         for t in list(model.parameters()) + list(model.buffers()):
             if t.numel():
-                ptrs.add(t.untyped_storage().data_ptr())
-        self.model_storages = frozenset(ptrs)
+                ids.add(self.storage_id(t.untyped_storage()))
+        self.model_storages = frozenset(ids)
+
+    def plain(self, t: torch.Tensor) -> bool:
+        """A plain strided tensor on the training device (a fake one under a fake trace)."""
+        kind = type(t) is torch.Tensor or (self.fake and is_fake(t))
+        return kind and t.layout == torch.strided and t.device.type == self.device_type
 
     def __call__(self, t: torch.Tensor) -> bool:
-        if type(t) is not torch.Tensor or t.layout != torch.strided or t.device.type != self.device_type:
+        if not self.plain(t):
             return False
         st = t.untyped_storage()
-        if st.nbytes() < self.min_bytes or st.data_ptr() in self.model_storages:
+        ident = self.storage_id(st)
+        if st.nbytes() < self.min_bytes or ident in self.model_storages:
             return False
-        return self.arenas is None or all(a.untyped_storage().data_ptr() != st.data_ptr() for a in self.arenas())
+        return self.arenas is None or all(self.storage_id(a.untyped_storage()) != ident for a in self.arenas())
 
 
 def span_elements(t: torch.Tensor) -> int:

@@ -53,10 +53,14 @@ OFFLOADED_INPUTS = ("recompute_offload", "recompute_tiled_offload")
 
 
 class _KeepHandler:
-    """Packs nothing: the pass-through context of a kept module inside a packing one."""
+    """Packs nothing: the pass-through context of a kept module inside a packing one, and the profiler's
+    handler on a fake trace (`trace_plan`), where every saved tensor stays for the trace to measure."""
 
     def begin_call(self) -> None:
         return None
+
+    def store(self, flat: torch.Tensor, call: None) -> None:
+        return None  # the tensor stays as it is
 
 
 def never(t: torch.Tensor) -> bool:

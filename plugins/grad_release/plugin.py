@@ -83,6 +83,7 @@ class GradReleasePlugin(StatesTier, Plugin):
         self._micro = 0  # Megatron: backwards since the last optimizer step
         self.parked_why: Optional[str] = None  # states: auto, in host memory (`states_tier.StatesTier`)
         self.estimate_note: Optional[str] = None  # what adjust_estimate chose for the states (the estimate's notes)
+        self.estimate_plan: Optional[dict] = None  # the same as a record (`Estimate.plans`)
 
     @classmethod
     def check_ds_config(cls, config: GradReleaseConfig, ds_config: dict) -> list[tuple[str, str]]:
@@ -334,12 +335,21 @@ class GradReleasePlugin(StatesTier, Plugin):
 
         out, self.estimate_note = held(self.config.states == "host"), None
         budget = self.session.config.memory_budget
-        need = max(sum(v for k, v in c.items() if k != "host") for c in out.values())
+        # what the activation planner can take off the saved activations counts as room (at run time it plans
+        # with the states on the device first: `pricing.plan_within`)
+        planner = self.session.plugin("activations")
+        spare = planner.reducible_bytes() if planner is not None and hasattr(planner, "reducible_bytes") else 0
+        need = max(sum(v for k, v in c.items() if k != "host") - min(spare, c.get("activations", 0))
+                   for c in out.values())
+        why = None
         if self.config.states == "auto" and budget != "auto" and need > int(budget):
             out = held(True)  # where the run starts them on the host (`states_tier.StatesTier`)
-            self.estimate_note = HOST_NOTE + (f"the estimated model states, gradients and optimizer step with them "
-                                              f"on the device, {format_bytes(need)}, exceed memory_budget "
-                                              f"{format_bytes(int(budget))}")
+            why = (f"the estimated model states, gradients and optimizer step with them on the device, "
+                   f"{format_bytes(need)}, exceed memory_budget {format_bytes(int(budget))}")
+            self.estimate_note = HOST_NOTE + why
+        # where the states go with the plan made before the run (the activation planner settles a pending tier by it)
+        self.estimate_plan = {"states": "host" if why is not None or self.config.states == "host" else "device",
+                              "why": why}
         return out
 
     def _rows_numels(self, world: int, bucket_numel: int) -> list[int]:

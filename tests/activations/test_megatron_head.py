@@ -44,7 +44,7 @@ def head_runs(rank: int, world: int, tmp: str) -> dict:
     def plan_of(model: Any, optimizer: Any, session: Any) -> dict:
         plugin = session.plugin("activations")
         return {"plan": dict(plugin.plan), "state": plugin.state, "candidates": list(plugin._candidates),
-                "heads": sorted(plugin._heads)}
+                "heads": sorted(plugin.head_names)}
 
     try:
         out = {}

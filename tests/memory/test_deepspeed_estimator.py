@@ -173,8 +173,8 @@ def test_cli_estimate_json(tmp_path, capsys):
 
 def test_planner_keeping_everything_is_modelled_and_fixed_plans_are_not():
     """The activations planner keeps every saved tensor when the run fits (no added time): the estimate
-    is the plain one. A module fixed to recompute, or a budget the run does not fit, is not modelled; a
-    head fixed to chunk is."""
+    is the plain one. A budget no plan meets is planned and refused (`trace_plan`); a module fixed to
+    recompute is not modelled; a head fixed to chunk is."""
     plain = estimate_spec("gpt-tiny", ds_config(stage=2, micro=4), 1)
     for block in ({"activations": {"enabled": True}}, {"memory_pool": {"enabled": True}},
                   {"activations": {"enabled": True}, "memory_pool": {"enabled": True}}):
@@ -187,8 +187,10 @@ def test_planner_keeping_everything_is_modelled_and_fixed_plans_are_not():
         "activations": {"enabled": True, "budget": 1024}}), 1)
     sized = estimate_spec("gpt-tiny", ds_config(stage=2, micro=4, xirang={
         "memory_pool": {"enabled": True, "size": 2**20}}), 1)
-    for est, section in ((fixed, "activations"), (tight, "activations"), (sized, "memory_pool")):
+    for est, section in ((fixed, "activations"), (sized, "memory_pool")):
         assert any(n.startswith(f"{section}: its effect on memory is not modelled") for n in est.notes), est.notes
+    assert tight.fits is False and tight.plans["activations"].least_bytes > 1024
+    assert any(n.startswith("activations: no activation plan fits") for n in tight.notes), tight.notes
     # a head fixed to chunk runs chunked in the trace: modelled, and below the plain estimate
     whole = estimate_spec(VOCAB, ds_config(stage=2, micro=4), 1)
     chunked = estimate_spec(VOCAB, ds_config(stage=2, micro=4, xirang=CHUNK), 1)

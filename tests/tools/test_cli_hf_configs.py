@@ -119,3 +119,40 @@ def test_a_factory_without_seq_and_vocab_is_refused_naming_the_flags(tmp_path, c
     assert "model factory 'mymodel2:make' needs the run's sequence length and vocabulary: pass --seq" in err
     assert main(["estimate", "--model", "nosuchmodule:make", "--ds-config", cfg, "--seq", "8", "--vocab", "8"]) == 2
     assert "cannot load model factory 'nosuchmodule:make'" in capsys.readouterr().err
+
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+         "max_position_embeddings": 64, "tie_word_embeddings": False}
+
+
+def test_an_hf_config_is_estimated_and_planned_for_a_named_gpu(tmp_path, capsys):
+    """``--model hf:PATH`` builds the model from its config alone (the config's length and vocabulary unless
+    the flags say otherwise); ``--gpu`` prices the plan by that GPU's profile and takes its memory for
+    ``memory_budget: auto``; the JSON says whether the block fits and the least budget it meets."""
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(LLAMA))
+    block = {"activations": {"enabled": True, "budget": "auto", "options": ["keep", "offload", "recompute"]}}
+    cfg = _write(tmp_path, {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+                            "zero_optimization": {"stage": 2}, "xirang": block})
+    out = str(tmp_path / "e.json")
+    assert main(["estimate", "--model", f"hf:{tmp_path / 'llama'}", "--ds-config", cfg, "--gpu", "h100",
+                 "--json", out]) == 0
+    est = json.loads(open(out).read())
+    assert est["fits"] is True and est["least_budget_bytes"] < est["predicted_peak_bytes"]
+    plan = est["plans"]["activations"]
+    assert plan["device_profile"] == "h100" and set(plan["plan"]) >= {"model.layers.0", "model.layers.1"}
+    # a budget below the least: refused in the JSON with the least budget, which then fits
+    tight = _write(tmp_path, {**json.loads(open(cfg).read()),
+                              "xirang": {**block, "memory_budget": est["least_budget_bytes"] // 2}}, "t.json")
+    assert main(["estimate", "--model", f"hf:{tmp_path / 'llama' / 'config.json'}", "--ds-config", tight,
+                 "--gpu", "h100", "--seq", "32", "--json", out]) == 0
+    refused = json.loads(open(out).read())
+    assert refused["fits"] is False and "no activation plan fits" in " ".join(refused["notes"])
+    least = _write(tmp_path, {**json.loads(open(cfg).read()),
+                              "xirang": {**block, "memory_budget": refused["least_budget_bytes"]}}, "l.json")
+    assert main(["estimate", "--model", f"hf:{tmp_path / 'llama'}", "--ds-config", least, "--gpu", "h100",
+                 "--seq", "32", "--json", out]) == 0
+    assert json.loads(open(out).read())["fits"] is True
+    assert main(["estimate", "--model", f"hf:{tmp_path}", "--ds-config", cfg]) == 2  # no config.json there
+    assert "no config.json there" in capsys.readouterr().err

@@ -318,6 +318,18 @@ def fake_tensor_mode(**kwargs: Any) -> Any:
     return FakeTensorMode(**kwargs)
 
 
+def cast_ops() -> frozenset:
+    """The op a dtype cast (``.to(dtype)``, ``.float()``) dispatches to."""
+    return frozenset({torch.ops.aten._to_copy.default})
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """``t`` is a tensor of a ``FakeTensorMode``."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
 # the CUDA caching allocator's history ------------------------------------------------------------------
 def record_memory_history(enabled: Optional[str] = "all", max_entries: int = 1_000_000) -> None:
     """Start (``enabled="all"``) or stop (``None``) the allocator's per-allocation history."""
@@ -344,6 +356,6 @@ __all__ = [
     "ops_with_kernel", "outside_dynamo", "parameter_table", "parse_to", "pop_mode_temporarily",
     "pop_saved_tensors_hooks",
     "privateuse1_backend_name", "push_saved_tensors_hooks", "pytree", "queue_end_of_backward",
-    "record_memory_history", "sac_ignored_ops", "saved_tensors_hooks_enabled", "storage_at", "storage_key",
+    "cast_ops", "is_fake", "record_memory_history", "sac_ignored_ops", "saved_tensors_hooks_enabled", "storage_at", "storage_key",
     "top_saved_tensors_hooks", "uncompiled", "version", "view_base",
 ]

@@ -49,6 +49,9 @@ class DeviceProfile:
         memory_bytes_per_s: device memory bandwidth, spec.
         host_link_bytes_per_s: device-host copy bandwidth, one direction (PCIe x16 for GPUs).
         launch_s: the host's cost to start one kernel (an eager op's dispatch on a CPU).
+        memory_bytes: device memory as torch reports it (``total_memory``), what ``memory_budget: auto``
+            stands for in an estimate for this device (``xirang-ds estimate --gpu``); 0 for the CPU, whose
+            memory is the machine's.
     """
 
     name: str
@@ -57,6 +60,7 @@ class DeviceProfile:
     memory_bytes_per_s: float
     host_link_bytes_per_s: float
     launch_s: float
+    memory_bytes: int = 0
 
     def op_seconds(self, flops: float, bytes_moved: float, low_precision: bool = True) -> float:
         """One op: the larger of its arithmetic and its memory traffic (a roofline), plus its launch."""
@@ -72,12 +76,14 @@ class DeviceProfile:
 
 
 PROFILES: dict[str, DeviceProfile] = {
-    "h100": DeviceProfile("h100", 989e12, 67e12, 3.35e12, 64e9, 5e-6),
-    "h200": DeviceProfile("h200", 989e12, 67e12, 4.8e12, 64e9, 5e-6),
-    "a100": DeviceProfile("a100", 312e12, 19.5e12, 2.039e12, 32e9, 5e-6),
+    "h100": DeviceProfile("h100", 989e12, 67e12, 3.35e12, 64e9, 5e-6, 80 * 2**30),
+    "h200": DeviceProfile("h200", 989e12, 67e12, 4.8e12, 64e9, 5e-6, 150_109_880_320),
+    "a100": DeviceProfile("a100", 312e12, 19.5e12, 2.039e12, 32e9, 5e-6, 80 * 2**30),
     "cpu": DeviceProfile("cpu", 1e11, 1e11, 2e10, 1e10, 5e-6),
 }
-"""The named profiles (the module docstring's table)."""
+"""The named profiles (the module docstring's table). Memory: the H200's as the lent one reported it
+(benchmarks/results/gpu/20261204/env.json), the 80 GB H100 and A100 at 80 GiB (their spec; torch reports
+slightly less where the driver keeps some)."""
 UNKNOWN_ACCELERATOR = "h100"
 """The figures an accelerator of no known name is priced with."""
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -63,6 +63,11 @@ class Estimate:
 
     Attributes:
         predicted_peak_bytes: the largest phase.
+        fits: whether the run fits ``memory_budget`` (or the device's memory where it is known; ``None``
+            where neither is): a planner that finds no plan says no.
+        least_budget_bytes: the least ``memory_budget`` the block as written meets (the activation
+            planner's least plan beside the rest; without it, the predicted peak).
+        plans: what plugins planned for this estimate, by section (the activation plan: `TracePlan`).
         by_category: bytes per category at the predicted peak.
         peak_phase: ``forward``, ``backward`` or ``optimizer_step``.
         phases: each phase's total and breakdown.
@@ -76,24 +81,33 @@ class Estimate:
     phases: dict[str, dict[str, int]]
     notes: list[str]
     korthikanti_activations: Optional[int] = None
+    fits: Optional[bool] = None
+    least_budget_bytes: Optional[int] = None
+    plans: dict = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"predicted_peak_bytes": self.predicted_peak_bytes, "by_category": dict(self.by_category),
-                "peak_phase": self.peak_phase,
+                "peak_phase": self.peak_phase, "fits": self.fits, "least_budget_bytes": self.least_budget_bytes,
                 "phases": {k: dict(v) for k, v in self.phases.items()}, "notes": list(self.notes),
+                "plans": {k: v.as_dict() if hasattr(v, "as_dict") else v for k, v in self.plans.items()},
                 "korthikanti_activations": self.korthikanti_activations}
 
 
 def estimate_run(build: Callable[[], torch.nn.Module], ds_config: dict, seq: Optional[int] = None,
                  vocab: Optional[int] = None, world_size: int = 1, device: str = "cpu",
-                 inputs: Optional[Inputs] = None) -> Estimate:
+                 inputs: Optional[Inputs] = None, device_profile: Any = None,
+                 device_total_bytes: Optional[int] = None) -> Estimate:
     """Estimate one rank's peak for ``build()`` trained with ``ds_config`` on ``world_size`` ranks, on
     ``seq`` tokens below ``vocab`` per sample or on the batch ``inputs`` makes (`trace_model`).
 
     With a ``"xirang"`` block, the enabled plugins first edit the ds_config as they would at
-    ``initialize`` (bucket sizes), then adjust the phases (`xirang_ds.roles.Estimates`).
+    ``initialize`` (bucket sizes), then adjust the phases (`xirang_ds.roles.Estimates`); the activation
+    planner plans on the trace, priced by ``device_profile`` (default: the CPU's), with
+    ``device_total_bytes`` for ``memory_budget: auto`` where the device is not this machine's.
     """
     session = _session_for(build, ds_config, world_size)
+    if session is not None:
+        session.device_profile, session.device_total_bytes = device_profile, device_total_bytes
     shape = _plugin_shape(session, ds_config, world_size, device)
     if shape.stage not in (0, 1, 2, 3):
         raise EstimateError(f"zero_optimization.stage must be 0-3; got {shape.stage}")
@@ -184,15 +198,34 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
         phases[STEP_PREPARE] = prepare
     if session is not None:
         notes += session.summary_left_out()
-    phases = _apply_plugins(session, phases, shape, numels, notes)
+    plans: dict = {}
+    phases = _apply_plugins(session, phases, shape, numels, notes, plans)
     for part, whole in ((STEP_PREPARE, "optimizer_step"), (BACKWARD_START, "backward")):
         cats = phases.pop(part, None)  # both are inside the same call; the larger is its peak
         if cats is not None and sum(cats.values()) > sum(phases[whole].values()):
             phases[whole] = cats
     totals = {k: sum(v[c] for c in CATEGORIES if c != "host") for k, v in phases.items()}
     peak_phase = max(totals, key=totals.__getitem__)
+    fits, least = _fits(session, totals[peak_phase], plans)
     return Estimate(predicted_peak_bytes=totals[peak_phase], by_category=phases[peak_phase], peak_phase=peak_phase,
-                    phases={k: {**v, "total": totals[k]} for k, v in phases.items()}, notes=notes)
+                    phases={k: {**v, "total": totals[k]} for k, v in phases.items()}, notes=notes, fits=fits,
+                    least_budget_bytes=least, plans=plans)
+
+
+def _fits(session: Any, peak: int, plans: dict) -> tuple[Optional[bool], int]:
+    """Whether the predicted ``peak`` fits ``memory_budget`` (else the known device total), and the least
+    budget the block meets: a plan's own word where a plugin planned within the budget (``fits`` and
+    ``least_budget_bytes`` on its plan), else the peak itself."""
+    least, verdicts = peak, []
+    for plan in plans.values():
+        if hasattr(plan, "least_budget_bytes"):
+            least = plan.least_budget_bytes
+            verdicts.append(plan.fits)
+    budget = session.config.memory_budget if session is not None else "auto"
+    limit = int(budget) if budget != "auto" else getattr(session, "device_total_bytes", None)
+    if limit is not None:
+        verdicts.append(peak <= int(limit))
+    return (all(verdicts) if verdicts else None), least
 
 
 def _session_for(build: Callable[[], torch.nn.Module], ds_config: dict, world_size: int, fake: bool = True) -> Any:
@@ -210,12 +243,15 @@ def _session_for(build: Callable[[], torch.nn.Module], ds_config: dict, world_si
     return session
 
 
-def _apply_plugins(session: Any, phases: dict, shape: RunShape, numels: list[int], notes: list[str]) -> dict:
+def _apply_plugins(session: Any, phases: dict, shape: RunShape, numels: list[int], notes: list[str],
+                   plans: dict) -> dict:
     """Let each enabled plugin of the block adjust the phases (`xirang_ds.roles.Estimates`; a plugin without
-    the role keeps them when it is ``memory_neutral`` and is noted as not modelled otherwise)."""
+    the role keeps them when it is ``memory_neutral`` and is noted as not modelled otherwise); what one
+    planned for them (its ``estimate_plan``) goes into ``plans`` by section."""
     if session is None:
         return phases
-    for plugin in session.plugins:
+    # a plugin that plans within what the others leave (the activation planner) adjusts after them
+    for plugin in sorted(session.plugins, key=lambda p: bool(getattr(p, "adjusts_last", False))):
         if isinstance(plugin, Estimates):
             adjusted = plugin.adjust_estimate(phases, shape, numels)
         else:
@@ -226,6 +262,8 @@ def _apply_plugins(session: Any, phases: dict, shape: RunShape, numels: list[int
             phases = adjusted
             if getattr(plugin, "estimate_note", None):  # what it chose for this estimate (grad_release's states)
                 notes.append(f"{plugin.section}: {plugin.estimate_note}")
+            if getattr(plugin, "estimate_plan", None) is not None:
+                plans[plugin.section] = plugin.estimate_plan
     return phases
 
 
@@ -251,6 +289,9 @@ def format_estimate(est: Estimate) -> str:
     """The estimate as a table: each phase's total and the breakdown at the predicted peak."""
     lines = ["predicted per-rank peak: " + format_bytes(est.predicted_peak_bytes) +
              f" ({est.predicted_peak_bytes:,} bytes) in {est.peak_phase}"]
+    if est.fits is not None:
+        lines.append(("fits" if est.fits else "does not fit") + f"; the least memory_budget the block meets: "
+                     f"{format_bytes(est.least_budget_bytes)} ({est.least_budget_bytes:,} bytes)")
     lines += ["  " + n for n in est.notes]
     lines.append(f"{'category':<18}{'forward':>12}{'backward':>12}{'optimizer_step':>16}")
     for c in CATEGORIES:

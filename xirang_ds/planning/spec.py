@@ -5,20 +5,25 @@ estimator itself never decides a preset.
 """
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Optional, Union
 
+from xirang_ds.memory.device_profile import DeviceProfile
 from xirang_ds.models import ModelSpec, build_model, parse_model_spec
 from xirang_ds.planning.auto import choose_for_spec
 from xirang_ds.planning.estimator import Estimate, RunShape, estimate_run, korthikanti_activations
 
 
-def estimate_spec(model: Union[str, Any], ds_config: dict, world_size: int = 1, device: str = "cpu") -> Estimate:
+def estimate_spec(model: Union[str, Any], ds_config: dict, world_size: int = 1, device: str = "cpu",
+                  device_profile: Optional[DeviceProfile] = None) -> Estimate:
     """`estimate_run` for a ``--model`` spec (built-in name, ``gpt:...``, or a parsed spec such as a
     `xirang_ds.models.FactorySpec`: its ``seq`` and ``vocab`` shape the inputs); ``"preset": "auto"`` is
-    resolved first (`xirang_ds.planning.auto`), its choice a note."""
+    resolved first (`xirang_ds.planning.auto`), its choice a note. With a named GPU's ``device_profile``
+    (``--gpu``) the plan is priced by it and ``memory_budget: auto`` is that GPU's memory."""
     spec = parse_model_spec(model)
     ds_config, choice = choose_for_spec(ds_config, spec, world_size, device)
-    est = estimate_run(lambda: build_model(spec), ds_config, spec.seq, spec.vocab, world_size, device)
+    total = device_profile.memory_bytes or None if device_profile is not None else None
+    est = estimate_run(lambda: build_model(spec), ds_config, spec.seq, spec.vocab, world_size, device,
+                       device_profile=device_profile, device_total_bytes=total)
     if choice:
         est.notes.append(choice)
     if isinstance(spec, ModelSpec):

@@ -1,0 +1,223 @@
+"""The activation plan made before the run: profiled on the estimator's fake trace, planned by the same
+functions as ever, so ``xirang-ds estimate`` and ``initialize`` hold one plan.
+
+The estimator (`xirang_ds.planning.estimator`) traces one forward and backward of the model under
+``FakeTensorMode`` (no memory, no data). While it does, `profile_trace` puts the plugin's own wrappers
+on the candidates and runs one forward of its own, unmeasured, with a `Profiler` in force, exactly as a
+profiling pass during training would, except that saved tensors stay as they are and no encoding runs: every encoding is priced at the size it has whatever the values
+(`profile.planned_bytes`), every op by its counted FLOPs and bytes under the device profile. The
+profiles of a fake pass and of a real one are the same figures.
+
+`plan_phases` then plans under the budget, with what the rank needs besides saved activations taken
+from the estimate's phases (model states, gradients, buffers, temporaries at their peak), and puts the
+plan's saved-activation bytes into the phases in place of the keep-everything trace's.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import torch
+
+from xirang_ds.config.types import format_bytes
+from xirang_ds.config.validate import XirangConfigError
+from xirang_ds.hooks import wrap_method
+from xirang_ds.memory.categories import ACTIVATIONS, TEMPORARIES
+from xirang_ds.memory.device_profile import DeviceProfile
+from xirang_ds.plugins.activations.head_loss import CHUNK
+from xirang_ds.plugins.activations.planner import Choice, estimate_peak, least_budget
+from xirang_ds.plugins.activations.pricing import build_tree, plan_within, reach
+from xirang_ds.plugins.activations.profile import ROOT, ModuleProfile, Profiler
+from xirang_ds.plugins.activations.storage import PayloadStorage
+from xirang_ds.plugins.activations.wrapper import ModuleWrapper, Runtime
+
+HOST = "host"
+
+
+@dataclass
+class TracePlan:
+    """A plan made on the fake trace.
+
+    Attributes:
+        plan: ``{module: option}`` (keep included).
+        choices: the planner's `Choice` per module.
+        profiles: the fake pass's `ModuleProfile` per module.
+        budget_bytes: the bytes saved activations may take.
+        other_bytes: what the rank needs besides saved activations (the estimate's phases).
+        planned_peaks: saved-activation bytes at the end of forward and at the worst point of backward.
+        keep_bytes: saved-activation bytes with every tensor kept (the trace's own).
+        least_bytes: the least saved-activation bytes any plan needs.
+        added_s: the seconds the plan adds per forward and backward, under the device profile.
+        device_profile: the profile that priced it.
+        fits: whether a plan meets the budget.
+        problems: the planner's refusal when none does.
+        outside_bytes: saved bytes outside every candidate.
+        reach: what the planner can reach on this model (`pricing.reach`).
+    """
+
+    plan: dict[str, str] = field(default_factory=dict)
+    choices: dict[str, Choice] = field(default_factory=dict)
+    profiles: dict[str, ModuleProfile] = field(default_factory=dict)
+    budget_bytes: Optional[int] = None
+    other_bytes: int = 0
+    planned_peaks: tuple[int, int] = (0, 0)
+    keep_bytes: int = 0
+    least_bytes: int = 0
+    added_s: float = 0.0
+    device_profile: Optional[DeviceProfile] = None
+    fits: bool = True
+    problems: list = field(default_factory=list)
+    outside_bytes: int = 0
+    reach: Optional[dict] = None
+
+    @property
+    def least_budget_bytes(self) -> int:
+        """The least ``memory_budget`` some plan meets: what the rank needs besides saved activations and
+        the least any plan saves."""
+        return self.other_bytes + self.least_bytes
+
+    def as_dict(self) -> dict:
+        return {"plan": dict(sorted(self.plan.items())), "budget_bytes": self.budget_bytes,
+                "other_bytes": self.other_bytes, "planned_peaks": list(self.planned_peaks),
+                "keep_bytes": self.keep_bytes, "least_bytes": self.least_bytes,
+                "least_budget_bytes": self.least_budget_bytes, "added_s": self.added_s, "fits": self.fits,
+                "device_profile": self.device_profile.name if self.device_profile else None}
+
+
+@contextlib.contextmanager
+def profile_trace(plugin: Any, model: torch.nn.Module, tracker: Any, free: list[str], chunked: list[str],
+                  profile: DeviceProfile) -> Iterator[None]:
+    """The plugin's wrappers on the ``free`` candidates and the ``chunked`` heads (fixed to ``chunk``) of the
+    fake ``model``, a profiling pass (saved tensors kept, nothing encoded) run before the first measured
+    forward; ``plugin.trace_profiles`` holds the profiles afterwards."""
+    c = plugin.config
+    rt = Runtime(torch.device("cpu"), c.min_tensor_bytes, c.offload_prefetch, c.quantize_block_size,
+                 c.sparsify_threshold, tracker.host_tier, lambda: tracker.scope(ACTIVATIONS))
+    rt.eligible.fake = True
+    rt.eligible.refresh(model)
+    lossy = tuple(k for k in ("quantize", "sparsify") if k in plugin.options)
+    rt.profiler = Profiler(rt.eligible, rt.keep_handler, PayloadStorage(), plugin.tolerant_names, lossy,
+                           c.quantize_block_size, c.sparsify_threshold, profile)
+    modules = dict(model.named_modules())
+    wrappers = []
+    for name in free + chunked:
+        wrapper = ModuleWrapper(name, modules[name], rt)
+        wrapper.head = plugin.path.defer if name in plugin.head_names or name in chunked else None
+        wrapper.chunk_tokens = None if c.chunk_tokens == "auto" else int(c.chunk_tokens)
+        if name in chunked:  # as the run has it: chunked while profiled and after
+            wrapper.fixed_chunk = True
+            wrapper.apply(CHUNK)
+        wrappers.append(wrapper)
+    passes = []
+
+    def root(original: Any, *args: Any, **kwargs: Any) -> Any:
+        if passes or not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        passes.append(1)
+        # a forward of its own, unmeasured: the pass's saved-tensor hooks would change when autograd frees
+        # what it saved, and the trace measures the run as it will be, plain where modules keep
+        with tracker.paused(), rt.profiler.run_pass():
+            original(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    heads = frozenset(n for n in free if n in plugin.head_names) | frozenset(chunked)
+    handles = [*plugin.path.head_hooks(model, heads),
+               wrap_method(model, "forward", root)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for wrapper in wrappers:
+            wrapper.remove()
+        plugin.trace_profiles = rt.profiler.combined()
+
+
+def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str], streams: bool,
+                device_total: Optional[int], profile: DeviceProfile) -> tuple[dict, TracePlan]:
+    """Plan on the fake pass's profiles under the budget and put the plan's saved activations into
+    ``phases`` (see the module docstring); ``device_total`` stands for ``memory_budget: auto``."""
+    c = plugin.config
+    profiles = plugin.trace_profiles
+    tree = _tree(plugin, free, fixed, streams, profile)
+    roots, before, after = tree
+    keep = profiles.get(ROOT, ModuleProfile(ROOT)).keep_bytes
+    # an output head's whole loss (logits, log-probabilities, their gradient) is the planner's to price
+    # (the transient of its keep choice, or a slice's rows under chunk), as the run's measured peak
+    # leaves it out (`pricing.OtherPeak.exclude`)
+    transient = sum(profiles[n].keep_transient_bytes for n in free if n in plugin.head_names and n in profiles)
+    other = max(_besides(cats, keep, transient) for cats in phases.values())
+    out = TracePlan(profiles=profiles, other_bytes=other, keep_bytes=keep, device_profile=profile,
+                    least_bytes=least_budget(roots, before, after))
+    total = device_total if device_total is not None else other + keep  # unknown device: everything fits
+    try:
+        out.budget_bytes, out.choices, _ = plan_within(c, plugin.session.config.memory_budget, total, profiles,
+                                                       other, tree)
+    except XirangConfigError as e:
+        out.fits, out.problems = False, list(e.problems)
+        return phases, out
+    out.plan = {name: choice.option for name, choice in out.choices.items()}
+    out.planned_peaks = estimate_peak(roots, out.choices, before, after)
+    out.outside_bytes = before + after
+    out.reach = reach(roots, before, after, other, profiles, out.choices, plugin.head_names, out.budget_bytes)
+    out.added_s = sum(choice.added_s for choice in out.choices.values())
+    # the trace ran every free candidate kept and the fixed heads chunked: the plan changes the phases' saved
+    # activations by what it saves against that
+    traced = estimate_peak(roots, {n.name: n.choices[0] for n in _nodes(roots) if n.fixed and n.choices}, before, after)
+    adjusted = {}
+    for phase, cats in phases.items():
+        cats = dict(cats)
+        i = 0 if phase == "forward" else 1
+        cats[ACTIVATIONS] = max(0, cats.get(ACTIVATIONS, 0) - max(0, traced[i] - out.planned_peaks[i]))
+        adjusted[phase] = cats
+    return adjusted, out
+
+
+def _nodes(roots: list) -> Iterator[Any]:
+    for node in roots:
+        yield node
+        yield from _nodes(node.children)
+
+
+def _tree(plugin: Any, free: list[str], fixed: dict[str, str], streams: bool, profile: DeviceProfile) -> tuple:
+    c = plugin.config
+    bandwidth = c.host_bandwidth_gbps * 1e9 if c.host_bandwidth_gbps != "auto" else profile.host_link_bytes_per_s
+    return build_tree(free, fixed, plugin.trace_profiles, plugin.options, plugin.tolerant_names, bandwidth, streams,
+                      c.offload_prefetch, plugin.token_wise_names)
+
+
+def least_saved(plugin: Any, free: list[str], fixed: dict[str, str], profile: DeviceProfile) -> tuple[int, int]:
+    """``(keep-all, least)`` saved-activation bytes on the trace's profiles."""
+    roots, before, after = _tree(plugin, free, fixed, False, profile)
+    keep = plugin.trace_profiles.get(ROOT, ModuleProfile(ROOT)).keep_bytes
+    return keep, least_budget(roots, before, after)
+
+
+def _besides(cats: dict, keep: int, transient: int) -> int:
+    """A phase's device bytes besides the saved activations it holds (at most ``keep``) and besides the
+    heads' whole-loss ``transient`` (at most what it holds beyond them: activations and temporaries)."""
+    device = sum(v for k, v in cats.items() if k != HOST)
+    saved = min(keep, cats.get(ACTIVATIONS, 0))
+    loose = cats.get(ACTIVATIONS, 0) - saved + cats.get(TEMPORARIES, 0)
+    return device - saved - min(loose, transient)
+
+
+def describe(result: TracePlan) -> str:
+    """One line for the estimate's notes."""
+    if not result.fits:
+        return (f"no activation plan fits: the least memory_budget any plan meets is "
+                f"{format_bytes(result.least_budget_bytes)} ({format_bytes(result.other_bytes)} besides saved "
+                f"activations, {format_bytes(result.least_bytes)} of them at least)")
+    counts: dict[str, int] = {}
+    for option in result.plan.values():
+        counts[option] = counts.get(option, 0) + 1
+    end, worst = result.planned_peaks
+    return (f"planned before the run ({result.device_profile.name} profile): "
+            + ", ".join(f"{n} {o}" for o, n in sorted(counts.items()))
+            + f"; {format_bytes(max(end, worst))} of saved activations at most (keep-all "
+              f"{format_bytes(result.keep_bytes)}, budget {format_bytes(result.budget_bytes or 0)}), "
+              f"adds {result.added_s * 1e3:.1f} ms per micro-step")
+
+
+__all__ = ["TracePlan", "describe", "least_saved", "plan_phases", "profile_trace"]

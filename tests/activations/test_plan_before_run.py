@@ -1,0 +1,87 @@
+"""The plan is made before the run (`plugins/activations/run_plan.py`, `trace_plan.py`): ``xirang-ds estimate``
+and the run hold one plan, profiled on the estimator's fake trace with every size at its bound; a budget no
+plan meets is refused at the first forward, before any step, naming the least budget."""
+import torch
+
+from tests.activations.test_deepspeed import _train
+from tests.harness.engine_runs import ds_config
+from xirang_ds.config.types import format_bytes
+from xirang_ds.launch import run_ranks
+from xirang_ds.plugins.activations.codecs import encode_int8
+from xirang_ds.plugins.activations.profile import planned_bytes
+from xirang_ds.plugins.activations.storage import PayloadStorage
+from xirang_ds.planning.spec import estimate_spec
+
+OPTIONS = ["keep", "compress", "offload", "recompute"]
+
+
+def _config(budget="auto"):
+    """gpt-tiny's block with an activation budget in bytes: a plan that does not depend on what the rank
+    needs besides saved activations, which the test harness's corpus (alive on the CPU "device") swells."""
+    return ds_config(stage=2, xirang={"activations": {"enabled": True, "budget": budget, "options": OPTIONS}})
+
+
+def test_every_encoding_is_planned_at_the_size_it_has_whatever_the_values():
+    n = 1000
+    assert planned_bytes("compress", torch.zeros(n, dtype=torch.bool), False, 64) == 125
+    assert planned_bytes("compress", torch.zeros(n), True, 64) == 2 * n  # a cast from bf16: stored in bf16
+    assert planned_bytes("compress", torch.zeros(n), False, 64) == 4 * n  # zeros the data may hold: not planned
+    assert planned_bytes("sparsify", torch.zeros(n), False, 64) == 4 * n
+    x = torch.randn(n, dtype=torch.bfloat16)
+    assert planned_bytes("quantize", x, False, 64) == encode_int8(x, PayloadStorage(), 64).nbytes
+    assert planned_bytes("quantize", torch.arange(n), False, 64) == 8 * n  # integers are not quantized
+
+
+def _runs(rank, world, budget):
+    import xirang_ds.plugins.activations as activations
+
+    planned = _train(rank, world, _config(budget), 2, track=True)
+    original = activations.twin_for
+    activations.twin_for = lambda plugin, model: None  # the profiled passes of before, for comparison
+    try:
+        profiled = _train(rank, world, _config(budget), 3, track=True)  # two passes, then the plan
+    finally:
+        activations.twin_for = original
+    return planned, profiled
+
+
+def _budget():
+    """About half of what saved activations take kept."""
+    return estimate_spec("gpt-tiny", _config(), 2).plans["activations"].keep_bytes // 2
+
+
+def test_the_estimate_and_the_run_hold_one_plan_made_before_the_run():
+    budget = _budget()
+    est = estimate_spec("gpt-tiny", _config(budget), 2)
+    plan = est.plans["activations"]
+    assert plan.fits and est.fits and set(plan.plan.values()) - {"keep"}  # the budget made it act
+    assert est.as_dict()["least_budget_bytes"] == plan.other_bytes + plan.least_bytes
+    assert plan.budget_bytes == budget and max(plan.planned_peaks) <= budget
+    for planned, profiled in run_ranks(_runs, 2, budget):
+        assert planned["plan"] == plan.plan and planned["budget"] == plan.budget_bytes
+        assert planned["planned"] == max(plan.planned_peaks)
+        assert planned["profiles"] == {n: p.as_dict() for n, p in plan.profiles.items()}
+        # the fake pass and the real passes profile the same figures (times are counted, sizes bounded)
+        assert profiled["profiles"] == planned["profiles"]
+        assert planned["peaks"]["activations"] <= budget
+
+
+def _refused(rank, world, budget):
+    from xirang_ds.config.validate import XirangConfigError
+
+    try:
+        _train(rank, world, _config(budget), 1)
+    except XirangConfigError as e:
+        return str(e)
+    return None
+
+
+def test_a_budget_no_plan_meets_is_refused_before_the_first_step_with_the_least_budget():
+    least = estimate_spec("gpt-tiny", _config(_budget()), 2).plans["activations"].least_bytes
+    est = estimate_spec("gpt-tiny", _config(least // 2), 2)
+    plan = est.plans["activations"]
+    assert est.fits is False and plan.fits is False and est.least_budget_bytes == plan.other_bytes + least
+    assert any("no activation plan fits" in n and format_bytes(est.least_budget_bytes) in n for n in est.notes)
+    for message in run_ranks(_refused, 2, least // 2):
+        assert message is not None and "planned before the run" in message
+        assert f"the least any plan meets is {format_bytes(est.least_budget_bytes)}" in message

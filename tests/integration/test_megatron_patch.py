@@ -35,8 +35,9 @@ PINNED = "55ac7082517c3878ae653c07c09c534b8aed49f6"
 WORKS_ON = ("core_v0.16.0", "core_v0.16.1", "core_v0.17.0", "core_v0.17.1")
 """Megatron-LM tags where the patch applies and the inserted calls find what they use."""
 APPLIES_BUT_REFUSED = ("core_v0.18.0", "core_v0.19.0")
-"""Tags where the lines still match but pretrain() no longer takes the providers: wrap_pretrain
-raises its TypeError there (tests/integration/test_megatron_config.py)."""
+"""Tags where this patch's lines still match but pretrain() no longer takes the providers: wrap_pretrain
+raises MegatronVersionError there naming patches/megatron-lm-core_v0.19.0.patch, the one for those tags
+(tests/integration/test_megatron_lm_versions.py)."""
 DOES_NOT_APPLY = ("core_v0.15.0", "core_v0.14.0")
 COMPAT_TAGS = ("core_v0.12.0", "core_v0.13.0", "core_v0.14.0", "core_v0.15.0", "core_v0.16.0", "core_v0.16.1",
                "core_v0.17.0", "core_v0.18.0", "core_v0.19.0")
@@ -295,7 +296,7 @@ def test_patch_applies_at_each_shared_tag_as_documented(tag):
 
 @pytest.mark.parametrize("tag", sorted(APPLIES_AT))
 def test_pretrain_takes_the_providers_only_where_documented(tag):
-    """WORKS_ON: the inserted calls find what they use; elsewhere wrap_pretrain refuses (its TypeError)."""
+    """WORKS_ON: the inserted calls find what they use; elsewhere wrap_pretrain refuses (MegatronVersionError)."""
     folder = _megatron_files()
     source = open(os.path.join(folder, tag, "megatron", "training", "training.py"), encoding="utf-8").read()
     pretrain = next(f for f in ast.walk(ast.parse(source)) if isinstance(f, ast.FunctionDef) and f.name == "pretrain")

@@ -85,14 +85,23 @@ def train(opts: argparse.Namespace) -> dict:
     from tests.harness.megatron_runs import example
     from xirang_ds.data import batches, find_default_corpus, load_tokens
 
+    from megatron.core.num_microbatches_calculator import (
+        destroy_num_microbatches_calculator,
+        init_num_microbatches_calculator,
+    )
+
     ex = example()
     margs = argparse.Namespace(xirang_config=opts.xirang_config, micro_batch_size=opts.micro_batch_size)
+    dp_size = parallel_state.get_data_parallel_world_size()
+    init_num_microbatches_calculator(torch.distributed.get_rank(), None,  # as Megatron-LM's initialize does
+                                     opts.micro_batch_size * opts.num_microbatches * dp_size, opts.micro_batch_size,
+                                     dp_size)
     tokens = load_tokens(find_default_corpus())
     chunks, optimizer, session = build(opts, margs)
     (model,) = chunks
     model.config.finalize_model_grads_func = finalize_model_grads
     data = batches(tokens, opts.micro_batch_size, opts.seq_length, seed=opts.seed,
-                   rank=parallel_state.get_data_parallel_rank(), world_size=parallel_state.get_data_parallel_world_size())
+                   rank=parallel_state.get_data_parallel_rank(), world_size=dp_size)
     tracker, watch, run = ex._tracker(session, model, optimizer)
     run_step = ex.step_function(opts, model, optimizer, data)
     losses, window = [], None
@@ -112,6 +121,7 @@ def train(opts: argparse.Namespace) -> dict:
     undo += [watch.remove, run.remove, tracker.stop] if watch is not None else []
     for call in undo:  # what example().train does after its window
         call()
+    destroy_num_microbatches_calculator()
     return result
 
 

@@ -251,3 +251,46 @@ def test_parse_args_and_pre_wrap_hooks_in_the_clone():
         if ref.startswith("core_v0.18"):
             continue  # 0.18 builds the model through the provider
         assert base.returncode == 0 and "pre_wrap_hooks: list[" in base.stdout, ref
+
+
+# docs/megatron.md's version table ------------------------------------------------------------------------
+def _versions_table():
+    text = open(os.path.join(ROOT, "docs", "megatron.md"), encoding="utf-8").read()
+    section = text.split("### Versions", 1)[1].split("\n### ", 1)[0]
+    rows = [line.strip("| ").split(" | ") for line in section.splitlines() if line.startswith("| ")]
+    assert rows[0] == ["Megatron-LM", "applies", "checked", "ran on CPU", "ran on GPU"], rows[0]
+    return rows[1:]
+
+
+def test_versions_table_names_the_patch_of_each_tag():
+    rows = _versions_table()
+    covered = {}
+    for row in rows:
+        for tag in PATCH_AT:
+            short = tag.replace("main-20260822", "main d98e8a64")
+            if row[0].startswith(short) or f", {short}" in row[0]:
+                covered[tag] = row[1]
+    assert set(covered) == set(PATCH_AT), f"tags without a row: {set(PATCH_AT) - set(covered)}"
+    for tag, cell in covered.items():
+        patch = os.path.basename(PATCH_AT[tag]).replace("megatron-lm-core_v", "").replace(".patch", "")
+        assert cell.startswith(f"{patch} patch:"), (tag, cell)
+
+
+def test_every_cell_of_the_versions_table_is_backed_by_a_test_or_a_committed_result():
+    """Each cell names a test that exists (file::function, or ::function / [param] of the file named
+    before it in the row) or a committed path, unless it says no / not yet."""
+    for row in _versions_table():
+        for cell in row[1:]:
+            tests = re.findall(r"`(?:(test_\w+\.py))?::(test_\w+)", cell)
+            paths = re.findall(r"`((?:benchmarks|tools)/[\w./-]+)`", cell)
+            if not tests and not paths and "[" not in cell:
+                assert cell.startswith(("no", "not yet")), f"{row[0]}: unbacked cell {cell!r}"
+                continue
+            current = None
+            for file, name in tests:
+                current = file or current
+                assert current, f"{row[0]}: {name} without a file in {cell!r}"
+                source = open(os.path.join(ROOT, "tests", "integration", current), encoding="utf-8").read()
+                assert re.search(rf"^def {name}\(", source, flags=re.M), f"{row[0]}: no {current}::{name}"
+            for path in paths:
+                assert os.path.exists(os.path.join(ROOT, path.rstrip("/"))), f"{row[0]}: no {path}"

@@ -193,7 +193,7 @@ def test_megatron_core_names_at_every_checked_tag():
 # with the upstream files in ../shared (no clone) -----------------------------------------------------
 APPLIES_AT = {"core_v0.16.0": True, "core_v0.16.1": True, "core_v0.17.0": True, "core_v0.17.1": True,
               "core_v0.18.2": True, "core_v0.19.0": True}
-"""docs/megatron.md's table "Without a clone": the tags in ../shared/megatron-lm/MANIFEST.tsv and whether
+"""docs/megatron.md's "Versions" table, "applies" column for this patch: the tags in ../shared/megatron-lm/MANIFEST.tsv and whether
 the patch applies there (``git apply --check --unidiff-zero``)."""
 FILES_ENV = "XIRANG_MEGATRON_FILES"
 

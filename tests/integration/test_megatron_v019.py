@@ -122,3 +122,20 @@ def test_bucket_sizing_follows_megatron_num_buckets():
     assert sized.bucket_size == 55 and sized is not ddp and ddp.bucket_size is None
     plain = _bucket_sizing(DistributedDataParallelConfig(bucket_size=4000), [chunk])
     assert plain.bucket_size == 4000
+
+
+def test_the_gpu_kit_passes_pretrain_gpt_the_arguments_parsed_here():
+    """tools/gpu_check/run.sh's pretrain_gpt.py arguments are the ones the launch test parses with 0.19's
+    own parser (GPU_KIT_ARGS), so a flag 0.19 dropped fails here, not on the GPU machine."""
+    import re
+    import shlex
+
+    from tests.harness.megatron_v019_gpt import GPU_KIT_ARGS
+
+    script = open(os.path.join(ROOT, "tools", "gpu_check", "run.sh"), encoding="utf-8").read()
+    gpu_branch = script.split("megatron_args=(--steps", 1)[1]
+    match = re.search(r"megatron_args=\((.*?)\)\n", gpu_branch, flags=re.S)
+    assert match, "no GPU megatron_args in run.sh"
+    assert shlex.split(match.group(1).replace("\n", " ")) == GPU_KIT_ARGS
+    prepare = open(os.path.join(ROOT, "tools", "gpu_check", "prepare.sh"), encoding="utf-8").read()
+    assert 'patch="$root/patches/megatron-lm-core_v0.19.0.patch"' in prepare

@@ -33,7 +33,8 @@ def put_sources_first(src: str) -> None:
         raise FileNotFoundError(f"{src} holds no megatron/training/models/gpt.py: unpack megatron-core 0.19's wheel "
                                 "there (pip download --no-deps --only-binary=:all: --python-version 3.12 "
                                 "megatron-core==0.19.2, then unzip)")
-    if "megatron" in sys.modules and not sys.modules["megatron"].__file__.startswith(os.path.abspath(src)):
+    loaded = sys.modules.get("megatron")  # a namespace package: its __path__, not a __file__
+    if loaded is not None and not any(str(p).startswith(os.path.abspath(src)) for p in getattr(loaded, "__path__", [])):
         raise RuntimeError("another megatron is already imported in this process; run this in a fresh one")
     sys.path.insert(0, os.path.abspath(src))
     os.environ["PYTHONPATH"] = os.pathsep.join([os.path.abspath(src), os.environ.get("PYTHONPATH", "")])
@@ -111,7 +112,7 @@ def train(opts: argparse.Namespace) -> dict:
         losses.append(run_step())
     report = window.report(top=5).as_dict()
     window.close()
-    result = {"megatron_core": __version__, "megatron_file": sys.modules["megatron"].__file__,
+    result = {"megatron_core": __version__, "megatron_file": sys.modules["megatron.core"].__file__,
               "rank": torch.distributed.get_rank(), "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
               "losses": losses, "peak_bytes": report["peak_bytes"], "peak_by_category": report["peak_by_category"],
               "plugins": [p.section for p in session.plugins] if session else [],

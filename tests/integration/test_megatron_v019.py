@@ -72,14 +72,16 @@ def test_a_bad_block_stops_megatron_lm_019_argument_parsing(src, tmp_path):
 @pytest.mark.distributed
 def test_gpt_019_at_tp2_plain_and_with_the_block(src, tmp_path):
     """0.19's GPTModelConfig → builder (PreWrapHook) → DDP → optimizer → prepare_optimizer, 3 steps at TP=2
-    on gloo: both ranks agree, the block's plugins run, observation leaves the losses bit-identical and
-    int8 optimizer states lower the step peak."""
+    on gloo with DDP's overlapped reduction: both ranks agree, the block's plugins run, comm_buffers'
+    bucket size reaches 0.19's DDP through cfg_container.ddp (Megatron's default is 40,000,000) and int8
+    optimizer states lower the step peak."""
     runs = {}
+    link = {"collective_latency_us": 1, "collective_bandwidth_gbps": 1}
     for name, block in (("plain", None),
-                        ("block", {"comm_buffers": {"enabled": True}, "monitor": {"enabled": True},
+                        ("block", {"comm_buffers": {"enabled": True, **link}, "monitor": {"enabled": True},
                                    "optimizer_states": {"enabled": True, "schedule": [{"dtype": "int8"}]}})):
-        out = tmp_path / f"{name}.json"
-        argv = ["--steps", "3", "--json", str(out)]
+        out = tmp_path / f"{name}_results.json"
+        argv = ["--steps", "3", "--overlap-grad-reduce", "--json", str(out)]
         if block:
             argv += ["--xirang-config", _block(tmp_path, name, block)]
         done = _harness(src, *argv)
@@ -95,6 +97,7 @@ def test_gpt_019_at_tp2_plain_and_with_the_block(src, tmp_path):
     assert plain["plugins"] == [] and not plain["model_prepared_by_pre_wrap_hook"]
     assert block["plugins"] == ["comm_buffers", "optimizer_states", "monitor"]
     assert block["model_prepared_by_pre_wrap_hook"]
+    assert plain["ddp_bucket_size"] == 40_000_000 and block["ddp_bucket_size"] == 8192  # the rule's size
     assert abs(block["losses"][-1] - plain["losses"][-1]) < 1e-2 * plain["losses"][-1]  # int8 states
     assert block["peak_by_category"]["optimizer_states"] < plain["peak_by_category"]["optimizer_states"]
 

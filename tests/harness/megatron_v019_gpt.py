@@ -116,7 +116,8 @@ def train(opts: argparse.Namespace) -> dict:
               "rank": torch.distributed.get_rank(), "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
               "losses": losses, "peak_bytes": report["peak_bytes"], "peak_by_category": report["peak_by_category"],
               "plugins": [p.section for p in session.plugins] if session else [],
-              "model_prepared_by_pre_wrap_hook": session is not None and getattr(model.module, "xirang", None) is session,
+              "model_prepared_by_pre_wrap_hook": (session is not None
+                                                  and getattr(model.module, "xirang", None) is session),
               "ddp_bucket_size": model.ddp_config.bucket_size, "optimizer": type(optimizer).__name__}
     undo = [session.remove] if session is not None else []
     undo += [watch.remove, run.remove, tracker.stop] if watch is not None else []

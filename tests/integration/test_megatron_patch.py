@@ -8,7 +8,7 @@ one): the patch applies at the pinned commit and at the refs docs/megatron.md sa
 Megatron-LM's ``pretrain`` and ``setup_model_and_optimizer`` there still have what the inserted calls
 use, an anchor that moved makes the check fail (while a pure insertion would have applied), and the
 names in ``xirang_ds.compat.megatron.UPSTREAM_NAMES`` are in the source of every tag from core_v0.12.0 to
-core_v0.19.0.
+core_v0.19.0 and of main at d98e8a64.
 
 With the upstream files in ``../shared/megatron-lm/`` (or ``XIRANG_MEGATRON_FILES``; skipped without
 them; no clone needed, so CI runs it): each file's blob id is the one MANIFEST.tsv gives, and at each
@@ -40,7 +40,8 @@ raises MegatronVersionError there naming patches/megatron-lm-core_v0.19.0.patch,
 (tests/integration/test_megatron_lm_versions.py)."""
 DOES_NOT_APPLY = ("core_v0.15.0", "core_v0.14.0")
 COMPAT_TAGS = ("core_v0.12.0", "core_v0.13.0", "core_v0.14.0", "core_v0.15.0", "core_v0.16.0", "core_v0.16.1",
-               "core_v0.17.0", "core_v0.18.0", "core_v0.19.0")
+               "core_v0.17.0", "core_v0.18.0", "core_v0.19.0",
+               "d98e8a64ddf34856e74b24714e3bedb2f5a39553")  # main, 2026-08-22 (megatron-core 0.20.0 in tree)
 
 
 def _hunks(text):

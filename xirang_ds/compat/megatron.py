@@ -1,7 +1,7 @@
 """Every name xirang reads from megatron-core, in one version-guarded place.
 
 The integration runs on megatron-core 0.16.1 (what installs for Python 3.11 here) and its names were
-read in the source of Megatron-LM's tags ``core_v0.12.0`` to ``core_v0.19.0``. `UPSTREAM_NAMES` lists,
+read in the source of Megatron-LM's tags ``core_v0.12.0`` to ``core_v0.19.0`` and main. `UPSTREAM_NAMES` lists,
 per file, the lines this module relies on; ``tests/integration/test_megatron_patch.py`` reads each tag's source
 (when a Megatron-LM checkout is available) and fails when one of them moves. Line numbers below are at
 ``core_v0.16.1`` (commit 55ac7082517c3878ae653c07c09c534b8aed49f6).
@@ -18,8 +18,10 @@ from xirang_ds.hooks import wrap_method
 
 logger = logging.getLogger("xirang_ds")
 
-CHECKED_RANGE = ((0, 12), (0, 20))
-"""megatron-core versions whose source was read: ``>= 0.12, < 0.20`` (setup.py's extra)."""
+CHECKED_RANGE = ((0, 12), (0, 21))
+"""megatron-core versions whose source was read: ``>= 0.12, < 0.21``; 0.20 is Megatron-LM main at d98e8a64
+(2026-08-22, ``package_info`` 0.20.0, in-tree megatron-core; no 0.20 release was read). setup.py's extra
+stays ``< 0.20``: a pip-installed 0.20 was not read."""
 TESTED_VERSION = "0.16.1"
 """The version the CPU tests run."""
 
@@ -352,8 +354,9 @@ def wrap_range_state_seams(member: Any, read: Callable, write: Callable) -> list
             wrap_method(member, "_set_main_param_and_optimizer_states", write)]
 
 
-__all__ = ["CHECKED_RANGE", "DUMMY_STATE_INIT", "LAUNCHES", "MegatronVersionError", "OFFLOAD_MODULES", "PATCH_FOR_LAUNCH", "RECOMPUTE_MODULES", "REPLICATED_INPUT_CHILDREN",
-           "TESTED_VERSION", "UPSTREAM_NAMES", "agreement_groups", "buffer_tensors", "check_version",
-           "global_memory_buffer_tensors", "grad_buffers", "gradient", "inner_optimizers", "is_megatron_optimizer",
-           "megatron_lm_launch", "megatron_version", "megatron_version_text", "num_microbatches", "optimizer_configs", "parallel_layers", "rng_tracker_states",
+__all__ = ["CHECKED_RANGE", "DUMMY_STATE_INIT", "LAUNCHES", "MegatronVersionError", "OFFLOAD_MODULES",
+           "PATCH_FOR_LAUNCH", "RECOMPUTE_MODULES", "REPLICATED_INPUT_CHILDREN", "TESTED_VERSION", "UPSTREAM_NAMES",
+           "agreement_groups", "buffer_tensors", "check_version", "global_memory_buffer_tensors", "grad_buffers",
+           "gradient", "inner_optimizers", "is_megatron_optimizer", "megatron_lm_launch", "megatron_version",
+           "megatron_version_text", "num_microbatches", "optimizer_configs", "parallel_layers", "rng_tracker_states",
            "set_rng_tracker_states", "transformer_layers", "unwrap", "wrap_range_state_seams"]

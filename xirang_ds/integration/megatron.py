@@ -342,5 +342,5 @@ def wrap_pretrain(pretrain: Callable[..., Any]) -> Callable[..., Any]:
 
 
 __all__ = ["FLAG", "ModelProvider", "add_arguments", "attach", "build_session", "ddp_config_from_args",
-           "extra_args_provider", "megatron_lm_args", "prepare_model", "prepare_optimizer", "session_of", "wrap_model_provider",
-           "wrap_pretrain"]
+           "extra_args_provider", "megatron_lm_args", "prepare_model", "prepare_optimizer", "session_of",
+           "wrap_model_provider", "wrap_pretrain"]

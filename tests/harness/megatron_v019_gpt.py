@@ -1,4 +1,5 @@
-"""megatron-core 0.19's GPT on CPU, built the way Megatron-LM core_v0.19 builds it, with and without the block.
+"""megatron-core 0.19's GPT on CPU, built the way Megatron-LM core_v0.19 builds it, with and without the block
+(and, with ``--launch``, pretrain_gpt.py core_v0.18's or 0.19's main block up to ``pretrain``).
 
 The model comes from ``megatron.training.models.gpt.GPTModelConfig`` and its builder's
 ``build_distributed_models`` (what ``setup_model_and_optimizer`` calls when ``cfg_container.model`` is
@@ -25,14 +26,21 @@ import torch
 
 SOURCE_ENV = "XIRANG_MEGATRON_019_SRC"
 """Folder holding megatron-core 0.19's unpacked sources (a ``megatron/`` package with ``training/``)."""
+SOURCE_018_ENV = "XIRANG_MEGATRON_018_SRC"
+"""The same for megatron-core 0.18 (``--launch`` only: 0.18 builds the model through the provider)."""
 
 
-def put_sources_first(src: str) -> None:
-    """Make ``src``'s ``megatron`` the one imported (ahead of the venv's 0.16.1), here and in spawned ranks."""
-    if not os.path.isfile(os.path.join(src, "megatron", "training", "models", "gpt.py")):
-        raise FileNotFoundError(f"{src} holds no megatron/training/models/gpt.py: unpack megatron-core 0.19's wheel "
-                                "there (pip download --no-deps --only-binary=:all: --python-version 3.12 "
-                                "megatron-core==0.19.2, then unzip)")
+def put_sources_first(src: str, needs: str = "megatron/training/models/gpt.py") -> None:
+    """Make ``src``'s ``megatron`` the one imported (ahead of the venv's 0.16.1), here and in spawned ranks.
+
+    Args:
+        src: an unpacked megatron-core wheel (0.18 and later hold ``megatron/training``).
+        needs: a file the run needs there (0.19's model builders by default; 0.18 has none).
+    """
+    if not os.path.isfile(os.path.join(src, *needs.split("/"))):
+        raise FileNotFoundError(f"{src} holds no {needs}: unpack megatron-core's wheel there (pip download "
+                                "--no-deps --only-binary=:all: --python-version 3.12 megatron-core==0.19.2, "
+                                "then unzip)")
     loaded = sys.modules.get("megatron")  # a namespace package: its __path__, not a __file__
     if loaded is not None and not any(str(p).startswith(os.path.abspath(src)) for p in getattr(loaded, "__path__", [])):
         raise RuntimeError("another megatron is already imported in this process; run this in a fresh one")
@@ -138,27 +146,33 @@ GPU_KIT_ARGS = ("--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --se
 
 
 def launch(xirang_config: Optional[str], argv: tuple[str, ...] = tuple(GPU_KIT_ARGS)) -> dict:
-    """pretrain_gpt.py core_v0.19's ``__main__`` up to ``pretrain``, in this process, on 0.19's real objects.
+    """pretrain_gpt.py's ``__main__`` (core_v0.18 or 0.19, by the sources on the path) up to ``pretrain``,
+    in this process, on the real objects of those sources.
 
     As the patched script does: ``maybe_wrap_for_inprocess_restart(pretrain)``, `wrap_launch`, then
-    ``parse_and_validate_args`` over ``argv`` (the GPU kit's arguments) plus ``--xirang-config``,
-    ``gpt_config_from_args`` and ``pretrain_cfg_container_from_args``; ``pretrain`` itself (CUDA from its
-    first line) is stood in for by a recorder with its signature. Returns what each stage left.
+    ``parse_and_validate_args`` over ``argv`` (the GPU kit's arguments) plus ``--xirang-config``, the
+    config container (``pretrain_cfg_container_from_args``; at 0.19 with ``gpt_config_from_args``'s model
+    config) and the wrapped ``pretrain`` with the script's arguments (0.18 passes a model provider, 0.19
+    none); ``pretrain`` itself (CUDA from its first line) is stood in for by a recorder with its
+    signature. Returns what each stage left.
     """
     import inspect
 
     from tests.harness import megatron_v019_shim
 
     set_aside = megatron_v019_shim.install()
+    from megatron.core.package_info import __version__
     from megatron.training import inprocess_restart, pretrain
-    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
     from xirang_ds.compat.megatron import megatron_lm_launch
+    from xirang_ds.integration.megatron import ModelProvider
     from xirang_ds.integration.megatron_lm import PreWrapHook, wrap_launch
 
     sys.argv = ["pretrain_gpt.py", *argv, *(["--xirang-config", xirang_config] if xirang_config else [])]
     pretrain, _ = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
+    shape = megatron_lm_launch(pretrain)
     seen: dict = {}
 
     def recorder(*args: Any, **kwargs: Any) -> None:
@@ -167,14 +181,24 @@ def launch(xirang_config: Optional[str], argv: tuple[str, ...] = tuple(GPU_KIT_A
     recorder.__signature__ = inspect.signature(pretrain)
     wrapped, parse = wrap_launch(recorder, parse_and_validate_args)
     args = parse(extra_args_provider=None, args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
-    full_config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
-    wrapped(full_config, "datasets_provider", "encoder_or_decoder", "forward_step", store=None,
-            get_embedding_ranks=None)
-    hooks = [h for h in full_config.model.pre_wrap_hooks if isinstance(h, PreWrapHook)]
-    return {"launch": megatron_lm_launch(pretrain), "xirang_config": args.xirang_config,
-            "pre_wrap_hooks": [type(h).__name__ for h in full_config.model.pre_wrap_hooks],
+    if shape == "config_builder":  # pretrain_gpt.py core_v0.19: the model from a config, no provider
+        from megatron.training.argument_utils import gpt_config_from_args
+
+        full_config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+        wrapped(full_config, "datasets_provider", "encoder_or_decoder", "forward_step", store=None,
+                get_embedding_ranks=None)
+    else:  # core_v0.18: the container without a model config, and the script's model provider
+        full_config = pretrain_cfg_container_from_args(args)
+        wrapped(full_config, "datasets_provider", lambda pre_process=True, post_process=True: None,
+                "encoder_or_decoder", "forward_step", store=None, get_embedding_ranks=None)
+    model_cfg = getattr(full_config, "model", None)
+    hooks = [h for h in getattr(model_cfg, "pre_wrap_hooks", None) or [] if isinstance(h, PreWrapHook)]
+    return {"megatron_core": __version__, "launch": shape, "xirang_config": args.xirang_config,
+            "pre_wrap_hooks": [type(h).__name__ for h in getattr(model_cfg, "pre_wrap_hooks", None) or []],
             "hook_sizes_the_container_ddp": bool(hooks) and hooks[0].ddp_config is full_config.ddp,
-            "model_provider_passed": "model_provider" in seen, "set_aside": set_aside}
+            "model_provider_passed": "model_provider" in seen,
+            "model_provider_wrapped": isinstance(seen.get("model_provider"), ModelProvider),
+            "set_aside": set_aside}
 
 
 def run_rank(rank: int, world: int, opts: argparse.Namespace) -> dict:
@@ -223,7 +247,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     from xirang_ds.launch import run_ranks
 
     opts = parse_args(argv)
-    put_sources_first(opts.megatron_src)
+    needs = "megatron/training/arguments.py" if opts.launch else "megatron/training/models/gpt.py"
+    put_sources_first(opts.megatron_src, needs)
     if opts.launch:
         result = launch(opts.xirang_config)
         print(json.dumps(result))

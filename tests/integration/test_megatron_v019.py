@@ -1,7 +1,8 @@
 """megatron-core 0.19 on this CPU (Python 3.11): Megatron-LM core_v0.19's launch and its GPT at TP=2 with the block.
 
 megatron-core 0.17 and newer ship cp312 wheels only; these tests run 0.19's sources from an unpacked
-wheel named by ``XIRANG_MEGATRON_019_SRC`` (skipped without it)::
+wheel named by ``XIRANG_MEGATRON_019_SRC`` (skipped without it; 0.18.2's launch test likewise with
+``XIRANG_MEGATRON_018_SRC``)::
 
     pip download --no-deps --only-binary=:all: --python-version 3.12 megatron-core==0.19.2 -d /tmp/mcore019
     (cd /tmp/mcore019 && mkdir src && cd src && unzip -q ../megatron_core-0.19.2-*.whl)
@@ -20,7 +21,7 @@ import sys
 
 import pytest
 
-from tests.harness.megatron_v019_gpt import SOURCE_ENV
+from tests.harness.megatron_v019_gpt import SOURCE_018_ENV, SOURCE_ENV
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SET_ASIDE = ["typing.override", "triton", "CUDA streams"]
@@ -58,8 +59,23 @@ def test_pretrain_gpt_019_main_block_takes_the_flag_and_hooks_the_model_config(s
     assert result["launch"] == "config_builder"
     assert result["xirang_config"].endswith("b.json")
     assert result["pre_wrap_hooks"] == ["PreWrapHook"] and result["hook_sizes_the_container_ddp"]
-    assert not result["model_provider_passed"]
+    assert not result["model_provider_passed"] and result["megatron_core"].startswith("0.19.")
     assert [s.split(":")[0] for s in result["set_aside"]] == SET_ASIDE
+
+
+def test_pretrain_gpt_018_main_block_takes_the_flag_and_wraps_the_model_provider(tmp_path):
+    """core_v0.18.2's sequence (the container without a model config, the script's model provider) through
+    wrap_launch on megatron-core 0.18.2's own parser and pretrain signature."""
+    src = os.environ.get(SOURCE_018_ENV)
+    if not src:
+        pytest.skip(f"set {SOURCE_018_ENV} to megatron-core 0.18.2's unpacked wheel (as for 0.19.2)")
+    done = _harness(src, "--launch", "--xirang-config", _block(tmp_path, "b", {"preset": "balanced"}))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["megatron_core"].startswith("0.18.") and result["launch"] == "config_and_provider"
+    assert result["xirang_config"].endswith("b.json") and result["pre_wrap_hooks"] == []
+    assert result["model_provider_passed"] and result["model_provider_wrapped"]
+    assert [s.split(":")[0] for s in result["set_aside"]] == ["typing.override", "triton (0.18)", "CUDA streams"]
 
 
 def test_a_bad_block_stops_megatron_lm_019_argument_parsing(src, tmp_path):

@@ -294,3 +294,57 @@ def test_every_cell_of_the_versions_table_is_backed_by_a_test_or_a_committed_res
                 assert re.search(rf"^def {name}\(", source, flags=re.M), f"{row[0]}: no {current}::{name}"
             for path in paths:
                 assert os.path.exists(os.path.join(ROOT, path.rstrip("/"))), f"{row[0]}: no {path}"
+
+
+# refusals of the core_v0.18+ glue -----------------------------------------------------------------------
+def _pretrain_019():
+    return _stub(ast.parse("def pretrain(cfg_container, train_valid_test_dataset_provider, model_type, "
+                           "forward_step_func, model_provider=None, store=None): pass").body[0])
+
+
+def test_wrap_launch_refuses_a_parse_without_extra_args_provider():
+    parse = _stub(ast.parse("def parse_and_validate_args(ignore_unknown_args=False): pass").body[0])
+    with pytest.raises(MegatronVersionError, match=r"parse_and_validate_args\(ignore_unknown_args\) \(megatron-core "
+                                                   r".*\) takes no extra_args_provider"):
+        megatron_lm.wrap_launch(_pretrain_019(), parse)
+
+
+def test_wrapped_pretrain_refuses_what_cannot_reach_the_model():
+    class Args:
+        xirang_config = "ds_config.json"
+
+    pretrain = _pretrain_019()
+    wrapped = megatron_lm.wrap_config_pretrain(pretrain, get_args=lambda: Args)
+
+    class NoModel:
+        model = None
+
+    with pytest.raises(MegatronVersionError, match="neither a model config .* nor a model_provider"):
+        wrapped(NoModel(), "datasets", "encoder_or_decoder", "forward")
+
+    class OldModelConfig:  # a model config without the hook list
+        pass
+
+    class Container:
+        model = OldModelConfig()
+
+    with pytest.raises(MegatronVersionError, match="OldModelConfig, megatron-core .* has no pre_wrap_hooks list"):
+        wrapped(Container(), "datasets", "encoder_or_decoder", "forward")
+    assert pretrain.calls == []  # nothing ran
+    Args.xirang_config = None  # without the flag: pretrain as it was, nothing added
+    wrapped(NoModel(), "datasets", "encoder_or_decoder", "forward")
+    assert len(pretrain.calls) == 1
+
+
+def test_a_provider_at_019_is_wrapped_when_no_model_config_is_given():
+    class Args:
+        xirang_config = "ds_config.json"
+
+    pretrain = _pretrain_019()
+
+    class NoModel:
+        model = None
+
+    megatron_lm.wrap_config_pretrain(pretrain, get_args=lambda: Args)(
+        NoModel(), "datasets", "encoder_or_decoder", "forward", model_provider=lambda: None)
+    assert isinstance(pretrain.calls[0]["model_provider"], xm.ModelProvider)

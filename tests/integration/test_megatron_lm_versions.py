@@ -15,7 +15,7 @@ name; skipped, naming them, without), no clone needed, so CI runs it:
   are bound in ``setup_model_and_optimizer`` before the training.py anchor.
 
 With a Megatron-LM clone (``MEGATRON_LM_DIR``): ``parse_and_validate_args`` and the model config's
-``pre_wrap_hooks`` in the source at core_v0.18.0 to main.
+``pre_wrap_hooks`` in the source at core_v0.18.0 to main, and ``patches/check.sh -p`` per range.
 """
 import ast
 import inspect
@@ -251,6 +251,29 @@ def test_parse_args_and_pre_wrap_hooks_in_the_clone():
         if ref.startswith("core_v0.18"):
             continue  # 0.18 builds the model through the provider
         assert base.returncode == 0 and "pre_wrap_hooks: list[" in base.stdout, ref
+
+
+def test_check_sh_takes_the_patch_for_each_range_in_the_clone():
+    """``patches/check.sh -p``: the core_v0.18+ patch applies at core_v0.18.0 to main and not at
+    core_v0.17.1; without ``-p`` the 0.16.1 patch is checked, as before."""
+    repo = os.environ.get("MEGATRON_LM_DIR")
+    if not repo:
+        pytest.skip("set MEGATRON_LM_DIR to a Megatron-LM clone (work tree or bare) to run patches/check.sh")
+    check = os.path.join(ROOT, "patches", "check.sh")
+    present = [r for r in (*NEW_REFS, "core_v0.17.1") if not subprocess.run(
+        ["git", "-C", repo, "rev-parse", "-q", "--verify", f"{r}^{{commit}}"], capture_output=True).returncode]
+    if "core_v0.17.1" not in present or len(present) < 2:
+        pytest.skip(f"the clone lacks some of {NEW_REFS} and core_v0.17.1")
+    new = subprocess.run(["bash", check, "-p", os.path.basename(NEW), repo, *[r for r in present if r in NEW_REFS]],
+                         capture_output=True, text=True)
+    assert new.returncode == 0 and new.stdout.count(": applies") == len(present) - 1, new.stdout + new.stderr
+    old = subprocess.run(["bash", check, "-p", os.path.basename(NEW), repo, "core_v0.17.1"], capture_output=True,
+                         text=True)
+    assert old.returncode == 1 and "does not apply" in old.stdout, old.stdout
+    default = subprocess.run(["bash", check, repo], capture_output=True, text=True)
+    assert default.returncode == 0 and "55ac7082517c3878ae653c07c09c534b8aed49f6" in default.stdout
+    bad = subprocess.run(["bash", check, "-p", "nope.patch", repo], capture_output=True, text=True)
+    assert bad.returncode == 2 and "megatron-lm-core_v0.19.0.patch" in bad.stderr
 
 
 # docs/megatron.md's version table ------------------------------------------------------------------------

@@ -341,11 +341,24 @@ def test_wrap_pretrain_binds_megatron_lm_arguments():
 
 
 def test_wrap_pretrain_refuses_a_pretrain_without_the_providers():
-    def pretrain(cfg_container, train_valid_test_dataset_provider, model_type, forward_step_func, store=None):
-        pass  # Megatron-LM core_v0.19: arguments parsed before pretrain, no model provider
+    def pretrain(cfg_container, train_valid_test_dataset_provider, model_type, forward_step_func,
+                 model_provider=None, store=None):
+        pass  # Megatron-LM core_v0.19: arguments parsed before pretrain, the model built from a config
 
-    with pytest.raises(TypeError, match="has no model_provider or extra_args_provider parameter"):
+    def unknown(cfg_container, train_valid_test_dataset_provider, model_type, forward_step_func, store=None):
+        pass  # no model provider at all: a shape no tag has
+
+    from xirang_ds.compat.megatron import MegatronVersionError
+
+    with pytest.raises(MegatronVersionError) as e:
         xm.wrap_pretrain(pretrain)
+    assert not isinstance(e.value, TypeError)  # named, not a bare TypeError from deep inside
+    assert ("wrap_pretrain serves Megatron-LM core_v0.16-0.17" in str(e.value)
+            and "megatron-core 0.16.1" in str(e.value) and "is core_v0.19 and main" in str(e.value)
+            and "apply patches/megatron-lm-core_v0.19.0.patch" in str(e.value))
+    with pytest.raises(MegatronVersionError, match=r"pretrain\(cfg_container, .*store\) \(megatron-core 0.16.1\) "
+                                                   r"matches none of the shapes xirang supports: core_v0.16-0.17"):
+        xm.wrap_pretrain(unknown)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ one): the patch applies at the pinned commit and at the refs docs/megatron.md sa
 Megatron-LM's ``pretrain`` and ``setup_model_and_optimizer`` there still have what the inserted calls
 use, an anchor that moved makes the check fail (while a pure insertion would have applied), and the
 names in ``xirang_ds.compat.megatron.UPSTREAM_NAMES`` are in the source of every tag from core_v0.12.0 to
-core_v0.19.0.
+core_v0.19.0 and of main at d98e8a64.
 
 With the upstream files in ``../shared/megatron-lm/`` (or ``XIRANG_MEGATRON_FILES``; skipped without
 them; no clone needed, so CI runs it): each file's blob id is the one MANIFEST.tsv gives, and at each
@@ -35,11 +35,13 @@ PINNED = "55ac7082517c3878ae653c07c09c534b8aed49f6"
 WORKS_ON = ("core_v0.16.0", "core_v0.16.1", "core_v0.17.0", "core_v0.17.1")
 """Megatron-LM tags where the patch applies and the inserted calls find what they use."""
 APPLIES_BUT_REFUSED = ("core_v0.18.0", "core_v0.19.0")
-"""Tags where the lines still match but pretrain() no longer takes the providers: wrap_pretrain
-raises its TypeError there (tests/integration/test_megatron_config.py)."""
+"""Tags where this patch's lines still match but pretrain() no longer takes the providers: wrap_pretrain
+raises MegatronVersionError there naming patches/megatron-lm-core_v0.19.0.patch, the one for those tags
+(tests/integration/test_megatron_lm_versions.py)."""
 DOES_NOT_APPLY = ("core_v0.15.0", "core_v0.14.0")
 COMPAT_TAGS = ("core_v0.12.0", "core_v0.13.0", "core_v0.14.0", "core_v0.15.0", "core_v0.16.0", "core_v0.16.1",
-               "core_v0.17.0", "core_v0.18.0", "core_v0.19.0")
+               "core_v0.17.0", "core_v0.18.0", "core_v0.19.0",
+               "d98e8a64ddf34856e74b24714e3bedb2f5a39553")  # main, 2026-08-22 (megatron-core 0.20.0 in tree)
 
 
 def _hunks(text):
@@ -192,7 +194,7 @@ def test_megatron_core_names_at_every_checked_tag():
 # with the upstream files in ../shared (no clone) -----------------------------------------------------
 APPLIES_AT = {"core_v0.16.0": True, "core_v0.16.1": True, "core_v0.17.0": True, "core_v0.17.1": True,
               "core_v0.18.2": True, "core_v0.19.0": True}
-"""docs/megatron.md's table "Without a clone": the tags in ../shared/megatron-lm/MANIFEST.tsv and whether
+"""docs/megatron.md's "Versions" table, "applies" column for this patch: the tags in ../shared/megatron-lm/MANIFEST.tsv and whether
 the patch applies there (``git apply --check --unidiff-zero``)."""
 FILES_ENV = "XIRANG_MEGATRON_FILES"
 
@@ -295,7 +297,7 @@ def test_patch_applies_at_each_shared_tag_as_documented(tag):
 
 @pytest.mark.parametrize("tag", sorted(APPLIES_AT))
 def test_pretrain_takes_the_providers_only_where_documented(tag):
-    """WORKS_ON: the inserted calls find what they use; elsewhere wrap_pretrain refuses (its TypeError)."""
+    """WORKS_ON: the inserted calls find what they use; elsewhere wrap_pretrain refuses (MegatronVersionError)."""
     folder = _megatron_files()
     source = open(os.path.join(folder, tag, "megatron", "training", "training.py"), encoding="utf-8").read()
     pretrain = next(f for f in ast.walk(ast.parse(source)) if isinstance(f, ast.FunctionDef) and f.name == "pretrain")

@@ -9,10 +9,12 @@
 #                           wheel, pydantic (+ its core, cp312 manylinux), hjson and the rest, each
 #                           at the version constraints.txt pins; no torch (the machine's own is used);
 #                           torchao and bitsandbytes (CUDA 13 libraries only) for the optimizer step
-#   .gpu/megatron-lm.tar.gz Megatron-LM at the commit the patch is pinned to (pretrain_gpt.py, its
-#                           builders and the megatron/ package), with patches/ applied, when a clone
-#                           is given (a work tree or a bare repository); without one the Megatron-LM
-#                           step of run.sh is skipped and says so
+#   .gpu/megatron-lm.tar.gz Megatron-LM core_v0.19.0 (pretrain_gpt.py, its builders and its own megatron/
+#                           package, megatron-core 0.19's sources: run.sh puts them first on the path,
+#                           ahead of the 0.16.1 wheel the other steps use) with
+#                           patches/megatron-lm-core_v0.19.0.patch applied, when a clone is given (a
+#                           work tree or a bare repository); without one the Megatron-LM step of run.sh
+#                           is skipped and says so
 #   .gpu/data/              tinyshakespeare.txt from ../shared/data, for converge.sh, where present
 #   .gpu/MANIFEST.txt       what was prepared, with sha256 sums (run.sh --dry-run checks them)
 # Then, on the GPU machine: tools/gpu_check/run.sh (carry .gpu); rehearse it first here with
@@ -68,13 +70,13 @@ else
     echo "prepare.sh: torchao/bitsandbytes not downloaded; the GPU check's optimizer step leaves them out"
 fi
 
-# 5. Megatron-LM at the pinned commit, patched.
-patch="$root/patches/megatron-lm-core_v0.16.1.patch"
+# 5. Megatron-LM at the commit the core_v0.18+ patch is pinned to (core_v0.19.0), patched.
+patch="$root/patches/megatron-lm-core_v0.19.0.patch"
 commit="$(sed -n 's/^Pinned: .*commit \([0-9a-f]\{40\}\).*/\1/p' "$patch")"
 if [ $# -ge 1 ]; then
     repo="$1"
     git -C "$repo" rev-parse --verify -q "$commit^{commit}" >/dev/null \
-        || { echo "prepare.sh: $repo has no commit $commit (fetch tag core_v0.16.1)" >&2; exit 1; }
+        || { echo "prepare.sh: $repo has no commit $commit (fetch tag core_v0.19.0)" >&2; exit 1; }
     tmp="$(mktemp -d)"
     trap 'rm -rf "$tmp"' EXIT
     mkdir "$tmp/megatron-lm"

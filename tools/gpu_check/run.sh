@@ -8,8 +8,9 @@
 #                   under a fraction of plain's peak (45 s each), one process per side
 #   optimizer 45 s  the optimizer step alone: torch's fused AdamW, DynamicAdamW's formats eager and fused,
 #                   torchao and bitsandbytes, on the tensors of the Megatron model below (134M parameters)
-#   megatron  80 s  Megatron-LM's pretrain_gpt.py, patched, 10 iterations on --mock-data, plain then with
-#                   the block (40 s each)
+#   megatron  80 s  Megatron-LM core_v0.19.0's pretrain_gpt.py (megatron-core 0.19 from its own tree),
+#                   patched with patches/megatron-lm-core_v0.19.0.patch, 10 iterations on --mock-data, plain
+#                   then with the block (40 s each)
 #   pytest    75 s  pytest -m gpu, one process, from a copy of tests/ outside the checkout
 # Results are kept as they come (JSON Lines, appended and synced as each side, round or test ends)
 # in RESULTS_DIR (default: $OUT where the device tool sets it, else benchmarks/results/gpu/<date>):
@@ -71,7 +72,7 @@ GPU check plan ($mode; deadline ${deadline_s} s, step limits 420 s in all; resul
   imports   15 s  versions and every plugin, imported from $site -> results.jsonl
   bench    185 s  tools/gpu_check/bench_side.py --model $model: plain (50 s), ${presets[*]} (45 s each), a process each -> results.jsonl
   optimizer 45 s  benchmarks/optimizer_states_compare.py --counts (torch fused AdamW, DynamicAdamW, torchao, bitsandbytes) -> results.jsonl
-  megatron  80 s  pretrain_gpt.py (patched, .gpu/megatron-lm.tar.gz) plain, then --xirang-config tools/gpu_check/megatron_xirang.json (40 s each) -> megatron_{plain,xirang}.log
+  megatron  80 s  pretrain_gpt.py core_v0.19.0 (patched, .gpu/megatron-lm.tar.gz) plain, then --xirang-config tools/gpu_check/megatron_xirang.json (40 s each) -> megatron_{plain,xirang}.log
   pytest    75 s  $py -m pytest -m gpu $gpu_tests -> results.jsonl, pytest.log
 EOF
 }
@@ -184,8 +185,9 @@ elif [ -f "$gpu/megatron-lm.tar.gz" ]; then
     mkdir -p "$work/megatron-lm" && tar -xzf "$gpu/megatron-lm.tar.gz" -C "$work"
     meg="$work/megatron-lm"
     # Megatron-LM runs `make` in megatron/core/datasets at start (its C++ index helpers): use the
-    # megatron-core wheel's prebuilt library, newer than helpers.cpp so make has nothing to do, and a
-    # python3-config that names its suffix where the image has none (make would build another name).
+    # megatron-core wheel's prebuilt library (helpers.cpp and the Makefile are the same blobs at
+    # core_v0.16.1 and core_v0.19.0: 1f58761, 16f251b), newer than helpers.cpp so make has nothing to
+    # do, and a python3-config that names its suffix where the image has none (make would build another name).
     datasets="$meg/megatron/core/datasets"
     cp "$site"/megatron/core/datasets/helpers_cpp*.so "$datasets"/ 2>/dev/null && touch "$datasets"/helpers_cpp*.so
     if ! command -v python3-config >/dev/null; then

@@ -1,7 +1,7 @@
 """Every name xirang reads from megatron-core, in one version-guarded place.
 
 The integration runs on megatron-core 0.16.1 (what installs for Python 3.11 here) and its names were
-read in the source of Megatron-LM's tags ``core_v0.12.0`` to ``core_v0.19.0``. `UPSTREAM_NAMES` lists,
+read in the source of Megatron-LM's tags ``core_v0.12.0`` to ``core_v0.19.0`` and main. `UPSTREAM_NAMES` lists,
 per file, the lines this module relies on; ``tests/integration/test_megatron_patch.py`` reads each tag's source
 (when a Megatron-LM checkout is available) and fails when one of them moves. Line numbers below are at
 ``core_v0.16.1`` (commit 55ac7082517c3878ae653c07c09c534b8aed49f6).
@@ -18,8 +18,10 @@ from xirang_ds.hooks import wrap_method
 
 logger = logging.getLogger("xirang_ds")
 
-CHECKED_RANGE = ((0, 12), (0, 20))
-"""megatron-core versions whose source was read: ``>= 0.12, < 0.20`` (setup.py's extra)."""
+CHECKED_RANGE = ((0, 12), (0, 21))
+"""megatron-core versions whose source was read: ``>= 0.12, < 0.21``; 0.20 is Megatron-LM main at d98e8a64
+(2026-08-22, ``package_info`` 0.20.0, in-tree megatron-core; no 0.20 release was read). setup.py's extra
+stays ``< 0.20``: a pip-installed 0.20 was not read."""
 TESTED_VERSION = "0.16.1"
 """The version the CPU tests run."""
 
@@ -103,6 +105,73 @@ OFFLOAD_MODULES: dict[str, tuple[str, ...]] = {
 transformer_config.py L894) → submodules of a ``TransformerLayer``."""
 
 _warned = False
+
+# Megatron-LM's launch (pretrain_gpt.py -> megatron.training.pretrain), per version range --------------
+LAUNCHES: dict[str, str] = {
+    "providers": "core_v0.16-0.17: pretrain(train_valid_test_dataset_provider, model_provider, model_type, "
+                 "forward_step_func, ..., extra_args_provider=...) parses the arguments itself",
+    "config_and_provider": "core_v0.18: pretrain(cfg_container, train_valid_test_dataset_provider, model_provider, "
+                           "model_type, ...); pretrain_gpt.py parses the arguments first with "
+                           "parse_and_validate_args(extra_args_provider=...)",
+    "config_builder": "core_v0.19 and main: pretrain(cfg_container, train_valid_test_dataset_provider, model_type, "
+                      "forward_step_func, model_provider=None, ...); the model is built from cfg_container.model "
+                      "(its pre_wrap_hooks run before DDP wraps it)",
+}
+"""The shapes of Megatron-LM's ``pretrain`` xirang knows, by the version range that has each (read in
+training.py at core_v0.16.0, 0.16.1, 0.17.0, 0.17.1, 0.18.2, 0.19.0 and main d98e8a64,
+tests/integration/test_megatron_patch.py)."""
+PATCH_FOR_LAUNCH: dict[str, str] = {
+    "providers": "patches/megatron-lm-core_v0.16.1.patch",
+    "config_and_provider": "patches/megatron-lm-core_v0.19.0.patch",
+    "config_builder": "patches/megatron-lm-core_v0.19.0.patch",
+}
+"""The patch that fits each launch shape."""
+
+
+class MegatronVersionError(RuntimeError):
+    """This Megatron-LM is not one xirang's launch glue supports, or the glue used does not fit it.
+
+    The message names the megatron-core version found, the versions supported and the fix.
+    """
+
+
+def megatron_version_text() -> str:
+    """``megatron.core.package_info.__version__``, or a phrase saying it could not be read."""
+    try:
+        from megatron.core.package_info import __version__
+    except ImportError as e:
+        return f"unknown (megatron.core.package_info does not import: {e})"
+    return str(__version__)
+
+
+def megatron_lm_launch(pretrain: Callable[..., Any]) -> str:
+    """Which shape of Megatron-LM's ``pretrain`` this is: a key of `LAUNCHES`.
+
+    Read from the parameters of ``pretrain`` (``inspect.signature`` follows the ``functools.wraps``
+    wrappers, Megatron-LM's in-process restart included), so it holds for a checkout between tags too.
+
+    Raises:
+        MegatronVersionError: the parameters match none of `LAUNCHES` (named with the version found).
+    """
+    import inspect
+
+    try:
+        params = inspect.signature(pretrain).parameters
+    except (TypeError, ValueError) as e:
+        raise MegatronVersionError(f"cannot read the parameters of {pretrain!r} ({e}); xirang's Megatron-LM glue "
+                                   "wraps megatron.training.pretrain") from None
+    names = list(params)
+    if {"model_provider", "extra_args_provider"} <= set(names):
+        return "providers"
+    if names[:1] == ["cfg_container"] and "model_provider" in params:
+        if params["model_provider"].default is inspect.Parameter.empty:
+            return "config_and_provider"
+        return "config_builder"
+    raise MegatronVersionError(
+        f"Megatron-LM's pretrain({', '.join(names)}) (megatron-core {megatron_version_text()}) matches none of the "
+        "shapes xirang supports: " + "; ".join(LAUNCHES.values()) + ". Use Megatron-LM core_v0.16.0 to core_v0.19.x "
+        "or main as of 2026-08-22 with the patch for it (docs/megatron.md), or call build_session, prepare_model "
+        "and attach from xirang_ds.integration.megatron in your own loop")
 
 
 def megatron_version() -> tuple[int, ...]:
@@ -285,8 +354,9 @@ def wrap_range_state_seams(member: Any, read: Callable, write: Callable) -> list
             wrap_method(member, "_set_main_param_and_optimizer_states", write)]
 
 
-__all__ = ["CHECKED_RANGE", "DUMMY_STATE_INIT", "OFFLOAD_MODULES", "RECOMPUTE_MODULES", "REPLICATED_INPUT_CHILDREN",
-           "TESTED_VERSION", "UPSTREAM_NAMES", "agreement_groups", "buffer_tensors", "check_version",
-           "global_memory_buffer_tensors", "grad_buffers", "gradient", "inner_optimizers", "is_megatron_optimizer",
-           "megatron_version", "num_microbatches", "optimizer_configs", "parallel_layers", "rng_tracker_states",
+__all__ = ["CHECKED_RANGE", "DUMMY_STATE_INIT", "LAUNCHES", "MegatronVersionError", "OFFLOAD_MODULES",
+           "PATCH_FOR_LAUNCH", "RECOMPUTE_MODULES", "REPLICATED_INPUT_CHILDREN", "TESTED_VERSION", "UPSTREAM_NAMES",
+           "agreement_groups", "buffer_tensors", "check_version", "global_memory_buffer_tensors", "grad_buffers",
+           "gradient", "inner_optimizers", "is_megatron_optimizer", "megatron_lm_launch", "megatron_version",
+           "megatron_version_text", "num_microbatches", "optimizer_configs", "parallel_layers", "rng_tracker_states",
            "set_rng_tracker_states", "transformer_layers", "unwrap", "wrap_range_state_seams"]

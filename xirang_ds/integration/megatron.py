@@ -13,8 +13,9 @@ Megatron builds a run in three moments, and the integration has one call for eac
    (``prepare_optimizer``), then every plugin attaches to a `MegatronRun` (the chunks, the optimizer,
    the step count) the way it attaches to a DeepSpeed engine.
 
-Megatron-LM's ``pretrain_gpt.py`` reaches 1 and 2 through `wrap_pretrain` and 3 through
-`prepare_optimizer` (the two calls ``patches/`` inserts). A megatron-core loop calls `build_session`,
+Megatron-LM's ``pretrain_gpt.py`` reaches 1 and 2 through `wrap_pretrain` (core_v0.16-0.17) or
+``megatron_lm.wrap_launch`` (core_v0.18, 0.19 and main), and 3 through `prepare_optimizer` (the calls
+``patches/`` inserts). A megatron-core loop calls `build_session`,
 `prepare_model` and `attach` itself (``examples/megatron_gpt.py``).
 
 megatron is imported inside the functions only: ``import xirang_ds`` stays light.
@@ -35,7 +36,17 @@ import logging
 import os
 from typing import Any, Callable, Optional, Sequence, Union
 
-from xirang_ds.compat.megatron import check_version, is_megatron_optimizer, num_microbatches, unwrap
+from xirang_ds.compat.megatron import (
+    LAUNCHES,
+    PATCH_FOR_LAUNCH,
+    MegatronVersionError,
+    check_version,
+    is_megatron_optimizer,
+    megatron_lm_launch,
+    megatron_version_text,
+    num_microbatches,
+    unwrap,
+)
 from xirang_ds.config.loader import BLOCK_KEY, DsConfig, read_ds_config
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import CallbackHandle
@@ -204,7 +215,8 @@ def attach(session: Session, model: Union[Any, Sequence[Any]], optimizer: Any, *
 
 
 # Megatron-LM glue (the calls patches/ inserts) ---------------------------------------------------
-def _megatron_lm_args() -> argparse.Namespace:
+def megatron_lm_args() -> argparse.Namespace:
+    """Megatron-LM's parsed arguments (``megatron.training.get_args``)."""
     from megatron.training import get_args
 
     return get_args()
@@ -242,7 +254,7 @@ class ModelProvider:
     def __init__(self, provider: Callable[..., Any], get_args: Optional[ArgsGetter] = None):
         functools.update_wrapper(self, provider)
         self.provider = provider
-        self.get_args = get_args or _megatron_lm_args
+        self.get_args = get_args or megatron_lm_args
         self.session: Optional[Session] = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -290,7 +302,7 @@ def prepare_optimizer(optimizer: Any, model: Sequence[Any], get_args: Optional[A
     session = session_of(model)
     if session is None or optimizer is None:
         return optimizer
-    margs = (get_args or _megatron_lm_args)()
+    margs = (get_args or megatron_lm_args)()
 
     problems = check_args(session.config, margs)
     if problems:
@@ -302,18 +314,22 @@ def prepare_optimizer(optimizer: Any, model: Sequence[Any], get_args: Optional[A
 
 def wrap_pretrain(pretrain: Callable[..., Any]) -> Callable[..., Any]:
     """Megatron-LM's ``pretrain`` with ``--xirang-config`` added to its arguments and its model
-    provider wrapped (`ModelProvider`); the patch's one line in ``pretrain_gpt.py``.
+    provider wrapped (`ModelProvider`); the call ``patches/megatron-lm-core_v0.16.1.patch`` inserts in
+    ``pretrain_gpt.py`` (Megatron-LM core_v0.16 and 0.17, whose ``pretrain`` parses the arguments).
 
     Raises:
-        TypeError: this ``pretrain`` takes no ``model_provider`` / ``extra_args_provider``
-            (Megatron-LM core_v0.18 and later parse arguments before ``pretrain``).
+        MegatronVersionError: this ``pretrain`` has another shape (core_v0.18 and later parse the
+            arguments before ``pretrain``: ``megatron_lm.wrap_launch`` and its patch serve those); the
+            message names the version found, the supported ones and the patch to apply.
     """
+    launch = megatron_lm_launch(pretrain)
+    if launch != "providers":
+        raise MegatronVersionError(
+            f"wrap_pretrain serves Megatron-LM core_v0.16-0.17 ({LAUNCHES['providers']}); this Megatron-LM "
+            f"(megatron-core {megatron_version_text()}) is {LAUNCHES[launch]}. Fix: undo "
+            f"patches/megatron-lm-core_v0.16.1.patch (git checkout pretrain_gpt.py megatron/training/training.py) "
+            f"and apply {PATCH_FOR_LAUNCH[launch]}, which calls xirang_ds.integration.megatron_lm.wrap_launch")
     signature = inspect.signature(pretrain)  # follows __wrapped__ through functools.wraps wrappers
-    missing = [name for name in ("model_provider", "extra_args_provider") if name not in signature.parameters]
-    if missing:
-        raise TypeError(f"this Megatron-LM's pretrain() has no {' or '.join(missing)} parameter (Megatron-LM "
-                        "core_v0.18 and later parse arguments before pretrain); patches/ holds the patch for "
-                        "core_v0.16.1 and lists the versions it was checked on (docs/megatron.md)")
 
     @functools.wraps(pretrain)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -326,5 +342,5 @@ def wrap_pretrain(pretrain: Callable[..., Any]) -> Callable[..., Any]:
 
 
 __all__ = ["FLAG", "ModelProvider", "add_arguments", "attach", "build_session", "ddp_config_from_args",
-           "extra_args_provider", "prepare_model", "prepare_optimizer", "session_of", "wrap_model_provider",
-           "wrap_pretrain"]
+           "extra_args_provider", "megatron_lm_args", "prepare_model", "prepare_optimizer", "session_of",
+           "wrap_model_provider", "wrap_pretrain"]

@@ -21,12 +21,14 @@ built-in order is documented in docs/config.md:
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Optional, Protocol, runtime_checkable
 
-from xirang_ds.config.schema import SECTION_NAMES, Section, XirangConfig
+from xirang_ds.config import schema
+from xirang_ds.config.schema import AutotuneConfig, Section
 from xirang_ds.version import __version__
 
 
@@ -255,32 +257,35 @@ class Plugin:
 class _Registry:
     by_type: dict[type, type[Plugin]] = field(default_factory=dict)
     by_section: dict[str, type] = field(default_factory=dict)
+    summaries: dict[str, str] = field(default_factory=dict)
+    builtin: tuple[str, ...] = ()
     builtin_loaded: bool = False
     entry_points_loaded: bool = False
+    block: Optional[type] = None
 
 
 _REGISTRY = _Registry()
 
-BUILTIN_PLUGIN_MODULES = (
-    "xirang_ds.plugins.activations",
-    "xirang_ds.plugins.comm_buffers",
-    "xirang_ds.plugins.grad_release",
-    "xirang_ds.plugins.memory_pool",
-    "xirang_ds.plugins.monitor",
-    "xirang_ds.plugins.optimizer_states.plugin",
-    "xirang_ds.plugins.precision",
-    "xirang_ds.plugins.profiler",
-)
-"""Modules of the built-in plugins; importing one registers its plugin (no deepspeed import)."""
+PLUGINS_PACKAGE = "xirang_ds.plugins"
+"""The package of the built-in plugins (the repository's ``plugins/``): its ``BUILTIN`` maps each built-in
+section to the module whose import registers its plugin, in the order the block documents them; the
+registry imports those and names no plugin itself."""
+
+CORE_SECTIONS: dict[str, tuple[type, str]] = {"autotune": (AutotuneConfig, "Auto-tuner.")}
+"""Sections of the block that no plugin handles (the tuner is a command, `xirang_ds.tune`): key → (its
+dataclass, one line on it); they follow the plugins' sections."""
 
 
-def register_plugin(config_type: type, section: str, order: int = 50) -> Callable[[type], type]:
+def register_plugin(config_type: type, section: str, order: int = 50,
+                    summary: str = "") -> Callable[[type], type]:
     """Class decorator: register a `Plugin` subclass as the handler of ``config_type``.
 
     Args:
         config_type: the section dataclass (a `Section` subclass) that selects this plugin.
         section: the key of the section in the ``"xirang"`` block.
         order: position among plugins at every seam (see the module docstring).
+        summary: one line on the section, the docstring of its key in the block (default: the first line of
+            ``config_type``'s docstring).
 
     Raises:
         ValueError: another plugin already handles this config type or section.
@@ -300,16 +305,53 @@ def register_plugin(config_type: type, section: str, order: int = 50) -> Callabl
         cls.section, cls.config_type, cls.order = section, config_type, order
         _REGISTRY.by_type[config_type] = cls
         _REGISTRY.by_section[section] = config_type
+        _REGISTRY.summaries[section] = summary or (config_type.__doc__ or "").strip().split("\n")[0]
         return cls
 
     return wrap
 
 
-def _load_builtins() -> None:
+def load_builtins() -> None:
+    """Import the built-in plugins once (each registers itself and what it contributes)."""
     if not _REGISTRY.builtin_loaded:
         _REGISTRY.builtin_loaded = True
-        for name in BUILTIN_PLUGIN_MODULES:
+        modules = importlib.import_module(PLUGINS_PACKAGE).BUILTIN
+        _REGISTRY.builtin = tuple(modules)
+        for name in modules.values():
             importlib.import_module(name)
+
+
+def section_names() -> tuple[str, ...]:
+    """The block's own section keys (the built-in plugins', then `CORE_SECTIONS`) in the order the block
+    documents them; third-party sections are `extension_sections`."""
+    load_builtins()
+    return (*_REGISTRY.builtin, *CORE_SECTIONS)
+
+
+def block_type() -> type:
+    """The concrete type of a validated block: `xirang_ds.config.schema.XirangConfig` with one field per
+    section of `section_names` (a frozen dataclass, built once), each defaulting to its section's defaults.
+
+    Its ``__field_docs__`` holds each section key's one line (`register_plugin`'s ``summary``), for the
+    config reference.
+    """
+    if _REGISTRY.block is None:
+        load_builtins()
+        sections = {name: (_REGISTRY.by_section[name], _REGISTRY.summaries[name]) for name in _REGISTRY.builtin}
+        sections.update(CORE_SECTIONS)
+        cls = dataclasses.make_dataclass(
+            "XirangConfig", [(name, kind, field(default_factory=kind)) for name, (kind, _) in sections.items()],
+            bases=(schema.XirangConfig,), frozen=True, namespace={"__doc__": schema.XirangConfig.__doc__})
+        cls.__module__ = __name__  # pickled by reference: this module's ``XirangConfig`` (`__getattr__`)
+        cls.__field_docs__ = {name: doc for name, (_, doc) in sections.items()}
+        _REGISTRY.block = cls
+    return _REGISTRY.block
+
+
+def __getattr__(name: str) -> Any:
+    if name == "XirangConfig":  # the concrete block type, where pickle looks for it
+        return block_type()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _load_entry_points() -> None:
@@ -327,33 +369,42 @@ def _load_entry_points() -> None:
 
 def plugin_for(config: Section) -> Optional[type[Plugin]]:
     """The plugin class registered for ``type(config)``, or ``None`` if none is built."""
-    _load_builtins()
+    load_builtins()
     _load_entry_points()
     return _REGISTRY.by_type.get(type(config))
 
 
 def plugin_class(section: str) -> Optional[type[Plugin]]:
     """The plugin class that handles the section named ``section``, or ``None`` if none is built."""
-    _load_builtins()
+    load_builtins()
     config_type = _REGISTRY.by_section.get(section)
     return _REGISTRY.by_type.get(config_type) if config_type is not None else None
 
 
+def plugin_classes() -> list[type[Plugin]]:
+    """Every registered plugin class (built-in, then third-party), for the planners that ask a role of the
+    class before any plugin is built."""
+    load_builtins()
+    _load_entry_points()
+    return [_REGISTRY.by_type[kind] for kind in _REGISTRY.by_section.values()]
+
+
 def built_sections() -> set[str]:
     """Names of the sections whose plugin is built (built-in or registered)."""
-    _load_builtins()
+    load_builtins()
     return {name for name in _REGISTRY.by_section if plugin_class(name) is not None}
 
 
 def extension_sections() -> dict[str, type]:
     """Sections contributed by third-party plugins: key → config dataclass."""
-    _load_builtins()
+    load_builtins()
     _load_entry_points()
 
-    return {k: v for k, v in _REGISTRY.by_section.items() if k not in SECTION_NAMES}
+    builtin = set(section_names())
+    return {k: v for k, v in _REGISTRY.by_section.items() if k not in builtin}
 
 
-def check_available(config: XirangConfig) -> list[tuple[str, str]]:
+def check_available(config: schema.XirangConfig) -> list[tuple[str, str]]:
     """Problems for enabled sections whose plugin is not built in this version."""
     problems = []
     for name, section in config.enabled_sections().items():
@@ -369,7 +420,7 @@ def check_available(config: XirangConfig) -> list[tuple[str, str]]:
     return problems
 
 
-def check_framework(config: XirangConfig, framework: str) -> list[tuple[str, str]]:
+def check_framework(config: schema.XirangConfig, framework: str) -> list[tuple[str, str]]:
     """Problems for enabled sections whose plugin cannot run under ``framework`` (dotted paths)."""
     problems = []
     for name, section in config.enabled_sections().items():
@@ -380,7 +431,7 @@ def check_framework(config: XirangConfig, framework: str) -> list[tuple[str, str
     return problems
 
 
-def plugins_for(config: XirangConfig) -> list[tuple[type[Plugin], Section]]:
+def plugins_for(config: schema.XirangConfig) -> list[tuple[type[Plugin], Section]]:
     """Enabled sections with their plugin classes, in application order."""
     pairs = [(plugin_for(s), s) for s in config.enabled_sections().values()]
     return sorted(((cls, s) for cls, s in pairs if cls is not None), key=lambda p: p[0].order)

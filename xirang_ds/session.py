@@ -40,11 +40,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from xirang_ds.memory.engine_roles import TrainingWatch
     from xirang_ds.memory.tracker import MemoryTracker
     from xirang_ds.memory.usage import MemoryReport
-    from xirang_ds.plugins.activations import ActivationsPlugin
-    from xirang_ds.plugins.activations.storage import StorageProvider
-    from xirang_ds.plugins.grad_release.plugin import GradReleasePlugin
-    from xirang_ds.plugins.memory_pool import MemoryPoolPlugin
-    from xirang_ds.plugins.optimizer_states.plugin import OptimizerStatesPlugin
+    from xirang_ds.memory.lending import StorageProvider
 
 logger = logging.getLogger("xirang_ds")
 R = TypeVar("R")
@@ -122,22 +118,22 @@ class Session:
         return next((p for p in self.plugins if fact in p.provides), None)
 
     @property
-    def stepper(self) -> Optional["GradReleasePlugin"]:
+    def stepper(self) -> Optional[Plugin]:
         """The plugin that applies the optimizer update during backward (grad_release), or ``None``."""
         return self._provider(UPDATE_IN_BACKWARD)
 
     @property
-    def state_quantizer(self) -> Optional["OptimizerStatesPlugin"]:
+    def state_quantizer(self) -> Optional[Plugin]:
         """The plugin that keeps the optimizer states in its own formats (optimizer_states), or ``None``."""
         return self._provider(LOW_BIT_STATES)
 
     @property
-    def pool_owner(self) -> Optional["MemoryPoolPlugin"]:
+    def pool_owner(self) -> Optional[Plugin]:
         """The plugin whose pool the others allocate from (memory_pool; its ``add_client``), or ``None``."""
         return self._provider(SHARED_POOL)
 
     @property
-    def activation_planner(self) -> Optional["ActivationsPlugin"]:
+    def activation_planner(self) -> Optional[Plugin]:
         """The plugin that plans the saved activations (activations), or ``None``."""
         return self._provider(ACTIVATION_PLAN)
 

@@ -31,7 +31,6 @@ from typing import Any, Optional
 
 import torch
 
-from xirang_ds.config.schema import ActivationsConfig
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
@@ -45,6 +44,7 @@ from xirang_ds.plugins.activations.compiled import (
     compiled_units,
     fixed_problems,
 )
+from xirang_ds.plugins.activations.config import ActivationsConfig
 from xirang_ds.plugins.activations.head_loss import CHUNK
 from xirang_ds.plugins.activations.planner import Choice, estimate_peak, plan_table
 from xirang_ds.plugins.activations.pricing import (
@@ -70,7 +70,7 @@ HOOKED_OPTIONS = ("compress", "quantize", "sparsify", "offload", "recompute_offl
 """Options that pack saved tensors inside the module (a kept descendant must shield itself)."""
 
 
-@register_plugin(ActivationsConfig, section="activations", order=30)
+@register_plugin(ActivationsConfig, section="activations", order=30, summary="Activation memory planner.")
 class ActivationsPlugin(Plugin):
     """Chooses and applies an option per module (see the module docstring).
 

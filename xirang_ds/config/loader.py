@@ -12,7 +12,7 @@ from typing import Any, Mapping, Optional, Union
 
 from xirang_ds import registry
 from xirang_ds.config.presets import PRESETS, expand_preset
-from xirang_ds.config.schema import SECTION_NAMES, XirangConfig
+from xirang_ds.config.schema import XirangConfig
 from xirang_ds.config.validate import XirangConfigError, convert_section, describe_value, suggest
 
 BLOCK_KEY = "xirang"
@@ -143,7 +143,7 @@ def validate_block(block: Any) -> XirangConfig:
     resolved = resolve_block(block, problems)
     extensions = registry.extension_sections()
     builtin = {k: v for k, v in resolved.items() if k not in extensions}
-    config = convert_section(builtin, XirangConfig, BLOCK_KEY, problems)
+    config = convert_section(builtin, registry.block_type(), BLOCK_KEY, problems)
     # third-party sections come from entry points; validate them with their own type
     ext_values = {}
     for name, cls in extensions.items():
@@ -204,4 +204,4 @@ def to_dict(config: XirangConfig) -> dict:
     return out
 
 
-__all__ = ["BLOCK_KEY", "SECTION_NAMES", "load_config", "read_ds_config", "validate_block", "to_dict"]
+__all__ = ["BLOCK_KEY", "load_config", "read_ds_config", "validate_block", "to_dict"]

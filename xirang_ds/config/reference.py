@@ -17,7 +17,7 @@ import textwrap
 import typing
 from functools import lru_cache
 
-from xirang_ds.config import schema
+from xirang_ds import registry
 from xirang_ds.config.presets import PRESETS
 from xirang_ds.config.validate import type_name
 
@@ -31,6 +31,9 @@ def field_docs(cls: type) -> dict[str, str]:
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):
+            continue
+        if "__field_docs__" in vars(klass):  # built, not written (`xirang_ds.registry.block_type`)
+            docs.update(klass.__field_docs__)
             continue
         tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
         body = tree.body[0].body
@@ -109,16 +112,17 @@ def _presets_table() -> list[str]:
 def render() -> str:
     """The reference as markdown: the top-level keys, then one table per section."""
     lines = [BEGIN, "", "Top-level keys of the `\"xirang\"` block:", ""]
-    top = schema.XirangConfig
+    top = registry.block_type()
+    sections = registry.section_names()
     hints = typing.get_type_hints(top, include_extras=True)
     docs = field_docs(top)
     lines += ["| key | type | default | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(top):
-        if f.init and f.name not in schema.SECTION_NAMES:
+        if f.init and f.name not in sections:
             lines.append(f"| `{f.name}` | {type_name(hints[f.name]).replace('|', chr(92) + '|')} | "
                          f"`{_default(f)}` | {docs.get(f.name, '')} |")
     lines += _presets_table()
-    for name in schema.SECTION_NAMES:
+    for name in sections:
         cls = typing.get_type_hints(top)[name]
         lines += ["", f"#### `{name}`", "", (cls.__doc__ or "").strip(), ""]
         lines += _table(cls, "")

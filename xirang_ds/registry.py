@@ -389,6 +389,12 @@ def plugin_classes() -> list[type[Plugin]]:
     return [_REGISTRY.by_type[kind] for kind in _REGISTRY.by_section.values()]
 
 
+def provider_section(fact: str) -> Optional[str]:
+    """The section of the registered plugin that provides ``fact`` (one of `FACTS`), or ``None``: how the core
+    names, in a message, the section a missing capability would come from."""
+    return next((cls.section for cls in plugin_classes() if fact in cls.provides), None)
+
+
 def built_sections() -> set[str]:
     """Names of the sections whose plugin is built (built-in or registered)."""
     load_builtins()

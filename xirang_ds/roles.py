@@ -153,7 +153,7 @@ class DropsGradients(Protocol):
     def drop_gradients(self) -> None:
         """Forget every gradient this plugin holds for the step in progress, partial ones of an
         interrupted backward included: an out-of-memory retry (``monitor.on_oom``) runs the step's
-        micro-batches again from the first (`xirang_ds.oom`)."""
+        micro-batches again from the first (`xirang_ds.plugins.monitor.oom`)."""
 
 
 @runtime_checkable

@@ -32,6 +32,7 @@ from xirang_ds.registry import (
     Plugin,
     check_framework,
     plugins_for,
+    provider_section,
 )
 from xirang_ds.roles import Checkpoints, EditsDdpConfig, EditsDsConfig, LendsStorage, ReportsFigures
 
@@ -98,7 +99,7 @@ class Session:
         self.events: list[dict] = []
         self.memory_roles: list[Callable[[], Iterable[tuple[str, Any]]]] = []
         self.oom_guard: Any = None
-        """The monitor's `xirang_ds.oom.OomGuard` with ``on_oom = "halve_micro_batch"``: a plugin that
+        """The monitor's `xirang_ds.plugins.monitor.oom.OomGuard` with ``on_oom = "halve_micro_batch"``: a plugin that
         applies an update inside backward calls its ``confirm_update()`` first."""
         self.calibration: Optional["Calibration"] = None
         """This run's peak prediction, calibrated on its first steady measured step (with the monitor,
@@ -216,8 +217,9 @@ class Session:
         """
         watch = self._provider(MEMORY_WATCH)
         if watch is None:
-            raise XirangConfigError([("xirang.monitor.enabled", "memory() reads the monitor's measurements; this "
-                                      "block has no monitor. Fix: set \"monitor\": {\"enabled\": true} (every "
+            name = provider_section(MEMORY_WATCH)
+            raise XirangConfigError([(f"xirang.{name}.enabled", f"memory() reads the {name}'s measurements; this "
+                                      f"block has no {name}. Fix: set \"{name}\": {{\"enabled\": true}} (every "
                                       "preset has it)")])
         return watch.peak()
 

@@ -18,4 +18,4 @@ BUILTIN = {
     "profiler": "xirang_ds.plugins.profiler",
 }
 """Section → the module whose import registers its plugin, in the order the block documents the sections
-(docs/config.md's reference, `xirang_ds.registry.section_names`)."""
+(docs/config.md's reference, `xirang_ds.config.sections.section_names`)."""

@@ -4,14 +4,14 @@ and who holds the optimizer state in a checkpoint.
 A plugin's module registers its entries at import, for its own section (`register_fit`,
 `register_checkpoint`); the core asks here (`hand_overs`, `take_over`, `state_files`, `state_codes`) and
 names no plugin. The built-in plugins are loaded first
-(`xirang_ds.registry.load_builtins`), so an entry is there before anyone asks.
+(`xirang_ds.config.sections.load_builtins`), so an entry is there before anyone asks.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from xirang_ds.registry import load_builtins
+from xirang_ds.config.sections import load_builtins
 
 
 @dataclass(frozen=True)

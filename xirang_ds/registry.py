@@ -21,20 +21,16 @@ built-in order is documented in docs/config.md:
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Optional, Protocol, runtime_checkable
 
-from xirang_ds.config import schema
-from xirang_ds.config.schema import AutotuneConfig, Section
-from xirang_ds.version import __version__
+from xirang_ds.config import schema, sections
+from xirang_ds.config.schema import Section
 
 
 logger = logging.getLogger("xirang_ds")
-
-ENTRY_POINT_GROUP = "xirang_ds.plugins"
 
 # what a plugin offers the others (`Plugin.provides`); the session's typed accessors find the plugin by these
 UPDATE_IN_BACKWARD = "update_in_backward"
@@ -256,24 +252,9 @@ class Plugin:
 @dataclass
 class _Registry:
     by_type: dict[type, type[Plugin]] = field(default_factory=dict)
-    by_section: dict[str, type] = field(default_factory=dict)
-    summaries: dict[str, str] = field(default_factory=dict)
-    builtin: tuple[str, ...] = ()
-    builtin_loaded: bool = False
-    entry_points_loaded: bool = False
-    block: Optional[type] = None
 
 
 _REGISTRY = _Registry()
-
-PLUGINS_PACKAGE = "xirang_ds.plugins"
-"""The package of the built-in plugins (the repository's ``plugins/``): its ``BUILTIN`` maps each built-in
-section to the module whose import registers its plugin, in the order the block documents them; the
-registry imports those and names no plugin itself."""
-
-CORE_SECTIONS: dict[str, tuple[type, str]] = {"autotune": (AutotuneConfig, "Auto-tuner.")}
-"""Sections of the block that no plugin handles (the tuner is a command, `xirang_ds.tune`): key → (its
-dataclass, one line on it); they follow the plugins' sections."""
 
 
 def register_plugin(config_type: type, section: str, order: int = 50,
@@ -299,94 +280,37 @@ def register_plugin(config_type: type, section: str, order: int = 50,
     def wrap(cls: type) -> type:
         if not (isinstance(cls, type) and issubclass(cls, Plugin)):
             raise TypeError(f"@register_plugin expects a Plugin subclass; got {cls!r}")
-        known = _REGISTRY.by_section.get(section)
+        known = sections.section_type(section)
         if known is not None and known is not config_type:
             raise ValueError(f"section {section!r} is already handled by {_REGISTRY.by_type[known].__name__}")
         cls.section, cls.config_type, cls.order = section, config_type, order
         _REGISTRY.by_type[config_type] = cls
-        _REGISTRY.by_section[section] = config_type
-        _REGISTRY.summaries[section] = summary or (config_type.__doc__ or "").strip().split("\n")[0]
+        sections.register_section(section, config_type, summary)
         return cls
 
     return wrap
 
 
-def load_builtins() -> None:
-    """Import the built-in plugins once (each registers itself and what it contributes)."""
-    if not _REGISTRY.builtin_loaded:
-        _REGISTRY.builtin_loaded = True
-        modules = importlib.import_module(PLUGINS_PACKAGE).BUILTIN
-        _REGISTRY.builtin = tuple(modules)
-        for name in modules.values():
-            importlib.import_module(name)
-
-
-def section_names() -> tuple[str, ...]:
-    """The block's own section keys (the built-in plugins', then `CORE_SECTIONS`) in the order the block
-    documents them; third-party sections are `extension_sections`."""
-    load_builtins()
-    return (*_REGISTRY.builtin, *CORE_SECTIONS)
-
-
-def block_type() -> type:
-    """The concrete type of a validated block: `xirang_ds.config.schema.XirangConfig` with one field per
-    section of `section_names` (a frozen dataclass, built once), each defaulting to its section's defaults.
-
-    Its ``__field_docs__`` holds each section key's one line (`register_plugin`'s ``summary``), for the
-    config reference.
-    """
-    if _REGISTRY.block is None:
-        load_builtins()
-        sections = {name: (_REGISTRY.by_section[name], _REGISTRY.summaries[name]) for name in _REGISTRY.builtin}
-        sections.update(CORE_SECTIONS)
-        cls = dataclasses.make_dataclass(
-            "XirangConfig", [(name, kind, field(default_factory=kind)) for name, (kind, _) in sections.items()],
-            bases=(schema.XirangConfig,), frozen=True, namespace={"__doc__": schema.XirangConfig.__doc__})
-        cls.__module__ = __name__  # pickled by reference: this module's ``XirangConfig`` (`__getattr__`)
-        cls.__field_docs__ = {name: doc for name, (_, doc) in sections.items()}
-        _REGISTRY.block = cls
-    return _REGISTRY.block
-
-
-def __getattr__(name: str) -> Any:
-    if name == "XirangConfig":  # the concrete block type, where pickle looks for it
-        return block_type()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _load_entry_points() -> None:
-    if _REGISTRY.entry_points_loaded:
-        return
-    _REGISTRY.entry_points_loaded = True
-    from importlib.metadata import entry_points
-
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            ep.load()  # the module registers its plugin on import, or the object is the class
-        except Exception as e:  # a broken third-party plugin must not stop training setups
-            logger.warning("xirang_ds: could not load plugin entry point %s (%s): %s", ep.name, ep.value, e)
-
-
 def plugin_for(config: Section) -> Optional[type[Plugin]]:
     """The plugin class registered for ``type(config)``, or ``None`` if none is built."""
-    load_builtins()
-    _load_entry_points()
+    sections.load_builtins()
+    sections.load_entry_points()
     return _REGISTRY.by_type.get(type(config))
 
 
 def plugin_class(section: str) -> Optional[type[Plugin]]:
     """The plugin class that handles the section named ``section``, or ``None`` if none is built."""
-    load_builtins()
-    config_type = _REGISTRY.by_section.get(section)
+    sections.load_builtins()
+    config_type = sections.section_type(section)
     return _REGISTRY.by_type.get(config_type) if config_type is not None else None
 
 
 def plugin_classes() -> list[type[Plugin]]:
     """Every registered plugin class (built-in, then third-party), for the planners that ask a role of the
     class before any plugin is built."""
-    load_builtins()
-    _load_entry_points()
-    return [_REGISTRY.by_type[kind] for kind in _REGISTRY.by_section.values()]
+    sections.load_builtins()
+    sections.load_entry_points()
+    return [_REGISTRY.by_type[kind] for kind in sections.registered().values() if kind in _REGISTRY.by_type]
 
 
 def provider_section(fact: str) -> Optional[str]:
@@ -397,33 +321,8 @@ def provider_section(fact: str) -> Optional[str]:
 
 def built_sections() -> set[str]:
     """Names of the sections whose plugin is built (built-in or registered)."""
-    load_builtins()
-    return {name for name in _REGISTRY.by_section if plugin_class(name) is not None}
-
-
-def extension_sections() -> dict[str, type]:
-    """Sections contributed by third-party plugins: key → config dataclass."""
-    load_builtins()
-    _load_entry_points()
-
-    builtin = set(section_names())
-    return {k: v for k, v in _REGISTRY.by_section.items() if k not in builtin}
-
-
-def check_available(config: schema.XirangConfig) -> list[tuple[str, str]]:
-    """Problems for enabled sections whose plugin is not built in this version."""
-    problems = []
-    for name, section in config.enabled_sections().items():
-        if name == "autotune":
-            problems.append(("xirang.autotune.enabled",
-                             "the search runs before training, as a command: `xirang-ds tune --model ... --ds-config "
-                             f"<this file> --budget 40GB` writes the winning ds_config to {section.output!r} "
-                             "(xirang.autotune.output); train with that file. Set enabled to false here"))
-        elif plugin_for(section) is None:
-            problems.append((f"xirang.{name}.enabled",
-                             f"the {name} plugin is not built yet in xirang_ds {__version__}; "
-                             f"set it to false or remove the {name!r} section"))
-    return problems
+    sections.load_builtins()
+    return {name for name in sections.registered() if plugin_class(name) is not None}
 
 
 def check_framework(config: schema.XirangConfig, framework: str) -> list[tuple[str, str]]:
@@ -445,6 +344,6 @@ def plugins_for(config: schema.XirangConfig) -> list[tuple[type[Plugin], Section
 
 def unregister(section: str) -> None:
     """Forget a registered plugin (for tests of third-party registration)."""
-    config_type = _REGISTRY.by_section.pop(section, None)
+    config_type = sections.forget_section(section)
     if config_type is not None:
         _REGISTRY.by_type.pop(config_type, None)

@@ -72,7 +72,7 @@ def test_every_field_has_a_docstring():
     import dataclasses
     import typing
 
-    from xirang_ds import registry
+    from xirang_ds.config.sections import block_type
 
     seen = set()
 
@@ -89,4 +89,4 @@ def test_every_field_has_a_docstring():
                 if dataclasses.is_dataclass(arg):
                     visit(arg)
 
-    visit(registry.block_type())
+    visit(block_type())

@@ -2,8 +2,8 @@
 
 Each plugin keeps its section beside it (``plugins/<section>/config.py``, one frozen dataclass with a
 docstring under every field) and registers it with the plugin (`xirang_ds.registry.register_plugin`); the
-registry builds the block's concrete type from `XirangConfig` and the registered sections
-(`xirang_ds.registry.block_type`), in the order the block documents them. docs/config.md's config reference
+block's concrete type is built from `XirangConfig` and the registered sections
+(`xirang_ds.config.sections.block_type`), in the order the block documents them. docs/config.md's config reference
 is generated from the docstrings (`xirang_ds.config.reference`). Sections are off by default: a block that
 only says ``{"preset": "balanced"}`` turns on what the preset lists.
 
@@ -48,7 +48,7 @@ PresetName = Literal["conservative", "balanced", "aggressive"]
 @dataclass(frozen=True)
 class XirangConfig:
     """The whole ``"xirang"`` block of a ds_config: the top-level keys here, and one field per section in
-    the type the registry builds from this one (`xirang_ds.registry.block_type`), which `load_config`
+    the type built from this one and the registered sections (`xirang_ds.config.sections.block_type`), which `load_config`
     returns."""
 
     preset: Optional[PresetName] = None

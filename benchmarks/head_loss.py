@@ -43,7 +43,7 @@ def without_chunk(preset: str) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     from xirang_ds.bench import run_side
-    from xirang_ds.config.schema import ActivationsConfig
+    from xirang_ds.plugins.activations.config import ActivationsConfig
 
     base = deep_merge(BASE, TUNED)
     base["train_micro_batch_size_per_gpu"] = args.micro

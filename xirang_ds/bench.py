@@ -22,7 +22,7 @@ from typing import Optional
 
 import xirang_ds
 from xirang_ds.config.types import format_bytes
-from xirang_ds.memory.categories import CATEGORIES, OPTIMIZER_STATES
+from xirang_ds.memory.categories import ACTIVATIONS, CATEGORIES, HOST, OPTIMIZER_STATES
 from xirang_ds.memory.device_peak import device_peak
 from xirang_ds.step_counts import count_step
 
@@ -309,8 +309,8 @@ def run_bench(model_text: str, ds_config: dict, steps: int = 20, world_size: int
         "data": data_path or "stdlib docstrings",
         "baseline": base.as_dict(), "xirang": ours.as_dict(),
         "peak_ratio": ours.peak_bytes / base.peak_bytes,
-        "activations_peak_ratio": (ours.category_peaks["activations"] / base.category_peaks["activations"]
-                                   if base.category_peaks.get("activations") else None),
+        "activations_peak_ratio": (ours.category_peaks[ACTIVATIONS] / base.category_peaks[ACTIVATIONS]
+                                   if base.category_peaks.get(ACTIVATIONS) else None),
         "step_time_ratio": ours.step_time_median_s / base.step_time_median_s,
         "loss_delta": ours.final_loss - base.final_loss,
     }
@@ -324,7 +324,7 @@ def format_result(result: dict) -> str:
         a, b = base["peak_by_category"].get(c, 0), ours["peak_by_category"].get(c, 0)
         if a or b:
             rows.append((c, format_bytes(a), format_bytes(b), f"{b / a:.2f}" if a else "-"))
-    for c in ("activations", "host"):
+    for c in (ACTIVATIONS, HOST):
         a, b = base.get("category_peaks", {}).get(c, 0), ours.get("category_peaks", {}).get(c, 0)
         if a or b:
             rows.append((f"{c} peak (own moment)", format_bytes(a), format_bytes(b), f"{b / a:.2f}" if a else "-"))

@@ -26,13 +26,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Optional, Protocol, runtime_checkable
 
-from xirang_ds.config.schema import SECTION_NAMES, Section, XirangConfig
-from xirang_ds.version import __version__
+from xirang_ds.config import schema, sections
+from xirang_ds.config.schema import Section
 
 
 logger = logging.getLogger("xirang_ds")
-
-ENTRY_POINT_GROUP = "xirang_ds.plugins"
 
 # what a plugin offers the others (`Plugin.provides`); the session's typed accessors find the plugin by these
 UPDATE_IN_BACKWARD = "update_in_backward"
@@ -254,33 +252,21 @@ class Plugin:
 @dataclass
 class _Registry:
     by_type: dict[type, type[Plugin]] = field(default_factory=dict)
-    by_section: dict[str, type] = field(default_factory=dict)
-    builtin_loaded: bool = False
-    entry_points_loaded: bool = False
 
 
 _REGISTRY = _Registry()
 
-BUILTIN_PLUGIN_MODULES = (
-    "xirang_ds.plugins.activations",
-    "xirang_ds.plugins.comm_buffers",
-    "xirang_ds.plugins.grad_release",
-    "xirang_ds.plugins.memory_pool",
-    "xirang_ds.plugins.monitor",
-    "xirang_ds.plugins.optimizer_states.plugin",
-    "xirang_ds.plugins.precision",
-    "xirang_ds.plugins.profiler",
-)
-"""Modules of the built-in plugins; importing one registers its plugin (no deepspeed import)."""
 
-
-def register_plugin(config_type: type, section: str, order: int = 50) -> Callable[[type], type]:
+def register_plugin(config_type: type, section: str, order: int = 50,
+                    summary: str = "") -> Callable[[type], type]:
     """Class decorator: register a `Plugin` subclass as the handler of ``config_type``.
 
     Args:
         config_type: the section dataclass (a `Section` subclass) that selects this plugin.
         section: the key of the section in the ``"xirang"`` block.
         order: position among plugins at every seam (see the module docstring).
+        summary: one line on the section, the docstring of its key in the block (default: the first line of
+            ``config_type``'s docstring).
 
     Raises:
         ValueError: another plugin already handles this config type or section.
@@ -294,82 +280,52 @@ def register_plugin(config_type: type, section: str, order: int = 50) -> Callabl
     def wrap(cls: type) -> type:
         if not (isinstance(cls, type) and issubclass(cls, Plugin)):
             raise TypeError(f"@register_plugin expects a Plugin subclass; got {cls!r}")
-        known = _REGISTRY.by_section.get(section)
+        known = sections.section_type(section)
         if known is not None and known is not config_type:
             raise ValueError(f"section {section!r} is already handled by {_REGISTRY.by_type[known].__name__}")
         cls.section, cls.config_type, cls.order = section, config_type, order
         _REGISTRY.by_type[config_type] = cls
-        _REGISTRY.by_section[section] = config_type
+        sections.register_section(section, config_type, summary)
         return cls
 
     return wrap
 
 
-def _load_builtins() -> None:
-    if not _REGISTRY.builtin_loaded:
-        _REGISTRY.builtin_loaded = True
-        for name in BUILTIN_PLUGIN_MODULES:
-            importlib.import_module(name)
-
-
-def _load_entry_points() -> None:
-    if _REGISTRY.entry_points_loaded:
-        return
-    _REGISTRY.entry_points_loaded = True
-    from importlib.metadata import entry_points
-
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            ep.load()  # the module registers its plugin on import, or the object is the class
-        except Exception as e:  # a broken third-party plugin must not stop training setups
-            logger.warning("xirang_ds: could not load plugin entry point %s (%s): %s", ep.name, ep.value, e)
-
-
 def plugin_for(config: Section) -> Optional[type[Plugin]]:
     """The plugin class registered for ``type(config)``, or ``None`` if none is built."""
-    _load_builtins()
-    _load_entry_points()
+    sections.load_builtins()
+    sections.load_entry_points()
     return _REGISTRY.by_type.get(type(config))
 
 
 def plugin_class(section: str) -> Optional[type[Plugin]]:
     """The plugin class that handles the section named ``section``, or ``None`` if none is built."""
-    _load_builtins()
-    config_type = _REGISTRY.by_section.get(section)
+    sections.load_builtins()
+    config_type = sections.section_type(section)
     return _REGISTRY.by_type.get(config_type) if config_type is not None else None
+
+
+def plugin_classes() -> list[type[Plugin]]:
+    """Every registered plugin class (built-in, then third-party), for the planners that ask a role of the
+    class before any plugin is built."""
+    sections.load_builtins()
+    sections.load_entry_points()
+    return [_REGISTRY.by_type[kind] for kind in sections.registered().values() if kind in _REGISTRY.by_type]
+
+
+def provider_section(fact: str) -> Optional[str]:
+    """The section of the registered plugin that provides ``fact`` (one of `FACTS`), or ``None``: how the core
+    names, in a message, the section a missing capability would come from."""
+    return next((cls.section for cls in plugin_classes() if fact in cls.provides), None)
 
 
 def built_sections() -> set[str]:
     """Names of the sections whose plugin is built (built-in or registered)."""
-    _load_builtins()
-    return {name for name in _REGISTRY.by_section if plugin_class(name) is not None}
+    sections.load_builtins()
+    return {name for name in sections.registered() if plugin_class(name) is not None}
 
 
-def extension_sections() -> dict[str, type]:
-    """Sections contributed by third-party plugins: key → config dataclass."""
-    _load_builtins()
-    _load_entry_points()
-
-    return {k: v for k, v in _REGISTRY.by_section.items() if k not in SECTION_NAMES}
-
-
-def check_available(config: XirangConfig) -> list[tuple[str, str]]:
-    """Problems for enabled sections whose plugin is not built in this version."""
-    problems = []
-    for name, section in config.enabled_sections().items():
-        if name == "autotune":
-            problems.append(("xirang.autotune.enabled",
-                             "the search runs before training, as a command: `xirang-ds tune --model ... --ds-config "
-                             f"<this file> --budget 40GB` writes the winning ds_config to {section.output!r} "
-                             "(xirang.autotune.output); train with that file. Set enabled to false here"))
-        elif plugin_for(section) is None:
-            problems.append((f"xirang.{name}.enabled",
-                             f"the {name} plugin is not built yet in xirang_ds {__version__}; "
-                             f"set it to false or remove the {name!r} section"))
-    return problems
-
-
-def check_framework(config: XirangConfig, framework: str) -> list[tuple[str, str]]:
+def check_framework(config: schema.XirangConfig, framework: str) -> list[tuple[str, str]]:
     """Problems for enabled sections whose plugin cannot run under ``framework`` (dotted paths)."""
     problems = []
     for name, section in config.enabled_sections().items():
@@ -380,7 +336,7 @@ def check_framework(config: XirangConfig, framework: str) -> list[tuple[str, str
     return problems
 
 
-def plugins_for(config: XirangConfig) -> list[tuple[type[Plugin], Section]]:
+def plugins_for(config: schema.XirangConfig) -> list[tuple[type[Plugin], Section]]:
     """Enabled sections with their plugin classes, in application order."""
     pairs = [(plugin_for(s), s) for s in config.enabled_sections().values()]
     return sorted(((cls, s) for cls, s in pairs if cls is not None), key=lambda p: p[0].order)
@@ -388,6 +344,6 @@ def plugins_for(config: XirangConfig) -> list[tuple[type[Plugin], Section]]:
 
 def unregister(section: str) -> None:
     """Forget a registered plugin (for tests of third-party registration)."""
-    config_type = _REGISTRY.by_section.pop(section, None)
+    config_type = sections.forget_section(section)
     if config_type is not None:
         _REGISTRY.by_type.pop(config_type, None)

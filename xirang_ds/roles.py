@@ -70,6 +70,17 @@ class FitsDsConfig(Protocol):
 
 
 @runtime_checkable
+class RemarksOnAuto(Protocol):
+    """It says what ``"preset": "auto"``'s line mentions of a candidate's estimate (grad_release: its optimizer
+    states taken to host memory). A classmethod: `xirang_ds.planning.auto` asks the plugin class."""
+
+    @classmethod
+    def auto_remark(cls, notes: list) -> Optional[str]:
+        """What the line adds after the estimate's figure (``", with ..."``), read from the estimate's
+        ``notes``; ``None`` when it has nothing to add."""
+
+
+@runtime_checkable
 class Estimates(Protocol):
     """It models its effect on the estimator's prediction (`xirang_ds.planning.estimator`). A plugin
     without the role leaves the phases as they are when it is ``memory_neutral`` (it only observes), and
@@ -143,7 +154,7 @@ class DropsGradients(Protocol):
     def drop_gradients(self) -> None:
         """Forget every gradient this plugin holds for the step in progress, partial ones of an
         interrupted backward included: an out-of-memory retry (``monitor.on_oom``) runs the step's
-        micro-batches again from the first (`xirang_ds.oom`)."""
+        micro-batches again from the first (`xirang_ds.plugins.monitor.oom`)."""
 
 
 @runtime_checkable
@@ -165,6 +176,6 @@ class ReportsFigures(Protocol):
         """What the plugin measured in this run, as plain data; ``{}`` when there is nothing to report."""
 
 
-ROLES = (EditsDsConfig, EditsDdpConfig, FitsDsConfig, Estimates, ReshapesRun, ChangesTrace, Checkpoints,
+ROLES = (EditsDsConfig, EditsDdpConfig, FitsDsConfig, RemarksOnAuto, Estimates, ReshapesRun, ChangesTrace, Checkpoints,
          LendsStorage, DropsGradients, SettlesLate, ReportsFigures)
 """Every role, for the structure test (each has a built-in plugin that plays it)."""

@@ -32,6 +32,7 @@ from xirang_ds.registry import (
     Plugin,
     check_framework,
     plugins_for,
+    provider_section,
 )
 from xirang_ds.roles import Checkpoints, EditsDdpConfig, EditsDsConfig, LendsStorage, ReportsFigures
 
@@ -40,11 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from xirang_ds.memory.engine_roles import TrainingWatch
     from xirang_ds.memory.tracker import MemoryTracker
     from xirang_ds.memory.usage import MemoryReport
-    from xirang_ds.plugins.activations import ActivationsPlugin
-    from xirang_ds.plugins.activations.storage import StorageProvider
-    from xirang_ds.plugins.grad_release.plugin import GradReleasePlugin
-    from xirang_ds.plugins.memory_pool import MemoryPoolPlugin
-    from xirang_ds.plugins.optimizer_states.plugin import OptimizerStatesPlugin
+    from xirang_ds.memory.lending import StorageProvider
 
 logger = logging.getLogger("xirang_ds")
 R = TypeVar("R")
@@ -107,7 +104,7 @@ class Session:
         self.events: list[dict] = []
         self.memory_roles: list[Callable[[], Iterable[tuple[str, Any]]]] = []
         self.oom_guard: Any = None
-        """The monitor's `xirang_ds.oom.OomGuard` with ``on_oom = "halve_micro_batch"``: a plugin that
+        """The monitor's `xirang_ds.plugins.monitor.oom.OomGuard` with ``on_oom = "halve_micro_batch"``: a plugin that
         applies an update inside backward calls its ``confirm_update()`` first."""
         self.calibration: Optional["Calibration"] = None
         """This run's peak prediction, calibrated on its first steady measured step (with the monitor,
@@ -127,22 +124,22 @@ class Session:
         return next((p for p in self.plugins if fact in p.provides), None)
 
     @property
-    def stepper(self) -> Optional["GradReleasePlugin"]:
+    def stepper(self) -> Optional[Plugin]:
         """The plugin that applies the optimizer update during backward (grad_release), or ``None``."""
         return self._provider(UPDATE_IN_BACKWARD)
 
     @property
-    def state_quantizer(self) -> Optional["OptimizerStatesPlugin"]:
+    def state_quantizer(self) -> Optional[Plugin]:
         """The plugin that keeps the optimizer states in its own formats (optimizer_states), or ``None``."""
         return self._provider(LOW_BIT_STATES)
 
     @property
-    def pool_owner(self) -> Optional["MemoryPoolPlugin"]:
+    def pool_owner(self) -> Optional[Plugin]:
         """The plugin whose pool the others allocate from (memory_pool; its ``add_client``), or ``None``."""
         return self._provider(SHARED_POOL)
 
     @property
-    def activation_planner(self) -> Optional["ActivationsPlugin"]:
+    def activation_planner(self) -> Optional[Plugin]:
         """The plugin that plans the saved activations (activations), or ``None``."""
         return self._provider(ACTIVATION_PLAN)
 
@@ -225,8 +222,9 @@ class Session:
         """
         watch = self._provider(MEMORY_WATCH)
         if watch is None:
-            raise XirangConfigError([("xirang.monitor.enabled", "memory() reads the monitor's measurements; this "
-                                      "block has no monitor. Fix: set \"monitor\": {\"enabled\": true} (every "
+            name = provider_section(MEMORY_WATCH)
+            raise XirangConfigError([(f"xirang.{name}.enabled", f"memory() reads the {name}'s measurements; this "
+                                      f"block has no {name}. Fix: set \"{name}\": {{\"enabled\": true}} (every "
                                       "preset has it)")])
         return watch.peak()
 

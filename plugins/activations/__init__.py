@@ -30,7 +30,6 @@ from typing import Any, Optional
 
 import torch
 
-from xirang_ds.config.schema import ActivationsConfig
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
@@ -44,6 +43,7 @@ from xirang_ds.plugins.activations.compiled import (
     compiled_units,
     fixed_problems,
 )
+from xirang_ds.plugins.activations.config import ActivationsConfig
 from xirang_ds.plugins.activations.head_loss import CHUNK
 from xirang_ds.plugins.activations.passes import Passes
 from xirang_ds.plugins.activations.planner import Choice, plan_table
@@ -62,7 +62,7 @@ HOOKED_OPTIONS = ("compress", "quantize", "sparsify", "offload", "recompute_offl
 """Options that pack saved tensors inside the module (a kept descendant must shield itself)."""
 
 
-@register_plugin(ActivationsConfig, section="activations", order=30)
+@register_plugin(ActivationsConfig, section="activations", order=30, summary="Activation memory planner.")
 class ActivationsPlugin(Passes, Plugin):
     """Chooses and applies an option per module (see the module docstring).
 

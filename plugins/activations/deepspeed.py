@@ -7,9 +7,9 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from xirang_ds.compat.torch import uncompiled
-from xirang_ds.config.schema import ActivationsConfig
 from xirang_ds.plugins.activations import head_loss
 from xirang_ds.plugins.activations.compiled import compiled_region
+from xirang_ds.plugins.activations.config import ActivationsConfig
 from xirang_ds.plugins.activations.gathered import GatheredRefs
 from xirang_ds.plugins.activations.selection import token_wise_names
 from xirang_ds.registry import FrameworkPath

@@ -44,8 +44,8 @@ from typing import Optional
 
 import numpy as np
 
-from xirang_ds.config.schema import LOSSY_ACTIVATION_OPTIONS
 from xirang_ds.config.types import format_bytes
+from xirang_ds.plugins.activations.config import LOSSY_ACTIVATION_OPTIONS
 from xirang_ds.plugins.activations.profile import ModuleProfile
 from xirang_ds.plugins.activations.tiled import tile_count
 

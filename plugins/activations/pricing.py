@@ -7,12 +7,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from xirang_ds.config.schema import ActivationsConfig
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.memory.device_peak import device_peak
 from xirang_ds.memory.engine_roles import model_state_bytes
 from xirang_ds.memory.tracker import MemoryTracker
+from xirang_ds.plugins.activations.config import ActivationsConfig
 from xirang_ds.plugins.activations.planner import BudgetError, Choice, Node, least_budget, option_costs, plan
 from xirang_ds.plugins.activations.profile import ROOT, ModuleProfile
 

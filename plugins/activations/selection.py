@@ -14,7 +14,8 @@ from typing import Callable, Iterable, Optional, Union
 
 import torch.nn as nn
 
-from xirang_ds.config.schema import ACTIVATION_OPTIONS, LOSSY_ACTIVATION_OPTIONS, ActivationsConfig, glob_matches
+from xirang_ds.config.schema import glob_matches
+from xirang_ds.plugins.activations.config import ACTIVATION_OPTIONS, LOSSY_ACTIVATION_OPTIONS, ActivationsConfig
 
 logger = logging.getLogger("xirang_ds")
 

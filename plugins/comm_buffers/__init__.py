@@ -36,12 +36,12 @@ both. Megatron's DDP keeps all gradients in one persistent buffer whose buckets 
 sets how reductions overlap backward, not memory: the arena and adapting do not apply there.
 
 **Arena** (``arena``, ZeRO 1/2). The reduction buckets come from one allocation made at ``attach``
-and reused every backward (`xirang_ds.memory.arena`), instead of DeepSpeed's ``torch.empty`` per
+and reused every backward (`xirang_ds.plugins.comm_buffers.arena`), instead of DeepSpeed's ``torch.empty`` per
 backward; the arena is resized only when the bucket size adapts. ZeRO 3 already keeps its bucket
 from init.
 
 **Lending** (``lend_to_activations``, ZeRO 1/2). Between the end of one backward's reductions and the
-first gradient hook of the next, the arena holds nothing: `xirang_ds.memory.arena.ArenaLender`
+first gradient hook of the next, the arena holds nothing: `xirang_ds.plugins.comm_buffers.arena.ArenaLender`
 lends it to the activations plugin, whose packing options (compress / quantize / sparsify) store
 their payloads there, and park tensors no encoding shrinks there as they are. The layout comes
 from one observed pass: each request sits above the bytes gradients have reached when backward
@@ -56,12 +56,12 @@ import logging
 import os
 from typing import Any, Optional
 
-from xirang_ds.config.schema import CommBuffersConfig
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.links import RING_RANKS_MAX, backend_link, efficient_numel
-from xirang_ds.memory.arena import Arena
 from xirang_ds.memory.run_shape import DEFAULT_MAX_LIVE_PARAMETERS, DEFAULT_MAX_REUSE_DISTANCE
+from xirang_ds.plugins.comm_buffers.arena import Arena
+from xirang_ds.plugins.comm_buffers.config import CommBuffersConfig
 from xirang_ds.registry import STORAGE_LENDER, Plugin, register_plugin
 
 logger = logging.getLogger("xirang_ds")
@@ -121,7 +121,8 @@ def _data_parallel_size() -> int:
     return max(1, int(os.environ.get("WORLD_SIZE", "1")))
 
 
-@register_plugin(CommBuffersConfig, section="comm_buffers", order=10)
+@register_plugin(CommBuffersConfig, section="comm_buffers", order=10,
+                 summary="Adaptive communication buffers.")
 class CommBuffersPlugin(Plugin):
     """Sizes ZeRO buckets, serves ZeRO-1/2 buckets from one arena, and adapts the size between steps;
     under Megatron-core, sizes the DDP buckets."""

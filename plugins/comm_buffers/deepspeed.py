@@ -7,8 +7,8 @@ from typing import Any, Optional
 from xirang_ds.compat.deepspeed import gradient_reduction_dtype
 from xirang_ds.config.types import format_bytes
 from xirang_ds.hooks import wrap_method
-from xirang_ds.memory.arena import Arena, ArenaLender, ArenaServer, bucket_slots, reductions_ordered
 from xirang_ds.plugins.comm_buffers import MAX_REDUCTIONS_PER_STEP, PRESSURE
+from xirang_ds.plugins.comm_buffers.arena import Arena, ArenaLender, ArenaServer, bucket_slots, reductions_ordered
 from xirang_ds.registry import FrameworkPath
 
 

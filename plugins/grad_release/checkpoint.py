@@ -23,9 +23,9 @@ from xirang_ds.checkpoints.param_states import (
     state_step,
 )
 from xirang_ds.plugins.grad_release.layout import BucketLayout
-from xirang_ds.plugins.optimizer_states.export import torch_layout
 from xirang_ds.checkpoints import BASIC_GROUPS
-from xirang_ds.checkpoints.deepspeed_files import MODEL_STATES, load_states_file
+from xirang_ds.checkpoints.deepspeed_files import MODEL_STATES, load_states_file, torch_layout
+from xirang_ds.contributions import StateFiles, register_checkpoint
 
 if TYPE_CHECKING:  # pragma: no cover
     from xirang_ds.checkpoints.param_states import ParamStates
@@ -216,5 +216,18 @@ def _brief(fingerprint: Any) -> str:
     return f"{names[:2]}{'...' if len(names) > 2 else ''} ({fingerprint.get('dtype')}, world {fingerprint.get('world')})"
 
 
-__all__ = ["FORMAT", "load_rank_state", "load_shard", "mismatch", "read_param_states", "save_rank_state", "save_shard",
-           "shard_path"]
+def layout(tag_dir: str) -> tuple[int, int]:
+    """The ZeRO stage and data-parallel ranks of the run that wrote the tag (from rank 0's file)."""
+    shard = load_shard(shard_path(tag_dir, 0), mmap=True)
+    return int(shard["zero_stage"]), int(shard["world"])
+
+
+# the tag's readers find the state in these files (`xirang_ds.checkpoints.tags`)
+register_checkpoint(StateFiles(
+    "grad_release", FOLDER, read_param_states, basic_groups, layout, holder=f"grad_release's shards ({FOLDER}/)",
+    tools="cannot read it (grad_release at stage 0, saved without plain files); `xirang-ds checkpoint export "
+          "--stage 0` writes the entry plain DeepSpeed at stage 0 resumes, `--stage 2` ZeRO-2 files"))
+
+
+__all__ = ["FORMAT", "layout", "load_rank_state", "load_shard", "mismatch", "read_param_states", "save_rank_state",
+           "save_shard", "shard_path"]

@@ -18,8 +18,9 @@ from typing import Any, Optional
 
 import torch
 
-from xirang_ds.config.schema import GradReleaseConfig
 from xirang_ds.config.validate import XirangConfigError, describe_value
+from xirang_ds.contributions import HandOver, TakeOver, register_fit
+from xirang_ds.plugins.grad_release.config import GradReleaseConfig
 
 CASTABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 """Parameter dtypes DeepSpeed casts to the 16-bit dtype (``engine.py`` ``CASTABLE_DTYPES``)."""
@@ -208,6 +209,12 @@ def make_loss_scaler(setup: TrainingSetup) -> Optional[Any]:
     fp16 = setup.fp16
     dynamic = fp16.loss_scale == 0
     return CreateLossScaler(torch.float16, fp16.loss_scale, dynamic, fp16.dynamic_loss_scale_args() if dynamic else None)
+
+
+# where a preset leaves grad_release out (ZeRO-3), optimizer_states keeps its masters (`xirang_ds.planning.fit`)
+register_fit(TakeOver("grad_release", "optimizer_states", {"schedule": [{"dtype": "fp32"}]},
+                      "keeps DeepSpeed's ZeRO-3 masters as remainders in its place, with fp32 states (exact)"))
+register_fit(HandOver("grad_release", "masters", "optimizer_states", "masters"))
 
 
 __all__ = ["BF16_MASTERS", "TrainingSetup", "cast_model", "hand_over", "make_loss_scaler", "parameter_dtype", "read_setup"]

@@ -21,7 +21,6 @@ from typing import Any, Callable, Optional
 import torch
 
 from xirang_ds.compat.torch import GRAD_DTYPE_SETTABLE
-from xirang_ds.config.schema import GradReleaseConfig
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import CallbackHandle
@@ -30,6 +29,7 @@ from xirang_ds.memory.categories import GRADIENTS, OPTIMIZER_STATES, PARAMETERS
 from xirang_ds.memory.model_states import BACKWARD_START, STEP_PREPARE, adam_temporaries
 from xirang_ds.plugins.grad_release import embedding_rows, rows
 from xirang_ds.plugins.grad_release.bucket import Bucket
+from xirang_ds.plugins.grad_release.config import GradReleaseConfig
 from xirang_ds.plugins.grad_release.ds_config import cast_model, hand_over, parameter_dtype, read_setup
 from xirang_ds.plugins.grad_release.embedding_rows import plain
 from xirang_ds.plugins.grad_release.handback import hand_back
@@ -44,7 +44,8 @@ from xirang_ds.registry import UPDATE_IN_BACKWARD, Plugin, register_plugin
 logger = logging.getLogger("xirang_ds")
 
 
-@register_plugin(GradReleaseConfig, section="grad_release", order=50)
+@register_plugin(GradReleaseConfig, section="grad_release", order=50,
+                 summary="Per-layer gradient release (optimizer step in backward).")
 class GradReleasePlugin(StatesTier, Plugin):
     """Optimizer step fused into backward, with data parallel, accumulation, clipping and fp16.
 

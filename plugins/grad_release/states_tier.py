@@ -41,6 +41,12 @@ class StatesTier:
     tier_pending = False
     """``auto``: the states are in host memory until the activation planner settles them."""
 
+    @classmethod
+    def auto_remark(cls, notes: list[str]) -> Optional[str]:
+        """`xirang_ds.roles.RemarksOnAuto`: ``preset: auto``'s line says where the estimate put the states on the
+        host."""
+        return ", with grad_release's optimizer states in host memory (states auto)" if host_reason(notes) else None
+
     def states_tier(self) -> str:
         """Where the buckets start: ``host`` when asked for, or when ``auto`` chose it or left it pending."""
         return "host" if self.config.states == "host" or self.parked_why or self.tier_pending else "device"

@@ -24,7 +24,7 @@ Each warning and action is logged once on rank 0 when it happens and sent to Dee
 (tensorboard / csv / wandb) as an event; per-step memory figures go there too.
 
 Inside the step, where these checks come too late: ``on_oom = "halve_micro_batch"`` retries a
-micro-step that ran out of memory on every rank with the micro-batch halved (`xirang_ds.oom.OomGuard`,
+micro-step that ran out of memory on every rank with the micro-batch halved (`xirang_ds.plugins.monitor.oom.OomGuard`,
 a retry is an ``oom_halve_micro_batch`` action), and ``enforce_budget`` makes ``memory_budget`` a hard
 cap (CPU: the tracker's ``limit``; CUDA: the allocator's per-process fraction).
 """
@@ -36,13 +36,13 @@ from typing import Any, Optional
 
 import torch
 
-from xirang_ds.config.schema import MonitorConfig
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import CallbackHandle, wrap_method
 from xirang_ds.memory.usage import MemoryReport
 from xirang_ds.microbatch import MicroBatchSplitter
-from xirang_ds.oom import OomGuard
+from xirang_ds.plugins.monitor.config import MonitorConfig
+from xirang_ds.plugins.monitor.oom import OomGuard
 from xirang_ds.registry import MEMORY_WATCH, Plugin, register_plugin
 
 logger = logging.getLogger("xirang_ds")
@@ -75,7 +75,8 @@ def resolve_budget(requested: Any, device_total: int, model_state_bytes: int) ->
     return budget
 
 
-@register_plugin(MonitorConfig, section="monitor", order=90)
+@register_plugin(MonitorConfig, section="monitor", order=90,
+                 summary="Live memory monitor with thresholds and actions.")
 class MonitorPlugin(Plugin):
     """Checks memory after optimizer steps and runs the configured actions on every rank."""
 

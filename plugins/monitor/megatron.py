@@ -6,7 +6,7 @@ which Megatron's schedule does not call.
 """
 from __future__ import annotations
 
-from xirang_ds.config.schema import MonitorConfig
+from xirang_ds.plugins.monitor.config import MonitorConfig
 from xirang_ds.registry import FrameworkPath
 
 MEGATRON_ACTIONS = ("empty_cache",)

@@ -23,8 +23,9 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from xirang_ds.compat.torch import NormBase
-from xirang_ds.config.schema import OptimizerStatesConfig, glob_matches
+from xirang_ds.config.schema import glob_matches
 from xirang_ds.config.validate import XirangConfigError, describe_value
+from xirang_ds.plugins.optimizer_states.config import OptimizerStatesConfig
 from xirang_ds.plugins.optimizer_states.optimizer import DynamicAdamW, config_to_dict
 
 SECTION = "xirang.optimizer_states"

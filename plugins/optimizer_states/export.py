@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 import torch
 
+from xirang_ds.contributions import StateCodes, register_checkpoint
 from xirang_ds.plugins.optimizer_states.formats import MOMENTS, format_of, make_format
 
 
@@ -79,6 +80,12 @@ def checkpoint_to_torch(optimizer_state_dict: dict, params: list[torch.Tensor]) 
     out["state"] = {i: decode_state(optimizer_state_dict["state"][i], p)
                     for i, p in zip(ids, params) if optimizer_state_dict["state"].get(i)}
     return out
+
+
+# DynamicAdamW's codes in a checkpoint: beside plain DeepSpeed files, decoded by the readers (`xirang_ds.checkpoints`)
+register_checkpoint(StateCodes("optimizer_states", marker="optimizer_states_codes", folder="xirang_optimizer_states",
+                               codes="optimizer_states' int8/int4 codes", is_coded=lambda state: "format" in state,
+                               moment_range=moment_range, torch_layout=torch_layout))
 
 
 __all__ = ["checkpoint_to_torch", "decode_state", "moment_range", "to_torch_optimizer", "torch_layout"]

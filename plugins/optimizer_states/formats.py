@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
-from xirang_ds.config.schema import STATE_DTYPE_ORDER
+from xirang_ds.plugins.optimizer_states.config import STATE_DTYPE_ORDER
 from xirang_ds.plugins.optimizer_states.qmaps import (
     FIRST_MOMENT_4BIT,
     FIRST_MOMENT_8BIT,

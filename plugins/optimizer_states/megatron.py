@@ -50,10 +50,10 @@ from typing import Any
 import torch
 
 from xirang_ds.compat.megatron import optimizer_members, parallel_layers, wrap_range_state_seams
-from xirang_ds.config.schema import OptimizerStatesConfig
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
 from xirang_ds.plugins.optimizer_states.build import MEASURED, client_kind, group_decoupled, settings_from_client
+from xirang_ds.plugins.optimizer_states.config import OptimizerStatesConfig
 from xirang_ds.plugins.optimizer_states.export import decode_state, to_torch_optimizer
 from xirang_ds.plugins.optimizer_states.masters import MegatronMasters, megatron_problem
 from xirang_ds.plugins.optimizer_states.optimizer import DynamicAdamW, config_to_dict

@@ -29,9 +29,9 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from xirang_ds.config.schema import STATE_DTYPE_ORDER, OptimizerStatesConfig
 from xirang_ds.config.validate import XirangConfigError, convert_section
 from xirang_ds.plugins.optimizer_states import export, first_step
+from xirang_ds.plugins.optimizer_states.config import STATE_DTYPE_ORDER, OptimizerStatesConfig
 from xirang_ds.plugins.optimizer_states.formats import (
     MOMENTS,
     StateFormat,

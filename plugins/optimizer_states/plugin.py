@@ -23,7 +23,6 @@ from typing import Any, Optional
 
 import torch
 
-from xirang_ds.config.schema import STATE_DTYPE_ORDER, OptimizerStatesConfig
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.memory.model_states import adam_temporaries
@@ -31,6 +30,7 @@ from xirang_ds.memory.pool import align_up
 from xirang_ds.memory.run_shape import sub_group_size
 from xirang_ds.plugins.optimizer_states import masters
 from xirang_ds.plugins.optimizer_states.build import MEASURED, keep_reasons, settings_from_client
+from xirang_ds.plugins.optimizer_states.config import STATE_DTYPE_ORDER, OptimizerStatesConfig
 from xirang_ds.plugins.optimizer_states.deepspeed import check_ds_config, ds_config_problems
 from xirang_ds.plugins.optimizer_states.formats import MOMENTS, make_format
 from xirang_ds.plugins.optimizer_states.masters import parks
@@ -46,7 +46,8 @@ NO_OPTIMIZER = ("there is no optimizer to replace (the engine only runs forward 
                 "\"optimizer\" block of type AdamW or Adam to ds_config, or pass a torch.optim.AdamW to initialize")
 
 
-@register_plugin(OptimizerStatesConfig, section="optimizer_states", order=40)
+@register_plugin(OptimizerStatesConfig, section="optimizer_states", order=40,
+                 summary="Dynamic-precision optimizer states.")
 class OptimizerStatesPlugin(Plugin):
     """Replaces the basic Adam/AdamW by `DynamicAdamW`.
 

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from xirang_ds.config.schema import STATE_DTYPE_ORDER, OptimizerStatesConfig
+from xirang_ds.plugins.optimizer_states.config import STATE_DTYPE_ORDER, OptimizerStatesConfig
 
 
 @dataclass

@@ -27,7 +27,7 @@ from typing import Any, Optional
 import torch
 
 from xirang_ds.compat.torch import disable_current_modes
-from xirang_ds.config.schema import PrecisionConfig
+from xirang_ds.plugins.precision.config import PrecisionConfig
 
 logger = logging.getLogger("xirang_ds")
 

@@ -15,8 +15,8 @@ import torch
 
 from xirang_ds.compat.megatron import unwrap
 from xirang_ds.compat.torch import DisableAutocast
-from xirang_ds.config.schema import PrecisionConfig
 from xirang_ds.hooks import wrap_method
+from xirang_ds.plugins.precision.config import PrecisionConfig
 from xirang_ds.plugins.precision.ds_config import plan
 from xirang_ds.registry import FrameworkPath
 

@@ -30,10 +30,10 @@ from typing import Any, Optional
 
 import torch
 
-from xirang_ds.config.schema import PrecisionConfig
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.memory.categories import PARAMETERS
 from xirang_ds.plugins.precision.apex_lists import apex_registrations
+from xirang_ds.plugins.precision.config import PrecisionConfig
 from xirang_ds.plugins.precision.ds_config import PrecisionPlan, check_device_dtype, edit_ds_config, plan
 from xirang_ds.plugins.precision.grad_scaling import GradScaling
 from xirang_ds.plugins.precision.kernels import CastPolicy, autocast_key
@@ -63,7 +63,9 @@ def loss_scale_conflicts(decided: Optional[PrecisionPlan], stepper: Any) -> list
                               f"xirang.{stepper.section}")]
 
 
-@register_plugin(PrecisionConfig, section="precision", order=20)
+@register_plugin(PrecisionConfig, section="precision", order=20,
+                 summary="Mixed precision with editable op lists; fp32 masters with per-op 16-bit copies or "
+                         "DeepSpeed's layout.")
 class PrecisionPlugin(Plugin):
     """Mixed precision with editable op lists, and on-demand 16-bit weight copies or DeepSpeed's own layout.
 

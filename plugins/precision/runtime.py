@@ -11,9 +11,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from xirang_ds.config.schema import PrecisionConfig
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
+from xirang_ds.plugins.precision.config import PrecisionConfig
 from xirang_ds.plugins.precision.kernels import CastPolicy, install
 from xirang_ds.plugins.precision.modules import ModuleCast, match_modules, megatron_layer_types, outermost
 from xirang_ds.plugins.precision.op_lists import build_op_lists

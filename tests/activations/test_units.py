@@ -10,7 +10,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from xirang_ds.config.schema import ActivationsConfig
 from xirang_ds.memory.categories import ACTIVATIONS, HOST
 from xirang_ds.memory.tracker import MemoryTracker
 from xirang_ds.models import BUILTIN_SPECS, build_model
@@ -25,6 +24,7 @@ from xirang_ds.plugins.activations.codecs import (
     lossless_plan,
     trial,
 )
+from xirang_ds.plugins.activations.config import ActivationsConfig
 from xirang_ds.plugins.activations.handlers import CodecHandler, OffloadHandler
 from xirang_ds.plugins.activations.offload import Offloader
 from xirang_ds.plugins.activations.planner import BudgetError, Choice, Node, estimate_peak, plan
@@ -506,7 +506,7 @@ def test_measurement_configs_are_valid():
 
 
 def test_tolerant_feed_forward_marks_each_blocks_mlp():
-    from xirang_ds.config.schema import ActivationsConfig
+    from xirang_ds.plugins.activations.config import ActivationsConfig
     from xirang_ds.models import build_model, parse_model_spec
     from xirang_ds.plugins.activations.selection import tolerant_names
 

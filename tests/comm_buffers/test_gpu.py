@@ -10,7 +10,7 @@ def test_a_lease_waits_for_the_reduction_stream():
     lands after the reduction's (the current stream waits for the reduction stream)."""
     import torch
 
-    from xirang_ds.memory.arena import Arena, ArenaLender
+    from xirang_ds.plugins.comm_buffers.arena import Arena, ArenaLender
 
     class Bucket:
         elements, index = 0, 0

@@ -12,7 +12,7 @@ def test_the_installed_deepspeed_reduces_on_the_stream_lending_orders_after(monk
     reason (not silently unsafe)."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    from xirang_ds.memory.arena import reductions_ordered
+    from xirang_ds.plugins.comm_buffers.arena import reductions_ordered
 
     assert reductions_ordered() is None
 

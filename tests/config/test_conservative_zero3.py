@@ -1,5 +1,5 @@
 """The conservative preset at ZeRO-3: grad_release cannot run there, so optimizer_states with fp32 states
-keeps DeepSpeed's masters as bf16 remainders in its place (`fit.TAKEN_OVER`).
+keeps DeepSpeed's masters as bf16 remainders in its place (grad_release's registered `TakeOver`).
 
 Real DeepSpeed ZeRO-3 engines in bf16 on 2 CPU ranks, gradient accumulation 2, clipping that bites; the
 reference is plain DeepSpeed with the same ds_config.

@@ -9,7 +9,9 @@ import xirang_ds
 from xirang_ds import XirangConfigError, load_config
 from xirang_ds.config import to_dict
 from xirang_ds.config.presets import PRESETS
-from xirang_ds.config.schema import SECTION_NAMES, MonitorConfig, Section, XirangConfig
+from xirang_ds.config.schema import Section, XirangConfig
+from xirang_ds.plugins.monitor.config import MonitorConfig
+from xirang_ds.config.sections import section_names
 from xirang_ds.registry import Plugin, register_plugin, unregister
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -25,7 +27,7 @@ def test_empty_block_is_all_off():
     cfg = load_config({"xirang": {}})
     assert isinstance(cfg, XirangConfig)
     assert cfg.enabled_sections() == {}
-    assert set(cfg.sections()) == set(SECTION_NAMES)
+    assert set(cfg.sections()) == set(section_names())
 
 
 def test_no_block_returns_none():
@@ -118,13 +120,13 @@ def test_config_is_frozen():
 
 
 def test_unbuilt_plugin_is_an_error_not_a_silent_noop(monkeypatch):
-    from xirang_ds import registry
+    from xirang_ds.config import sections
 
-    # Pretend no plugin handles grad_release, whatever this version ships.
-    from xirang_ds.config.schema import GradReleaseConfig
+    # Pretend no plugin registered grad_release's section, whatever this version ships.
+    from xirang_ds.plugins.grad_release.config import GradReleaseConfig
 
-    monkeypatch.setattr(registry._REGISTRY, "by_type",
-                        {k: v for k, v in registry._REGISTRY.by_type.items() if k is not GradReleaseConfig})
+    monkeypatch.setattr(sections._SECTIONS, "types",
+                        {k: v for k, v in sections._SECTIONS.types.items() if v is not GradReleaseConfig})
     found = problems({"grad_release": {"enabled": True}})
     assert found[0][0] == "xirang.grad_release.enabled"
     assert "not built yet" in found[0][1]

@@ -142,7 +142,7 @@ def test_removal_hands_the_states_back_on_the_device(runs):
 
 
 def test_megatron_refuses_host_states():
-    from xirang_ds.config.schema import GradReleaseConfig
+    from xirang_ds.plugins.grad_release.config import GradReleaseConfig
     from xirang_ds.plugins.grad_release.megatron import MegatronRelease
 
     problems = MegatronRelease.check(GradReleaseConfig(enabled=True, states="host", exact_method="two_pass"))
@@ -153,9 +153,10 @@ def test_megatron_refuses_host_states():
 def test_a_budget_below_the_rest_names_host_states_where_they_are_on_the_device():
     from types import SimpleNamespace
 
-    from xirang_ds.config.schema import ActivationsConfig, GradReleaseConfig
     from xirang_ds.config.validate import XirangConfigError
+    from xirang_ds.plugins.activations.config import ActivationsConfig
     from xirang_ds.plugins.activations.pricing import resolve_budget
+    from xirang_ds.plugins.grad_release.config import GradReleaseConfig
     from xirang_ds.plugins.grad_release.plugin import GradReleasePlugin
 
     def error(states):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from xirang_ds.config import XirangConfigError, load_config
-from xirang_ds.config.schema import GradReleaseConfig
 from xirang_ds.links import LINKS, efficient_numel
+from xirang_ds.plugins.grad_release.config import GradReleaseConfig
 from xirang_ds.plugins.grad_release.layout import BucketLayout, auto_bucket_numel, plan_buckets
 from xirang_ds.plugins.grad_release.optimizers import (
     clone_optimizer,

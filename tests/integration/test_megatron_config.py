@@ -51,7 +51,9 @@ def case_conflicts(ex: Any, tmp: str) -> dict:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from xirang_ds.config.loader import validate_block
-    from xirang_ds.config.schema import ActivationsConfig, OptimizerStatesConfig, PrecisionConfig
+    from xirang_ds.plugins.activations.config import ActivationsConfig
+    from xirang_ds.plugins.optimizer_states.config import OptimizerStatesConfig
+    from xirang_ds.plugins.precision.config import PrecisionConfig
     from xirang_ds.integration.megatron_conflicts import check_model, check_optimizer
 
     base = validate_block({})

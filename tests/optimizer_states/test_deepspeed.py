@@ -25,7 +25,7 @@ def _reference_engine(config):
     """Plain DeepSpeed with torch.optim.AdamW over the groups the plugin would build."""
     import deepspeed
 
-    from xirang_ds.config.schema import OptimizerStatesConfig
+    from xirang_ds.plugins.optimizer_states.config import OptimizerStatesConfig
     from xirang_ds.models import BUILTIN_SPECS, build_model
     from xirang_ds.plugins.optimizer_states.build import keep_reasons, split_groups
 

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 import xirang_ds
-from xirang_ds.config.schema import OptimizerStatesConfig
 from xirang_ds.plugins.optimizer_states import DynamicAdamW, StateLoadError
 from xirang_ds.plugins.optimizer_states.build import (
     from_client,
     keep_reasons,
     settings_from_spec,
 )
+from xirang_ds.plugins.optimizer_states.config import OptimizerStatesConfig
 from xirang_ds.plugins.optimizer_states.export import checkpoint_to_torch, to_torch_optimizer
 from xirang_ds.plugins.optimizer_states.formats import make_format
 from xirang_ds.plugins.optimizer_states.qmaps import (

@@ -270,7 +270,7 @@ COMPOSITIONS = {
 
 def _client_adamw(model, config):
     """torch.optim.AdamW over the groups optimizer_states builds (its fp32 schedule is AdamW's math)."""
-    from xirang_ds.config.schema import OptimizerStatesConfig
+    from xirang_ds.plugins.optimizer_states.config import OptimizerStatesConfig
     from xirang_ds.plugins.optimizer_states.build import keep_reasons, split_groups
 
     groups = split_groups([{"params": list(model.parameters())}], keep_reasons(model, OptimizerStatesConfig()))

@@ -67,7 +67,7 @@ def _tp2(rank, world):
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from xirang_ds.config.schema import PrecisionConfig
+    from xirang_ds.plugins.precision.config import PrecisionConfig
     from xirang_ds.plugins.precision.runtime import apply_precision
 
     if not dist.is_initialized():

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from xirang_ds import XirangConfigError, load_config
-from xirang_ds.config.schema import PrecisionConfig
 from xirang_ds.plugins.precision.apex_lists import apex_registrations
+from xirang_ds.plugins.precision.config import PrecisionConfig
 from xirang_ds.plugins.precision.ds_config import check_device_dtype, plan
 from xirang_ds.plugins.precision.kernels import native_autocast_ops
 from xirang_ds.plugins.precision.op_lists import (

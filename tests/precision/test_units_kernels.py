@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from xirang_ds import XirangConfigError
-from xirang_ds.config.schema import PrecisionConfig
 from xirang_ds.memory.tracker import MemoryTracker
 from xirang_ds.models import BUILTIN_SPECS, build_model
+from xirang_ds.plugins.precision.config import PrecisionConfig
 from xirang_ds.plugins.precision.kernels import CastPolicy, install, installed_policy
 from xirang_ds.plugins.precision.modules import match_modules
 from xirang_ds.plugins.precision.op_lists import build_op_lists, torch_cpu_autocast_lists

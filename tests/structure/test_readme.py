@@ -60,3 +60,17 @@ def test_every_link_in_the_docs_resolves():
     """What left the README for docs/ keeps its links working there."""
     broken = {str(p.relative_to(ROOT)): b for p in sorted((ROOT / "docs").glob("*.md")) if (b := broken_links(p))}
     assert not broken, broken
+
+
+def test_every_plugin_folder_has_a_short_readme_with_its_figure():
+    """Each plugin's README names its section, where its parts live and its one current figure with the
+    command that made it (or says why it has none); its links resolve."""
+    folders = sorted(p for p in (ROOT / "plugins").iterdir() if (p / "__init__.py").exists())
+    assert len(folders) >= 8
+    for folder in folders:
+        readme = folder / "README.md"
+        assert readme.exists(), f"{folder.relative_to(ROOT)} has no README.md"
+        text = readme.read_text(encoding="utf-8")
+        assert len(text.splitlines()) <= 40, f"{readme.relative_to(ROOT)}: keep it short; detail goes to docs/"
+        assert "## Current figure" in text and "config.py" in text, readme.relative_to(ROOT)
+        assert not broken_links(readme), broken_links(readme)

@@ -23,7 +23,7 @@ def test_plugins_installed_as_subpackage():
     import xirang_ds.plugins.monitor as monitor
     import xirang_ds.plugins.profiler as profiler
 
-    assert os.path.dirname(profiler.__file__) == os.path.join(ROOT, "plugins")
+    assert os.path.dirname(profiler.__file__) == os.path.join(ROOT, "plugins", "profiler")
     assert os.path.dirname(monitor.__file__) == os.path.join(ROOT, "plugins", "monitor")
 
 
@@ -72,7 +72,7 @@ def test_every_field_has_a_docstring():
     import dataclasses
     import typing
 
-    from xirang_ds.config import schema
+    from xirang_ds.config.sections import block_type
 
     seen = set()
 
@@ -89,4 +89,4 @@ def test_every_field_has_a_docstring():
                 if dataclasses.is_dataclass(arg):
                     visit(arg)
 
-    visit(schema.XirangConfig)
+    visit(block_type())

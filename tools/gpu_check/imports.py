@@ -33,11 +33,11 @@ def main(path: str, site: str) -> int:
             info[name] = version(name)
         except PackageNotFoundError:
             info[name] = None
-    from xirang_ds.registry import BUILTIN_PLUGIN_MODULES
+    from xirang_ds.plugins import BUILTIN
 
     site = os.path.realpath(site)
     modules, problems = {}, []
-    for name in (*MODULES, *BUILTIN_PLUGIN_MODULES):
+    for name in (*MODULES, *BUILTIN.values()):
         try:
             where = os.path.realpath(importlib.import_module(name).__file__ or "")
         except Exception as e:  # recorded, and every other module is still tried

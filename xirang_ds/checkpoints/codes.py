@@ -1,9 +1,10 @@
-"""optimizer_states' codes beside plain DeepSpeed files, so every checkpoint of a ZeRO 1-3 run whose
-DeepSpeed optimizer steps `DynamicAdamW` (optimizer_states without grad_release: every preset at
-ZeRO-3, an explicit section at ZeRO 1/2) is also a plain DeepSpeed checkpoint.
+"""Codes beside plain DeepSpeed files, so every checkpoint of a ZeRO 1-3 run whose DeepSpeed optimizer
+keeps its states as codes (the plugin registered as `xirang_ds.contributions.StateCodes`: optimizer_states'
+`DynamicAdamW` without grad_release, every preset at ZeRO-3, an explicit section at ZeRO 1/2) is also a
+plain DeepSpeed checkpoint.
 
 With ``deepspeed_files`` (the default), DeepSpeed's own write of each rank's ZeRO file (int8/int4 codes
-over optimizer_states' param groups) goes to the tag's ``xirang_optimizer_states/rank<R>.pt`` instead,
+over optimizer_states' param groups) goes to the tag's ``<StateCodes.folder>/rank<R>.pt`` instead,
 the same dict; once every rank's is on disk each rank writes its plain ZeRO file under DeepSpeed's name
 (fp32 moments over the user's groups, `tags.write_deepspeed_files`), all before DeepSpeed writes
 ``latest``. A run with optimizer_states resumes from the codes (DeepSpeed's own load, pointed at them:
@@ -38,9 +39,7 @@ from xirang_ds.checkpoints.deepspeed_files import (
 from xirang_ds.checkpoints.deepspeed_writer import add_param_shapes
 from xirang_ds.checkpoints.param_states import ParamStates
 from xirang_ds.compat.deepspeed import around_zero_file_names, around_zero_save, redirect_zero_files, zero_param_shapes
-
-FOLDER = "xirang_optimizer_states"
-"""The tag's folder of DynamicAdamW's codes, one DeepSpeed ZeRO file per rank."""
+from xirang_ds.contributions import state_codes, state_files
 
 PARAM_SHAPES = "param_shapes.pt"
 """ZeRO-3's ``param_shapes`` of the codes' sub-groups (the model-states files get the plain ones)."""
@@ -48,21 +47,35 @@ PARAM_SHAPES = "param_shapes.pt"
 _RANK = re.compile(r"^rank(\d+)\.pt$")
 
 
+def folder() -> str:
+    """The tag's folder of the codes, one DeepSpeed ZeRO file per rank (`StateCodes.folder`; ``""`` when no
+    plugin keeps codes)."""
+    owner = state_codes()
+    return owner.folder if owner is not None else ""
+
+
+def mark(marker: dict) -> None:
+    """Record in ``marker`` that the codes sit beside plain files (`in_marker`)."""
+    owner = state_codes()
+    marker[owner.marker] = owner.folder
+
+
 def path(tag_dir: str, rank: int) -> str:
     """Rank ``rank``'s file of codes in ``tag_dir``."""
-    return os.path.join(tag_dir, FOLDER, f"rank{rank:05d}.pt")
+    return os.path.join(tag_dir, folder(), f"rank{rank:05d}.pt")
 
 
 def files(tag_dir: str) -> list[str]:
     """The codes' files of a tag folder, in rank order (empty: none)."""
-    found = [(int(m.group(1)), p) for p in glob.glob(os.path.join(tag_dir, FOLDER, "rank*.pt"))
+    found = [(int(m.group(1)), p) for p in glob.glob(os.path.join(tag_dir, folder(), "rank*.pt"))
              if (m := _RANK.match(os.path.basename(p)))]
     return [p for _, p in sorted(found)]
 
 
 def in_marker(marker: dict) -> bool:
     """Whether the checkpoint's marker says the codes sit beside plain files."""
-    return marker.get("optimizer_states_codes") == FOLDER
+    owner = state_codes()
+    return owner is not None and marker.get(owner.marker) == owner.folder
 
 
 def read_codes(tag_dir: str, names: Sequence[str], shapes: dict[str, torch.Size]) -> ParamStates:
@@ -70,24 +83,27 @@ def read_codes(tag_dir: str, names: Sequence[str], shapes: dict[str, torch.Size]
     there before them while a save writes them)."""
     found = files(tag_dir)
     if not found:
-        raise CheckpointReadError(f"{tag_dir}: no {FOLDER}/rank*.pt although its marker names them")
+        raise CheckpointReadError(f"{tag_dir}: no {folder()}/rank*.pt although its marker names them")
     first = load_states_file(found[0])
     stage = int(first["optimizer_state_dict"]["zero_stage"])
     dtype = ds_config_dtype(first.get("ds_config"))
     if stage == 3:
-        return read_zero3(tag_dir, found, dtype, param_shapes=load_states_file(os.path.join(tag_dir, FOLDER, PARAM_SHAPES)))
+        shapes_file = os.path.join(tag_dir, folder(), PARAM_SHAPES)
+        return read_zero3(tag_dir, found, dtype, param_shapes=load_states_file(shapes_file))
     return read_zero12(found, stage, dtype, shapes)
 
 
 def resumes_own(engine: Any, sections: set[str], marker: dict) -> bool:
     """Whether a run with ``sections`` resumes the codes of a checkpoint with ``marker`` as its own: its
-    optimizer_states steps inside DeepSpeed's optimizer (no grad_release) at the ZeRO stage and world size
+    codes' owner (optimizer_states) steps inside DeepSpeed's optimizer (no `StateFiles` owner: grad_release) at
+    the ZeRO stage and world size
     that saved them, and at ZeRO-3 with the same sub-groups (``sub_group_size``, which optimizer_states'
     ``masters`` sets; a checkpoint that does not record them is taken over). Elsewhere the codes are
     taken over, whole parameters."""
     import deepspeed.comm as dist
 
-    if not in_marker(marker) or "optimizer_states" not in sections or "grad_release" in sections:
+    own = state_files()
+    if not in_marker(marker) or state_codes().section not in sections or (own is not None and own.section in sections):
         return False
     layout = marker.get("deepspeed_files") or {}
     if layout.get("stage") != engine.zero_optimization_stage() or layout.get("stage") not in (1, 2, 3):
@@ -120,9 +136,9 @@ def saving_beside(engine: Any, tag_dir: str, marker: dict, facts: Any,
             add_param_shapes(tag_dir, groups, facts.params)
 
     def save_zero(original: Callable, save_path: str, tag: Any) -> Any:
-        os.makedirs(os.path.join(tag_dir, FOLDER), exist_ok=True)
+        os.makedirs(os.path.join(tag_dir, folder()), exist_ok=True)
         if rank == 0 and engine.zero_optimization_stage() == 3:
-            save_atomically(zero_param_shapes(engine), os.path.join(tag_dir, FOLDER, PARAM_SHAPES))
+            save_atomically(zero_param_shapes(engine), os.path.join(tag_dir, folder(), PARAM_SHAPES))
         name = redirect_zero_files(engine, lambda: path(tag_dir, rank))
         try:
             result = original(save_path, tag)
@@ -152,5 +168,5 @@ def loading(engine: Any, tag_dir: str) -> Iterator[None]:
         handle.remove()
 
 
-__all__ = ["FOLDER", "PARAM_SHAPES", "files", "in_marker", "loading", "path", "read_codes", "resumes_own",
+__all__ = ["PARAM_SHAPES", "files", "folder", "in_marker", "loading", "mark", "path", "read_codes", "resumes_own",
            "saving_beside", "zero3_sub_groups"]

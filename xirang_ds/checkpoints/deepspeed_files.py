@@ -35,10 +35,28 @@ from xirang_ds.checkpoints.param_states import (
     hyperparameters,
     state_step,
 )
-from xirang_ds.plugins.optimizer_states.export import moment_range, torch_layout
+from xirang_ds.contributions import state_codes
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+
+
+def moment_range(state: dict, moment: str, start: int, end: int) -> torch.Tensor:
+    """Elements ``[start, end)`` of a saved state's moment as fp32: a coded state decoded by its owner
+    (`xirang_ds.contributions.StateCodes`), a ``torch.optim`` state's flat tensor sliced."""
+    coded = state_codes()
+    if coded is not None and coded.is_coded(state):
+        return coded.moment_range(state, moment, start, end)
+    return state[moment].reshape(-1)[start:end].float()
+
+
+def torch_layout(state: Optional[dict], numel: int) -> dict:
+    """A saved state of ``numel`` elements in ``torch.optim`` layout: a coded state decoded to fp32, flat, by
+    its owner; another optimizer's as it is; ``{}`` for none."""
+    if not state:
+        return {}
+    coded = state_codes()
+    return coded.torch_layout(state, numel) if coded is not None and coded.is_coded(state) else state
 
 
 class CheckpointReadError(ValueError):
@@ -283,4 +301,4 @@ def _unflatten_fused(saved: dict, names: Sequence[str], shapes: dict[str, torch.
     return {**saved, "optimizer_state_dict": {"state": state, "param_groups": groups}, "fp32_groups": [masters]}
 
 
-__all__ = ["CheckpointReadError", "MODEL_STATES", "optim_files", "read_deepspeed_states"]
+__all__ = ["CheckpointReadError", "MODEL_STATES", "moment_range", "optim_files", "read_deepspeed_states", "torch_layout"]

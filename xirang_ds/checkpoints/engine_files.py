@@ -57,7 +57,7 @@ def save(session: Any, original, save_dir, tag=None, client_state=None, *args, *
     if facts is not None:
         marker["deepspeed_files"] = layout_record(facts)
     if codes_beside:
-        marker["optimizer_states_codes"] = codes.FOLDER
+        codes.mark(marker)
     if int(getattr(session.engine, "local_rank", session.engine.global_rank)) == 0:
         # by the first rank of every node: each node reads its own copy when checkpoints are node-local
         write_marker(tag_dir, marker)
@@ -139,7 +139,7 @@ def load(session: Any, original, *args, **kwargs):
 def _foreign_optimizer_state(session: Any, options: dict) -> Optional[tuple[str, dict]]:
     """``(tag folder, its marker)`` when the optimizer state of the checkpoint DeepSpeed is about to
     load is not this run's owner's own, else ``None``."""
-    from xirang_ds.checkpoints.tags import OWNERS, read_marker, resolve_tag, state_owners
+    from xirang_ds.checkpoints.tags import owner_sections, read_marker, resolve_tag, state_owners
 
     if not options["load_optimizer_states"] or options["load_module_only"]:
         return None
@@ -147,7 +147,7 @@ def _foreign_optimizer_state(session: Any, options: dict) -> Optional[tuple[str,
     if tag_dir is None:
         return None  # DeepSpeed's own message for a folder without a checkpoint
     marker = read_marker(tag_dir)
-    current = {p.section for p in session.plugins} & set(OWNERS)
+    current = {p.section for p in session.plugins} & set(owner_sections())
     if state_owners(marker) != current:
         return tag_dir, marker
     stepper = session.stepper

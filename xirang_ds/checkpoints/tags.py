@@ -26,19 +26,27 @@ from xirang_ds.checkpoints.deepspeed_writer import (
     write_zero_files,
 )
 from xirang_ds.checkpoints.param_states import ParamStates, group_of, with_masters
-from xirang_ds.plugins.grad_release.checkpoint import basic_groups, load_shard, read_param_states, shard_path
+from xirang_ds.contributions import StateFiles, state_codes, state_files
 
 MARKER = "xirang_block.json"
 """Written into each checkpoint's tag folder: the xirang_ds version, the preset and the sections that
 ran, and (``deepspeed_files``) the layout of the plain ZeRO files written beside them."""
 
-GRAD_RELEASE_FOLDER = "xirang_grad_release"
 
-OWNERS = ("grad_release", "optimizer_states")
-"""Sections that change who holds the optimizer state, or its layout: grad_release holds fp32 masters
-and states in its own shards (the tag's xirang_grad_release/ folder), optimizer_states holds
-DynamicAdamW's codes over its own param groups in DeepSpeed's files. A resume whose checkpoint differs
-from the run in these is a take-over (`xirang_ds.checkpoints.engine_files.load`)."""
+
+def owner_sections() -> tuple[str, ...]:
+    """Sections that change who holds the optimizer state, or its layout: the one that keeps it in files of
+    its own (`xirang_ds.contributions.StateFiles`: grad_release's shards, holding fp32 masters and states)
+    and the one whose codes DeepSpeed's files hold (`StateCodes`: optimizer_states' DynamicAdamW over its own
+    param groups). A resume whose checkpoint differs from the run in these is a take-over
+    (`xirang_ds.checkpoints.engine_files.load`)."""
+    return tuple(entry.section for entry in (state_files(), state_codes()) if entry is not None)
+
+
+def own_files(owners: set[str]) -> Optional[StateFiles]:
+    """The `StateFiles` owner among ``owners`` (`state_owners`), or ``None``."""
+    own = state_files()
+    return own if own is not None and own.section in owners else None
 
 
 def resolve_tag(load_dir: str, tag: Optional[str]) -> Optional[str]:
@@ -61,8 +69,9 @@ def read_marker(tag_dir: str) -> dict:
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
             return json.load(f)
-    if os.path.isdir(os.path.join(tag_dir, GRAD_RELEASE_FOLDER)):
-        return {"sections": ["grad_release"]}
+    own = state_files()
+    if own is not None and os.path.isdir(os.path.join(tag_dir, own.folder)):
+        return {"sections": [own.section]}
     return {}
 
 
@@ -77,12 +86,13 @@ def write_marker(tag_dir: str, marker: dict) -> None:
 
 
 def state_owners(marker: dict) -> set[str]:
-    """The sections that own the tag's optimizer state: grad_release (its shards) and optimizer_states
-    (DynamicAdamW's codes in DeepSpeed's files) unless plain ZeRO files replaced those."""
+    """The sections that own the tag's optimizer state (`owner_sections`): the one with files of its own, and
+    the one whose codes DeepSpeed's files hold unless plain ZeRO files replaced those."""
     sections = set(marker.get("sections", []))
-    owners = sections & set(OWNERS)
-    if "grad_release" not in owners and marker.get("deepspeed_files"):
-        owners.discard("optimizer_states")  # DeepSpeed's files were rewritten in plain layout
+    owners = sections & set(owner_sections())
+    coded = state_codes()
+    if own_files(owners) is None and marker.get("deepspeed_files") and coded is not None:
+        owners.discard(coded.section)  # DeepSpeed's files were rewritten in plain layout
     return owners
 
 
@@ -96,8 +106,9 @@ def read_states(tag_dir: str, marker: dict, names: Sequence[str], shapes: dict[s
         optimizer_groups: the basic optimizer's param groups, when the model-states file is not written
             yet (at save).
     """
-    if "grad_release" in state_owners(marker):
-        return read_param_states(tag_dir, optimizer_groups)
+    own = own_files(state_owners(marker))
+    if own is not None:
+        return own.read_states(tag_dir, optimizer_groups)
     if codes.in_marker(marker):
         return codes.read_codes(tag_dir, names, shapes)
     return read_deepspeed_states(tag_dir, names, shapes)
@@ -141,12 +152,12 @@ def facts_of_run(session: Any) -> Optional[RunFacts]:
     optimizer_states inside DeepSpeed's ZeRO 1-3 optimizer holds the optimizer state)."""
     if not session.config.deepspeed_files:
         return None
-    grad_release, engine = session.stepper, session.engine
-    if grad_release is not None and grad_release.setup.zero_stage in (0, 1, 2):
-        dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(grad_release.setup.param_dtype, "fp32")
-        groups, stage, world = (engine.optimizer.state_dict()["param_groups"], grad_release.setup.zero_stage,
-                                grad_release.comm.world)
-    elif (grad_release is None and session.state_quantizer is not None
+    stepper, engine = session.stepper, session.engine
+    if stepper is not None and stepper.setup.zero_stage in (0, 1, 2):
+        dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(stepper.setup.param_dtype, "fp32")
+        groups, stage, world = (engine.optimizer.state_dict()["param_groups"], stepper.setup.zero_stage,
+                                stepper.comm.world)
+    elif (stepper is None and session.state_quantizer is not None
           and engine.zero_optimization_stage() in (1, 2, 3)):
         import deepspeed.comm as dist
 
@@ -172,8 +183,8 @@ def _plain_optimizer_fused(session: Any) -> bool:
     import deepspeed.runtime.engine as ds_engine
 
     fused = (ds_engine.FusedAdam,) + ((ds_engine.apex.optimizers.FusedAdam,) if ds_engine.APEX_INSTALLED else ())
-    optimizer_states = session.state_quantizer
-    basic = session.engine.basic_optimizer if optimizer_states is None else optimizer_states.original
+    quantizer = session.state_quantizer
+    basic = session.engine.basic_optimizer if quantizer is None else quantizer.original
     if basic is None:
         spec = session.requested_ds_config.get("optimizer") or {}
         return (str(spec.get("type", "")).lower() in ("adam", "adamw")
@@ -282,7 +293,8 @@ def _export_stage0(tag_dir: str, marker: dict, facts: RunFacts) -> str:
         raise ValueError(f"{tag_dir} was written by a ZeRO-3 run (no {MODEL_STATES}) and cannot hold a stage-0 "
                          "optimizer entry. Fix: export for stage 3, then DeepSpeed's ds_to_universal converts it")
     entry, _ = stage0_optimizer_entry(tag_dir, marker, facts)
-    kept = {BASIC_GROUPS: basic_groups(load_states_file(path))} if "grad_release" in state_owners(marker) else {}
+    own = own_files(state_owners(marker))
+    kept = {BASIC_GROUPS: own.basic_groups(load_states_file(path))} if own is not None else {}
     update_saved(path, optimizer=entry, **kept)
     write_marker(tag_dir, {**marker, "deepspeed_files": layout_record(facts)})
     return path
@@ -304,11 +316,12 @@ def facts_from_files(tag_dir: str, marker: dict) -> RunFacts:
         known = {n: shape for sub in model["param_shapes"] for n, shape in sub.items()}
         params = {n: known[n] for n in module if n in known}
     saved_optimizer = model.get("optimizer") or {}
-    if "grad_release" in state_owners(marker):
-        shard = load_shard(shard_path(tag_dir, 0), mmap=True)
+    own = own_files(state_owners(marker))
+    if own is not None:
+        stage, world = own.layout(tag_dir)
         dtypes = {t.dtype for t in module.values() if torch.is_tensor(t) and t.is_floating_point()}
         dtype = "bf16" if torch.bfloat16 in dtypes else "fp16" if torch.float16 in dtypes else "fp32"
-        return RunFacts(params, basic_groups(model), dtype, int(shard["zero_stage"]), int(shard["world"]), None,
+        return RunFacts(params, own.basic_groups(model), dtype, stage, world, None,
                         bool((marker.get("deepspeed_files") or {}).get("fused", False)),
                         weights={n: module[n] for n in params} if dtype == "fp32" else None)
     files = optim_files(tag_dir)
@@ -327,15 +340,16 @@ def describe(tag_dir: str) -> list[str]:
     marker = read_marker(tag_dir)
     sections = marker.get("sections", [])
     owners = state_owners(marker)
+    own, coded = own_files(owners), state_codes()
     lines = [f"{tag_dir}: written by " + (f"xirang_ds {marker.get('xirang_ds', '?')} (preset "
                                           f"{marker.get('preset') or 'none'}; sections {', '.join(sections) or 'none'})"
                                           if marker else "plain DeepSpeed")]
-    holder = ("grad_release's shards (xirang_grad_release/)" if "grad_release" in owners else
-              "DeepSpeed's files, as optimizer_states' int8/int4 codes over its own param groups"
-              if "optimizer_states" in owners else
-              f"optimizer_states' int8/int4 codes ({codes.FOLDER}/, what a run with optimizer_states resumes "
-              "from), decoded into DeepSpeed's files in plain layout" if codes.in_marker(marker) else
-              "DeepSpeed's own files")
+    holder = (own.holder if own is not None else
+              f"DeepSpeed's files, as {coded.codes} over its own param groups"
+              if coded is not None and coded.section in owners else
+              f"{coded.codes} ({coded.folder}/, what a run with {coded.section} resumes "
+              "from), decoded into DeepSpeed's files in plain layout" if coded is not None and codes.in_marker(marker)
+              else "DeepSpeed's own files")
     lines.append(f"  optimizer state: {holder}")
     files = optim_files(tag_dir)
     layout = marker.get("deepspeed_files") or {}
@@ -348,9 +362,8 @@ def describe(tag_dir: str) -> list[str]:
         tools = f"read it ({len(files)} ZeRO file(s){', written for ZeRO-' + str(layout['stage']) if layout else ''})"
     elif not owners:
         tools = "read it (stage 0: DeepSpeed's model-states file)"
-    elif "grad_release" in owners:
-        tools = ("cannot read it (grad_release at stage 0, saved without plain files); `xirang-ds checkpoint export "
-                 "--stage 0` writes the entry plain DeepSpeed at stage 0 resumes, `--stage 2` ZeRO-2 files")
+    elif own is not None:
+        tools = own.tools
     else:
         tools = "zero_to_fp32.py reads it; plain DeepSpeed's optimizer after `xirang-ds checkpoint export`"
     lines.append(f"  plain DeepSpeed, zero_to_fp32.py, ds_to_universal: {tools}")
@@ -373,8 +386,8 @@ def _torch_groups(optimizer_groups: Optional[list[dict]], states: ParamStates, c
     return [dict(template, **(states.groups[g] if g < len(states.groups) else {})) for g in range(count)]
 
 
-__all__ = ["GRAD_RELEASE_FOLDER", "MARKER", "OWNERS", "RunFacts", "describe", "export_deepspeed_files", "facts_from_files",
+__all__ = ["MARKER", "RunFacts", "describe", "export_deepspeed_files", "facts_from_files",
            "facts_of_run",
-           "layout_record", "read_marker", "read_states", "resolve_tag", "stage0_optimizer_entry", "state_owners",
+           "layout_record", "own_files", "owner_sections", "read_marker", "read_states", "resolve_tag", "stage0_optimizer_entry", "state_owners",
            "write_deepspeed_files",
            "write_marker"]

@@ -10,9 +10,9 @@ import json
 import os
 from typing import Any, Mapping, Optional, Union
 
-from xirang_ds import registry
 from xirang_ds.config.presets import PRESETS, expand_preset
-from xirang_ds.config.schema import SECTION_NAMES, XirangConfig
+from xirang_ds.config.schema import XirangConfig
+from xirang_ds.config.sections import block_type, check_available, extension_sections
 from xirang_ds.config.validate import XirangConfigError, convert_section, describe_value, suggest
 
 BLOCK_KEY = "xirang"
@@ -141,9 +141,9 @@ def validate_block(block: Any) -> XirangConfig:
     """
     problems: list[tuple[str, str]] = []
     resolved = resolve_block(block, problems)
-    extensions = registry.extension_sections()
+    extensions = extension_sections()
     builtin = {k: v for k, v in resolved.items() if k not in extensions}
-    config = convert_section(builtin, XirangConfig, BLOCK_KEY, problems)
+    config = convert_section(builtin, block_type(), BLOCK_KEY, problems)
     # third-party sections come from entry points; validate them with their own type
     ext_values = {}
     for name, cls in extensions.items():
@@ -152,7 +152,7 @@ def validate_block(block: Any) -> XirangConfig:
     if problems:
         raise XirangConfigError(problems)
     object.__setattr__(config, "extensions", ext_values)
-    problems = registry.check_available(config)
+    problems = check_available(config)
     if problems:
         raise XirangConfigError(problems)
     return config
@@ -204,4 +204,4 @@ def to_dict(config: XirangConfig) -> dict:
     return out
 
 
-__all__ = ["BLOCK_KEY", "SECTION_NAMES", "load_config", "read_ds_config", "validate_block", "to_dict"]
+__all__ = ["BLOCK_KEY", "load_config", "read_ds_config", "validate_block", "to_dict"]

@@ -17,7 +17,7 @@ _CONSERVATIVE = {
     "comm_buffers": {"enabled": True, "arena": True, "adapt": True},
     # the optimizer step in backward: gradients live a bucket at a time (bit-identical updates), bf16
     # masters as 16-bit remainders beside the weights (exact); where it is left out (ZeRO-3),
-    # optimizer_states with fp32 states keeps DeepSpeed's masters as remainders (`fit.TAKEN_OVER`)
+    # optimizer_states with fp32 states keeps DeepSpeed's masters as remainders (its `TakeOver`)
     "grad_release": {"enabled": True},
     # the planner keeps saved activations under what memory_budget leaves, storing them losslessly
     # (narrower exact storage, or host memory) and recomputing nothing but the output head's logits,
@@ -41,7 +41,7 @@ PRESETS: dict[str, dict] = {
     # which is what a budget must hold), recompute among the planner's options, and bf16 masters kept
     # to 16 significant bits as 8-bit remainders (1 byte instead of 2.125, each update rounded
     # stochastically onto that grid; where grad_release is left out (ZeRO-3) handed to DeepSpeed's
-    # masters, `fit.HANDED_OVER`; other dtypes keep their masters).
+    # masters, its registered `HandOver`; other dtypes keep their masters).
     "balanced": {
         **_CONSERVATIVE,
         "grad_release": {"enabled": True, "masters": "remainders_8bit"},
@@ -57,7 +57,7 @@ PRESETS: dict[str, dict] = {
         **_CONSERVATIVE,
         "grad_release": {"enabled": True, "masters": "none"},
         # where grad_release is left out (ZeRO-3), its masters: none is handed to DeepSpeed's masters
-        # (optimizer_states.masters, `fit.HANDED_OVER`)
+        # (optimizer_states.masters, its registered `HandOver`)
         "optimizer_states": {"enabled": True, "schedule": [{"dtype": "int4"}],
                              "keep_fp32_embeddings_and_norms": "measured"},
         "activations": {"enabled": True, "budget": "auto", "options": list(_LOSSLESS_STORAGE + _RECOMPUTE + _LOSSY),

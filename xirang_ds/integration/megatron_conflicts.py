@@ -33,7 +33,7 @@ from xirang_ds.compat.megatron import (
     transformer_layers,
     unwrap,
 )
-from xirang_ds.config.schema import ActivationsConfig, XirangConfig, glob_matches
+from xirang_ds.config.schema import Section, XirangConfig, glob_matches
 
 Issues = list[tuple[str, str]]
 SHOWN = 4
@@ -81,7 +81,7 @@ def _overlap(ours: Iterable[str], theirs: Iterable[str]) -> list[str]:
     return sorted({t for t in theirs if any(related(o, t) for o in ours)})
 
 
-def activation_targets(section: ActivationsConfig, model: torch.nn.Module) -> list[str]:
+def activation_targets(section: Section, model: torch.nn.Module) -> list[str]:
     """Module names the activations section acts on: the planner's candidates (``auto``: every
     ``TransformerLayer``) and the modules fixed to recompute, compress or offload."""
     names = [n for n, _ in model.named_modules() if n]

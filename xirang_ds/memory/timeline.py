@@ -20,14 +20,25 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from xirang_ds.config.types import format_bytes
-from xirang_ds.memory.categories import CATEGORIES, DEVICE_CATEGORIES, HOST
+from xirang_ds.memory.categories import (
+    ACTIVATIONS,
+    CATEGORIES,
+    COMM_BUFFERS,
+    DEVICE_CATEGORIES,
+    GRADIENTS,
+    HOST,
+    MEMORY_POOL,
+    OPTIMIZER_STATES,
+    PARAMETERS,
+    TEMPORARIES,
+)
 from xirang_ds.memory.tracker import MemoryTracker, PeakReport, Record, Window
 
 FORMAT = "xirang-timeline"
 VERSION = 1
 COLORS = {
-    "parameters": "#4e79a7", "gradients": "#f28e2b", "optimizer_states": "#e15759", "activations": "#76b7b2",
-    "comm_buffers": "#edc948", "memory_pool": "#ff9da7", "temporaries": "#b07aa1", "host": "#9c9c9c",
+    PARAMETERS: "#4e79a7", GRADIENTS: "#f28e2b", OPTIMIZER_STATES: "#e15759", ACTIVATIONS: "#76b7b2",
+    COMM_BUFFERS: "#edc948", MEMORY_POOL: "#ff9da7", TEMPORARIES: "#b07aa1", HOST: "#9c9c9c",
 }
 
 
@@ -230,7 +241,7 @@ td.n{{text-align:right;font-variant-numeric:tabular-nums}} .sw{{display:inline-b
         largest first; what no module created (autograd nodes, code outside the modules) is left out."""
         out: dict[str, int] = {}
         for t in self.tensors:
-            if t["category"] == "activations" and t["module"]:
+            if t["category"] == ACTIVATIONS and t["module"]:
                 out[t["module"]] = out.get(t["module"], 0) + t["nbytes"]
         return sorted(out.items(), key=lambda kv: -kv[1])
 

@@ -24,7 +24,8 @@ from xirang_ds.config.validate import XirangConfigError, describe_value
 from xirang_ds.models import build_model, parse_model_spec
 from xirang_ds.planning.estimator import estimate_states
 from xirang_ds.planning.fit import fit_block
-from xirang_ds.plugins.grad_release.states_tier import host_reason
+from xirang_ds.registry import plugin_classes
+from xirang_ds.roles import RemarksOnAuto
 
 AUTO = "auto"
 SENSITIVITY_KEY = "sensitivity"
@@ -78,8 +79,8 @@ def choose_preset(block: dict, ds_config: dict, model: Any, world_size: int = 1,
         needs.append((name, need))
         if need <= budget:
             tried = "".join(f"; {n} needs {format_bytes(b)}" for n, b in needs[:-1])
-            host = ", with grad_release's optimizer states in host memory (states auto)" if host_reason(
-                estimate.notes) else ""
+            host = "".join(cls.auto_remark(estimate.notes) or "" for cls in plugin_classes()
+                           if issubclass(cls, RemarksOnAuto))
             return candidate, (f"preset auto took {name}: model states, gradients and the optimizer step estimated "
                                f"{format_bytes(need)} per rank{host} against memory_budget {format_bytes(budget)}"
                                f"{tried} (sensitivity {sensitivity}: {', '.join(allowed)})")

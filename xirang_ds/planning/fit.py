@@ -9,11 +9,11 @@ every such problem is reported at once. Each plugin says what it cannot run with
 `FitsDsConfig.check_ds_config`, read on the user's ds_config before any plugin edits it. A key a preset set
 that this ds_config cannot take (grad_release's ``masters: none`` without bf16) falls back to the value a plugin's
 `FitsDsConfig.preset_fallbacks` names, with its line, unless the user wrote that key. A key of a section
-left out is handed to the section that does the same job in this configuration (`HANDED_OVER`), where
-that section runs, the user did not write the key and the section's check takes the value; a section
-left out whose job another section can do where the preset does not turn that one on hands the job over
-(`TAKEN_OVER`: grad_release's exact masters, kept by optimizer_states at ZeRO-3), where that section can
-run and pays.
+left out is handed to the section that does the same job in this configuration (a `HandOver` its plugin
+registered), where that section runs, the user did not write the key and the section's check takes the
+value; a section left out whose job another section can do where the preset does not turn that one on
+hands the job over (a registered `TakeOver`: grad_release's exact masters, kept by optimizer_states at
+ZeRO-3), where that section can run and pays.
 """
 from __future__ import annotations
 
@@ -23,19 +23,9 @@ from typing import Any, Optional
 from xirang_ds.config.loader import deep_merge, validate_block
 from xirang_ds.config.schema import XirangConfig
 from xirang_ds.config.validate import XirangConfigError
+from xirang_ds.contributions import hand_overs, take_over
 from xirang_ds.registry import plugin_for
 from xirang_ds.roles import FitsDsConfig
-
-HANDED_OVER = {("grad_release", "masters"): ("optimizer_states", "masters")}
-"""(left-out section, key) → (section, key) that keeps the masters where the first cannot run:
-grad_release's ``masters: none`` (the aggressive preset) becomes DeepSpeed's ZeRO-3 masters' at ZeRO-3."""
-
-TAKEN_OVER = {"grad_release": ("optimizer_states", {"schedule": [{"dtype": "fp32"}]},
-                               "keeps DeepSpeed's ZeRO-3 masters as remainders in its place, with fp32 states (exact)")}
-"""Left-out section → (section, its keys, what it does): the section that keeps its exact masters where the
-preset does not turn that section on (conservative at ZeRO-3): optimizer_states with fp32 states (`DynamicAdamW`
-in fp32 is AdamW bit for bit) keeps DeepSpeed's ZeRO-3 masters as remainders, where it can run and pays
-(`FitsDsConfig.preset_leave_out`: only where it parks the masters, ZeRO-3 in bf16 without optimizer offload)."""
 
 UNKNOWN = object()
 """`fit_block`'s optimizer where the ds_config is all that is known (``xirang-ds validate``)."""
@@ -132,11 +122,12 @@ def _unpaid(cls: Any, section: Any, ds_config: dict) -> Optional[str]:
 
 def _take_over(block: dict, config: XirangConfig, left_out: list[LeftOut], ds_config: dict,
                optimizer: Any) -> tuple[dict, list[LeftOut]]:
-    """``block`` with `TAKEN_OVER`'s sections turned on for the left-out sections whose job they do, and
-    the left-out lines saying so."""
+    """``block`` with the registered `TakeOver` sections turned on for the left-out sections whose job they
+    do, and the left-out lines saying so."""
     out = []
     for item in left_out:
-        target, keys, job = TAKEN_OVER.get(item.section, (None, None, None))
+        entry = take_over(item.section)
+        target, keys, job = (entry.target, entry.keys, entry.job) if entry else (None, None, None)
         if target is None or target in block or getattr(config, target).enabled:
             out.append(item)  # nothing takes the job over, or the user wrote that section, or it runs already
             continue
@@ -152,8 +143,9 @@ def _take_over(block: dict, config: XirangConfig, left_out: list[LeftOut], ds_co
 
 
 def _hand_over(block: dict, config: XirangConfig, left: set[str], ds_config: dict) -> dict:
-    """``block`` with `HANDED_OVER`'s keys of the left-out sections given to the sections that take them."""
-    for (source, key), (target, target_key) in HANDED_OVER.items():
+    """``block`` with the registered `HandOver` keys of the left-out sections given to the sections that take
+    them."""
+    for source, key, target, target_key in ((h.source, h.key, h.target, h.target_key) for h in hand_overs()):
         section = getattr(config, target, None)
         written = block.get(target) if isinstance(block.get(target), dict) else {}
         if source not in left or section is None or not section.enabled or target_key in written:

@@ -12,14 +12,15 @@ import logging
 import os
 from typing import Any
 
-from xirang_ds.config.schema import ProfilerConfig
 from xirang_ds.hooks import wrap_method
+from xirang_ds.plugins.profiler.config import ProfilerConfig
 from xirang_ds.registry import Plugin, register_plugin
 
 logger = logging.getLogger("xirang_ds")
 
 
-@register_plugin(ProfilerConfig, section="profiler", order=80)
+@register_plugin(ProfilerConfig, section="profiler", order=80,
+                 summary="Per-tensor memory timeline of one step.")
 class ProfilerPlugin(Plugin):
     """Timeline of the configured step; ``files`` and ``report`` hold the results afterwards."""
 

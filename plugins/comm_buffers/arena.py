@@ -17,6 +17,7 @@ import torch
 
 from xirang_ds.compat.torch import TorchDispatchMode
 from xirang_ds.hooks import wrap_method
+from xirang_ds.memory.lending import Lease
 
 
 class Arena:
@@ -231,8 +232,6 @@ class ArenaLender:
     def lease(self, nbytes: int, device: torch.device):
         """A `Lease` of arena bytes, ``None`` to decline; in the observed pass a request that does not
         fit gets a plain buffer that still reports when it is consumed."""
-        from xirang_ds.plugins.activations.storage import Lease
-
         if getattr(self.optimizer, "ready_for_gradients", False) or device.type != self.arena.device.type:
             return None
         if self._in_backward or not self._ordered:  # the first request after a backward starts a new pass

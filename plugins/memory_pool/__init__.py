@@ -26,17 +26,18 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from xirang_ds.config.schema import MemoryPoolConfig
 from xirang_ds.config.types import format_bytes
 from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import MEMORY_POOL
 from xirang_ds.memory.pool import MemoryPool, PoolTooSmall, align_up
+from xirang_ds.plugins.memory_pool.config import MemoryPoolConfig
 from xirang_ds.registry import SHARED_POOL, Plugin, register_plugin
 
 logger = logging.getLogger("xirang_ds")
 
 
-@register_plugin(MemoryPoolConfig, section="memory_pool", order=25)
+@register_plugin(MemoryPoolConfig, section="memory_pool", order=25,
+                 summary="Pooled allocation for plugin tensors.")
 class MemoryPoolPlugin(Plugin):
     """Owns the `MemoryPool` of the run (see the module docstring). Under Megatron-core it attaches to
     the integration's ``MegatronRun`` the same way (its ``step`` is Megatron's ``optimizer.step()``).

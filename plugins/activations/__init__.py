@@ -425,7 +425,7 @@ class ActivationsPlugin(Passes, Plugin):
 
     def _log_plan(self) -> None:
         self.plan_text = plan_table(self.plan, self.choices, self.profiles, self.budget_bytes, self.outside_bytes,
-                                    self.planned_peaks, errors_measured=self.plan_source != BEFORE_RUN)
+                                    self.planned_peaks, errors_measured=not self.plan_source.startswith(BEFORE_RUN))
         self.plan_text += f"\ntimes priced by the device profile: {self.device_profile_note}" if self.choices else ""
         self.plan_text += f"\n{self.plan_source}" if self.choices else ""
         self._log("plan\n" + self.plan_text)

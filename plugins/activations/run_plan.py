@@ -15,9 +15,13 @@ from typing import Any, Optional
 
 import torch
 
+from xirang_ds.compat.torch import storage_key
+from xirang_ds.config.loader import BLOCK_KEY
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.memory.calibration import InputSignature, ModelTwin
+from xirang_ds.memory.categories import TEMPORARIES
+from xirang_ds.memory.storages import tensors_in
 from xirang_ds.plugins.activations.trace_plan import TracePlan
 
 
@@ -49,11 +53,16 @@ def plan_before_run(plugin: Any, twin: ModelTwin, args: tuple, kwargs: dict) -> 
     sig = InputSignature(args, kwargs)
     tracker = session.started_tracker
     device = "cpu" if torch.device(plugin.runtime.device).type == "cpu" else "cuda"
+    held = held_besides_the_run(tracker, args, kwargs)
+    ds_config, total = session.requested_ds_config, int(acc.total_memory()) - held
+    budget = session.config.memory_budget
+    if held and budget != "auto":  # what the user holds on the device comes off the budget
+        ds_config = {**ds_config, BLOCK_KEY: {**ds_config[BLOCK_KEY], "memory_budget": int(budget) - held}}
     try:
         with tracker.paused() if tracker is not None else contextlib.nullcontext():
-            est = session.estimator.estimate_run(twin.build, session.requested_ds_config, world_size=session.world_size,
+            est = session.estimator.estimate_run(twin.build, ds_config, world_size=session.world_size,
                                                  device=device, inputs=sig.fake, device_profile=plugin.device_profile,
-                                                 device_total_bytes=int(acc.total_memory()))
+                                                 device_total_bytes=total)
     except XirangConfigError:
         raise
     except Exception as e:  # fake tensors cannot run every model (data-dependent shapes, custom ops)
@@ -63,18 +72,33 @@ def plan_before_run(plugin: Any, twin: ModelTwin, args: tuple, kwargs: dict) -> 
     if plan is None:
         note = next((n for n in est.notes if n.startswith(f"{plugin.section}:")), "")
         return None, note or "the estimate does not model this block's activation options"
+    held_text = f", {format_bytes(held)} of it held on the device besides the run" if held else ""
+    stepper = session.stepper
     if not plan.fits:
-        budget = session.config.memory_budget
-        raise XirangConfigError([(key, f"{message} (planned before the run for a batch of {sig.describe()}; "
-                                       f"memory_budget {budget if budget == 'auto' else format_bytes(int(budget))}: "
-                                       f"the least any plan meets is {format_bytes(plan.least_budget_bytes)}, "
+        fixes = stepper.budget_fixes() if stepper is not None else ""  # what the run's stepper can still lower
+        raise XirangConfigError([(key, f"{message}{fixes if key == 'xirang.memory_budget' else ''} "
+                                       f"(planned before the run for a batch of {sig.describe()}; "
+                                       f"memory_budget {budget if budget == 'auto' else format_bytes(int(budget))}"
+                                       f"{held_text}: the least any plan meets is "
+                                       f"{format_bytes(plan.least_budget_bytes + held)}, "
                                        f"{format_bytes(plan.other_bytes)} besides saved activations)")
                                  for key, message in plan.problems])
-    stepper = session.stepper
     if stepper is not None and stepper.tier_pending:
         states = est.plans.get("grad_release") or {}
         stepper.settle_tier(states.get("states") == "host", states.get("why") or "")
-    return plan, ""
+    return plan, held_text[2:]
 
 
-__all__ = ["BEFORE_RUN", "plan_before_run", "twin_for"]
+def held_besides_the_run(tracker: Any, args: tuple, kwargs: dict) -> int:
+    """Device bytes live as the first forward starts that belong to no role of the run, less this batch: what
+    the user keeps on the device beside the training (a dataset, another model), which the estimate cannot
+    know and the plan must leave room for. Known where the live tracker runs (0 elsewhere)."""
+    if tracker is None:
+        return 0
+    loose = tracker.live_by_category().get(TEMPORARIES, 0)
+    batch = {storage_key(t.untyped_storage()): t.untyped_storage().nbytes()
+             for t in tensors_in((args, kwargs)) if t.device.type == tracker.device_type}
+    return max(0, loose - sum(batch.values()))
+
+
+__all__ = ["BEFORE_RUN", "held_besides_the_run", "plan_before_run", "twin_for"]

@@ -233,19 +233,22 @@ def test_auto_puts_the_states_on_the_host_only_where_the_device_cannot_hold_them
         unbudgeted, roomy, auto = r["unbudgeted"], r["roomy"], r["auto"]
         assert unbudgeted["started"] == unbudgeted["parked"] == ["device"]  # no byte budget: never moved
         assert "host memory" not in unbudgeted["summary"]
-        # a byte budget the estimate fits: on the host while the planner profiles, then where its plan puts them
+        # a byte budget the estimate fits: on the host until the plan made at the first forward puts them
         assert roomy["started"] == auto["started"] == ["host"]
         assert roomy["parked"] == ["device"] and "states_to_host" not in roomy["events"]
         assert roomy["losses"] == unbudgeted["losses"]  # the same updates wherever the states were
         assert auto["parked"] == ["host"] and auto["events"].count("states_to_host") == 1
-        assert "in host memory between updates (states auto: no activation plan fits" in auto["summary"]
+        # the plan made before the run leaves room for what the harness holds on the device (its corpus)
+        assert "in host memory between updates (states auto: the estimated model states" in auto["summary"]
         assert auto["peak"] <= BUDGET  # the profiling passes too: the states were never on the device
         # resumed with the checkpoint's plan (no profiling): the states stay where that run's planner put them
         resumed = r["resumed"]
         assert resumed["started"] == resumed["parked"] == ["host"] and resumed["peak"] <= BUDGET
         assert "keep the optimizer states in host memory (xirang.grad_release.states \"host\"" in r["device"]["error"]
-        # 24,000,000 bytes: the estimate does not fit, so they start on the host for good; no plan fits even so
+        # 24,000,000 bytes: the estimate does not fit, so they start on the host for good; the plan made before
+        # the run (what the harness holds taken off) fits the rest, and the run stays within it (the profiled
+        # passes of before found no plan here)
         short = r["short"]
-        assert short["started"] == ["host"]
+        assert short["started"] == short["parked"] == ["host"]
         assert "the estimated model states, gradients and optimizer step" in short["summary"]
-        assert "below the least any plan needs" in short["error"]
+        assert "error" not in short and short["peak"] <= 24_000_000

@@ -343,6 +343,14 @@ class MemoryTracker:
                 rec.category = ACTIVATIONS
         self._forward_start_serial = None
 
+    def live_by_category(self) -> dict[str, int]:
+        """Bytes live now per category (host-tier storages under ``host``)."""
+        out: dict[str, int] = {}
+        for rec in self._live.values():
+            category = HOST if rec.host else rec.resolved_category()
+            out[category] = out.get(category, 0) + rec.nbytes
+        return out
+
     def open_window(self) -> "Window":
         """An independent measurement window starting now (the monitor, the profiler and the bench
         each keep one, so one resetting its peak does not disturb the others)."""

@@ -6,8 +6,10 @@ counts on any machine for the same program:
 
 * ``kernels``: ATen ops that compute (views and size queries left out), seen by a dispatch mode: what
   an eager step launches. A compiled region runs eagerly under the mode (Dynamo declines to trace
-  under one), so it counts its ops, not its one graph call. On CUDA the profiler's count of kernels
-  really launched is ``device_kernels`` beside it.
+  under one), so it counts its ops, not its one graph call; except where the code runs it through
+  `compiled_call` (optimizer_states' fused update): the counters are lifted for the call and each
+  counts it as one kernel. On CUDA the profiler's count of kernels really launched is
+  ``device_kernels`` beside it.
 * ``host_syncs``: ops whose result the host must read before it goes on (``aten._local_scalar_dense``
   behind ``.item()``, ``float(t)`` and ``bool(t)``; ``is_nonzero``, ``equal``; ops whose output
   shape is data (``nonzero``, ``masked_select``, ``unique``...); a blocking copy into the host
@@ -28,13 +30,21 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from xirang_ds.compat.torch import TorchDispatchMode, copy_ops, host_read_ops, op_schema
+from xirang_ds.compat.torch import (
+    TorchDispatchMode,
+    copy_ops,
+    dispatch_mode_stack,
+    host_read_ops,
+    op_schema,
+    pop_mode_temporarily,
+)
 
 _aten = torch.ops.aten
 _SIZE_OPS = {_aten.sym_size.int, _aten.sym_stride.int, _aten.sym_numel.default, _aten.sym_storage_offset.default,
@@ -92,6 +102,11 @@ class _Counter(TorchDispatchMode):
             self._copy(packet, args, kwargs, out)
         return out
 
+    def count_compiled_call(self) -> None:
+        """One call of a compiled graph, run outside the mode (`compiled_call`)."""
+        self.kernels += 1
+        self.optimizer_kernels += self.in_step > 0
+
     def _copy(self, packet: Any, args: tuple, kwargs: dict, out: Any) -> None:
         src, dst = (args[1], args[0]) if packet is _COPY_INTO else (args[0], out)
         if not (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor)):
@@ -104,6 +119,26 @@ class _Counter(TorchDispatchMode):
         blocking = not (kwargs.get("non_blocking") or (packet is _COPY_INTO and len(args) > 2 and args[2]))
         if into_host and blocking:
             self.host_syncs += 1  # the host waits for the copy to land
+
+
+def only_counters_active() -> bool:
+    """Every active dispatch mode is a step counter (none at all counts too): a compiled region may
+    run through `compiled_call` and be counted as what it is, one graph call."""
+    return all(isinstance(mode, _Counter) for mode in dispatch_mode_stack())
+
+
+@contextlib.contextmanager
+def compiled_call() -> Iterator[None]:
+    """Run the body (one call of a compiled graph) with the active step counters lifted, since Dynamo
+    does not trace under a dispatch mode, and count it as one kernel in each. Only where
+    `only_counters_active`; with no counter it does nothing."""
+    counters = [mode for mode in dispatch_mode_stack() if isinstance(mode, _Counter)]
+    with contextlib.ExitStack() as lifted:
+        for _ in counters:
+            lifted.enter_context(pop_mode_temporarily())
+        yield
+    for mode in counters:
+        mode.count_compiled_call()
 
 
 @dataclass
@@ -199,4 +234,4 @@ def count_step(step: Callable[[], Any], device: torch.device | str = "cpu", trac
     return counts
 
 
-__all__ = ["StepCounts", "count_ops", "count_step"]
+__all__ = ["StepCounts", "compiled_call", "count_ops", "count_step", "only_counters_active"]

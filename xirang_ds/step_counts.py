@@ -13,10 +13,11 @@ counts on any machine for the same program:
 * ``host_syncs``: ops whose result the host must read before it goes on (``aten._local_scalar_dense``
   behind ``.item()``, ``float(t)`` and ``bool(t)``; ``is_nonzero``, ``equal``; ops whose output
   shape is data (``nonzero``, ``masked_select``, ``unique``...); a blocking copy into the host
-  tier). On CUDA ``device_syncs`` is what ``torch.cuda.set_sync_debug_mode`` reports beside it. On
-  a CPU every tensor is on the device, so reads of tensors a GPU run keeps in host memory (torch
-  optimizers' ``step`` counters: one ``.item()`` per parameter in single-tensor AdamW) count too: an
-  upper bound of the GPU's syncs.
+  tier). On CUDA ``device_syncs`` is what ``torch.cuda.set_sync_debug_mode`` reports beside it.
+* ``host_reads``: reads of scalars a GPU run keeps in host memory, which wait for nothing there: a
+  torch optimizer's ``step`` counter outside capturable and fused groups (torch keeps it on the CPU,
+  ``torch/optim/adam.py`` ``_init_group``; single-tensor AdamW reads it once per parameter). On a
+  CPU every tensor is on the device, so these are told apart by what they are, not where they lie.
 * ``link_bytes``: bytes copied between the device and the host tier, by what moves: the tracker's
   scope at the copy, else the category of the device-side storage (``activations``: offload;
   ``optimizer_states``, ``gradients``: grad_release's host tiers). Off a CPU, host memory is the
@@ -71,7 +72,8 @@ class _Counter(TorchDispatchMode):
         super().__init__()
         self.device_type = device_type
         self.tracker = tracker
-        self.kernels = self.host_syncs = self.optimizer_kernels = 0
+        self.kernels = self.host_syncs = self.host_reads = self.optimizer_kernels = 0
+        self.host_counters: set[int] = set()  # data_ptrs of optimizers' host-side step counters
         self.link_bytes: dict[str, int] = {}
         self.in_step = 0
 
@@ -97,7 +99,10 @@ class _Counter(TorchDispatchMode):
         self.optimizer_kernels += self.in_step > 0
         packet = getattr(func, "overloadpacket", None)
         if packet in _SYNC_PACKETS:
-            self.host_syncs += 1
+            if args and isinstance(args[0], torch.Tensor) and args[0].data_ptr() in self.host_counters:
+                self.host_reads += 1
+            else:
+                self.host_syncs += 1
         elif packet is _COPY_INTO or packet is _COPY_NEW:
             self._copy(packet, args, kwargs, out)
         return out
@@ -148,6 +153,7 @@ class StepCounts:
 
     kernels: Optional[int]
     host_syncs: Optional[int] = None
+    host_reads: Optional[int] = None
     link_bytes: dict[str, int] = field(default_factory=dict)
     optimizer_kernels: Optional[int] = None
     device_kernels: Optional[int] = None
@@ -169,8 +175,9 @@ def count_ops(fn: Callable[[], Any], device: torch.device | str = "cpu", tracker
 
     mode = _Counter(torch.device(device).type, tracker)
 
-    def enter(*_: Any) -> None:
+    def enter(optimizer: torch.optim.Optimizer, *_: Any) -> None:
         mode.in_step += 1
+        mode.host_counters.update(_host_step_counters(optimizer))
 
     def leave(*_: Any) -> None:
         mode.in_step -= 1
@@ -183,6 +190,19 @@ def count_ops(fn: Callable[[], Any], device: torch.device | str = "cpu", tracker
         for h in hooks:
             h.remove()
     return out, mode
+
+
+def _host_step_counters(optimizer: torch.optim.Optimizer) -> set[int]:
+    """Where ``optimizer``'s 0-d ``step`` counters lie, for those torch keeps in host memory on an
+    accelerator too (groups neither capturable nor fused)."""
+    host_groups = [g for g in optimizer.param_groups if not g.get("capturable") and not g.get("fused")]
+    params = {id(p) for g in host_groups for p in g["params"]}
+    out = set()
+    for p, state in optimizer.state.items():
+        step = state.get("step") if isinstance(state, dict) and id(p) in params else None
+        if isinstance(step, torch.Tensor) and step.dim() == 0:
+            out.add(step.data_ptr())
+    return out
 
 
 def _device_events(fn: Callable[[], Any]) -> tuple[int, int]:
@@ -223,8 +243,8 @@ def count_step(step: Callable[[], Any], device: torch.device | str = "cpu", trac
     counts ``None``."""
     try:
         _, mode = count_ops(step, device, tracker)
-        counts = StepCounts(kernels=mode.kernels, host_syncs=mode.host_syncs, link_bytes=dict(mode.link_bytes),
-                            optimizer_kernels=mode.optimizer_kernels)
+        counts = StepCounts(kernels=mode.kernels, host_syncs=mode.host_syncs, host_reads=mode.host_reads,
+                            link_bytes=dict(mode.link_bytes), optimizer_kernels=mode.optimizer_kernels)
     except Exception:  # a compiled region refused under the mode: the device's counts alone
         counts = StepCounts(kernels=None)
     if torch.device(device).type == "cuda":

@@ -11,7 +11,8 @@ counts on any machine for the same program:
   counts it as one kernel. On CUDA the profiler's count of kernels really launched is
   ``device_kernels`` beside it.
 * ``host_syncs``: ops whose result the host must read before it goes on (``aten._local_scalar_dense``
-  behind ``.item()``, ``float(t)`` and ``bool(t)``; ``is_nonzero``, ``equal``; ops whose output
+  behind ``.item()``, ``float(t)`` and ``bool(t)``; ``Tensor.tolist`` of a CPU tensor on a CPU run, which
+  reads memory with no ATen op, seen by a function mode; ``is_nonzero``, ``equal``; ops whose output
   shape is data (``nonzero``, ``masked_select``, ``unique``...); a blocking copy into the host
   tier). On CUDA ``device_syncs`` is what ``torch.cuda.set_sync_debug_mode`` reports beside it.
 * ``host_reads``: reads of scalars a GPU run keeps in host memory, which wait for nothing there: a
@@ -42,8 +43,10 @@ from xirang_ds.compat.torch import (
     TorchDispatchMode,
     copy_ops,
     dispatch_mode_stack,
+    function_mode_stack,
     host_read_ops,
     op_schema,
+    pop_function_mode_temporarily,
     pop_mode_temporarily,
 )
 
@@ -138,12 +141,30 @@ def compiled_call() -> Iterator[None]:
     does not trace under a dispatch mode, and count it as one kernel in each. Only where
     `only_counters_active`; with no counter it does nothing."""
     counters = [mode for mode in dispatch_mode_stack() if isinstance(mode, _Counter)]
+    readers = [mode for mode in function_mode_stack() if isinstance(mode, _ListReads)]
     with contextlib.ExitStack() as lifted:
         for _ in counters:
             lifted.enter_context(pop_mode_temporarily())
+        for _ in readers:  # count_ops enters them innermost
+            lifted.enter_context(pop_function_mode_temporarily())
         yield
     for mode in counters:
         mode.count_compiled_call()
+
+
+class _ListReads(torch.overrides.TorchFunctionMode):
+    """``Tensor.tolist`` of a CPU tensor on a CPU run, one host sync: it reads the memory in C++ with no
+    ATen op for `_Counter` to see (on a GPU the copy to the host it makes is counted there)."""
+
+    def __init__(self, counter: _Counter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if (func is torch.Tensor.tolist and self.counter.device_type == "cpu" and args
+                and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu"):
+            self.counter.host_syncs += 1
+        return func(*args, **(kwargs or {}))
 
 
 @dataclass
@@ -184,7 +205,7 @@ def count_ops(fn: Callable[[], Any], device: torch.device | str = "cpu", tracker
 
     hooks = [register_optimizer_step_pre_hook(enter), register_optimizer_step_post_hook(leave)]
     try:
-        with mode:
+        with mode, _ListReads(mode):
             out = fn()
     finally:
         for h in hooks:

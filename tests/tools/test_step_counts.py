@@ -98,6 +98,7 @@ def test_reads_of_an_optimizers_host_side_step_counters_are_host_reads_not_syncs
     assert (single_counts.host_reads, single_counts.host_syncs) == (2, 0)  # weight and bias
     assert (count_step(fused.step, "cpu").host_reads, count_step(lambda: torch.ones(2).sum().item(), "cpu").host_syncs) \
         == (0, 1)
+    assert count_step(lambda: torch.ones(3).mul(2).tolist(), "cpu").host_syncs == 1  # no ATen op: a function mode sees it
 
 
 def test_the_bench_gives_each_side_its_counts():

@@ -142,6 +142,19 @@ class GradReleasePlugin(StatesTier, Plugin):
                                           "optimizer= to initialize or add an \"optimizer\" block")])
         return optimizer
 
+    def stashes_held(self, states_on_host: Optional[bool] = None) -> bool:
+        """Exact clipping keeps the reduced shards in host memory until backward ends: ``exact_method: host``,
+        or ``auto`` where the optimizer states are in host memory (``states_on_host``, default where they
+        are now, `states_tier`): the device could not fit them, so it holds no shard either."""
+        if self.config.exact_method != "auto":
+            return self.config.exact_method == "host"
+        return self.states_tier() == "host" if states_on_host is None else states_on_host
+
+    def exact_method_now(self) -> str:
+        """``exact_method`` with ``auto`` resolved (`stashes_held`)."""
+        method = self.config.exact_method
+        return method if method != "auto" else "host" if self.stashes_held() else "hold"
+
     # attach: the framework's path -------------------------------------------------------------
     def attach(self, engine: Any) -> None:
         self.path.attach(engine)
@@ -151,8 +164,7 @@ class GradReleasePlugin(StatesTier, Plugin):
         (``on_grad``, default the pipeline's own), and the buckets' tensors declared by role."""
         tracker = self.session.tracker
         by_rows = [rows.fits(b, b.params[0], self._owners.get(id(b.params[0]), 0)) for b in self.buckets]
-        self.pipeline = ReleasePipeline(self.buckets, self.config.overlap_comm,
-                                        stash_held=self.config.exact_method == "host",
+        self.pipeline = ReleasePipeline(self.buckets, self.config.overlap_comm, stash_held=self.stashes_held(),
                                         on_grad_seen=lambda g: tracker.mark(g, GRADIENTS) if tracker.active else None,
                                         by_rows=by_rows)
         hook = on_grad or self.pipeline.on_grad
@@ -257,19 +269,23 @@ class GradReleasePlugin(StatesTier, Plugin):
         clipping = self.setup.gradient_clipping if self.setup is not None else 0.0
         fp16 = self.setup is not None and self.setup.fp16 is not None
         global_pass = clipping > 0 and self.config.clipping == "exact" or fp16 or self.retries_oom()
-        holds = self.config.exact_method == "hold" and global_pass
-        # the rows' shard stays on the device unless each round goes on as it comes (`rows.RowSink`): into
-        # the accumulator, or to the host under ``host``; then one round more (its reduced part)
-        streams = shape.grad_accum > 1 or self.config.exact_method == "host" and global_pass
-        rows_held = max((lp * (world * math.ceil(n / world / 8)
-                               + (math.ceil(n / world / 8) if streams else math.ceil(n / world))) for n in by_rows),
-                        default=0)
+        # by where the optimizer states are (``parked``: host), as ``exact_method: auto`` follows them
+        holds = {parked: global_pass and self.config.exact_method != "two_pass" and not self.stashes_held(parked)
+                 for parked in (False, True)}
         accum = 4 * part if shape.grad_accum > 1 else 0
         in_flight = (2 if self.config.overlap_comm and len(planned) > 1 else 1) * lp * bucket
         # the largest gradient, made whole before its hook, is copied into its bucket's buffer, unless it is
         # alone there, unpadded and in the communication dtype: then it is the buffer (`Bucket._adopts`)
-        whole = 0 if largest >= bucket_numel and largest % world == 0 and comm_bytes == lp else lp * largest
-        whole = max(whole, rows_held)
+        largest_whole = 0 if largest >= bucket_numel and largest % world == 0 and comm_bytes == lp else lp * largest
+
+        def rows_held(parked: bool) -> int:
+            # the rows' shard stays on the device unless each round goes on as it comes (`rows.RowSink`): into
+            # the accumulator, or to the host under the stash; then one round more (its reduced part)
+            streams = shape.grad_accum > 1 or self.stashes_held(parked) and global_pass
+            return max((lp * (world * math.ceil(n / world / 8)
+                              + (math.ceil(n / world / 8) if streams else math.ceil(n / world)))
+                        for n in by_rows), default=0)
+
         shard = math.ceil(bucket / world)
         # the update (bucket.py ``apply``): the bucket shard's fp32 gradient, then with remainders its
         # master rebuilt from a 16-bit copy of its weights (freed once joined; ``none``: widened in
@@ -301,6 +317,8 @@ class GradReleasePlugin(StatesTier, Plugin):
 
         def held(parked: bool) -> dict:
             out = {}
+            rows = rows_held(parked)
+            whole = max(largest_whole, rows)
             for name, cats in phases.items():
                 cats = dict(cats)
                 cats[PARAMETERS] = lp * total + masters
@@ -318,14 +336,14 @@ class GradReleasePlugin(StatesTier, Plugin):
                     # are in flight and updating, and the held shard (if any) is whole
                     late = {**cats, "activations": 0, "comm_buffers": in_flight, "temporaries": update,
                             OPTIMIZER_STATES: fetched if parked else states,
-                            GRADIENTS: accum + (lp * part if holds else 0) + whole}
+                            GRADIENTS: accum + (lp * part if holds[parked] else 0) + whole}
                     if sum(late.values()) > sum(cats.values()):
                         cats = late
                 elif name == BACKWARD_START:
                     # the first gradient autograd makes (the output head's, where the model has one: the
                     # largest parameter) exists whole before its hook copies it into a bucket, unless by
                     # rows; no more than the traced run's own gradients made there (none yet: none here)
-                    cats[GRADIENTS] = accum + min(max(lp * largest, rows_held), made(name))
+                    cats[GRADIENTS] = accum + min(max(lp * largest, rows), made(name))
                 elif name in ("optimizer_step", STEP_PREPARE):
                     cats["temporaries"] = 0
                     cats["activations"] = 0

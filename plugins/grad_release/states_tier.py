@@ -92,6 +92,8 @@ class StatesTier:
             elif bucket.states_on == "host":
                 bucket.unpark_states()
         self.tier_pending = False
+        if self.pipeline is not None and self.config.exact_method == "auto":
+            self.pipeline.stash_held = on_host  # exact clipping's held shards follow the states (`stashes_held`)
         if on_host:
             self.parked_why = why
             self.session.record_event("states_to_host", reason=why)

@@ -102,9 +102,9 @@ def test_reads_of_an_optimizers_host_side_step_counters_are_host_reads_not_syncs
 
 
 def test_the_bench_gives_each_side_its_counts():
-    """Plain DeepSpeed copies nothing to the host, nor does grad_release's exact clipping by default (``hold``:
-    a norm needs no host); its ``host`` method copies each reduced gradient partition out and back: 2 x 2
-    bytes per element."""
+    """Plain DeepSpeed copies nothing to the host, nor does grad_release's exact clipping by default (``auto``:
+    ``hold`` while the optimizer states are on the device, a norm needs no host); its ``host`` method copies
+    each reduced gradient partition out and back: 2 x 2 bytes per element."""
     from tests.harness.engine_runs import ds_config
     from xirang_ds.bench import run_side
 
@@ -119,6 +119,10 @@ def test_the_bench_gives_each_side_its_counts():
     numel = sum(p.numel() for p in build_model(BUILTIN_SPECS["gpt-tiny"]).parameters())
     assert held["link_bytes_per_step"] == 0
     assert ours["link_bytes_by_category"] == {"gradients": 2 * 2 * numel}
+    # exact_method auto takes the host where the optimizer states are there (the device could not fit them)
+    block = {"grad_release": {"enabled": True, "states": "host"}}
+    parked = run_side("gpt-tiny", {**config, "xirang": block}, 2, 1, None, 0, True).counts
+    assert parked["link_bytes_by_category"]["gradients"] == 2 * 2 * numel
     assert held["host_syncs_per_step"] <= plain["host_syncs_per_step"] + 1  # the norm read once a step
 
 

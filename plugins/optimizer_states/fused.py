@@ -13,9 +13,9 @@ On the CPU Inductor emits one ``cpp_fused_*`` call per bf16 or int8 chunk and th
   ops per 131,072-element chunk: about 1,000 calls per step at 134M elements). On the CPU a tensor
   runs in chunks of one static length (a graph per format and chunk length, cached by Dynamo), its
   last, shorter chunk eagerly: Inductor's C++ for a whole tensor writes the decoded moments out whole
-  between its five loop nests (8 bytes of temporaries per element) and ran at 14-24 ns per int8
-  element against 2.4 for an in-cache chunk, and its dynamic-length code was 6x slower at int8 and
-  118x at int4 (``benchmarks/fused_dynamic_tail.py``, ``benchmarks/fused_calls.py``). Whether
+  between its five loop nests (8 bytes of temporaries per element), and its dynamic-length code took
+  4x the eager path's time per int8 element and over 300x at int4 (``benchmarks/fused_calls.py``;
+  per chunk 6x and 118x the static graph's, ``benchmarks/fused_dynamic_tail.py``). Whether
   Triton keeps a whole tensor's moments in registers (a row-wise reduction and its epilogue, as in
   a softmax) is for the next GPU run to measure; `whole_tensor` is the switch.
 * The hyperparameters and the step's bias corrections go in as one small fp32 tensor: a new step

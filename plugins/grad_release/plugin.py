@@ -37,7 +37,7 @@ from xirang_ds.plugins.grad_release.layout import BucketLayout, auto_bucket_nume
 from xirang_ds.plugins.grad_release.optimizers import optimizer_problems, state_tensors
 from xirang_ds.plugins.grad_release.pipeline import Pass, ReleasePipeline
 from xirang_ds.plugins.grad_release.rows import owners as rows_owners
-from xirang_ds.plugins.grad_release.states_tier import HOST_NOTE, StatesTier
+from xirang_ds.plugins.grad_release.states_tier import HOST_NOTE, STASH_NOTE, StatesTier
 from xirang_ds.plugins.grad_release.stochastic import CHUNK_NUMEL
 from xirang_ds.registry import UPDATE_IN_BACKWARD, Plugin, register_plugin
 
@@ -82,6 +82,7 @@ class GradReleasePlugin(StatesTier, Plugin):
         self._applied_at_micro_step: Optional[int] = None
         self._micro = 0  # Megatron: backwards since the last optimizer step
         self.parked_why: Optional[str] = None  # states: auto, in host memory (`states_tier.StatesTier`)
+        self.stash_chosen = False  # exact_method auto: the held shard in host memory (`states_tier.StatesTier`)
         self.estimate_note: Optional[str] = None  # what adjust_estimate chose for the states (the estimate's notes)
 
     @classmethod
@@ -141,19 +142,6 @@ class GradReleasePlugin(StatesTier, Plugin):
                                           "neither a client optimizer nor an \"optimizer\" block was given. Fix: pass "
                                           "optimizer= to initialize or add an \"optimizer\" block")])
         return optimizer
-
-    def stashes_held(self, states_on_host: Optional[bool] = None) -> bool:
-        """Exact clipping keeps the reduced shards in host memory until backward ends: ``exact_method: host``,
-        or ``auto`` where the optimizer states are in host memory (``states_on_host``, default where they
-        are now, `states_tier`): the device could not fit them, so it holds no shard either."""
-        if self.config.exact_method != "auto":
-            return self.config.exact_method == "host"
-        return self.states_tier() == "host" if states_on_host is None else states_on_host
-
-    def exact_method_now(self) -> str:
-        """``exact_method`` with ``auto`` resolved (`stashes_held`)."""
-        method = self.config.exact_method
-        return method if method != "auto" else "host" if self.stashes_held() else "hold"
 
     # attach: the framework's path -------------------------------------------------------------
     def attach(self, engine: Any) -> None:
@@ -270,18 +258,17 @@ class GradReleasePlugin(StatesTier, Plugin):
         fp16 = self.setup is not None and self.setup.fp16 is not None
         global_pass = clipping > 0 and self.config.clipping == "exact" or fp16 or self.retries_oom()
         # by where the optimizer states are (``parked``: host), as ``exact_method: auto`` follows them
-        holds = {parked: global_pass and self.config.exact_method != "two_pass" and not self.stashes_held(parked)
-                 for parked in (False, True)}
+        holds_shard = global_pass and self.config.exact_method != "two_pass"  # unless stashed on the host
         accum = 4 * part if shape.grad_accum > 1 else 0
         in_flight = (2 if self.config.overlap_comm and len(planned) > 1 else 1) * lp * bucket
         # the largest gradient, made whole before its hook, is copied into its bucket's buffer, unless it is
         # alone there, unpadded and in the communication dtype: then it is the buffer (`Bucket._adopts`)
         largest_whole = 0 if largest >= bucket_numel and largest % world == 0 and comm_bytes == lp else lp * largest
 
-        def rows_held(parked: bool) -> int:
+        def rows_held(stash: bool) -> int:
             # the rows' shard stays on the device unless each round goes on as it comes (`rows.RowSink`): into
             # the accumulator, or to the host under the stash; then one round more (its reduced part)
-            streams = shape.grad_accum > 1 or self.stashes_held(parked) and global_pass
+            streams = shape.grad_accum > 1 or stash and global_pass
             return max((lp * (world * math.ceil(n / world / 8)
                               + (math.ceil(n / world / 8) if streams else math.ceil(n / world)))
                         for n in by_rows), default=0)
@@ -315,9 +302,9 @@ class GradReleasePlugin(StatesTier, Plugin):
         def made(name: str) -> int:
             return max(0, phases[name].get(GRADIENTS, 0) - carried)
 
-        def held(parked: bool) -> dict:
+        def held(parked: bool, stash: bool) -> dict:
             out = {}
-            rows = rows_held(parked)
+            rows = rows_held(stash)
             whole = max(largest_whole, rows)
             for name, cats in phases.items():
                 cats = dict(cats)
@@ -336,7 +323,7 @@ class GradReleasePlugin(StatesTier, Plugin):
                     # are in flight and updating, and the held shard (if any) is whole
                     late = {**cats, "activations": 0, "comm_buffers": in_flight, "temporaries": update,
                             OPTIMIZER_STATES: fetched if parked else states,
-                            GRADIENTS: accum + (lp * part if holds[parked] else 0) + whole}
+                            GRADIENTS: accum + (lp * part if holds_shard and not stash else 0) + whole}
                     if sum(late.values()) > sum(cats.values()):
                         cats = late
                 elif name == BACKWARD_START:
@@ -350,13 +337,24 @@ class GradReleasePlugin(StatesTier, Plugin):
                 out[name] = cats
             return out
 
-        out, self.estimate_note = held(self.config.states == "host"), None
+        parked = self.config.states == "host"
+        out, self.estimate_note = held(parked, self.stashes_held(parked)), None
         budget = self.session.config.memory_budget
-        need = max(sum(v for k, v in c.items() if k != "host") for c in out.values())
-        if self.config.states == "auto" and budget != "auto" and need > int(budget):
-            out = held(True)  # where the run starts them on the host (`states_tier.StatesTier`)
+
+        def need(phases: dict) -> int:
+            return max(sum(v for k, v in c.items() if k != "host") for c in phases.values())
+
+        over = budget != "auto" and need(out) > int(budget)
+        if over and self.config.exact_method == "auto" and holds_shard and not parked:
+            out = held(False, True)  # the held shard goes to the host before the states do (4 bytes, not 16)
+            self.estimate_note = STASH_NOTE + (f"with this rank's gradient shard held on the device the estimate "
+                                               f"exceeds memory_budget {format_bytes(int(budget))}")
+            over = need(out) > int(budget)
+        if self.config.states == "auto" and over:
+            states_need = need(out)
+            out = held(True, self.stashes_held(True))  # the run starts them on the host (`states_tier.StatesTier`)
             self.estimate_note = HOST_NOTE + (f"the estimated model states, gradients and optimizer step with them "
-                                              f"on the device, {format_bytes(need)}, exceed memory_budget "
+                                              f"on the device, {format_bytes(states_need)}, exceed memory_budget "
                                               f"{format_bytes(int(budget))}")
         return out
 

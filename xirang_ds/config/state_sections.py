@@ -182,8 +182,9 @@ class GradReleaseConfig(Section):
     for its update (the device holds a few buckets, as without clipping; this rank's gradient shard
     crosses the host link twice per step), ``two_pass`` runs backward twice, the first pass for the
     norm only (about one bucket of gradients; one more backward of time; not under Megatron, whose
-    schedule runs backward). ``auto``: ``hold`` (a norm needs no host), and ``host`` where the optimizer
-    states are in host memory (``states``: the device cannot fit them, so it holds no shard either)."""
+    schedule runs backward). ``auto``: ``hold`` (a norm needs no host), and ``host`` where memory asks:
+    the estimate with the shard held exceeds ``memory_budget``, the activation planner decides under a
+    byte budget, or the optimizer states are in host memory (``states``)."""
     nonfinite: Literal["auto", "raise", "skip_step"] = "auto"
     """A non-finite gradient: ``skip_step`` skips the step on every rank with no parameter updated
     (a global pass every step, see ``exact_method``); ``raise`` stops every rank with an error

@@ -1,11 +1,11 @@
 """The fused update's kernel on the CPU with a static and a dynamic length, side by side: why a
-tensor's last, shorter chunk stays eager on the CPU (plugins/optimizer_states/fused.py).
+tensor stays in static chunks on the CPU (plugins/optimizer_states/fused.py).
 
     .venv/bin/python benchmarks/fused_dynamic_tail.py --threads 2
 
 For each format: the first call's time (compilation) and the median time of one 131,072-element
 chunk over ``--rounds`` calls, the static graph (``dynamic=False``, what full chunks use) against the
-dynamic-length one (``dynamic=True``, what tails use off the CPU).
+dynamic-length one (``dynamic=True``, what a whole tensor uses off the CPU).
 """
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ import time
 import torch
 
 from xirang_ds.plugins.optimizer_states.formats import make_format
-from xirang_ds.plugins.optimizer_states.fused import chunk_step, hyper_tensor, tail_step
+from xirang_ds.plugins.optimizer_states.fused import chunk_step, hyper_tensor, whole_step
 from xirang_ds.plugins.optimizer_states.update import AdamHyper
 
 
 def one(fmt_name: str, dynamic: bool, numel: int, rounds: int) -> tuple[float, float]:
     fmt = make_format(fmt_name)
-    kernel = torch.compile(tail_step if dynamic else chunk_step, dynamic=dynamic, fullgraph=True)
+    kernel = torch.compile(whole_step if dynamic else chunk_step, dynamic=dynamic, fullgraph=True)
     p, g = torch.randn(numel), torch.randn(numel)
     bufs = {k: v for m in ("exp_avg", "exp_avg_sq") for k, v in fmt.zeros(m, numel, p.device).items()}
     args = (fmt, p, g, fmt.window("exp_avg", bufs, 0, numel), fmt.window("exp_avg_sq", bufs, 0, numel),

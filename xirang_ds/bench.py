@@ -240,7 +240,7 @@ def step_counts(engine, data, tracker=None) -> dict:
     """One more training step, counted (`xirang_ds.step_counts`): kernels, host syncs, host-link bytes
     by category and the optimizer's kernels per step, named as the bench's JSON gives them."""
     c = count_step(lambda: optimizer_step(engine, data), engine.device, tracker)
-    return {"kernels_per_step": c.kernels, "host_syncs_per_step": c.host_syncs,
+    return {"kernels_per_step": c.kernels, "host_syncs_per_step": c.host_syncs, "host_reads_per_step": c.host_reads,
             "link_bytes_per_step": c.link_bytes_total, "link_bytes_by_category": c.link_bytes,
             "optimizer_kernels_per_step": c.optimizer_kernels, "device_kernels_per_step": c.device_kernels,
             "device_syncs_per_step": c.device_syncs}

@@ -6,15 +6,19 @@ counts on any machine for the same program:
 
 * ``kernels``: ATen ops that compute (views and size queries left out), seen by a dispatch mode: what
   an eager step launches. A compiled region runs eagerly under the mode (Dynamo declines to trace
-  under one), so it counts its ops, not its one graph call. On CUDA the profiler's count of kernels
-  really launched is ``device_kernels`` beside it.
+  under one), so it counts its ops, not its one graph call; except where the code runs it through
+  `compiled_call` (optimizer_states' fused update): the counters are lifted for the call and each
+  counts it as one kernel. On CUDA the profiler's count of kernels really launched is
+  ``device_kernels`` beside it.
 * ``host_syncs``: ops whose result the host must read before it goes on (``aten._local_scalar_dense``
-  behind ``.item()``, ``float(t)`` and ``bool(t)``; ``is_nonzero``, ``equal``; ops whose output
+  behind ``.item()``, ``float(t)`` and ``bool(t)``; ``Tensor.tolist`` of a CPU tensor on a CPU run, which
+  reads memory with no ATen op, seen by a function mode; ``is_nonzero``, ``equal``; ops whose output
   shape is data (``nonzero``, ``masked_select``, ``unique``...); a blocking copy into the host
-  tier). On CUDA ``device_syncs`` is what ``torch.cuda.set_sync_debug_mode`` reports beside it. On
-  a CPU every tensor is on the device, so reads of tensors a GPU run keeps in host memory (torch
-  optimizers' ``step`` counters: one ``.item()`` per parameter in single-tensor AdamW) count too: an
-  upper bound of the GPU's syncs.
+  tier). On CUDA ``device_syncs`` is what ``torch.cuda.set_sync_debug_mode`` reports beside it.
+* ``host_reads``: reads of scalars a GPU run keeps in host memory, which wait for nothing there: a
+  torch optimizer's ``step`` counter outside capturable and fused groups (torch keeps it on the CPU,
+  ``torch/optim/adam.py`` ``_init_group``; single-tensor AdamW reads it once per parameter). On a
+  CPU every tensor is on the device, so these are told apart by what they are, not where they lie.
 * ``link_bytes``: bytes copied between the device and the host tier, by what moves: the tracker's
   scope at the copy, else the category of the device-side storage (``activations``: offload;
   ``optimizer_states``, ``gradients``: grad_release's host tiers). Off a CPU, host memory is the
@@ -28,13 +32,23 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from xirang_ds.compat.torch import TorchDispatchMode, copy_ops, host_read_ops, op_schema
+from xirang_ds.compat.torch import (
+    TorchDispatchMode,
+    copy_ops,
+    dispatch_mode_stack,
+    function_mode_stack,
+    host_read_ops,
+    op_schema,
+    pop_function_mode_temporarily,
+    pop_mode_temporarily,
+)
 
 _aten = torch.ops.aten
 _SIZE_OPS = {_aten.sym_size.int, _aten.sym_stride.int, _aten.sym_numel.default, _aten.sym_storage_offset.default,
@@ -61,7 +75,8 @@ class _Counter(TorchDispatchMode):
         super().__init__()
         self.device_type = device_type
         self.tracker = tracker
-        self.kernels = self.host_syncs = self.optimizer_kernels = 0
+        self.kernels = self.host_syncs = self.host_reads = self.optimizer_kernels = 0
+        self.host_counters: set[int] = set()  # data_ptrs of optimizers' host-side step counters
         self.link_bytes: dict[str, int] = {}
         self.in_step = 0
 
@@ -87,10 +102,18 @@ class _Counter(TorchDispatchMode):
         self.optimizer_kernels += self.in_step > 0
         packet = getattr(func, "overloadpacket", None)
         if packet in _SYNC_PACKETS:
-            self.host_syncs += 1
+            if args and isinstance(args[0], torch.Tensor) and args[0].data_ptr() in self.host_counters:
+                self.host_reads += 1
+            else:
+                self.host_syncs += 1
         elif packet is _COPY_INTO or packet is _COPY_NEW:
             self._copy(packet, args, kwargs, out)
         return out
+
+    def count_compiled_call(self) -> None:
+        """One call of a compiled graph, run outside the mode (`compiled_call`)."""
+        self.kernels += 1
+        self.optimizer_kernels += self.in_step > 0
 
     def _copy(self, packet: Any, args: tuple, kwargs: dict, out: Any) -> None:
         src, dst = (args[1], args[0]) if packet is _COPY_INTO else (args[0], out)
@@ -106,6 +129,44 @@ class _Counter(TorchDispatchMode):
             self.host_syncs += 1  # the host waits for the copy to land
 
 
+def only_counters_active() -> bool:
+    """Every active dispatch mode is a step counter (none at all counts too): a compiled region may
+    run through `compiled_call` and be counted as what it is, one graph call."""
+    return all(isinstance(mode, _Counter) for mode in dispatch_mode_stack())
+
+
+@contextlib.contextmanager
+def compiled_call() -> Iterator[None]:
+    """Run the body (one call of a compiled graph) with the active step counters lifted, since Dynamo
+    does not trace under a dispatch mode, and count it as one kernel in each. Only where
+    `only_counters_active`; with no counter it does nothing."""
+    counters = [mode for mode in dispatch_mode_stack() if isinstance(mode, _Counter)]
+    readers = [mode for mode in function_mode_stack() if isinstance(mode, _ListReads)]
+    with contextlib.ExitStack() as lifted:
+        for _ in counters:
+            lifted.enter_context(pop_mode_temporarily())
+        for _ in readers:  # count_ops enters them innermost
+            lifted.enter_context(pop_function_mode_temporarily())
+        yield
+    for mode in counters:
+        mode.count_compiled_call()
+
+
+class _ListReads(torch.overrides.TorchFunctionMode):
+    """``Tensor.tolist`` of a CPU tensor on a CPU run, one host sync: it reads the memory in C++ with no
+    ATen op for `_Counter` to see (on a GPU the copy to the host it makes is counted there)."""
+
+    def __init__(self, counter: _Counter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if (func is torch.Tensor.tolist and self.counter.device_type == "cpu" and args
+                and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu"):
+            self.counter.host_syncs += 1
+        return func(*args, **(kwargs or {}))
+
+
 @dataclass
 class StepCounts:
     """One step's launches, waits and host-link bytes (`count_step`); the ``device_`` figures are
@@ -113,6 +174,7 @@ class StepCounts:
 
     kernels: Optional[int]
     host_syncs: Optional[int] = None
+    host_reads: Optional[int] = None
     link_bytes: dict[str, int] = field(default_factory=dict)
     optimizer_kernels: Optional[int] = None
     device_kernels: Optional[int] = None
@@ -134,20 +196,34 @@ def count_ops(fn: Callable[[], Any], device: torch.device | str = "cpu", tracker
 
     mode = _Counter(torch.device(device).type, tracker)
 
-    def enter(*_: Any) -> None:
+    def enter(optimizer: torch.optim.Optimizer, *_: Any) -> None:
         mode.in_step += 1
+        mode.host_counters.update(_host_step_counters(optimizer))
 
     def leave(*_: Any) -> None:
         mode.in_step -= 1
 
     hooks = [register_optimizer_step_pre_hook(enter), register_optimizer_step_post_hook(leave)]
     try:
-        with mode:
+        with mode, _ListReads(mode):
             out = fn()
     finally:
         for h in hooks:
             h.remove()
     return out, mode
+
+
+def _host_step_counters(optimizer: torch.optim.Optimizer) -> set[int]:
+    """Where ``optimizer``'s 0-d ``step`` counters lie, for those torch keeps in host memory on an
+    accelerator too (groups neither capturable nor fused)."""
+    host_groups = [g for g in optimizer.param_groups if not g.get("capturable") and not g.get("fused")]
+    params = {id(p) for g in host_groups for p in g["params"]}
+    out = set()
+    for p, state in optimizer.state.items():
+        step = state.get("step") if isinstance(state, dict) and id(p) in params else None
+        if isinstance(step, torch.Tensor) and step.dim() == 0:
+            out.add(step.data_ptr())
+    return out
 
 
 def _device_events(fn: Callable[[], Any]) -> tuple[int, int]:
@@ -188,8 +264,8 @@ def count_step(step: Callable[[], Any], device: torch.device | str = "cpu", trac
     counts ``None``."""
     try:
         _, mode = count_ops(step, device, tracker)
-        counts = StepCounts(kernels=mode.kernels, host_syncs=mode.host_syncs, link_bytes=dict(mode.link_bytes),
-                            optimizer_kernels=mode.optimizer_kernels)
+        counts = StepCounts(kernels=mode.kernels, host_syncs=mode.host_syncs, host_reads=mode.host_reads,
+                            link_bytes=dict(mode.link_bytes), optimizer_kernels=mode.optimizer_kernels)
     except Exception:  # a compiled region refused under the mode: the device's counts alone
         counts = StepCounts(kernels=None)
     if torch.device(device).type == "cuda":
@@ -199,4 +275,4 @@ def count_step(step: Callable[[], Any], device: torch.device | str = "cpu", trac
     return counts
 
 
-__all__ = ["StepCounts", "count_ops", "count_step"]
+__all__ = ["StepCounts", "compiled_call", "count_ops", "count_step", "only_counters_active"]

@@ -150,17 +150,17 @@ def lossless_plan(flat: torch.Tensor, chunk: Optional[int] = None) -> Optional[t
     if flat.element_size() not in _INT_VIEW:
         return None
     narrowers = list(_NARROWER.get(flat.dtype, ()))
-    exact = [True] * len(narrowers)
-    nnz = 0
+    # kept on the device and read once at the end: one host sync per tensor, not one per chunk and dtype
+    found = torch.zeros(len(narrowers) + 1, dtype=torch.int64, device=flat.device)  # inexact chunks, nonzeros
     step = chunk or max(n, 1)
     for start in range(0, n, step):
         part = flat[start:start + step]
         bits = bit_view(part)
         for i, narrow in enumerate(narrowers):
-            if exact[i]:
-                exact[i] = torch.equal(bit_view(part.to(narrow).to(flat.dtype)), bits)
-        nnz += int(torch.count_nonzero(bits))
-    values_dtype = next((narrow for narrow, ok in zip(narrowers, exact) if ok), flat.dtype)
+            found[i] += (bit_view(part.to(narrow).to(flat.dtype)) != bits).any()
+        found[-1] += torch.count_nonzero(bits)
+    *inexact, nnz = found.tolist()
+    values_dtype = next((narrow for narrow, bad in zip(narrowers, inexact) if not bad), flat.dtype)
     dense_bytes = n * values_dtype.itemsize
     sparse_bytes = (n + 7) // 8 + nnz * values_dtype.itemsize
     if sparse_bytes <= SPARSE_GAIN * dense_bytes:
@@ -238,11 +238,11 @@ def encode_int8(flat: torch.Tensor, storage: PayloadStorage, block_size: int) ->
         x[:hi - lo].copy_(flat[lo:hi])
         xb = x.view(-1, block_size)
         scale = xb.abs().amax(1).div_(127.0)
-        if not bool(torch.isfinite(scale).all()):
-            return None  # inf/nan has no scale: the tensor stays as it is
         scales[first:last].copy_(scale)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         q[first:last].copy_(xb.div_(safe.unsqueeze(1)).round_().clamp_(-127, 127))
+    if not bool(torch.isfinite(scales).all()):  # one host read per tensor, not one per chunk
+        return None  # inf/nan has no scale: the tensor stays as it is (the payload is dropped)
     return payload
 
 
@@ -275,9 +275,13 @@ def encode_sparse(flat: torch.Tensor, storage: PayloadStorage, threshold: float)
     if not flat.is_floating_point():
         return None
     n = flat.numel()
-    cutoff = float(flat.abs().max()) * threshold if n else 0.0
-    keep = flat.abs() > cutoff if cutoff > 0 else bit_view(flat) != 0
-    nnz = int(keep.sum())
+    if n:
+        cutoff_t = flat.abs().max().double() * threshold
+        keep = torch.where(cutoff_t > 0, flat.abs() > cutoff_t, bit_view(flat) != 0)
+        cutoff, nnz = torch.stack([cutoff_t, keep.sum().double()]).tolist()  # one host read: the payload's size
+        nnz = int(nnz)
+    else:
+        cutoff, keep, nnz = 0.0, bit_view(flat) != 0, 0
     if (n + 7) // 8 + nnz * flat.element_size() > SPARSE_GAIN * n * flat.element_size():
         return None
     payload = _payload("sparse", flat, storage, [("mask", torch.uint8, (n + 7) // 8), ("values", flat.dtype, nnz)],

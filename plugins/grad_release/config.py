@@ -28,14 +28,17 @@ class GradReleaseConfig(Section):
     ``previous_step`` (the coefficient of the previous step's global norm; the first step is exact)
     or ``per_layer`` (each parameter tensor clipped to its share of the limit, ``gradient_clipping *
     sqrt(numel / total numel)``; not under tensor parallelism)."""
-    exact_method: Literal["host", "hold", "two_pass"] = "host"
+    exact_method: Literal["auto", "host", "hold", "two_pass"] = "auto"
     """How the global norm (exact clipping) and a non-finite gradient (fp16 overflow) are known
-    before any update: ``host`` keeps each bucket's reduced gradient shard in (pinned) host memory
-    until backward ends and copies it back one bucket at a time for its update (the device holds a
-    few buckets, as without clipping; this rank's gradient shard crosses the host link twice),
-    ``hold`` keeps the shards on the device (this rank's shard of all gradients), ``two_pass`` runs
-    backward twice, the first pass for the norm only (about one bucket of gradients; one more
-    backward of time; not under Megatron, whose schedule runs backward)."""
+    before any update: ``hold`` keeps the reduced shards on the device until backward ends (this
+    rank's shard of all gradients, as plain ZeRO-2 holds), ``host`` keeps each bucket's reduced
+    gradient shard in (pinned) host memory until backward ends and copies it back one bucket at a time
+    for its update (the device holds a few buckets, as without clipping; this rank's gradient shard
+    crosses the host link twice per step), ``two_pass`` runs backward twice, the first pass for the
+    norm only (about one bucket of gradients; one more backward of time; not under Megatron, whose
+    schedule runs backward). ``auto``: ``hold`` (a norm needs no host), and ``host`` where memory asks:
+    the estimate with the shard held exceeds ``memory_budget``, the activation planner decides under a
+    byte budget, or the optimizer states are in host memory (``states``)."""
     nonfinite: Literal["auto", "raise", "skip_step"] = "auto"
     """A non-finite gradient: ``skip_step`` skips the step on every rank with no parameter updated
     (a global pass every step, see ``exact_method``); ``raise`` stops every rank with an error

@@ -95,14 +95,14 @@ class DeepSpeedRelease(FrameworkPath):
                    " (none: bf16 weights rounded stochastically)" if any(b.masters == "none" for b in p.buckets)
                    else "")
         clip = (f"clipping {p.setup.gradient_clipping} ({p.config.clipping}"
-                + (f", {p.config.exact_method}" if p.config.clipping != "per_layer" else "") + ")"
+                + (f", {p.exact_method_now()}" if p.config.clipping != "per_layer" else "") + ")"
                 if p.setup.gradient_clipping > 0 else "no clipping")
         host = (" in host memory until the activation planner settles them (states auto)" if p.tier_pending else
                 " in host memory between updates" + (f" (states auto: {p.parked_why})" if p.parked_why else "")
                 if any(b.states_on == "host" for b in p.buckets) else "")
         return (f"step in backward, ZeRO-{stage} semantics over {p.comm.world} rank(s): {len(p.buckets)} buckets "
                 f"of <= {p.bucket_numel:,} elements, masters{masters} and optimizer states {shards}{host}, {clip}"
-                + (f", updates held to the end of backward ({p.config.exact_method}) for on_oom"
+                + (f", updates held to the end of backward ({p.exact_method_now()}) for on_oom"
                    if p.policy.hold_updates else "")
                 + (", fp16 loss scaling" if p.setup.fp16 is not None else ""))
 

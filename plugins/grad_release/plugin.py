@@ -37,7 +37,7 @@ from xirang_ds.plugins.grad_release.layout import BucketLayout, auto_bucket_nume
 from xirang_ds.plugins.grad_release.optimizers import optimizer_problems, state_tensors
 from xirang_ds.plugins.grad_release.pipeline import Pass, ReleasePipeline
 from xirang_ds.plugins.grad_release.rows import owners as rows_owners
-from xirang_ds.plugins.grad_release.states_tier import HOST_NOTE, StatesTier
+from xirang_ds.plugins.grad_release.states_tier import HOST_NOTE, STASH_NOTE, StatesTier
 from xirang_ds.plugins.grad_release.stochastic import CHUNK_NUMEL
 from xirang_ds.registry import UPDATE_IN_BACKWARD, Plugin, register_plugin
 
@@ -83,6 +83,7 @@ class GradReleasePlugin(StatesTier, Plugin):
         self._applied_at_micro_step: Optional[int] = None
         self._micro = 0  # Megatron: backwards since the last optimizer step
         self.parked_why: Optional[str] = None  # states: auto, in host memory (`states_tier.StatesTier`)
+        self.stash_chosen = False  # exact_method auto: the held shard in host memory (`states_tier.StatesTier`)
         self.estimate_note: Optional[str] = None  # what adjust_estimate chose for the states (the estimate's notes)
         self.estimate_plan: Optional[dict] = None  # the same as a record (`Estimate.plans`)
 
@@ -153,8 +154,7 @@ class GradReleasePlugin(StatesTier, Plugin):
         (``on_grad``, default the pipeline's own), and the buckets' tensors declared by role."""
         tracker = self.session.tracker
         by_rows = [rows.fits(b, b.params[0], self._owners.get(id(b.params[0]), 0)) for b in self.buckets]
-        self.pipeline = ReleasePipeline(self.buckets, self.config.overlap_comm,
-                                        stash_held=self.config.exact_method == "host",
+        self.pipeline = ReleasePipeline(self.buckets, self.config.overlap_comm, stash_held=self.stashes_held(),
                                         on_grad_seen=lambda g: tracker.mark(g, GRADIENTS) if tracker.active else None,
                                         by_rows=by_rows)
         hook = on_grad or self.pipeline.on_grad
@@ -259,19 +259,22 @@ class GradReleasePlugin(StatesTier, Plugin):
         clipping = self.setup.gradient_clipping if self.setup is not None else 0.0
         fp16 = self.setup is not None and self.setup.fp16 is not None
         global_pass = clipping > 0 and self.config.clipping == "exact" or fp16 or self.retries_oom()
-        holds = self.config.exact_method == "hold" and global_pass
-        # the rows' shard stays on the device unless each round goes on as it comes (`rows.RowSink`): into
-        # the accumulator, or to the host under ``host``; then one round more (its reduced part)
-        streams = shape.grad_accum > 1 or self.config.exact_method == "host" and global_pass
-        rows_held = max((lp * (world * math.ceil(n / world / 8)
-                               + (math.ceil(n / world / 8) if streams else math.ceil(n / world))) for n in by_rows),
-                        default=0)
+        # by where the optimizer states are (``parked``: host), as ``exact_method: auto`` follows them
+        holds_shard = global_pass and self.config.exact_method != "two_pass"  # unless stashed on the host
         accum = 4 * part if shape.grad_accum > 1 else 0
         in_flight = (2 if self.config.overlap_comm and len(planned) > 1 else 1) * lp * bucket
         # the largest gradient, made whole before its hook, is copied into its bucket's buffer, unless it is
         # alone there, unpadded and in the communication dtype: then it is the buffer (`Bucket._adopts`)
-        whole = 0 if largest >= bucket_numel and largest % world == 0 and comm_bytes == lp else lp * largest
-        whole = max(whole, rows_held)
+        largest_whole = 0 if largest >= bucket_numel and largest % world == 0 and comm_bytes == lp else lp * largest
+
+        def rows_held(stash: bool) -> int:
+            # the rows' shard stays on the device unless each round goes on as it comes (`rows.RowSink`): into
+            # the accumulator, or to the host under the stash; then one round more (its reduced part)
+            streams = shape.grad_accum > 1 or stash and global_pass
+            return max((lp * (world * math.ceil(n / world / 8)
+                              + (math.ceil(n / world / 8) if streams else math.ceil(n / world)))
+                        for n in by_rows), default=0)
+
         shard = math.ceil(bucket / world)
         # the update (bucket.py ``apply``): the bucket shard's fp32 gradient, then with remainders its
         # master rebuilt from a 16-bit copy of its weights (freed once joined; ``none``: widened in
@@ -301,8 +304,10 @@ class GradReleasePlugin(StatesTier, Plugin):
         def made(name: str) -> int:
             return max(0, phases[name].get(GRADIENTS, 0) - carried)
 
-        def held(parked: bool) -> dict:
+        def held(parked: bool, stash: bool) -> dict:
             out = {}
+            rows = rows_held(stash)
+            whole = max(largest_whole, rows)
             for name, cats in phases.items():
                 cats = dict(cats)
                 cats[PARAMETERS] = lp * total + masters
@@ -320,37 +325,44 @@ class GradReleasePlugin(StatesTier, Plugin):
                     # are in flight and updating, and the held shard (if any) is whole
                     late = {**cats, "activations": 0, "comm_buffers": in_flight, "temporaries": update,
                             OPTIMIZER_STATES: fetched if parked else states,
-                            GRADIENTS: accum + (lp * part if holds else 0) + whole}
+                            GRADIENTS: accum + (lp * part if holds_shard and not stash else 0) + whole}
                     if sum(late.values()) > sum(cats.values()):
                         cats = late
                 elif name == BACKWARD_START:
                     # the first gradient autograd makes (the output head's, where the model has one: the
                     # largest parameter) exists whole before its hook copies it into a bucket, unless by
                     # rows; no more than the traced run's own gradients made there (none yet: none here)
-                    cats[GRADIENTS] = accum + min(max(lp * largest, rows_held), made(name))
+                    cats[GRADIENTS] = accum + min(max(lp * largest, rows), made(name))
                 elif name in ("optimizer_step", STEP_PREPARE):
                     cats["temporaries"] = 0
                     cats["activations"] = 0
                 out[name] = cats
             return out
 
-        out, self.estimate_note = held(self.config.states == "host"), None
+        parked = self.config.states == "host"
+        out, self.estimate_note = held(parked, self.stashes_held(parked)), None
         budget = self.session.config.memory_budget
-        # what the activation planner can take off the saved activations counts as room (at run time it plans
-        # with the states on the device first: `pricing.plan_within`)
-        planner = self.session.plugin("activations")
+        planner = self.session.plugin("activations")  # what it can take off saved activations is room
         spare = planner.reducible_bytes() if planner is not None and hasattr(planner, "reducible_bytes") else 0
-        need = max(sum(v for k, v in c.items() if k != "host") - min(spare, c.get("activations", 0))
-                   for c in out.values())
+
+        def need(phases: dict) -> int:
+            return max(sum(v for k, v in c.items() if k != "host") - min(spare, c.get("activations", 0))
+                       for c in phases.values())
+
+        over = budget != "auto" and need(out) > int(budget)
+        if over and self.config.exact_method == "auto" and holds_shard and not parked:
+            out = held(False, True)  # the held shard goes to the host before the states do (4 bytes, not 16)
+            self.estimate_note = STASH_NOTE + (f"with this rank's gradient shard held on the device the estimate "
+                                               f"exceeds memory_budget {format_bytes(int(budget))}")
+            over = need(out) > int(budget)
         why = None
-        if self.config.states == "auto" and budget != "auto" and need > int(budget):
-            out = held(True)  # where the run starts them on the host (`states_tier.StatesTier`)
+        if self.config.states == "auto" and over:
+            states_need = need(out)
+            out = held(True, self.stashes_held(True))  # the run starts them on the host (`states_tier.StatesTier`)
             why = (f"the estimated model states, gradients and optimizer step with them on the device, "
-                   f"{format_bytes(need)}, exceed memory_budget {format_bytes(int(budget))}")
+                   f"{format_bytes(states_need)}, exceed memory_budget {format_bytes(int(budget))}")
             self.estimate_note = HOST_NOTE + why
-        # where the states go with the plan made before the run (the activation planner settles a pending tier by it)
-        self.estimate_plan = {"states": "host" if why is not None or self.config.states == "host" else "device",
-                              "why": why}
+        self.estimate_plan = {"states": "host" if why is not None or parked else "device", "why": why}  # run_plan
         return out
 
     def _rows_numels(self, world: int, bucket_numel: int) -> list[int]:

@@ -27,6 +27,8 @@ logger = logging.getLogger("xirang_ds")
 
 HOST_NOTE = "optimizer states in host memory (states auto): "
 """How grad_release's estimate says it took the host for the states, before why (the estimate's notes)."""
+STASH_NOTE = "gradient shard held in host memory until the norm is known (exact_method auto): "
+"""How grad_release's estimate says it took the host for exact clipping's held shard, before why."""
 
 
 def host_reason(notes: list[str]) -> Optional[str]:
@@ -51,6 +53,20 @@ class StatesTier:
         """Where the buckets start: ``host`` when asked for, or when ``auto`` chose it or left it pending."""
         return "host" if self.config.states == "host" or self.parked_why or self.tier_pending else "device"
 
+    def stashes_held(self, states_on_host: Optional[bool] = None) -> bool:
+        """Exact clipping keeps the reduced shards in host memory until backward ends: ``exact_method: host``,
+        or ``auto`` where the estimate needed the room or a planner decides under a byte budget
+        (``stash_chosen``, `choose_states_tier`), or where the optimizer states are in host memory
+        (``states_on_host``, default where they are now): the device could not fit them."""
+        if self.config.exact_method != "auto":
+            return self.config.exact_method == "host"
+        return self.stash_chosen or (self.states_tier() == "host" if states_on_host is None else states_on_host)
+
+    def exact_method_now(self) -> str:
+        """``exact_method`` with ``auto`` resolved (`stashes_held`)."""
+        method = self.config.exact_method
+        return method if method != "auto" else "host" if self.stashes_held() else "hold"
+
     def choose_states_tier(self, model: Any) -> None:
         """``auto``: start in host memory where the estimate puts them there (its own rule, `adjust_estimate`:
         with them on the device it is over ``memory_budget``; ``auto``: the device's capacity); said in the
@@ -66,6 +82,9 @@ class StatesTier:
         estimate = self.session.estimator.estimate_states(model, requested, self.session.world_size,
                                                           get_accelerator().device_name())
         self.parked_why = host_reason(estimate.notes)
+        # exact_method auto: the held shard goes to the host where the estimate needs the room, and while a
+        # planner decides under a byte budget (it measures without the shard; `plugin.stashes_held`)
+        self.stash_chosen = any(n.startswith(f"grad_release: {STASH_NOTE}") for n in estimate.notes)
         if self.parked_why is not None:
             self.session.record_event("states_to_host", reason=self.parked_why)
             return
@@ -73,6 +92,7 @@ class StatesTier:
         c = planner.config if planner is not None else None
         self.tier_pending = (budget != "auto" and c is not None and c.planner and c.budget == "auto"
                              and c.budget_fraction is None)
+        self.stash_chosen = self.stash_chosen or self.tier_pending
 
     def budget_fixes(self) -> str:
         """What grad_release can still lower losslessly, for a memory_budget error (", or ...")."""
@@ -111,4 +131,4 @@ class StatesTier:
             self.settle_tier(False)
 
 
-__all__ = ["HOST_NOTE", "StatesTier", "host_reason"]
+__all__ = ["HOST_NOTE", "STASH_NOTE", "StatesTier", "host_reason"]

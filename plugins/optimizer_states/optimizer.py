@@ -143,6 +143,7 @@ class DynamicAdamW(torch.optim.Optimizer):
         self._formats: dict[tuple[str, int], StateFormat] = {}
         self._generators: dict[str, tuple[torch.Generator, int]] = {}  # per device: generator, step seeded for
         self.fused = FusedStep(config.fused)  # where a chunk's update is one compiled kernel
+        self._step_numbers: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}  # param -> (its step tensor, value)
         self._format_hooks: OrderedDict[int, Callable[["DynamicAdamW", torch.Tensor, str, str], None]] = \
             OrderedDict()  # weak-referencable, as RemovableHandle needs
         self.format_changes: list[tuple[int, str, str, int]] = []
@@ -209,8 +210,7 @@ class DynamicAdamW(torch.optim.Optimizer):
             return first_step.first_update(self, p, state, hyper)  # no whole fp32 moments on the way
         if not state:
             self._init_state(p, state, "fp32" if pinned else self.policy.initial())
-        state["step"] += 1
-        step = int(state["step"].item())
+        step = self._count_step(p, state)
         old_name = format_of(state)
         new_name = "fp32" if pinned else self._target(state, step)
         src = self._format(old_name, state.get("block_size", 0))
@@ -226,6 +226,17 @@ class DynamicAdamW(torch.optim.Optimizer):
             self.policy.observe(state, step, stats)
         if pinned and self._measured(p, group) and (step == 1 or step % self.config.measured_every_steps == 0):
             self._measure_release(p, state, step, hyper.eps)
+
+    def _count_step(self, p: torch.Tensor, state: dict) -> int:
+        """Add one to ``state["step"]`` and return it as a Python int, read from the tensor only when it is
+        not the one this optimizer last counted (after a load, `first_step`, a checkpoint's clone): no host
+        read per tensor and step (the counter lives on the host, but a read is a sync where it does not)."""
+        counter = state["step"]
+        counter += 1
+        last = self._step_numbers.get(p)
+        step = last[1] + 1 if last is not None and last[0] is counter else int(counter.item())
+        self._step_numbers[p] = (counter, step)
+        return step
 
     def _replace(self, p: torch.Tensor, state: dict, old: dict, new: dict, old_name: str, new_name: str,
                  fmt: StateFormat, step: int) -> None:

@@ -77,6 +77,21 @@ def test_lossless_trial_of_a_large_tensor_reads_it_a_chunk_at_a_time_with_the_sa
     assert lossless_plan(mixed) is None and lossless_plan(narrow)[0] == "narrow"
 
 
+def test_each_codec_reads_the_host_once_per_tensor_whatever_its_chunks():
+    """Issue 58 item 3: the checks stay on the device across chunks (and the narrower dtypes) and are read
+    once, at the end; the answers are the ones chunk by chunk (test above)."""
+    from xirang_ds.step_counts import count_ops
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3 * CHUNK_ELEMENTS + 5, generator=g)
+    x[::7] = 0.0
+    for encode in (lambda: lossless_plan(x, CHUNK_ELEMENTS // 2), lambda: encode_int8(x, PayloadStorage(), 64),
+                   lambda: encode_sparse(x, PayloadStorage(), 0.01)):
+        assert count_ops(encode)[1].host_syncs == 1
+    x[5] = float("inf")
+    assert encode_int8(x, PayloadStorage(), 64) is None  # no finite scale: the tensor stays as it is
+
+
 def test_lossless_zero_mask_and_bits():
     storage = PayloadStorage()
     x = torch.relu(torch.randn(10_001)).bfloat16()

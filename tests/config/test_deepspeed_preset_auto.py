@@ -21,9 +21,11 @@ def _meta_model():
         return build_model(BUILTIN_SPECS["gpt-small"])
 
 
-def _needs(model, world=2, states="device"):
-    """Each preset's estimate with grad_release's optimizer states on the device or in host memory."""
-    return {name: estimate_states(model, {**BASE, "xirang": {"preset": name, "grad_release": {"states": states}}},
+def _needs(model, world=2, states="device", exact_method="auto"):
+    """Each preset's estimate with grad_release's optimizer states on the device or in host memory (and exact
+    clipping's held gradient shard on the device, ``auto`` unbudgeted, or in host memory, ``host``)."""
+    block = {"states": states, "exact_method": exact_method}
+    return {name: estimate_states(model, {**BASE, "xirang": {"preset": name, "grad_release": block}},
                                   world).predicted_peak_bytes
             for name in ("conservative", "balanced", "aggressive")}
 
@@ -31,11 +33,14 @@ def _needs(model, world=2, states="device"):
 def test_least_aggressive_preset_that_fits_within_the_sensitivity():
     model = _meta_model()
     need, host = _needs(model), _needs(model, states="host")
+    stash = _needs(model, exact_method="host")
     assert need["conservative"] > need["balanced"] > need["aggressive"]  # int8, then int4 states
-    # grad_release's states: auto takes the host where the estimate with them on the device is over the budget
-    assert host["conservative"] < need["balanced"] and all(host[n] < need[n] for n in need)
+    # grad_release's exact_method auto takes the host for the held gradient shard where the estimate with it on
+    # the device is over the budget, then states: auto the host for the states where that is still over it
+    assert host["conservative"] < need["balanced"] and all(host[n] < stash[n] < need[n] for n in need)
     cases = [("normal", need["conservative"] + 1, "conservative", False),
-             ("normal", need["conservative"] - 1, "conservative", True),
+             ("normal", need["conservative"] - 1, "conservative", False),  # the shard on the host, the states not
+             ("normal", stash["conservative"] - 1, "conservative", True),
              ("normal", host["conservative"] - 1, "balanced", True),
              ("tolerant", host["balanced"] - 1, "aggressive", True),
              ("lossless", need["conservative"], "conservative", False)]
@@ -124,8 +129,8 @@ def _initialize(rank, world, budgets):
 
 
 def test_initialize_takes_the_preset_and_says_so():
-    need, host = _needs(_meta_model(), world=1), _needs(_meta_model(), world=1, states="host")
-    budgets = ["4GB", need["conservative"] - 1, host["conservative"] - 1, host["balanced"] - 1]
+    stash, host = _needs(_meta_model(), world=1, exact_method="host"), _needs(_meta_model(), world=1, states="host")
+    budgets = ["4GB", stash["conservative"] - 1, host["conservative"] - 1, host["balanced"] - 1]
     roomy, hosted, tight, short = run_ranks(_initialize, 1, budgets, threads=1)[0]
     for (preset, summary, sections), taken in ((roomy, "conservative"), (hosted, "conservative"), (tight, "balanced")):
         assert preset == taken and f"preset auto took {taken}" in summary

@@ -108,7 +108,8 @@ def _bf16(rank, world):
     config = ds_config(stage=2, dtype="bf16", micro=2, gas=2, clip=0.05)
     plain, _ = _train(rank, world, config, 3, use_xirang=False)
     out = {"plain_losses": plain["losses"]}
-    for name, keys in {"host": {}, "hold": {"exact_method": "hold"}, "two_pass": {"exact_method": "two_pass"},
+    for name, keys in {"host": {"exact_method": "host"}, "hold": {"exact_method": "hold"},
+                       "two_pass": {"exact_method": "two_pass"},
                        "no_overlap": {"overlap_comm": False}, "fp32_masters": {"masters": "fp32"}}.items():
         ours, engine = _train(rank, world, {**config, "xirang": _block(**keys)}, 3)
         out[name] = {"diff": _max_diff(plain["params"], ours["params"]), "losses": ours["losses"],

@@ -20,7 +20,8 @@ INT8 = {"enabled": True, "schedule": [{"dtype": "int8"}], "min_numel": 0, "chunk
 
 
 def _config(states="device", stage=2, dtype="bf16", quantized=False):
-    xirang = {"grad_release": {"enabled": True, "bucket_size_numel": 20_000, "states": states}}
+    # both tiers with the host stash of exact clipping, so that they differ by the states alone
+    xirang = {"grad_release": {"enabled": True, "bucket_size_numel": 20_000, "states": states, "exact_method": "host"}}
     if quantized:
         xirang["optimizer_states"] = INT8
     return ds_config(stage=stage, dtype=dtype, micro=2, gas=2, clip=0.05, scheduler=SCHEDULER, xirang=xirang)

@@ -12,9 +12,12 @@ from xirang_ds.planning.spec import estimate_spec
 from xirang_ds.models import ModelSpecError, build_model, parse_model_spec
 
 INT8 = {"optimizer_states": {"enabled": True, "schedule": [{"dtype": "int8"}], "min_numel": 0}}
-GRAD_RELEASE = {"grad_release": {"enabled": True}}
-HOST_STATES = {"grad_release": {"enabled": True, "states": "host"}}
-NO_MASTER = {"grad_release": {"enabled": True, "masters": "none"}}
+GRAD_RELEASE = {"grad_release": {"enabled": True, "exact_method": "host"}}
+"""Exact clipping with the host stash, the method these cases were measured with (the default was ``host``
+until issue 58 made it ``hold``: the estimate of ``hold`` is `HOLD`'s case)."""
+HOLD = {"grad_release": {"enabled": True}}
+HOST_STATES = {"grad_release": {"enabled": True, "states": "host", "exact_method": "host"}}
+NO_MASTER = {"grad_release": {"enabled": True, "masters": "none", "exact_method": "host"}}
 ON_DEMAND = {"precision": {"enabled": True, "weight_copies": "on_demand"}}  # DeepSpeed in fp32, masters shared
 PRECISION = {"precision": {"enabled": True}}  # auto: persistent copies (DeepSpeed's bf16) on 2 ranks at ZeRO 1/2
 CHUNK = {"activations": {"enabled": True, "planner": False, "chunk": ["lm_head"], "chunk_tokens": 64}}
@@ -27,6 +30,9 @@ CASES = [  # model, stage, dtype, micro, world, bucket, xirang block
     ("gpt-tiny", 3, "bf16", 4, 2, 1e6, None),
     ("gpt-tiny", 2, "bf16", 4, 2, 1e6, INT8),
     ("gpt-small", 2, "bf16", 1, 2, 1e6, GRAD_RELEASE),
+    pytest.param("gpt-small", 2, "bf16", 1, 2, 1e6, HOLD, marks=pytest.mark.xfail(
+        strict=True, reason="issue 58: the estimate of exact_method hold (the default now) at the end of backward "
+                            "is 7.7% over the measured peak (31,691,104 bytes against 29,430,460); not fixed yet")),
     ("gpt-small", 2, "bf16", 1, 2, 1e6, NO_MASTER),
     ("gpt-small", 2, "bf16", 1, 2, 1e6, HOST_STATES),  # measured 16,107,352 bytes; 29,400,920 on the device
     ("gpt-small", 2, "bf16", 1, 2, 1e6, {**NO_MASTER, **INT8}),  # in place: no widened shard, chunks

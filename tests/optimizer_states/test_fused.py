@@ -69,33 +69,45 @@ def test_adam_and_maximize_share_the_graph_through_neutral_values():
         assert _distance(fused, eager) <= 0.02 * _distance(eager, fp32), kwargs
 
 
-TAIL_SHAPES = [(40, 410), (4096 + 2 * 256 + 40,), (70,)]
+WHOLE_SHAPES = [(40, 410), (4096 + 2 * 256 + 40,), (70,)]
 """A last chunk of 16 elements, one of two whole int8 blocks and 40 elements, and a tensor shorter than a chunk."""
 
 
-@pytest.mark.parametrize("dtype", ["int8", "int4"])
-def test_off_the_cpu_the_last_chunk_runs_in_one_dynamic_length_kernel(dtype, monkeypatch):
-    # as on a GPU (dynamic_tail is false on the CPU only, where that code is slow): every tensor takes
-    # numel // chunk + 1 kernel calls and no eager op of the update; training as the eager path's
-    monkeypatch.setattr(fused_module, "dynamic_tail", lambda device_type: True)
-    eager, _ = _train(dtype, False, steps=4, shapes=TAIL_SHAPES)
-    fused, opt = _train(dtype, True, steps=4, shapes=TAIL_SHAPES)
-    fp32, _ = _train("fp32", False, steps=4, shapes=TAIL_SHAPES)
-    assert (opt.fused.chunks, opt.fused.tails) == (4 * (5 + 2 + 1), 4 * 3) and not opt.fused.eager_tails
-    assert "of them tails" in opt.fused.describe()
+@pytest.mark.parametrize("dtype", ["int8", "int4", "bf16"])
+def test_off_the_cpu_a_tensor_is_one_compiled_call_whatever_its_size(dtype, monkeypatch):
+    # as on a GPU (whole_tensor is false on the CPU only, where chunks are faster): one call per tensor,
+    # the last block padded in the graph; the same count at 13 times the elements; training as the eager path's
+    monkeypatch.setattr(fused_module, "whole_tensor", lambda device_type: True)
+    eager, _ = _train(dtype, False, steps=4, shapes=WHOLE_SHAPES)
+    fused, opt = _train(dtype, True, steps=4, shapes=WHOLE_SHAPES)
+    fp32, _ = _train("fp32", False, steps=4, shapes=WHOLE_SHAPES)
+    assert (opt.fused.chunks, opt.fused.wholes) == (4 * 3, 4 * 3) and not opt.fused.chunked
+    assert "3 of them whole tensors" in _train(dtype, True, steps=1, shapes=WHOLE_SHAPES)[1].fused.describe()
     assert _distance(fused, eager) <= 0.02 * _distance(eager, fp32)
+    assert _optimizer_kernels(dtype, 1) == _optimizer_kernels(dtype, 13)
 
 
-def test_a_tail_kernel_that_fails_to_compile_leaves_only_the_tails_eager(monkeypatch):
+def _optimizer_kernels(dtype, scale):
+    """`count_ops`'s optimizer kernels of one step (after the first) over three tensors of ``scale``
+    times WHOLE_SHAPES' elements."""
+    from xirang_ds.step_counts import count_ops
+
+    params, opt = _train(dtype, True, steps=1, shapes=[(scale * s[0],) + s[1:] for s in WHOLE_SHAPES])
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    return count_ops(opt.step)[1].optimizer_kernels
+
+
+def test_a_whole_tensor_kernel_that_fails_to_compile_leaves_that_format_in_chunks(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no dynamic shapes here")
 
-    monkeypatch.setattr(fused_module, "dynamic_tail", lambda device_type: True)
-    monkeypatch.setattr(fused_module, "_TAIL_KERNEL", broken)
+    monkeypatch.setattr(fused_module, "whole_tensor", lambda device_type: True)
+    monkeypatch.setattr(fused_module, "_WHOLE_KERNEL", broken)
     eager, _ = _train("int8", False, steps=2)
-    fused, opt = _train("int8", True, steps=2)  # true: the full chunks must compile; a tail may not
-    assert opt.fused.chunks == 2 * 10 and opt.fused.tails == 0
-    assert "no dynamic shapes here" in opt.fused.eager_tails[("cpu", "int8")] and "tails eager" in opt.fused.describe()
+    fused, opt = _train("int8", True, steps=2)  # true: the static chunks must compile; a whole tensor may not
+    assert opt.fused.chunks == 2 * 10 and opt.fused.wholes == 0
+    assert "no dynamic shapes here" in opt.fused.chunked[("cpu", "int8")] and "chunks on cpu" in opt.fused.describe()
     assert _distance(fused, eager) <= 0.02 * _distance(eager, _train("fp32", False, steps=2)[0])
 
 
@@ -113,9 +125,9 @@ class _CountOps(TorchDispatchMode):
 
 def _ops_of_one_step(numel, fused, monkeypatch):
     """ATen ops of one int8 step of one tensor, the compiled kernel replaced by a counting stub (a
-    dispatch mode would otherwise send the step down the eager path)."""
+    dispatch mode other than the step counters would otherwise send the step down the eager path)."""
     calls = []
-    monkeypatch.setattr(fused_module, "dispatch_mode_active", lambda: False)
+    monkeypatch.setattr(fused_module, "only_counters_active", lambda: True)
     monkeypatch.setattr(fused_module, "_KERNEL", lambda *args: calls.append(args[1].numel()))
     p = torch.nn.Parameter(torch.zeros(numel))
     opt = DynamicAdamW([p], lr=1e-3, states={"schedule": [{"dtype": "int8"}], "min_numel": 0,
@@ -225,7 +237,7 @@ def test_fused_inside_deepspeed_zero2_with_accumulation_on_2_ranks_and_resume(tm
     from xirang_ds.launch import run_ranks
 
     for out in run_ranks(_engine_runs, 2, str(tmp_path), threads=1):
-        assert out["chunks"] > 0 and "chunk(s) compiled" in out["summary"]
+        assert out["chunks"] > 0 and "compiled call(s)" in out["summary"]
         # the compiled kernel ran (``chunks``); whether its rounding differs from eager's in these four
         # losses depends on the CPU's vector kernels (equal on some AMD EPYC hosts), so only closeness is asserted
         assert max(abs(a - b) / abs(b) for a, b in zip(out["fused"], out["eager"])) < 1e-3

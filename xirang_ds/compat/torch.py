@@ -58,6 +58,9 @@ UPSTREAM_NAMES: dict[str, Any] = {
     "torch._dynamo.is_dynamo_supported": "torch/_dynamo/eval_frame.py L1641",
     "torch.utils._triton.has_triton": "torch/utils/_triton.py L178",
     "torch.utils._python_dispatch._get_current_dispatch_mode": "torch/utils/_python_dispatch.py L270",
+    "torch.utils._python_dispatch._get_current_dispatch_mode_stack": "torch/utils/_python_dispatch.py L340",
+    "torch.overrides._get_current_function_mode_stack": "torch/overrides.py (the TorchFunctionMode stack)",
+    "torch.overrides._pop_mode_temporarily": "torch/overrides.py (pops the innermost TorchFunctionMode)",
     "torch.ops.aten._local_scalar_dense": "what .item(), float(t) and bool(t) dispatch (native_functions.yaml)",
     "torch.ops.aten._unique": "unique without dim (native_functions.yaml)",
     "torch.ops.aten._unique2": "unique with inverse and counts (native_functions.yaml)",
@@ -200,6 +203,27 @@ def outside_dynamo(fn: Callable) -> Callable:
     except ImportError:
         return fn
     return torch._dynamo.disable(fn)
+
+
+def dispatch_mode_stack() -> list[Any]:
+    """The active ``TorchDispatchMode`` objects, outermost first."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return list(_get_current_dispatch_mode_stack())
+
+
+def function_mode_stack() -> list[Any]:
+    """The active ``TorchFunctionMode`` objects, outermost first."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    return list(_get_current_function_mode_stack())
+
+
+def pop_function_mode_temporarily() -> Any:
+    """A context that pops the innermost ``TorchFunctionMode`` and pushes it back on exit."""
+    from torch.overrides import _pop_mode_temporarily
+
+    return _pop_mode_temporarily()
 
 
 def dispatch_mode_active() -> bool:
@@ -349,7 +373,7 @@ __all__ = [
     "host_read_ops",
     "current_autograd_node",
     "current_dispatch_mode", "current_saved_tensors_hooks", "destroy_library", "disable_current_modes",
-    "dispatch_mode_active",
+    "dispatch_mode_active", "dispatch_mode_stack", "function_mode_stack", "pop_function_mode_temporarily",
     "dump_memory_snapshot", "fake_tensor_mode", "foreach_zero_", "graph_retained", "is_checkpoint_hook",
     "is_optimized_module",
     "is_traceable_wrapper_subclass", "log_softmax_backward_data", "make_wrapper_subclass", "op_entry", "op_schema",

@@ -33,6 +33,8 @@ from xirang_ds.plugins.activations.storage import PayloadStorage
 from xirang_ds.plugins.activations.wrapper import ModuleWrapper, Runtime
 
 HOST = "host"
+PLAN_ROUNDS = 4
+"""Plans at most: each round adds to what the rest needs what the planned phases still peak above the budget."""
 
 
 @dataclass
@@ -151,26 +153,44 @@ def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str
     out = TracePlan(profiles=profiles, other_bytes=other, keep_bytes=keep, device_profile=profile,
                     least_bytes=least_budget(roots, before, after))
     total = device_total if device_total is not None else other + keep  # unknown device: everything fits
-    try:
-        out.budget_bytes, out.choices, _ = plan_within(c, plugin.session.config.memory_budget, total, profiles,
-                                                       other, tree)
-    except XirangConfigError as e:
-        out.fits, out.problems = False, list(e.problems)
-        return phases, out
+    budget = plugin.session.config.memory_budget
+    limit = total if budget == "auto" else int(budget)
+    # the trace ran the free candidates kept (a head with its whole loss) and the fixed heads chunked: the plan
+    # changes the phases' saved activations (and a head's transient) by what it saves against that
+    traced = estimate_peak(roots, {**{n.name: k for n in roots if not n.fixed for k in n.choices if k.option == "keep"},
+                                   **{n.name: n.choices[0] for n in _nodes(roots) if n.fixed and n.choices}},
+                           before, after)
+    for _ in range(PLAN_ROUNDS):
+        try:
+            out.budget_bytes, out.choices, _ = plan_within(c, budget, total, profiles, out.other_bytes, tree)
+        except XirangConfigError as e:
+            out.fits, out.problems, out.choices = False, list(e.problems), {}
+            return phases, out
+        out.planned_peaks = estimate_peak(roots, out.choices, before, after)
+        saved_end, saved_worst = (max(0, t - p) for t, p in zip(traced, out.planned_peaks))
+        adjusted = {}
+        for phase, cats in phases.items():
+            cats = dict(cats)
+            # forward peaks in the head's loss too (its whole logits beside what is saved): what the plan saves
+            # at its worst point applies there as well
+            saved = max(saved_end, saved_worst) if phase == "forward" else saved_worst
+            # off the saved activations first, then off the temporaries, where the trace holds a head's whole loss
+            kept = cats.get(ACTIVATIONS, 0)
+            cats[ACTIVATIONS] = max(kept - saved, min(kept, out.planned_peaks[0 if phase == "forward" else 1]))
+            cats[TEMPORARIES] = max(0, cats.get(TEMPORARIES, 0) - (saved - (kept - cats[ACTIVATIONS])))
+            adjusted[phase] = cats
+        # the rest was taken at its own peaks with the heads' whole loss left out: where the planned phases still
+        # peak above the budget, what the rest needs is that much more, and the planner plans again
+        over = max(sum(v for k, v in cats.items() if k != HOST) for cats in adjusted.values()) - limit
+        if over <= 0 or c.budget != "auto":
+            break
+        # the next plan's saved activations at least ``over`` below this one's (the planner leaves slack)
+        out.other_bytes = max(out.other_bytes + over, limit - (max(out.planned_peaks) - over))
     out.plan = {name: choice.option for name, choice in out.choices.items()}
-    out.planned_peaks = estimate_peak(roots, out.choices, before, after)
     out.outside_bytes = before + after
-    out.reach = reach(roots, before, after, other, profiles, out.choices, plugin.head_names, out.budget_bytes)
+    out.reach = reach(roots, before, after, out.other_bytes, profiles, out.choices, plugin.head_names,
+                      out.budget_bytes)
     out.added_s = sum(choice.added_s for choice in out.choices.values())
-    # the trace ran every free candidate kept and the fixed heads chunked: the plan changes the phases' saved
-    # activations by what it saves against that
-    traced = estimate_peak(roots, {n.name: n.choices[0] for n in _nodes(roots) if n.fixed and n.choices}, before, after)
-    adjusted = {}
-    for phase, cats in phases.items():
-        cats = dict(cats)
-        i = 0 if phase == "forward" else 1
-        cats[ACTIVATIONS] = max(0, cats.get(ACTIVATIONS, 0) - max(0, traced[i] - out.planned_peaks[i]))
-        adjusted[phase] = cats
     return adjusted, out
 
 

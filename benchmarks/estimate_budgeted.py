@@ -5,7 +5,8 @@ measured one.
     .venv/bin/python benchmarks/estimate_budgeted.py [--models M ...] [--fractions F ...] \\
         [--out benchmarks/results/activations/estimate_budgeted.json]
 
-For each model: plain DeepSpeed is measured (2 ranks, ZeRO-2 bf16, clipping 1.0, micro-batch 4, 3 steps,
+For each model: plain DeepSpeed is measured (2 ranks, ZeRO-2 bf16 with 5e5-element buckets, so that its
+peak is the model's and not DeepSpeed's default 5e8-element buckets; clipping 1.0, micro-batch 4, 3 steps,
 the worst rank's tracker peak); then each preset under ``memory_budget`` = fraction x that peak is
 estimated (`xirang_ds.planning.spec.estimate_spec`, 2 ranks, CPU profile) and, where the estimate says
 it fits, run the same way. Memory on the CPU is exact, so each row reproduces to the byte.
@@ -28,7 +29,8 @@ STEPS = 3
 
 def ds_config(block=None) -> dict:
     c = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
-         "gradient_clipping": 1.0, "bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
+         "gradient_clipping": 1.0, "bf16": {"enabled": True},
+         "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e5, "allgather_bucket_size": 5e5},
          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}}}
     if block is not None:
         c["xirang"] = block

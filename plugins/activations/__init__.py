@@ -93,6 +93,8 @@ class ActivationsPlugin(Passes, Plugin):
         self.outside_bytes = 0
         self.planned_peaks: Optional[tuple[int, int]] = None
         """Planned saved-activation bytes: (end of forward, worst point of backward)."""
+        self.planned_step_peak: Optional[int] = None
+        """The rank's whole peak the plan made before the run predicts (the monitor checks each step's)."""
         self.plan_text = ""
         self.plan_source = "planned on the first profiled passes"
         self.state = "idle"
@@ -324,6 +326,7 @@ class ActivationsPlugin(Passes, Plugin):
                 "choices": {n: [c.option, c.device_bytes, c.added_s, c.transient_bytes, c.rows]
                             for n, c in self.choices.items()},
                 "outside_bytes": self.outside_bytes, "planned_peaks": self.planned_peaks,
+                "planned_step_peak": self.planned_step_peak,
                 "profiles": {n: p.as_dict() for n, p in self.profiles.items()}}
 
     def load_state_dict(self, state: dict) -> None:
@@ -345,6 +348,7 @@ class ActivationsPlugin(Passes, Plugin):
         self.outside_bytes = int(state.get("outside_bytes") or 0)
         peaks = state.get("planned_peaks")
         self.planned_peaks = tuple(peaks) if peaks else None
+        self.planned_step_peak = state.get("planned_step_peak")
         self._close_other_peak()
         self.runtime.profiler = None
         modules = dict(self._model.named_modules())

@@ -50,6 +50,7 @@ class Passes:
             return
         self.profiles, self.choices, self.budget_bytes = plan.profiles, plan.choices, plan.budget_bytes
         self.planned_peaks, self.outside_bytes, self.reach = plan.planned_peaks, plan.outside_bytes, plan.reach
+        self.planned_step_peak = plan.step_peak_bytes
         self._apply(plan.plan)
         check_agreed(self.plan, self.runtime.device, self._groups)
         self.state = "planned"

@@ -139,7 +139,7 @@ def resolve_budget(config: ActivationsConfig, memory_budget: object, device_tota
         other_fixes = stepper.budget_fixes() if stepper is not None else ""
         raise XirangConfigError([("xirang.memory_budget",
                                   f"{format_bytes(total)} is below what this rank needs besides saved activations "
-                                  f"({format_bytes(other)} at the peak of the profiling passes: model states, "
+                                  f"({format_bytes(other)} at its peak: model states, "
                                   f"gradients, communication buffers, temporaries); raise it{other_fixes}, or set "
                                   f"{PATH}.budget to the bytes activations may take")])
     return total - other

@@ -83,6 +83,7 @@ def plan_before_run(plugin: Any, twin: ModelTwin, args: tuple, kwargs: dict) -> 
                                        f"{format_bytes(plan.least_budget_bytes + held)}, "
                                        f"{format_bytes(plan.other_bytes)} besides saved activations)")
                                  for key, message in plan.problems])
+    plan.step_peak_bytes = est.predicted_peak_bytes + held
     if stepper is not None and stepper.tier_pending:
         states = est.plans.get("grad_release") or {}
         stepper.settle_tier(states.get("states") == "host", states.get("why") or "")

@@ -56,6 +56,8 @@ class TracePlan:
         problems: the planner's refusal when none does.
         outside_bytes: saved bytes outside every candidate.
         reach: what the planner can reach on this model (`pricing.reach`).
+        step_peak_bytes: the rank's whole predicted peak with this plan (the estimate's, set by the run that
+            takes the plan: `run_plan`), which the monitor checks the run against.
     """
 
     plan: dict[str, str] = field(default_factory=dict)
@@ -72,6 +74,7 @@ class TracePlan:
     problems: list = field(default_factory=list)
     outside_bytes: int = 0
     reach: Optional[dict] = None
+    step_peak_bytes: Optional[int] = None
 
     @property
     def least_budget_bytes(self) -> int:

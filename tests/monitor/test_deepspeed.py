@@ -9,7 +9,7 @@ from xirang_ds.launch import run_ranks
 
 
 def _run(rank, world, tmp, actions, stage, steps, hog_rank, dtype="bf16", split_from_start=False, activations=False,
-         hog_steps=None, restore_after=0):
+         hog_steps=None, restore_after=0, auto_budget=False):
     import torch
 
     import xirang_ds
@@ -28,7 +28,8 @@ def _run(rank, world, tmp, actions, stage, steps, hog_rank, dtype="bf16", split_
                                                    "actions": actions, "checkpoint_dir": os.path.join(tmp, "ckpt"),
                                                    "restore_after_steps": restore_after}}
     if activations:
-        block["activations"] = {"enabled": True, "budget": "200MB"}  # the hog is not an activation
+        # the hog is not an activation; with auto_budget the plan is made before the run under memory_budget
+        block["activations"] = {"enabled": True} if auto_budget else {"enabled": True, "budget": "200MB"}
     config = ds_config(stage=stage, dtype=dtype, micro=4, xirang=block,
                        csv_monitor={"enabled": True, "output_path": os.path.join(tmp, "csv"), "job_name": "j"})
     engine, *_ = xirang_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -44,8 +45,9 @@ def _run(rank, world, tmp, actions, stage, steps, hog_rank, dtype="bf16", split_
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    plan = dict(engine.xirang.plugin("activations").plan) if activations else {}
-    return {"history": monitor.history, "actions": monitor.actions_taken,
+    planner = engine.xirang.plugin("activations") if activations else None
+    plan = dict(planner.plan) if activations else {}
+    return {"planned_step_peak": getattr(planner, "planned_step_peak", None), "history": monitor.history, "actions": monitor.actions_taken,
             "pieces": monitor.splitter.pieces if monitor.splitter else 1, "losses": losses, "plan": plan,
             "episodes": monitor.episode}
 
@@ -133,3 +135,15 @@ def test_budget_errors():
         resolve_budget(2000, 1000, 10)
     with pytest.raises(XirangConfigError, match="below what this rank's model states already take"):
         resolve_budget(5, 1000, 10)
+
+
+@pytest.mark.distributed
+def test_a_step_above_the_planned_budget_says_so_and_the_actions_take_over():
+    """The activation plan is made before the run at step 1 (budget auto under memory_budget 300MB); rank 1
+    needs 400 MB more in steps 2 and 3, which the plan could not know: the monitor says once that the plan
+    missed its budget on the fullest rank, the actions run on both ranks, and the miss ends at step 4."""
+    results = run_ranks(_run, 2, "/tmp", ["empty_cache"], 2, 4, 1, "bf16", False, True, (2, 3), 0, True)
+    for r in results:
+        assert r["planned_step_peak"] is not None and r["planned_step_peak"] < 300e6
+        assert [h["plan_missed_budget"] for h in r["history"]] == [False, True, True, False]
+        assert [(a["step"], a["action"]) for a in r["actions"]] == [(2, "empty_cache")]

@@ -186,6 +186,9 @@ def _setup_estimate(p: argparse.ArgumentParser) -> None:
                         "stands for memory_budget \"auto\" (implies --device cuda)")
     p.add_argument("--calibrate", action="store_true",
                    help="then run 3 real steps here, measure, and report the error per category")
+    p.add_argument("--no-suggest", action="store_true",
+                   help="where the block does not fit, skip the search for a change that fits (preset, ZeRO stage, "
+                        "micro-batch)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON")
     _add_config_flags(p)
 
@@ -213,7 +216,24 @@ def _run_estimate(args: argparse.Namespace) -> int:
     est = estimate_spec(model, ds_config, args.world_size, device, device_profile=profile)
     est.notes.extend(notes)
     out = est.as_dict()
+    if est.fits is False:
+        from xirang_ds.planning.suggest import format_suggestion, least_fitting_budget, suggest_fit
+
+        def again(c: dict) -> Any:
+            return estimate_spec(model, c, args.world_size, device, device_profile=profile)
+
+        least, ran = least_fitting_budget(ds_config, again, est.least_budget_bytes)
+        if least is not None and least != est.least_budget_bytes:
+            est.notes.append(f"least memory_budget: an estimate at {least:,} bytes fits ({ran} more estimates); the "
+                             f"first figure, {est.least_budget_bytes:,}, was taken at the settings of the budget as "
+                             "written (bucket sizes and grad_release's tiers follow the budget)")
+            est.least_budget_bytes = least
+        out = est.as_dict()
     print(format_estimate(est))
+    if est.fits is False and not args.no_suggest:
+        found = suggest_fit(ds_config, again)
+        out["suggestion"] = found.as_dict()
+        print(format_suggestion(found))
     if args.calibrate:
         side = run_side(model, ds_config, 3, args.world_size, None, 0, "xirang" in ds_config)
         cal = recalibrate(est, side.peak_by_category, side.peak_bytes)

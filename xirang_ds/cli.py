@@ -184,6 +184,9 @@ def _setup_estimate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", default=None, choices=("h100", "h200", "a100"),
                    help="the GPU the run will use: its device profile prices the activation plan and its memory "
                         "stands for memory_budget \"auto\" (implies --device cuda)")
+    p.add_argument("--measure-cpu", action="store_true",
+                   help="price the plan and the step time by this machine's CPU, measured by a one-second micro-benchmark "
+                        "(its figures go into the JSON), instead of the CPU profile's stated constants")
     p.add_argument("--calibrate", action="store_true",
                    help="then run 3 real steps here, measure, and report the error per category")
     p.add_argument("--no-suggest", action="store_true",
@@ -198,7 +201,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
 
     import torch
 
-    from xirang_ds.memory.device_profile import profile_named
+    from xirang_ds.memory.device_profile import measure_cpu_profile, profile_named
     from xirang_ds.planning.estimator import format_estimate, recalibrate
     from xirang_ds.planning.spec import estimate_spec
 
@@ -212,10 +215,16 @@ def _run_estimate(args: argparse.Namespace) -> int:
         if args.device == "cpu":
             raise UsageError(f"--gpu {args.gpu} is a CUDA device; drop --device cpu")
         device = "cuda"
+    if args.measure_cpu:
+        if device == "cuda":
+            raise UsageError("--measure-cpu prices a CPU run; drop --gpu / --device cuda")
+        profile = measure_cpu_profile()
     # resolves "preset": "auto", checks the block
     est = estimate_spec(model, ds_config, args.world_size, device, device_profile=profile)
     est.notes.extend(notes)
     out = est.as_dict()
+    if args.measure_cpu:
+        out["device_profile"] = profile.as_dict()
     if est.fits is False:
         from xirang_ds.planning.suggest import format_suggestion, least_fitting_budget, suggest_fit
 
@@ -228,7 +237,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
                              f"first figure, {est.least_budget_bytes:,}, was taken at the settings of the budget as "
                              "written (bucket sizes and grad_release's tiers follow the budget)")
             est.least_budget_bytes = least
-        out = est.as_dict()
+        out = {**est.as_dict(), **({"device_profile": profile.as_dict()} if args.measure_cpu else {})}
     print(format_estimate(est))
     if est.fits is False and not args.no_suggest:
         found = suggest_fit(ds_config, again)

@@ -164,6 +164,10 @@ class Plugin:
     memory_neutral: ClassVar[bool] = False
     """True for plugins that only observe: without `xirang_ds.roles.Estimates` the estimate keeps its phases
     (otherwise it notes that the plugin's effect is not modelled)."""
+    time_neutral: ClassVar[bool] = False
+    """True for plugins whose work takes no time a device profile can price (observing, sizing buffers):
+    without `xirang_ds.roles.TimesStep` the predicted step time counts nothing for them (otherwise it notes
+    that the plugin's time is not priced)."""
     frameworks: ClassVar[tuple[str, ...]] = ("deepspeed",)
     """Training frameworks the plugin attaches to: ``"deepspeed"``, ``"megatron"``. A plugin lists
     ``"megatron"`` once it handles Megatron-core's seams (docs/megatron.md)."""

@@ -102,6 +102,17 @@ class Estimates(Protocol):
 
 
 @runtime_checkable
+class TimesStep(Protocol):
+    """It prices what it adds to a training step (`xirang_ds.planning.step_time`). A plugin without the role
+    adds nothing when it is ``time_neutral``, and otherwise the predicted step time notes it as not priced."""
+
+    def step_seconds(self, shape: Any, numels: list, profile: Any) -> Optional[float]:
+        """Seconds this plugin adds to one optimizer step of the estimate on ``profile`` (a
+        `xirang_ds.memory.device_profile.DeviceProfile`), or ``None`` where it cannot price them. Called after
+        `Estimates.adjust_estimate`, so what the plugin planned for the estimate is known."""
+
+
+@runtime_checkable
 class ReshapesRun(Protocol):
     """It changes what DeepSpeed runs, so the estimate's `RunShape` changes with it (precision's on-demand
     copies run DeepSpeed in fp32; optimizer_states' masters as views of the weights)."""

@@ -58,7 +58,7 @@ _COPY_INTO, _COPY_NEW = copy_ops()
 _FREE: dict[Any, bool] = {}
 
 
-def _launches_nothing(func: Any) -> bool:
+def launches_nothing(func: Any) -> bool:
     """Views (outputs alias an input without writing it) and ops on sizes alone compute nothing."""
     known = _FREE.get(func)
     if known is None:
@@ -96,7 +96,7 @@ class _Counter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if _launches_nothing(func):
+        if launches_nothing(func):
             return out
         self.kernels += 1
         self.optimizer_kernels += self.in_step > 0
@@ -275,4 +275,4 @@ def count_step(step: Callable[[], Any], device: torch.device | str = "cpu", trac
     return counts
 
 
-__all__ = ["StepCounts", "compiled_call", "count_ops", "count_step", "only_counters_active"]
+__all__ = ["StepCounts", "compiled_call", "count_ops", "count_step", "launches_nothing", "only_counters_active"]

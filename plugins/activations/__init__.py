@@ -303,6 +303,12 @@ class ActivationsPlugin(Passes, Plugin):
         plan needs; 0 before a trace or without free candidates), for grad_release's ``states: auto``."""
         return estimate.reducible_bytes(self)
 
+    def step_seconds(self, shape: Any, numels: list, profile: Any) -> Optional[float]:
+        """`xirang_ds.roles.TimesStep`: what the estimate's plan adds per micro-step (recompute, encode and decode,
+        offload), priced by the estimate's device profile, in every micro-step; ``None`` without a plan."""
+        plan = self.estimate_plan
+        return plan.added_s * shape.grad_accum if getattr(plan, "device_profile", None) == profile else None
+
     def settled(self) -> bool:
         return self.state != "profiling"
 

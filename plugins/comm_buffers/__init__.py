@@ -141,6 +141,7 @@ class CommBuffersPlugin(Plugin):
     """Under Megatron only the bucket sizes apply (docs/megatron.md)."""
 
     provides = frozenset({STORAGE_LENDER})
+    time_neutral = True  # where the bytes live, not what runs (the predicted step counts bytes, not buckets)
 
     def __init__(self, config: CommBuffersConfig, session):
         super().__init__(config, session)

@@ -340,7 +340,7 @@ class GradReleasePlugin(StatesTier, Plugin):
             return out
 
         parked = self.config.states == "host"
-        out, self.estimate_note = held(parked, self.stashes_held(parked)), None
+        out, self.estimate_note, self.estimate_state_bytes = held(parked, self.stashes_held(parked)), None, states
         budget = self.session.config.memory_budget
         planner = self.session.plugin("activations")  # what it can take off saved activations is room
         spare = planner.reducible_bytes() if planner is not None and hasattr(planner, "reducible_bytes") else 0

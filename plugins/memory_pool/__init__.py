@@ -48,6 +48,7 @@ class MemoryPoolPlugin(Plugin):
     """
 
     provides = frozenset({SHARED_POOL})
+    time_neutral = True  # where the bytes live, not what runs (the predicted step counts bytes, not buckets)
 
     frameworks = ("deepspeed", "megatron")
     preset_frameworks = ("deepspeed",)

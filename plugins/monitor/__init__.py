@@ -87,7 +87,7 @@ def resolve_budget(requested: Any, device_total: int, model_state_bytes: int) ->
 class MonitorPlugin(Plugin):
     """Checks memory after optimizer steps and runs the configured actions on every rank."""
 
-    memory_neutral = True
+    memory_neutral = time_neutral = True
     frameworks = ("deepspeed", "megatron")
 
     paths = {"megatron": "xirang_ds.plugins.monitor.megatron:MegatronMonitor"}

@@ -24,7 +24,7 @@ logger = logging.getLogger("xirang_ds")
 class ProfilerPlugin(Plugin):
     """Timeline of the configured step; ``files`` and ``report`` hold the results afterwards."""
 
-    memory_neutral = True
+    memory_neutral = time_neutral = True
     frameworks = ("deepspeed", "megatron")
 
     def __init__(self, config: ProfilerConfig, session):

@@ -106,7 +106,12 @@ def test_rehearsal_runs_every_step_from_the_installed_package(tmp_path):
     s = subprocess.run([sys.executable, os.path.join(KIT, "summarize.py"), str(results)], capture_output=True,
                        text=True, timeout=60)
     assert s.returncode == 0 and "missing" not in s.stdout, s.stdout
-    assert json.loads((results / "summary.json").read_text())["missing"] == []
+    summary = json.loads((results / "summary.json").read_text())
+    assert summary["missing"] == []
+    # every side's estimate beside its measurement (predict.py), priced by the CPU's profile here
+    assert set(summary["predicted"]) == set(sides)
+    assert all(p["predicted_step_time_s"] > 0 and p["measured_peak_bytes"] == sides[n]["peak_bytes"]
+               and p["profile"].startswith("cpu") for n, p in summary["predicted"].items())
 
 
 def test_summarize_keeps_what_a_cut_run_finished_and_names_what_is_missing(tmp_path):

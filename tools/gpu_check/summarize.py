@@ -70,11 +70,14 @@ def from_records(records: list[dict], missing: list[str]) -> dict[str, Any]:
     else:
         missing.append("imports: no record (the step did not finish)")
     sides: dict[str, dict] = {}
+    configs = out["configs"] = {}  # each side's (model, ds_config), for `predict`
     for name in SIDES:
         done = [r for r in records if r.get("kind") == "side" and r.get("side") == name]
         steps = [r for r in records if r.get("kind") == "step" and r.get("side") == name]
         if done:
             sides[name] = _side(done[-1])
+            if done[-1].get("ds_config"):
+                configs[name] = (done[-1]["model"], done[-1]["ds_config"])
             if "error" in done[-1]:
                 missing.append(f"bench {name}: failed: {done[-1]['error']}")
         elif steps:
@@ -136,6 +139,7 @@ def from_legacy(folder: str) -> dict[str, Any]:
         bench = json.load(open(path, encoding="utf-8"))
         out["bench"] = {name: ({"error": side["error"].strip().splitlines()[0]} if "error" in side else _side(side))
                         for name, side in bench["sides"].items()}
+        out["configs"] = {"plain": (bench["model"], bench["ds_config"])}  # the presets' budgets are not recorded
     return out
 
 
@@ -160,6 +164,12 @@ def main(folder: str) -> int:
             missing.append(f"megatron {name}: {runs[name]['iterations']} of 10 iterations in the log")
     if runs:
         out["megatron"] = runs
+    configs = out.pop("configs", {})
+    env = out.get("env", {})
+    if configs and out.get("bench"):
+        from predict import predict
+
+        out["predicted"] = predict(out["bench"], configs, env.get("gpu"), env.get("cuda_available", True))
     if not out.get("env", {}).get("cuda_available", True):  # a rehearsal: megatron-core's loop stood in
         out["megatron_standin"] = {name: standins[name]["ranks"] for name in standins}
         missing.extend(f"megatron {name} (stand-in): no record" for name in MEGATRON if name not in standins)
@@ -186,6 +196,16 @@ def main(folder: str) -> int:
                   f"{s.get('final_loss', float('nan')):.4f} | {counts.get('kernels_per_step', '-')}; "
                   f"{counts.get('device_kernels_per_step', '-')} | {counts.get('host_syncs_per_step', '-')}; "
                   f"{counts.get('device_syncs_per_step', '-')} | {counts.get('link_bytes_per_step', '-')} |")
+    if out.get("predicted"):
+        print("| bench side | predicted step | measured step | error | predicted peak | measured peak | error |")
+        print("|---|---|---|---|---|---|---|")
+        for name, p in out["predicted"].items():
+            if "error" in p and "profile" not in p:
+                print(f"| {name} | estimate failed: {p['error']} ||||||")
+                continue
+            print(f"| {name} | {_ms(p['predicted_step_time_s'])} | {_ms(p['measured_step_time_s'])} | "
+                  f"{p.get('step_time_error', float('nan')):+.1%} | {p['predicted_peak_bytes']:,} B | "
+                  f"{p['measured_peak_bytes'] or 0:,} B | {p.get('peak_error', float('nan')):+.1%} |")
     if "optimizer" in out:
         opt = out["optimizer"]
         print(f"optimizer step ({opt['device']}, {opt['numel']:,} elements, {opt['rounds_done']} rounds):")

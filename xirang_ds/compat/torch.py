@@ -65,6 +65,10 @@ UPSTREAM_NAMES: dict[str, Any] = {
     "torch.ops.aten._unique": "unique without dim (native_functions.yaml)",
     "torch.ops.aten._unique2": "unique with inverse and counts (native_functions.yaml)",
     "torch.ops.aten._to_copy": "what Tensor.to dispatches when it copies (native_functions.yaml)",
+    "torch.ops.aten._scaled_dot_product_flash_attention": "SDPA's flash kernel (native_functions.yaml)",
+    "torch.ops.aten._scaled_dot_product_flash_attention_backward": "its backward (native_functions.yaml)",
+    "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu": "the CPU's flash SDPA (native_functions.yaml)",
+    "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward": "its backward (native_functions.yaml)",
     "torch.nn.modules.batchnorm._NormBase": "torch/nn/modules/batchnorm.py L25",
     "torch.nn.Module._parameters": "torch/nn/modules/module.py (the module's own parameter table)",
     "torch.Tensor._backward_hooks": "a tensor's register_hook hooks (C property, torch/_C/__init__.pyi; None if none)",
@@ -347,6 +351,14 @@ def cast_ops() -> frozenset:
     return frozenset({torch.ops.aten._to_copy.default})
 
 
+def flop_aliases() -> dict:
+    """ATen op packets PyTorch's FLOP table (``torch.utils.flop_counter.flop_registry``) leaves out, each with the
+    packet of the same arithmetic it does count: the CPU's own flash attention, forward and backward."""
+    aten = torch.ops.aten
+    return {aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: aten._scaled_dot_product_flash_attention_backward}
+
+
 def is_fake(t: torch.Tensor) -> bool:
     """``t`` is a tensor of a ``FakeTensorMode``."""
     from torch._subclasses.fake_tensor import FakeTensor
@@ -374,7 +386,7 @@ __all__ = [
     "current_autograd_node",
     "current_dispatch_mode", "current_saved_tensors_hooks", "destroy_library", "disable_current_modes",
     "dispatch_mode_active", "dispatch_mode_stack", "function_mode_stack", "pop_function_mode_temporarily",
-    "dump_memory_snapshot", "fake_tensor_mode", "foreach_zero_", "graph_retained", "is_checkpoint_hook",
+    "dump_memory_snapshot", "fake_tensor_mode", "flop_aliases", "foreach_zero_", "graph_retained", "is_checkpoint_hook",
     "is_optimized_module",
     "is_traceable_wrapper_subclass", "log_softmax_backward_data", "make_wrapper_subclass", "op_entry", "op_schema",
     "ops_with_kernel", "outside_dynamo", "parameter_table", "parse_to", "pop_mode_temporarily",

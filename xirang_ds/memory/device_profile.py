@@ -11,14 +11,16 @@ bytes over the host link. The profile of a run is its device's, named by the dev
 Figures (spec sheets; the FLOP rates scaled by ``efficiency``, what dense matmuls reach in practice:
 about 790 of the H200's 989 bf16 TFLOP/s were measured on the lent H200, docs of the device tool):
 
-========  ============  ==========  ============  =============  ========
-profile   bf16 matmul   fp32        memory        host link      launch
-========  ============  ==========  ============  =============  ========
-h100      989 TFLOP/s   67 TFLOP/s  3.35 TB/s     64 GB/s PCIe5  5 us
-h200      989 TFLOP/s   67 TFLOP/s  4.8 TB/s      64 GB/s PCIe5  5 us
-a100      312 TFLOP/s   19.5        2.04 TB/s     32 GB/s PCIe4  5 us
-cpu       100 GFLOP/s   100 GFLOP/s 20 GB/s       10 GB/s        5 us
-========  ============  ==========  ============  =============  ========
+========  ============  ==========  ============  =============  ========  ====================
+profile   bf16 matmul   fp32        memory        host link      launch    interconnect
+========  ============  ==========  ============  =============  ========  ====================
+h100      989 TFLOP/s   67 TFLOP/s  3.35 TB/s     64 GB/s PCIe5  5 us      450 GB/s NVLink4
+h200      989 TFLOP/s   67 TFLOP/s  4.8 TB/s      64 GB/s PCIe5  5 us      450 GB/s NVLink4
+a100      312 TFLOP/s   19.5        2.04 TB/s     32 GB/s PCIe4  5 us      300 GB/s NVLink3
+cpu       100 GFLOP/s   100 GFLOP/s 20 GB/s       10 GB/s        5 us      5 GB/s (gloo)
+========  ============  ==========  ============  =============  ========  ====================
+
+(interconnect: one direction per GPU, SXM parts.)
 
 The CPU's figures are stated constants for a small x86 server (2 cores with AVX2 FMA at about
 2.5 GHz, DDR4), not a measurement of this machine: a plan made on a CPU is the CPU profile's plan.
@@ -30,6 +32,7 @@ from typing import Any, Optional
 
 import torch
 
+from xirang_ds.compat.torch import flop_aliases
 from xirang_ds.memory.storages import tensors_in
 
 MATMUL_EFFICIENCY = 0.8
@@ -49,6 +52,8 @@ class DeviceProfile:
         memory_bytes_per_s: device memory bandwidth, spec.
         host_link_bytes_per_s: device-host copy bandwidth, one direction (PCIe x16 for GPUs).
         launch_s: the host's cost to start one kernel (an eager op's dispatch on a CPU).
+        interconnect_bytes_per_s: one direction between two ranks' devices, what a ring collective moves per
+            second per rank (NVLink for the GPUs; the CPU's gloo over shared memory).
         memory_bytes: device memory as torch reports it (``total_memory``), what ``memory_budget: auto``
             stands for in an estimate for this device (``xirang-ds estimate --gpu``); 0 for the CPU, whose
             memory is the machine's.
@@ -61,6 +66,7 @@ class DeviceProfile:
     host_link_bytes_per_s: float
     launch_s: float
     memory_bytes: int = 0
+    interconnect_bytes_per_s: float = 5e9
 
     def op_seconds(self, flops: float, bytes_moved: float, low_precision: bool = True) -> float:
         """One op: the larger of its arithmetic and its memory traffic (a roofline), plus its launch."""
@@ -76,10 +82,10 @@ class DeviceProfile:
 
 
 PROFILES: dict[str, DeviceProfile] = {
-    "h100": DeviceProfile("h100", 989e12, 67e12, 3.35e12, 64e9, 5e-6, 80 * 2**30),
-    "h200": DeviceProfile("h200", 989e12, 67e12, 4.8e12, 64e9, 5e-6, 150_109_880_320),
-    "a100": DeviceProfile("a100", 312e12, 19.5e12, 2.039e12, 32e9, 5e-6, 80 * 2**30),
-    "cpu": DeviceProfile("cpu", 1e11, 1e11, 2e10, 1e10, 5e-6),
+    "h100": DeviceProfile("h100", 989e12, 67e12, 3.35e12, 64e9, 5e-6, 80 * 2**30, 450e9),
+    "h200": DeviceProfile("h200", 989e12, 67e12, 4.8e12, 64e9, 5e-6, 150_109_880_320, 450e9),
+    "a100": DeviceProfile("a100", 312e12, 19.5e12, 2.039e12, 32e9, 5e-6, 80 * 2**30, 300e9),
+    "cpu": DeviceProfile("cpu", 1e11, 1e11, 2e10, 1e10, 5e-6, 0, 5e9),
 }
 """The named profiles (the module docstring's table). Memory: the H200's as the lent one reported it
 (benchmarks/results/gpu/20261204/env.json), the 80 GB H100 and A100 at 80 GiB (their spec; torch reports
@@ -115,12 +121,56 @@ def profile_for(device: torch.device | str, device_name: Optional[str] = None) -
     return PROFILES[UNKNOWN_ACCELERATOR], (f"{UNKNOWN_ACCELERATOR}'s figures: no profile for {device_name or device}")
 
 
+def measure_cpu_profile(threads: Optional[int] = None, repeats: int = 5) -> DeviceProfile:
+    """This machine's CPU, measured by a short micro-benchmark (about a second) with ``threads`` intra-op
+    threads (default torch's): a 1024-square bf16 and fp32 matmul for the FLOP rates, a 32 MiB copy for the
+    memory bandwidth (and the host link, the same memory), a one-element add for an op's dispatch cost; each
+    the best of ``repeats``. The rates are stored divided by the efficiencies `DeviceProfile.op_seconds`
+    applies, so an op priced by the profile takes what it took here. The interconnect keeps the stated
+    constant (gloo between processes is not measured here)."""
+    import time
+
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        def best(fn: Any) -> float:
+            fn()
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            return min(times)
+
+        n = 1024
+        rates = {}
+        for dtype in (torch.bfloat16, torch.float32):
+            a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+            rates[dtype] = 2 * n ** 3 / best(lambda: torch.mm(a, b))
+        src = torch.empty(8 * 2**20)
+        dst = torch.empty_like(src)
+        bandwidth = 2 * src.nbytes / best(lambda: dst.copy_(src))
+        one = torch.zeros(1)
+        launch = best(lambda: [torch.add(one, one) for _ in range(1000)]) / 1000
+    finally:
+        torch.set_num_threads(before)
+    cpu = PROFILES["cpu"]
+    return DeviceProfile("cpu-measured", rates[torch.bfloat16] / MATMUL_EFFICIENCY, rates[torch.float32] / MATMUL_EFFICIENCY,
+                         bandwidth / MEMORY_EFFICIENCY, bandwidth, launch, 0, cpu.interconnect_bytes_per_s)
+
+
 # ------------------------------------------------------------------------------------------------
 # counting one op
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size() if t.layout == torch.strided else 0
+
+
+_FLOPS_AS = flop_aliases()
+"""Ops PyTorch's FLOP table leaves out, counted as the op of the same arithmetic it has (the fake trace runs on
+the CPU, whose SDPA is its own flash kernel, whatever device the estimate is for)."""
 
 
 def op_counts(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[int, int, bool]:
@@ -133,7 +183,8 @@ def op_counts(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[int, int,
     inputs = list(tensors_in((args, kwargs)))
     outputs = list(tensors_in(out))
     moved = sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs)
-    counter = flop_registry.get(getattr(func, "overloadpacket", func))
+    packet = getattr(func, "overloadpacket", func)
+    counter = flop_registry.get(_FLOPS_AS.get(packet, packet))
     flops = 0
     if counter is not None:
         try:
@@ -150,5 +201,47 @@ def op_seconds(profile: DeviceProfile, func: Any, args: tuple, kwargs: dict, out
     return profile.op_seconds(flops, moved, low)
 
 
-__all__ = ["DeviceProfile", "MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY", "PROFILES", "UNKNOWN_ACCELERATOR", "op_counts",
-           "op_seconds", "profile_for", "profile_named"]
+_ALLOCATE_ONLY = frozenset(getattr(torch.ops.aten, name) for name in
+                           ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_"))
+"""Ops that allocate and write nothing: no kernel, no bytes moved."""
+
+
+class OpTally:
+    """The ops of a stretch of work (a fake forward and backward), counted to be priced by any profile: each
+    op that launches a kernel (views and size queries launch none) kept as its `op_counts`, equal ones
+    together."""
+
+    def __init__(self) -> None:
+        self.ops: dict[tuple[int, int, bool], int] = {}
+
+    def add(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        from xirang_ds.step_counts import launches_nothing
+
+        packet = getattr(func, "overloadpacket", func)
+        if launches_nothing(func) or packet in _ALLOCATE_ONLY or getattr(func, "namespace", "") == "prim":
+            return  # views, sizes, allocations without a write, metadata (prim: a tensor's device)
+        key = op_counts(func, args, kwargs or {}, out)
+        self.ops[key] = self.ops.get(key, 0) + 1
+
+    @property
+    def launches(self) -> int:
+        return sum(self.ops.values())
+
+    @property
+    def flops(self) -> int:
+        return sum(f * n for (f, _, _), n in self.ops.items())
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(b * n for (_, b, _), n in self.ops.items())
+
+    def seconds(self, profile: DeviceProfile) -> float:
+        """The ops one after another on ``profile`` (each `DeviceProfile.op_seconds`)."""
+        return sum(profile.op_seconds(f, b, low) * n for (f, b, low), n in self.ops.items())
+
+    def as_dict(self) -> dict[str, int]:
+        return {"launches": self.launches, "flops": self.flops, "bytes_moved": self.bytes_moved}
+
+
+__all__ = ["DeviceProfile", "MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY", "OpTally", "PROFILES", "UNKNOWN_ACCELERATOR",
+           "measure_cpu_profile", "op_counts", "op_seconds", "profile_for", "profile_named"]

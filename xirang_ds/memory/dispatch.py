@@ -37,6 +37,8 @@ class TrackingMode(TorchDispatchMode):
         tracker = self.tracker
         if tracker.record_uses:
             tracker._use(args, kwargs)
+        if tracker.on_op is not None:
+            tracker.on_op(func, args, kwargs, out)
         # An output that aliases an input is not a new storage: only a known storage is looked
         # at (it may have been resized in place); an untracked one stays untracked.
         new = not returns_alias(func)

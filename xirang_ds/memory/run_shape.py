@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -20,6 +20,8 @@ DEFAULT_PERSISTENCE_THRESHOLD = int(1e5)
 DEFAULT_MAX_REUSE_DISTANCE = int(1e9)
 DEFAULT_MAX_LIVE_PARAMETERS = int(1e9)
 DEFAULT_SUB_GROUP_SIZE = int(1e9)
+DEFAULT_GRADIENT_CLIPPING = 1.0
+"""DeepSpeed's ``GRADIENT_CLIPPING_DEFAULT`` (runtime/constants.py)."""
 SUB_GROUPS = 8
 """Where the user set no ``zero_optimization.sub_group_size``, optimizer_states, when it parks masters,
 makes ZeRO-3's sub-groups about 1/8 of this rank's partition (at least 2**16 elements; a parameter's
@@ -62,6 +64,14 @@ class EstimateError(ValueError):
     """The ds_config or model cannot be estimated (the message says why)."""
 
 
+def _number(value: Any, default: float) -> float:
+    """A ds_config number, or ``default`` where it is not one yet (HF's ``"auto"``)."""
+    try:
+        return float(value or 0.0)
+    except (TypeError, ValueError):
+        return default
+
+
 @dataclass(frozen=True)
 class RunShape:
     """What the estimate needs from a ds_config, with DeepSpeed's defaults applied."""
@@ -84,6 +94,8 @@ class RunShape:
     adam_impl: str  # "single_tensor" | "foreach" | "fused"
     device: str
     shared_masters: bool = False  # ZeRO 1/2's fp32 partition is a view of fp32 parameters, not a copy
+    clipping: float = 0.0
+    """``gradient_clipping`` (DeepSpeed's default 1.0); 0: no norm is taken."""
     groups: Optional[tuple[tuple[int, ...], ...]] = None
     """DeepSpeed's parameter groups as indices into the trainable parameters, when a plugin splits them
     (optimizer_states keeps fp32 states in groups of their own); ZeRO 1/2 flattens and partitions each
@@ -125,7 +137,8 @@ class RunShape:
                    sub_group_size=int(float(zero.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE))),
                    offloaded=tuple(k for k in ("offload_optimizer", "offload_param")
                                    if str((zero.get(k) or {}).get("device", "none")) != "none"),
-                   optimizer=name, adam_impl=impl, device=device)
+                   optimizer=name, adam_impl=impl, device=device,
+                   clipping=_number(ds.get("gradient_clipping", DEFAULT_GRADIENT_CLIPPING), DEFAULT_GRADIENT_CLIPPING))
 
     @property
     def lp_bytes(self) -> int:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from xirang_ds.compat.torch import fake_tensor_mode
+from xirang_ds.memory.device_profile import OpTally
 from xirang_ds.memory.categories import COMM_BUFFERS, GRADIENTS, PARAMETERS, TEMPORARIES
 from xirang_ds.memory.run_shape import EstimateError, RunShape, fullest_rank
 from xirang_ds.memory.storages import tensors_in
@@ -42,6 +43,8 @@ class Trace:
             they hold what the engine carries from one micro-step to the next.
         loss_outside: the forward returned no loss; a stand-in was traced, and what the run's own
             loss keeps for backward is not in the activations.
+        ops: the ops of one micro-step's forward and backward (the engine's emulated gradient handling
+            included), counted to be priced by a device profile (`xirang_ds.planning.step_time`).
     """
 
     forward_peak: int
@@ -54,6 +57,7 @@ class Trace:
     param_numels: list[int] = field(default_factory=list)
     accumulates: bool = False
     loss_outside: bool = False
+    ops: Optional[OpTally] = None
 
 
 class _EngineEmulation:
@@ -196,9 +200,12 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
         handles = [p.register_post_accumulate_grad_hook(emu.hook) for p in params]
         micro_steps = 2 if shape.grad_accum > 1 else 1  # the second carries the first's gradients
         fwd_report = bwd_report = None
+        ops = OpTally()
+        tracker.on_op = ops.add  # the first micro-step's (one forward and backward; not while paused)
         with applied, tracker:
             for micro in range(micro_steps):
                 if micro:
+                    tracker.on_op = None
                     emu.end_micro_step()
                     tracker.mark([p.grad for p in params if p.grad is not None], GRADIENTS)
                 fwd = tracker.open_window()
@@ -222,6 +229,7 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
                 emu.backward_start = tracker.open_window()
                 loss.backward()
                 emu.end_backward()
+                tracker.on_op = None
                 del loss, held
                 report = bwd.report()
                 if bwd_report is None or report.peak_bytes >= bwd_report.peak_bytes:
@@ -241,4 +249,5 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
     return Trace(forward_peak=fwd_report.peak_bytes - base, activations=activations,
                  backward_peak=bwd_report.peak_bytes - base, backward_by_category=above(bwd_report),
                  backward_start_by_category=above(start), forward_by_category=above(fwd_report), inputs=batch_bytes,
-                 param_numels=[p.numel() for p in params], accumulates=micro_steps > 1, loss_outside=outside)
+                 param_numels=[p.numel() for p in params], accumulates=micro_steps > 1, loss_outside=outside,
+                 ops=ops)

@@ -20,7 +20,7 @@ import contextlib
 import itertools
 import threading
 import weakref
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -61,6 +61,9 @@ class MemoryTracker:
         self.device_type = device_type or default_device_type()
         self.record_uses = record_uses
         self.fake = fake
+        self.on_op: Optional[Callable[[Any, tuple, dict, Any], None]] = None
+        """Called with every op the tracker sees, after it ran (``(func, args, kwargs, out)``): the fake
+        trace's op tally (`xirang_ds.memory.device_profile.OpTally`)."""
         self._lock = threading.RLock()
         self._serial = itertools.count()
         self.clock = 0

@@ -52,7 +52,9 @@ from xirang_ds.memory.run_shape import (
     partition_numel,
 )
 from xirang_ds.memory.trace import Inputs, Trace, loss_of, trace_model
+from xirang_ds.memory.device_profile import PROFILES
 from xirang_ds.planning.fit import fit_block
+from xirang_ds.planning.step_time import StepTime, step_time
 from xirang_ds.roles import Estimates, ReshapesRun
 from xirang_ds.session import Session
 
@@ -84,13 +86,19 @@ class Estimate:
     fits: Optional[bool] = None
     least_budget_bytes: Optional[int] = None
     plans: dict = dataclasses.field(default_factory=dict)
+    step_time: Optional[StepTime] = None
+    plain_step_time: Optional[StepTime] = None
 
     def as_dict(self) -> dict:
         return {"predicted_peak_bytes": self.predicted_peak_bytes, "by_category": dict(self.by_category),
                 "peak_phase": self.peak_phase, "fits": self.fits, "least_budget_bytes": self.least_budget_bytes,
                 "phases": {k: dict(v) for k, v in self.phases.items()}, "notes": list(self.notes),
                 "plans": {k: v.as_dict() if hasattr(v, "as_dict") else v for k, v in self.plans.items()},
-                "korthikanti_activations": self.korthikanti_activations}
+                "korthikanti_activations": self.korthikanti_activations,
+                "predicted_step_time_s": self.step_time.seconds if self.step_time else None,
+                "plain_step_time_s": self.plain_step_time.seconds if self.plain_step_time else None,
+                "step_time": self.step_time.as_dict() if self.step_time else None,
+                "plain_step_time": self.plain_step_time.as_dict() if self.plain_step_time else None}
 
 
 def estimate_run(build: Callable[[], torch.nn.Module], ds_config: dict, seq: Optional[int] = None,
@@ -113,6 +121,7 @@ def estimate_run(build: Callable[[], torch.nn.Module], ds_config: dict, seq: Opt
         raise EstimateError(f"zero_optimization.stage must be 0-3; got {shape.stage}")
     trace = trace_model(build, shape, seq, vocab, inputs, session)
     est = _estimate(session, shape, trace)
+    est.step_time = step_time(shape, trace, device_profile or PROFILES["cpu"], session)
     if trace.loss_outside:
         est.notes.append("the forward returns no loss: what the loss computed outside it keeps is not traced")
     return est
@@ -292,6 +301,12 @@ def format_estimate(est: Estimate) -> str:
     if est.fits is not None:
         lines.append(("fits" if est.fits else "does not fit") + f"; the least memory_budget the block meets: "
                      f"{format_bytes(est.least_budget_bytes)} ({est.least_budget_bytes:,} bytes)")
+    if est.step_time is not None:
+        st, plain = est.step_time, est.plain_step_time
+        beside = f" (plain DeepSpeed {plain.seconds * 1e3:.1f} ms)" if plain is not None and plain is not st else ""
+        lines.append(f"predicted step: {st.seconds * 1e3:.1f} ms on the {st.profile} profile{beside}: " +
+                     ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in st.parts.items()) +
+                     "".join(f"; {n}" for n in st.notes))
     lines += ["  " + n for n in est.notes]
     lines.append(f"{'category':<18}{'forward':>12}{'backward':>12}{'optimizer_step':>16}")
     for c in CATEGORIES:

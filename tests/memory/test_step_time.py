@@ -1,0 +1,111 @@
+"""The predicted step time (`xirang_ds.planning.step_time`): counts taken from the fake trace and DeepSpeed's step
+on fake tensors, exact and the same on every machine; only the device profile turns them into seconds."""
+import copy
+
+import pytest
+import torch
+
+from xirang_ds.compat.torch import fake_tensor_mode
+from xirang_ds.memory.device_profile import PROFILES, OpTally, measure_cpu_profile
+from xirang_ds.memory.run_shape import RunShape
+from xirang_ds.planning.spec import estimate_spec
+from xirang_ds.planning.step_time import communication_bytes, optimizer_ops
+
+CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+          "gradient_clipping": 1.0, "zero_optimization": {"stage": 2},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+
+
+def _tally(fn):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    tally = OpTally()
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            tally.add(func, args, kwargs or {}, out)
+            return out
+
+    with fake_tensor_mode(), Mode():
+        fn()
+    return tally
+
+
+def test_an_op_is_counted_by_its_arithmetic_and_bytes_and_views_and_allocations_launch_nothing():
+    def work():
+        a, b = torch.empty(64, 32, dtype=torch.bfloat16), torch.empty(32, 16, dtype=torch.bfloat16)
+        (a @ b).t().reshape(16, 64)[0]
+        q = torch.empty(2, 4, 128, 64)
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+    tally = _tally(work)
+    # mm: 2*64*32*16 FLOPs, reads 64*32 + 32*16 and writes 64*16 bf16 elements; attention: 4*b*h*s*s*d (the
+    # CPU's own flash kernel, which PyTorch's table leaves out, counted as the flash kernel it equals)
+    assert tally.ops[(2 * 64 * 32 * 16, 2 * (64 * 32 + 32 * 16 + 64 * 16), True)] == 1
+    assert tally.flops == 2 * 64 * 32 * 16 + 4 * 2 * 4 * 128 * 128 * 64
+    assert tally.launches == 2  # empty, t and view launch nothing
+    h200 = PROFILES["h200"]
+    assert tally.seconds(h200) == sum(h200.op_seconds(f, b, low) * n for (f, b, low), n in tally.ops.items())
+
+
+def test_the_optimizer_step_launches_the_same_number_of_kernels_at_any_size_and_moves_bytes_in_proportion():
+    small, large = (RunShape.from_ds_config(CONFIG, 2, "cuda") for _ in range(2))
+    a, b = optimizer_ops(small, [1000, 3000]), optimizer_ops(large, [13000, 39000])
+    assert a.launches == b.launches > 0  # one flat partition per group, foreach: no per-element work
+    assert b.bytes_moved == pytest.approx(13 * a.bytes_moved, rel=0.01)
+    unclipped = optimizer_ops(RunShape.from_ds_config({**CONFIG, "gradient_clipping": 0.0}, 2, "cuda"), [1000, 3000])
+    assert unclipped.launches < a.launches  # the norm only where clipping needs it
+
+
+@pytest.mark.parametrize("stage,expected", [(0, 2), (1, 2), (2, 1 + 2), (3, 3 * 2)])
+def test_communication_is_what_a_ring_moves_per_rank(stage, expected):
+    config = {**CONFIG, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": stage}}
+    shape = RunShape.from_ds_config(config, 4, "cuda")
+    ring = 3 / 4 * 2 * 1000  # one reduce-scatter or all-gather of 1000 bf16 elements over 4 ranks
+    assert communication_bytes(shape, 1000) == int(expected * ring)
+    assert communication_bytes(RunShape.from_ds_config(config, 1, "cuda"), 1000) == 0
+
+
+def test_the_estimate_prices_the_same_counts_on_every_profile_and_against_plain_deepspeed():
+    a = estimate_spec("gpt-tiny", {**CONFIG, "xirang": {"preset": "conservative"}}, 2, "cuda",
+                      device_profile=PROFILES["h100"])
+    b = estimate_spec("gpt-tiny", {**CONFIG, "xirang": {"preset": "conservative"}}, 2, "cuda",
+                      device_profile=PROFILES["a100"])
+    assert a.step_time.counts == b.step_time.counts  # machine-independent
+    assert a.step_time.seconds < b.step_time.seconds and a.step_time.profile == "h100"
+    assert a.step_time.seconds == pytest.approx(sum(a.step_time.parts.values()))
+    plain = estimate_spec("gpt-tiny", CONFIG, 2, "cuda", device_profile=PROFILES["h100"])
+    assert a.plain_step_time.as_dict() == plain.step_time.as_dict() == plain.plain_step_time.as_dict()
+    assert a.as_dict()["predicted_step_time_s"] == a.step_time.seconds
+    assert a.as_dict()["plain_step_time_s"] == plain.step_time.seconds
+
+
+def test_what_the_block_adds_is_priced_by_its_plugins():
+    """Under a budget the plan offloads (the plan's own seconds, every micro-step) and grad_release keeps the
+    optimizer states in host memory (their bytes there and back over the host link); what a plugin cannot price
+    is named."""
+    block = {"preset": "conservative", "memory_budget": 1_500_000}
+    config = {**CONFIG, "gradient_accumulation_steps": 2}
+    est = estimate_spec("gpt-tiny", {**config, "xirang": block}, 2, "cuda", device_profile=PROFILES["h100"])
+    plan = est.plans["activations"]
+    assert est.fits and est.step_time.parts["activations"] == pytest.approx(2 * plan.added_s) and plan.added_s > 0
+    assert est.plans["grad_release"]["states"] == "host"
+    state_bytes = est.step_time.parts["grad_release"] * PROFILES["h100"].host_link_bytes_per_s
+    assert state_bytes >= 2 * 8 * sum(p.numel() for p in _gpt_tiny().parameters()) // 2
+    balanced = estimate_spec("gpt-tiny", {**CONFIG, "xirang": {"preset": "balanced"}}, 2, "cuda",
+                             device_profile=PROFILES["h100"])
+    assert "optimizer_states: its time is not priced" in balanced.step_time.notes
+
+
+def _gpt_tiny():
+    from xirang_ds.models import BUILTIN_SPECS, build_model
+
+    return build_model(BUILTIN_SPECS["gpt-tiny"])
+
+
+def test_the_cpu_profile_measured_here_is_a_profile_like_the_named_ones():
+    profile = measure_cpu_profile(threads=1, repeats=1)
+    assert profile.name == "cpu-measured" and profile.matmul_flops_per_s > 0 and 0 < profile.launch_s < 1e-3
+    assert profile.interconnect_bytes_per_s == PROFILES["cpu"].interconnect_bytes_per_s
+    assert copy.copy(profile) == profile

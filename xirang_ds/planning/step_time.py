@@ -1,0 +1,144 @@
+"""A training step's time before the run, from counts a device profile prices (`xirang_ds.memory.device_profile`).
+
+One optimizer step is, one part after the other (no overlap is assumed, so the figure is an upper bound
+where DeepSpeed overlaps communication with backward):
+
+* **forward and backward**, ``gradient_accumulation_steps`` times: the fake trace's own ops
+  (`xirang_ds.memory.trace.Trace.ops`: every op that launches a kernel, its FLOPs and bytes moved, the
+  engine's emulated gradient handling included), each priced ``max(FLOPs / rate, bytes / bandwidth) + launch``;
+* **communication**: the bytes ZeRO's collectives move per rank over the profile's interconnect, as a ring
+  moves them (``(n - 1) / n`` of the buffer per reduce-scatter or all-gather, twice that per all-reduce):
+  ZeRO 0 all-reduces the 16-bit gradients at the boundary, ZeRO 1 reduces them at the boundary and ZeRO 2 in
+  every micro-step, both all-gather the updated 16-bit parameters; ZeRO 3 gathers the parameters in forward
+  and in backward and reduce-scatters the gradients, every micro-step. Nothing on one rank;
+* **the optimizer step**: the ops of DeepSpeed's step on the fullest rank's partition, run on fake tensors
+  and counted the same way (`optimizer_ops`): the 16-bit gradient upcast, the gradient norm and clipping
+  where ``gradient_clipping`` is set, torch's AdamW over the fp32 master, the master cast back into the
+  16-bit weights;
+* **what the block adds**: each enabled plugin's own seconds per step (`xirang_ds.roles.TimesStep`); one
+  that does not price itself is named in the notes as not modelled.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from xirang_ds.compat.torch import TorchDispatchMode, fake_tensor_mode
+from xirang_ds.memory.device_profile import DeviceProfile, OpTally
+from xirang_ds.memory.run_shape import RunShape, fullest_rank, partition_numel
+from xirang_ds.roles import TimesStep
+
+
+@dataclass
+class StepTime:
+    """Predicted seconds of one optimizer step, by part.
+
+    Attributes:
+        seconds: the whole step.
+        parts: ``forward_backward`` (all micro-steps), ``communication``, ``optimizer`` and one entry per
+            plugin that adds time.
+        counts: what was priced: launches, FLOPs and bytes of one micro-step's forward and backward and of
+            the optimizer step, communication bytes per rank.
+        profile: the device profile's name.
+        notes: what the figure leaves out.
+    """
+
+    seconds: float
+    parts: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, Any] = field(default_factory=dict)
+    profile: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"seconds": self.seconds, "parts": dict(self.parts), "counts": dict(self.counts),
+                "profile": self.profile, "notes": list(self.notes)}
+
+
+class _Tallying(TorchDispatchMode):
+    def __init__(self, tally: OpTally) -> None:
+        super().__init__()
+        self.tally = tally
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.tally.add(func, args, kwargs or {}, out)
+        return out
+
+
+def optimizer_ops(shape: RunShape, numels: list[int]) -> OpTally:
+    """The ops of DeepSpeed's optimizer step on this rank's partition (module docstring), counted on fake
+    tensors: one flat partition per parameter group at ZeRO 1-3, every parameter at ZeRO 0."""
+    if shape.stage == 0:
+        sizes = list(numels)
+    else:
+        rank = fullest_rank(shape, numels)
+        groups = shape.groups or (tuple(range(len(numels))),)
+        sizes = [partition_numel(sum(numels[i] for i in g), shape.world_size) for g in groups]
+        sizes = [s for s in sizes if s] or [max(1, rank.numel)]
+    tally = OpTally()
+    sixteen = shape.dtype != torch.float32
+    with fake_tensor_mode():
+        masters = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+        low = [torch.zeros(n, dtype=shape.dtype) for n in sizes] if sixteen else masters
+        # DeepSpeed's fused Adam (one multi-tensor kernel per chunk of tensors) is counted as torch's foreach
+        opt = torch.optim.AdamW(masters, foreach=shape.adam_impl != "single_tensor")
+        with _Tallying(tally):
+            for m, g16 in zip(masters, low):
+                m.grad = g16.float() if sixteen else torch.zeros_like(m)
+            if shape.clipping:
+                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(m.grad) for m in masters]))
+                scale = torch.clamp(shape.clipping / (norm + 1e-6), max=1.0)
+                for m in masters:
+                    m.grad.mul_(scale)
+            opt.step()
+            if sixteen:
+                for m, p16 in zip(masters, low):
+                    p16.copy_(m.detach())
+    return tally
+
+
+def communication_bytes(shape: RunShape, total: int) -> int:
+    """Bytes one rank sends per optimizer step in ZeRO's collectives (module docstring)."""
+    n, lp, accum = shape.world_size, shape.lp_bytes, shape.grad_accum
+    if n == 1:
+        return 0
+    ring = (n - 1) / n * lp * total  # one reduce-scatter or all-gather of the 16-bit model
+    if shape.stage == 0:
+        return int(2 * ring)
+    if shape.stage == 1:
+        return int(2 * ring)
+    if shape.stage == 2:
+        return int(accum * ring + ring)
+    return int(3 * accum * ring)
+
+
+def step_time(shape: RunShape, trace: Any, profile: DeviceProfile, session: Any = None) -> Optional[StepTime]:
+    """The predicted step (module docstring); ``None`` where the trace counted no ops."""
+    ops = getattr(trace, "ops", None)
+    if ops is None:
+        return None
+    numels = trace.param_numels
+    total = sum(numels)
+    opt = optimizer_ops(shape, numels)
+    comm = communication_bytes(shape, total)
+    parts = {"forward_backward": shape.grad_accum * ops.seconds(profile),
+             "communication": comm / profile.interconnect_bytes_per_s if comm else 0.0,
+             "optimizer": opt.seconds(profile)}
+    notes = []
+    if shape.offloaded:
+        notes.append("DeepSpeed's host offload is not priced")
+    for plugin in (session.plugins if session is not None else ()):
+        seconds = plugin.step_seconds(shape, numels, profile) if isinstance(plugin, TimesStep) else None
+        if seconds is None:
+            if not getattr(plugin, "time_neutral", False):
+                notes.append(f"{plugin.section}: its time is not priced")
+        elif seconds:
+            parts[plugin.section] = seconds
+    counts = {"forward_backward": ops.as_dict(), "optimizer": opt.as_dict(), "communication_bytes": comm,
+              "micro_steps": shape.grad_accum}
+    return StepTime(sum(parts.values()), parts, counts, profile.name, notes)
+
+
+__all__ = ["StepTime", "communication_bytes", "optimizer_ops", "step_time"]

@@ -67,14 +67,49 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                 raise UsageError(f"--world-size must be >= 1; got {args.world_size}")
             spec = _model(args)
         resolved = resolve(ds_config, spec=spec, world_size=args.world_size)
+        verdict = _fit_verdict(spec, ds_config, args.world_size) if spec is not None else None
     config = resolved.config
     enabled = ", ".join(config.enabled_sections()) or "none"
     print(f"{args.config}: valid; preset {config.preset or 'none'}; enabled sections: {enabled}")
-    for line in ([resolved.choice] if resolved.choice else []) + notes + resolved.lines():
+    for line in ([resolved.choice] if resolved.choice else []) + notes + resolved.lines() + ([verdict] if verdict else []):
         print(f"  {line}")
     if args.show_resolved:
         print(json.dumps({"xirang": to_dict(config)}, indent=2))
     return 0
+
+
+def _fit_verdict(spec: Any, ds_config: dict, world_size: int) -> Optional[str]:
+    """Whether the block fits its budget on ``spec``, by the estimate the run plans with (the same plan and the same
+    least budget as ``initialize``'s refusal at the first forward: a planner's plan says it, ``refusal``).
+
+    Raises:
+        XirangConfigError: it does not fit.
+    """
+    from xirang_ds.config.types import format_bytes
+    from xirang_ds.memory.run_shape import RunShape
+    from xirang_ds.models import describe_model
+    from xirang_ds.planning.spec import estimate_spec
+    from xirang_ds.planning.suggest import least_fitting_budget
+
+    est = estimate_spec(spec, ds_config, world_size)
+    if est.fits is None:
+        return None
+    budget = ds_config[BLOCK_KEY].get("memory_budget", "auto")
+    micro = RunShape.from_ds_config(ds_config, world_size).micro_batch
+    where = f"estimated for {describe_model(spec)} on {world_size} rank(s), micro-batch {micro}"
+    refusing = [plan for plan in est.plans.values() if getattr(plan, "problems", None)]  # a planner's refusal
+    if not est.fits and refusing:
+        least = None
+        if budget != "auto":
+            least = least_fitting_budget(ds_config, lambda c: estimate_spec(spec, c, world_size),
+                                         est.least_budget_bytes)[0]
+        raise XirangConfigError([p for plan in refusing for p in plan.refusal(budget, where, least=least)])
+    if not est.fits:
+        raise XirangConfigError([("xirang.memory_budget", f"the estimate's peak {format_bytes(est.predicted_peak_bytes)} "
+                                                          f"is above it ({where}); xirang-ds estimate names a change "
+                                                          "that fits")])
+    return (f"fits memory_budget ({where}): peak {format_bytes(est.predicted_peak_bytes)}, "
+            f"least budget {format_bytes(est.least_budget_bytes)}")
 
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}

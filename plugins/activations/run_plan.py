@@ -22,6 +22,7 @@ from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.memory.calibration import InputSignature, ModelTwin
 from xirang_ds.memory.categories import TEMPORARIES
 from xirang_ds.memory.storages import tensors_in
+from xirang_ds.planning.suggest import least_fitting_budget
 from xirang_ds.plugins.activations.trace_plan import TracePlan
 
 
@@ -76,13 +77,16 @@ def plan_before_run(plugin: Any, twin: ModelTwin, args: tuple, kwargs: dict) -> 
     stepper = session.stepper
     if not plan.fits:
         fixes = stepper.budget_fixes() if stepper is not None else ""  # what the run's stepper can still lower
-        raise XirangConfigError([(key, f"{message}{fixes if key == 'xirang.memory_budget' else ''} "
-                                       f"(planned before the run for a batch of {sig.describe()}; "
-                                       f"memory_budget {budget if budget == 'auto' else format_bytes(int(budget))}"
-                                       f"{held_text}: the least any plan meets is "
-                                       f"{format_bytes(plan.least_budget_bytes + held)}, "
-                                       f"{format_bytes(plan.other_bytes)} besides saved activations)")
-                                 for key, message in plan.problems])
+
+        def again(config: dict) -> Any:
+            with tracker.paused() if tracker is not None else contextlib.nullcontext():
+                return session.estimator.estimate_run(twin.build, config, world_size=session.world_size, device=device,
+                                                      inputs=sig.fake, device_profile=plugin.device_profile,
+                                                      device_total_bytes=total)
+
+        least = least_fitting_budget(ds_config, again, plan.least_budget_bytes)[0] if budget != "auto" else None
+        raise XirangConfigError(plan.refusal(budget, f"planned before the run for a batch of {sig.describe()}", held,
+                                             fixes, least))
     plan.step_peak_bytes = est.predicted_peak_bytes + held
     if stepper is not None and stepper.tier_pending:
         states = est.plans.get("grad_release") or {}

@@ -82,6 +82,23 @@ class TracePlan:
         the least any plan saves."""
         return self.other_bytes + self.least_bytes
 
+    def refusal(self, budget: Any, where: str, held: int = 0, fixes: str = "",
+                least: Optional[int] = None) -> list[tuple[str, str]]:
+        """The problems of a plan that does not fit, as the run (`run_plan`) and ``xirang-ds validate --model`` both
+        say them: the planner's own, with ``fixes`` (what the run's stepper can still lower) after the budget's,
+        then the least budget (``least``: one an estimate at it confirmed, `xirang_ds.planning.suggest`; else the
+        plan's own) and its parts; ``where`` names the batch, ``held`` what the user holds on the device (taken off
+        ``budget`` before planning)."""
+        held_text = f", {format_bytes(held)} of it held on the device besides the run" if held else ""
+        stated = budget if budget == "auto" else format_bytes(int(budget))
+        confirmed = f"{format_bytes(least + held)} ({least + held:,} bytes; an estimate at it fits)" if least else \
+            format_bytes(self.least_budget_bytes + held)
+        return [(key, f"{message}{fixes if key == 'xirang.memory_budget' else ''} ({where}; memory_budget {stated}"
+                      f"{held_text}: the least budget that fits is {confirmed}; at this budget's settings "
+                      f"{format_bytes(self.other_bytes)} besides saved activations, "
+                      f"{format_bytes(self.least_bytes)} of them at least)")
+                for key, message in self.problems]
+
     def as_dict(self) -> dict:
         return {"plan": dict(sorted(self.plan.items())), "budget_bytes": self.budget_bytes,
                 "other_bytes": self.other_bytes, "planned_peaks": list(self.planned_peaks),

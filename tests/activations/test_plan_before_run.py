@@ -1,10 +1,13 @@
 """The plan is made before the run (`plugins/activations/run_plan.py`, `trace_plan.py`): ``xirang-ds estimate``
 and the run hold one plan, profiled on the estimator's fake trace with every size at its bound; a budget no
 plan meets is refused at the first forward, before any step, naming the least budget."""
+import json
+
 import torch
 
 from tests.activations.test_deepspeed import _train
 from tests.harness.engine_runs import ds_config
+from xirang_ds.cli import main
 from xirang_ds.config.types import format_bytes
 from xirang_ds.launch import run_ranks
 from xirang_ds.plugins.activations.codecs import encode_int8
@@ -76,12 +79,17 @@ def _refused(rank, world, budget):
     return None
 
 
-def test_a_budget_no_plan_meets_is_refused_before_the_first_step_with_the_least_budget():
+def test_a_budget_no_plan_meets_is_refused_before_the_first_step_with_the_least_budget(tmp_path, capsys):
     least = estimate_spec("gpt-tiny", _config(_budget()), 2).plans["activations"].least_bytes
     est = estimate_spec("gpt-tiny", _config(least // 2), 2)
     plan = est.plans["activations"]
     assert est.fits is False and plan.fits is False and est.least_budget_bytes == plan.other_bytes + least
     assert any("no activation plan fits" in n and format_bytes(est.least_budget_bytes) in n for n in est.notes)
+    said = f"the least budget that fits is {format_bytes(est.least_budget_bytes)}"
     for message in run_ranks(_refused, 2, least // 2):
-        assert message is not None and "planned before the run" in message
-        assert f"the least any plan meets is {format_bytes(est.least_budget_bytes)}" in message
+        assert message is not None and "planned before the run" in message and said in message
+    # validate --model refuses it too, with the same figures
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(_config(least // 2)))
+    assert main(["validate", str(path), "--model", "gpt-tiny", "--world-size", "2"]) == 2
+    assert said in capsys.readouterr().err

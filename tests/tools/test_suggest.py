@@ -4,6 +4,7 @@ import json
 from types import SimpleNamespace
 
 from xirang_ds.cli import main
+from xirang_ds.config.types import format_bytes
 from xirang_ds.planning.suggest import least_fitting_budget, suggest_fit
 
 BASE = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 1},
@@ -89,8 +90,13 @@ def test_estimate_names_a_change_that_fits_and_the_least_budget_it_confirmed(tmp
     path.write_text(json.dumps(cfg))
     assert main(["estimate", "--model", "gpt-tiny", "--ds-config", str(path), "--world-size", "2",
                  "--json", str(out)]) == 0
-    est = json.loads(out.read_text())
+    est, printed = json.loads(out.read_text()), capsys.readouterr().out
     assert est["fits"] is False and "suggestion" in est
+    # validate --model refuses it with the same least budget, confirmed the same way
+    assert main(["validate", str(path), "--model", "gpt-tiny", "--world-size", "2"]) == 2
+    least = est["least_budget_bytes"]
+    assert f"the least budget that fits is {format_bytes(least)} ({least:,} bytes; an estimate at it fits)" in \
+        capsys.readouterr().err
     confirmed = dict(cfg, xirang={**cfg["xirang"], "memory_budget": est["least_budget_bytes"]})
     path.write_text(json.dumps(confirmed))
     assert main(["estimate", "--model", "gpt-tiny", "--ds-config", str(path), "--world-size", "2", "--no-suggest",
@@ -102,4 +108,4 @@ def test_estimate_names_a_change_that_fits_and_the_least_budget_it_confirmed(tmp
         assert main(["estimate", "--model", "gpt-tiny", "--ds-config", str(path), "--world-size", "2",
                      "--json", str(out)]) == 0
         assert json.loads(out.read_text())["fits"] is True
-    assert "fits with these changes" in capsys.readouterr().out or not s["found"]
+    assert "fits with these changes" in printed or not s["found"]

@@ -96,7 +96,8 @@ def build_tree(candidates: list[str], fixed: dict[str, str], profiles: dict[str,
     for name in names:
         p = profiles.get(name, empty)
         if name in fixed:
-            choices = option_costs(p, (fixed[name],), True, bandwidth_bps, streams, prefetch, True)
+            reserves = tuple(o for o in options if name in token_wise or not o.startswith("recompute_tiled"))
+            choices = option_costs(p, (fixed[name],), True, bandwidth_bps, streams, prefetch, True, reserves)
         elif any(_inside(f, name) for f in fixed):
             choices = []
         else:

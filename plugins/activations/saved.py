@@ -300,9 +300,10 @@ class PackContext:
         try:
             return self.handler.store(flat, self.call), self.handler
         except BoundExceeded as e:
-            if self.reserve is None:
-                return None, self.handler  # stays as it is, above the plan
-            return self.reserve.store(flat, e)
+            error = e.with_traceback(None)  # the encoder's frame (its working copies) goes before the reserve stores
+        if self.reserve is None:
+            return None, self.handler  # stays as it is, above the plan
+        return self.reserve.store(flat, error)
 
 
 def unpack(packed: Any) -> torch.Tensor:

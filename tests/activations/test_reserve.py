@@ -195,7 +195,8 @@ def _engines(rank, world, tmp):
     reserve = switched["reserves"].get("blocks.1.mlp")  # still lossy: its data are finite
     from_start = _run(rank, world, _block({reserve: ["blocks.0.mlp"], "quantize": ["blocks.1.mlp"]}), 3)
     resumed = _run(rank, world, lossy, 1, load_dir=tmp, skip=6, old_state=True)
-    return {"switched": switched, "from_start": from_start, "resumed": resumed}
+    one_rank = _run(rank, world, lossy, 2, inject=rank == 0)  # the bound breaks on rank 0 only
+    return {"switched": switched, "from_start": from_start, "resumed": resumed, "one_rank": one_rank}
 
 
 @pytest.mark.distributed
@@ -214,3 +215,7 @@ def test_an_inf_in_a_tolerant_module_switches_it_to_its_reserve_within_the_plan(
         # the checkpoint carries the switch and the remaining reserves; one without them still loads
         assert r["plans"][0]["blocks.0.mlp"] == reserve and r["loaded"] == s["reserves"]
         assert r["old_restored"] == s["reserves"]
+        # where one rank alone met the inf, every rank switched together at the next forward (one plan)
+        o = out["one_rank"]
+        assert o["plans"][0]["blocks.0.mlp"] == "quantize" and o["plans"][1]["blocks.0.mlp"] == reserve
+        assert o["taken"] == s["taken"]

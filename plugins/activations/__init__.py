@@ -398,12 +398,15 @@ class ActivationsPlugin(Passes, Plugin):
         self.runtime.storage.provider = provider
 
     def figures(self) -> dict:
-        """The planner's reach once it planned (`pricing.reach`), and the offload host buffers (held bytes,
-        most in use at once, bytes trimmed, bytes the host budget kept on the device); at ZeRO-3 the
-        gathered weights saved by reference in the last forward and those gathered again for it."""
+        """The planner's reach once it planned (`pricing.reach`), the lossy modules' reserves and those taken
+        (`reserve.py`), and the offload host buffers (held bytes, most in use at once, bytes trimmed, bytes the
+        host budget kept on the device); at ZeRO-3 the gathered weights saved by reference in the last forward
+        and those gathered again for it."""
         out = dict(self.reach) if self.reach else {}
         if self.plan:
             out["plan"] = dict(sorted(self.plan.items()))
+            out["reserves"] = {n: c.reserve.option for n, c in sorted(self.choices.items()) if c.reserve is not None}
+            out["reserves_taken"] = dict(self.reserves_taken)
         if self._forward_scope is not None:
             out["gathered_refs"] = {"saved": self._forward_scope.saved, "regathered": self._forward_scope.regathered}
         if self.runtime is not None:

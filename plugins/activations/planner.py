@@ -462,8 +462,10 @@ def plan_table(plan_: dict[str, str], choices: dict[str, Choice], profiles: dict
     bare = [n for n, o in plan_.items() if o in LOSSY_ACTIVATION_OPTIONS and (n not in choices or
                                                                            choices[n].reserve is None)]
     if bare:
-        text += ("\nno lossless reserve for " + ", ".join(bare) + " (fixed by hand; no option priced for it fits its "
-                 "bytes): a tensor there that breaks its bound stays unencoded, above the plan")
+        why = ("fixed by hand, and no lossless option among the options holds its bytes" if choices
+               else "a fixed plan without the planner prices none")
+        text += (f"\nno lossless reserve for {', '.join(bare)} ({why}): a tensor there that breaks its bound stays "
+                 "unencoded, above the plan")
     if lossy and not errors_measured:
         text += ("\nlossy (" + ", ".join(f"{n} {o}" for n, o, _ in lossy) + "): planned before the run, no error "
                  "measured; each value is within its stated bound by construction (docs/activations.md)")

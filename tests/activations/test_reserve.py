@@ -29,6 +29,7 @@ from xirang_ds.plugins.activations.reserve import Reserve
 from xirang_ds.plugins.activations import saved
 from xirang_ds.plugins.activations.saved import Eligibility, PackContext
 from xirang_ds.plugins.activations.storage import PayloadStorage
+from xirang_ds.plugins.activations.trace_plan import TracePlan
 
 LOSSY = ("quantize", "sparsify")
 ALL = ("keep", "recompute", "selective_recompute", "recompute_offload", "compress", "offload", "quantize", "sparsify")
@@ -92,6 +93,9 @@ def test_a_lossy_plan_holds_its_peaks_whichever_modules_take_their_reserves():
     q = next(c for c in option_costs(p, ("keep", "offload", "quantize"), True, 1e10, False) if c.option == "quantize")
     text = format_plan({"blocks.0.mlp": q}, {"blocks.0.mlp": p}, 10**6, 0)
     assert f"quantize, reserve {q.reserve.option}" in text and "with every reserve taken" in text
+    # the estimate's plan carries them
+    est = TracePlan(plan={"blocks.0.mlp": "quantize"}, choices={"blocks.0.mlp": q}).as_dict()
+    assert est["reserves"] == {"blocks.0.mlp": q.reserve.option} and est["reserve_added_s"] == q.reserve.added_s
 
 
 def test_choice_state_round_trip_and_old_checkpoints():
@@ -173,7 +177,8 @@ def _run(rank, world, block, steps, inject=True, save_dir=None, load_dir=None, s
     out = {"losses": losses, "plans": plans, "params": [p.detach().float().clone() for p in engine.module.parameters()],
            "reserves": {n: c.reserve.option for n, c in plugin.choices.items() if c.reserve is not None},
            "taken": dict(plugin.reserves_taken), "planned": max(plugin.planned_peaks),
-           "activations_peak": window.category_peaks()["activations"], "loaded": loaded, "text": plugin.plan_text}
+           "activations_peak": window.category_peaks()["activations"], "loaded": loaded, "text": plugin.plan_text,
+           "events": [e for e in session.events if e["kind"] == "activations_reserve"]}
     if old_state:  # a checkpoint from before reserves: the choices as five fields
         state = plugin.state_dict()
         state["choices"] = {n: c[:5] for n, c in state["choices"].items()}
@@ -205,6 +210,8 @@ def test_an_inf_in_a_tolerant_module_switches_it_to_its_reserve_within_the_plan(
         s, f, r = out["switched"], out["from_start"], out["resumed"]
         reserve = s["plans"][-1]["blocks.0.mlp"]
         assert s["taken"] == {"blocks.0.mlp": "non-finite values"}
+        assert s["events"] == [{"kind": "activations_reserve", "module": "blocks.0.mlp", "option": reserve,
+                                "lossy": "quantize", "reason": "non-finite values"}]  # once, though every step has it
         assert reserve in ("keep", "recompute", "offload") and s["plans"][-1]["blocks.1.mlp"] == "quantize"
         assert "reserve" in s["text"]  # the plan's printout names the reserves
         # it trained exactly as the run where that module used its reserve from the start

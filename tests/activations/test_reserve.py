@@ -107,7 +107,8 @@ def test_choice_state_round_trip_and_old_checkpoints():
 def _pack_unpack(x: torch.Tensor, reserve):
     """Save ``x`` (and a second tensor after it) under quantize with ``reserve``; the gradient and what was held."""
     offload = OffloadHandler(Offloader(torch.device("cpu")))
-    ctx = PackContext(CodecHandler("quantize", PayloadStorage()), Eligibility("cpu", 1024), reserve and reserve(offload))
+    codec = CodecHandler("quantize", PayloadStorage())
+    ctx = PackContext(codec, Eligibility("cpu", 1024), reserve and reserve(offload))
     a = x.clone().requires_grad_(True)
     with ctx:
         y = a.clamp(min=-30.0)  # saves its input, inf and all; its output is finite

@@ -73,6 +73,7 @@ def test_an_inf_switches_a_tensor_parallel_mlp_to_its_reserve_on_both_ranks(tmp_
     for out in outs:
         s, f, reserve = out["switched"], out["from_start"], out["reserve"]
         assert s["taken"] == {"decoder.layers.0.mlp": "non-finite values"}
-        assert s["plans"][-1]["decoder.layers.0.mlp"] == reserve and s["plans"][-1]["decoder.layers.1.mlp"] == "quantize"
+        last = s["plans"][-1]
+        assert last["decoder.layers.0.mlp"] == reserve and last["decoder.layers.1.mlp"] == "quantize"
         assert s["losses"] == f["losses"]
     assert outs[0]["switched"]["plans"] == outs[1]["switched"]["plans"]  # one plan on both ranks

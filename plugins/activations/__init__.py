@@ -50,6 +50,7 @@ from xirang_ds.plugins.activations.planner import Choice, plan_table
 from xirang_ds.plugins.activations.pricing import OtherPeak, check_agreed, check_memory_budget, escalation
 from xirang_ds.plugins.activations.profile import ModuleProfile
 from xirang_ds.plugins.activations.recompute import timings_line
+from xirang_ds.plugins.activations.reserve import reserve_of, restore_reserves
 from xirang_ds.plugins.activations.run_plan import BEFORE_RUN, twin_for
 from xirang_ds.plugins.activations.selection import PATH, find_candidates, fixed_plan, tolerant_names
 from xirang_ds.plugins.activations.storage import StorageProvider, use_pool
@@ -96,6 +97,8 @@ class ActivationsPlugin(Passes, Plugin):
         self.planned_step_peak: Optional[int] = None
         """The rank's whole peak the plan made before the run predicts (the monitor checks each step's)."""
         self.plan_text = ""
+        self.reserves_taken: dict[str, str] = {}
+        """Lossy modules switched to their reserve at run time, and why (`reserve.switch_reserves`)."""
         self.plan_source = "planned on the first profiled passes"
         self.state = "idle"
         self.runtime: Optional[Runtime] = None
@@ -329,8 +332,7 @@ class ActivationsPlugin(Passes, Plugin):
     def state_dict(self) -> dict:
         return {"plan": dict(self.plan), "budget_bytes": self.budget_bytes, "bandwidth_bps": self._bandwidth,
                 "device_profile": self.device_profile.as_dict(),
-                "choices": {n: [c.option, c.device_bytes, c.added_s, c.transient_bytes, c.rows]
-                            for n, c in self.choices.items()},
+                "choices": {n: c.state() for n, c in self.choices.items()}, "reserves_taken": dict(self.reserves_taken),
                 "outside_bytes": self.outside_bytes, "planned_peaks": self.planned_peaks,
                 "planned_step_peak": self.planned_step_peak,
                 "profiles": {n: p.as_dict() for n, p in self.profiles.items()}}
@@ -350,7 +352,9 @@ class ActivationsPlugin(Passes, Plugin):
         self.profiles = {n: ModuleProfile.from_dict(p) for n, p in (state.get("profiles") or {}).items()}
         self.budget_bytes = state.get("budget_bytes")
         self._bandwidth = state.get("bandwidth_bps") or self._bandwidth
-        self.choices = {n: Choice(*c) for n, c in (state.get("choices") or {}).items()}
+        self.choices = {n: Choice.from_state(c) for n, c in (state.get("choices") or {}).items()}
+        self.reserves_taken = dict(state.get("reserves_taken") or {})
+        restore_reserves(self)  # a checkpoint from before reserves
         self.outside_bytes = int(state.get("outside_bytes") or 0)
         peaks = state.get("planned_peaks")
         self.planned_peaks = tuple(peaks) if peaks else None
@@ -404,12 +408,15 @@ class ActivationsPlugin(Passes, Plugin):
         self.runtime.storage.provider = provider
 
     def figures(self) -> dict:
-        """The planner's reach once it planned (`pricing.reach`), and the offload host buffers (held bytes,
-        most in use at once, bytes trimmed, bytes the host budget kept on the device); at ZeRO-3 the
-        gathered weights saved by reference in the last forward and those gathered again for it."""
+        """The planner's reach once it planned (`pricing.reach`), the lossy modules' reserves and those taken
+        (`reserve.py`), and the offload host buffers (held bytes, most in use at once, bytes trimmed, bytes the
+        host budget kept on the device); at ZeRO-3 the gathered weights saved by reference in the last forward
+        and those gathered again for it."""
         out = dict(self.reach) if self.reach else {}
         if self.plan:
             out["plan"] = dict(sorted(self.plan.items()))
+            out["reserves"] = {n: c.reserve.option for n, c in sorted(self.choices.items()) if c.reserve is not None}
+            out["reserves_taken"] = dict(self.reserves_taken)
         if self._forward_scope is not None:
             out["gathered_refs"] = {"saved": self._forward_scope.saved, "regathered": self._forward_scope.regathered}
         if self.runtime is not None:
@@ -432,6 +439,7 @@ class ActivationsPlugin(Passes, Plugin):
             p = self.profiles.get(name)
             must_save = frozenset(p.must_save) if p is not None and p.calls else None
             wrapper.apply(option, must_save, hooked_above and option == "keep", choice.rows if choice else 0)
+            wrapper.reserve = reserve_of(wrapper, option, choice, self.runtime.handlers["offload"])
 
     def _log_plan(self) -> None:
         self.plan_text = plan_table(self.plan, self.choices, self.profiles, self.budget_bytes, self.outside_bytes,

@@ -23,6 +23,10 @@ Lossy encodings, only for modules marked tolerant, with their stated bounds:
   ``2**-8 |x'|`` for bf16).
 * ``sparsify``: values with ``|x| <= threshold * max|x|`` are dropped (decoded as 0), the rest kept
   exactly, so ``|x - x'| <= threshold * max|x|``.
+
+Both bounds hold by construction on finite data; a tensor with inf or NaN has no finite scale or cutoff,
+and the encoder raises `BoundExceeded` (found in the one host read each already makes per tensor), so
+the caller stores it losslessly instead (`reserve.py`).
 """
 from __future__ import annotations
 
@@ -40,6 +44,23 @@ _INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _NARROWER = {torch.float32: (torch.bfloat16, torch.float16), torch.float64: (torch.float32,)}
 SPARSE_GAIN = 0.85
 """A bitmask encoding is used only when it is at most this fraction of the dense size."""
+
+
+REASONS = ("non-finite values",)
+"""Why a lossy encoding cannot meet its bound (`BoundExceeded.reason`; ranks agree on the index)."""
+
+
+class BoundExceeded(ValueError):
+    """A lossy encoding cannot meet its stated bound on this tensor.
+
+    Attributes:
+        kind: the encoding (``quantize``, ``sparsify``).
+        reason: what broke it, one of `REASONS`.
+    """
+
+    def __init__(self, kind: str, reason: str):
+        self.kind, self.reason = kind, reason
+        super().__init__(f"{kind}: {reason}")
 
 
 @dataclass(frozen=True)
@@ -220,7 +241,11 @@ CHUNK_ELEMENTS = 1 << 20
 
 
 def encode_int8(flat: torch.Tensor, storage: PayloadStorage, block_size: int) -> Optional[Payload]:
-    """8-bit block quantization (see the module docstring for the bound); floats only, finite only."""
+    """8-bit block quantization (see the module docstring for the bound); floats only.
+
+    Raises:
+        BoundExceeded: a block holds inf or NaN (no finite scale).
+    """
     if not flat.is_floating_point():
         return None
     n = flat.numel()
@@ -242,7 +267,8 @@ def encode_int8(flat: torch.Tensor, storage: PayloadStorage, block_size: int) ->
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         q[first:last].copy_(xb.div_(safe.unsqueeze(1)).round_().clamp_(-127, 127))
     if not bool(torch.isfinite(scales).all()):  # one host read per tensor, not one per chunk
-        return None  # inf/nan has no scale: the tensor stays as it is (the payload is dropped)
+        del payload, scales, q  # the payload's lease goes back before the caller stores the tensor otherwise
+        raise BoundExceeded("quantize", REASONS[0])  # inf or NaN have no 8-bit scale
     return payload
 
 
@@ -271,7 +297,11 @@ def int8_bound(flat: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 def encode_sparse(flat: torch.Tensor, storage: PayloadStorage, threshold: float) -> Optional[Payload]:
-    """Drop ``|x| <= threshold * max|x|`` and keep the rest exactly; floats only."""
+    """Drop ``|x| <= threshold * max|x|`` and keep the rest exactly; floats only.
+
+    Raises:
+        BoundExceeded: the tensor holds inf or NaN (no finite cutoff; an inf one would drop every value).
+    """
     if not flat.is_floating_point():
         return None
     n = flat.numel()
@@ -280,6 +310,8 @@ def encode_sparse(flat: torch.Tensor, storage: PayloadStorage, threshold: float)
         keep = torch.where(cutoff_t > 0, flat.abs() > cutoff_t, bit_view(flat) != 0)
         cutoff, nnz = torch.stack([cutoff_t, keep.sum().double()]).tolist()  # one host read: the payload's size
         nnz = int(nnz)
+        if not math.isfinite(cutoff):
+            raise BoundExceeded("sparsify", REASONS[0])  # inf or NaN have no finite cutoff
     else:
         cutoff, keep, nnz = 0.0, bit_view(flat) != 0, 0
     if (n + 7) // 8 + nnz * flat.element_size() > SPARSE_GAIN * n * flat.element_size():
@@ -344,12 +376,15 @@ def trial(kind: str, flat: torch.Tensor, storage: PayloadStorage, block_size: in
         return _lossless_trial(flat, storage, synchronize)
     synchronize()
     start = time.perf_counter()
-    if kind == "compress":
-        payload = encode_lossless(flat, storage)
-    elif kind == "quantize":
-        payload = encode_int8(flat, storage, block_size)
-    else:
-        payload = encode_sparse(flat, storage, threshold)
+    try:
+        if kind == "compress":
+            payload = encode_lossless(flat, storage)
+        elif kind == "quantize":
+            payload = encode_int8(flat, storage, block_size)
+        else:
+            payload = encode_sparse(flat, storage, threshold)
+    except BoundExceeded:  # priced at the dense size, as the run would store it losslessly
+        payload = None
     if payload is None:
         synchronize()
         return Trial(dense, time.perf_counter() - start)

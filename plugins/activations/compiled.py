@@ -96,8 +96,8 @@ class _TrackedPack(PackContext):
     """A pack context around a compiled call: packs with the tracker running, and registers as
     activations what stays on the device."""
 
-    def __init__(self, handler: Any, eligible: Callable[[torch.Tensor], bool], tracker: Any):
-        super().__init__(handler, eligible)
+    def __init__(self, handler: Any, eligible: Callable[[torch.Tensor], bool], tracker: Any, reserve: Any = None):
+        super().__init__(handler, eligible, reserve)
         self.tracker = tracker
 
     def pack(self, t: torch.Tensor) -> Any:
@@ -130,9 +130,10 @@ class CompiledWrapper(ModuleWrapper):
         tracker = self.tracker()
         return tracker if tracker is not None and tracker.active else None
 
-    def _pack(self, handler: Any, eligible: Callable[[torch.Tensor], bool]) -> PackContext:
+    def _pack(self, handler: Any, eligible: Callable[[torch.Tensor], bool], reserve: Any = None) -> PackContext:
         tracker = self._active_tracker()
-        return PackContext(handler, eligible) if tracker is None else _TrackedPack(handler, eligible, tracker)
+        return (PackContext(handler, eligible, reserve) if tracker is None
+                else _TrackedPack(handler, eligible, tracker, reserve))
 
     def forward(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
         rt = self.runtime

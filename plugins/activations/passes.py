@@ -12,6 +12,7 @@ import torch
 from xirang_ds.plugins.activations.planner import estimate_peak
 from xirang_ds.plugins.activations.pricing import OtherPeak, agree, build_tree, check_agreed, plan_within, reach
 from xirang_ds.plugins.activations.profile import Profiler
+from xirang_ds.plugins.activations.reserve import switch_reserves
 from xirang_ds.plugins.activations.run_plan import BEFORE_RUN, plan_before_run
 from xirang_ds.plugins.activations.storage import PayloadStorage
 
@@ -25,6 +26,8 @@ class Passes:
             return original(*args, **kwargs)
         rt.eligible.refresh(self._model)
         rt.offloader.end_forward()
+        if self.state == "planned":
+            switch_reserves(self)  # lossy modules whose bound broke on some rank go lossless, on every rank
         scope = self._forward_scope if self._forward_scope is not None else contextlib.nullcontext()
         if self.state == "profiling" and self._twin is not None and self.region is None and rt.profiler is None:
             self._take_plan(args, kwargs)
@@ -61,7 +64,8 @@ class Passes:
         from deepspeed.accelerator import get_accelerator
 
         rt = self.runtime
-        lossy = tuple(k for k in ("quantize", "sparsify") if k in self.options)
+        fixed = set(self._fixed.values())  # a lossy option fixed by hand is priced too, listed in options or not
+        lossy = tuple(k for k in ("quantize", "sparsify") if k in self.options or k in fixed)
         rt.profiler = Profiler(rt.eligible, rt.handlers["offload"], PayloadStorage(), self.tolerant_names, lossy,
                                self.config.quantize_block_size, self.config.sparsify_threshold, self.device_profile)
         if self.config.budget_fraction is None and self.config.budget == "auto":

@@ -27,6 +27,12 @@ shortest path over positions with state ``K`` in bytes, rounded *up* to ``budget
 plan found always fits): dynamic programming, exact for the model up to that rounding, and fast
 (positions x options x resolution). A test checks it against brute force.
 
+A lossy choice (``quantize``, ``sparsify``) carries a *reserve*: the cheapest lossless option of the same
+priced options (offload, a recompute, keep, compress: each planned at bytes its values cannot change)
+that keeps no more bytes and has no more back in backward, so every peak the plan predicts holds
+whether or not the run switches to it (`reserve.py` switches where real data break a lossy bound). A
+lossy option with no such reserve is not offered; a module fixed to one by hand keeps it without.
+
 An output head (`head_loss`) profiled with its loss has two kinds of choice: ``keep``, whose
 transient is the whole logits (in forward and their gradient in backward), and ``chunk`` at the
 largest slice and its halvings, which keep the head's input and hold one slice in backward.
@@ -39,7 +45,7 @@ forward, for the copy back); without one (CPU) both copies add in full.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import numpy as np
@@ -72,6 +78,19 @@ class Choice:
     transient_bytes: int = 0
     rows: int = 0
     """``chunk``: rows (tokens) per slice; ``recompute_tiled``: slices."""
+    reserve: Optional["Choice"] = None
+    """A lossy choice's lossless stand-in (`reserve_for`), taken at run time where real data break the bound."""
+
+    def state(self) -> list:
+        """The choice as checkpoints hold it (`from_state` reads it back)."""
+        out = [self.option, self.device_bytes, self.added_s, self.transient_bytes, self.rows]
+        return out + [self.reserve.state()] if self.reserve is not None else out
+
+    @staticmethod
+    def from_state(state: list) -> "Choice":
+        """A `state` back; a checkpoint from before reserves (five fields) loads without one."""
+        reserve = Choice.from_state(state[5]) if len(state) > 5 and state[5] else None
+        return Choice(*state[:5], reserve=reserve)
 
 
 @dataclass
@@ -100,8 +119,9 @@ def transfer_s(nbytes: int, bandwidth_bps: float) -> float:
 
 
 def option_costs(p: ModuleProfile, options: tuple[str, ...], tolerant: bool, bandwidth_bps: float,
-                 streams: bool, prefetch: int = 1, token_wise: bool = False) -> list[Choice]:
-    """The choices a module has, priced from its profile.
+                 streams: bool, prefetch: int = 1, token_wise: bool = False,
+                 reserves_from: Optional[tuple[str, ...]] = None) -> list[Choice]:
+    """The choices a module has, priced from its profile, each lossy one with its reserve (`reserve_for`).
 
     Args:
         p: the module's profile.
@@ -111,7 +131,36 @@ def option_costs(p: ModuleProfile, options: tuple[str, ...], tolerant: bool, ban
         bandwidth_bps: device-host bytes per second.
         streams: copies overlap compute (a side stream exists).
         prefetch: offloaded modules fetched ahead in backward (with streams).
+        reserves_from: a module fixed by hand: the options its lossy choice's reserve comes from, which it
+            keeps without one where none fits (``None``: the reserve comes from ``options``, and a lossy
+            choice with none is left out).
     """
+    out = _priced(p, options, tolerant, bandwidth_bps, streams, prefetch, token_wise)
+    pool = out if reserves_from is None else _priced(p, reserves_from, False, bandwidth_bps, streams, prefetch,
+                                                     token_wise)
+    with_reserves = []
+    for c in out:
+        if c.option in LOSSY_ACTIVATION_OPTIONS:
+            reserve = reserve_for(c, pool)
+            if reserve is None and reserves_from is None:
+                continue
+            c = replace(c, reserve=reserve)
+        with_reserves.append(c)
+    return with_reserves
+
+
+def reserve_for(lossy: Choice, choices: list[Choice]) -> Optional[Choice]:
+    """The cheapest lossless choice (by added time) among ``choices`` that keeps no more device bytes than
+    ``lossy`` and has no more back in backward (kept plus transient), or ``None``: with it in place of
+    ``lossy`` no point of the step holds more (`estimate_peak`), whichever modules switch."""
+    fits = [c for c in choices if c.option not in LOSSY_ACTIVATION_OPTIONS and c.device_bytes <= lossy.device_bytes
+            and c.device_bytes + c.transient_bytes <= lossy.device_bytes + lossy.transient_bytes]
+    return min(fits, key=lambda c: (c.added_s, c.device_bytes + c.transient_bytes), default=None)
+
+
+def _priced(p: ModuleProfile, options: tuple[str, ...], tolerant: bool, bandwidth_bps: float, streams: bool,
+            prefetch: int, token_wise: bool) -> list[Choice]:
+    """`option_costs` without reserves."""
     calls = max(p.calls, 1)
     out = []
     if p.chunk_calls:  # an output head: its profile holds the loss too, which only chunk changes
@@ -368,6 +417,7 @@ def format_plan(choices: dict[str, Choice], profiles: dict[str, ModuleProfile], 
         keep = p.keep_bytes if p is not None else 0
         unit = "slices" if c.option.startswith("recompute_tiled") else "rows"
         option = f"{c.option} ({c.rows} {unit})" if c.rows else c.option
+        option += f", reserve {c.reserve.option}" if c.reserve is not None else ""
         rows.append((name, option, format_bytes(keep), format_bytes(c.device_bytes),
                      format_bytes(c.device_bytes + c.transient_bytes), f"{c.added_s * 1e3:.2f} ms"))
         total_keep += keep
@@ -386,7 +436,15 @@ def format_plan(choices: dict[str, Choice], profiles: dict[str, ModuleProfile], 
                      f"{format_bytes(peaks[1])} at the worst point of backward")
     if budget_bytes is not None:
         lines.append(f"budget {format_bytes(budget_bytes)} of saved activations per rank")
+    if any(c.reserve is not None for c in choices.values()):
+        lines.append(f"with every reserve taken: adds {reserve_added_s(choices) * 1e3:.2f} ms, planned bytes as above "
+                     "or fewer")
     return "\n".join(lines)
+
+
+def reserve_added_s(choices: dict[str, Choice]) -> float:
+    """Seconds the plan adds per pass were every lossy module switched to its reserve."""
+    return sum((c.reserve or c).added_s for c in choices.values())
 
 
 def plan_table(plan_: dict[str, str], choices: dict[str, Choice], profiles: dict[str, ModuleProfile],
@@ -401,6 +459,13 @@ def plan_table(plan_: dict[str, str], choices: dict[str, Choice], profiles: dict
         text = "\n".join(f"{n}: {o}" for n, o in plan_.items()) or "(no module)"
     lossy = [(n, o, getattr(profiles[n], f"{o}_error")) for n, o in plan_.items()
              if o in LOSSY_ACTIVATION_OPTIONS and n in profiles]
+    bare = [n for n, o in plan_.items() if o in LOSSY_ACTIVATION_OPTIONS and (n not in choices or
+                                                                           choices[n].reserve is None)]
+    if bare:
+        why = ("fixed by hand, and no lossless option among the options holds its bytes" if choices
+               else "a fixed plan without the planner prices none")
+        text += (f"\nno lossless reserve for {', '.join(bare)} ({why}): a tensor there that breaks its bound stays "
+                 "unencoded, above the plan")
     if lossy and not errors_measured:
         text += ("\nlossy (" + ", ".join(f"{n} {o}" for n, o, _ in lossy) + "): planned before the run, no error "
                  "measured; each value is within its stated bound by construction (docs/activations.md)")

@@ -12,7 +12,7 @@ from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.memory.device_peak import device_peak
 from xirang_ds.memory.engine_roles import model_state_bytes
 from xirang_ds.memory.tracker import MemoryTracker
-from xirang_ds.plugins.activations.config import ActivationsConfig
+from xirang_ds.plugins.activations.config import LOSSY_ACTIVATION_OPTIONS, ActivationsConfig
 from xirang_ds.plugins.activations.planner import BudgetError, Choice, Node, least_budget, option_costs, plan
 from xirang_ds.plugins.activations.profile import ROOT, ModuleProfile
 
@@ -96,7 +96,8 @@ def build_tree(candidates: list[str], fixed: dict[str, str], profiles: dict[str,
     for name in names:
         p = profiles.get(name, empty)
         if name in fixed:
-            choices = option_costs(p, (fixed[name],), True, bandwidth_bps, streams, prefetch, True)
+            reserves = tuple(o for o in options if name in token_wise or not o.startswith("recompute_tiled"))
+            choices = option_costs(p, (fixed[name],), True, bandwidth_bps, streams, prefetch, True, reserves)
         elif any(_inside(f, name) for f in fixed):
             choices = []
         else:
@@ -146,12 +147,13 @@ def resolve_budget(config: ActivationsConfig, memory_budget: object, device_tota
 
 
 def choose(roots: list[Node], budget_bytes: int, before: int, after: int,
-           region: Optional[str] = None) -> dict[str, Choice]:
+           region: Optional[str] = None, lossy: bool = False) -> dict[str, Choice]:
     """The plan; a budget no plan fits is a configuration error naming the figures.
 
     Args:
         region: how the whole model runs compiled (`compiled.compiled_region`), when it does: it is then
             one unit, whose saved tensors all come back at once in backward, and the error says so.
+        lossy: lossy options are among the options (the error says when they are offered).
     """
     try:
         return plan(roots, budget_bytes, before, after)
@@ -165,7 +167,10 @@ def choose(roots: list[Node], budget_bytes: int, before: int, after: int,
                                   f"{format_bytes(budget_bytes)} of saved activations is below the least any plan "
                                   f"needs ({format_bytes(e.least_bytes)}: inputs kept by recompute, small tensors, "
                                   f"{format_bytes(before + after)} saved outside the candidates, and one module's "
-                                  f"tensors back during its backward); {fix}")]) from None
+                                  f"tensors back during its backward); {fix}"
+                                  + ("; quantize and sparsify are offered only where a lossless option among the "
+                                     "options (keep, offload, a recompute) holds no more bytes, their reserve"
+                                     if lossy else ""))]) from None
 
 
 def plan_within(config: ActivationsConfig, memory_budget: object, device_total: int, profiles: dict,
@@ -184,7 +189,8 @@ def plan_within(config: ActivationsConfig, memory_budget: object, device_total: 
 
     def attempt(rest: Optional[int]) -> tuple[int, dict[str, Choice], Optional[int]]:
         budget = resolve_budget(config, memory_budget, device_total, profiles, rest, stepper)
-        return budget, choose(roots, budget, before, after, region), rest
+        lossy = any(o in LOSSY_ACTIVATION_OPTIONS for o in config.options)
+        return budget, choose(roots, budget, before, after, region, lossy), rest
 
     open_tier = bool(parkable) and other is not None and config.budget == "auto" and config.budget_fraction is None
     on_device = other + parkable if open_tier and pending else other

@@ -39,6 +39,7 @@ from xirang_ds.compat.torch import (
     push_saved_tensors_hooks,
     storage_key,
 )
+from xirang_ds.plugins.activations.codecs import BoundExceeded
 
 _KEEP = object()
 
@@ -218,11 +219,15 @@ class PackContext:
     Args:
         handler: what to do with eligible storages.
         eligible: which tensors the handler may take.
+        reserve: where a storage goes that a lossy handler cannot encode within its bound (`reserve.Reserve`:
+            ``begin_call()``, ``store(flat, error)`` giving ``(holder, handler)``, ``taken``), or ``None``:
+            the storage stays as it is.
     """
 
-    def __init__(self, handler: Handler, eligible: Callable[[torch.Tensor], bool]):
+    def __init__(self, handler: Handler, eligible: Callable[[torch.Tensor], bool], reserve: Any = None):
         self.handler = handler
         self.eligible = eligible
+        self.reserve = reserve
         self.call: Any = None
         self.pushed = False
         self._outer: Optional[HookPair] = None
@@ -238,6 +243,8 @@ class PackContext:
             outer = owner._outer
         self._outer = outer
         self.call = self.handler.begin_call()
+        if self.reserve is not None:
+            self.reserve.begin_call()
         # called from inside compiled code too (a compiled module's saved tensors), where Dynamo must
         # not trace them
         push_saved_tensors_hooks(outside_dynamo(self._pack_hook), outside_dynamo(self._unpack_hook))
@@ -276,14 +283,27 @@ class PackContext:
             return t.detach()
         if packed is None or packed.numel < t.storage_offset() + span_elements(t):
             flat, part = storage_flat(t)
-            holder = self.handler.store(flat, self.call)
+            holder, handler = self._store(flat)
             if holder is None:
                 if not part:
                     self._seen[key] = _KEEP
                 return t.detach()
-            packed = self._seen[key] = PackedStorage(holder, self.handler, flat.dtype, flat.numel())
+            packed = self._seen[key] = PackedStorage(holder, handler, flat.dtype, flat.numel())
         packed.add_view()
         return SavedView(packed, t.shape, t.stride(), t.storage_offset())
+
+
+    def _store(self, flat: torch.Tensor) -> tuple[Any, Handler]:
+        """The handler's holder of ``flat``, or the reserve's once a lossy bound broke in this module."""
+        if self.reserve is not None and self.reserve.taken:
+            return self.reserve.store(flat, None)
+        try:
+            return self.handler.store(flat, self.call), self.handler
+        except BoundExceeded as e:
+            error = e.with_traceback(None)  # the encoder's frame (its working copies) goes before the reserve stores
+        if self.reserve is None:
+            return None, self.handler  # stays as it is, above the plan
+        return self.reserve.store(flat, error)
 
 
 def unpack(packed: Any) -> torch.Tensor:

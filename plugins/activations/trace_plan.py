@@ -26,7 +26,7 @@ from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import ACTIVATIONS, TEMPORARIES
 from xirang_ds.memory.device_profile import DeviceProfile
 from xirang_ds.plugins.activations.head_loss import CHUNK
-from xirang_ds.plugins.activations.planner import Choice, estimate_peak, least_budget
+from xirang_ds.plugins.activations.planner import Choice, estimate_peak, least_budget, reserve_added_s
 from xirang_ds.plugins.activations.pricing import build_tree, plan_within, reach
 from xirang_ds.plugins.activations.profile import ROOT, ModuleProfile, Profiler
 from xirang_ds.plugins.activations.storage import PayloadStorage
@@ -99,11 +99,17 @@ class TracePlan:
                       f"{format_bytes(self.least_bytes)} of them at least)")
                 for key, message in self.problems]
 
+    @property
+    def reserves(self) -> dict[str, str]:
+        """``{lossy module: its lossless reserve}`` (`planner.reserve_for`)."""
+        return {n: c.reserve.option for n, c in sorted(self.choices.items()) if c.reserve is not None}
+
     def as_dict(self) -> dict:
         return {"plan": dict(sorted(self.plan.items())), "budget_bytes": self.budget_bytes,
                 "other_bytes": self.other_bytes, "planned_peaks": list(self.planned_peaks),
                 "keep_bytes": self.keep_bytes, "least_bytes": self.least_bytes,
                 "least_budget_bytes": self.least_budget_bytes, "added_s": self.added_s, "fits": self.fits,
+                "reserves": self.reserves, "reserve_added_s": reserve_added_s(self.choices),
                 "device_profile": self.device_profile.name if self.device_profile else None}
 
 
@@ -118,7 +124,8 @@ def profile_trace(plugin: Any, model: torch.nn.Module, tracker: Any, free: list[
                  c.sparsify_threshold, tracker.host_tier, lambda: tracker.scope(ACTIVATIONS))
     rt.eligible.fake = True
     rt.eligible.refresh(model)
-    lossy = tuple(k for k in ("quantize", "sparsify") if k in plugin.options)
+    fixed = set(plugin._fixed.values())  # a lossy option fixed by hand is priced too, listed in options or not
+    lossy = tuple(k for k in ("quantize", "sparsify") if k in plugin.options or k in fixed)
     rt.profiler = Profiler(rt.eligible, rt.keep_handler, PayloadStorage(), plugin.tolerant_names, lossy,
                            c.quantize_block_size, c.sparsify_threshold, profile)
     modules = dict(model.named_modules())
@@ -257,7 +264,9 @@ def describe(result: TracePlan) -> str:
             + ", ".join(f"{n} {o}" for o, n in sorted(counts.items()))
             + f"; {format_bytes(max(end, worst))} of saved activations at most (keep-all "
               f"{format_bytes(result.keep_bytes)}, budget {format_bytes(result.budget_bytes or 0)}), "
-              f"adds {result.added_s * 1e3:.1f} ms per micro-step")
+              f"adds {result.added_s * 1e3:.1f} ms per micro-step"
+            + (f" ({reserve_added_s(result.choices) * 1e3:.1f} ms with the lossy modules' lossless reserves: "
+               + ", ".join(f"{n} {o}" for n, o in result.reserves.items()) + ")" if result.reserves else ""))
 
 
 __all__ = ["TracePlan", "describe", "least_saved", "plan_phases", "profile_trace"]

@@ -157,6 +157,8 @@ class ModuleWrapper:
         self.fixed_chunk = False
         self.chunk_tokens: Optional[int] = None
         self.must_save: Optional[frozenset] = None
+        self.reserve: Optional[Any] = None
+        """Under a lossy option with a reserve: where storages go that break its bound (`reserve.Reserve`)."""
         self._option: Optional[str] = None
         self._context_fn: Optional[Callable[[], tuple]] = None
         self.tiles = DEFAULT_TILES
@@ -165,8 +167,8 @@ class ModuleWrapper:
     def _wrap(self) -> Any:
         return wrap_method(self.module, "forward", self.forward)
 
-    def _pack(self, handler: Any, eligible: Callable[[torch.Tensor], bool]) -> PackContext:
-        return PackContext(handler, eligible)
+    def _pack(self, handler: Any, eligible: Callable[[torch.Tensor], bool], reserve: Any = None) -> PackContext:
+        return PackContext(handler, eligible, reserve)
 
     @property
     def option(self) -> Optional[str]:
@@ -224,7 +226,7 @@ class ModuleWrapper:
             return run_tiled(original, args[0], kwargs, self.tiles, self.module, rt.recompute_scope(self.name))
         if option in ("recompute", "selective_recompute", "recompute_tiled"):  # a call it cannot slice: whole
             return run_checkpointed(original, args, kwargs, self._context_fn, rt.rng)
-        with self._pack(rt.handlers[option], rt.eligible) as ctx:
+        with self._pack(rt.handlers[option], rt.eligible, self.reserve) as ctx:
             if tiled:
                 out = run_tiled(original, args[0], kwargs, self.tiles, self.module, rt.recompute_scope(self.name))
             elif option in OFFLOADED_INPUTS:

@@ -89,7 +89,10 @@ def test_each_codec_reads_the_host_once_per_tensor_whatever_its_chunks():
                    lambda: encode_sparse(x, PayloadStorage(), 0.01)):
         assert count_ops(encode)[1].host_syncs == 1
     x[5] = float("inf")
-    assert encode_int8(x, PayloadStorage(), 64) is None  # no finite scale: the tensor stays as it is
+    for encode in (lambda: encode_int8(x, PayloadStorage(), 64), lambda: encode_sparse(x, PayloadStorage(), 0.01)):
+        with pytest.raises(codecs.BoundExceeded):  # no finite scale or cutoff: stored by the module's reserve
+            encode()
+        x[5] = float("nan")
 
 
 def test_lossless_zero_mask_and_bits():

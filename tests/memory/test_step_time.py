@@ -69,13 +69,13 @@ def test_communication_is_what_a_ring_moves_per_rank(stage, expected):
 
 def test_the_estimate_prices_the_same_counts_on_every_profile_and_against_plain_deepspeed():
     a = estimate_spec("gpt-tiny", {**CONFIG, "xirang": {"preset": "conservative"}}, 2, "cuda",
-                      device_profile=PROFILES["h100"])
+                      device_profile=PROFILES["h100"], plain=True)
     b = estimate_spec("gpt-tiny", {**CONFIG, "xirang": {"preset": "conservative"}}, 2, "cuda",
                       device_profile=PROFILES["a100"])
     assert a.step_time.counts == b.step_time.counts  # machine-independent
     assert a.step_time.seconds < b.step_time.seconds and a.step_time.profile == "h100"
     assert a.step_time.seconds == pytest.approx(sum(a.step_time.parts.values()))
-    plain = estimate_spec("gpt-tiny", CONFIG, 2, "cuda", device_profile=PROFILES["h100"])
+    plain = estimate_spec("gpt-tiny", CONFIG, 2, "cuda", device_profile=PROFILES["h100"])  # no block: itself
     assert a.plain_step_time.as_dict() == plain.step_time.as_dict() == plain.plain_step_time.as_dict()
     assert a.as_dict()["predicted_step_time_s"] == a.step_time.seconds
     assert a.as_dict()["plain_step_time_s"] == plain.step_time.seconds
@@ -102,11 +102,11 @@ def test_low_bit_states_price_their_own_update_compiled_per_tensor_on_a_gpu_and_
     fp32 ones and the CPU's eager path run chunk by chunk."""
     config = {**CONFIG, "xirang": {"preset": "balanced"}}
     small, wide = ("gpt:layers=2,hidden=64,heads=2,seq=32,vocab=256", "gpt:layers=2,hidden=256,heads=2,seq=32,vocab=256")
-    gpu = [estimate_spec(m, config, 2, "cuda", device_profile=PROFILES["h100"], plain=False) for m in (small, wide)]
+    gpu = [estimate_spec(m, config, 2, "cuda", device_profile=PROFILES["h100"]) for m in (small, wide)]
     assert all("optimizer_update" in e.step_time.counts and e.step_time.notes == [] for e in gpu)
     a, b = (e.step_time.counts["optimizer_update"] for e in gpu)
     assert a["launches"] == b["launches"] and b["bytes_moved"] > 8 * a["bytes_moved"]  # 16x the matrices
-    cpu = [estimate_spec(m, config, 2, "cpu", plain=False) for m in (small, wide)]
+    cpu = [estimate_spec(m, config, 2, "cpu") for m in (small, wide)]
     c, d = (e.step_time.counts["optimizer_update"] for e in cpu)
     assert c["launches"] > a["launches"] and d["launches"] >= c["launches"]
 

@@ -91,7 +91,7 @@ def _fit_verdict(spec: Any, ds_config: dict, world_size: int) -> Optional[str]:
     from xirang_ds.planning.spec import estimate_spec
     from xirang_ds.planning.suggest import least_fitting_budget
 
-    est = estimate_spec(spec, ds_config, world_size, plain=False)
+    est = estimate_spec(spec, ds_config, world_size)
     if est.fits is None:
         return None
     budget = ds_config[BLOCK_KEY].get("memory_budget", "auto")
@@ -101,7 +101,7 @@ def _fit_verdict(spec: Any, ds_config: dict, world_size: int) -> Optional[str]:
     if not est.fits and refusing:
         least = None
         if budget != "auto":
-            least = least_fitting_budget(ds_config, lambda c: estimate_spec(spec, c, world_size, plain=False),
+            least = least_fitting_budget(ds_config, lambda c: estimate_spec(spec, c, world_size),
                                          est.least_budget_bytes)[0]
         raise XirangConfigError([p for plan in refusing for p in plan.refusal(budget, where, least=least)])
     if not est.fits:
@@ -255,7 +255,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
             raise UsageError("--measure-cpu prices a CPU run; drop --gpu / --device cuda")
         profile = measure_cpu_profile()
     # resolves "preset": "auto", checks the block
-    est = estimate_spec(model, ds_config, args.world_size, device, device_profile=profile)
+    est = estimate_spec(model, ds_config, args.world_size, device, device_profile=profile, plain=True)
     est.notes.extend(notes)
     out = est.as_dict()
     if args.measure_cpu:
@@ -264,7 +264,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
         from xirang_ds.planning.suggest import format_suggestion, least_fitting_budget, suggest_fit
 
         def again(c: dict) -> Any:
-            return estimate_spec(model, c, args.world_size, device, device_profile=profile, plain=False)
+            return estimate_spec(model, c, args.world_size, device, device_profile=profile)
 
         least, ran = least_fitting_budget(ds_config, again, est.least_budget_bytes)
         if least is not None and least != est.least_budget_bytes:

@@ -113,6 +113,18 @@ class TimesStep(Protocol):
 
 
 @runtime_checkable
+class TimesUpdate(Protocol):
+    """It runs the optimizer's update in place of torch's AdamW (low-bit states): the predicted step prices the
+    update by it (`xirang_ds.planning.step_time`), DeepSpeed's work around the update (the gradient's upcast,
+    clipping, the cast back into 16-bit weights) as before."""
+
+    def update_ops(self, shape: Any, numels: list, profile: Any) -> Optional[Any]:
+        """The ops of the update of one optimizer step on this rank as it runs on ``profile``'s device (an
+        `xirang_ds.memory.device_profile.OpTally`), or ``None`` where it cannot count them (then torch's AdamW
+        stands in, and the notes say so)."""
+
+
+@runtime_checkable
 class ReshapesRun(Protocol):
     """It changes what DeepSpeed runs, so the estimate's `RunShape` changes with it (precision's on-demand
     copies run DeepSpeed in fp32; optimizer_states' masters as views of the weights)."""

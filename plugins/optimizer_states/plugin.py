@@ -28,7 +28,7 @@ from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.memory.model_states import adam_temporaries
 from xirang_ds.memory.pool import align_up
 from xirang_ds.memory.run_shape import sub_group_size
-from xirang_ds.plugins.optimizer_states import masters
+from xirang_ds.plugins.optimizer_states import masters, step_time
 from xirang_ds.plugins.optimizer_states.build import MEASURED, keep_reasons, settings_from_client
 from xirang_ds.plugins.optimizer_states.config import STATE_DTYPE_ORDER, OptimizerStatesConfig
 from xirang_ds.plugins.optimizer_states.deepspeed import check_ds_config, ds_config_problems
@@ -203,6 +203,10 @@ class OptimizerStatesPlugin(Plugin):
         groups = tuple(g for g in (tuple(i for i, k in enumerate(kind) if k == want) for want in (False, True, "measured"))
                        if g)
         return dataclasses.replace(shape, groups=groups) if len(groups) > 1 else shape
+
+    def update_ops(self, shape: Any, numels: list, profile: Any) -> Optional[Any]:
+        """`xirang_ds.roles.TimesUpdate`: the low-bit update's ops (`step_time.update_ops`)."""
+        return step_time.update_ops(self, shape, numels, profile)
 
     def adjust_estimate(self, phases: dict, shape: Any, numels: list) -> Optional[dict]:
         """States at the most precise format the policy starts from (the run's peak is there: a

@@ -69,13 +69,13 @@ def test_communication_is_what_a_ring_moves_per_rank(stage, expected):
 
 def test_the_estimate_prices_the_same_counts_on_every_profile_and_against_plain_deepspeed():
     a = estimate_spec("gpt-tiny", {**CONFIG, "xirang": {"preset": "conservative"}}, 2, "cuda",
-                      device_profile=PROFILES["h100"])
+                      device_profile=PROFILES["h100"], plain=True)
     b = estimate_spec("gpt-tiny", {**CONFIG, "xirang": {"preset": "conservative"}}, 2, "cuda",
                       device_profile=PROFILES["a100"])
     assert a.step_time.counts == b.step_time.counts  # machine-independent
     assert a.step_time.seconds < b.step_time.seconds and a.step_time.profile == "h100"
     assert a.step_time.seconds == pytest.approx(sum(a.step_time.parts.values()))
-    plain = estimate_spec("gpt-tiny", CONFIG, 2, "cuda", device_profile=PROFILES["h100"])
+    plain = estimate_spec("gpt-tiny", CONFIG, 2, "cuda", device_profile=PROFILES["h100"])  # no block: itself
     assert a.plain_step_time.as_dict() == plain.step_time.as_dict() == plain.plain_step_time.as_dict()
     assert a.as_dict()["predicted_step_time_s"] == a.step_time.seconds
     assert a.as_dict()["plain_step_time_s"] == plain.step_time.seconds
@@ -93,9 +93,22 @@ def test_what_the_block_adds_is_priced_by_its_plugins():
     assert est.plans["grad_release"]["states"] == "host"
     state_bytes = est.step_time.parts["grad_release"] * PROFILES["h100"].host_link_bytes_per_s
     assert state_bytes >= 2 * 8 * sum(p.numel() for p in _gpt_tiny().parameters()) // 2
-    balanced = estimate_spec("gpt-tiny", {**CONFIG, "xirang": {"preset": "balanced"}}, 2, "cuda",
-                             device_profile=PROFILES["h100"])
-    assert "optimizer_states: its time is not priced" in balanced.step_time.notes
+    assert est.step_time.notes == []  # every plugin of the preset prices itself or adds no time
+
+
+def test_low_bit_states_price_their_own_update_compiled_per_tensor_on_a_gpu_and_chunk_by_chunk_on_the_cpu():
+    """balanced: int8 states for the matrices, fp32 for norms and biases (kept), each parameter's shard updated
+    in backward (grad_release). On a GPU profile an int8 shard is one compiled kernel whatever its size; the kept
+    fp32 ones and the CPU's eager path run chunk by chunk."""
+    config = {**CONFIG, "xirang": {"preset": "balanced"}}
+    small, wide = ("gpt:layers=2,hidden=64,heads=2,seq=32,vocab=256", "gpt:layers=2,hidden=256,heads=2,seq=32,vocab=256")
+    gpu = [estimate_spec(m, config, 2, "cuda", device_profile=PROFILES["h100"]) for m in (small, wide)]
+    assert all("optimizer_update" in e.step_time.counts and e.step_time.notes == [] for e in gpu)
+    a, b = (e.step_time.counts["optimizer_update"] for e in gpu)
+    assert a["launches"] == b["launches"] and b["bytes_moved"] > 8 * a["bytes_moved"]  # 16x the matrices
+    cpu = [estimate_spec(m, config, 2, "cpu") for m in (small, wide)]
+    c, d = (e.step_time.counts["optimizer_update"] for e in cpu)
+    assert c["launches"] > a["launches"] and d["launches"] >= c["launches"]
 
 
 def _gpt_tiny():

@@ -27,7 +27,7 @@ def predict(sides: dict[str, dict], configs: dict[str, tuple[str, dict]], device
             continue
         model, ds_config = configs[name]
         try:
-            est = estimate_spec(model, ds_config, 1, "cuda" if cuda else "cpu", device_profile=profile, plain=False)
+            est = estimate_spec(model, ds_config, 1, "cuda" if cuda else "cpu", device_profile=profile)
         except Exception as e:  # the estimate's own failure is a result of the check, not the end of it
             out[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
             continue

@@ -15,13 +15,13 @@ from xirang_ds.planning.estimator import Estimate, RunShape, estimate_run, korth
 
 
 def estimate_spec(model: Union[str, Any], ds_config: dict, world_size: int = 1, device: str = "cpu",
-                  device_profile: Optional[DeviceProfile] = None, plain: bool = True) -> Estimate:
+                  device_profile: Optional[DeviceProfile] = None, plain: bool = False) -> Estimate:
     """`estimate_run` for a ``--model`` spec (built-in name, ``gpt:...``, or a parsed spec such as a
     `xirang_ds.models.FactorySpec`: its ``seq`` and ``vocab`` shape the inputs); ``"preset": "auto"`` is
     resolved first (`xirang_ds.planning.auto`), its choice a note. With a named GPU's ``device_profile``
     (``--gpu``) the plan is priced by it and ``memory_budget: auto`` is that GPU's memory. Plain DeepSpeed's
-    predicted step (the ds_config without the block, traced on its own) is set beside the block's, unless
-    ``plain`` is false (a search that compares blocks)."""
+    predicted step (the ds_config without the block, traced on its own) is set beside the block's with
+    ``plain`` (``xirang-ds estimate``; a second trace)."""
     spec = parse_model_spec(model)
     ds_config, choice = choose_for_spec(ds_config, spec, world_size, device)
     total = device_profile.memory_bytes or None if device_profile is not None else None

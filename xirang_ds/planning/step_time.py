@@ -13,8 +13,8 @@ where DeepSpeed overlaps communication with backward):
   and in backward and reduce-scatters the gradients, every micro-step. Nothing on one rank;
 * **the optimizer step**: the ops of DeepSpeed's step on the fullest rank's partition, run on fake tensors
   and counted the same way (`optimizer_ops`): the 16-bit gradient upcast, the gradient norm and clipping
-  where ``gradient_clipping`` is set, torch's AdamW over the fp32 master, the master cast back into the
-  16-bit weights;
+  where ``gradient_clipping`` is set, torch's AdamW over the fp32 master (or the update of the plugin that
+  runs its own, `xirang_ds.roles.TimesUpdate`: low-bit states), the master cast back into the 16-bit weights;
 * **what the block adds**: each enabled plugin's own seconds per step (`xirang_ds.roles.TimesStep`); one
   that does not price itself is named in the notes as not modelled.
 """
@@ -28,7 +28,7 @@ import torch
 from xirang_ds.compat.torch import TorchDispatchMode, fake_tensor_mode
 from xirang_ds.memory.device_profile import DeviceProfile, OpTally
 from xirang_ds.memory.run_shape import RunShape, fullest_rank, partition_numel
-from xirang_ds.roles import TimesStep
+from xirang_ds.roles import TimesStep, TimesUpdate
 
 
 @dataclass
@@ -67,7 +67,15 @@ class _Tallying(TorchDispatchMode):
         return out
 
 
-def optimizer_ops(shape: RunShape, numels: list[int]) -> OpTally:
+def tallied(fn: Any) -> OpTally:
+    """The ops ``fn()`` runs (on fake tensors, inside the caller's ``FakeTensorMode``), counted."""
+    tally = OpTally()
+    with _Tallying(tally):
+        fn()
+    return tally
+
+
+def optimizer_ops(shape: RunShape, numels: list[int], update: bool = True) -> OpTally:
     """The ops of DeepSpeed's optimizer step on this rank's partition (module docstring), counted on fake
     tensors: one flat partition per parameter group at ZeRO 1-3, every parameter at ZeRO 0."""
     if shape.stage == 0:
@@ -92,7 +100,8 @@ def optimizer_ops(shape: RunShape, numels: list[int]) -> OpTally:
                 scale = torch.clamp(shape.clipping / (norm + 1e-6), max=1.0)
                 for m in masters:
                     m.grad.mul_(scale)
-            opt.step()
+            if update:  # torch's AdamW, unless a plugin prices the update itself (`TimesUpdate`)
+                opt.step()
             if sixteen:
                 for m, p16 in zip(masters, low):
                     p16.copy_(m.detach())
@@ -121,24 +130,30 @@ def step_time(shape: RunShape, trace: Any, profile: DeviceProfile, session: Any 
         return None
     numels = trace.param_numels
     total = sum(numels)
-    opt = optimizer_ops(shape, numels)
+    plugins = list(session.plugins if session is not None else ())
+    updates = [(p, p.update_ops(shape, numels, profile)) for p in plugins if isinstance(p, TimesUpdate)]
+    update = next((ops for _, ops in updates if ops is not None), None)
+    opt = optimizer_ops(shape, numels, update=update is None)
     comm = communication_bytes(shape, total)
     parts = {"forward_backward": shape.grad_accum * ops.seconds(profile),
              "communication": comm / profile.interconnect_bytes_per_s if comm else 0.0,
-             "optimizer": opt.seconds(profile)}
+             "optimizer": opt.seconds(profile) + (update.seconds(profile) if update is not None else 0.0)}
     notes = []
     if shape.offloaded:
         notes.append("DeepSpeed's host offload is not priced")
-    for plugin in (session.plugins if session is not None else ()):
+    priced = {p.section for p, ops in updates if ops is not None}
+    for plugin in plugins:
         seconds = plugin.step_seconds(shape, numels, profile) if isinstance(plugin, TimesStep) else None
         if seconds is None:
-            if not getattr(plugin, "time_neutral", False):
+            if not getattr(plugin, "time_neutral", False) and plugin.section not in priced:
                 notes.append(f"{plugin.section}: its time is not priced")
         elif seconds:
             parts[plugin.section] = seconds
     counts = {"forward_backward": ops.as_dict(), "optimizer": opt.as_dict(), "communication_bytes": comm,
               "micro_steps": shape.grad_accum}
+    if update is not None:
+        counts["optimizer_update"] = update.as_dict()  # beside DeepSpeed's ops around it, under "optimizer"
     return StepTime(sum(parts.values()), parts, counts, profile.name, notes)
 
 
-__all__ = ["StepTime", "communication_bytes", "optimizer_ops", "step_time"]
+__all__ = ["StepTime", "communication_bytes", "optimizer_ops", "step_time", "tallied"]

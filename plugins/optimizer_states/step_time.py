@@ -1,0 +1,91 @@
+"""optimizer_states' update priced for the predicted step (`xirang_ds.planning.step_time`, the
+`xirang_ds.roles.TimesUpdate` role): its ops counted, the profile prices them.
+
+The tensors are the ones the run updates: one flat partition per parameter group at ZeRO 1-3 (kept fp32
+parameters in a group of their own), each parameter at ZeRO 0, and each parameter's shard of its bucket
+where an update runs in backward (grad_release). Each tensor's states are in the format the policy starts
+from (the kept ones in fp32). Compiled (``fused: true``, or ``auto`` on a GPU profile) a bf16, int8 or int4
+tensor is one kernel reading and writing the fp32 parameter, reading its gradient (fp32) and reading and
+writing both moments in their format; otherwise (fp32 states, the CPU's ``auto``) the eager update runs
+chunk by chunk, and one chunk of it is run on fake tensors and counted (`update.adam_chunk_` between the
+format's decode and encode, what `optimizer.DynamicAdamW` runs), every chunk priced as a whole one.
+What grad_release's masters add (rebuilding a master from remainders, rounding into the weights) is not
+counted.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from xirang_ds.compat.torch import fake_tensor_mode
+from xirang_ds.memory.device_profile import OpTally
+from xirang_ds.plugins.optimizer_states.build import keep_reasons
+from xirang_ds.plugins.optimizer_states.formats import MOMENTS, StateFormat, make_format
+from xirang_ds.plugins.optimizer_states.fused import FUSED_FORMATS
+from xirang_ds.plugins.optimizer_states.schedule import make_policy
+from xirang_ds.plugins.optimizer_states.update import AdamHyper, adam_chunk_
+from xirang_ds.planning.step_time import tallied
+
+
+@functools.lru_cache(maxsize=16)
+def eager_chunk(name: str, numel: int, int8_block: int, int4_block: int) -> OpTally:
+    """The ops of the eager update of one ``numel``-element chunk with states in format ``name``, counted on fake
+    tensors."""
+    fmt = make_format(name, int8_block, int4_block)
+    hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False,
+                      bias_correction=True)
+    with fake_tensor_mode():
+        p32, g16 = torch.zeros(numel), torch.zeros(numel, dtype=torch.bfloat16)
+        buffers = {k: v for m in MOMENTS for k, v in fmt.zeros(m, numel, torch.device("cpu")).items()}
+
+        def chunk() -> None:
+            g32 = g16.float()
+            m, v = fmt.decode("exp_avg", buffers, 0, numel), fmt.decode("exp_avg_sq", buffers, 0, numel)
+            adam_chunk_(p32, g32, m, v, 2.0, hyper)
+            fmt.encode("exp_avg", m, buffers, 0, None)
+            fmt.encode("exp_avg_sq", v, buffers, 0, None)
+
+        with warnings.catch_warnings():  # fp32's encode compares data pointers (a view in place): fake ones are 0
+            warnings.simplefilter("ignore", UserWarning)
+            return tallied(chunk)
+
+
+def _state_bytes(fmt: StateFormat, numel: int) -> int:
+    return sum(fmt.nbytes(fmt.zeros(m, numel, torch.device("meta"))) for m in MOMENTS)
+
+
+def update_ops(plugin: Any, shape: Any, numels: list, profile: Any) -> Optional[OpTally]:
+    """The update's ops as they run on ``profile``'s device (module docstring); ``None`` without the model."""
+    model = plugin.session.model
+    if model is None:
+        return None
+    c = plugin.config
+    kept_ids = keep_reasons(model, c)
+    params = [p for p in model.parameters() if p.requires_grad]
+    world = shape.world_size if shape.stage >= 1 else 1
+    fmt = make_format(make_policy(c).initial(), c.int8_block_size, c.int4_block_size)
+    fp32 = make_format("fp32")
+    kept = [p.numel() for p in params if id(p) in kept_ids]
+    quant = [p.numel() for p in params if id(p) not in kept_ids]
+    if plugin.session.stepper is not None or shape.stage == 0:  # each parameter's shard
+        tensors = [(fp32, math.ceil(n / world)) for n in kept] + [(fmt, math.ceil(n / world)) for n in quant]
+    else:  # one flat partition per group
+        tensors = [(f, math.ceil(sum(ns) / world)) for f, ns in ((fp32, kept), (fmt, quant)) if ns]
+    compiled = c.fused is True or (c.fused == "auto" and not profile.name.startswith("cpu"))
+    out = OpTally()
+    for f, n in tensors:
+        if compiled and f.name in FUSED_FORMATS:  # one kernel: the parameter, its gradient, both moments
+            key = (0, 8 * n + 4 * n + 2 * _state_bytes(f, n), False)
+            out.ops[key] = out.ops.get(key, 0) + 1
+        else:
+            chunk = min(c.chunk_numel, n)
+            for key, count in eager_chunk(f.name, chunk, c.int8_block_size, c.int4_block_size).ops.items():
+                out.ops[key] = out.ops.get(key, 0) + count * math.ceil(n / chunk)
+    return out
+
+
+__all__ = ["eager_chunk", "update_ops"]

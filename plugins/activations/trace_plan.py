@@ -171,11 +171,14 @@ def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str
         adjusted = {}
         for phase, cats in phases.items():
             cats = dict(cats)
+            kept = cats.get(ACTIVATIONS, 0)
+            if not kept:  # after backward freed the saved activations (grad_release's end, the step): unchanged
+                adjusted[phase] = cats
+                continue
             # forward peaks in the head's loss too (its whole logits beside what is saved): what the plan saves
             # at its worst point applies there as well
             saved = max(saved_end, saved_worst) if phase == "forward" else saved_worst
             # off the saved activations first, then off the temporaries, where the trace holds a head's whole loss
-            kept = cats.get(ACTIVATIONS, 0)
             cats[ACTIVATIONS] = max(kept - saved, min(kept, out.planned_peaks[0 if phase == "forward" else 1]))
             cats[TEMPORARIES] = max(0, cats.get(TEMPORARIES, 0) - (saved - (kept - cats[ACTIVATIONS])))
             adjusted[phase] = cats

@@ -30,6 +30,7 @@ from xirang_ds.config.loader import BLOCK_KEY
 from xirang_ds.config.types import format_bytes
 from xirang_ds.memory.categories import CATEGORIES
 from xirang_ds.memory.model_states import (
+    BACKWARD_END,
     BACKWARD_START,
     STEP_PREPARE,
     adam_temporaries,
@@ -200,8 +201,8 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
         notes += session.summary_left_out()
     plans: dict = {}
     phases = _apply_plugins(session, phases, shape, numels, notes, plans)
-    for part, whole in ((STEP_PREPARE, "optimizer_step"), (BACKWARD_START, "backward")):
-        cats = phases.pop(part, None)  # both are inside the same call; the larger is its peak
+    for part, whole in ((STEP_PREPARE, "optimizer_step"), (BACKWARD_START, "backward"), (BACKWARD_END, "backward")):
+        cats = phases.pop(part, None)  # each is inside the same call as its whole; the larger is its peak
         if cats is not None and sum(cats.values()) > sum(phases[whole].values()):
             phases[whole] = cats
     totals = {k: sum(v[c] for c in CATEGORIES if c != "host") for k, v in phases.items()}
@@ -307,8 +308,8 @@ def format_estimate(est: Estimate) -> str:
 
 
 # The moved names stay importable from here.
-__all__ = ["BACKWARD_START", "DEFAULT_ALLGATHER_BUCKET", "DEFAULT_MAX_REUSE_DISTANCE", "DEFAULT_PERSISTENCE_THRESHOLD",
-           "DEFAULT_PREFETCH_BUCKET", "DEFAULT_REDUCE_BUCKET", "DTYPE_BYTES", "Estimate", "EstimateError", "Inputs",
+__all__ = ["BACKWARD_END", "BACKWARD_START", "DEFAULT_ALLGATHER_BUCKET", "DEFAULT_MAX_REUSE_DISTANCE",
+           "DEFAULT_PERSISTENCE_THRESHOLD", "DEFAULT_PREFETCH_BUCKET", "DEFAULT_REDUCE_BUCKET", "DTYPE_BYTES", "Estimate", "EstimateError", "Inputs",
            "RunShape", "STEP_PREPARE", "Trace", "adam_temporaries", "estimate_run", "estimate_states",
            "format_estimate", "korthikanti_activations", "loss_of", "model_states", "partition_numel", "recalibrate",
            "trace_model"]

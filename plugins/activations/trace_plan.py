@@ -15,6 +15,7 @@ plan's saved-activation bytes into the phases in place of the keep-everything tr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
@@ -157,9 +158,15 @@ def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str
     limit = total if budget == "auto" else int(budget)
     # the trace ran the free candidates kept (a head with its whole loss) and the fixed heads chunked: the plan
     # changes the phases' saved activations (and a head's transient) by what it saves against that
-    traced = estimate_peak(roots, {**{n.name: k for n in roots if not n.fixed for k in n.choices if k.option == "keep"},
-                                   **{n.name: n.choices[0] for n in _nodes(roots) if n.fixed and n.choices}},
-                           before, after)
+    traced_choices = {**{n.name: k for n in roots if not n.fixed for k in n.choices if k.option == "keep"},
+                      **{n.name: n.choices[0] for n in _nodes(roots) if n.fixed and n.choices}}
+    traced = estimate_peak(roots, traced_choices, before, after)
+    # backward past its first gradient: a kept head's backward is over by then, its whole loss and what it and the
+    # loss saved freed (that point is ``backward_start``'s), and each layer's backward holds the gradients of its
+    # activations (the trace's `Trace.layer_temporaries`)
+    heads = frozenset(plugin.head_names)
+    traced_layers = estimate_peak(roots, _past_heads(traced_choices, heads), before, 0)[1]
+    layer_temporaries = getattr(getattr(plugin.session, "trace", None), "layer_temporaries", 0)
     for _ in range(PLAN_ROUNDS):
         try:
             out.budget_bytes, out.choices, _ = plan_within(c, budget, total, profiles, out.other_bytes, tree)
@@ -168,6 +175,7 @@ def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str
             return phases, out
         out.planned_peaks = estimate_peak(roots, out.choices, before, after)
         saved_end, saved_worst = (max(0, t - p) for t, p in zip(traced, out.planned_peaks))
+        layers_worst = estimate_peak(roots, _past_heads(out.choices, heads), before, 0)[1]
         adjusted = {}
         for phase, cats in phases.items():
             cats = dict(cats)
@@ -177,11 +185,19 @@ def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str
                 continue
             # forward peaks in the head's loss too (its whole logits beside what is saved): what the plan saves
             # at its worst point applies there as well
-            saved = max(saved_end, saved_worst) if phase == "forward" else saved_worst
+            saved, worst = (max(saved_end, saved_worst), out.planned_peaks[0]) if phase == "forward" else \
+                (saved_worst, out.planned_peaks[1])
+            if phase == "backward":
+                saved, worst = max(0, traced_layers - layers_worst), layers_worst
             # off the saved activations first, then off the temporaries, where the trace holds a head's whole loss
-            cats[ACTIVATIONS] = max(kept - saved, min(kept, out.planned_peaks[0 if phase == "forward" else 1]))
-            cats[TEMPORARIES] = max(0, cats.get(TEMPORARIES, 0) - (saved - (kept - cats[ACTIVATIONS])))
-            adjusted[phase] = cats
+            at = {**cats, ACTIVATIONS: max(kept - saved, min(kept, worst))}
+            at[TEMPORARIES] = max(0, cats.get(TEMPORARIES, 0) - (saved - (kept - at[ACTIVATIONS])))
+            if phase == "backward" and saved:
+                # the plan moves backward's worst point from the trace's into a layer: there, its gradient
+                # temporaries beside what the plan keeps (and brings back) up to that layer
+                layer = {**cats, ACTIVATIONS: worst, TEMPORARIES: layer_temporaries}
+                at = max(at, layer, key=lambda c: sum(v for k, v in c.items() if k != HOST))
+            adjusted[phase] = at
         # the rest was taken at its own peaks with the heads' whole loss left out: where the planned phases still
         # peak above the budget, what the rest needs is that much more, and the planner plans again
         over = max(sum(v for k, v in cats.items() if k != HOST) for cats in adjusted.values()) - limit
@@ -195,6 +211,13 @@ def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str
                       out.budget_bytes)
     out.added_s = sum(choice.added_s for choice in out.choices.values())
     return adjusted, out
+
+
+def _past_heads(choices: dict, heads: frozenset) -> dict:
+    """``choices`` past the first gradient: a kept head (last in forward, first in backward, its gradients made at
+    the end of its backward) holds nothing there any more."""
+    return {name: dataclasses.replace(choice, device_bytes=0, transient_bytes=0)
+            if name in heads and choice.option == "keep" else choice for name, choice in choices.items()}
 
 
 def _nodes(roots: list) -> Iterator[Any]:

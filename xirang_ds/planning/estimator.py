@@ -200,6 +200,8 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
     if session is not None:
         notes += session.summary_left_out()
     plans: dict = {}
+    if session is not None:
+        session.trace = trace  # what a plugin reads beside the phases (the layers' gradient temporaries)
     phases = _apply_plugins(session, phases, shape, numels, notes, plans)
     for part, whole in ((STEP_PREPARE, "optimizer_step"), (BACKWARD_START, "backward"), (BACKWARD_END, "backward")):
         cats = phases.pop(part, None)  # each is inside the same call as its whole; the larger is its peak

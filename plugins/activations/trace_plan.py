@@ -26,6 +26,7 @@ from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import ACTIVATIONS, TEMPORARIES
 from xirang_ds.memory.device_profile import DeviceProfile
+from xirang_ds.plugins.activations import layer_temporaries
 from xirang_ds.plugins.activations.head_loss import CHUNK
 from xirang_ds.plugins.activations.planner import Choice, estimate_peak, least_budget
 from xirang_ds.plugins.activations.pricing import build_tree, plan_within, reach
@@ -125,8 +126,9 @@ def profile_trace(plugin: Any, model: torch.nn.Module, tracker: Any, free: list[
         return original(*args, **kwargs)
 
     heads = frozenset(n for n in free if n in plugin.head_names) | frozenset(chunked)
+    watched, marks = layer_temporaries.watch(modules, [n for n in free if n not in heads], tracker)
     handles = [*plugin.path.head_hooks(model, heads),
-               wrap_method(model, "forward", root)]
+               wrap_method(model, "forward", root), *watched]
     try:
         yield
     finally:
@@ -135,6 +137,7 @@ def profile_trace(plugin: Any, model: torch.nn.Module, tracker: Any, free: list[
         for wrapper in wrappers:
             wrapper.remove()
         plugin.trace_profiles = rt.profiler.combined()
+        plugin.trace_layer_temporaries = layer_temporaries.measure(tracker, marks)
 
 
 def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str], streams: bool,
@@ -166,7 +169,8 @@ def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str
     # activations (the trace's `Trace.layer_temporaries`)
     heads = frozenset(plugin.head_names)
     traced_layers = estimate_peak(roots, _past_heads(traced_choices, heads), before, 0)[1]
-    layer_temporaries = getattr(getattr(plugin.session, "trace", None), "layer_temporaries", 0)
+    most_temporaries = getattr(getattr(plugin.session, "trace", None), "layer_temporaries", 0)
+    own = getattr(plugin, "trace_layer_temporaries", None) or {}  # each candidate's (`layer_temporaries`)
     for _ in range(PLAN_ROUNDS):
         try:
             out.budget_bytes, out.choices, _ = plan_within(c, budget, total, profiles, out.other_bytes, tree)
@@ -176,6 +180,9 @@ def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str
         out.planned_peaks = estimate_peak(roots, out.choices, before, after)
         saved_end, saved_worst = (max(0, t - p) for t, p in zip(traced, out.planned_peaks))
         layers_worst = estimate_peak(roots, _past_heads(out.choices, heads), before, 0)[1]
+        # the worst layer with its own temporaries (else the most any layer holds, beside the most saved)
+        with_own = estimate_peak(roots, _past_heads(out.choices, heads, own), before, 0)[1] if own else \
+            layers_worst + most_temporaries
         adjusted = {}
         for phase, cats in phases.items():
             cats = dict(cats)
@@ -195,7 +202,7 @@ def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str
             if phase == "backward" and saved:
                 # the plan moves backward's worst point from the trace's into a layer: there, its gradient
                 # temporaries beside what the plan keeps (and brings back) up to that layer
-                layer = {**cats, ACTIVATIONS: worst, TEMPORARIES: layer_temporaries}
+                layer = {**cats, ACTIVATIONS: worst, TEMPORARIES: max(0, with_own - worst)}
                 at = max(at, layer, key=lambda c: sum(v for k, v in c.items() if k != HOST))
             adjusted[phase] = at
         # the rest was taken at its own peaks with the heads' whole loss left out: where the planned phases still
@@ -213,11 +220,15 @@ def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str
     return adjusted, out
 
 
-def _past_heads(choices: dict, heads: frozenset) -> dict:
+def _past_heads(choices: dict, heads: frozenset, own: Optional[dict] = None) -> dict:
     """``choices`` past the first gradient: a kept head (last in forward, first in backward, its gradients made at
-    the end of its backward) holds nothing there any more."""
+    the end of its backward) holds nothing there any more; with ``own``, each other candidate's backward holds
+    its own temporaries beside what it brings back."""
+    own = own or {}
     return {name: dataclasses.replace(choice, device_bytes=0, transient_bytes=0)
-            if name in heads and choice.option == "keep" else choice for name, choice in choices.items()}
+            if name in heads and choice.option == "keep" else
+            dataclasses.replace(choice, transient_bytes=choice.transient_bytes + own.get(name, 0))
+            for name, choice in choices.items()}
 
 
 def _nodes(roots: list) -> Iterator[Any]:

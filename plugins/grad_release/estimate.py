@@ -127,9 +127,11 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
                 # with the loss's gradient temporaries; at its end the activations are gone, buckets
                 # are in flight and updating, and the held shard (if any) is whole: a phase of its own,
                 # as the activation planner, adjusting after, lowers the first and not the second
+                # (a held pass updates after backward, `pipeline.ReleasePipeline.apply_all`: no gradient is whole
+                # then, the updating bucket's shard is on the device, brought back from the host if stashed)
+                end_grads = (lp * shard if stash else lp * part) if holds_shard else whole
                 out[BACKWARD_END] = {**cats, "activations": 0, "comm_buffers": lp * gathers, "temporaries": update,
-                                     OPTIMIZER_STATES: fetched if parked else states,
-                                     GRADIENTS: accum + (lp * part if holds_shard and not stash else 0) + whole}
+                                     OPTIMIZER_STATES: fetched if parked else states, GRADIENTS: accum + end_grads}
             elif name == BACKWARD_START:
                 # the first gradient autograd makes (the output head's, where the model has one: the
                 # largest parameter) exists whole before its hook copies it into a bucket, unless by
@@ -142,7 +144,10 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
         return out
 
     parked = plugin.config.states == "host"
-    out, plugin.estimate_note = held(parked, plugin.stashes_held(parked)), None
+    # exact_method auto stashes the held shard where the planner decides under a byte budget, as the run does
+    # (`states_tier.StatesTier.choose_states_tier`)
+    stash = plugin.stashes_held(parked) or plugin.config.exact_method == "auto" and plugin.planner_decides()
+    out, plugin.estimate_note = held(parked, stash), None
     budget = plugin.session.config.memory_budget
     planner = plugin.session.plugin("activations")  # what it can take off saved activations is room
     spare = planner.reducible_bytes() if planner is not None and hasattr(planner, "reducible_bytes") else 0

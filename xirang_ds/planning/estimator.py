@@ -74,6 +74,8 @@ class Estimate:
         phases: each phase's total and breakdown.
         notes: what the estimate assumed.
         korthikanti_activations: the paper's formula for a standard transformer, for reference.
+        points: the points inside a phase that plugins adjusted on their own before the larger was taken
+            (``backward_end``: grad_release's end of backward), with their breakdown and total.
     """
 
     predicted_peak_bytes: int
@@ -85,6 +87,7 @@ class Estimate:
     fits: Optional[bool] = None
     least_budget_bytes: Optional[int] = None
     plans: dict = dataclasses.field(default_factory=dict)
+    points: dict = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"predicted_peak_bytes": self.predicted_peak_bytes, "by_category": dict(self.by_category),
@@ -203,8 +206,11 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
     if session is not None:
         session.trace = trace  # what a plugin reads beside the phases (the layers' gradient temporaries)
     phases = _apply_plugins(session, phases, shape, numels, notes, plans)
+    points = {}
     for part, whole in ((STEP_PREPARE, "optimizer_step"), (BACKWARD_START, "backward"), (BACKWARD_END, "backward")):
         cats = phases.pop(part, None)  # each is inside the same call as its whole; the larger is its peak
+        if cats is not None:
+            points[part] = {**cats, "total": sum(v for c, v in cats.items() if c != "host")}
         if cats is not None and sum(cats.values()) > sum(phases[whole].values()):
             phases[whole] = cats
     totals = {k: sum(v[c] for c in CATEGORIES if c != "host") for k, v in phases.items()}
@@ -212,7 +218,7 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
     fits, least = _fits(session, totals[peak_phase], plans)
     return Estimate(predicted_peak_bytes=totals[peak_phase], by_category=phases[peak_phase], peak_phase=peak_phase,
                     phases={k: {**v, "total": totals[k]} for k, v in phases.items()}, notes=notes, fits=fits,
-                    least_budget_bytes=least, plans=plans)
+                    least_budget_bytes=least, plans=plans, points=points)
 
 
 def _fits(session: Any, peak: int, plans: dict) -> tuple[Optional[bool], int]:

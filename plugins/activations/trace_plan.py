@@ -161,14 +161,13 @@ def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str
     limit = total if budget == "auto" else int(budget)
     # the trace ran the free candidates kept (a head with its whole loss) and the fixed heads chunked: the plan
     # changes the phases' saved activations (and a head's transient) by what it saves against that
-    traced_choices = {**{n.name: k for n in roots if not n.fixed for k in n.choices if k.option == "keep"},
-                      **{n.name: n.choices[0] for n in _nodes(roots) if n.fixed and n.choices}}
-    traced = estimate_peak(roots, traced_choices, before, after)
+    traced = estimate_peak(roots, {**{n.name: k for n in roots if not n.fixed for k in n.choices if k.option == "keep"},
+                                   **{n.name: n.choices[0] for n in _nodes(roots) if n.fixed and n.choices}},
+                           before, after)
     # backward past its first gradient: a kept head's backward is over by then, its whole loss and what it and the
     # loss saved freed (that point is ``backward_start``'s), and each layer's backward holds the gradients of its
     # activations (the trace's `Trace.layer_temporaries`)
     heads = frozenset(plugin.head_names)
-    traced_layers = estimate_peak(roots, _past_heads(traced_choices, heads), before, 0)[1]
     most_temporaries = getattr(getattr(plugin.session, "trace", None), "layer_temporaries", 0)
     own = getattr(plugin, "trace_layer_temporaries", None) or {}  # each candidate's (`layer_temporaries`)
     for _ in range(PLAN_ROUNDS):
@@ -194,8 +193,8 @@ def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str
             # at its worst point applies there as well
             saved, worst = (max(saved_end, saved_worst), out.planned_peaks[0]) if phase == "forward" else \
                 (saved_worst, out.planned_peaks[1])
-            if phase == "backward":
-                saved, worst = max(0, traced_layers - layers_worst), layers_worst
+            if phase == "backward":  # what the plan saves there (a head's loss included), down to its worst layer
+                worst = layers_worst
             # off the saved activations first, then off the temporaries, where the trace holds a head's whole loss
             at = {**cats, ACTIVATIONS: max(kept - saved, min(kept, worst))}
             at[TEMPORARIES] = max(0, cats.get(TEMPORARIES, 0) - (saved - (kept - at[ACTIVATIONS])))

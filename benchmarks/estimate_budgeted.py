@@ -10,6 +10,10 @@ peak is the model's and not DeepSpeed's default 5e8-element buckets; clipping 1.
 the worst rank's tracker peak); then each preset under ``memory_budget`` = fraction x that peak is
 estimated (`xirang_ds.planning.spec.estimate_spec`, 2 ranks, CPU profile) and, where the estimate says
 it fits, run the same way. Memory on the CPU is exact, so each row reproduces to the byte.
+
+Each row gives the device bytes per category at the predicted peak (``predicted_by_category``, in
+``predicted_phase``) and at the measured one (``measured_by_category``, ``measured_phase``), and their
+difference (``miss_by_category``), so the JSON shows where a miss comes from.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import os
 
 from xirang_ds.bench import bench_rank
 from xirang_ds.launch import run_ranks
+from xirang_ds.memory.categories import DEVICE_CATEGORIES
 from xirang_ds.planning.spec import estimate_spec
 
 MODELS = ("gpt-small", "gpt:layers=3,hidden=320,heads=5,seq=96,vocab=1000")
@@ -45,6 +50,11 @@ def measure(model: str, config: dict) -> dict:
             "plan": (worst.get("plugin_figures") or {}).get("activations", {}).get("plan")}
 
 
+def _device(by_category: dict) -> dict:
+    """Device bytes per category (host memory is off the device and outside the peak)."""
+    return {c: int(by_category.get(c, 0)) for c in DEVICE_CATEGORIES}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="*", default=list(MODELS))
@@ -65,12 +75,17 @@ def main() -> None:
                 row = {"model": model, "preset": preset, "fraction": fraction, "budget_bytes": budget,
                        "plain_peak_bytes": plain["peak_bytes"], "fits": est.fits,
                        "predicted_peak_bytes": est.predicted_peak_bytes, "least_budget_bytes": est.least_budget_bytes,
-                       "estimate_plan": plan.plan if plan is not None else None}
+                       "estimate_plan": plan.plan if plan is not None else None,
+                       "predicted_phase": est.peak_phase, "predicted_by_category": _device(est.by_category)}
                 if est.fits:
                     run = measure(model, config)
                     row.update(measured_peak_bytes=run["peak_bytes"], run_plan=run["plan"],
                                same_plan=run["plan"] == row["estimate_plan"],
-                               error=(est.predicted_peak_bytes - run["peak_bytes"]) / run["peak_bytes"])
+                               error=(est.predicted_peak_bytes - run["peak_bytes"]) / run["peak_bytes"],
+                               measured_phase=run["peak_phase"], measured_by_category=_device(run["peak_by_category"]))
+                    # where the miss comes from: predicted less measured, per category at each side's peak
+                    row["miss_by_category"] = {c: row["predicted_by_category"][c] - row["measured_by_category"][c]
+                                               for c in DEVICE_CATEGORIES}
                 rows.append(row)
                 shown = f"{row['error']:+.1%}" if "error" in row else "refused before the run"
                 print(f"  {preset} at {fraction}: predicted {est.predicted_peak_bytes:,}, "

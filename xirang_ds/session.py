@@ -95,6 +95,8 @@ class Session:
         device when a run asks the estimator for its plan); ``None``: the CPU's."""
         self.device_total_bytes: Optional[int] = None
         """What ``memory_budget: auto`` stands for in an estimate for a device this machine does not have."""
+        self.trace: Any = None
+        """The estimator's fake trace (`xirang_ds.memory.trace.Trace`) while plugins adjust its phases."""
         self.engine: Any = None
         self.model: Any = None
         self._tracker = None

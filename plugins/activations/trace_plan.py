@@ -15,6 +15,7 @@ plan's saved-activation bytes into the phases in place of the keep-everything tr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
@@ -25,6 +26,7 @@ from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import ACTIVATIONS, TEMPORARIES
 from xirang_ds.memory.device_profile import DeviceProfile
+from xirang_ds.plugins.activations import layer_temporaries
 from xirang_ds.plugins.activations.head_loss import CHUNK
 from xirang_ds.plugins.activations.planner import Choice, estimate_peak, least_budget, reserve_added_s
 from xirang_ds.plugins.activations.pricing import build_tree, plan_within, reach
@@ -151,8 +153,9 @@ def profile_trace(plugin: Any, model: torch.nn.Module, tracker: Any, free: list[
         return original(*args, **kwargs)
 
     heads = frozenset(n for n in free if n in plugin.head_names) | frozenset(chunked)
+    watched, marks = layer_temporaries.watch(modules, [n for n in free if n not in heads], tracker)
     handles = [*plugin.path.head_hooks(model, heads),
-               wrap_method(model, "forward", root)]
+               wrap_method(model, "forward", root), *watched]
     try:
         yield
     finally:
@@ -161,6 +164,7 @@ def profile_trace(plugin: Any, model: torch.nn.Module, tracker: Any, free: list[
         for wrapper in wrappers:
             wrapper.remove()
         plugin.trace_profiles = rt.profiler.combined()
+        plugin.trace_layer_temporaries = layer_temporaries.measure(tracker, marks)
 
 
 def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str], streams: bool,
@@ -187,6 +191,12 @@ def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str
     traced = estimate_peak(roots, {**{n.name: k for n in roots if not n.fixed for k in n.choices if k.option == "keep"},
                                    **{n.name: n.choices[0] for n in _nodes(roots) if n.fixed and n.choices}},
                            before, after)
+    # backward past its first gradient: a kept head's backward is over by then, its whole loss and what it and the
+    # loss saved freed (that point is ``backward_start``'s), and each layer's backward holds the gradients of its
+    # activations (the trace's `Trace.layer_temporaries`)
+    heads = frozenset(plugin.head_names)
+    most_temporaries = getattr(getattr(plugin.session, "trace", None), "layer_temporaries", 0)
+    own = getattr(plugin, "trace_layer_temporaries", None) or {}  # each candidate's (`layer_temporaries`)
     for _ in range(PLAN_ROUNDS):
         try:
             out.budget_bytes, out.choices, _ = plan_within(c, budget, total, profiles, out.other_bytes, tree)
@@ -195,17 +205,32 @@ def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str
             return phases, out
         out.planned_peaks = estimate_peak(roots, out.choices, before, after)
         saved_end, saved_worst = (max(0, t - p) for t, p in zip(traced, out.planned_peaks))
+        layers_worst = estimate_peak(roots, _past_heads(out.choices, heads), before, 0)[1]
+        # the worst layer with its own temporaries (else the most any layer holds, beside the most saved)
+        with_own = estimate_peak(roots, _past_heads(out.choices, heads, own), before, 0)[1] if own else \
+            layers_worst + most_temporaries
         adjusted = {}
         for phase, cats in phases.items():
             cats = dict(cats)
+            kept = cats.get(ACTIVATIONS, 0)
+            if not kept:  # after backward freed the saved activations (grad_release's end, the step): unchanged
+                adjusted[phase] = cats
+                continue
             # forward peaks in the head's loss too (its whole logits beside what is saved): what the plan saves
             # at its worst point applies there as well
-            saved = max(saved_end, saved_worst) if phase == "forward" else saved_worst
+            saved, worst = (max(saved_end, saved_worst), out.planned_peaks[0]) if phase == "forward" else \
+                (saved_worst, out.planned_peaks[1])
+            if phase == "backward":  # what the plan saves there (a head's loss included), down to its worst layer
+                worst = layers_worst
             # off the saved activations first, then off the temporaries, where the trace holds a head's whole loss
-            kept = cats.get(ACTIVATIONS, 0)
-            cats[ACTIVATIONS] = max(kept - saved, min(kept, out.planned_peaks[0 if phase == "forward" else 1]))
-            cats[TEMPORARIES] = max(0, cats.get(TEMPORARIES, 0) - (saved - (kept - cats[ACTIVATIONS])))
-            adjusted[phase] = cats
+            at = {**cats, ACTIVATIONS: max(kept - saved, min(kept, worst))}
+            at[TEMPORARIES] = max(0, cats.get(TEMPORARIES, 0) - (saved - (kept - at[ACTIVATIONS])))
+            if phase == "backward" and saved:
+                # the plan moves backward's worst point from the trace's into a layer: there, its gradient
+                # temporaries beside what the plan keeps (and brings back) up to that layer
+                layer = {**cats, ACTIVATIONS: worst, TEMPORARIES: max(0, with_own - worst)}
+                at = max(at, layer, key=lambda c: sum(v for k, v in c.items() if k != HOST))
+            adjusted[phase] = at
         # the rest was taken at its own peaks with the heads' whole loss left out: where the planned phases still
         # peak above the budget, what the rest needs is that much more, and the planner plans again
         over = max(sum(v for k, v in cats.items() if k != HOST) for cats in adjusted.values()) - limit
@@ -219,6 +244,17 @@ def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str
                       out.budget_bytes)
     out.added_s = sum(choice.added_s for choice in out.choices.values())
     return adjusted, out
+
+
+def _past_heads(choices: dict, heads: frozenset, own: Optional[dict] = None) -> dict:
+    """``choices`` past the first gradient: a kept head (last in forward, first in backward, its gradients made at
+    the end of its backward) holds nothing there any more; with ``own``, each other candidate's backward holds
+    its own temporaries beside what it brings back."""
+    own = own or {}
+    return {name: dataclasses.replace(choice, device_bytes=0, transient_bytes=0)
+            if name in heads and choice.option == "keep" else
+            dataclasses.replace(choice, transient_bytes=choice.transient_bytes + own.get(name, 0))
+            for name, choice in choices.items()}
 
 
 def _nodes(roots: list) -> Iterator[Any]:

@@ -20,25 +20,20 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from xirang_ds.compat.torch import GRAD_DTYPE_SETTABLE
-from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import CallbackHandle
 from xirang_ds.links import backend_link, efficient_numel
 from xirang_ds.memory.categories import GRADIENTS, OPTIMIZER_STATES, PARAMETERS
-from xirang_ds.memory.model_states import BACKWARD_START, STEP_PREPARE, adam_temporaries
-from xirang_ds.plugins.grad_release import embedding_rows, rows
+from xirang_ds.plugins.grad_release import embedding_rows, estimate, rows
 from xirang_ds.plugins.grad_release.bucket import Bucket
 from xirang_ds.plugins.grad_release.config import GradReleaseConfig
 from xirang_ds.plugins.grad_release.ds_config import cast_model, hand_over, parameter_dtype, read_setup
-from xirang_ds.plugins.grad_release.embedding_rows import plain
 from xirang_ds.plugins.grad_release.handback import hand_back
 from xirang_ds.plugins.grad_release.layout import BucketLayout, auto_bucket_numel, plan_buckets
 from xirang_ds.plugins.grad_release.optimizers import optimizer_problems, state_tensors
 from xirang_ds.plugins.grad_release.pipeline import Pass, ReleasePipeline
 from xirang_ds.plugins.grad_release.rows import owners as rows_owners
-from xirang_ds.plugins.grad_release.states_tier import HOST_NOTE, STASH_NOTE, StatesTier
-from xirang_ds.plugins.grad_release.stochastic import CHUNK_NUMEL
+from xirang_ds.plugins.grad_release.states_tier import StatesTier
 from xirang_ds.registry import UPDATE_IN_BACKWARD, Plugin, register_plugin
 
 logger = logging.getLogger("xirang_ds")
@@ -225,160 +220,11 @@ class GradReleasePlugin(StatesTier, Plugin):
         return auto_bucket_numel(total, efficient_numel(comm_bytes, ranks, latency, bandwidth) if ranks > 1 else 0)
 
     def adjust_estimate(self, phases: dict, shape: Any, numels: list) -> Optional[dict]:
-        """Model states as the buckets hold them and gradients a bucket at a time (the table under
-        "One step of a bucket" in docs/grad_release.md): 16-bit parameters whole, fp32 masters and
-        Adam states over this rank's shard (masters as remainders: 2 bytes and a tie bit per element, or 1,
-        rebuilt for a bucket's update; ``none``: no master, the weights widened for the update and
-        rounded back a chunk at a time; ``states: host``: only the updating bucket's states, at the end of
-        backward), one bucket filling and one reducing, this rank's shard
-        held until backward ends when exact clipping uses ``hold``, and the update's temporaries in
-        backward, one bucket shard at a time. There is no separate optimizer-step phase."""
-        if not numels:
-            return phases
-        total = sum(numels)
-        lp = shape.lp_bytes
-        world = shape.world_size if shape.stage >= 1 and shape.world_size > 1 else 1
-        part = sum(math.ceil(n / world) for n in numels)
-        comm_bytes = self.setup.comm_dtype.itemsize if self.setup is not None else lp
-        # a parameter larger than the size gets a bucket of its own; a model smaller than it is one bucket
-        bucket_numel = self._bucket_numel(total, comm_bytes, shape.world_size)
-        planned = plan_buckets(list(reversed(numels)), bucket_numel)
-        # the gradients handed over by rows (`rows.py`) are never whole: their shard and one round instead
-        by_rows = self._rows_numels(world, bucket_numel) if world > 1 else []
-        whole_numels = list(numels)
-        for n in by_rows:
-            whole_numels.remove(n)
-        largest = max(whole_numels, default=0)
-        bucket = min(max(bucket_numel, largest), total)
-        kind = self._masters if shape.dtype == torch.bfloat16 else "fp32"
-        masters = {"fp32": 4 * part, "remainders": 2 * part + math.ceil(part / 8), "remainders_8bit": part,
-                   "none": 0}[kind] if lp != 4 else 0
-        states = 8 * part
-        if self.session.state_quantizer is not None:
-            states = phases["forward"].get(OPTIMIZER_STATES, states)  # that plugin's own model (it runs first)
-        clipping = self.setup.gradient_clipping if self.setup is not None else 0.0
-        fp16 = self.setup is not None and self.setup.fp16 is not None
-        global_pass = clipping > 0 and self.config.clipping == "exact" or fp16 or self.retries_oom()
-        # by where the optimizer states are (``parked``: host), as ``exact_method: auto`` follows them
-        holds_shard = global_pass and self.config.exact_method != "two_pass"  # unless stashed on the host
-        accum = 4 * part if shape.grad_accum > 1 else 0
-        in_flight = (2 if self.config.overlap_comm and len(planned) > 1 else 1) * lp * bucket
-        # the largest gradient, made whole before its hook, is copied into its bucket's buffer, unless it is
-        # alone there, unpadded and in the communication dtype: then it is the buffer (`Bucket._adopts`)
-        largest_whole = 0 if largest >= bucket_numel and largest % world == 0 and comm_bytes == lp else lp * largest
-
-        def rows_held(stash: bool) -> int:
-            # the rows' shard stays on the device unless each round goes on as it comes (`rows.RowSink`): into
-            # the accumulator, or to the host under the stash; then one round more (its reduced part)
-            streams = shape.grad_accum > 1 or stash and global_pass
-            return max((lp * (world * math.ceil(n / world / 8)
-                              + (math.ceil(n / world / 8) if streams else math.ceil(n / world)))
-                        for n in by_rows), default=0)
-
-        shard = math.ceil(bucket / world)
-        # the update (bucket.py ``apply``): the bucket shard's fp32 gradient, then with remainders its
-        # master rebuilt from a 16-bit copy of its weights (freed once joined; ``none``: widened in
-        # place), then the optimizer over the parameters' pieces, one at a time for torch's
-        # single-tensor Adam; ``none`` then rounds the master into the 16-bit shard, the noise a
-        # chunk at a time (4 bytes an element), the gradient freed by then
-
-        piece = min(shard, math.ceil(max(numels) / world))
-        adam = adam_temporaries(shape, [piece] if shape.adam_impl == "single_tensor" else [shard])
-        # the stochastic rounding: the master, the 16-bit shard and a chunk's noise (`stochastic.round_`,
-        # `remainders.round8_`)
-        rounded = 6 * shard + 4 * min(shard, CHUNK_NUMEL)
-        update = {"fp32": 4 * shard + adam, "remainders": max(10 * shard, 8 * shard + adam),
-                  "remainders_8bit": max(10 * shard, 8 * shard + adam, rounded),
-                  "none": max(8 * shard + adam, rounded)}[kind]
-        quantizer = self.session.state_quantizer
-        if kind == "none" and quantizer is not None and GRAD_DTYPE_SETTABLE:
-            # in place (masters.py): DynamicAdamW's chunk in fp32 (parameter, gradient, two moments:
-            # 16 bytes an element) and the rounding's noise (4), nothing per shard
-            update = 20 * min(shard, quantizer.config.chunk_numel)
-        order = list(reversed(numels))  # the largest bucket's states, of the buckets `plan_buckets` makes
-        fetched = max(math.ceil(states * sum(math.ceil(order[i] / world) for i in b) / part) for b in planned)
-        # gradients the traced run makes in this backward, above those it carries from earlier micro-steps
-        # (DeepSpeed keeps them from forward on under accumulation): a bucket fills only from the former
-        carried = phases.get("forward", {}).get(GRADIENTS, 0)
-
-        def made(name: str) -> int:
-            return max(0, phases[name].get(GRADIENTS, 0) - carried)
-
-        def held(parked: bool, stash: bool) -> dict:
-            out = {}
-            rows = rows_held(stash)
-            whole = max(largest_whole, rows)
-            for name, cats in phases.items():
-                cats = dict(cats)
-                cats[PARAMETERS] = lp * total + masters
-                cats[OPTIMIZER_STATES] = 0 if parked else states
-                cats[GRADIENTS] = accum
-                cats["comm_buffers"] = 0
-                if name == "backward":
-                    # mid-backward, at the traced run's highest point there (the activations still alive
-                    # then): the buckets in flight and the largest gradient made whole before its hook
-                    # (`whole`), but no more than the traced run's own gradients made there: where DeepSpeed
-                    # has made none yet (the point is before the first gradient), no bucket has been filled
-                    cats[GRADIENTS] = accum + min(in_flight + whole, made(name))
-                    # early in backward, before the first bucket is full, the activations are all there
-                    # with the loss's gradient temporaries; at its end the activations are gone, buckets
-                    # are in flight and updating, and the held shard (if any) is whole
-                    late = {**cats, "activations": 0, "comm_buffers": in_flight, "temporaries": update,
-                            OPTIMIZER_STATES: fetched if parked else states,
-                            GRADIENTS: accum + (lp * part if holds_shard and not stash else 0) + whole}
-                    if sum(late.values()) > sum(cats.values()):
-                        cats = late
-                elif name == BACKWARD_START:
-                    # the first gradient autograd makes (the output head's, where the model has one: the
-                    # largest parameter) exists whole before its hook copies it into a bucket, unless by
-                    # rows; no more than the traced run's own gradients made there (none yet: none here)
-                    cats[GRADIENTS] = accum + min(max(lp * largest, rows), made(name))
-                elif name in ("optimizer_step", STEP_PREPARE):
-                    cats["temporaries"] = 0
-                    cats["activations"] = 0
-                out[name] = cats
-            return out
-
-        parked = self.config.states == "host"
-        out, self.estimate_note, self.estimate_state_bytes = held(parked, self.stashes_held(parked)), None, states
-        budget = self.session.config.memory_budget
-        planner = self.session.plugin("activations")  # what it can take off saved activations is room
-        spare = planner.reducible_bytes() if planner is not None and hasattr(planner, "reducible_bytes") else 0
-
-        def need(phases: dict) -> int:
-            return max(sum(v for k, v in c.items() if k != "host") - min(spare, c.get("activations", 0))
-                       for c in phases.values())
-
-        over = budget != "auto" and need(out) > int(budget)
-        if over and self.config.exact_method == "auto" and holds_shard and not parked:
-            out = held(False, True)  # the held shard goes to the host before the states do (4 bytes, not 16)
-            self.estimate_note = STASH_NOTE + (f"with this rank's gradient shard held on the device the estimate "
-                                               f"exceeds memory_budget {format_bytes(int(budget))}")
-            over = need(out) > int(budget)
-        why = None
-        if self.config.states == "auto" and over:
-            states_need = need(out)
-            out = held(True, self.stashes_held(True))  # the run starts them on the host (`states_tier.StatesTier`)
-            why = (f"the estimated model states, gradients and optimizer step with them on the device, "
-                   f"{format_bytes(states_need)}, exceed memory_budget {format_bytes(int(budget))}")
-            self.estimate_note = HOST_NOTE + why
-        self.estimate_plan = {"states": "host" if why is not None or parked else "device", "why": why}  # run_plan
-        return out
+        """The phases as the buckets hold memory (`estimate.adjust_estimate`)."""
+        return estimate.adjust_estimate(self, phases, shape, numels)
 
     def _rows_numels(self, world: int, bucket_numel: int) -> list[int]:
-        """Element counts of the estimate's parameters whose gradient comes by rows (`rows.fits`): an
-        input ``nn.Embedding``'s weight and a head the block fixes to ``chunk``, larger than a bucket,
-        untied, their rows split evenly over ``world`` ranks."""
-        model = self.session.model
-        if model is None:
-            return []
-        owners = rows_owners(model)
-        weights = [m.weight for m in model.modules() if type(m) is torch.nn.Embedding and plain(m)]
-        activations = self.session.plugin("activations")
-        weights += [model.get_submodule(n).weight for n in getattr(activations, "traced_heads", ())]
-        return [w.numel() for w in {id(w): w for w in weights}.values()
-                if w.requires_grad and w.ndim == 2 and w.numel() >= bucket_numel and w.shape[0] % world == 0
-                and owners[id(w)] == 1]
+        return estimate.rows_numels(self, world, bucket_numel)
 
     def describe(self) -> str:
         return self.path.describe()

@@ -89,11 +89,16 @@ class StatesTier:
         if self.parked_why is not None:
             self.session.record_event("states_to_host", reason=self.parked_why)
             return
+        self.tier_pending = self.planner_decides()
+        self.stash_chosen = self.stash_chosen or self.tier_pending
+
+    def planner_decides(self) -> bool:
+        """The activation planner plans under a ``memory_budget`` in bytes: it settles the states' tier, and
+        ``exact_method: auto`` stashes the held shard in host memory meanwhile and after (`stashes_held`)."""
         planner = self.session.activation_planner
         c = planner.config if planner is not None else None
-        self.tier_pending = (budget != "auto" and c is not None and c.planner and c.budget == "auto"
-                             and c.budget_fraction is None)
-        self.stash_chosen = self.stash_chosen or self.tier_pending
+        return (self.session.config.memory_budget != "auto" and c is not None and c.planner and c.budget == "auto"
+                and c.budget_fraction is None)
 
     def budget_fixes(self) -> str:
         """What grad_release can still lower losslessly, for a memory_budget error (", or ...")."""

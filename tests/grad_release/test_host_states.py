@@ -178,6 +178,13 @@ there the rest besides activations is about 34 MiB in the profiling passes, 11.4
 MiB fits a plan only with the states off the device."""
 
 
+SHORT = 24_700_000
+"""A budget with the states off the device for good. It was 24,000,000 until the estimate counted the end of
+backward (grad_release's update beside the last all-gather, issue 57): that is over by up to 0.7 MB here, so
+the least budget a plan meets became about 24.65 MB with what the harness holds; the run under this budget
+peaks at 23,717,348 bytes."""
+
+
 def _conservative(rank, world, budget=None, states=None, steps=5, save_dir=None, load_dir=None):
     import xirang_ds
     from xirang_ds.models import BUILTIN_SPECS, build_model
@@ -220,7 +227,7 @@ def _auto_scenarios(rank, world, ckpt_dir):
     return {"unbudgeted": _conservative(rank, world), "auto": _conservative(rank, world, BUDGET, save_dir=ckpt_dir),
             "resumed": _conservative(rank, world, BUDGET, steps=2, load_dir=ckpt_dir),
             "roomy": _conservative(rank, world, 60_000_000), "device": _conservative(rank, world, BUDGET, "device"),
-            "short": _conservative(rank, world, 24_000_000)}
+            "short": _conservative(rank, world, SHORT)}
 
 
 @pytest.fixture(scope="module")
@@ -246,10 +253,10 @@ def test_auto_puts_the_states_on_the_host_only_where_the_device_cannot_hold_them
         resumed = r["resumed"]
         assert resumed["started"] == resumed["parked"] == ["host"] and resumed["peak"] <= BUDGET
         assert "keep the optimizer states in host memory (xirang.grad_release.states \"host\"" in r["device"]["error"]
-        # 24,000,000 bytes: the estimate does not fit, so they start on the host for good; the plan made before
-        # the run (what the harness holds taken off) fits the rest, and the run stays within it (the profiled
-        # passes of before found no plan here)
+        # SHORT: the estimate does not fit, so they start on the host for good; the plan made before the run (what
+        # the harness holds taken off) fits the rest, and the run stays within it (the profiled passes of before
+        # found no plan here)
         short = r["short"]
         assert short["started"] == short["parked"] == ["host"]
         assert "the estimated model states, gradients and optimizer step" in short["summary"]
-        assert "error" not in short and short["peak"] <= 24_000_000
+        assert "error" not in short and short["peak"] <= SHORT

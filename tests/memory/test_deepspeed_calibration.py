@@ -57,8 +57,9 @@ def varying_lengths(rank: int, world: int, config: dict, lengths: list[int], hol
     (3, 2, {"monitor": {"enabled": True}}, 2),  # ZeRO-3 records its parameter trace in the first step
     # the activation planner plans before the first forward (on the estimator's trace): the second step is
     # the first whose window starts and ends settled
-    # (exact_method host: the estimate of hold, the default, is 7.7% over at the end of backward, an xfail in
-    # tests/memory/test_deepspeed_estimator.py; its unseen lengths then miss by 11%)
+    # (exact_method host: the estimate of hold, the default, was 7.7% over at the end of backward when this was
+    # written, and its unseen lengths then missed by 11%; hold's estimate is a case of
+    # tests/memory/test_deepspeed_estimator.py)
     (2, 1, {"preset": "balanced", "grad_release": {"exact_method": "host"}}, 2),
 ])
 def test_prediction_within_two_percent_when_the_batch_shape_changes(stage, gas, block, first):

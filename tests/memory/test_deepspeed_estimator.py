@@ -30,9 +30,9 @@ CASES = [  # model, stage, dtype, micro, world, bucket, xirang block
     ("gpt-tiny", 3, "bf16", 4, 2, 1e6, None),
     ("gpt-tiny", 2, "bf16", 4, 2, 1e6, INT8),
     ("gpt-small", 2, "bf16", 1, 2, 1e6, GRAD_RELEASE),
-    pytest.param("gpt-small", 2, "bf16", 1, 2, 1e6, HOLD, marks=pytest.mark.xfail(
-        strict=True, reason="issue 58: the estimate of exact_method hold (the default now) at the end of backward "
-                            "is 7.7% over the measured peak (31,691,104 bytes against 29,430,460); not fixed yet")),
+    # exact_method hold (the default): the held shard at the end of backward, no gradient whole there (the
+    # update runs after backward); 7.7% over before issue 57, 2.4% now (30,149,728 bytes against 29,430,460)
+    ("gpt-small", 2, "bf16", 1, 2, 1e6, HOLD),
     ("gpt-small", 2, "bf16", 1, 2, 1e6, NO_MASTER),
     ("gpt-small", 2, "bf16", 1, 2, 1e6, HOST_STATES),  # measured 16,107,352 bytes; 29,400,920 on the device
     ("gpt-small", 2, "bf16", 1, 2, 1e6, {**NO_MASTER, **INT8}),  # in place: no widened shard, chunks

@@ -42,6 +42,7 @@ import torch
 
 from xirang_ds.compat.torch import buffer_table, parameter_table, pytree
 from xirang_ds.memory.categories import OPTIMIZER_STATES, PARAMETERS
+from xirang_ds.memory.model_states import BACKWARD_END
 from xirang_ds.roles import SettlesLate
 
 logger = logging.getLogger("xirang_ds")
@@ -326,6 +327,12 @@ class Calibration:
                 return None
             for p in PHASES:
                 out[p] = max(out.get(p, 0), est.phases[p]["total"])
+            # the end of backward apart (grad_release's update and all-gather, which no batch shape changes): where a
+            # short batch's backward peaks there, the line through the measured mid-backward points does not apply
+            # to it, so it keeps a phase of its own (`predict`)
+            end = est.points.get(BACKWARD_END)
+            if end is not None:
+                out[BACKWARD_END] = max(out.get(BACKWARD_END, 0), end["total"])
         return out
 
     def estimate(self, sig: InputSignature) -> Any:
@@ -386,6 +393,8 @@ class Calibration:
             known = [(at[p], m[p]) for at, m in points if p in m and at.get(p)]
             if known:
                 out.append(map_phase(e, known))
+            elif p == BACKWARD_END:  # no window measured has peaked there: as estimated, or scaled up if found low
+                out.append(e * max(1.0, max(self.factors.values())))
             else:  # no allocation measured in this phase (an in-place step): the largest factor
                 out.append(e * max(self.factors.values()))
         return int(max(out))

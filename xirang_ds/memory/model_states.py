@@ -21,6 +21,11 @@ plugins adjust the estimate (`xirang_ds.roles.Estimates`), then merged into ``op
 BACKWARD_START = "backward_start"
 """Backward until its first gradient is ready (`Trace.backward_start_by_category`), a phase of its
 own while plugins adjust the estimate, then merged into ``backward``: the larger is backward's peak."""
+BACKWARD_END = "backward_end"
+"""The end of backward, after the activations are freed, where a plugin that steps during backward
+(grad_release) holds its buckets and the update's temporaries: a phase of its own while plugins adjust
+the estimate, so a later plugin (the activation planner) sees it apart from the mid-backward point that
+still holds activations, then merged into ``backward``."""
 
 
 def category_bytes(**parts: int) -> dict[str, int]:

@@ -39,6 +39,10 @@ class Trace:
         forward_by_category: the breakdown at the forward peak.
         inputs: bytes of the batch tensors.
         param_numels: numel of each trainable parameter.
+        layer_temporaries: the most temporaries alive at once in backward from its first gradient on (the
+            gradients of the layers' activations as autograd passes them down, beside what they saved; the
+            loss's gradient comes before): what stays with a plan that moves the backward's worst point
+            from the loss into a layer.
         accumulates: the phases are the larger of two micro-steps of one accumulation window, so
             they hold what the engine carries from one micro-step to the next.
         loss_outside: the forward returned no loss; a stand-in was traced, and what the run's own
@@ -55,6 +59,7 @@ class Trace:
     inputs: int
     backward_start_by_category: dict = field(default_factory=dict)
     param_numels: list[int] = field(default_factory=list)
+    layer_temporaries: int = 0
     accumulates: bool = False
     loss_outside: bool = False
     ops: Optional[OpTally] = None
@@ -74,6 +79,8 @@ class _EngineEmulation:
         self.pending: list[torch.Tensor] = []
         self.backward_start: Any = None  # a tracker window opened as backward starts
         self.backward_starts: list[Any] = []  # its report at the micro-step's first gradient
+        self.layers: Any = None  # a tracker window opened at that first gradient, to the end of backward
+        self.layer_temporaries = 0  # the most temporaries it saw (`Trace.layer_temporaries`)
         rank = fullest_rank(shape, [p.numel() for p in params])
         self.partition_numel = rank.numel
         self.in_partition = {id(params[i]) for i in rank.params}
@@ -83,6 +90,7 @@ class _EngineEmulation:
         if self.backward_start is not None:  # the first gradient: what backward held before the engine acts
             self.backward_starts.append(self.backward_start.report())
             self.backward_start = None
+            self.layers = self.tracker.open_window()
         if shape.stage in (1, 2) and shape.contiguous_gradients and not self.started:
             self.started = True
             buffers = 2 if shape.overlap_comm else 1
@@ -123,6 +131,11 @@ class _EngineEmulation:
 
     def end_backward(self) -> None:
         """ZeRO 2's epilogue: the last bucket is reduced into the partition, the gradients cleared."""
+        if self.layers is not None:
+            peak = self.layers.category_peaks()[TEMPORARIES]
+            self.layer_temporaries = max(self.layer_temporaries, peak)
+            self.layers.close()
+            self.layers = None
         if self.shape.stage == 2 and self.bucket_fill:
             self._reduce()
             self.bucket_fill = 0
@@ -250,4 +263,4 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
                  backward_peak=bwd_report.peak_bytes - base, backward_by_category=above(bwd_report),
                  backward_start_by_category=above(start), forward_by_category=above(fwd_report), inputs=batch_bytes,
                  param_numels=[p.numel() for p in params], accumulates=micro_steps > 1, loss_outside=outside,
-                 ops=ops)
+                 ops=ops, layer_temporaries=max(0, emu.layer_temporaries - batch_bytes))

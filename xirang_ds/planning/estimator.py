@@ -30,6 +30,7 @@ from xirang_ds.config.loader import BLOCK_KEY
 from xirang_ds.config.types import format_bytes
 from xirang_ds.memory.categories import CATEGORIES
 from xirang_ds.memory.model_states import (
+    BACKWARD_END,
     BACKWARD_START,
     STEP_PREPARE,
     adam_temporaries,
@@ -75,6 +76,8 @@ class Estimate:
         phases: each phase's total and breakdown.
         notes: what the estimate assumed.
         korthikanti_activations: the paper's formula for a standard transformer, for reference.
+        points: the points inside a phase that plugins adjusted on their own before the larger was taken
+            (``backward_end``: grad_release's end of backward), with their breakdown and total.
     """
 
     predicted_peak_bytes: int
@@ -88,6 +91,7 @@ class Estimate:
     plans: dict = dataclasses.field(default_factory=dict)
     step_time: Optional[StepTime] = None
     plain_step_time: Optional[StepTime] = None
+    points: dict = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"predicted_peak_bytes": self.predicted_peak_bytes, "by_category": dict(self.by_category),
@@ -208,9 +212,14 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
     if session is not None:
         notes += session.summary_left_out()
     plans: dict = {}
+    if session is not None:
+        session.trace = trace  # what a plugin reads beside the phases (the layers' gradient temporaries)
     phases = _apply_plugins(session, phases, shape, numels, notes, plans)
-    for part, whole in ((STEP_PREPARE, "optimizer_step"), (BACKWARD_START, "backward")):
-        cats = phases.pop(part, None)  # both are inside the same call; the larger is its peak
+    points = {}
+    for part, whole in ((STEP_PREPARE, "optimizer_step"), (BACKWARD_START, "backward"), (BACKWARD_END, "backward")):
+        cats = phases.pop(part, None)  # each is inside the same call as its whole; the larger is its peak
+        if cats is not None:
+            points[part] = {**cats, "total": sum(v for c, v in cats.items() if c != "host")}
         if cats is not None and sum(cats.values()) > sum(phases[whole].values()):
             phases[whole] = cats
     totals = {k: sum(v[c] for c in CATEGORIES if c != "host") for k, v in phases.items()}
@@ -218,7 +227,7 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
     fits, least = _fits(session, totals[peak_phase], plans)
     return Estimate(predicted_peak_bytes=totals[peak_phase], by_category=phases[peak_phase], peak_phase=peak_phase,
                     phases={k: {**v, "total": totals[k]} for k, v in phases.items()}, notes=notes, fits=fits,
-                    least_budget_bytes=least, plans=plans)
+                    least_budget_bytes=least, plans=plans, points=points)
 
 
 def _fits(session: Any, peak: int, plans: dict) -> tuple[Optional[bool], int]:
@@ -322,8 +331,8 @@ def format_estimate(est: Estimate) -> str:
 
 
 # The moved names stay importable from here.
-__all__ = ["BACKWARD_START", "DEFAULT_ALLGATHER_BUCKET", "DEFAULT_MAX_REUSE_DISTANCE", "DEFAULT_PERSISTENCE_THRESHOLD",
-           "DEFAULT_PREFETCH_BUCKET", "DEFAULT_REDUCE_BUCKET", "DTYPE_BYTES", "Estimate", "EstimateError", "Inputs",
+__all__ = ["BACKWARD_END", "BACKWARD_START", "DEFAULT_ALLGATHER_BUCKET", "DEFAULT_MAX_REUSE_DISTANCE",
+           "DEFAULT_PERSISTENCE_THRESHOLD", "DEFAULT_PREFETCH_BUCKET", "DEFAULT_REDUCE_BUCKET", "DTYPE_BYTES", "Estimate", "EstimateError", "Inputs",
            "RunShape", "STEP_PREPARE", "Trace", "adam_temporaries", "estimate_run", "estimate_states",
            "format_estimate", "korthikanti_activations", "loss_of", "model_states", "partition_numel", "recalibrate",
            "trace_model"]

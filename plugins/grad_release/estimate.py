@@ -1,0 +1,219 @@
+"""grad_release's part of the estimate (`xirang_ds.roles.Estimates`): the phases as its buckets hold memory.
+
+The table under "One step of a bucket" in docs/grad_release.md, term by term: 16-bit parameters whole,
+masters and optimizer states over this rank's shard, the buckets of backward (one reducing, its reduced
+shard, the next filling: the buckets `layout.plan_buckets` makes, in launch order), the update of one
+bucket shard at a time and the all-gather of its weights at the end of backward (`BACKWARD_END`, a phase
+of its own: the activation planner adjusts the rest of backward and leaves that point alone).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from xirang_ds.compat.torch import GRAD_DTYPE_SETTABLE
+from xirang_ds.config.types import format_bytes
+from xirang_ds.memory.categories import GRADIENTS, OPTIMIZER_STATES, PARAMETERS
+from xirang_ds.memory.model_states import BACKWARD_END, BACKWARD_START, STEP_PREPARE, adam_temporaries
+from xirang_ds.plugins.grad_release.embedding_rows import plain
+from xirang_ds.plugins.grad_release.layout import plan_buckets
+from xirang_ds.plugins.grad_release.rows import owners as rows_owners
+from xirang_ds.plugins.grad_release.states_tier import HOST_NOTE, STASH_NOTE
+from xirang_ds.plugins.grad_release.stochastic import CHUNK_NUMEL
+
+
+def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Optional[dict]:
+    """Model states as the buckets hold them and gradients a bucket at a time (the table under
+    "One step of a bucket" in docs/grad_release.md): 16-bit parameters whole, fp32 masters and
+    Adam states over this rank's shard (masters as remainders: 2 bytes and a tie bit per element, or 1,
+    rebuilt for a bucket's update; ``none``: no master, the weights widened for the update and
+    rounded back a chunk at a time; ``states: host``: only the updating bucket's states, at the end of
+    backward), one bucket filling and one reducing, this rank's shard
+    held until backward ends when exact clipping uses ``hold``, and the update's temporaries in
+    backward, one bucket shard at a time. There is no separate optimizer-step phase."""
+    if not numels:
+        return phases
+    total = sum(numels)
+    lp = shape.lp_bytes
+    world = shape.world_size if shape.stage >= 1 and shape.world_size > 1 else 1
+    part = sum(math.ceil(n / world) for n in numels)
+    comm_bytes = plugin.setup.comm_dtype.itemsize if plugin.setup is not None else lp
+    # a parameter larger than the size gets a bucket of its own; a model smaller than it is one bucket
+    bucket_numel = plugin._bucket_numel(total, comm_bytes, shape.world_size)
+    planned = plan_buckets(list(reversed(numels)), bucket_numel)
+    # the gradients handed over by rows (`rows.py`) are never whole: their shard and one round instead
+    by_rows = plugin._rows_numels(world, bucket_numel) if world > 1 else []
+    whole_numels = list(numels)
+    for n in by_rows:
+        whole_numels.remove(n)
+    largest = max(whole_numels, default=0)
+    buffers, gathers, bucket = _buckets(list(reversed(numels)), planned, world, by_rows)
+    kind = plugin._masters if shape.dtype == torch.bfloat16 else "fp32"
+    masters = {"fp32": 4 * part, "remainders": 2 * part + math.ceil(part / 8), "remainders_8bit": part,
+               "none": 0}[kind] if lp != 4 else 0
+    states = 8 * part
+    if plugin.session.state_quantizer is not None:
+        states = phases["forward"].get(OPTIMIZER_STATES, states)  # that plugin's own model (it runs first)
+    clipping = plugin.setup.gradient_clipping if plugin.setup is not None else 0.0
+    fp16 = plugin.setup is not None and plugin.setup.fp16 is not None
+    global_pass = clipping > 0 and plugin.config.clipping == "exact" or fp16 or plugin.retries_oom()
+    # by where the optimizer states are (``parked``: host), as ``exact_method: auto`` follows them
+    holds_shard = global_pass and plugin.config.exact_method != "two_pass"  # unless stashed on the host
+    accum = 4 * part if shape.grad_accum > 1 else 0
+    # one bucket reducing (its buffer and its reduced shard) while the next fills (`pipeline.ReleasePipeline`)
+    overlap = plugin.config.overlap_comm and len(buffers) > 1
+    in_flight = comm_bytes * max(b + b // world + (buffers[i + 1] if overlap and i + 1 < len(buffers) else 0)
+                                 for i, b in enumerate(buffers))
+    # the largest gradient, made whole before its hook, is copied into its bucket's buffer, unless it is
+    # alone there, unpadded and in the communication dtype: then it is the buffer (`Bucket._adopts`)
+    largest_whole = 0 if largest >= bucket_numel and largest % world == 0 and comm_bytes == lp else lp * largest
+
+    def rows_held(stash: bool) -> int:
+        # the rows' shard stays on the device unless each round goes on as it comes (`rows.RowSink`): into
+        # the accumulator, or to the host under the stash; then one round more (its reduced part)
+        streams = shape.grad_accum > 1 or stash and global_pass
+        return max((lp * (world * math.ceil(n / world / 8)
+                          + (math.ceil(n / world / 8) if streams else math.ceil(n / world)))
+                    for n in by_rows), default=0)
+
+    shard = math.ceil(bucket / world)
+    # the update (bucket.py ``apply``): the bucket shard's fp32 gradient, then with remainders its
+    # master rebuilt from a 16-bit copy of its weights (freed once joined; ``none``: widened in
+    # place), then the optimizer over the parameters' pieces, one at a time for torch's
+    # single-tensor Adam; ``none`` then rounds the master into the 16-bit shard, the noise a
+    # chunk at a time (4 bytes an element), the gradient freed by then
+
+    piece = min(shard, math.ceil(max(numels) / world))
+    adam = adam_temporaries(shape, [piece] if shape.adam_impl == "single_tensor" else [shard])
+    # the stochastic rounding: the master, the 16-bit shard and a chunk's noise (`stochastic.round_`,
+    # `remainders.round8_`)
+    rounded = 6 * shard + 4 * min(shard, CHUNK_NUMEL)
+    update = {"fp32": 4 * shard + adam, "remainders": max(10 * shard, 8 * shard + adam),
+              "remainders_8bit": max(10 * shard, 8 * shard + adam, rounded),
+              "none": max(8 * shard + adam, rounded)}[kind]
+    quantizer = plugin.session.state_quantizer
+    if kind == "none" and quantizer is not None and GRAD_DTYPE_SETTABLE:
+        # in place (masters.py): DynamicAdamW's chunk in fp32 (parameter, gradient, two moments:
+        # 16 bytes an element) and the rounding's noise (4), nothing per shard
+        update = 20 * min(shard, quantizer.config.chunk_numel)
+    order = list(reversed(numels))  # the largest bucket's states, of the buckets `plan_buckets` makes
+    fetched = max(math.ceil(states * sum(math.ceil(order[i] / world) for i in b) / part) for b in planned)
+    # gradients the traced run makes in this backward, above those it carries from earlier micro-steps
+    # (DeepSpeed keeps them from forward on under accumulation): a bucket fills only from the former
+    carried = phases.get("forward", {}).get(GRADIENTS, 0)
+
+    def made(name: str) -> int:
+        return max(0, phases[name].get(GRADIENTS, 0) - carried)
+
+    def held(parked: bool, stash: bool) -> dict:
+        out = {}
+        rows = rows_held(stash)
+        whole = max(largest_whole, rows)
+        for name, cats in phases.items():
+            cats = dict(cats)
+            cats[PARAMETERS] = lp * total + masters
+            cats[OPTIMIZER_STATES] = 0 if parked else states
+            cats[GRADIENTS] = accum
+            cats["comm_buffers"] = 0
+            if name == "backward":
+                # mid-backward, at the traced run's highest point there (the activations still alive
+                # then): the buckets in flight and the largest gradient made whole before its hook
+                # (`whole`), but no more than the traced run's own gradients made there: where DeepSpeed
+                # has made none yet (the point is before the first gradient), no bucket has been filled
+                cats[GRADIENTS] = accum + min(in_flight + whole, made(name))
+                # early in backward, before the first bucket is full, the activations are all there
+                # with the loss's gradient temporaries; at its end the activations are gone, buckets
+                # are in flight and updating, and the held shard (if any) is whole: a phase of its own,
+                # as the activation planner, adjusting after, lowers the first and not the second
+                # (a held pass updates after backward, `pipeline.ReleasePipeline.apply_all`: no gradient is whole
+                # then, the updating bucket's shard is on the device, brought back from the host if stashed)
+                end_grads = (lp * shard if stash else lp * part) if holds_shard else whole
+                out[BACKWARD_END] = {**cats, "activations": 0, "comm_buffers": lp * gathers, "temporaries": update,
+                                     OPTIMIZER_STATES: fetched if parked else states, GRADIENTS: accum + end_grads}
+            elif name == BACKWARD_START:
+                # the first gradient autograd makes (the output head's, where the model has one: the
+                # largest parameter) exists whole before its hook copies it into a bucket, unless by
+                # rows; no more than the traced run's own gradients made there (none yet: none here)
+                cats[GRADIENTS] = accum + min(max(lp * largest, rows), made(name))
+            elif name in ("optimizer_step", STEP_PREPARE):
+                cats["temporaries"] = 0
+                cats["activations"] = 0
+            out[name] = cats
+        return out
+
+    parked = plugin.config.states == "host"
+    # exact_method auto stashes the held shard where the planner decides under a byte budget, as the run does
+    # (`states_tier.StatesTier.choose_states_tier`)
+    stash = plugin.stashes_held(parked) or plugin.config.exact_method == "auto" and plugin.planner_decides()
+    out, plugin.estimate_note, plugin.estimate_state_bytes = held(parked, stash), None, states
+    budget = plugin.session.config.memory_budget
+    planner = plugin.session.plugin("activations")  # what it can take off saved activations is room
+    spare = planner.reducible_bytes() if planner is not None and hasattr(planner, "reducible_bytes") else 0
+
+    def need(phases: dict) -> int:
+        device = [sum(v for k, v in c.items() if k != "host") for c in phases.values()]
+        if not spare:
+            return max(device)
+        # as the planner reads the phases (`trace_plan.plan_phases`): what the rank needs besides saved
+        # activations at its highest (the end of backward's buckets and update included), plus the least
+        # saved activations a plan keeps
+        saved = [c.get("activations", 0) for c in phases.values()]
+        return max(d - a for d, a in zip(device, saved)) + max(0, max(saved) - spare)
+
+    over = budget != "auto" and need(out) > int(budget)
+    if over and plugin.config.exact_method == "auto" and holds_shard and not parked:
+        out = held(False, True)  # the held shard goes to the host before the states do (4 bytes, not 16)
+        plugin.estimate_note = STASH_NOTE + (f"with this rank's gradient shard held on the device the estimate "
+                                           f"exceeds memory_budget {format_bytes(int(budget))}")
+        over = need(out) > int(budget)
+    why = None
+    if plugin.config.states == "auto" and over:
+        states_need = need(out)
+        out = held(True, plugin.stashes_held(True))  # the run starts them on the host (`states_tier.StatesTier`)
+        why = (f"the estimated model states, gradients and optimizer step with them on the device, "
+               f"{format_bytes(states_need)}, exceed memory_budget {format_bytes(int(budget))}")
+        plugin.estimate_note = HOST_NOTE + why
+    plugin.estimate_plan = {"states": "host" if why is not None or parked else "device", "why": why}  # run_plan
+    return out
+
+
+def _buckets(order: list[int], planned: list[list[int]], world: int,
+             by_rows: list[int]) -> tuple[list[int], int, int]:
+    """The planned buckets' gradient buffers in launch order (elements, padding included; none for a gradient
+    that comes by rows, `rows.RowSink`), the most elements one bucket's all-gather holds at the end of
+    backward (`Bucket.gather`: its shard, and the whole buffer unless one unpadded parameter is gathered in
+    place), and the largest bucket's elements (padding included)."""
+    rows_left, buffers, gathers, largest = list(by_rows), [], 0, 0
+    for indices in planned:
+        numels = [order[i] for i in indices]
+        shard = sum(math.ceil(n / world) for n in numels)
+        direct = len(numels) == 1 and numels[0] % world == 0
+        gathers = max(gathers, shard + (0 if direct or world == 1 else world * shard))
+        largest = max(largest, world * shard)
+        if len(numels) == 1 and numels[0] in rows_left:
+            rows_left.remove(numels[0])
+            buffers.append(0)
+        else:
+            buffers.append(world * shard)
+    return buffers, gathers, largest
+
+
+def rows_numels(plugin: Any, world: int, bucket_numel: int) -> list[int]:
+    """Element counts of the estimate's parameters whose gradient comes by rows (`rows.fits`): an
+    input ``nn.Embedding``'s weight and a head the block fixes to ``chunk``, larger than a bucket,
+    untied, their rows split evenly over ``world`` ranks."""
+    model = plugin.session.model
+    if model is None:
+        return []
+    owners = rows_owners(model)
+    weights = [m.weight for m in model.modules() if type(m) is torch.nn.Embedding and plain(m)]
+    activations = plugin.session.plugin("activations")
+    weights += [model.get_submodule(n).weight for n in getattr(activations, "traced_heads", ())]
+    return [w.numel() for w in {id(w): w for w in weights}.values()
+            if w.requires_grad and w.ndim == 2 and w.numel() >= bucket_numel and w.shape[0] % world == 0
+            and owners[id(w)] == 1]
+
+
+__all__ = ["adjust_estimate", "rows_numels"]

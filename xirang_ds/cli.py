@@ -225,8 +225,9 @@ def _setup_estimate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibrate", action="store_true",
                    help="then run 3 real steps here, measure, and report the error per category")
     p.add_argument("--no-suggest", action="store_true",
-                   help="where the block does not fit, skip the search for a change that fits (preset, ZeRO stage, "
-                        "micro-batch)")
+                   help="where the block does not fit, skip confirming the least budget by estimating at it and the "
+                        "search for a change that fits (preset, ZeRO stage, micro-batch): one estimate instead of up "
+                        "to thirteen")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON")
     _add_config_flags(p)
 
@@ -260,7 +261,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
     out = est.as_dict()
     if args.measure_cpu:
         out["device_profile"] = profile.as_dict()
-    if est.fits is False:
+    if est.fits is False and not args.no_suggest:
         from xirang_ds.planning.suggest import format_suggestion, least_fitting_budget, suggest_fit
 
         def again(c: dict) -> Any:
@@ -272,6 +273,10 @@ def _run_estimate(args: argparse.Namespace) -> int:
                              f"first figure, {est.least_budget_bytes:,}, was taken at the settings of the budget as "
                              "written (bucket sizes and grad_release's tiers follow the budget)")
             est.least_budget_bytes = least
+        out = {**est.as_dict(), **({"device_profile": profile.as_dict()} if args.measure_cpu else {})}
+    elif est.fits is False:
+        est.notes.append("least memory_budget: the figure taken at the settings of the budget as written, not confirmed "
+                         "(--no-suggest); bucket sizes and grad_release's tiers follow the budget")
         out = {**est.as_dict(), **({"device_profile": profile.as_dict()} if args.measure_cpu else {})}
     print(format_estimate(est))
     if est.fits is False and not args.no_suggest:

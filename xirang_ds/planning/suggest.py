@@ -139,11 +139,13 @@ def least_fitting_budget(ds_config: dict, estimate: Callable[[dict], Any], least
 
     An estimate's least budget is taken at the settings its own budget gives (comm_buffers' buckets, grad_release's
     exact method and states tier follow ``memory_budget``), so below the budget as written it can name more
-    or less than a run at that figure needs. Each round estimates at the last least budget and takes that
-    estimate's own, until one fits at its own least budget or makes no progress."""
+    or less than a run at that figure needs. Each round estimates at the last figure: one that fits names its own
+    least next (searching down, until it fits at its own); one that does not names a higher least, and the next
+    figure is that plus the rise (the settings grow with the budget), so a fit is reached in few estimates, at
+    most one rise above the least."""
     best, ran, seen = None, 0, set()
     for _ in range(rounds):
-        if least in seen:
+        if least in seen or best is not None and least >= best:
             break
         seen.add(least)
         est = estimate(with_budget(ds_config, least))
@@ -152,9 +154,11 @@ def least_fitting_budget(ds_config: dict, estimate: Callable[[dict], Any], least
             best = least if best is None else min(best, least)
             if est.least_budget_bytes >= least:
                 break
+            least = est.least_budget_bytes
         elif est.least_budget_bytes <= least:
             break  # no progress: the estimate refuses its own least budget
-        least = est.least_budget_bytes
+        else:  # what the budget's settings add grows with it: step past the creep once more
+            least = 2 * est.least_budget_bytes - least
     return best, ran
 
 

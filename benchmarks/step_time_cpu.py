@@ -7,8 +7,9 @@ count model of `xirang_ds.planning.step_time` priced by this machine's CPU profi
 
 Each model trains on 2 gloo ranks (ZeRO-2 bf16, micro-batch 4, clipping 1.0, torch's AdamW, no xirang block,
 no tracker) for 2 warm-up steps and ``--steps`` timed ones; the figure is the median of the slower rank's
-step times. The estimate runs afterwards on rank 0 with the profile measured there before training (rank 1
-idle meanwhile). Wall times on a shared 2-core machine are noisy: run it on a quiet machine.
+step times. Before training every rank measures the CPU profile at once (so the cores are shared as in
+training); the estimate runs afterwards on rank 0 with rank 0's. Wall times on a shared 2-core machine are
+noisy: run it on a quiet machine.
 """
 from __future__ import annotations
 
@@ -42,9 +43,8 @@ def _rank(rank: int, world: int, model: str, steps: int) -> dict:
     spec = parse_model_spec(model)
     model = build_model(spec)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config())
-    profile = None
-    if rank == 0:
-        profile = measure_cpu_profile()
+    dist.barrier()
+    profile = measure_cpu_profile()  # every rank at once: the cores shared as in training; rank 0's is used
     dist.barrier()
     data = batches(load_tokens(), 4, spec.seq, seed=0, vocab=spec.vocab, rank=rank, world_size=world)
     times = []

@@ -258,9 +258,6 @@ def _run_estimate(args: argparse.Namespace) -> int:
     # resolves "preset": "auto", checks the block
     est = estimate_spec(model, ds_config, args.world_size, device, device_profile=profile, plain=True)
     est.notes.extend(notes)
-    out = est.as_dict()
-    if args.measure_cpu:
-        out["device_profile"] = profile.as_dict()
     if est.fits is False and not args.no_suggest:
         from xirang_ds.planning.suggest import format_suggestion, least_fitting_budget, suggest_fit
 
@@ -268,16 +265,18 @@ def _run_estimate(args: argparse.Namespace) -> int:
             return estimate_spec(model, c, args.world_size, device, device_profile=profile)
 
         least, ran = least_fitting_budget(ds_config, again, est.least_budget_bytes)
-        if least is not None and least != est.least_budget_bytes:
+        if least is None:
+            est.notes.append(f"least memory_budget: not confirmed, no estimate at it or above fitted in {ran} tries "
+                             "(bucket sizes and grad_release's tiers follow the budget)")
+        elif least != est.least_budget_bytes:
             est.notes.append(f"least memory_budget: an estimate at {least:,} bytes fits ({ran} more estimates); the "
                              f"first figure, {est.least_budget_bytes:,}, was taken at the settings of the budget as "
                              "written (bucket sizes and grad_release's tiers follow the budget)")
             est.least_budget_bytes = least
-        out = {**est.as_dict(), **({"device_profile": profile.as_dict()} if args.measure_cpu else {})}
     elif est.fits is False:
         est.notes.append("least memory_budget: the figure taken at the settings of the budget as written, not confirmed "
                          "(--no-suggest); bucket sizes and grad_release's tiers follow the budget")
-        out = {**est.as_dict(), **({"device_profile": profile.as_dict()} if args.measure_cpu else {})}
+    out = {**est.as_dict(), **({"device_profile": profile.as_dict()} if args.measure_cpu else {})}
     print(format_estimate(est))
     if est.fits is False and not args.no_suggest:
         found = suggest_fit(ds_config, again)

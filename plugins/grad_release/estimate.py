@@ -147,7 +147,7 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
     # exact_method auto stashes the held shard where the planner decides under a byte budget, as the run does
     # (`states_tier.StatesTier.choose_states_tier`)
     stash = plugin.stashes_held(parked) or plugin.config.exact_method == "auto" and plugin.planner_decides()
-    out, plugin.estimate_note, plugin.estimate_state_bytes = held(parked, stash), None, states
+    out, plugin.estimate_note = held(parked, stash), None
     budget = plugin.session.config.memory_budget
     planner = plugin.session.plugin("activations")  # what it can take off saved activations is room
     spare = planner.reducible_bytes() if planner is not None and hasattr(planner, "reducible_bytes") else 0
@@ -164,18 +164,21 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
 
     over = budget != "auto" and need(out) > int(budget)
     if over and plugin.config.exact_method == "auto" and holds_shard and not parked:
-        out = held(False, True)  # the held shard goes to the host before the states do (4 bytes, not 16)
+        out, stash = held(False, True), True  # the held shard goes to the host before the states do (4 bytes, not 16)
         plugin.estimate_note = STASH_NOTE + (f"with this rank's gradient shard held on the device the estimate "
                                            f"exceeds memory_budget {format_bytes(int(budget))}")
         over = need(out) > int(budget)
     why = None
     if plugin.config.states == "auto" and over:
         states_need = need(out)
-        out = held(True, plugin.stashes_held(True))  # the run starts them on the host (`states_tier.StatesTier`)
+        stash = plugin.stashes_held(True)
+        out = held(True, stash)  # the run starts them on the host (`states_tier.StatesTier`)
         why = (f"the estimated model states, gradients and optimizer step with them on the device, "
                f"{format_bytes(states_need)}, exceed memory_budget {format_bytes(int(budget))}")
         plugin.estimate_note = HOST_NOTE + why
-    plugin.estimate_plan = {"states": "host" if why is not None or parked else "device", "why": why}  # run_plan
+    # run_plan settles the tier from it; the predicted step prices the host copies from it (`StatesTier.step_seconds`)
+    plugin.estimate_plan = {"states": "host" if why is not None or parked else "device", "why": why,
+                            "state_bytes": states, "stashes_shard": bool(holds_shard and stash)}
     return out
 
 

@@ -116,17 +116,14 @@ class StatesTier:
         return sum(held) - max(held, default=0)
 
     def step_seconds(self, shape: Any, numels: list, profile: Any) -> float:
-        """`xirang_ds.roles.TimesStep`: the host-link copies the estimate's tiers make each step, there and back:
-        the optimizer states where they are in host memory (their bytes), the reduced fp32 gradient shard where
-        exact clipping holds it there."""
+        """`xirang_ds.roles.TimesStep`: the host-link copies the estimate's tiers make each step, there and back
+        (its ``estimate_plan``): the optimizer states where they are in host memory (their bytes), the reduced
+        fp32 gradient shard where exact clipping stashes it there."""
         plan = getattr(self, "estimate_plan", None) or {}
-        on_host = plan.get("states") == "host"
-        moved = 2 * getattr(self, "estimate_state_bytes", 0) if on_host else 0
-        method = self.config.exact_method
-        stash = method == "host" or method == "auto" and (on_host or (self.estimate_note or "").startswith(STASH_NOTE))
-        if stash and shape.clipping > 0 and self.config.clipping == "exact":
+        moved = 2 * plan.get("state_bytes", 0) if plan.get("states") == "host" else 0
+        if plan.get("stashes_shard"):
             moved += 2 * 4 * partition_numel(sum(numels), shape.world_size)
-        return moved / profile.host_link_bytes_per_s if moved else 0.0
+        return moved / profile.host_link_bytes_per_s
 
     def settle_tier(self, on_host: bool, why: str = "") -> None:
         """``auto``: the optimizer states in host memory from now on (``why`` in the summary), or on the device."""

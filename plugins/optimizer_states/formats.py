@@ -86,6 +86,10 @@ class StateFormat(abc.ABC):
         """Bytes held by the buffers."""
         return sum(t.numel() * t.element_size() for t in buffers.values())
 
+    def state_bytes(self, numel: int) -> int:
+        """Bytes both moments of ``numel`` elements hold in this format (measured on the meta device)."""
+        return sum(self.nbytes(self.zeros(m, numel, torch.device("meta"))) for m in MOMENTS) if numel else 0
+
 
 class Fp32Format(StateFormat):
     """Full precision: exactly ``torch.optim.AdamW``'s ``exp_avg`` and ``exp_avg_sq``."""

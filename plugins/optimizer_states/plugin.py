@@ -204,6 +204,15 @@ class OptimizerStatesPlugin(Plugin):
                        if g)
         return dataclasses.replace(shape, groups=groups) if len(groups) > 1 else shape
 
+    def estimate_layout(self) -> Optional[tuple[list, dict, Any]]:
+        """What the estimate assumes of the session's model: its trainable parameters, the kept ones (fp32
+        states, by id, with their reason) and the format the policy starts the others in; ``None`` without a model."""
+        model = self.session.model
+        if model is None:
+            return None
+        fmt = make_format(make_policy(self.config).initial(), self.config.int8_block_size, self.config.int4_block_size)
+        return [p for p in model.parameters() if p.requires_grad], keep_reasons(model, self.config), fmt
+
     def update_ops(self, shape: Any, numels: list, profile: Any) -> Optional[Any]:
         """`xirang_ds.roles.TimesUpdate`: the low-bit update's ops (`step_time.update_ops`)."""
         return step_time.update_ops(self, shape, numels, profile)
@@ -214,25 +223,19 @@ class OptimizerStatesPlugin(Plugin):
         parameters, over ZeRO's partition; step temporaries of one chunk instead of whole tensors."""
         import math
 
-        model = self.session.model
-        if model is None:
+        layout = self.estimate_layout()
+        if layout is None:
             return None
-        kept_ids = keep_reasons(model, self.config)
-        params = [p for p in model.parameters() if p.requires_grad]
+        params, kept_ids, fmt = layout
+        fmt_name = fmt.name
         kept = sum(p.numel() for p in params if id(p) in kept_ids)
         quant = sum(p.numel() for p in params) - kept
         n = shape.world_size if shape.stage >= 1 else 1
-        fmt_name = make_policy(self.config).initial()
-        fmt = make_format(fmt_name, self.config.int8_block_size, self.config.int4_block_size)
-
-        def state_bytes(f: Any, numel: int) -> int:
-            return sum(f.nbytes(f.zeros(m, numel, torch.device("meta"))) for m in MOMENTS) if numel else 0
-
         fp32 = make_format("fp32")
         part = (lambda x: math.ceil(x / n))
         groups = (1 if kept else 0) + (1 if quant else 0)
         tensors = groups if shape.stage >= 1 else len(params)
-        states = state_bytes(fp32, part(kept)) + state_bytes(fmt, part(quant)) + 4 * tensors
+        states = fp32.state_bytes(part(kept)) + fmt.state_bytes(part(quant)) + 4 * tensors
         largest = part(quant) if shape.stage >= 1 else max((p.numel() for p in params if id(p) not in kept_ids),
                                                             default=0)
         chunk = min(self.config.chunk_numel, max(largest, 1))

@@ -23,10 +23,8 @@ import torch
 
 from xirang_ds.compat.torch import fake_tensor_mode
 from xirang_ds.memory.device_profile import OpTally
-from xirang_ds.plugins.optimizer_states.build import keep_reasons
-from xirang_ds.plugins.optimizer_states.formats import MOMENTS, StateFormat, make_format
+from xirang_ds.plugins.optimizer_states.formats import MOMENTS, make_format
 from xirang_ds.plugins.optimizer_states.fused import FUSED_FORMATS
-from xirang_ds.plugins.optimizer_states.schedule import make_policy
 from xirang_ds.plugins.optimizer_states.update import AdamHyper, adam_chunk_
 from xirang_ds.planning.step_time import tallied
 
@@ -54,20 +52,14 @@ def eager_chunk(name: str, numel: int, int8_block: int, int4_block: int) -> OpTa
             return tallied(chunk)
 
 
-def _state_bytes(fmt: StateFormat, numel: int) -> int:
-    return sum(fmt.nbytes(fmt.zeros(m, numel, torch.device("meta"))) for m in MOMENTS)
-
-
 def update_ops(plugin: Any, shape: Any, numels: list, profile: Any) -> Optional[OpTally]:
     """The update's ops as they run on ``profile``'s device (module docstring); ``None`` without the model."""
-    model = plugin.session.model
-    if model is None:
+    layout = plugin.estimate_layout()
+    if layout is None:
         return None
+    params, kept_ids, fmt = layout
     c = plugin.config
-    kept_ids = keep_reasons(model, c)
-    params = [p for p in model.parameters() if p.requires_grad]
     world = shape.world_size if shape.stage >= 1 else 1
-    fmt = make_format(make_policy(c).initial(), c.int8_block_size, c.int4_block_size)
     fp32 = make_format("fp32")
     kept = [p.numel() for p in params if id(p) in kept_ids]
     quant = [p.numel() for p in params if id(p) not in kept_ids]
@@ -79,7 +71,7 @@ def update_ops(plugin: Any, shape: Any, numels: list, profile: Any) -> Optional[
     out = OpTally()
     for f, n in tensors:
         if compiled and f.name in FUSED_FORMATS:  # one kernel: the parameter, its gradient, both moments
-            key = (0, 8 * n + 4 * n + 2 * _state_bytes(f, n), False)
+            key = (0, 8 * n + 4 * n + 2 * f.state_bytes(n), False)
             out.ops[key] = out.ops.get(key, 0) + 1
         else:
             chunk = min(c.chunk_numel, n)

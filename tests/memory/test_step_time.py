@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from xirang_ds.compat.torch import fake_tensor_mode
-from xirang_ds.memory.device_profile import PROFILES, OpTally, measure_cpu_profile
+from xirang_ds.memory.device_profile import PROFILES, measure_cpu_profile
 from xirang_ds.memory.run_shape import RunShape
 from xirang_ds.planning.spec import estimate_spec
-from xirang_ds.planning.step_time import communication_bytes, optimizer_ops
+from xirang_ds.planning.step_time import communication_bytes, optimizer_ops, tallied
 
 CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
           "gradient_clipping": 1.0, "zero_optimization": {"stage": 2},
@@ -17,19 +17,8 @@ CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
 
 
 def _tally(fn):
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    tally = OpTally()
-
-    class Mode(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            tally.add(func, args, kwargs or {}, out)
-            return out
-
-    with fake_tensor_mode(), Mode():
-        fn()
-    return tally
+    with fake_tensor_mode():
+        return tallied(fn)
 
 
 def test_an_op_is_counted_by_its_arithmetic_and_bytes_and_views_and_allocations_launch_nothing():

@@ -233,13 +233,10 @@ def _setup_estimate(p: argparse.ArgumentParser) -> None:
 
 
 def _run_estimate(args: argparse.Namespace) -> int:
-    import json
-
     import torch
 
     from xirang_ds.memory.device_profile import measure_cpu_profile, profile_named
-    from xirang_ds.planning.estimator import format_estimate, recalibrate
-    from xirang_ds.planning.spec import estimate_spec
+    from xirang_ds.planning.trace_cache import reuse_traces
 
     model = _model(args)
     ds_config, notes = _read_config(args.ds_config, args)
@@ -255,6 +252,17 @@ def _run_estimate(args: argparse.Namespace) -> int:
         if device == "cuda":
             raise UsageError("--measure-cpu prices a CPU run; drop --gpu / --device cuda")
         profile = measure_cpu_profile()
+    with reuse_traces() as reuse:  # the search's estimates that change only the budget trace once
+        return _estimate_and_search(args, model, ds_config, notes, device, profile, reuse)
+
+
+def _estimate_and_search(args: argparse.Namespace, model: Any, ds_config: dict, notes: list, device: str,
+                         profile: Any, reuse: Any) -> int:
+    import json
+
+    from xirang_ds.planning.estimator import format_estimate, recalibrate
+    from xirang_ds.planning.spec import estimate_spec
+
     # resolves "preset": "auto", checks the block
     est = estimate_spec(model, ds_config, args.world_size, device, device_profile=profile, plain=True)
     est.notes.extend(notes)
@@ -288,6 +296,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
         out["calibration"] = cal
         print(f"\nmeasured over 3 steps: {side.peak_bytes:,} bytes ({side.peak_phase}); "
               f"estimate error {cal['error']:+.2%}")
+    out["fake_traces"] = {"traced": reuse.traces, "reused": reuse.reused}
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=2)

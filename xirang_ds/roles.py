@@ -11,7 +11,7 @@ This module imports nothing of the package, so any layer may name a role.
 """
 from __future__ import annotations
 
-from typing import Any, ContextManager, Optional, Protocol, runtime_checkable
+from typing import Any, ContextManager, Hashable, Optional, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -146,6 +146,11 @@ class ChangesTrace(Protocol):
             model: the fake model (parameters in the estimate's dtype, under ``FakeTensorMode``).
             tracker: the trace's tracker (its ``scope`` gives roles).
         """
+
+    def trace_key(self) -> Hashable:
+        """What of this plugin's settings ``trace_context`` reads (not ``memory_budget``, which only the plan
+        after the trace reads): estimates whose plugins give equal keys, on the same run shape, share one trace
+        (`xirang_ds.planning.trace_cache`)."""
 
 
 @runtime_checkable

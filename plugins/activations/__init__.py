@@ -296,6 +296,10 @@ class ActivationsPlugin(Passes, Plugin):
         """Heads fixed to ``chunk`` run chunked in the estimator's fake trace (`estimate.trace_context`)."""
         return estimate.trace_context(self, model, tracker)
 
+    def trace_key(self) -> Any:
+        """`xirang_ds.roles.ChangesTrace`: the section, the integration's path and the profile the pass prices by."""
+        return repr(self.config), type(self.path).__name__, repr(estimate.trace_profile(self))
+
     def adjust_estimate(self, phases: dict, shape: Any, numels: list) -> Optional[dict]:
         """The plan that keeps every saved tensor, which the planner takes whenever the run fits
         (`estimate.adjust_estimate`); below that its choices come from profiled passes, not modelled."""

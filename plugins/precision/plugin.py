@@ -177,6 +177,10 @@ class PrecisionPlugin(Plugin):
         return dataclasses.replace(shape, dtype=torch.float32,
                                    shared_masters=shape.stage in (1, 2) and not shape.offloaded)
 
+    def trace_key(self) -> Any:
+        """`xirang_ds.roles.ChangesTrace`: the section, the plan and the op lists the trace's policy installs."""
+        return repr(self.config), repr(self.plan), repr(self.lists)
+
     def trace_context(self, model: torch.nn.Module, tracker: Any) -> Optional[Any]:
         """The policy's kernels, autocast and module rules on the estimator's fake model (CPU autocast:
         the trace's tensors are CPU fakes), so the trace measures what they save and copy: 16-bit weight

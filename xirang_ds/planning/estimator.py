@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 import torch
 
@@ -56,6 +56,7 @@ from xirang_ds.memory.trace import Inputs, Trace, loss_of, trace_model
 from xirang_ds.memory.device_profile import PROFILES
 from xirang_ds.planning.fit import fit_block
 from xirang_ds.planning.step_time import StepTime, step_time
+from xirang_ds.planning.trace_cache import traced
 from xirang_ds.roles import Estimates, ReshapesRun
 from xirang_ds.session import Session
 
@@ -108,14 +109,16 @@ class Estimate:
 def estimate_run(build: Callable[[], torch.nn.Module], ds_config: dict, seq: Optional[int] = None,
                  vocab: Optional[int] = None, world_size: int = 1, device: str = "cpu",
                  inputs: Optional[Inputs] = None, device_profile: Any = None,
-                 device_total_bytes: Optional[int] = None) -> Estimate:
+                 device_total_bytes: Optional[int] = None, model_key: Optional[Hashable] = None) -> Estimate:
     """Estimate one rank's peak for ``build()`` trained with ``ds_config`` on ``world_size`` ranks, on
     ``seq`` tokens below ``vocab`` per sample or on the batch ``inputs`` makes (`trace_model`).
 
     With a ``"xirang"`` block, the enabled plugins first edit the ds_config as they would at
     ``initialize`` (bucket sizes), then adjust the phases (`xirang_ds.roles.Estimates`); the activation
     planner plans on the trace, priced by ``device_profile`` (default: the CPU's), with
-    ``device_total_bytes`` for ``memory_budget: auto`` where the device is not this machine's.
+    ``device_total_bytes`` for ``memory_budget: auto`` where the device is not this machine's. Inside
+    `xirang_ds.planning.trace_cache.reuse_traces`, ``model_key`` (what ``build`` makes: a model spec) lets
+    estimates that trace the same share one trace.
     """
     session = _session_for(build, ds_config, world_size)
     if session is not None:
@@ -123,7 +126,8 @@ def estimate_run(build: Callable[[], torch.nn.Module], ds_config: dict, seq: Opt
     shape = _plugin_shape(session, ds_config, world_size, device)
     if shape.stage not in (0, 1, 2, 3):
         raise EstimateError(f"zero_optimization.stage must be 0-3; got {shape.stage}")
-    trace = trace_model(build, shape, seq, vocab, inputs, session)
+    trace = traced(lambda seen: trace_model(build, seen, seq, vocab, inputs, session),
+                   model_key if inputs is None else None, shape, seq, vocab, ds_config, session)
     est = _estimate(session, shape, trace)
     est.step_time = step_time(shape, trace, device_profile or PROFILES["cpu"], session)
     if trace.loss_outside:

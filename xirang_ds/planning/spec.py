@@ -26,11 +26,11 @@ def estimate_spec(model: Union[str, Any], ds_config: dict, world_size: int = 1, 
     ds_config, choice = choose_for_spec(ds_config, spec, world_size, device)
     total = device_profile.memory_bytes or None if device_profile is not None else None
     est = estimate_run(lambda: build_model(spec), ds_config, spec.seq, spec.vocab, world_size, device,
-                       device_profile=device_profile, device_total_bytes=total)
+                       device_profile=device_profile, device_total_bytes=total, model_key=spec)
     if BLOCK_KEY in ds_config and plain:  # plain DeepSpeed's step on the same profile, beside the block's
         plain = {k: v for k, v in ds_config.items() if k != BLOCK_KEY}
         est.plain_step_time = estimate_run(lambda: build_model(spec), plain, spec.seq, spec.vocab, world_size, device,
-                                           device_profile=device_profile).step_time
+                                           device_profile=device_profile, model_key=spec).step_time
     elif BLOCK_KEY not in ds_config:
         est.plain_step_time = est.step_time
     if choice:

@@ -311,13 +311,16 @@ def _setup_tune(p: argparse.ArgumentParser) -> None:
                                                       "section gives the defaults below)")
     p.add_argument("--budget", default=None, help="per-rank memory budget: 40GB, 512MiB, 5e8 "
                                                   "(default: xirang.memory_budget)")
-    p.add_argument("--world-size", type=int, default=1, choices=(1, 2), help="ranks (gloo on CPU)")
+    p.add_argument("--world-size", type=int, default=1, help="ranks: 1 or 2 measured here (gloo on CPU); any with --gpu")
+    p.add_argument("--gpu", default=None, choices=("h100", "h200", "a100"),
+                   help="search for a run on this GPU before launch: every candidate priced by the estimate with the "
+                        "GPU's profile (peak with its activation plan, step time from counted kernels); nothing runs")
     p.add_argument("--objective", default=None, choices=("fastest", "largest_micro_batch"))
     p.add_argument("--measure-top", type=int, default=None, help="candidates measured for real")
     p.add_argument("--time-limit", type=float, default=None, help="seconds for the whole search")
     p.add_argument("--lossless", action="store_true", help="only options that leave the numbers unchanged")
-    p.add_argument("--profile-steps", type=int, default=4, help="steps per profiling run (default 4)")
-    p.add_argument("--measure-steps", type=int, default=6, help="steps per measured candidate (default 6)")
+    p.add_argument("--profile-steps", type=int, default=None, help="steps per profiling run (default 4)")
+    p.add_argument("--measure-steps", type=int, default=None, help="steps per measured candidate (default 6)")
     p.add_argument("--data", default=None, help="text file (default: the standard library's docstrings)")
     p.add_argument("--out", default=None, help="where the winning ds_config goes (default: xirang.autotune.output)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the search report as JSON")
@@ -349,8 +352,7 @@ def _run_tune(args: argparse.Namespace) -> int:
     else:
         raise UsageError("no budget: pass --budget (for example --budget 40GB) or set xirang.memory_budget in "
                          f"{args.ds_config}")
-    if args.data and not os.path.isfile(args.data):
-        raise UsageError(f"--data file not found: {args.data!r}")
+    _check_tune_flags(args)
     try:
         result = _tune(args, model, ds_config, budget, settings)
     except ValueError as e:
@@ -364,8 +366,33 @@ def _run_tune(args: argparse.Namespace) -> int:
     out = args.out or settings.output
     with open(out, "w", encoding="utf-8") as f:
         json.dump(winning_ds_config(ds_config, result), f, indent=2)
-    print(f"wrote {out} (winner {result.winner.name}, measured peak {format_bytes(result.winner.measured_peak)})")
+    w = result.winner
+    peak = (f"predicted peak {format_bytes(w.predicted_peak)} on {result.device_profile}" if result.device_profile
+            else f"measured peak {format_bytes(w.measured_peak)}")
+    print(f"wrote {out} (winner {w.name}, {peak})")
     return 0
+
+
+def _check_tune_flags(args: argparse.Namespace) -> None:
+    """Every flag problem at once: flags of the measured search given with ``--gpu``, a world size this
+    machine cannot run, a missing data file."""
+    problems = []
+    if args.gpu:
+        given = [f for f, v in (("--measure-top", args.measure_top), ("--time-limit", args.time_limit),
+                                ("--profile-steps", args.profile_steps), ("--measure-steps", args.measure_steps),
+                                ("--data", args.data)) if v is not None]
+        if given:
+            problems.append(f"{', '.join(given)}: only the measured search runs steps; with --gpu {args.gpu} nothing "
+                            "runs (drop them, or drop --gpu to measure here)")
+        if args.world_size < 1:
+            problems.append(f"--world-size must be >= 1; got {args.world_size}")
+    elif args.world_size not in (1, 2):
+        problems.append(f"--world-size {args.world_size}: the measured search runs 1 or 2 ranks here (gloo on CPU); "
+                        "use --gpu NAME to search for more ranks before launch")
+    if args.data and not os.path.isfile(args.data):
+        problems.append(f"--data file not found: {args.data!r}")
+    if problems:
+        raise UsageError("; ".join(problems))
 
 
 def _tune(args: argparse.Namespace, model: Any, ds_config: dict, budget: int, settings: Any) -> Any:
@@ -373,11 +400,19 @@ def _tune(args: argparse.Namespace, model: Any, ds_config: dict, budget: int, se
 
     from xirang_ds.tune import Progress, tune
 
+    progress = Progress(None if args.quiet else sys.stderr)
+    objective = args.objective or settings.objective
+    if args.gpu:
+        from xirang_ds.memory.device_profile import profile_named
+        from xirang_ds.tune.predicted import tune_predicted
+
+        return tune_predicted(model, ds_config, budget, profile_named(args.gpu), args.world_size, objective,
+                              args.lossless, progress=progress)
     return tune(model, ds_config, budget, world_size=args.world_size,
-                objective=args.objective or settings.objective, measure_top=args.measure_top or settings.measure_top,
+                objective=objective, measure_top=args.measure_top or settings.measure_top,
                 time_limit_s=args.time_limit or settings.time_limit_s, lossless_only=args.lossless,
-                profile_steps=args.profile_steps, measure_steps=args.measure_steps, data=args.data,
-                progress=Progress(None if args.quiet else sys.stderr))
+                profile_steps=args.profile_steps or 4, measure_steps=args.measure_steps or 6, data=args.data,
+                progress=progress)
 
 
 def _setup_checkpoint(p: argparse.ArgumentParser) -> None:

@@ -91,12 +91,17 @@ class TuneResult:
     winner: Optional[Candidate]
     seconds: dict[str, float]
     notes: list[str]
+    device_profile: Optional[str] = None
+    """The GPU the search priced for, before launch (`xirang_ds.tune.predicted`); ``None``: measured here."""
+    ranked: list[Candidate] = field(default_factory=list)
+    """Before launch: the candidates predicted to fit, best first."""
 
     def as_dict(self) -> dict:
         measured = [c for c in self.candidates if c.measured_peak is not None]
         return {
             "model": describe_model(self.model), "budget_bytes": self.budget, "objective": self.objective,
-            "world_size": self.world_size, "seconds": self.seconds, "notes": self.notes,
+            "world_size": self.world_size, "device_profile": self.device_profile, "seconds": self.seconds,
+            "notes": self.notes,
             "calibration": self.calibration, "profiles": self.profiles,
             "winner": self.winner.as_dict() if self.winner else None,
             "model_error": [{"name": c.name, "micro_batch": c.micro_batch,
@@ -381,7 +386,10 @@ def winning_ds_config(user_ds_config: dict, result: TuneResult) -> dict:
 
 
 def format_result(result: TuneResult) -> str:
-    """The console table: measured candidates with the model's predictions, then the winner."""
+    """The console table: measured candidates with the model's predictions, then the winner (before launch,
+    `format_predicted`)."""
+    if result.device_profile is not None:
+        return format_predicted(result)
     lines = [f"tune: {result.model}, {result.world_size} rank(s), budget {format_bytes(result.budget)}, "
              f"objective {result.objective}; {result.seconds.get('total', 0):.0f} s "
              f"(estimate {result.seconds.get('estimate', 0):.0f} s, profile {result.seconds.get('profile', 0):.0f} s, "
@@ -408,11 +416,33 @@ def format_result(result: TuneResult) -> str:
     return "\n".join(lines)
 
 
+def format_predicted(result: TuneResult, shown: int = 10) -> str:
+    """The ``shown`` best candidates predicted to fit on the GPU, best first, then the winner."""
+    lines = [f"tune (predicted for {result.device_profile}, nothing run): {describe_model(result.model)}, {result.world_size} rank(s), "
+             f"budget {format_bytes(result.budget)}, objective {result.objective}; "
+             f"{result.seconds.get('total', 0):.0f} s"]
+    lines += ["  " + n for n in result.notes]
+    header = f"{'candidate':<44}{'mb':>4}{'pred. peak':>13}{'pred. ms':>10}"
+    lines += [header, "-" * len(header)]
+    for c in result.ranked[:shown]:
+        lines.append(f"{c.name:<44}{c.micro_batch:>4}{format_bytes(c.predicted_peak):>13}"
+                     f"{c.predicted_time_s * 1000:>10.1f}")
+    if result.winner:
+        w = result.winner
+        lines.append(f"winner (predicted): {w.name}, micro-batch {w.micro_batch}: {format_bytes(w.predicted_peak)} "
+                     f"({w.predicted_peak / result.budget:.0%} of the budget), {w.predicted_time_s * 1000:.1f} ms/step "
+                     f"on {result.device_profile}")
+    else:
+        lines.append("no candidate is predicted to fit the budget; raise it, or allow lossy options")
+    return "\n".join(lines)
+
+
 def write_json(result: TuneResult, path: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(result.as_dict(), f, indent=2)
 
 
 # `micro_batch_scale`, `planned_peak`, `planner_line` and `SEARCHED` stay importable from here (the tests read them)
-__all__ = ["SEARCHED", "Candidate", "Option", "Progress", "TuneResult", "micro_batch_scale", "format_result", "planned_peak",
+__all__ = ["SEARCHED", "Candidate", "Option", "Progress", "TuneResult", "micro_batch_scale", "format_predicted",
+           "format_result", "planned_peak",
            "planner_line", "search_space", "tune", "winning_ds_config", "write_json"]

@@ -24,6 +24,7 @@ import xirang_ds
 from xirang_ds.config.types import format_bytes
 from xirang_ds.memory.categories import ACTIVATIONS, CATEGORIES, HOST, OPTIMIZER_STATES
 from xirang_ds.memory.device_peak import device_peak
+from xirang_ds.memory.host_ledger import ledger
 from xirang_ds.step_counts import count_step
 
 
@@ -52,6 +53,8 @@ class SideResult:
     steady_peak_by_category: dict[str, int] = field(default_factory=dict)
     counts: dict = field(default_factory=dict)
     """Rank 0's step after the measured ones, counted (`step_counts`): what a CPU's step time hides."""
+    host_ledger: dict = field(default_factory=dict)
+    """The host tiers' bytes as the host holds them (`xirang_ds.memory.host_ledger`), on the rank holding most."""
 
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items()}
@@ -209,6 +212,7 @@ def bench_rank(rank: int, world: int, model_text: str, ds_config: dict, steps: i
         steady.close()
     out["plugin_figures"] = session.figures() if session is not None else {}
     out["counts"] = step_counts(engine, data, tracker)  # after the figures: one more step, counted
+    out["host_ledger"] = ledger().figures()
     window.close()
     if device_window is not None:
         device_window.close()
@@ -261,6 +265,7 @@ def combine(per_rank: list[dict]) -> SideResult:
         allocator_peak_bytes=worst["allocator_peak_bytes"], summary=per_rank[0]["summary"],
         category_peaks={c: max(r["category_peaks"].get(c, 0) for r in per_rank) for c in CATEGORIES},
         plugin_figures=per_rank[0].get("plugin_figures", {}), counts=per_rank[0].get("counts", {}),
+        host_ledger=max((r.get("host_ledger") or {} for r in per_rank), key=lambda h: h.get("held_bytes", 0)),
         **_steady(per_rank))
 
 

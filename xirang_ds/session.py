@@ -22,6 +22,7 @@ from xirang_ds.config.schema import XirangConfig
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import CallbackHandle, wrap_method
 from xirang_ds.memory.device_peak import device_peak
+from xirang_ds.memory.host_ledger import ledger
 from xirang_ds.registry import (
     ACTIVATION_PLAN,
     LOW_BIT_STATES,
@@ -297,6 +298,8 @@ class Session:
         self.engine = engine
         self._watch_factory = watch
         engine.xirang = self
+        host = self.config.host_memory_budget  # over every host tier (`xirang_ds.memory.host_ledger`)
+        ledger().budget_bytes = None if host == "auto" else int(host)
         if checkpoints:
             self._handles.append(wrap_method(engine, "save_checkpoint", functools.partial(engine_files.save, self)))
         for p in self.plugins:
@@ -322,6 +325,7 @@ class Session:
             self._tracker.stop()
         if self.engine is not None and getattr(self.engine, "xirang", None) is self:
             del self.engine.xirang
+            ledger().budget_bytes = None
 
     # checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:

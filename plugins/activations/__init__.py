@@ -35,6 +35,7 @@ from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import ACTIVATIONS, PARAMETERS
 from xirang_ds.memory.device_profile import PROFILES, DeviceProfile, profile_for
+from xirang_ds.memory.host_ledger import ledger
 from xirang_ds.plugins.activations import estimate
 from xirang_ds.plugins.activations.compiled import (
     INSIDE_ONLY,
@@ -186,7 +187,6 @@ class ActivationsPlugin(Passes, Plugin):
         self._forward_scope = parts.forward_scope
         if parts.forward_scope is not None:
             self.keep(parts.forward_scope)
-        host_budget = self.session.config.host_memory_budget
         self.runtime = Runtime(
             torch.device(engine.device), self.config.min_tensor_bytes, self.config.offload_prefetch,
             self.config.quantize_block_size, self.config.sparsify_threshold, tracker.host_tier,
@@ -196,7 +196,7 @@ class ActivationsPlugin(Passes, Plugin):
             synchronize=acc.synchronize if self._ds_settings.get("synchronize") else None,
             timings=self.recompute_timings if self._ds_settings.get("profile") else None, rng=parts.rng,
             arenas=parts.arenas, distribute=parts.distribute,
-            host_budget_bytes=None if host_budget == "auto" else int(host_budget))
+            host_ledger=ledger())  # its budget is host_memory_budget, set by the session
         check_memory_budget(self.session.config.memory_budget, engine)
         self.runtime.eligible.refresh(self._model)
         self.region = self.path.compiled(engine)

@@ -58,13 +58,16 @@ class Offloader:
         prefetch: how many offloaded groups ahead backward prefetches (streams only).
         host_tier: the tracker's host-tier context.
         scope: context for tensors brought back to the device (the tracker's activations scope).
-        host_budget_bytes: the most host bytes the offload buffers may hold (``xirang.host_memory_budget``);
-            a storage that does not fit stays on the device.
+        host_budget_bytes: without ``ledger``: the most host bytes the offload buffers may hold; a storage
+            that does not fit stays on the device.
+        ledger: the `xirang_ds.memory.host_ledger.HostLedger` the buffers are counted in, whose budget
+            (``xirang.host_memory_budget``, over every host tier) applies.
     """
 
     def __init__(self, device: torch.device, prefetch: int = 1,
                  host_tier: Optional[Callable[[], ContextManager]] = None,
-                 scope: Optional[Callable[[], ContextManager]] = None, host_budget_bytes: Optional[int] = None):
+                 scope: Optional[Callable[[], ContextManager]] = None, host_budget_bytes: Optional[int] = None,
+                 ledger: Any = None):
         from deepspeed.accelerator import get_accelerator
 
         self.acc = get_accelerator()
@@ -73,7 +76,7 @@ class Offloader:
         self.scope = scope or contextlib.nullcontext
         on_accelerator = device.type != "cpu" and self.acc.Stream is not None
         self.stream = self.acc.Stream() if on_accelerator else None
-        self.pool = HostPool(pin=on_accelerator, host_tier=host_tier, budget_bytes=host_budget_bytes)
+        self.pool = HostPool(pin=on_accelerator, host_tier=host_tier, budget_bytes=host_budget_bytes, ledger=ledger)
         self.last_group: Optional[OffloadGroup] = None
         self.offloaded_bytes = 0
         self.fetched_bytes = 0

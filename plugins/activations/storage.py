@@ -27,6 +27,7 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 
 from xirang_ds.compat.torch import view_base
+from xirang_ds.memory.host_ledger import HostLedger, pinned_block
 from xirang_ds.memory.lending import Lease, StorageProvider
 
 
@@ -97,15 +98,19 @@ class HostPool:
     """Host buffers for offloaded tensors, reused by size class and trimmed.
 
     A buffer comes back to the cache when its copy to the device has completed (its event). The
-    cache never holds more than the most bytes ever in use at once, nor, with ``budget_bytes``, more
-    than the budget leaves beside the buffers in use; the oldest cached buffers go first. With a
-    budget, a request that cannot fit even after the cache is emptied gets ``None``: the caller keeps
-    the tensor where it is (counted in ``refused`` / ``refused_bytes``).
+    cache never holds more than the most bytes ever in use at once, nor, with a budget, more than the
+    budget leaves beside the buffers in use; the oldest cached buffers go first. Buffers are made and
+    counted by the ``ledger`` (`xirang_ds.memory.host_ledger`): pinned, a buffer is the allocator's own
+    power-of-two block, and the budget is on what every host tier holds, a dropped pinned block
+    included. A request that cannot fit even after the pool's cache is emptied gets ``None``: the caller
+    keeps the tensor where it is (counted in ``refused`` / ``refused_bytes``).
 
     Args:
         pin: pin buffers through the accelerator (page-locked memory for async copies).
         host_tier: the tracker's host-tier context; buffers are created under it.
-        budget_bytes: the most host bytes the pool may hold (``None``: no cap).
+        budget_bytes: without ``ledger``: the most host bytes the pool may hold (``None``: no cap).
+        ledger: the ledger that makes and counts the buffers, whose budget applies (the run's: the
+            process's, with ``host_memory_budget``); default a ledger of the pool's own.
 
     Attributes:
         allocated_bytes: host bytes the pool holds now (in use, in flight and cached).
@@ -114,10 +119,10 @@ class HostPool:
     """
 
     def __init__(self, pin: bool, host_tier: Optional[Callable[[], ContextManager]] = None,
-                 budget_bytes: Optional[int] = None):
+                 budget_bytes: Optional[int] = None, ledger: Optional[HostLedger] = None):
         self.pin = pin
         self.host_tier = host_tier or contextlib.nullcontext
-        self.budget_bytes = budget_bytes
+        self.ledger = ledger if ledger is not None else HostLedger(budget_bytes)
         self._cached: list[torch.Tensor] = []  # oldest first
         self._pending: list[tuple[torch.Tensor, object]] = []
         self._out: set[int] = set()  # ids of the buffers handed out (alive while out)
@@ -132,18 +137,18 @@ class HostPool:
         """A ``uint8`` host buffer of ``nbytes`` (a view of a size-class buffer), or ``None`` when the
         budget cannot hold it."""
         self._reap()
-        size = host_size_class(nbytes)
+        size = pinned_block(nbytes) if self.pin else host_size_class(nbytes)  # pinned: the allocator's own block
         for i in range(len(self._cached) - 1, -1, -1):  # the most recently returned buffer of the class
             if self._cached[i].numel() == size:
                 buf = self._cached.pop(i)
                 break
         else:
-            if self.budget_bytes is not None:
-                if self.in_use_bytes + size > self.budget_bytes:
-                    self.refused += 1
-                    self.refused_bytes += nbytes
-                    return None
-                self._trim(self.budget_bytes - self.in_use_bytes - size)
+            while self._cached and not self.ledger.fits(size, self.pin):  # the oldest cached buffers go first
+                self._drop_oldest()
+            if not self.ledger.fits(size, self.pin):  # what every host tier holds leaves no room
+                self.refused += 1
+                self.refused_bytes += nbytes
+                return None
             buf = self.allocate(size)
             self.allocated_bytes += size
         self.in_use_bytes += size
@@ -152,14 +157,13 @@ class HostPool:
         return buf[:nbytes]
 
     def allocate(self, nbytes: int) -> torch.Tensor:
-        """A new (pinned) host buffer outside the pool."""
-        with self.host_tier():
-            buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
-            if self.pin:
-                from deepspeed.accelerator import get_accelerator
+        """A new (pinned) host buffer outside the pool, counted in the ledger."""
+        return self.ledger.buffer((nbytes,), torch.uint8, self.pin, "activations offload", self.host_tier)
 
-                buf = get_accelerator().pin_memory(buf)
-        return buf
+    @property
+    def budget_bytes(self) -> Optional[int]:
+        """``host_memory_budget`` (the ledger's), in bytes; ``None``: no cap."""
+        return self.ledger.budget_bytes
 
     def put(self, buf: torch.Tensor, event: object = None) -> None:
         """Return a buffer from `get`; with ``event``, reusable only once that copy has completed."""
@@ -185,10 +189,15 @@ class HostPool:
         """Drop the oldest cached buffers until the cache holds at most ``limit`` bytes."""
         cached = sum(b.numel() for b in self._cached)
         while self._cached and cached > limit:
-            dropped = self._cached.pop(0)
-            cached -= dropped.numel()
-            self.allocated_bytes -= dropped.numel()
-            self.trimmed_bytes += dropped.numel()
+            cached -= self._drop_oldest()
+
+    def _drop_oldest(self) -> int:
+        """Drop the oldest cached buffer (plain memory is freed; a pinned block goes back to the allocator's
+        cache, which the ledger still counts); its bytes."""
+        dropped = self._cached.pop(0).numel()
+        self.allocated_bytes -= dropped
+        self.trimmed_bytes += dropped
+        return dropped
 
     def _reap(self) -> None:
         if not self._pending:

@@ -85,7 +85,8 @@ class Runtime:
         distribute: the handler that shards recomputed modules' inputs over the tensor-parallel group
             (`ShardHandler`), or ``None``.
         arenas: tensors of persistent arenas whose views are never packed (`Eligibility`), or ``None``.
-        host_budget_bytes: the cap on offload host buffers (``xirang.host_memory_budget``), or ``None``.
+        host_ledger: the `xirang_ds.memory.host_ledger.HostLedger` offload's host buffers are made in, whose
+            budget (``xirang.host_memory_budget``, over every host tier) caps them; ``None``: uncapped.
     """
 
     def __init__(self, device: torch.device, min_tensor_bytes: int, prefetch: int, block_size: int,
@@ -94,7 +95,7 @@ class Runtime:
                  param_scope: Optional[Callable[[], ContextManager]] = None,
                  synchronize: Optional[Callable[[], None]] = None, timings: Optional[list] = None,
                  rng: Optional[RngStates] = None, arenas: Optional[Callable[[], list[torch.Tensor]]] = None,
-                 distribute: Optional[Any] = None, host_budget_bytes: Optional[int] = None):
+                 distribute: Optional[Any] = None, host_ledger: Optional[Any] = None):
         self.device = device
         self.distribute = distribute
         self.rng = rng
@@ -105,7 +106,7 @@ class Runtime:
         self.timings = timings
         self.eligible = Eligibility(device.type, min_tensor_bytes, arenas)
         self.storage = PayloadStorage(host_tier)
-        self.offloader = Offloader(device, prefetch, host_tier, scope, host_budget_bytes)
+        self.offloader = Offloader(device, prefetch, host_tier, scope, ledger=host_ledger)
         offload = OffloadHandler(self.offloader)
         self.handlers: dict[str, Any] = {
             "compress": CodecHandler("compress", self.storage, mark=mark),

@@ -21,6 +21,7 @@ from typing import Iterator
 import torch
 
 from xirang_ds.memory.categories import OPTIMIZER_STATES
+from xirang_ds.memory.host_ledger import ledger
 
 
 class ParkedStates:
@@ -39,14 +40,9 @@ class ParkedStates:
                     yield i, state, key, value
 
     def host_tensor(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """A new host buffer in the tracker's host tier, pinned on accelerators (the states', `stash`'s)."""
-        with self.host_scope():
-            host = torch.empty(shape, dtype=dtype, device="cpu")
-            if self.params[0].device.type != "cpu":
-                from deepspeed.accelerator import get_accelerator
-
-                host = get_accelerator().pin_memory(host)
-        return host
+        """A new host buffer in the tracker's host tier, pinned on accelerators (the states', `stash`'s), counted in
+        the process's host ledger (`xirang_ds.memory.host_ledger`: what the pinned allocator really holds)."""
+        return ledger().buffer(shape, dtype, self.params[0].device.type != "cpu", "grad_release", self.host_scope)
 
     def state_bytes(self) -> int:
         """Bytes of the optimizer's state tensors (not the 0-dim step counts), wherever they are."""

@@ -21,6 +21,8 @@ from typing import Any, Callable, ContextManager, Optional, Protocol
 
 import torch
 
+from xirang_ds.memory.host_ledger import ledger
+
 
 class Lease:
     """``nbytes`` of memory lent to one payload.
@@ -79,16 +81,12 @@ class Lease:
         if self._on_release is None or self.evicted:
             return
         on_device = self.buffer.device.type != "cpu"
-        with self._host_tier():
-            host = torch.empty(self.buffer.numel(), dtype=torch.uint8, device="cpu")
-            if on_device:
-                from deepspeed.accelerator import get_accelerator
-
-                accelerator = get_accelerator()
-                host = accelerator.pin_memory(host)
+        host = ledger().buffer((self.buffer.numel(),), torch.uint8, on_device, "evictions", self._host_tier)
         host.copy_(self.buffer, non_blocking=on_device)
         if on_device:
-            self._copied = accelerator.Event()
+            from deepspeed.accelerator import get_accelerator
+
+            self._copied = get_accelerator().Event()
             self._copied.record()
         self.buffer = host
         self.evicted = True

@@ -8,6 +8,7 @@ of its own: the activation planner adjusts the rest of backward and leaves that 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Optional
 
@@ -19,6 +20,7 @@ from xirang_ds.memory.categories import ACTIVATIONS, GRADIENTS, OPTIMIZER_STATES
 from xirang_ds.memory.model_states import BACKWARD_END, BACKWARD_START, STEP_PREPARE, adam_temporaries
 from xirang_ds.plugins.grad_release.embedding_rows import plain
 from xirang_ds.plugins.grad_release.layout import plan_buckets
+from xirang_ds.plugins.grad_release.optimizers import leaves_foreach_in_config
 from xirang_ds.plugins.grad_release.rows import owners as rows_owners
 from xirang_ds.plugins.grad_release.states_tier import HOST_NOTE, STASH_NOTE
 from xirang_ds.plugins.grad_release.stochastic import CHUNK_NUMEL
@@ -86,7 +88,13 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
     # chunk at a time (4 bytes an element), the gradient freed by then
 
     piece = min(shard, math.ceil(max(numels) / world))
-    adam = adam_temporaries(shape, [piece] if shape.adam_impl == "single_tensor" else [shard])
+    # torch's Adam left to choose runs each bucket's clone on the multi-tensor path, whatever the device
+    # (`optimizers.leaves_foreach_in_config`): one sqrt over the bucket shard's pieces at once
+    impl = shape.adam_impl
+    if impl == "single_tensor" and plugin.session.state_quantizer is None and \
+            leaves_foreach_in_config(plugin.session.ds_config):
+        impl = "foreach"
+    adam = adam_temporaries(dataclasses.replace(shape, adam_impl=impl), [piece] if impl == "single_tensor" else [shard])
     # the stochastic rounding: the master, the 16-bit shard and a chunk's noise (`stochastic.round_`,
     # `remainders.round8_`)
     rounded = 6 * shard + 4 * min(shard, CHUNK_NUMEL)

@@ -12,7 +12,8 @@ tensor; its temporaries do not depend on the plan.
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -37,38 +38,71 @@ def watch(modules: dict[str, torch.nn.Module], names: list[str], tracker: Any) -
     return handles, marks
 
 
-def measure(tracker: Any, marks: list[tuple[int, str]]) -> dict[str, int]:
-    """For each marked candidate, the most its backward holds above the saved activations alive as it starts: the
-    temporaries made in backward, less what it has freed of its saved tensors by then (the planner counts them
-    all until its backward ends)."""
+@dataclass
+class Timeline:
+    """What `measure` reads of a traced backward, kept past the trace.
+
+    Attributes:
+        records: ``(created, freed, nbytes, saved)`` of each saved activation, and of each temporary made in
+            the backward the first candidate's is in (``freed`` None: alive at the end).
+        spans: ``(start, end, name)`` of each marked candidate's backward: from the gradient of its output to
+            the next candidate outside it starts, or the phase ends.
+    """
+
+    records: list[tuple[int, Optional[int], int, bool]] = field(default_factory=list)
+    spans: list[tuple[int, int, str]] = field(default_factory=list)
+
+
+def timeline(tracker: Any, marks: list[tuple[int, str]]) -> Timeline:
+    """The `Timeline` of the traced backward on ``tracker``, with the ``marks`` `watch` filled."""
     if not marks:
-        return {}
+        return Timeline()
     marks = sorted(marks)
-    first = marks[0][0]
-    records = [(r, r.resolved_category() == ACTIVATIONS) for r in tracker.records if not r.host and (
-        r.resolved_category() == ACTIVATIONS or r.resolved_category() == TEMPORARIES and r.created >= first)]
+    # the temporaries of backward alive in a candidate's: the gradient passed down to it included, made before
+    # the first candidate's backward (by a norm or head outside every candidate)
+    first = max([clock for clock, phase in tracker.phase_log if phase == "backward" and clock <= marks[0][0]],
+                default=marks[0][0])
+    records = [(r.created, r.freed, r.nbytes, r.resolved_category() == ACTIVATIONS) for r in tracker.records
+               if not r.host and (r.resolved_category() == ACTIVATIONS
+                                  or r.resolved_category() == TEMPORARIES and r.created >= first)]
     phase_changes = [clock for clock, _ in tracker.phase_log]
     last = tracker.clock + 1
-    out: dict[str, int] = {}
+    spans = []
     for i, (start, name) in enumerate(marks):
         ends = [clock for clock, other in marks[i + 1:] if other != name and not other.startswith(name + ".")][:1]
         ends += [clock for clock in phase_changes if clock > start][:1]
-        out[name] = max(out.get(name, 0), _most_between(records, start, min(ends, default=last)))
+        spans.append((start, min(ends, default=last), name))
+    return Timeline(records, spans)
+
+
+def measure(line: Timeline, held: Optional[Callable[[int], int]] = None, changes: Sequence[int] = ()) -> dict[str, int]:
+    """For each marked candidate, the most its backward holds above the saved activations alive as it starts: the
+    temporaries made in backward, less what it has freed of its saved tensors by then (the planner counts them
+    all until its backward ends); with ``held``, the gradient bytes held at each clock beside them at the same
+    moment (they change only at the ``changes`` clocks, after the event of that clock)."""
+    out: dict[str, int] = {}
+    for start, end, name in line.spans:
+        out[name] = max(out.get(name, 0), _most_between(line.records, start, end, held, changes))
     return out
 
 
-def _most_between(records: list, start: int, end: int) -> int:
-    """The most bytes of ``records`` alive at once in ``[start, end)`` less the saved activations alive at ``start``."""
-    alive = [(r, saved) for r, saved in records if r.created <= start and (r.freed is None or r.freed > start)]
-    live = sum(r.nbytes for r, _ in alive)
-    saved_at_start = sum(r.nbytes for r, saved in alive if saved)
-    events = sorted([(r.created, r.nbytes) for r, _ in records if start < r.created < end]
-                    + [(r.freed, -r.nbytes) for r, _ in records if r.freed is not None and start < r.freed < end])
+def _most_between(records: list, start: int, end: int, held: Optional[Callable[[int], int]] = None,
+                  changes: Sequence[int] = ()) -> int:
+    """The most bytes of ``records`` (and ``held``) alive at once in ``[start, end)`` less the saved activations
+    alive at ``start``."""
+    alive = [(n, saved) for created, freed, n, saved in records
+             if created <= start and (freed is None or freed > start)]
+    live = sum(n for n, _ in alive)
+    saved_at_start = sum(n for n, saved in alive if saved)
+    events = sorted([(created, 0, n) for created, _, n, _ in records if start < created < end]
+                    + [(freed, 0, -n) for _, freed, n, _ in records if freed is not None and start < freed < end]
+                    + ([(c, 1, held(c + 1) - held(c)) for c in changes if start <= c < end] if held else []))
+    live += held(start) if held else 0
     most = live
-    for _, delta in events:
+    for _, _, delta in events:
         live += delta
         most = max(most, live)
     return most - saved_at_start
 
 
-__all__ = ["measure", "watch"]
+__all__ = ["Timeline", "measure", "timeline", "watch"]

@@ -24,7 +24,7 @@ import torch
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
-from xirang_ds.memory.categories import ACTIVATIONS, TEMPORARIES
+from xirang_ds.memory.categories import ACTIVATIONS, GRADIENTS, TEMPORARIES
 from xirang_ds.memory.device_profile import DeviceProfile
 from xirang_ds.plugins.activations import layer_temporaries
 from xirang_ds.plugins.activations.head_loss import CHUNK
@@ -164,7 +164,8 @@ def profile_trace(plugin: Any, model: torch.nn.Module, tracker: Any, free: list[
         for wrapper in wrappers:
             wrapper.remove()
         plugin.trace_profiles = rt.profiler.combined()
-        plugin.trace_layer_temporaries = layer_temporaries.measure(tracker, marks)
+        plugin.trace_layer_timeline = layer_temporaries.timeline(tracker, marks)
+        plugin.trace_layer_temporaries = layer_temporaries.measure(plugin.trace_layer_timeline)
 
 
 def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str], streams: bool,
@@ -197,6 +198,8 @@ def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str
     heads = frozenset(plugin.head_names)
     most_temporaries = getattr(getattr(plugin.session, "trace", None), "layer_temporaries", 0)
     own = getattr(plugin, "trace_layer_temporaries", None) or {}  # each candidate's (`layer_temporaries`)
+    inputs = getattr(getattr(plugin.session, "trace", None), "inputs", 0)
+    own_and_held = _layer_gradients(plugin)  # with the gradients held beside them, where a plugin holds them its way
     for _ in range(PLAN_ROUNDS):
         try:
             out.budget_bytes, out.choices, _ = plan_within(c, budget, total, profiles, out.other_bytes, tree)
@@ -209,6 +212,8 @@ def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str
         # the worst layer with its own temporaries (else the most any layer holds, beside the most saved)
         with_own = estimate_peak(roots, _past_heads(out.choices, heads, own), before, 0)[1] if own else \
             layers_worst + most_temporaries
+        with_held = estimate_peak(roots, _past_heads(out.choices, heads, own_and_held), before, 0)[1] \
+            if own and own_and_held else None
         adjusted = {}
         for phase, cats in phases.items():
             cats = dict(cats)
@@ -228,7 +233,10 @@ def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str
             if phase == "backward" and saved:
                 # the plan moves backward's worst point from the trace's into a layer: there, its gradient
                 # temporaries beside what the plan keeps (and brings back) up to that layer
-                layer = {**cats, ACTIVATIONS: worst, TEMPORARIES: max(0, with_own - worst)}
+                # (and the batch, which the layers' temporaries leave out)
+                layer = {**cats, ACTIVATIONS: worst, TEMPORARIES: max(0, with_own - worst) + inputs}
+                if with_held is not None:  # its gradients at the worst layer in place of those at the trace's peak
+                    layer[GRADIENTS] = max(0, with_held - with_own)
                 at = max(at, layer, key=lambda c: sum(v for k, v in c.items() if k != HOST))
             adjusted[phase] = at
         # the rest was taken at its own peaks with the heads' whole loss left out: where the planned phases still
@@ -244,6 +252,28 @@ def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str
                       out.budget_bytes)
     out.added_s = sum(choice.added_s for choice in out.choices.values())
     return adjusted, out
+
+
+def _layer_gradients(plugin: Any) -> dict[str, int]:
+    """Each candidate's most bytes at once while its backward runs, its temporaries and the gradients held beside
+    them, where a plugin of the session holds gradients its own way (its ``estimate_gradients_held``: the bytes
+    once the trace's gradients so far are taken, `xirang_ds.memory.trace.Trace.arrived`); empty where none does."""
+    held = next((p.estimate_gradients_held for p in plugin.session.plugins
+                 if getattr(p, "estimate_gradients_held", None) is not None), None)
+    trace = getattr(plugin.session, "trace", None)
+    line = getattr(plugin, "trace_layer_timeline", None)
+    if held is None or trace is None or line is None or not getattr(trace, "grad_arrivals", None):
+        return {}
+    changes = [clock for arrivals in trace.grad_arrivals for clock, _ in arrivals]
+    cache: dict[tuple, int] = {}
+
+    def at(clock: int) -> int:
+        arrived = tuple(trace.arrived(clock))
+        if arrived not in cache:
+            cache[arrived] = held(list(arrived))
+        return cache[arrived]
+
+    return layer_temporaries.measure(line, at, changes)
 
 
 def _past_heads(choices: dict, heads: frozenset, own: Optional[dict] = None) -> dict:

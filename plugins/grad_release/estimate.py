@@ -8,6 +8,7 @@ of its own: the activation planner adjusts the rest of backward and leaves that 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Optional
 
@@ -15,10 +16,11 @@ import torch
 
 from xirang_ds.compat.torch import GRAD_DTYPE_SETTABLE
 from xirang_ds.config.types import format_bytes
-from xirang_ds.memory.categories import GRADIENTS, OPTIMIZER_STATES, PARAMETERS
+from xirang_ds.memory.categories import ACTIVATIONS, GRADIENTS, OPTIMIZER_STATES, PARAMETERS, TEMPORARIES
 from xirang_ds.memory.model_states import BACKWARD_END, BACKWARD_START, STEP_PREPARE, adam_temporaries
 from xirang_ds.plugins.grad_release.embedding_rows import plain
 from xirang_ds.plugins.grad_release.layout import plan_buckets
+from xirang_ds.plugins.grad_release.optimizers import leaves_foreach_in_config
 from xirang_ds.plugins.grad_release.rows import owners as rows_owners
 from xirang_ds.plugins.grad_release.states_tier import HOST_NOTE, STASH_NOTE
 from xirang_ds.plugins.grad_release.stochastic import CHUNK_NUMEL
@@ -86,7 +88,13 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
     # chunk at a time (4 bytes an element), the gradient freed by then
 
     piece = min(shard, math.ceil(max(numels) / world))
-    adam = adam_temporaries(shape, [piece] if shape.adam_impl == "single_tensor" else [shard])
+    # torch's Adam left to choose runs each bucket's clone on the multi-tensor path, whatever the device
+    # (`optimizers.leaves_foreach_in_config`): one sqrt over the bucket shard's pieces at once
+    impl = shape.adam_impl
+    if impl == "single_tensor" and plugin.session.state_quantizer is None and \
+            leaves_foreach_in_config(plugin.session.ds_config):
+        impl = "foreach"
+    adam = adam_temporaries(dataclasses.replace(shape, adam_impl=impl), [piece] if impl == "single_tensor" else [shard])
     # the stochastic rounding: the master, the 16-bit shard and a chunk's noise (`stochastic.round_`,
     # `remainders.round8_`)
     rounded = 6 * shard + 4 * min(shard, CHUNK_NUMEL)
@@ -107,10 +115,18 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
     def made(name: str) -> int:
         return max(0, phases[name].get(GRADIENTS, 0) - carried)
 
+    trace = getattr(plugin.session, "trace", None)
+    traced = trace.backward_by_category if trace is not None and trace.backward_sweeps else None
+
     def held(parked: bool, stash: bool) -> dict:
         out = {}
         rows = rows_held(stash)
         whole = max(largest_whole, rows)
+        # what the buckets hold once these gradients have been taken (the trace holds the one being made)
+        plugin.estimate_gradients_held = lambda arrived: accum + _held_after(
+            arrived, numels, planned, buffers, world, comm_bytes, overlap, rows, holds_shard and not stash)
+        # backward's worst point with the buckets' holding: where the trace's own bytes and it are the most together
+        point = trace.most_beside(plugin.estimate_gradients_held) if traced is not None else None
         for name, cats in phases.items():
             cats = dict(cats)
             cats[PARAMETERS] = lp * total + masters
@@ -118,11 +134,16 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
             cats[GRADIENTS] = accum
             cats["comm_buffers"] = 0
             if name == "backward":
-                # mid-backward, at the traced run's highest point there (the activations still alive
-                # then): the buckets in flight and the largest gradient made whole before its hook
-                # (`whole`), but no more than the traced run's own gradients made there: where DeepSpeed
-                # has made none yet (the point is before the first gradient), no bucket has been filled
+                # mid-backward (the activations still alive): the point of the traced backward where its
+                # activations and temporaries and what the buckets hold once the gradients taken by then are
+                # taken are the most together (the gradient autograd is making, whole before its hook, is among
+                # the trace's temporaries). Without a trace (`estimate_states`): the largest pair of buckets in
+                # flight and the largest gradient made whole, no more than the gradients made there
                 cats[GRADIENTS] = accum + min(in_flight + whole, made(name))
+                if point is not None:
+                    _, own, cats[GRADIENTS] = point
+                    for c in (ACTIVATIONS, TEMPORARIES):  # the trace's peak's own bytes for that point's
+                        cats[c] = cats.get(c, 0) - traced.get(c, 0) + own.get(c, 0)
                 # early in backward, before the first bucket is full, the activations are all there
                 # with the loss's gradient temporaries; at its end the activations are gone, buckets
                 # are in flight and updating, and the held shard (if any) is whole: a phase of its own,
@@ -180,6 +201,33 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
     plugin.estimate_plan = {"states": "host" if why is not None or parked else "device", "why": why,
                             "state_bytes": states, "stashes_shard": bool(holds_shard and stash)}
     return out
+
+
+def _held_after(arrived: list[int], numels: list[int], planned: list[list[int]], buffers: list[int], world: int,
+                comm_bytes: int, overlap: bool, rows: int, holds: bool) -> int:
+    """The gradient bytes the buckets hold mid-backward once the gradients ``arrived`` (indices into ``numels``,
+    registration order) have been taken (`pipeline.ReleasePipeline`): every bucket that has some of its
+    gradients and is not launched, its buffer (a bucket by rows: its rows' share, ``rows``); the buckets launched
+    in order as each completes, the last one still reducing (its buffer and its reduced shard) while
+    ``overlap``; with ``holds`` the reduced shards of those completed before it. A gradient autograd is making
+    (whole, before its hook) is not in it: the trace holds that one."""
+    last = len(numels) - 1
+    got = {last - i for i in arrived}  # positions in launch order (reverse registration)
+    launched = 0
+    while launched < len(planned) and all(i in got for i in planned[launched]):
+        launched += 1
+    total = 0
+    for b, indices in enumerate(planned):
+        shard = sum(math.ceil(numels[last - i] / world) for i in indices)
+        buffer = comm_bytes * buffers[b] if buffers[b] else rows
+        reduced = comm_bytes * shard if world > 1 else 0  # unsharded, the buffer is reduced in place
+        if b >= launched:
+            total += buffer if any(i in got for i in indices) else 0
+        elif b == launched - 1 and overlap:
+            total += buffer + reduced
+        elif holds:
+            total += comm_bytes * shard
+    return total
 
 
 def _buckets(order: list[int], planned: list[list[int]], world: int,

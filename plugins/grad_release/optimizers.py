@@ -119,6 +119,17 @@ def _leaves_foreach_to_torch(optimizer: torch.optim.Optimizer, groups: Sequence[
     return not any(g.get("differentiable") or g.get("fused") or g.get("capturable") for g in groups)
 
 
+def leaves_foreach_in_config(ds_config: dict) -> bool:
+    """Whether the ds_config's optimizer is one `_leaves_foreach_to_torch` takes (before it is built: the
+    estimate): torch's Adam or AdamW (``torch_adam``) with none of ``foreach``, ``fused``, ``capturable``,
+    ``differentiable`` set, which each bucket's clone then steps on the multi-tensor path."""
+    opt = ds_config.get("optimizer") or {}
+    params = opt.get("params") or {}
+    return (str(opt.get("type", "")).lower() in ("adam", "adamw") and bool(params.get("torch_adam"))
+            and params.get("foreach") is None
+            and not any(params.get(k) for k in ("fused", "capturable", "differentiable")))
+
+
 def hyperparameters(group: dict) -> dict:
     """A param group without its ``params``."""
     return {k: v for k, v in group.items() if k != "params"}

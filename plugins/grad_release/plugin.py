@@ -81,6 +81,8 @@ class GradReleasePlugin(StatesTier, Plugin):
         self.stash_chosen = False  # exact_method auto: the held shard in host memory (`states_tier.StatesTier`)
         self.estimate_note: Optional[str] = None  # what adjust_estimate chose for the states (the estimate's notes)
         self.estimate_plan: Optional[dict] = None  # the same as a record (`Estimate.plans`)
+        # the gradient bytes its buckets hold mid-backward once given gradients are taken (set by the estimate)
+        self.estimate_gradients_held: Optional[Callable[[list], int]] = None
 
     @classmethod
     def check_ds_config(cls, config: GradReleaseConfig, ds_config: dict) -> list[tuple[str, str]]:

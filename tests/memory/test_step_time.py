@@ -74,7 +74,7 @@ def test_what_the_block_adds_is_priced_by_its_plugins():
     """Under a budget the plan offloads (the plan's own seconds, every micro-step) and grad_release keeps the
     optimizer states in host memory (their bytes there and back over the host link); what a plugin cannot price
     is named."""
-    block = {"preset": "conservative", "memory_budget": 1_850_000}
+    block = {"preset": "conservative", "memory_budget": 2_000_000}
     config = {**CONFIG, "gradient_accumulation_steps": 2}
     est = estimate_spec("gpt-tiny", {**config, "xirang": block}, 2, "cuda", device_profile=PROFILES["h100"])
     plan = est.plans["activations"]

@@ -21,6 +21,7 @@ from xirang_ds.memory.device_profile import OpTally
 from xirang_ds.memory.categories import COMM_BUFFERS, GRADIENTS, PARAMETERS, TEMPORARIES
 from xirang_ds.memory.run_shape import EstimateError, RunShape, fullest_rank
 from xirang_ds.memory.storages import tensors_in
+from xirang_ds.memory.sweep import Sweep, most_beside, record_sweep
 from xirang_ds.roles import ChangesTrace
 
 
@@ -49,6 +50,11 @@ class Trace:
             loss keeps for backward is not in the activations.
         ops: the ops of one micro-step's forward and backward (the engine's emulated gradient handling
             included), counted to be priced by a device profile (`xirang_ds.planning.step_time`).
+        grad_arrivals: per micro-step, ``(clock, index)`` of each gradient hook on the tracker's clock, in the
+            order autograd finished them (``index`` into ``param_numels``): where in backward each gradient
+            was taken, so that a plugin that holds gradients its own way can say what it holds at any point.
+        backward_clocks: the tracker's clock as each micro-step's backward started.
+        backward_sweeps: per micro-step, its backward's own bytes step by step (`xirang_ds.memory.sweep`).
     """
 
     forward_peak: int
@@ -63,6 +69,24 @@ class Trace:
     accumulates: bool = False
     loss_outside: bool = False
     ops: Optional[OpTally] = None
+    grad_arrivals: list[list[tuple[int, int]]] = field(default_factory=list)
+    backward_clocks: list[int] = field(default_factory=list)
+    backward_sweeps: list[Sweep] = field(default_factory=list)
+
+    def arrived(self, clock: int) -> list[int]:
+        """The indices (into ``param_numels``) of the gradients hooked in the backward that ``clock`` is in,
+        before ``clock``, in their order."""
+        micro = max((i for i, start in enumerate(self.backward_clocks) if start <= clock), default=None)
+        if micro is None or micro >= len(self.grad_arrivals):
+            return []
+        return [index for at, index in self.grad_arrivals[micro] if at < clock]
+
+    def most_beside(self, held: Callable[[list[int]], int]) -> Optional[tuple[int, dict, int]]:
+        """The point of backward where its own bytes (activations, temporaries) and ``held(arrived)`` are the
+        most together, over the micro-steps (`sweep.most_beside`): ``(total, own by category, held)``; ``None``
+        without sweeps."""
+        points = [most_beside(s, a, held) for s, a in zip(self.backward_sweeps, self.grad_arrivals)]
+        return max(points, key=lambda p: p[0], default=None)
 
 
 class _EngineEmulation:
@@ -81,12 +105,22 @@ class _EngineEmulation:
         self.backward_starts: list[Any] = []  # its report at the micro-step's first gradient
         self.layers: Any = None  # a tracker window opened at that first gradient, to the end of backward
         self.layer_temporaries = 0  # the most temporaries it saw (`Trace.layer_temporaries`)
+        self.index = {id(p): i for i, p in enumerate(params)}
+        self.arrivals: list[list[tuple[int, int]]] = []  # `Trace.grad_arrivals`
+        self.backward_clocks: list[int] = []
         rank = fullest_rank(shape, [p.numel() for p in params])
         self.partition_numel = rank.numel
         self.in_partition = {id(params[i]) for i in rank.params}
 
+    def start_backward(self) -> None:
+        """A micro-step's backward starts (`Trace.backward_clocks`)."""
+        self.backward_start = self.tracker.open_window()
+        self.backward_clocks.append(self.tracker.clock)
+        self.arrivals.append([])
+
     def hook(self, param: torch.Tensor) -> None:
         shape = self.shape
+        self.arrivals[-1].append((self.tracker.clock, self.index[id(param)]))
         if self.backward_start is not None:  # the first gradient: what backward held before the engine acts
             self.backward_starts.append(self.backward_start.report())
             self.backward_start = None
@@ -203,6 +237,7 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
         tracker.seed(model.parameters(), PARAMETERS)
         tracker.seed(batch, TEMPORARIES)
         base = tracker.live_bytes
+        seeded, sweeps = tracker.clock, []
         applied = contextlib.ExitStack()
         changing = [p for p in (session.plugins if session is not None else ()) if isinstance(p, ChangesTrace)]
         for plugin in changing:
@@ -239,7 +274,7 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
                 if fwd_report is None or report.peak_bytes >= fwd_report.peak_bytes:
                     fwd_report = report
                 bwd = tracker.open_window()
-                emu.backward_start = tracker.open_window()
+                emu.start_backward()
                 loss.backward()
                 emu.end_backward()
                 tracker.on_op = None
@@ -247,6 +282,7 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
                 report = bwd.report()
                 if bwd_report is None or report.peak_bytes >= bwd_report.peak_bytes:
                     bwd_report = report
+                sweeps.append(record_sweep(tracker, emu.backward_clocks[-1], tracker.clock, seeded))
         for h in handles:
             h.remove()
     batch_bytes = sum(t.numel() * t.element_size() for t in batch if t.device.type == "cpu")
@@ -263,4 +299,5 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
                  backward_peak=bwd_report.peak_bytes - base, backward_by_category=above(bwd_report),
                  backward_start_by_category=above(start), forward_by_category=above(fwd_report), inputs=batch_bytes,
                  param_numels=[p.numel() for p in params], accumulates=micro_steps > 1, loss_outside=outside,
-                 ops=ops, layer_temporaries=max(0, emu.layer_temporaries - batch_bytes))
+                 ops=ops, layer_temporaries=max(0, emu.layer_temporaries - batch_bytes), grad_arrivals=emu.arrivals,
+                 backward_clocks=emu.backward_clocks, backward_sweeps=sweeps)

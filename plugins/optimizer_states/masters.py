@@ -13,7 +13,8 @@ nearest even, what the remainders assume) and dropped the gradient (``_release_s
 parked again. So at most one sub-group's master is whole at a time, and training is the one with
 fp32 masters, bit for bit, whatever the basic optimizer. With ``masters: none`` (lossy) nothing is
 kept: parking rounds the master stochastically into the bf16 partition (grad_release's
-``stochastic.round_``) in place of DeepSpeed's round-to-nearest, and the next update starts from the
+``stochastic.round_``, counter-based noise; an eager pass after DeepSpeed's update, not fused) in place
+of DeepSpeed's round-to-nearest, and the next update starts from the
 partition widened to fp32. With ``masters: remainders_8bit`` (not exact) parking rounds the master
 stochastically to 16 significant bits and the bf16 partition to its nearest, ties away from zero
 (grad_release's `remainders.round8_`), and keeps one byte per element (`split8`); a load's master

@@ -35,6 +35,8 @@ On the CPU Inductor emits one ``cpp_fused_*`` call per bf16 or int8 chunk and th
   tensor covers decode, Adam, encode and the rounding into the weight, with the gradient's
   ``xirang_grad_scale`` multipliers), else to nearest. Each kind of call (stochastic states, a bf16
   weight) compiles a function of its own code (`_variant`), as Dynamo keeps 8 graphs per code object.
+  ZeRO-3's ``masters: none``, whose update is DeepSpeed's, rounds in a pass of its own after it:
+  `FusedStep.round_`, one dynamic-length call per sub-group (a single loop, on the CPU too).
 * fp32 states always take the eager path: it equals ``torch.optim.AdamW`` bit for bit.
 * The eager path also runs a tensor whose step measures for the stability policy or changes format;
   a parameter neither fp32 nor bf16, or one whose ``xirang_write_back`` has no ``xirang_weight_noise``;
@@ -125,6 +127,12 @@ def whole_step(fmt: StateFormat, p: torch.Tensor, g: torch.Tensor, m_buf: Buffer
     chunk_step(fmt, p, g, m_buf, v_buf, scalars, draws, weight, grad_scales)
 
 
+def round_step(master: torch.Tensor, out: torch.Tensor, keys: torch.Tensor, start: torch.Tensor) -> None:
+    """fp32 ``master`` (flat; consumed) rounded stochastically into bf16 ``out`` (`stochastic.round_` in one
+    graph: ZeRO-3's ``masters: none``, whose update is DeepSpeed's, rounds in this pass after it)."""
+    out.copy_(stochastic_round(master, keys, start).view(torch.float32))
+
+
 def whole_tensor(device_type: str) -> bool:
     """A tensor's update is one compiled call of dynamic length on this device type (module docstring:
     not on the CPU, where chunks of a static length are faster and hold chunk-sized temporaries)."""
@@ -143,6 +151,8 @@ _KERNEL: Optional[Callable[..., None]] = None
 """`chunk_step` compiled (static shapes: Dynamo keeps one graph per format and chunk length)."""
 _WHOLE_KERNEL: Optional[Callable[..., None]] = None
 """`whole_step` compiled with dynamic shapes."""
+_ROUND_KERNEL: Optional[Callable[..., None]] = None
+"""`round_step` compiled with dynamic shapes (one call per tensor on every device: one loop, no moments)."""
 _VARIANTS: dict[tuple[str, ...], Callable[..., None]] = {}
 """The other kinds of call, compiled, by their key's tags (``draws``, a weight dtype, ``whole``)."""
 
@@ -173,6 +183,7 @@ class FusedStep:
     Attributes:
         chunks: compiled calls so far (whole tensors and chunks).
         wholes: tensors updated whole by the dynamic-length kernel so far.
+        rounds: compiled rounding passes so far (`round_`: ZeRO-3's ``masters: none``).
         eager: ``{device type: reason}`` for the devices this optimizer keeps eager.
         chunked: ``{(device type, format): reason}`` where the whole-tensor kernel failed to compile
             and tensors run in static chunks instead.
@@ -182,6 +193,7 @@ class FusedStep:
         self.setting = setting
         self.chunks = 0
         self.wholes = 0
+        self.rounds = 0
         self.eager: dict[str, str] = {}
         self.chunked: dict[tuple[str, str], str] = {}
         self._compiled: set[tuple[str, ...]] = set()
@@ -321,11 +333,41 @@ class FusedStep:
         self._compiled.add(key)
         return True
 
+    def round_(self, master: torch.Tensor, out: torch.Tensor, seed: int, offset: int = 0) -> bool:
+        """Round fp32 ``master`` (flat; consumed) stochastically into bf16 ``out`` as `stochastic.round_` does,
+        bit for bit, in one compiled call; False where the eager rounding must do it (not enabled here, a
+        dispatch mode, other dtypes, or ``auto`` failed to compile it).
+
+        Raises:
+            FusedUnavailable: ``fused: true`` and the rounding failed to compile.
+        """
+        global _ROUND_KERNEL
+        device = master.device.type
+        if not (master.dtype == torch.float32 and out.dtype == torch.bfloat16 and (device, "round") not in self.chunked
+                and self.enabled(device) and only_counters_active()):
+            return False
+        args = (master, out, noise_keys(seed, master.device), torch.tensor(offset, device=master.device))
+        try:
+            with compiled_call():
+                if _ROUND_KERNEL is None:
+                    _ROUND_KERNEL = torch.compile(round_step, dynamic=True, fullgraph=True)
+                _ROUND_KERNEL(*args)
+        except Exception as error:  # noqa: BLE001 (Dynamo and Inductor raise many kinds)
+            if self.setting is True:
+                raise FusedUnavailable(f"xirang.optimizer_states.fused: true failed to compile the stochastic "
+                                       f"rounding on {device}: {type(error).__name__}: {error}. Fix: set \"fused\": "
+                                       f"\"auto\" or false") from error
+            self.chunked[(device, "round")] = f"compiling failed ({type(error).__name__}: {error})"
+            return False
+        self.rounds += 1
+        return True
+
     def describe(self) -> str:
         """One line: how many chunks the compiled kernel updated, and why a device stays eager."""
         eager = "; ".join([f"eager on {device}: {why}" for device, why in self.eager.items()]
                           + [f"chunks on {device} ({name}): {why}" for (device, name), why in self.chunked.items()])
-        if self.chunks:
+        if self.chunks or self.rounds:
             wholes = f", {self.wholes:,} of them whole tensors" if self.wholes else ""
-            return f"fused update: {self.chunks:,} compiled call(s){wholes}" + (f" ({eager})" if eager else "")
+            rounds = f", {self.rounds:,} compiled rounding pass(es)" if self.rounds else ""
+            return f"fused update: {self.chunks:,} compiled call(s){wholes}{rounds}" + (f" ({eager})" if eager else "")
         return eager or f"fused: {self.setting!r}, no chunk updated yet"

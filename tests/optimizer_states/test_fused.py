@@ -345,3 +345,29 @@ def test_grad_release_no_master_update_is_fused_inside_deepspeed_on_2_ranks():
         assert eager["in_place"] and fused["in_place"] and eager["chunks"] == 0 and fused["chunks"] > 0
         assert max(abs(a - b) / abs(b) for a, b in zip(fused["losses"], eager["losses"])) < 1e-3
         assert (fused["params"] == eager["params"]).double().mean().item() > 0.999
+
+
+def test_zero3_no_master_rounding_is_one_compiled_call_with_the_eager_bits():
+    """ZeRO-3's ``masters: none`` (`masters.Parking`): DeepSpeed updates the master, parking rounds it into
+    the bf16 partition; with the basic optimizer's `FusedStep` enabled that pass is one compiled call of
+    any length, bit for bit the eager `stochastic.round_`."""
+    import contextlib
+
+    from xirang_ds.plugins.optimizer_states.masters import Parking
+    from xirang_ds.step_counts import count_ops
+
+    def parked(fused, numel):
+        master = torch.randn(numel, generator=torch.Generator().manual_seed(0)) * 1e-2
+        weight = master.to(torch.bfloat16)
+        parking = Parking([weight], [master], lambda category: contextlib.nullcontext(), stochastic=True)
+        parking.updates = lambda i: 3
+        parking.fused = fused
+        kernels = count_ops(lambda: parking.park(0))[1].kernels
+        return weight, kernels
+
+    step = FusedStep(True)
+    eager, eager_kernels = parked(None, 300_001)
+    fused, kernels = parked(step, 300_001)
+    assert step.rounds == 1 and torch.equal(fused.view(torch.int16), eager.view(torch.int16))
+    assert kernels == parked(step, 13 * 300_001)[1] < eager_kernels and step.rounds == 2
+    assert "2 compiled rounding pass(es)" in step.describe()

@@ -36,8 +36,8 @@ import torch
 CHUNK_NUMEL = 1 << 18
 """Elements rounded per pass: the noise's temporaries (`NOISE_BYTES` an element) are this large."""
 NOISE_BYTES = 24
-"""Bytes an element of a chunk the noise takes at its peak: three int64 temporaries of `random_bits`
-(``tests/grad_release/test_stochastic.py`` measures it)."""
+"""Bytes an element of a chunk the noise takes at its peak, at most: three int64 temporaries of
+`random_bits` (two below element 2**32 of a shard; ``tests/grad_release/test_stochastic.py`` measures it)."""
 
 _MASK32 = 0xFFFFFFFF
 _MULTIPLIERS = (0x7FEB352D, 0x846CA68B - (1 << 32))
@@ -83,7 +83,11 @@ def random_bits(keys: torch.Tensor, start: Union[int, torch.Tensor], n: int, bit
         stream: a small constant telling draws of one seed and index apart (0: the weight's).
     """
     index = torch.arange(n, dtype=torch.int64, device=keys.device).add_(start)
-    high = (index >> 32).add_(keys[1] + stream * _STREAM).bitwise_and_(_MASK32)
+    second = keys[1] + stream * _STREAM
+    if isinstance(start, int) and start + n <= 1 << 32:  # every index's high half is 0: the same value, one scalar
+        high = second.bitwise_and(_MASK32)
+    else:
+        high = (index >> 32).add_(second).bitwise_and_(_MASK32)
     x = _mix32_(index.bitwise_and_(_MASK32).bitwise_xor_(keys[0]))
     return _mix32_(x.bitwise_xor_(high)) >> (32 - bits)
 

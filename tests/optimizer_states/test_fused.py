@@ -99,7 +99,7 @@ def _optimizer_kernels(dtype, scale):
     return count_ops(opt.step)[1].optimizer_kernels
 
 
-def _train_no_master(fused, steps=4, shapes=WHOLE_SHAPES, scale=1, master=False):
+def _train_no_master(fused, steps=4, shapes=WHOLE_SHAPES, scale=1, master=False, device="cpu"):
     """bf16 weights updated as grad_release's ``masters: none`` in place has them (`masters.MasterSlices`):
     each chunk's fp32 result rounded stochastically into the weight (``xirang_write_back`` eagerly, in the
     kernel where fused, both with ``xirang_weight_noise``'s seed), gradients scaled by ``xirang_grad_scale``,
@@ -108,14 +108,14 @@ def _train_no_master(fused, steps=4, shapes=WHOLE_SHAPES, scale=1, master=False)
     from xirang_ds.plugins.grad_release.stochastic import noise_seed
 
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn((scale * s[0],) + s[1:]).to(torch.float32 if master else torch.bfloat16))
+    params = [torch.nn.Parameter(torch.randn((scale * s[0],) + s[1:]).to(device, torch.float32 if master else torch.bfloat16))
               for s in shapes]
     done = [0]
     for i, p in enumerate(params):
         if not master:
             p.xirang_weight_noise = (lambda i=i: (noise_seed(i, done[0], 0), 128 * i))
             p.xirang_write_back = MasterSlices._stochastic_write_back(p)
-        p.xirang_grad_scale = (torch.tensor(0.5), 0.25) if not master else ()
+        p.xirang_grad_scale = (torch.tensor(0.5, device=device), 0.25) if not master else ()
     opt = DynamicAdamW(params, lr=1e-3, weight_decay=0.1, states={
         "schedule": [{"dtype": "int8"}], "min_numel": 0, "chunk_numel": CHUNK, "fused": fused,
         "stochastic_rounding": True})
@@ -123,7 +123,7 @@ def _train_no_master(fused, steps=4, shapes=WHOLE_SHAPES, scale=1, master=False)
     for _ in range(steps):
         for p in params:
             g = torch.randn(p.shape, generator=gen) * torch.rand(p.shape, generator=gen).pow(8) * 1e-2
-            p.grad = (g if master else g / 0.125).to(p.dtype)
+            p.grad = (g if master else g / 0.125).to(device, p.dtype)
         opt.step()
         done[0] += 1
     return params, opt

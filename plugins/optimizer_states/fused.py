@@ -53,7 +53,7 @@ once on a long CPU run.
 from __future__ import annotations
 
 import types
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -186,7 +186,8 @@ class FusedStep:
         rounds: compiled rounding passes so far (`round_`: ZeRO-3's ``masters: none``).
         eager: ``{device type: reason}`` for the devices this optimizer keeps eager.
         chunked: ``{(device type, format): reason}`` where the whole-tensor kernel failed to compile
-            and tensors run in static chunks instead.
+            and tensors run in static chunks instead; ``(device type, "round")``: where `round_` failed
+            to compile and the rounding stays eager.
     """
 
     def __init__(self, setting: Union[bool, str]):
@@ -365,7 +366,8 @@ class FusedStep:
     def describe(self) -> str:
         """One line: how many chunks the compiled kernel updated, and why a device stays eager."""
         eager = "; ".join([f"eager on {device}: {why}" for device, why in self.eager.items()]
-                          + [f"chunks on {device} ({name}): {why}" for (device, name), why in self.chunked.items()])
+                          + [f"{'eager rounding' if name == 'round' else 'chunks'} on {device} ({name}): {why}"
+                             for (device, name), why in self.chunked.items()])
         if self.chunks or self.rounds:
             wholes = f", {self.wholes:,} of them whole tensors" if self.wholes else ""
             rounds = f", {self.rounds:,} compiled rounding pass(es)" if self.rounds else ""

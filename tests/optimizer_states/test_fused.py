@@ -371,3 +371,18 @@ def test_zero3_no_master_rounding_is_one_compiled_call_with_the_eager_bits():
     assert step.rounds == 1 and torch.equal(fused.view(torch.int16), eager.view(torch.int16))
     assert kernels == parked(step, 13 * 300_001)[1] < eager_kernels and step.rounds == 2
     assert "2 compiled rounding pass(es)" in step.describe()
+
+
+def test_a_rounding_pass_that_fails_to_compile_stays_eager_with_auto_and_raises_with_true(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(fused_module, "_ROUND_KERNEL", broken)
+    monkeypatch.setattr(FusedStep, "enabled", lambda self, device_type: self.setting is not False)
+    master, out = torch.randn(64), torch.zeros(64, dtype=torch.bfloat16)
+    auto = FusedStep("auto")
+    assert not auto.round_(master, out, seed=1) and not auto.round_(master, out, seed=1)
+    assert "eager rounding on cpu (round): compiling failed (RuntimeError: no compiler)" in auto.describe()
+    assert bool((out == 0).all())  # nothing written: the caller's eager rounding does it
+    with pytest.raises(FusedUnavailable, match="failed to compile the stochastic rounding on cpu"):
+        FusedStep(True).round_(master, out, seed=1)

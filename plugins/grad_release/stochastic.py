@@ -35,9 +35,9 @@ import torch
 
 CHUNK_NUMEL = 1 << 18
 """Elements rounded per pass: the noise's temporaries (`NOISE_BYTES` an element) are this large."""
-NOISE_BYTES = 24
-"""Bytes an element of a chunk the noise takes at its peak, at most: three int64 temporaries of
-`random_bits` (two below element 2**32 of a shard; ``tests/grad_release/test_stochastic.py`` measures it)."""
+NOISE_BYTES = 16
+"""Bytes an element of a chunk the noise takes at its peak: two int64 temporaries of `random_bits`
+(three, 24 bytes, past element 2**32 of a shard; ``tests/grad_release/test_stochastic.py`` measures both)."""
 
 _MASK32 = 0xFFFFFFFF
 _MULTIPLIERS = (0x7FEB352D, 0x846CA68B - (1 << 32))

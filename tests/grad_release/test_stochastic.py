@@ -82,11 +82,11 @@ def test_the_noise_temporaries_are_noise_bytes_an_element_of_a_chunk():
     before = tracker.live_bytes
     with tracker:
         round_(master, out, seed=1)
-    assert 16 * CHUNK_NUMEL <= tracker.peak_bytes - before <= NOISE_BYTES * CHUNK_NUMEL + 4096  # two int64 below 2**32
+    assert NOISE_BYTES * CHUNK_NUMEL <= tracker.peak_bytes - before <= NOISE_BYTES * CHUNK_NUMEL + 4096  # two int64
     master, out = torch.randn(CHUNK_NUMEL), torch.empty(CHUNK_NUMEL, dtype=torch.bfloat16)
     tracker = MemoryTracker("cpu")
     tracker.seed([master, out], "parameters")
     before = tracker.live_bytes
     with tracker:
         round_(master, out, seed=1, offset=1 << 32)  # past 2**32: three
-    assert NOISE_BYTES * CHUNK_NUMEL <= tracker.peak_bytes - before <= NOISE_BYTES * CHUNK_NUMEL + 4096
+    assert (NOISE_BYTES + 8) * CHUNK_NUMEL <= tracker.peak_bytes - before <= (NOISE_BYTES + 8) * CHUNK_NUMEL + 4096

@@ -7,6 +7,11 @@ For each format (int8, int4, bf16) and way, three tensors (a weight, a bias-size
 smaller weight, each ending inside a block) are stepped ``--steps`` times: ``optimizer_kernels`` is
 `xirang_ds.step_counts.count_ops`' count of one step (a compiled call counts one), ``ns_per_param``
 the median step time over the parameters. The first steps (compilation) are not timed.
+
+``--no-master`` runs only the rows of issue 58's no-master update and merges them into ``--out``: int8 states
+rounded stochastically, bf16 weights updated in place and rounded stochastically (grad_release's
+``masters: none`` with optimizer_states, its ``xirang_weight_noise`` and ``xirang_write_back`` set as
+`grad_release.masters.MasterSlices` sets them), dtype ``"int8 no master"``.
 """
 from __future__ import annotations
 
@@ -30,12 +35,33 @@ WAYS = {"eager": (False, False), "compiled chunks": (True, False), "compiled who
 """Way → (``fused``, one call per tensor)."""
 
 
+NO_MASTER = "int8 no master"
+
+
+def _no_master(params: list[torch.Tensor], steps: list[int]) -> None:
+    """Make bf16 ``params`` grad_release's in-place ``masters: none`` views: rounded stochastically with the
+    noise of a bucket's seed at step ``steps[0]``."""
+    from xirang_ds.plugins.grad_release.masters import MasterSlices
+    from xirang_ds.plugins.grad_release.stochastic import noise_seed
+
+    for i, p in enumerate(params):
+        p.xirang_weight_noise = lambda i=i: (noise_seed(i, steps[0], 0), 0)
+        p.xirang_write_back = MasterSlices._stochastic_write_back(p)
+
+
 def one(dtype: str, way: str, scale: int, steps: int) -> dict[str, Any]:
     fused, whole = WAYS[way]
     fused_module.whole_tensor = (lambda device_type: True) if whole else (lambda device_type: False)
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn((scale * s[0],) + s[1:])) for s in SHAPES]
-    opt = DynamicAdamW(params, lr=1e-3, states={"schedule": [{"dtype": dtype}], "min_numel": 0, "fused": fused})
+    no_master = dtype == NO_MASTER
+    params = [torch.nn.Parameter(torch.randn((scale * s[0],) + s[1:]).to(torch.bfloat16 if no_master else torch.float32))
+              for s in SHAPES]
+    done = [0]
+    if no_master:
+        _no_master(params, done)
+    opt = DynamicAdamW(params, lr=1e-3, states={"schedule": [{"dtype": "int8" if no_master else dtype}], "min_numel": 0,
+                                                "fused": fused, "stochastic_rounding": no_master})
+    opt.register_step_post_hook(lambda *args: done.__setitem__(0, done[0] + 1))
     for p in params:
         p.grad = torch.randn_like(p) * 1e-2
     for _ in range(2):  # states made, graphs compiled
@@ -57,10 +83,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--no-master", action="store_true", help="only the no-master rows, merged into --out")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
-    for dtype in ("int8", "int4", "bf16"):
+    for dtype in (NO_MASTER,) if args.no_master else ("int8", "int4", "bf16"):
         for way in WAYS:
             for scale in (1, 13):
                 row = one(dtype, way, scale, args.steps)
@@ -70,6 +97,12 @@ def main() -> None:
                       + (f" --out {args.out}" if args.out else ""),
            "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
            "threads": args.threads, "shapes": [list(s) for s in SHAPES], "rows": rows}
+    if args.out and args.no_master:  # the other rows as they were measured
+        with open(args.out) as f:
+            old = json.load(f)
+        old["rows"] = [r for r in old["rows"] if r["dtype"] != NO_MASTER] + rows
+        old["no_master_command"] = out["command"].replace(" --out", " --no-master --out")
+        out = old
     if args.out:
         write_json(out, args.out)
 

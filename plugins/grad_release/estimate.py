@@ -23,7 +23,7 @@ from xirang_ds.plugins.grad_release.layout import plan_buckets
 from xirang_ds.plugins.grad_release.optimizers import leaves_foreach_in_config
 from xirang_ds.plugins.grad_release.rows import owners as rows_owners
 from xirang_ds.plugins.grad_release.states_tier import HOST_NOTE, STASH_NOTE
-from xirang_ds.plugins.grad_release.stochastic import CHUNK_NUMEL
+from xirang_ds.plugins.grad_release.stochastic import CHUNK_NUMEL, NOISE_BYTES
 
 
 def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Optional[dict]:
@@ -85,7 +85,7 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
     # master rebuilt from a 16-bit copy of its weights (freed once joined; ``none``: widened in
     # place), then the optimizer over the parameters' pieces, one at a time for torch's
     # single-tensor Adam; ``none`` then rounds the master into the 16-bit shard, the noise a
-    # chunk at a time (4 bytes an element), the gradient freed by then
+    # chunk at a time (`stochastic.NOISE_BYTES` an element), the gradient freed by then
 
     piece = min(shard, math.ceil(max(numels) / world))
     # torch's Adam left to choose runs each bucket's clone on the multi-tensor path, whatever the device
@@ -97,15 +97,16 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
     adam = adam_temporaries(dataclasses.replace(shape, adam_impl=impl), [piece] if impl == "single_tensor" else [shard])
     # the stochastic rounding: the master, the 16-bit shard and a chunk's noise (`stochastic.round_`,
     # `remainders.round8_`)
-    rounded = 6 * shard + 4 * min(shard, CHUNK_NUMEL)
+    rounded = 6 * shard + NOISE_BYTES * min(shard, CHUNK_NUMEL)
     update = {"fp32": 4 * shard + adam, "remainders": max(10 * shard, 8 * shard + adam),
               "remainders_8bit": max(10 * shard, 8 * shard + adam, rounded),
               "none": max(8 * shard + adam, rounded)}[kind]
     quantizer = plugin.session.state_quantizer
     if kind == "none" and quantizer is not None and GRAD_DTYPE_SETTABLE:
         # in place (masters.py): DynamicAdamW's chunk in fp32 (parameter, gradient, two moments:
-        # 16 bytes an element) and the rounding's noise (4), nothing per shard
-        update = 20 * min(shard, quantizer.config.chunk_numel)
+        # 16 bytes an element) and the rounding's noise (`stochastic.NOISE_BYTES`), nothing per shard
+        chunk = min(shard, quantizer.config.chunk_numel)
+        update = 16 * chunk + NOISE_BYTES * min(chunk, CHUNK_NUMEL)
     order = list(reversed(numels))  # the largest bucket's states, of the buckets `plan_buckets` makes
     fetched = max(math.ceil(states * sum(math.ceil(order[i] / world) for i in b) / part) for b in planned)
     # gradients the traced run makes in this backward, above those it carries from earlier micro-steps

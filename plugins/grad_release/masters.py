@@ -24,7 +24,7 @@ from xirang_ds.memory.categories import PARAMETERS
 from xirang_ds.plugins.grad_release.layout import Piece
 from xirang_ds.plugins.grad_release.optimizers import clone_optimizer, hyperparameters
 from xirang_ds.plugins.grad_release.remainders import join, join8, round8_, split, split8, tie_bytes
-from xirang_ds.plugins.grad_release.stochastic import chunk_seed, noise_seed, round_
+from xirang_ds.plugins.grad_release.stochastic import noise_seed, round_
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,8 @@ class MasterSlices:
                 if self.in_place:
                     for piece, view in zip(self.pieces, self.views):
                         allow_any_grad_dtype(view)  # the bucket's fp32 gradient on the bf16 weight
-                        view.xirang_write_back = self._stochastic_write_back(piece, view)
+                        view.xirang_weight_noise = self._weight_noise(piece)  # what the fused update rounds with
+                        view.xirang_write_back = self._stochastic_write_back(view)
             else:
                 self.master = torch.zeros(self.layout.shard_numel, dtype=torch.float32,
                                           device=self.params[0].device)
@@ -172,16 +173,23 @@ class MasterSlices:
         for piece in self.pieces:
             self._param_slice(piece).reshape(-1).copy_(weight[piece.offset:piece.offset + piece.numel])
 
-    def _stochastic_write_back(self, piece: Piece, view: torch.Tensor):
-        """``view``'s ``xirang_write_back`` (in-place ``none``): an updated fp32 chunk rounded
-        stochastically into the weight, its noise a function of the bucket, the step, the rank and
-        the chunk's place in the shard (stage 0's ranks draw alike; a resumed run draws the same)."""
-        flat = view.view(-1)
+    def _weight_noise(self, piece: Piece):
+        """``xirang_weight_noise`` of ``piece``'s view (in-place ``none``): ``() -> (seed, offset)``, the
+        noise of its stochastic rounding now, a function of the bucket, the step and the rank
+        (`stochastic.noise_seed`: stage 0's ranks draw alike; a resumed run draws the same), and the
+        piece's place in the shard, the index of its element 0 (`stochastic.random_bits`)."""
         rank = self.comm.rank if self.sharded else 0
+        return lambda: (noise_seed(self.index, self.steps_applied, rank), piece.offset)
+
+    @staticmethod
+    def _stochastic_write_back(view: torch.Tensor):
+        """``view``'s ``xirang_write_back`` (in-place ``none``, eager update): an updated fp32 chunk at
+        ``start`` rounded stochastically into the weight with the noise of its ``xirang_weight_noise``."""
+        flat = view.view(-1)
 
         def write_back(values: torch.Tensor, start: int) -> None:
-            seed = chunk_seed(noise_seed(self.index, self.steps_applied, rank), piece.offset + start)
-            round_(values, flat[start:start + values.numel()], seed)
+            seed, offset = view.xirang_weight_noise()
+            round_(values, flat[start:start + values.numel()], seed, offset + start)
 
         return write_back
 

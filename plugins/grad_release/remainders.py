@@ -113,10 +113,10 @@ def round8_(master: torch.Tensor, out: torch.Tensor, seed: int) -> None:
     """Round fp32 ``master`` (flat; overwritten) stochastically to 16 significant bits and write its bf16
     rounding half away from zero into ``out`` (bf16, flat, same numel): the pair `split8` keeps.
 
-    The noise comes from a generator seeded with ``seed`` (`stochastic.noise_seed`), a chunk of
+    The noise is counter-based under ``seed`` (`stochastic.noise_seed`, `stochastic.random_bits`), a chunk of
     `stochastic.CHUNK_NUMEL` elements at a time; infinities stay, a NaN becomes the canonical one
     (whose low half is zero); the largest finite numbers can round to infinity, as to nearest."""
-    for start, part, noise in rounded_chunks(master, seed, low_bits=8):  # 4 bytes an element of a chunk
+    for start, part, noise in rounded_chunks(master, seed, low_bits=8):  # NOISE_BYTES an element of a chunk
         half = noise.fill_(_HALF).add_(part).bitwise_and_(_HIGH_HALF)  # half away from zero
         out[start:start + part.numel()].copy_(half.view(torch.float32))  # exact: the low half is zero
 

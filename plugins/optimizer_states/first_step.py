@@ -49,7 +49,7 @@ def first_update(opt: Any, p: torch.Tensor, state: dict, hyper: AdamHyper) -> No
     formats = [opt._format(name) for name in names]
     outs = [{k: v for m in MOMENTS for k, v in fmt.zeros(m, p.numel(), p.device, opt._empty()).items()}
             for fmt in formats]
-    generator = opt._rounding(p, 1)
+    draws = opt._rounding(p, 1)
     flat_p, flat_g = flat_view(p), flat_view(p.grad)
     n = flat_p.numel()
     chunk = math.lcm(opt.config.chunk_numel, *(fmt.block_size for fmt in formats))
@@ -58,8 +58,8 @@ def first_update(opt: Any, p: torch.Tensor, state: dict, hyper: AdamHyper) -> No
         end = min(n, start + chunk)
         m, v = _first_moments(p, flat_p, flat_g, start, end, hyper, update=True)
         for i, fmt in enumerate(formats):
-            fmt.encode("exp_avg", m.clone(), outs[i], start, generator)
-            fmt.encode("exp_avg_sq", v.clone(), outs[i], start, generator)
+            fmt.encode("exp_avg", m.clone(), outs[i], start, draws)
+            fmt.encode("exp_avg_sq", v.clone(), outs[i], start, draws)
             du, u = update_error((m, v.clone()), fmt, outs[i], start, end, hyper.eps)  # it takes v's root in place
             sums[i, 0] += du
             sums[i, 1] += u

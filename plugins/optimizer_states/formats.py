@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
+from xirang_ds.plugins.grad_release.stochastic import random_bits
 from xirang_ds.plugins.optimizer_states.config import STATE_DTYPE_ORDER
 from xirang_ds.plugins.optimizer_states.qmaps import (
     FIRST_MOMENT_4BIT,
@@ -32,6 +33,25 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 """State keys of Adam's moments, as ``torch.optim.AdamW`` names them."""
 
 Buffers = dict[str, torch.Tensor]
+
+
+class Draws(NamedTuple):
+    """Stochastic rounding's noise for a tensor's states (counter-based: `stochastic.random_bits`): value
+    ``j`` of a chunk encoded at ``start`` draws element ``offset + start + j``'s bits under ``keys``, in
+    one stream per moment, so the draws do not depend on the chunking, eager or compiled.
+
+    Attributes:
+        keys: `stochastic.noise_keys` of the optimizer's seed and the step.
+        offset: the index of the tensor's element 0 (an int; a 0-d int64 tensor in a compiled graph).
+    """
+
+    keys: torch.Tensor
+    offset: Union[int, torch.Tensor]
+
+    def bits(self, moment: str, start: int, n: int, bits: int) -> torch.Tensor:
+        """``n`` uniform ``bits``-bit integers (int64) of ``moment``'s values from ``start`` on."""
+        return random_bits(self.keys, self.offset + start, n, bits, stream=1 + MOMENTS.index(moment))
+
 Empty = Callable[[int, torch.dtype, torch.device], torch.Tensor]
 """``empty(numel, dtype, device)``: where quantized buffers are allocated (the memory pool)."""
 
@@ -64,11 +84,11 @@ class StateFormat(abc.ABC):
 
     @abc.abstractmethod
     def encode(self, moment: str, values: torch.Tensor, buffers: Buffers, start: int,
-               generator: Optional[torch.Generator] = None) -> None:
+               draws: Optional[Draws] = None) -> None:
         """Store fp32 ``values`` as elements ``[start, start + len)``; ``values`` may be consumed.
 
         Args:
-            generator: draws for stochastic rounding; ``None`` rounds to nearest.
+            draws: the noise of stochastic rounding; ``None`` rounds to nearest.
         """
 
     def keys(self, moment: str) -> tuple[str, ...]:
@@ -103,7 +123,7 @@ class Fp32Format(StateFormat):
         return buffers[moment].view(-1)[start:end]  # torch.optim.AdamW keeps the parameter's shape
 
     def encode(self, moment: str, values: torch.Tensor, buffers: Buffers, start: int,
-               generator: Optional[torch.Generator] = None) -> None:
+               draws: Optional[Draws] = None) -> None:
         dst = buffers[moment].view(-1)[start:start + values.numel()]
         if dst.data_ptr() != values.data_ptr():
             dst.copy_(values)
@@ -121,17 +141,15 @@ class Bf16Format(StateFormat):
         return buffers[moment].view(-1)[start:end].float()
 
     def encode(self, moment: str, values: torch.Tensor, buffers: Buffers, start: int,
-               generator: Optional[torch.Generator] = None) -> None:
+               draws: Optional[Draws] = None) -> None:
         dst = buffers[moment].view(-1)[start:start + values.numel()]
-        if generator is None:
+        if draws is None:
             dst.copy_(values)
             return
         # Stochastic rounding to bf16: add uniform noise below the kept 16 bits, then truncate
         # (torchao's _fp32_to_bf16_sr does the same with a select).
         bits = values.view(torch.int32)
-        noise = torch.randint(0, 1 << 16, values.shape, generator=generator, device=values.device,
-                              dtype=torch.int32)
-        bits.add_(noise).bitwise_and_(-65536)
+        bits.add_(draws.bits(moment, start, values.numel(), 16).to(torch.int32)).bitwise_and_(-65536)
         dst.copy_(bits.view(torch.float32))
 
 
@@ -198,7 +216,7 @@ class BlockQuantFormat(StateFormat):
         return values.view(-1)[start - first * b:end - first * b]
 
     def encode(self, moment: str, values: torch.Tensor, buffers: Buffers, start: int,
-               generator: Optional[torch.Generator] = None) -> None:
+               draws: Optional[Draws] = None) -> None:
         codes_key, scales_key = self.keys(moment)
         b = self.block_size
         if start % b:
@@ -213,7 +231,9 @@ class BlockQuantFormat(StateFormat):
         first = start // b
         buffers[scales_key][first:first + blocks].copy_(scale.view(-1))
         x = x.div_(scale.clamp_(min=torch.finfo(torch.float32).tiny))
-        codes = qmap.encode(x, generator)
+        uniform = None if draws is None else draws.bits(moment, start, x.numel(), 24).to(torch.float32).mul_(
+            2.0 ** -24).view(x.shape)  # torch.rand's 24 bits
+        codes = qmap.encode(x, uniform)
         dst = buffers[codes_key]
         if self.bits == 8:
             dst[first * b:(first + blocks) * b].view(blocks, b).copy_(codes)
@@ -268,7 +288,7 @@ def update_error(reference: tuple[torch.Tensor, torch.Tensor], fmt: StateFormat,
 
 
 def encode_with_error(src: StateFormat, dst: StateFormat, buffers: dict, out: dict, numel: int, chunk: int,
-                      generator: Optional[torch.Generator], eps: float) -> float:
+                      draws: Optional[Draws], eps: float) -> float:
     """Encode the moments in ``buffers`` (format ``src``) into ``out`` (format ``dst``), ``chunk``
     elements at a time; return the relative error of the Adam update direction ``dst`` gives,
     ``|m'/(sqrt(v')+eps) - m/(sqrt(v)+eps)| / |m/(sqrt(v)+eps)|`` over the tensor (one host sync)."""
@@ -278,8 +298,8 @@ def encode_with_error(src: StateFormat, dst: StateFormat, buffers: dict, out: di
         m = src.decode("exp_avg", buffers, start, end).clone()
         v = src.decode("exp_avg_sq", buffers, start, end).clone()
         reference = (m.clone(), v.clone())
-        dst.encode("exp_avg", m, out, start, generator)
-        dst.encode("exp_avg_sq", v, out, start, generator)
+        dst.encode("exp_avg", m, out, start, draws)
+        dst.encode("exp_avg_sq", v, out, start, draws)
         du, u = update_error(reference, dst, out, start, end, eps)
         sums[0] += du
         sums[1] += u

@@ -1,4 +1,4 @@
-"""The fused update: decode, Adam and encode of a tensor (off the CPU) or a chunk as one compiled call.
+"""The fused update: decode, Adam, encode and stochastic rounding of a tensor (off the CPU) or chunk as one call.
 
 The eager update (`DynamicAdamW._run_chunks`) runs a chunk as separate ATen ops: 44 per int8 chunk,
 58 per int4 chunk and 12 per bf16 chunk besides views, each a kernel launch on a GPU. Here the same three steps,
@@ -26,11 +26,22 @@ On the CPU Inductor emits one ``cpp_fused_*`` call per bf16 or int8 chunk and th
   test bounds the difference over 6 steps: the parameters' distance from the eager run at most 2% of
   the eager run's distance from fp32 states (measured 0.1-0.5%), and at most 1% of decoded state
   elements off by more than 1e-5 relative.
+* Stochastic rounding is in the graph (issue 58): its noise is counter-based (grad_release's
+  `stochastic.random_bits`, integer tensor arithmetic of a seed and each element's index; a graph
+  cannot take a ``torch.Generator``), its keys and each call's first index tensor inputs, so the
+  states' draws (`formats.Draws`) and a bf16 weight's are the eager path's bit for bit, whatever the
+  chunking. A bf16 parameter is widened, updated and stored in the kernel: rounded stochastically
+  where it carries ``xirang_weight_noise`` (grad_release's ``masters: none`` in place: one call per
+  tensor covers decode, Adam, encode and the rounding into the weight, with the gradient's
+  ``xirang_grad_scale`` multipliers), else to nearest. Each kind of call (stochastic states, a bf16
+  weight) compiles a function of its own code (`_variant`), as Dynamo keeps 8 graphs per code object.
+  ZeRO-3's ``masters: none``, whose update is DeepSpeed's, rounds in a pass of its own after it:
+  `FusedStep.round_`, one dynamic-length call per sub-group (a single loop, on the CPU too).
 * fp32 states always take the eager path: it equals ``torch.optim.AdamW`` bit for bit.
-* The eager path also runs a tensor whose step draws stochastic rounding, measures for the
-  stability policy or changes format; a parameter that is not fp32; and any step taken under a
-  ``TorchDispatchMode`` (the memory tracker), where Dynamo does not trace; only the step counters
-  (`xirang_ds.step_counts`) are lifted for the call, which they count as one kernel.
+* The eager path also runs a tensor whose step measures for the stability policy or changes format;
+  a parameter neither fp32 nor bf16, or one whose ``xirang_write_back`` has no ``xirang_weight_noise``;
+  and any step taken under a ``TorchDispatchMode`` (the memory tracker), where Dynamo does not trace;
+  only the step counters (`xirang_ds.step_counts`) are lifted for the call, which they count as one kernel.
 
 ``fused: "auto"`` compiles on GPUs, where the eager path's launches cost most, and stays eager on
 the CPU: there each format's graph takes 4-15 s to build (and needs a C++ compiler) before the
@@ -41,17 +52,23 @@ once on a long CPU run.
 """
 from __future__ import annotations
 
+import types
 from typing import Any, Callable, Optional, Union
 
 import torch
 
 from xirang_ds.compat.torch import compile_unavailable
-from xirang_ds.plugins.optimizer_states.formats import Buffers, StateFormat
+from xirang_ds.plugins.grad_release.stochastic import noise_keys, stochastic_round
+from xirang_ds.plugins.optimizer_states.formats import Buffers, Draws, StateFormat
 from xirang_ds.plugins.optimizer_states.update import AdamHyper
 from xirang_ds.step_counts import compiled_call, only_counters_active
 
 FUSED_FORMATS = frozenset({"bf16", "int8", "int4"})
 """State formats the fused kernel updates (fp32 stays on the bit-exact eager path)."""
+
+Weight = tuple[torch.Tensor, Union[int, torch.Tensor]]
+"""A 16-bit weight's stochastic rounding in the kernel: `stochastic.noise_keys` and the index of the
+chunk's first element in the shard (`stochastic.stochastic_round`'s arguments)."""
 
 
 class FusedUnavailable(RuntimeError):
@@ -69,29 +86,51 @@ def hyper_tensor(h: AdamHyper, step: int, device: torch.device) -> torch.Tensor:
 
 
 def chunk_step(fmt: StateFormat, p: torch.Tensor, g: torch.Tensor, m_buf: Buffers, v_buf: Buffers,
-               scalars: torch.Tensor) -> None:
-    """One chunk's update in place: ``p`` (fp32), its gradient ``g`` and the moments' buffers
-    (`StateFormat.window` views), in `update.adam_chunk_`'s order of operations."""
+               scalars: torch.Tensor, draws: Optional[Draws] = None, weight: Optional[Weight] = None,
+               grad_scales: Optional[torch.Tensor] = None) -> None:
+    """One chunk's update in place: ``p``, its gradient ``g`` and the moments' buffers
+    (`StateFormat.window` views), in `update.adam_chunk_`'s order of operations.
+
+    Args:
+        p: the parameter chunk: fp32, or a 16-bit weight updated in fp32 and stored rounded
+            stochastically with ``weight``'s noise (``masters: none``), else to nearest.
+        draws: the states' stochastic rounding (`formats.Draws`, its offset the chunk's); None: nearest.
+        grad_scales: two multipliers of the gradient, in order (grad_release's unscale and clip
+            coefficients, `update.grad_chunk`; 1.0 where there is none: exact).
+    """
     decay, l2, sign, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps = scalars.unbind()
     n = p.numel()
-    g = g.float() * sign
-    g = g + l2 * p
-    p.mul_(decay)
+    g = g.float()
+    if grad_scales is not None:
+        g = g * grad_scales[0] * grad_scales[1]
+    g = g * sign
+    p32 = p if p.dtype == torch.float32 else p.float()
+    g = g + l2 * p32
+    p32.mul_(decay)
     m = fmt.decode("exp_avg", m_buf, 0, n)
     v = fmt.decode("exp_avg_sq", v_buf, 0, n)
     m.lerp_(g, one_minus_beta1)
     v.mul_(beta2).addcmul_(g, g * one_minus_beta2)
     denom = (v.sqrt() / bc2_sqrt).add_(eps)
-    p.sub_(step_size * (m / denom))
-    fmt.encode("exp_avg", m, m_buf, 0)
-    fmt.encode("exp_avg_sq", v, v_buf, 0)
+    p32.sub_(step_size * (m / denom))
+    if p32 is not p:
+        p.copy_(p32 if weight is None else stochastic_round(p32, *weight).view(torch.float32))
+    fmt.encode("exp_avg", m, m_buf, 0, draws)
+    fmt.encode("exp_avg_sq", v, v_buf, 0, draws)
 
 
 def whole_step(fmt: StateFormat, p: torch.Tensor, g: torch.Tensor, m_buf: Buffers, v_buf: Buffers,
-               scalars: torch.Tensor) -> None:
+               scalars: torch.Tensor, draws: Optional[Draws] = None, weight: Optional[Weight] = None,
+               grad_scales: Optional[torch.Tensor] = None) -> None:
     """`chunk_step` over a whole tensor (its own code object, so Dynamo caches its dynamic-length
     graphs apart from the static ones)."""
-    chunk_step(fmt, p, g, m_buf, v_buf, scalars)
+    chunk_step(fmt, p, g, m_buf, v_buf, scalars, draws, weight, grad_scales)
+
+
+def round_step(master: torch.Tensor, out: torch.Tensor, keys: torch.Tensor, start: torch.Tensor) -> None:
+    """fp32 ``master`` (flat; consumed) rounded stochastically into bf16 ``out`` (`stochastic.round_` in one
+    graph: ZeRO-3's ``masters: none``, whose update is DeepSpeed's, rounds in this pass after it)."""
+    out.copy_(stochastic_round(master, keys, start).view(torch.float32))
 
 
 def whole_tensor(device_type: str) -> bool:
@@ -100,10 +139,38 @@ def whole_tensor(device_type: str) -> bool:
     return device_type != "cpu"
 
 
+def _variant(function: Callable[..., None], tag: str) -> Callable[..., None]:
+    """``function`` with a code object of its own: Dynamo keeps at most 8 graphs per code object
+    (``recompile_limit``), so each kind of call (stochastic states, a 16-bit weight) gets its own."""
+    name = f"{function.__name__}_{tag}"
+    return types.FunctionType(function.__code__.replace(co_name=name, co_qualname=name), function.__globals__, name,
+                              function.__defaults__)
+
+
 _KERNEL: Optional[Callable[..., None]] = None
 """`chunk_step` compiled (static shapes: Dynamo keeps one graph per format and chunk length)."""
 _WHOLE_KERNEL: Optional[Callable[..., None]] = None
 """`whole_step` compiled with dynamic shapes."""
+_ROUND_KERNEL: Optional[Callable[..., None]] = None
+"""`round_step` compiled with dynamic shapes (one call per tensor on every device: one loop, no moments)."""
+_VARIANTS: dict[tuple[str, ...], Callable[..., None]] = {}
+"""The other kinds of call, compiled, by their key's tags (``draws``, a weight dtype, ``whole``)."""
+
+
+def _compiled(tags: tuple[str, ...]) -> Callable[..., None]:
+    """The compiled kernel of a kind of call (built on its first use)."""
+    global _KERNEL, _WHOLE_KERNEL
+    whole = "whole" in tags
+    if tags in ((), ("whole",)):
+        if whole and _WHOLE_KERNEL is None:
+            _WHOLE_KERNEL = torch.compile(whole_step, dynamic=True, fullgraph=True)
+        elif not whole and _KERNEL is None:
+            _KERNEL = torch.compile(chunk_step, dynamic=False, fullgraph=True)
+        return _WHOLE_KERNEL if whole else _KERNEL
+    if tags not in _VARIANTS:
+        function = _variant(whole_step if whole else chunk_step, "_".join(tags))
+        _VARIANTS[tags] = torch.compile(function, dynamic=whole, fullgraph=True)
+    return _VARIANTS[tags]
 
 
 class FusedStep:
@@ -116,24 +183,35 @@ class FusedStep:
     Attributes:
         chunks: compiled calls so far (whole tensors and chunks).
         wholes: tensors updated whole by the dynamic-length kernel so far.
+        rounds: compiled rounding passes so far (`round_`: ZeRO-3's ``masters: none``).
         eager: ``{device type: reason}`` for the devices this optimizer keeps eager.
         chunked: ``{(device type, format): reason}`` where the whole-tensor kernel failed to compile
-            and tensors run in static chunks instead.
+            and tensors run in static chunks instead; ``(device type, "round")``: where `round_` failed
+            to compile and the rounding stays eager.
     """
 
     def __init__(self, setting: Union[bool, str]):
         self.setting = setting
         self.chunks = 0
         self.wholes = 0
+        self.rounds = 0
         self.eager: dict[str, str] = {}
         self.chunked: dict[tuple[str, str], str] = {}
         self._compiled: set[tuple[str, ...]] = set()
         self._scalars: tuple[Any, Optional[torch.Tensor]] = (None, None)
 
-    def applies(self, fmt: StateFormat, p: torch.Tensor, g: torch.Tensor) -> bool:
+    def applies(self, fmt: StateFormat, p: torch.Tensor, g: torch.Tensor, param: Optional[torch.Tensor] = None) -> bool:
         """The kernel updates this tensor now (format, dtypes, device, no dispatch mode but the step
-        counters, which `step_counts.compiled_call` lifts for the call)."""
-        return (fmt.name in FUSED_FORMATS and p.dtype == torch.float32 and g.dtype.is_floating_point
+        counters, which `step_counts.compiled_call` lifts for the call). ``p`` is ``param``'s flat view: an
+        fp32 one, or a bf16 one stored to nearest or, where ``param`` carries ``xirang_weight_noise``
+        (grad_release's ``masters: none``), rounded stochastically in the kernel."""
+        param = p if param is None else param
+        if p.dtype == torch.float32:
+            weight_ok = getattr(param, "xirang_write_back", None) is None and not getattr(param, "xirang_grad_scale", ())
+        else:
+            weight_ok = p.dtype == torch.bfloat16 and (getattr(param, "xirang_write_back", None) is None
+                                                        or hasattr(param, "xirang_weight_noise"))
+        return (fmt.name in FUSED_FORMATS and weight_ok and g.dtype.is_floating_point
                 and self.enabled(p.device.type) and only_counters_active())
 
     def enabled(self, device_type: str) -> bool:
@@ -161,23 +239,59 @@ class FusedStep:
         return reason is None
 
     def run(self, fmt: StateFormat, flat_p: torch.Tensor, flat_g: torch.Tensor, buffers: Buffers, step: int,
-            hyper: AdamHyper, chunk: int) -> int:
+            hyper: AdamHyper, chunk: int, draws: Optional[Draws] = None, param: Optional[torch.Tensor] = None) -> int:
         """Update a tensor with the compiled kernels; the number of leading elements done. The caller
         updates the rest eagerly: on the CPU the last, shorter chunk, or everything from the chunk where
-        ``fused: auto`` could not compile (this device then stays eager)."""
+        ``fused: auto`` could not compile (this device then stays eager).
+
+        Args:
+            draws: the states' stochastic rounding (None: to nearest).
+            param: the parameter ``flat_p`` views: a 16-bit one's ``xirang_weight_noise`` (``() -> (seed,
+                offset)``) and ``xirang_grad_scale`` are read from it.
+        """
         n = flat_p.numel()
         device = flat_p.device.type
         scalars = self._scalars_for(hyper, step, flat_p.device)
+        tags, extra = self._extras(flat_p, n, chunk, draws, param)
         if whole_tensor(device) and (device, fmt.name) not in self.chunked:
-            if self._call((device, fmt.name, "whole"), fmt, flat_p, flat_g, buffers, 0, n, scalars):
+            if self._call((device, fmt.name, *tags, "whole"), fmt, flat_p, flat_g, buffers, 0, n, scalars, extra(0)):
                 self.chunks += 1
                 self.wholes += 1
                 return n
-        for start in range(0, n // chunk * chunk, chunk):
-            if not self._call((device, fmt.name), fmt, flat_p, flat_g, buffers, start, start + chunk, scalars):
+        for k, start in enumerate(range(0, n // chunk * chunk, chunk)):
+            if not self._call((device, fmt.name, *tags), fmt, flat_p, flat_g, buffers, start, start + chunk, scalars,
+                              extra(k)):
                 return start
             self.chunks += 1
         return n // chunk * chunk
+
+    @staticmethod
+    def _extras(flat_p: torch.Tensor, n: int, chunk: int, draws: Optional[Draws], param: Optional[torch.Tensor]
+                ) -> tuple[tuple[str, ...], Callable[[int], tuple[Any, ...]]]:
+        """The kernel's tags and, for the ``k``-th call, its noise and gradient scales: each call's first
+        element index a 0-d view of one ``arange`` per tensor (no host copy and no new graph per chunk)."""
+        tags: tuple[str, ...] = ()
+        device = flat_p.device
+        starts = state_keys = weight = scales = None
+        if draws is not None:
+            tags += ("draws",)
+            state_keys, starts = draws.keys, torch.arange(draws.offset, draws.offset + n, chunk, device=device)
+        if flat_p.dtype != torch.float32:
+            tags += (str(flat_p.dtype).rsplit(".", 1)[-1],)
+            noise = getattr(param, "xirang_weight_noise", None)
+            if noise is not None:
+                tags += ("rounded",)
+                seed, offset = noise()
+                weight = (noise_keys(seed, device), torch.arange(offset, offset + n, chunk, device=device))
+            factors = [torch.as_tensor(f, dtype=torch.float32, device=device).reshape(())
+                       for f in getattr(param, "xirang_grad_scale", ())]
+            scales = torch.stack(factors + [torch.ones((), device=device)] * (2 - len(factors)))
+
+        def extra(k: int) -> tuple[Any, ...]:
+            return (None if starts is None else Draws(state_keys, starts[k]),
+                    None if weight is None else (weight[0], weight[1][k]), scales)
+
+        return tags, extra
 
     def _scalars_for(self, hyper: AdamHyper, step: int, device: torch.device) -> torch.Tensor:
         """`hyper_tensor`, made once per group, step and device (one host-to-device copy a step, not
@@ -189,31 +303,23 @@ class FusedStep:
         return scalars
 
     def _call(self, key: tuple[str, ...], fmt: StateFormat, flat_p: torch.Tensor, flat_g: torch.Tensor,
-              buffers: Buffers, start: int, end: int, scalars: torch.Tensor) -> bool:
+              buffers: Buffers, start: int, end: int, scalars: torch.Tensor, extra: tuple[Any, ...]) -> bool:
         args = (fmt, flat_p[start:end], flat_g[start:end], fmt.window("exp_avg", buffers, start, end),
-                fmt.window("exp_avg_sq", buffers, start, end), scalars)
+                fmt.window("exp_avg_sq", buffers, start, end), scalars, *extra)
         if key in self._compiled:
             with compiled_call():
-                (_WHOLE_KERNEL if len(key) == 3 else _KERNEL)(*args)
+                _compiled(key[2:])(*args)
             return True
         return self._first_call(key, args)
 
     def _first_call(self, key: tuple[str, ...], args: tuple[Any, ...]) -> bool:
-        """Compile (or load) a kernel on its first use for a device and format. A failure there
-        happens before the kernel runs, so nothing was written: ``auto`` goes eager, ``true`` raises;
+        """Compile (or load) a kernel on its first use for a device, format and kind of call. A failure
+        there happens before the kernel runs, so nothing was written: ``auto`` goes eager, ``true`` raises;
         a whole-tensor kernel that fails leaves that device and format in chunks, either way."""
-        global _KERNEL, _WHOLE_KERNEL
-        whole = len(key) == 3
+        whole = "whole" in key
         try:
             with compiled_call():
-                if whole:
-                    if _WHOLE_KERNEL is None:
-                        _WHOLE_KERNEL = torch.compile(whole_step, dynamic=True, fullgraph=True)
-                    _WHOLE_KERNEL(*args)
-                else:
-                    if _KERNEL is None:
-                        _KERNEL = torch.compile(chunk_step, dynamic=False, fullgraph=True)
-                    _KERNEL(*args)
+                _compiled(key[2:])(*args)
         except Exception as error:  # noqa: BLE001 (Dynamo and Inductor raise many kinds)
             reason = f"compiling failed ({type(error).__name__}: {error})"
             if whole:  # the static chunks' kernel may still work
@@ -228,11 +334,42 @@ class FusedStep:
         self._compiled.add(key)
         return True
 
+    def round_(self, master: torch.Tensor, out: torch.Tensor, seed: int, offset: int = 0) -> bool:
+        """Round fp32 ``master`` (flat; consumed) stochastically into bf16 ``out`` as `stochastic.round_` does,
+        bit for bit, in one compiled call; False where the eager rounding must do it (not enabled here, a
+        dispatch mode, other dtypes, or ``auto`` failed to compile it).
+
+        Raises:
+            FusedUnavailable: ``fused: true`` and the rounding failed to compile.
+        """
+        global _ROUND_KERNEL
+        device = master.device.type
+        if not (master.dtype == torch.float32 and out.dtype == torch.bfloat16 and (device, "round") not in self.chunked
+                and self.enabled(device) and only_counters_active()):
+            return False
+        args = (master, out, noise_keys(seed, master.device), torch.tensor(offset, device=master.device))
+        try:
+            with compiled_call():
+                if _ROUND_KERNEL is None:
+                    _ROUND_KERNEL = torch.compile(round_step, dynamic=True, fullgraph=True)
+                _ROUND_KERNEL(*args)
+        except Exception as error:  # noqa: BLE001 (Dynamo and Inductor raise many kinds)
+            if self.setting is True:
+                raise FusedUnavailable(f"xirang.optimizer_states.fused: true failed to compile the stochastic "
+                                       f"rounding on {device}: {type(error).__name__}: {error}. Fix: set \"fused\": "
+                                       f"\"auto\" or false") from error
+            self.chunked[(device, "round")] = f"compiling failed ({type(error).__name__}: {error})"
+            return False
+        self.rounds += 1
+        return True
+
     def describe(self) -> str:
         """One line: how many chunks the compiled kernel updated, and why a device stays eager."""
         eager = "; ".join([f"eager on {device}: {why}" for device, why in self.eager.items()]
-                          + [f"chunks on {device} ({name}): {why}" for (device, name), why in self.chunked.items()])
-        if self.chunks:
+                          + [f"{'eager rounding' if name == 'round' else 'chunks'} on {device} ({name}): {why}"
+                             for (device, name), why in self.chunked.items()])
+        if self.chunks or self.rounds:
             wholes = f", {self.wholes:,} of them whole tensors" if self.wholes else ""
-            return f"fused update: {self.chunks:,} compiled call(s){wholes}" + (f" ({eager})" if eager else "")
+            rounds = f", {self.rounds:,} compiled rounding pass(es)" if self.rounds else ""
+            return f"fused update: {self.chunks:,} compiled call(s){wholes}{rounds}" + (f" ({eager})" if eager else "")
         return eager or f"fused: {self.setting!r}, no chunk updated yet"

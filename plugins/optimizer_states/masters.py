@@ -13,7 +13,8 @@ nearest even, what the remainders assume) and dropped the gradient (``_release_s
 parked again. So at most one sub-group's master is whole at a time, and training is the one with
 fp32 masters, bit for bit, whatever the basic optimizer. With ``masters: none`` (lossy) nothing is
 kept: parking rounds the master stochastically into the bf16 partition (grad_release's
-``stochastic.round_``) in place of DeepSpeed's round-to-nearest, and the next update starts from the
+``stochastic.round_``, counter-based noise; a pass after DeepSpeed's update, one compiled call per
+sub-group where DynamicAdamW's ``fused`` is on, `fused.FusedStep.round_`) in place of DeepSpeed's round-to-nearest, and the next update starts from the
 partition widened to fp32. With ``masters: remainders_8bit`` (not exact) parking rounds the master
 stochastically to 16 significant bits and the bf16 partition to its nearest, ties away from zero
 (grad_release's `remainders.round8_`), and keeps one byte per element (`split8`); a load's master
@@ -49,6 +50,7 @@ from xirang_ds.memory.categories import PARAMETERS
 from xirang_ds.memory.run_shape import partition_numel, sub_group_numels
 from xirang_ds.plugins.grad_release.remainders import join, join8, round8_, split, split8, tie_bytes
 from xirang_ds.plugins.grad_release.stochastic import noise_seed, round_
+from xirang_ds.plugins.optimizer_states.fused import FusedStep
 
 SECTION = "xirang.optimizer_states"
 
@@ -101,6 +103,9 @@ class Parking:
         with ``stochastic``, no tie bits with ``eight``)."""
         self._depth = 0  # `whole` blocks entered (a framework's loaders call one another)
         self._handles: list[Any] = []
+        self.fused: Any = None
+        """The basic optimizer's `fused.FusedStep` (DynamicAdamW's): ``stochastic`` rounds an entry in one
+        compiled call where it is enabled (`FusedStep.round_`), else eagerly, the same bits either way."""
 
     def park(self, i: int) -> None:
         """Keep entry ``i``'s master as its remainder and tie bits (or, ``stochastic``, as its weight
@@ -163,6 +168,8 @@ class Parking:
         rounder = rounding or round_
         with torch.no_grad(), self.scope(PARAMETERS):
             if weight.device == master.device:
+                if rounding is None and self.fused is not None and self.fused.round_(master, weight, seed):
+                    return
                 rounder(master, weight, seed)
             else:  # parameters offloaded: rounded on the master's device, then copied
                 rounded = torch.empty(master.numel(), dtype=torch.bfloat16, device=master.device)
@@ -245,6 +252,8 @@ class ParkedMasters(Parking):
         super().__init__(optimizer.fp16_partitioned_groups_flat, optimizer.fp32_partitioned_groups_flat, scope,
                          stochastic, eight)
         self.optimizer = optimizer
+        fused = getattr(optimizer.optimizer, "fused", None)
+        self.fused = fused if isinstance(fused, FusedStep) else None  # DynamicAdamW's, not another optimizer's
         self._handles += around_zero3_update(optimizer, self.unpark, self.park)
         self._handles.append(wrap_method(optimizer, "state_dict", self._state_dict))
         for name in ZERO3_WHOLE_MASTERS:  # every master whole during the call, parked after where it can be

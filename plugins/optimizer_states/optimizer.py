@@ -32,8 +32,10 @@ from torch.utils.hooks import RemovableHandle
 from xirang_ds.config.validate import XirangConfigError, convert_section
 from xirang_ds.plugins.optimizer_states import export, first_step
 from xirang_ds.plugins.optimizer_states.config import STATE_DTYPE_ORDER, OptimizerStatesConfig
+from xirang_ds.plugins.grad_release.stochastic import noise_keys
 from xirang_ds.plugins.optimizer_states.formats import (
     MOMENTS,
+    Draws,
     StateFormat,
     encode_with_error,
     format_of,
@@ -141,7 +143,7 @@ class DynamicAdamW(torch.optim.Optimizer):
         """Every measured tensor's check: ``(step, numel, format, error, left fp32)``, in order."""
         self.policy: Policy = make_policy(config)
         self._formats: dict[tuple[str, int], StateFormat] = {}
-        self._generators: dict[str, tuple[torch.Generator, int]] = {}  # per device: generator, step seeded for
+        self._draws: dict[str, tuple[int, torch.Tensor, int]] = {}  # per device: step, its noise keys, elements drawn
         self.fused = FusedStep(config.fused)  # where a chunk's update is one compiled kernel
         self._step_numbers: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}  # param -> (its step tensor, value)
         self._format_hooks: OrderedDict[int, Callable[["DynamicAdamW", torch.Tensor, str, str], None]] = \
@@ -280,15 +282,14 @@ class DynamicAdamW(torch.optim.Optimizer):
         return name if floor is None else STATE_DTYPE_ORDER[min(STATE_DTYPE_ORDER.index(name), int(floor))]
 
     def _run_chunks(self, p: torch.Tensor, src_buf: dict, dst_buf: dict, src: StateFormat, dst: StateFormat,
-                    step: int, hyper: AdamHyper, measure: bool, generator: Optional[torch.Generator]
-                    ) -> Optional[Measurement]:
+                    step: int, hyper: AdamHyper, measure: bool, draws: Optional[Draws]) -> Optional[Measurement]:
         """Decode, update and encode ``p`` chunk by chunk; the measurement when ``measure``."""
         flat_p = first_step.flat_view(p)
         flat_g = first_step.flat_view(p.grad)
         n = flat_p.numel()
         chunk = _lcm(self.config.chunk_numel, src.block_size, dst.block_size)
-        fuse = not measure and generator is None and src is dst and self.fused.applies(src, flat_p, flat_g)
-        done = self.fused.run(src, flat_p, flat_g, src_buf, step, hyper, chunk) if fuse else 0  # eager does the rest
+        fuse = not measure and src is dst and self.fused.applies(src, flat_p, flat_g, p)
+        done = self.fused.run(src, flat_p, flat_g, src_buf, step, hyper, chunk, draws, p) if fuse else 0  # eager: the rest
         # |m|^2, |v|^2, |du|^2, |u|^2 summed on the device: one host sync per tensor and measurement, not four per chunk
         sums = torch.zeros(4, dtype=torch.float64, device=flat_p.device) if measure else None
         quantized = dst.name.startswith("int")
@@ -305,8 +306,8 @@ class DynamicAdamW(torch.optim.Optimizer):
                 sums[0] += m.double().square().sum()
                 sums[1] += v.double().square().sum()
                 reference = (m.clone(), v.clone()) if quantized else None
-            dst.encode("exp_avg", m, dst_buf, start, generator)
-            dst.encode("exp_avg_sq", v, dst_buf, start, generator)
+            dst.encode("exp_avg", m, dst_buf, start, draws)
+            dst.encode("exp_avg_sq", v, dst_buf, start, draws)
             if measure and reference is not None:
                 du, u = update_error(reference, dst, dst_buf, start, end, hyper.eps)
                 sums[2] += du
@@ -393,19 +394,19 @@ class DynamicAdamW(torch.optim.Optimizer):
     def _group_of(self, p: torch.Tensor) -> Optional[dict]:
         return next((g for g in self.param_groups if any(q is p for q in g["params"])), None)
 
-    def _rounding(self, p: torch.Tensor, step: int) -> Optional[torch.Generator]:
-        """Stochastic rounding's generator at ``step`` (None: round to nearest). Seeded again at each step's
-        first use from the seed and the step alone, so a resumed run draws what the uninterrupted one would
-        have, whichever rank's checkpoint it loads, and nothing of it is saved."""
+    def _rounding(self, p: torch.Tensor, step: int) -> Optional[Draws]:
+        """Stochastic rounding's noise at ``step`` (None: round to nearest): counter-based under keys of the
+        seed and the step alone, a step's tensors drawing consecutive elements in the order they are updated,
+        so a resumed run draws what the uninterrupted one would have, whichever rank's checkpoint it loads,
+        nothing of it is saved, and the compiled update draws what the eager one does."""
         refresh = self.config.refresh_every_steps
         if not (self.config.stochastic_rounding or (refresh and step % refresh == 0)):
             return None
-        key = str(p.device)
-        gen, seeded = self._generators.get(key) or (torch.Generator(device=p.device), None)
+        seeded, keys, drawn = self._draws.get(str(p.device), (None, None, 0))
         if seeded != step:
-            gen.manual_seed(((self.config.seed << 32) ^ step) % (1 << 63))
-            self._generators[key] = (gen, step)
-        return gen
+            keys, drawn = noise_keys(((self.config.seed << 32) ^ step) % (1 << 63), p.device), 0
+        self._draws[str(p.device)] = (step, keys, drawn + p.numel())
+        return Draws(keys, drawn)
 
     # checkpoints --------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -65,12 +65,12 @@ class CompandingMap:
         """Largest code; the smallest is ``-max_code`` (signed) or 0."""
         return self.levels - self.offset
 
-    def encode(self, t: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    def encode(self, t: torch.Tensor, uniform: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Codes (float tensor of integers) of normalised values ``t`` (modified in place).
 
         Args:
             t: values divided by their block scale, fp32; consumed (overwritten).
-            generator: draw for stochastic rounding; ``None`` rounds to nearest.
+            uniform: draws in ``[0, 1)`` shaped like ``t`` for stochastic rounding; ``None`` rounds to nearest.
 
         Returns:
             A float tensor holding integer codes, same shape as ``t``.
@@ -81,14 +81,14 @@ class CompandingMap:
         c.mul_(self.levels)
         if self.offset:
             c.sub_(self.offset)
-        if generator is None:
+        if uniform is None:
             c.round_()
         else:
-            c = self._round_stochastic(c, generator)
+            c = self._round_stochastic(c, uniform)
         c.clamp_(0.0, float(self.max_code))
         return c.mul_(sign) if sign is not None else c
 
-    def _round_stochastic(self, c: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    def _round_stochastic(self, c: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """Round up with the probability that keeps the decoded value unbiased.
 
         With ``a = floor(c) + offset`` and ``f = c - floor(c)``, the value between codes is
@@ -106,8 +106,7 @@ class CompandingMap:
             b2 = (a + 1).square_()
             x2 = a.add_(f).square_()
             p = x2.square_().sub_(a2.square()).div_(b2.square_().sub_(a2.square_()))
-        u = torch.rand(c.shape, generator=generator, device=c.device, dtype=c.dtype)
-        return low.add_(u.lt_(p))
+        return low.add_(u.lt(p))
 
     def magnitude(self, codes: torch.Tensor) -> torch.Tensor:
         """``((|q| + offset) / levels) ** power`` as a new fp32 tensor."""

@@ -9,8 +9,10 @@ tensor is one kernel reading and writing the fp32 parameter, reading its gradien
 writing both moments in their format; otherwise (fp32 states, the CPU's ``auto``) the eager update runs
 chunk by chunk, and one chunk of it is run on fake tensors and counted (`update.adam_chunk_` between the
 format's decode and encode, what `optimizer.DynamicAdamW` runs), every chunk priced as a whole one.
-What grad_release's masters add (rebuilding a master from remainders, rounding into the weights) is not
-counted.
+Under grad_release's ``masters: none`` in place (bf16 weights, no master) the compiled kernel also rounds
+the result stochastically into the weight (`fused.chunk_step`): it reads and writes the bf16 weight
+instead of an fp32 parameter, still one kernel. What grad_release's other masters add (rebuilding a
+master from remainders, rounding into the weights after the update) is not counted.
 """
 from __future__ import annotations
 
@@ -68,10 +70,13 @@ def update_ops(plugin: Any, shape: Any, numels: list, profile: Any) -> Optional[
     else:  # one flat partition per group
         tensors = [(f, math.ceil(sum(ns) / world)) for f, ns in ((fp32, kept), (fmt, quant)) if ns]
     compiled = c.fused is True or (c.fused == "auto" and not profile.name.startswith("cpu"))
+    stepper = plugin.session.stepper
+    no_master = (stepper is not None and shape.dtype == torch.bfloat16
+                 and getattr(getattr(stepper, "config", None), "masters", None) == "none")  # rounded in the kernel
     out = OpTally()
     for f, n in tensors:
         if compiled and f.name in FUSED_FORMATS:  # one kernel: the parameter, its gradient, both moments
-            key = (0, 8 * n + 4 * n + 2 * f.state_bytes(n), False)
+            key = (0, (4 if no_master else 8) * n + 4 * n + 2 * f.state_bytes(n), False)
             out.ops[key] = out.ops.get(key, 0) + 1
         else:
             chunk = min(c.chunk_numel, n)

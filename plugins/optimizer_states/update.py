@@ -21,7 +21,8 @@ def param_numel(p: torch.Tensor) -> int:
 def store_param(p: torch.Tensor, flat_p: torch.Tensor, start: int, values: torch.Tensor) -> None:
     """Store a chunk's updated fp32 ``values`` into ``flat_p[start:start + len]``, the flat view of
     ``p``: through ``p.xirang_write_back(values, start)`` where ``p`` carries one (grad_release's bf16
-    weights without a master round stochastically; ``values`` may be consumed), else a copy (round
+    weights without a master round stochastically, with the noise of ``p.xirang_weight_noise``, which
+    the fused update reads to round in its kernel; ``values`` may be consumed), else a copy (round
     to nearest into a 16-bit parameter)."""
     write_back = getattr(p, "xirang_write_back", None)
     if write_back is not None:

@@ -100,6 +100,22 @@ def test_low_bit_states_price_their_own_update_compiled_per_tensor_on_a_gpu_and_
     assert c["launches"] > a["launches"] and d["launches"] >= c["launches"]
 
 
+def test_the_no_master_update_is_priced_as_one_kernel_per_tensor_reading_and_writing_the_bf16_weight():
+    """aggressive (grad_release ``masters: none``, int4 states): on a GPU profile the update of a shard is one
+    compiled call that also rounds into the bf16 weight (issue 58), the same launches at 16x the matrices;
+    against fp32 masters kept as remainders it moves 4 bytes less an element (the bf16 weight, not an fp32
+    parameter)."""
+    config = {**CONFIG, "xirang": {"preset": "aggressive"}}
+    remainders = {**CONFIG, "xirang": {"preset": "aggressive", "grad_release": {"masters": "remainders"}}}
+    small, wide = ("gpt:layers=2,hidden=64,heads=2,seq=32,vocab=256", "gpt:layers=2,hidden=256,heads=2,seq=32,vocab=256")
+    a, b = (estimate_spec(m, config, 2, "cuda", device_profile=PROFILES["h100"]).step_time.counts["optimizer_update"]
+            for m in (small, wide))
+    assert a["launches"] == b["launches"]
+    kept = estimate_spec(wide, remainders, 2, "cuda", device_profile=PROFILES["h100"]).step_time.counts
+    assert kept["optimizer_update"]["launches"] == b["launches"]
+    assert kept["optimizer_update"]["bytes_moved"] - b["bytes_moved"] >= 4 * 2 * 256 * 256 * 4 // 2 // 2
+
+
 def _gpt_tiny():
     from xirang_ds.models import BUILTIN_SPECS, build_model
 

@@ -17,12 +17,13 @@ SHAPES = [(40, 410), (96, 256)]
 """Four full chunks and a last one of 16 elements, and six full chunks."""
 
 
-def _train(dtype, fused, steps=6, adam_w_mode=True, maximize=False, shapes=SHAPES, device="cpu"):
+def _train(dtype, fused, steps=6, adam_w_mode=True, maximize=False, shapes=SHAPES, device="cpu", stochastic=False):
     """The same parameters and gradients on any device (drawn on the CPU, then moved)."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s).to(device)) for s in shapes]
     opt = DynamicAdamW(params, lr=1e-3, weight_decay=0.1, adam_w_mode=adam_w_mode, maximize=maximize,
-                       states={"schedule": [{"dtype": dtype}], "min_numel": 0, "chunk_numel": CHUNK, "fused": fused})
+                       states={"schedule": [{"dtype": dtype}], "min_numel": 0, "chunk_numel": CHUNK, "fused": fused,
+                               "stochastic_rounding": stochastic})
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
         for p in params:  # a few large entries among small ones, as in trained layers
@@ -96,6 +97,70 @@ def _optimizer_kernels(dtype, scale):
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
     return count_ops(opt.step)[1].optimizer_kernels
+
+
+def _train_no_master(fused, steps=4, shapes=WHOLE_SHAPES, scale=1, master=False, device="cpu"):
+    """bf16 weights updated as grad_release's ``masters: none`` in place has them (`masters.MasterSlices`):
+    each chunk's fp32 result rounded stochastically into the weight (``xirang_write_back`` eagerly, in the
+    kernel where fused, both with ``xirang_weight_noise``'s seed), gradients scaled by ``xirang_grad_scale``,
+    the int8 states encoded with stochastic rounding; ``master``: an fp32 master instead (the reference)."""
+    from xirang_ds.plugins.grad_release.masters import MasterSlices
+    from xirang_ds.plugins.grad_release.stochastic import noise_seed
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn((scale * s[0],) + s[1:]).to(device, torch.float32 if master else torch.bfloat16))
+              for s in shapes]
+    done = [0]
+    for i, p in enumerate(params):
+        if not master:
+            p.xirang_weight_noise = (lambda i=i: (noise_seed(i, done[0], 0), 128 * i))
+            p.xirang_write_back = MasterSlices._stochastic_write_back(p)
+        p.xirang_grad_scale = (torch.tensor(0.5, device=device), 0.25) if not master else ()
+    opt = DynamicAdamW(params, lr=1e-3, weight_decay=0.1, states={
+        "schedule": [{"dtype": "int8"}], "min_numel": 0, "chunk_numel": CHUNK, "fused": fused,
+        "stochastic_rounding": True})
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in params:
+            g = torch.randn(p.shape, generator=gen) * torch.rand(p.shape, generator=gen).pow(8) * 1e-2
+            p.grad = (g if master else g / 0.125).to(device, p.dtype)
+        opt.step()
+        done[0] += 1
+    return params, opt
+
+
+def test_a_no_master_bf16_update_with_stochastic_states_is_one_compiled_call_per_tensor(monkeypatch):
+    """``masters: none`` with stochastic rounding of the states and of the weight (issue 58): off the CPU
+    one call per tensor covers decode, Adam, encode and the rounding into the bf16 weight, the same kernel
+    count at 13 times the elements; the same noise as the eager path, so the weights are the eager
+    path's but where Adam's own arithmetic differs (`test_fused_trains_like_the_eager_path...`)."""
+    monkeypatch.setattr(fused_module, "whole_tensor", lambda device_type: True)
+    eager, _ = _train_no_master(False)
+    fused, opt = _train_no_master(True)
+    reference, _ = _train_no_master(False, master=True)
+    assert (opt.fused.chunks, opt.fused.wholes) == (4 * 3, 4 * 3) and all(p.dtype == torch.bfloat16 for p in fused)
+    same = sum(int((a.view(torch.int16) == b.view(torch.int16)).sum()) for a, b in zip(fused, eager))
+    assert same >= 0.99 * sum(p.numel() for p in eager)
+    assert _distance(fused, eager) <= 0.05 * _distance(eager, reference)
+
+    def kernels(scale):
+        from xirang_ds.step_counts import count_ops
+
+        params, opt = _train_no_master(True, steps=1, scale=scale)
+        for p in params:
+            p.grad = torch.full_like(p, 1e-3)
+        return count_ops(opt.step)[1].optimizer_kernels
+
+    assert kernels(1) == kernels(13)
+
+
+def test_stochastic_rounding_steps_run_the_static_chunks_with_the_eager_paths_draws():
+    eager, eager_opt = _train("int8", False, steps=3, stochastic=True)
+    fused, opt = _train("int8", True, steps=3, stochastic=True)
+    fp32, _ = _train("fp32", False, steps=3)
+    assert opt.fused.chunks == 3 * 10
+    assert _distance(fused, eager) <= 0.02 * _distance(eager, fp32)
+    _assert_few_codes_moved("int8", fused, opt, eager, eager_opt)
 
 
 def test_a_whole_tensor_kernel_that_fails_to_compile_leaves_that_format_in_chunks(monkeypatch):
@@ -242,3 +307,82 @@ def test_fused_inside_deepspeed_zero2_with_accumulation_on_2_ranks_and_resume(tm
         # losses depends on the CPU's vector kernels (equal on some AMD EPYC hosts), so only closeness is asserted
         assert max(abs(a - b) / abs(b) for a, b in zip(out["fused"], out["eager"])) < 1e-3
         assert out["saved"] + out["resumed"] == out["fused"]  # the checkpoint resumes bit for bit
+
+
+def _no_master_engine_runs(rank, world):
+    import xirang_ds
+    from tests.harness.engine_runs import data_iter, ds_config
+    from xirang_ds.bench import optimizer_step
+    from xirang_ds.models import BUILTIN_SPECS, build_model
+
+    def run(fused):
+        block = {"grad_release": {"enabled": True, "bucket_size_numel": 20_000, "masters": "none"},
+                 "optimizer_states": {"enabled": True, "schedule": [{"dtype": "int8"}], "min_numel": 0,
+                                      "chunk_numel": CHUNK, "fused": fused, "stochastic_rounding": True}}
+        model = build_model(BUILTIN_SPECS["gpt-tiny"], seed=0)
+        engine = xirang_ds.initialize(model=model, model_parameters=model.parameters(),
+                                      config=ds_config(stage=2, dtype="bf16", gas=2, clip=0.05, xirang=block))[0]
+        data = data_iter(4, 64, rank, world)
+        losses = [optimizer_step(engine, data) for _ in range(3)]
+        buckets = engine.xirang.plugin("grad_release").buckets
+        return {"losses": losses, "in_place": all(b.in_place for b in buckets),
+                "chunks": sum(b.optimizer.fused.chunks for b in buckets if b.optimizer is not None),
+                "params": torch.cat([p.detach().float().reshape(-1) for p in engine.module.parameters()])}
+
+    return run(False), run(True)
+
+
+@pytest.mark.distributed
+def test_grad_release_no_master_update_is_fused_inside_deepspeed_on_2_ranks():
+    """The aggressive preset's update (grad_release ``masters: none`` in place, int8 states rounded
+    stochastically; ZeRO-2, accumulation 2, clipping that bites): with ``fused: true`` the compiled
+    kernel updates the bf16 weights (``xirang_weight_noise`` and the clip coefficients read from the
+    views), drawing the eager path's noise: the losses equal, the weights but a few elements (measured
+    0.0007% here, Adam's lerp) bit for bit."""
+    from xirang_ds.launch import run_ranks
+
+    for eager, fused in run_ranks(_no_master_engine_runs, 2, threads=1):
+        assert eager["in_place"] and fused["in_place"] and eager["chunks"] == 0 and fused["chunks"] > 0
+        assert max(abs(a - b) / abs(b) for a, b in zip(fused["losses"], eager["losses"])) < 1e-3
+        assert (fused["params"] == eager["params"]).double().mean().item() > 0.999
+
+
+def test_zero3_no_master_rounding_is_one_compiled_call_with_the_eager_bits():
+    """ZeRO-3's ``masters: none`` (`masters.Parking`): DeepSpeed updates the master, parking rounds it into
+    the bf16 partition; with the basic optimizer's `FusedStep` enabled that pass is one compiled call of
+    any length, bit for bit the eager `stochastic.round_`."""
+    import contextlib
+
+    from xirang_ds.plugins.optimizer_states.masters import Parking
+    from xirang_ds.step_counts import count_ops
+
+    def parked(fused, numel):
+        master = torch.randn(numel, generator=torch.Generator().manual_seed(0)) * 1e-2
+        weight = master.to(torch.bfloat16)
+        parking = Parking([weight], [master], lambda category: contextlib.nullcontext(), stochastic=True)
+        parking.updates = lambda i: 3
+        parking.fused = fused
+        kernels = count_ops(lambda: parking.park(0))[1].kernels
+        return weight, kernels
+
+    step = FusedStep(True)
+    eager, eager_kernels = parked(None, 300_001)
+    fused, kernels = parked(step, 300_001)
+    assert step.rounds == 1 and torch.equal(fused.view(torch.int16), eager.view(torch.int16))
+    assert kernels == parked(step, 13 * 300_001)[1] < eager_kernels and step.rounds == 2
+    assert "2 compiled rounding pass(es)" in step.describe()
+
+
+def test_a_rounding_pass_that_fails_to_compile_stays_eager_with_auto_and_raises_with_true(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(fused_module, "_ROUND_KERNEL", broken)
+    monkeypatch.setattr(FusedStep, "enabled", lambda self, device_type: self.setting is not False)
+    master, out = torch.randn(64), torch.zeros(64, dtype=torch.bfloat16)
+    auto = FusedStep("auto")
+    assert not auto.round_(master, out, seed=1) and not auto.round_(master, out, seed=1)
+    assert "eager rounding on cpu (round): compiling failed (RuntimeError: no compiler)" in auto.describe()
+    assert bool((out == 0).all())  # nothing written: the caller's eager rounding does it
+    with pytest.raises(FusedUnavailable, match="failed to compile the stochastic rounding on cpu"):
+        FusedStep(True).round_(master, out, seed=1)

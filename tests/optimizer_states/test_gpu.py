@@ -4,7 +4,7 @@ fused low-bit kernel (Triton on CUDA) trains as the eager path does."""
 import pytest
 import torch
 
-from tests.optimizer_states.test_fused import _assert_few_codes_moved, _distance, _train
+from tests.optimizer_states.test_fused import _assert_few_codes_moved, _distance, _train, _train_no_master
 from xirang_ds.launch import run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -61,3 +61,15 @@ def test_fused_kernel_on_cuda_trains_like_the_eager_path(dtype):
     assert opt.fused.chunks > 0 and eager_opt.fused.chunks == 0, opt.fused.describe()
     assert _distance(fused, eager) <= 0.02 * _distance(eager, fp32)
     _assert_few_codes_moved(dtype, fused, opt, eager, eager_opt)
+
+
+def test_no_master_update_on_cuda_is_one_triton_call_per_tensor_with_the_eager_noise():
+    """Issue 58: grad_release's no-master bf16 update with stochastic int8 states, one compiled call per
+    tensor (decode, Adam, encode, the rounding into the weight), drawing what the eager path draws."""
+    eager, _ = _train_no_master(False, device="cuda")
+    fused, opt = _train_no_master(True, device="cuda")
+    reference, _ = _train_no_master(False, master=True, device="cuda")
+    assert opt.fused.wholes == opt.fused.chunks == 4 * 3, opt.fused.describe()
+    same = sum(int((a.view(torch.int16) == b.view(torch.int16)).sum()) for a, b in zip(fused, eager))
+    assert same >= 0.99 * sum(p.numel() for p in eager)
+    assert _distance(fused, eager) <= 0.05 * _distance(eager, reference)

@@ -97,16 +97,17 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
     adam = adam_temporaries(dataclasses.replace(shape, adam_impl=impl), [piece] if impl == "single_tensor" else [shard])
     # the stochastic rounding: the master, the 16-bit shard and a chunk's noise (`stochastic.round_`,
     # `remainders.round8_`)
-    rounded = 6 * shard + NOISE_BYTES * min(shard, CHUNK_NUMEL)
+    # (after the bucket's gradient is freed: `rounding` stands apart from the update's gradient below)
+    rounding = 6 * shard + NOISE_BYTES * min(shard, CHUNK_NUMEL) if kind in ("remainders_8bit", "none") else 0
     update = {"fp32": 4 * shard + adam, "remainders": max(10 * shard, 8 * shard + adam),
-              "remainders_8bit": max(10 * shard, 8 * shard + adam, rounded),
-              "none": max(8 * shard + adam, rounded)}[kind]
+              "remainders_8bit": max(10 * shard, 8 * shard + adam), "none": 8 * shard + adam}[kind]
     quantizer = plugin.session.state_quantizer
     if kind == "none" and quantizer is not None and GRAD_DTYPE_SETTABLE:
         # in place (masters.py): DynamicAdamW's chunk in fp32 (parameter, gradient, two moments:
-        # 16 bytes an element) and the rounding's noise (`stochastic.NOISE_BYTES`), nothing per shard
+        # 16 bytes an element) and the rounding's noise (`stochastic.NOISE_BYTES`), chunk by chunk with the
+        # gradient alive, nothing per shard
         chunk = min(shard, quantizer.config.chunk_numel)
-        update = 16 * chunk + NOISE_BYTES * min(chunk, CHUNK_NUMEL)
+        update, rounding = 16 * chunk + NOISE_BYTES * min(chunk, CHUNK_NUMEL), 0
     order = list(reversed(numels))  # the largest bucket's states, of the buckets `plan_buckets` makes
     fetched = max(math.ceil(states * sum(math.ceil(order[i] / world) for i in b) / part) for b in planned)
     # gradients the traced run makes in this backward, above those it carries from earlier micro-steps
@@ -152,8 +153,13 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
                 # (a held pass updates after backward, `pipeline.ReleasePipeline.apply_all`: no gradient is whole
                 # then, the updating bucket's shard is on the device, brought back from the host if stashed)
                 end_grads = (lp * shard if stash else lp * part) if holds_shard else whole
-                out[BACKWARD_END] = {**cats, "activations": 0, "comm_buffers": lp * gathers, "temporaries": update,
-                                     OPTIMIZER_STATES: fetched if parked else states, GRADIENTS: accum + end_grads}
+                at_update = {**cats, "activations": 0, "comm_buffers": lp * gathers, "temporaries": update,
+                             OPTIMIZER_STATES: fetched if parked else states, GRADIENTS: accum + end_grads}
+                # then the master rounded into the 16-bit shard, the bucket's gradient freed (a held pass still
+                # holds the other buckets' shards, the first bucket's rounding the most of them)
+                left = (lp * (part - shard) if holds_shard and not stash else 0) if holds_shard else whole
+                at_round = {**at_update, "temporaries": rounding, GRADIENTS: accum + left}
+                out[BACKWARD_END] = max(at_update, at_round, key=lambda c: sum(v for k, v in c.items() if k != "host"))
             elif name == BACKWARD_START:
                 # the first gradient autograd makes (the output head's, where the model has one: the
                 # largest parameter) exists whole before its hook copies it into a bucket, unless by

@@ -59,8 +59,12 @@ def varying_lengths(rank: int, world: int, config: dict, lengths: list[int], hol
     # the first whose window starts and ends settled
     # (exact_method host: the estimate of hold, the default, was 7.7% over at the end of backward when this was
     # written, and its unseen lengths then missed by 11%; hold's estimate is a case of
-    # tests/memory/test_deepspeed_estimator.py)
-    (2, 1, {"preset": "balanced", "grad_release": {"exact_method": "host"}}, 2),
+    # tests/memory/test_deepspeed_estimator.py). The embeddings' states are pinned fp32: balanced measures them and
+    # switches them to int8 only where the data allow, which no estimate knows (it keeps the fp32 bound), and
+    # since the end of backward's rounding noise is counted (16 bytes an element) that bound is where the
+    # short lengths peak
+    (2, 1, {"preset": "balanced", "grad_release": {"exact_method": "host"},
+            "optimizer_states": {"keep_fp32_embeddings_and_norms": True}}, 2),
 ])
 def test_prediction_within_two_percent_when_the_batch_shape_changes(stage, gas, block, first):
     runs = run_ranks(varying_lengths, 2, ds_config(stage=stage, dtype="bf16", micro=2, gas=gas, xirang=block),

@@ -239,7 +239,7 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
         base = tracker.live_bytes
         seeded, sweeps = tracker.clock, []
         applied = contextlib.ExitStack()
-        changing = [p for p in (session.plugins if session is not None else ()) if isinstance(p, ChangesTrace)]
+        changing = session.plugins_with(ChangesTrace) if session is not None else []
         for plugin in changing:
             context = plugin.trace_context(model, tracker)
             if context is not None:

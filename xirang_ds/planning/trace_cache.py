@@ -81,7 +81,7 @@ class _Reads:
 
 
 def _changing(session: Any) -> list:
-    return [p for p in (session.plugins if session is not None else ()) if isinstance(p, ChangesTrace)]
+    return session.plugins_with(ChangesTrace) if session is not None else []
 
 
 def traced(trace: Callable[[Any], Any], model_key: Optional[Hashable], shape: Any, seq: Optional[int],

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ from xirang_ds.tune.cost import (
     micro_batch_scale,
     planned_peak,
     planner_line,
+    rank_key,
     stage_calibration,
 )
 from xirang_ds.tune.space import SEARCHED, Candidate, Option, base_config, candidates, search_space
@@ -326,11 +326,7 @@ def _rank(search: _Search, pool: list[Candidate], live: list[Candidate], profile
                               * micro_batch_scale(profiles, user_stage, user_mb, far_mb, c.micro_batch)) + added_s
     fitting = [c for c in live if c.rejected is None and c.predicted_peak <= budget]
 
-    def rank_key(c: Candidate) -> tuple:
-        per_sample = (c.predicted_time_s or math.inf) / c.micro_batch
-        return (-c.micro_batch, per_sample) if search.objective == "largest_micro_batch" else (c.predicted_time_s, 0)
-
-    fitting.sort(key=rank_key)
+    fitting.sort(key=lambda c: rank_key(search.objective, c.predicted_time_s, c.micro_batch))
     search.notes.append(f"{len(pool)} candidates, {len(pool) - len(live)} rejected by the plugins, "
                         f"{len(fitting)} predicted to fit {format_bytes(budget)}")
     return fitting, calibration
@@ -367,11 +363,7 @@ def _measure(search: _Search, fitting: list[Candidate], measure_top: int, measur
     search.seconds["total"] = time.perf_counter() - search.start
     ok = [c for c in chosen if c.measured_peak is not None and c.measured_peak <= search.budget]
 
-    def measured_key(c: Candidate) -> tuple:
-        per_sample = c.measured_time_s / c.micro_batch
-        return (-c.micro_batch, per_sample) if search.objective == "largest_micro_batch" else (c.measured_time_s, 0)
-
-    return min(ok, key=measured_key) if ok else None
+    return min(ok, key=lambda c: rank_key(search.objective, c.measured_time_s, c.micro_batch)) if ok else None
 
 
 def winning_ds_config(user_ds_config: dict, result: TuneResult) -> dict:

@@ -3,6 +3,7 @@ line in the micro-batch, the activation planner's peak as a line through its pro
 candidate's micro-batch grown while the model fits."""
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 from xirang_ds.config.loader import deep_merge
@@ -87,3 +88,10 @@ def planner_line(profiles: dict, label: str, mb0: int, mb1: int
         def at(mb: int) -> tuple[float, float, float]:
             return f0["other_peak_bytes"], f0["keep_bytes"] * mb / mb0, f0["least_bytes"] * mb / mb0
     return at
+
+
+def rank_key(objective: str, seconds: Optional[float], micro_batch: int) -> tuple:
+    """How candidates sort, best first, by a step time (predicted or measured): the fastest, or with
+    ``largest_micro_batch`` the largest micro-batch, then the fastest per sample."""
+    per_sample = (seconds or math.inf) / micro_batch
+    return (-micro_batch, per_sample) if objective == "largest_micro_batch" else (seconds, 0)

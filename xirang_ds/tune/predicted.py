@@ -14,7 +14,6 @@ one trace (`xirang_ds.planning.trace_cache`). The figures are predictions: the r
 from __future__ import annotations
 
 import copy
-import math
 import time
 from typing import Any, Optional
 
@@ -24,6 +23,7 @@ from xirang_ds.memory.device_profile import DeviceProfile
 from xirang_ds.planning.estimator import EstimateError
 from xirang_ds.planning.spec import estimate_spec
 from xirang_ds.planning.trace_cache import reuse_traces
+from xirang_ds.tune.cost import rank_key
 from xirang_ds.tune.space import Candidate, candidates, search_space
 
 MAX_DOUBLINGS = 8
@@ -71,11 +71,7 @@ def tune_predicted(model: Any, ds_config: dict, budget: int, profile: DeviceProf
         progress.update(len(pool), len(pool), "estimate")
     fitting = [c for c in pool if c.rejected is None and fits.get(id(c)) and c.predicted_time_s is not None]
 
-    def rank_key(c: Candidate) -> tuple:
-        per_sample = (c.predicted_time_s or math.inf) / c.micro_batch
-        return (-c.micro_batch, per_sample) if objective == "largest_micro_batch" else (c.predicted_time_s, 0)
-
-    fitting.sort(key=rank_key)
+    fitting.sort(key=lambda c: rank_key(objective, c.predicted_time_s, c.micro_batch))
     live = sum(c.rejected is None for c in pool)
     notes = [f"{len(pool)} candidates, {len(pool) - live} rejected by the plugins, {len(fitting)} predicted to fit "
              f"on {profile.name} ({reuse.traces} fake traces, {reuse.reused} estimates on a shared one); nothing was "

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from xirang_ds.compat.torch import TorchDispatchMode, cast_ops, sac_ignored_ops
+from xirang_ds.compat.torch import TorchDispatchMode, cast_ops, pytree, sac_ignored_ops, storage_key
 from xirang_ds.memory.device_profile import DeviceProfile, op_seconds
 from xirang_ds.memory.dispatch import returns_alias
 from xirang_ds.plugins.activations.codecs import Trial, trial, trial_bytes
@@ -55,7 +55,8 @@ class ModuleProfile:
 
     Attributes:
         saved_bytes: storages saved for backward that options can pack.
-        largest_bytes: the largest of them (what an on-demand restore holds at once, roughly).
+        largest_bytes: the largest of them.
+        restore_bytes: the most of them an on-demand restore holds at once in backward (`restore_peak`).
         small_bytes: saved storages below ``min_tensor_bytes`` or otherwise left as they are.
         input_bytes: storages of tensor inputs (what recompute keeps).
         time_s: forward time (sum of op times).
@@ -85,6 +86,7 @@ class ModuleProfile:
     order: int = -1
     saved_bytes: int = 0
     largest_bytes: int = 0
+    restore_bytes: int = 0
     small_bytes: int = 0
     input_bytes: int = 0
     time_s: float = 0.0
@@ -185,13 +187,33 @@ class _Frame:
         self.inputs: set = set()
         self.selected: set[int] = set()
         self.selected_storages: set = set()
+        self.spans: dict[int, list[int]] = {}
+        """``{storage: [first, last, bytes]}``: the autograd nodes (by position) that saved each eligible storage."""
 
     def close(self) -> None:
         p = self.profile
+        p.restore_bytes = max(p.restore_bytes, restore_peak(self.spans.values()))
         p.calls += 1
         p.time_s += sum(op.seconds for op in self.ops)
         p.selective_time_s += sum(op.seconds for i, op in enumerate(self.ops) if i not in self.selected)
         p.must_save.update((self.ops[i].key, self.ops[i].index) for i in self.selected)
+
+
+def restore_peak(spans: Any) -> int:
+    """The most bytes restored at once in backward, storages restored on demand (`saved.PackedStorage`): a
+    storage comes back when the last node that saved it runs (backward runs nodes in reverse) and stays until
+    the first one has run, so the live ones at a node are those whose ``[first, last]`` span holds it."""
+    events = sorted(e for first, last, nbytes in spans for e in ((first, nbytes), (last + 1, -nbytes)))
+    live = peak = 0
+    for _, delta in events:  # at one position, frees (negative) sort before arrivals
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+def _storage_keys(tree: Any) -> set:
+    return {storage_key(t.untyped_storage()) for t in pytree.tree_leaves(tree)
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided}
 
 
 class _OpTimer(TorchDispatchMode):
@@ -205,6 +227,12 @@ class _OpTimer(TorchDispatchMode):
         out = func(*args, **kwargs)
         if prof.in_hook:
             return out
+        made = _storage_keys(out)
+        if made:  # an op that makes no tensor (a fake tensor's ``prim.device``) is no autograd node
+            prof.position += 1
+            prof.last_outputs = () if returns_alias(func) else made
+            if prof.pending:
+                prof.place_inputs(_storage_keys((args, kwargs)))
         if func in _CASTS and isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor) \
                 and args[0].dtype in NARROWING_CASTS.get(out.dtype, ()):
             prof.narrowable.add(prof.ids(out.untyped_storage()))
@@ -268,6 +296,12 @@ class Profiler:
         self.passes: list[dict[str, ModuleProfile]] = []
         self.stack: list[_Frame] = []
         self.in_hook = False
+        self.position = 0
+        """Ops run so far in the pass (`restore_peak`'s node positions)."""
+        self.last_outputs: Any = ()
+        """Storage keys of the last op's outputs."""
+        self.pending: list = []
+        """Saved inputs whose op has not run yet: ``(storage key, id, bytes, frames)``."""
         self.ids = StorageIds()
         self.narrowable: set[int] = set()
         """Storages a cast made from a narrower float in this pass (`planned_bytes`)."""
@@ -286,10 +320,12 @@ class Profiler:
             try:
                 yield
             finally:
+                self.place_inputs(set())
                 self.stack[0].close()
                 self.stack = []
                 self._trials = {}
                 self.narrowable = set()
+                self.last_outputs = ()
                 self.ids.clear()
 
     @contextlib.contextmanager
@@ -311,6 +347,7 @@ class Profiler:
         try:
             yield
         finally:
+            self.place_inputs(set())
             self.stack.pop()
             frame.close()
 
@@ -353,6 +390,12 @@ class Profiler:
         key, nbytes = self.ids(st), st.nbytes()
         eligible = self.eligible(t)
         results = self._trial(t, key) if eligible else {}
+        # the node saving it (`restore_peak`): autograd saves an op's outputs after running it, its inputs
+        # before: the op just run when it made the storage, else the next op that takes it
+        if eligible and storage_key(st) in self.last_outputs:
+            self._place(key, nbytes, self.stack, self.position)
+        elif eligible:
+            self.pending.append((storage_key(st), key, nbytes, list(self.stack)))
         for frame in self.stack:
             if key in frame.saved:
                 continue
@@ -373,6 +416,23 @@ class Profiler:
                     if kind != "compress":
                         setattr(p, f"{kind}_error", max(getattr(p, f"{kind}_error"), r.error_ratio))
             self._select(frame, key)
+
+    def place_inputs(self, arguments: set) -> None:
+        """The saved inputs waiting for their op (`record_saved`) that are among ``arguments``, at this op's
+        position; with no ``arguments``, all of them at the next (a frame ends, or the pass)."""
+        waiting = []
+        for entry in self.pending:
+            if not arguments or entry[0] in arguments:
+                self._place(*entry[1:], self.position + (not arguments))
+            else:
+                waiting.append(entry)
+        self.pending = waiting
+
+    @staticmethod
+    def _place(key: int, nbytes: int, frames: list, node: int) -> None:
+        for frame in frames:
+            span = frame.spans.setdefault(key, [node, node, nbytes])
+            span[0], span[1] = min(span[0], node), max(span[1], node)
 
     def _select(self, frame: _Frame, key: int) -> None:
         """Selective recompute keeps a saved storage iff an expensive op in this module made it."""

@@ -43,14 +43,25 @@ class Draws(NamedTuple):
     Attributes:
         keys: `stochastic.noise_keys` of the optimizer's seed and the step.
         offset: the index of the tensor's element 0 (an int; a 0-d int64 tensor in a compiled graph).
+        drawn: ``None``, or the chunk's draws already made (`draw_chunk`: both moments, int32, at the
+            format's `StateFormat.draw_bits`), which `bits` then returns.
     """
 
     keys: torch.Tensor
     offset: Union[int, torch.Tensor]
+    drawn: Optional[torch.Tensor] = None
 
     def bits(self, moment: str, start: int, n: int, bits: int) -> torch.Tensor:
-        """``n`` uniform ``bits``-bit integers (int64) of ``moment``'s values from ``start`` on."""
+        """``n`` uniform ``bits``-bit integers of ``moment``'s values from ``start`` on."""
+        if self.drawn is not None:
+            return self.drawn[MOMENTS.index(moment), start:start + n]
         return random_bits(self.keys, self.offset + start, n, bits, stream=1 + MOMENTS.index(moment))
+
+
+def draw_chunk(keys: torch.Tensor, offset: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """Both moments' draws of ``n`` elements from ``offset`` (what `Draws.bits` draws), as a ``(2, n)`` int32
+    tensor."""
+    return torch.stack([random_bits(keys, offset, n, bits, stream=1 + i).to(torch.int32) for i in range(len(MOMENTS))])
 
 Empty = Callable[[int, torch.dtype, torch.device], torch.Tensor]
 """``empty(numel, dtype, device)``: where quantized buffers are allocated (the memory pool)."""
@@ -72,6 +83,8 @@ class StateFormat(abc.ABC):
 
     name: str = ""
     block_size: int = 1
+    draw_bits: int = 0
+    """Bits of noise an element's stochastic rounding draws."""
 
     @abc.abstractmethod
     def zeros(self, moment: str, numel: int, device: torch.device, empty: Optional[Empty] = None) -> Buffers:
@@ -133,6 +146,7 @@ class Bf16Format(StateFormat):
     """bfloat16 storage: 2 bytes per element, fp32's exponent range, 8 bits of mantissa."""
 
     name = "bf16"
+    draw_bits = 16
 
     def zeros(self, moment: str, numel: int, device: torch.device, empty: Optional[Empty] = None) -> Buffers:
         return {moment: torch.zeros(numel, dtype=torch.bfloat16, device=device)}
@@ -149,7 +163,7 @@ class Bf16Format(StateFormat):
         # Stochastic rounding to bf16: add uniform noise below the kept 16 bits, then truncate
         # (torchao's _fp32_to_bf16_sr does the same with a select).
         bits = values.view(torch.int32)
-        bits.add_(draws.bits(moment, start, values.numel(), 16).to(torch.int32)).bitwise_and_(-65536)
+        bits.add_(draws.bits(moment, start, values.numel(), self.draw_bits).to(torch.int32)).bitwise_and_(-65536)
         dst.copy_(bits.view(torch.float32))
 
 
@@ -174,6 +188,7 @@ class BlockQuantFormat(StateFormat):
             raise ValueError(f"block_size must be a positive even number; got {block_size}")
         self.bits = bits
         self.block_size = block_size
+        self.draw_bits = 24  # torch.rand's
         self.maps = maps
         self.name = f"int{bits}"
 
@@ -231,7 +246,7 @@ class BlockQuantFormat(StateFormat):
         first = start // b
         buffers[scales_key][first:first + blocks].copy_(scale.view(-1))
         x = x.div_(scale.clamp_(min=torch.finfo(torch.float32).tiny))
-        uniform = None if draws is None else draws.bits(moment, start, x.numel(), 24).to(torch.float32).mul_(
+        uniform = None if draws is None else draws.bits(moment, start, x.numel(), self.draw_bits).to(torch.float32).mul_(
             2.0 ** -24).view(x.shape)  # torch.rand's 24 bits
         codes = qmap.encode(x, uniform)
         dst = buffers[codes_key]

@@ -8,7 +8,8 @@ from tests.optimizer_states.test_units import one_thread  # noqa: F401  (autouse
 from xirang_ds.compat.torch import TorchDispatchMode
 from xirang_ds.plugins.optimizer_states import DynamicAdamW
 from xirang_ds.plugins.optimizer_states import fused as fused_module
-from xirang_ds.plugins.optimizer_states.formats import make_format
+from xirang_ds.plugins.grad_release.stochastic import noise_keys
+from xirang_ds.plugins.optimizer_states.formats import Draws, draw_chunk, make_format
 from xirang_ds.plugins.optimizer_states.fused import FusedStep, FusedUnavailable, chunk_step, hyper_tensor
 from xirang_ds.plugins.optimizer_states.update import AdamHyper
 
@@ -158,9 +159,31 @@ def test_stochastic_rounding_steps_run_the_static_chunks_with_the_eager_paths_dr
     eager, eager_opt = _train("int8", False, steps=3, stochastic=True)
     fused, opt = _train("int8", True, steps=3, stochastic=True)
     fp32, _ = _train("fp32", False, steps=3)
-    assert opt.fused.chunks == 3 * 10
+    assert opt.fused.chunks == 3 * 10 and opt.fused.draw_calls == 3 * 10  # each chunk's draws in a call of their own
     assert _distance(fused, eager) <= 0.02 * _distance(eager, fp32)
     _assert_few_codes_moved("int8", fused, opt, eager, eager_opt)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4", "bf16"])
+def test_a_chunks_draws_made_apart_update_bit_for_bit_as_the_hash_inside_the_kernel(dtype):
+    fmt = make_format(dtype)
+    out = []
+    keys, offset = noise_keys(7), torch.tensor(3 * CHUNK)
+    drawn = draw_chunk(keys, offset, CHUNK, fmt.draw_bits)
+    for apart in (None, drawn, torch.zeros_like(drawn)):  # zeros: the kernel reads what it is given
+        torch.manual_seed(0)
+        p, g = torch.randn(CHUNK), torch.randn(CHUNK)
+        bufs = {k: v for m in ("exp_avg", "exp_avg_sq") for k, v in fmt.zeros(m, CHUNK, p.device).items()}
+        scalars = hyper_tensor(AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True), 1, p.device)
+        draws = Draws(keys, offset, apart)
+        kernel = torch.compile(fused_module._variant(chunk_step, f"test_{apart is None}"), dynamic=False, fullgraph=True)
+        for _ in range(2):
+            kernel(fmt, p, g, fmt.window("exp_avg", bufs, 0, CHUNK), fmt.window("exp_avg_sq", bufs, 0, CHUNK),
+                   scalars, draws)
+        out.append((p, bufs))
+    (p, bufs), (q, apart_bufs), (_, zero_bufs) = out
+    assert torch.equal(p, q) and all(torch.equal(bufs[k], apart_bufs[k]) for k in bufs), dtype
+    assert not all(torch.equal(bufs[k], zero_bufs[k]) for k in bufs), dtype
 
 
 def test_a_whole_tensor_kernel_that_fails_to_compile_leaves_that_format_in_chunks(monkeypatch):

@@ -17,6 +17,7 @@ import torch
 from xirang_ds.compat.torch import GRAD_DTYPE_SETTABLE
 from xirang_ds.config.types import format_bytes
 from xirang_ds.memory.categories import ACTIVATIONS, GRADIENTS, OPTIMIZER_STATES, PARAMETERS, TEMPORARIES
+from xirang_ds.memory.host_ledger import pinned_block
 from xirang_ds.memory.model_states import BACKWARD_END, BACKWARD_START, STEP_PREPARE, adam_temporaries
 from xirang_ds.plugins.grad_release.embedding_rows import plain
 from xirang_ds.plugins.grad_release.layout import plan_buckets
@@ -205,9 +206,53 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
                f"{format_bytes(states_need)}, exceed memory_budget {format_bytes(int(budget))}")
         plugin.estimate_note = HOST_NOTE + why
     # run_plan settles the tier from it; the predicted step prices the host copies from it (`StatesTier.step_seconds`)
-    plugin.estimate_plan = {"states": "host" if why is not None or parked else "device", "why": why,
-                            "state_bytes": states, "stashes_shard": bool(holds_shard and stash)}
+    on_host, stashes = why is not None or parked, bool(holds_shard and stash)
+    plugin.estimate_plan = {"states": "host" if on_host else "device", "why": why,
+                            "state_bytes": states, "stashes_shard": stashes, "stash_bytes": comm_bytes}
+    pinned = shape.device != "cpu" or getattr(plugin.session, "device_profile", None) is not None and \
+        plugin.session.device_profile.name != "cpu"
+    tensors = _state_tensors(plugin.session.state_quantizer, len(numels))
+    buckets = [(sum(math.ceil(order[i] / world) for i in b),
+                [t for i in b for t in tensors(len(numels) - 1 - i, math.ceil(order[i] / world))] if on_host else [])
+               for b in planned]
+    host = host_bytes(buckets, comm_bytes if stashes else 0, pinned)
+    plugin.estimate_plan["host_bytes"] = host
+    for cats in out.values():  # held the whole step, in the buffers the run reuses every step
+        cats["host"] = cats.get("host", 0) + host
     return out
+
+
+def host_bytes(buckets: list[tuple[int, list[int]]], stash_bytes_per_element: int, pinned: bool) -> int:
+    """The host bytes grad_release's tiers hold as the host ledger counts them (`xirang_ds.memory.host_ledger`),
+    one buffer per tensor: each bucket's ``(shard elements, [bytes of each optimizer state tensor on the host]``),
+    and exact clipping's stash, one buffer per bucket shard in the reduced gradient's dtype
+    (``stash_bytes_per_element``; 0: no stash); each buffer pinned on an accelerator (``pinned``: its block the
+    next power of two)."""
+    def cost(nbytes: int) -> int:
+        return pinned_block(nbytes) if pinned else nbytes
+
+    total = 0
+    for shard, states in buckets:
+        if stash_bytes_per_element:
+            total += cost(stash_bytes_per_element * shard)
+        total += sum(cost(n) for n in states)
+    return total
+
+
+def _state_tensors(quantizer: Any, count: int) -> Any:
+    """``(parameter index, piece elements) -> [bytes of each state tensor]`` of a bucket's optimizer over a piece:
+    torch's Adam keeps two fp32 moments; optimizer_states (``quantizer``) its format's tensors (codes and scales per
+    moment), fp32 for the parameters it keeps."""
+    layout = quantizer.estimate_layout() if quantizer is not None else None
+    params, kept, fmt = layout if layout is not None and len(layout[0]) == count else ((), (), None)
+
+    def tensors(i: int, n: int) -> list[int]:
+        if fmt is None or id(params[i]) in kept:
+            return [4 * n, 4 * n]
+        return [t.numel() * t.element_size() for m in ("exp_avg", "exp_avg_sq")
+                for t in fmt.zeros(m, n, torch.device("meta")).values()]
+
+    return tensors
 
 
 def _held_after(arrived: list[int], numels: list[int], planned: list[list[int]], buffers: list[int], world: int,

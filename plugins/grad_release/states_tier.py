@@ -22,6 +22,7 @@ import logging
 from typing import Any, Optional
 
 from xirang_ds.config.loader import BLOCK_KEY
+from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.memory.run_shape import partition_numel
 
 logger = logging.getLogger("xirang_ds")
@@ -71,8 +72,14 @@ class StatesTier:
     def choose_states_tier(self, model: Any) -> None:
         """``auto``: start in host memory where the estimate puts them there (its own rule, `adjust_estimate`:
         with them on the device it is over ``memory_budget``; ``auto``: the device's capacity); said in the
-        summary, recorded as a ``states_to_host`` event."""
-        if self.config.states != "auto":
+        summary, recorded as a ``states_to_host`` event. ``auto`` or ``host`` with ``host_memory_budget`` in
+        bytes: refused here where the estimate's host tiers exceed it (`estimator.host_over_budget`).
+
+        Raises:
+            XirangConfigError: the host tiers would not fit ``host_memory_budget``.
+        """
+        host_budget = self.session.config.host_memory_budget
+        if self.config.states == "device" or self.config.states == "host" and host_budget == "auto":
             return
         from deepspeed.accelerator import get_accelerator
 
@@ -82,6 +89,11 @@ class StatesTier:
             requested[BLOCK_KEY] = {**requested[BLOCK_KEY], "memory_budget": int(get_accelerator().total_memory())}
         estimate = self.session.estimator.estimate_states(model, requested, self.session.world_size,
                                                           get_accelerator().device_name())
+        if host_budget != "auto" and estimate.host_peak_bytes > int(host_budget):  # before the run, not in it
+            raise XirangConfigError([("xirang.host_memory_budget", self.session.estimator.host_over_budget(
+                estimate.host_peak_bytes, int(host_budget)))])
+        if self.config.states != "auto":
+            return
         self.parked_why = host_reason(estimate.notes)
         # exact_method auto: the held shard goes to the host where the estimate needs the room, and while a
         # planner decides under a byte budget (it measures without the shard; `plugin.stashes_held`)
@@ -118,11 +130,11 @@ class StatesTier:
     def step_seconds(self, shape: Any, numels: list, profile: Any) -> float:
         """`xirang_ds.roles.TimesStep`: the host-link copies the estimate's tiers make each step, there and back
         (its ``estimate_plan``): the optimizer states where they are in host memory (their bytes), the reduced
-        fp32 gradient shard where exact clipping stashes it there."""
+        gradient shard where exact clipping stashes it there."""
         plan = getattr(self, "estimate_plan", None) or {}
         moved = 2 * plan.get("state_bytes", 0) if plan.get("states") == "host" else 0
-        if plan.get("stashes_shard"):
-            moved += 2 * 4 * partition_numel(sum(numels), shape.world_size)
+        if plan.get("stashes_shard"):  # in the reduced gradient's dtype
+            moved += 2 * plan.get("stash_bytes", 4) * partition_numel(sum(numels), shape.world_size)
         return moved / profile.host_link_bytes_per_s
 
     def settle_tier(self, on_host: bool, why: str = "") -> None:

@@ -62,9 +62,10 @@ class XirangConfig:
     """Per-rank host bytes every host tier may hold together: activation offload's buffers, grad_release's
     host states and stash, and arena evictions, counted as the host holds them (pinned on accelerators:
     power-of-two blocks that stay pinned after they are dropped; `xirang_ds.memory.host_ledger`). A saved
-    tensor that would not fit stays on the device (counted in the activations figures); a tier whose bytes
-    must go somewhere is counted and says once that it went over. ``auto`` = no cap: offload's buffers are
-    reused by size class and its cache never holds more than the most in use at once."""
+    tensor that would not fit stays on the device (counted in the activations figures); grad_release's host
+    states and stash are estimated before the run, and a block whose estimate exceeds the budget is refused
+    at initialize; an arena eviction over it is counted and says once that it went over. ``auto`` = no cap:
+    offload's buffers are reused by size class and its cache never holds more than the most in use at once."""
     deepspeed_files: bool = True
     """Every checkpoint of a run whose grad_release (ZeRO 0-2) or optimizer_states (inside DeepSpeed's ZeRO
     1-3 optimizer) holds the optimizer state also gets plain DeepSpeed's files: at ZeRO 1-3 its ZeRO

@@ -79,6 +79,8 @@ class Estimate:
         korthikanti_activations: the paper's formula for a standard transformer, for reference.
         points: the points inside a phase that plugins adjusted on their own before the larger was taken
             (``backward_end``: grad_release's end of backward), with their breakdown and total.
+        host_peak_bytes: what the host tiers hold at most over the phases (their ``host`` bytes: grad_release's
+            states and stash, as the host ledger counts them), which ``host_memory_budget`` in bytes caps.
     """
 
     predicted_peak_bytes: int
@@ -93,9 +95,11 @@ class Estimate:
     step_time: Optional[StepTime] = None
     plain_step_time: Optional[StepTime] = None
     points: dict = dataclasses.field(default_factory=dict)
+    host_peak_bytes: int = 0
 
     def as_dict(self) -> dict:
-        return {"predicted_peak_bytes": self.predicted_peak_bytes, "by_category": dict(self.by_category),
+        return {"predicted_peak_bytes": self.predicted_peak_bytes, "host_peak_bytes": self.host_peak_bytes,
+                "by_category": dict(self.by_category),
                 "peak_phase": self.peak_phase, "fits": self.fits, "least_budget_bytes": self.least_budget_bytes,
                 "phases": {k: dict(v) for k, v in self.phases.items()}, "notes": list(self.notes),
                 "plans": {k: v.as_dict() if hasattr(v, "as_dict") else v for k, v in self.plans.items()},
@@ -228,16 +232,19 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
             phases[whole] = cats
     totals = {k: sum(v[c] for c in CATEGORIES if c != "host") for k, v in phases.items()}
     peak_phase = max(totals, key=totals.__getitem__)
-    fits, least = _fits(session, totals[peak_phase], plans)
+    host = max(v.get("host", 0) for v in phases.values())
+    fits, least = _fits(session, totals[peak_phase], plans, host, notes)
     return Estimate(predicted_peak_bytes=totals[peak_phase], by_category=phases[peak_phase], peak_phase=peak_phase,
                     phases={k: {**v, "total": totals[k]} for k, v in phases.items()}, notes=notes, fits=fits,
-                    least_budget_bytes=least, plans=plans, points=points)
+                    least_budget_bytes=least, plans=plans, points=points, host_peak_bytes=host)
 
 
-def _fits(session: Any, peak: int, plans: dict) -> tuple[Optional[bool], int]:
-    """Whether the predicted ``peak`` fits ``memory_budget`` (else the known device total), and the least
-    budget the block meets: a plan's own word where a plugin planned within the budget (``fits`` and
-    ``least_budget_bytes`` on its plan), else the peak itself."""
+def _fits(session: Any, peak: int, plans: dict, host: int = 0, notes: Optional[list] = None
+          ) -> tuple[Optional[bool], int]:
+    """Whether the predicted ``peak`` fits ``memory_budget`` (else the known device total) and the host tiers'
+    ``host`` bytes fit ``host_memory_budget`` (in bytes; said in ``notes`` where not), and the least budget the
+    block meets: a plan's own word where a plugin planned within the budget (``fits`` and ``least_budget_bytes``
+    on its plan), else the peak itself."""
     least, verdicts = peak, []
     for plan in plans.values():
         if hasattr(plan, "least_budget_bytes"):
@@ -247,7 +254,20 @@ def _fits(session: Any, peak: int, plans: dict) -> tuple[Optional[bool], int]:
     limit = int(budget) if budget != "auto" else getattr(session, "device_total_bytes", None)
     if limit is not None:
         verdicts.append(peak <= int(limit))
+    host_budget = session.config.host_memory_budget if session is not None else "auto"
+    if host_budget != "auto":
+        verdicts.append(host <= int(host_budget))
+        if host > int(host_budget) and notes is not None:
+            notes.append(f"host_memory_budget: {host_over_budget(host, int(host_budget))}")
     return (all(verdicts) if verdicts else None), least
+
+
+def host_over_budget(host: int, budget: int) -> str:
+    """What the estimate and ``initialize`` say where the host tiers would hold more than ``host_memory_budget``."""
+    return (f"the host tiers would hold {format_bytes(host)} ({host:,} bytes; grad_release's "
+            f"optimizer states and exact clipping's stash, pinned blocks as the host allocator rounds them) over the "
+            f"budget of {format_bytes(budget)} ({budget:,} bytes). Fix: raise xirang.host_memory_budget to at least "
+            f"{host:,}, or give the device room for them (a larger memory_budget, or a preset with smaller states)")
 
 
 def _session_for(build: Callable[[], torch.nn.Module], ds_config: dict, world_size: int, fake: bool = True) -> Any:
@@ -314,6 +334,8 @@ def format_estimate(est: Estimate) -> str:
     if est.fits is not None:
         lines.append(("fits" if est.fits else "does not fit") + f"; the least memory_budget the block meets: "
                      f"{format_bytes(est.least_budget_bytes)} ({est.least_budget_bytes:,} bytes)")
+    if est.host_peak_bytes:
+        lines.append(f"host tiers: {format_bytes(est.host_peak_bytes)} ({est.host_peak_bytes:,} bytes) held")
     if est.step_time is not None:
         st, plain = est.step_time, est.plain_step_time
         beside = f" (plain DeepSpeed {plain.seconds * 1e3:.1f} ms)" if plain is not None and plain is not st else ""

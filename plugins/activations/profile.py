@@ -212,8 +212,15 @@ def restore_peak(spans: Any) -> int:
 
 
 def _storage_keys(tree: Any) -> set:
-    return {storage_key(t.untyped_storage()) for t in pytree.tree_leaves(tree)
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided}
+    """Storage keys of the strided tensors in ``tree`` (a wrapper subclass without storage is left out)."""
+    keys = set()
+    for t in pytree.tree_leaves(tree):
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+            try:
+                keys.add(storage_key(t.untyped_storage()))
+            except (RuntimeError, NotImplementedError):
+                pass
+    return keys
 
 
 class _OpTimer(TorchDispatchMode):

@@ -90,8 +90,11 @@ class StatesTier:
         estimate = self.session.estimator.estimate_states(model, requested, self.session.world_size,
                                                           get_accelerator().device_name())
         if host_budget != "auto" and estimate.host_peak_bytes > int(host_budget):  # before the run, not in it
-            raise XirangConfigError([("xirang.host_memory_budget", self.session.estimator.host_over_budget(
-                estimate.host_peak_bytes, int(host_budget)))])
+            room = "keep the optimizer states on the device (xirang.grad_release.states \"auto\" or \"device\")" \
+                if self.config.states == "host" else ""
+            raise XirangConfigError([("xirang.host_memory_budget", "grad_release's host states and stash: " +
+                                      self.session.estimator.host_over_budget(estimate.host_peak_bytes,
+                                                                              int(host_budget), room))])
         if self.config.states != "auto":
             return
         self.parked_why = host_reason(estimate.notes)

@@ -59,6 +59,19 @@ def test_the_estimate_counts_the_host_tiers_as_the_ledger_does_and_initialize_re
     assert estimate_spec("gpt-tiny", _config(held, quantized), 2).fits is not False
 
 
+def test_states_auto_that_would_take_the_host_over_its_budget_does_not_fit():
+    config = _config()
+    config["xirang"]["grad_release"]["states"] = "auto"
+    on_device = estimate_spec("gpt-tiny", config, 2)
+    config["xirang"]["memory_budget"] = int(0.9 * on_device.predicted_peak_bytes)  # the states go to the host
+    on_host = estimate_spec("gpt-tiny", config, 2)
+    assert on_host.fits and on_host.host_peak_bytes > on_device.host_peak_bytes  # the stash alone, then the states
+    config["xirang"]["host_memory_budget"] = on_host.host_peak_bytes - 1
+    over = estimate_spec("gpt-tiny", config, 2)
+    assert over.fits is False and any(n.startswith("host_memory_budget:") and "a larger memory_budget" in n
+                                      for n in over.notes)
+
+
 def test_pinned_buffers_are_counted_at_their_allocator_blocks():
     from xirang_ds.plugins.grad_release.estimate import host_bytes
 

@@ -262,12 +262,13 @@ def _fits(session: Any, peak: int, plans: dict, host: int = 0, notes: Optional[l
     return (all(verdicts) if verdicts else None), least
 
 
-def host_over_budget(host: int, budget: int) -> str:
-    """What the estimate and ``initialize`` say where the host tiers would hold more than ``host_memory_budget``."""
-    return (f"the host tiers would hold {format_bytes(host)} ({host:,} bytes; grad_release's "
-            f"optimizer states and exact clipping's stash, pinned blocks as the host allocator rounds them) over the "
-            f"budget of {format_bytes(budget)} ({budget:,} bytes). Fix: raise xirang.host_memory_budget to at least "
-            f"{host:,}, or give the device room for them (a larger memory_budget, or a preset with smaller states)")
+def host_over_budget(host: int, budget: int, room: str = "") -> str:
+    """What the estimate and ``initialize`` say where the host tiers would hold more than ``host_memory_budget``;
+    ``room``: how the block keeps them on the device (default: a budget that gives the device room for them)."""
+    room = room or "give the device room for them (a larger memory_budget, or a preset with smaller states)"
+    return (f"the host tiers would hold {format_bytes(host)} ({host:,} bytes, pinned blocks as the host allocator "
+            f"rounds them) over the budget of {format_bytes(budget)} ({budget:,} bytes). Fix: raise "
+            f"xirang.host_memory_budget to at least {host:,}, or {room}")
 
 
 def _session_for(build: Callable[[], torch.nn.Module], ds_config: dict, world_size: int, fake: bool = True) -> Any:

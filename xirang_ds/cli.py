@@ -104,6 +104,9 @@ def _fit_verdict(spec: Any, ds_config: dict, world_size: int) -> Optional[str]:
             least = least_fitting_budget(ds_config, lambda c: estimate_spec(spec, c, world_size),
                                          est.least_budget_bytes)[0]
         raise XirangConfigError([p for plan in refusing for p in plan.refusal(budget, where, least=least)])
+    if not est.fits and est.device_fits is not False:  # the host tiers alone (the estimate's note, as initialize says)
+        raise XirangConfigError([("xirang.host_memory_budget", n.split(": ", 1)[1] + f" ({where})")
+                                 for n in est.notes if n.startswith("host_memory_budget: ")])
     if not est.fits:
         raise XirangConfigError([("xirang.memory_budget", f"the estimate's peak {format_bytes(est.predicted_peak_bytes)} "
                                                           f"is above it ({where}); xirang-ds estimate names a change "
@@ -266,14 +269,17 @@ def _estimate_and_search(args: argparse.Namespace, model: Any, ds_config: dict, 
     # resolves "preset": "auto", checks the block
     est = estimate_spec(model, ds_config, args.world_size, device, device_profile=profile, plain=True)
     est.notes.extend(notes)
+    host_only = est.fits is False and est.device_fits is not False  # the host tiers alone: its note names the fix
     if est.fits is False and not args.no_suggest:
         from xirang_ds.planning.suggest import format_suggestion, least_fitting_budget, suggest_fit
 
         def again(c: dict) -> Any:
             return estimate_spec(model, c, args.world_size, device, device_profile=profile)
 
-        least, ran = least_fitting_budget(ds_config, again, est.least_budget_bytes)
-        if least is None:
+        least, ran = (None, 0) if host_only else least_fitting_budget(ds_config, again, est.least_budget_bytes)
+        if host_only:
+            est.notes.append("least memory_budget: the device fits at this one; the host tiers do not (above)")
+        elif least is None:
             est.notes.append(f"least memory_budget: not confirmed, no estimate at it or above fitted in {ran} tries "
                              "(bucket sizes and grad_release's tiers follow the budget)")
         elif least != est.least_budget_bytes:
@@ -286,7 +292,7 @@ def _estimate_and_search(args: argparse.Namespace, model: Any, ds_config: dict, 
                          "(--no-suggest); bucket sizes and grad_release's tiers follow the budget")
     out = {**est.as_dict(), **({"device_profile": profile.as_dict()} if args.measure_cpu else {})}
     print(format_estimate(est))
-    if est.fits is False and not args.no_suggest:
+    if est.fits is False and not args.no_suggest and not host_only:
         found = suggest_fit(ds_config, again)
         out["suggestion"] = found.as_dict()
         print(format_suggestion(found))

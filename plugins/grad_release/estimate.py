@@ -217,9 +217,15 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
                for b in planned]
     host = host_bytes(buckets, comm_bytes if stashes else 0, pinned)
     plugin.estimate_plan["host_bytes"] = host
+    if parked:  # what keeps the states off the host where the config put them there (`estimator.host_over_budget`)
+        plugin.estimate_plan["host_fix"] = HOST_FIX
     for cats in out.values():  # held the whole step, in the buffers the run reuses every step
         cats["host"] = cats.get("host", 0) + host
     return out
+
+
+HOST_FIX = "keep the optimizer states on the device (xirang.grad_release.states \"auto\" or \"device\")"
+"""The estimate's and initialize's fix for ``states: host`` over ``host_memory_budget``."""
 
 
 def host_bytes(buckets: list[tuple[int, list[int]]], stash_bytes_per_element: int, pinned: bool) -> int:

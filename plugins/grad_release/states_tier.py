@@ -90,8 +90,7 @@ class StatesTier:
         estimate = self.session.estimator.estimate_states(model, requested, self.session.world_size,
                                                           get_accelerator().device_name())
         if host_budget != "auto" and estimate.host_peak_bytes > int(host_budget):  # before the run, not in it
-            room = "keep the optimizer states on the device (xirang.grad_release.states \"auto\" or \"device\")" \
-                if self.config.states == "host" else ""
+            room = (estimate.plans.get(self.section) or {}).get("host_fix", "")
             raise XirangConfigError([("xirang.host_memory_budget", "grad_release's host states and stash: " +
                                       self.session.estimator.host_over_budget(estimate.host_peak_bytes,
                                                                               int(host_budget), room))])

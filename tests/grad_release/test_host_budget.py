@@ -3,6 +3,7 @@
 where they exceed the budget, and ``initialize`` refuses such a block with the same figure, naming the key and the
 fix, before the first step."""
 import copy
+import json
 
 import pytest
 
@@ -70,6 +71,23 @@ def test_states_auto_that_would_take_the_host_over_its_budget_does_not_fit():
     over = estimate_spec("gpt-tiny", config, 2)
     assert over.fits is False and any(n.startswith("host_memory_budget:") and "a larger memory_budget" in n
                                       for n in over.notes)
+
+
+def test_the_cli_says_the_host_tiers_do_not_fit_and_validate_refuses_with_the_same_figure(tmp_path, capsys):
+    from xirang_ds.cli import main
+
+    held = estimate_spec("gpt-tiny", _config(), 2).host_peak_bytes
+    path, out = tmp_path / "c.json", tmp_path / "e.json"
+    path.write_text(json.dumps(_config(held // 2)))
+    assert main(["estimate", "--model", "gpt-tiny", "--ds-config", str(path), "--world-size", "2",
+                 "--json", str(out)]) == 0
+    est, printed = json.loads(out.read_text()), capsys.readouterr().out
+    assert est["fits"] is False and est["host_peak_bytes"] == held and "suggestion" not in est  # no budget helps
+    assert "does not fit in host_memory_budget" in printed
+    assert f"at least {held:,}, or keep the optimizer states on the device" in printed  # states "host" as written
+    assert main(["validate", str(path), "--model", "gpt-tiny", "--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "xirang.host_memory_budget" in err and f"at least {held:,}" in err and "xirang.memory_budget:" not in err
 
 
 def test_pinned_buffers_are_counted_at_their_allocator_blocks():

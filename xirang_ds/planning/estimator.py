@@ -81,6 +81,8 @@ class Estimate:
             (``backward_end``: grad_release's end of backward), with their breakdown and total.
         host_peak_bytes: what the host tiers hold at most over the phases (their ``host`` bytes: grad_release's
             states and stash, as the host ledger counts them), which ``host_memory_budget`` in bytes caps.
+        device_fits: ``fits`` on the device alone (the plan and ``memory_budget``; ``None``: neither a budget nor
+            a device total to check), whatever the host holds.
     """
 
     predicted_peak_bytes: int
@@ -96,6 +98,7 @@ class Estimate:
     plain_step_time: Optional[StepTime] = None
     points: dict = dataclasses.field(default_factory=dict)
     host_peak_bytes: int = 0
+    device_fits: Optional[bool] = None
 
     def as_dict(self) -> dict:
         return {"predicted_peak_bytes": self.predicted_peak_bytes, "host_peak_bytes": self.host_peak_bytes,
@@ -233,18 +236,24 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
     totals = {k: sum(v[c] for c in CATEGORIES if c != "host") for k, v in phases.items()}
     peak_phase = max(totals, key=totals.__getitem__)
     host = max(v.get("host", 0) for v in phases.values())
-    fits, least = _fits(session, totals[peak_phase], plans, host, notes)
+    device_fits, least = _fits(session, totals[peak_phase], plans)
+    fits = device_fits
+    host_budget = session.config.host_memory_budget if session is not None else "auto"
+    if host_budget != "auto" and host > int(host_budget):
+        # how the block keeps them on the device, where a plugin says (grad_release's states fixed to the host)
+        room = next((p["host_fix"] for p in plans.values() if isinstance(p, dict) and p.get("host_fix")), "")
+        notes.append(f"host_memory_budget: {host_over_budget(host, int(host_budget), room)}")
+        fits = False
     return Estimate(predicted_peak_bytes=totals[peak_phase], by_category=phases[peak_phase], peak_phase=peak_phase,
                     phases={k: {**v, "total": totals[k]} for k, v in phases.items()}, notes=notes, fits=fits,
-                    least_budget_bytes=least, plans=plans, points=points, host_peak_bytes=host)
+                    least_budget_bytes=least, plans=plans, points=points, host_peak_bytes=host,
+                    device_fits=device_fits)
 
 
-def _fits(session: Any, peak: int, plans: dict, host: int = 0, notes: Optional[list] = None
-          ) -> tuple[Optional[bool], int]:
-    """Whether the predicted ``peak`` fits ``memory_budget`` (else the known device total) and the host tiers'
-    ``host`` bytes fit ``host_memory_budget`` (in bytes; said in ``notes`` where not), and the least budget the
-    block meets: a plan's own word where a plugin planned within the budget (``fits`` and ``least_budget_bytes``
-    on its plan), else the peak itself."""
+def _fits(session: Any, peak: int, plans: dict) -> tuple[Optional[bool], int]:
+    """Whether the predicted ``peak`` fits ``memory_budget`` (else the known device total), and the least
+    budget the block meets: a plan's own word where a plugin planned within the budget (``fits`` and
+    ``least_budget_bytes`` on its plan), else the peak itself."""
     least, verdicts = peak, []
     for plan in plans.values():
         if hasattr(plan, "least_budget_bytes"):
@@ -254,11 +263,6 @@ def _fits(session: Any, peak: int, plans: dict, host: int = 0, notes: Optional[l
     limit = int(budget) if budget != "auto" else getattr(session, "device_total_bytes", None)
     if limit is not None:
         verdicts.append(peak <= int(limit))
-    host_budget = session.config.host_memory_budget if session is not None else "auto"
-    if host_budget != "auto":
-        verdicts.append(host <= int(host_budget))
-        if host > int(host_budget) and notes is not None:
-            notes.append(f"host_memory_budget: {host_over_budget(host, int(host_budget))}")
     return (all(verdicts) if verdicts else None), least
 
 
@@ -333,7 +337,8 @@ def format_estimate(est: Estimate) -> str:
     lines = ["predicted per-rank peak: " + format_bytes(est.predicted_peak_bytes) +
              f" ({est.predicted_peak_bytes:,} bytes) in {est.peak_phase}"]
     if est.fits is not None:
-        lines.append(("fits" if est.fits else "does not fit") + f"; the least memory_budget the block meets: "
+        host = " in host_memory_budget" if est.device_fits is not False and not est.fits else ""
+        lines.append(("fits" if est.fits else f"does not fit{host}") + f"; the least memory_budget the block meets: "
                      f"{format_bytes(est.least_budget_bytes)} ({est.least_budget_bytes:,} bytes)")
     if est.host_peak_bytes:
         lines.append(f"host tiers: {format_bytes(est.host_peak_bytes)} ({est.host_peak_bytes:,} bytes) held")

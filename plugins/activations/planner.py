@@ -16,7 +16,7 @@ was saved before the first candidate), a plan fits the budget ``B`` when
 A recomputed module's transient is all it saves beyond its kept inputs (the recomputation
 rebuilds the module at once); decoded or fetched storages come back at the first unpack that needs
 them and stay until the last of their views is unpacked, so their transient is the most the
-profiled nodes hold back at once (`profile.restore_peak`);
+profiled nodes hold back at once (`saved_nodes.restore_peak`);
 on accelerators the copy stream fetches whole offloaded modules ahead, so an offloaded module's
 transient is itself and the ``prefetch`` modules after it in backward.
 
@@ -176,7 +176,7 @@ def _priced(p: ModuleProfile, options: tuple[str, ...], tolerant: bool, bandwidt
         return max(0.0, t - p.time_s) + max(0.0, t - 2 * p.time_s)
 
     # Restored on demand, storage by storage, each held from the first node that needs it to the last
-    # (`profile.restore_peak`); a profile without that figure (recorded before it was) takes about two
+    # (`saved_nodes.restore_peak`); a profile without that figure (recorded before it was) takes about two
     # storages at a time. A copy stream instead fetches whole modules ahead (this one and the
     # ``prefetch`` next).
     on_demand = p.saved_bytes if p.compiled else \

@@ -16,7 +16,8 @@ from xirang_ds.plugins.activations.config import LOSSY_ACTIVATION_OPTIONS, Activ
 from xirang_ds.plugins.activations.planner import BudgetError, Choice, Node, least_budget, option_costs, plan
 from xirang_ds.plugins.activations.profile import ROOT, ModuleProfile
 
-_FIELDS = ("calls", "before_bytes", "saved_bytes", "largest_bytes", "restore_bytes", "small_bytes", "input_bytes", "time_s", "selective_bytes", "selective_time_s",
+_FIELDS = ("calls", "before_bytes", "saved_bytes", "largest_bytes", "restore_bytes", "host_bytes", "pinned_host_bytes",
+           "input_host_bytes", "input_pinned_host_bytes", "small_bytes", "input_bytes", "time_s", "selective_bytes", "selective_time_s",
            "compress_bytes", "compress_time_s", "quantize_bytes", "quantize_time_s", "quantize_error",
            "sparsify_bytes", "sparsify_time_s", "sparsify_error", "chunk_calls", "chunk_bytes", "chunk_tokens",
            "chunk_rows", "chunk_fixed", "chunk_row_bytes", "keep_transient_bytes", "compiled")

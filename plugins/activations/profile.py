@@ -36,13 +36,14 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from xirang_ds.compat.torch import TorchDispatchMode, cast_ops, pytree, sac_ignored_ops, storage_key
+from xirang_ds.compat.torch import TorchDispatchMode, cast_ops, sac_ignored_ops
 from xirang_ds.memory.device_profile import DeviceProfile, op_seconds
 from xirang_ds.memory.dispatch import returns_alias
 from xirang_ds.plugins.activations.codecs import Trial, trial, trial_bytes
 from xirang_ds.plugins.activations.handlers import OffloadHandler
 from xirang_ds.plugins.activations.recompute import op_key
 from xirang_ds.plugins.activations.saved import Eligibility, PackContext, StorageIds, storage_flat
+from xirang_ds.plugins.activations.saved_nodes import NodeSpans, host_buffers, restore_peak
 from xirang_ds.plugins.activations.storage import PayloadStorage
 
 ROOT = ""
@@ -56,7 +57,10 @@ class ModuleProfile:
     Attributes:
         saved_bytes: storages saved for backward that options can pack.
         largest_bytes: the largest of them.
-        restore_bytes: the most of them an on-demand restore holds at once in backward (`restore_peak`).
+        restore_bytes: the most of them an on-demand restore holds at once in backward (`saved_nodes`).
+        host_bytes, pinned_host_bytes: what offloading them takes on the host: each storage's packed part
+            (`saved.storage_flat`) in its buffer, `storage.host_size_class` plain, its block pinned.
+        input_host_bytes, input_pinned_host_bytes: the same for its tensor inputs (``*_offload`` recompute).
         small_bytes: saved storages below ``min_tensor_bytes`` or otherwise left as they are.
         input_bytes: storages of tensor inputs (what recompute keeps).
         time_s: forward time (sum of op times).
@@ -87,6 +91,10 @@ class ModuleProfile:
     saved_bytes: int = 0
     largest_bytes: int = 0
     restore_bytes: int = 0
+    host_bytes: int = 0
+    pinned_host_bytes: int = 0
+    input_host_bytes: int = 0
+    input_pinned_host_bytes: int = 0
     small_bytes: int = 0
     input_bytes: int = 0
     time_s: float = 0.0
@@ -199,30 +207,6 @@ class _Frame:
         p.must_save.update((self.ops[i].key, self.ops[i].index) for i in self.selected)
 
 
-def restore_peak(spans: Any) -> int:
-    """The most bytes restored at once in backward, storages restored on demand (`saved.PackedStorage`): a
-    storage comes back when the last node that saved it runs (backward runs nodes in reverse) and stays until
-    the first one has run, so the live ones at a node are those whose ``[first, last]`` span holds it."""
-    events = sorted(e for first, last, nbytes in spans for e in ((first, nbytes), (last + 1, -nbytes)))
-    live = peak = 0
-    for _, delta in events:  # at one position, frees (negative) sort before arrivals
-        live += delta
-        peak = max(peak, live)
-    return peak
-
-
-def _storage_keys(tree: Any) -> set:
-    """Storage keys of the strided tensors in ``tree`` (a wrapper subclass without storage is left out)."""
-    keys = set()
-    for t in pytree.tree_leaves(tree):
-        if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-            try:
-                keys.add(storage_key(t.untyped_storage()))
-            except (RuntimeError, NotImplementedError):
-                pass
-    return keys
-
-
 class _OpTimer(TorchDispatchMode):
     def __init__(self, profiler: "Profiler"):
         super().__init__()
@@ -234,12 +218,7 @@ class _OpTimer(TorchDispatchMode):
         out = func(*args, **kwargs)
         if prof.in_hook:
             return out
-        made = _storage_keys(out)
-        if made:  # an op that makes no tensor (a fake tensor's ``prim.device``) is no autograd node
-            prof.position += 1
-            prof.last_outputs = () if returns_alias(func) else made
-            if prof.pending:
-                prof.place_inputs(_storage_keys((args, kwargs)))
+        prof.nodes.op_ran(func, args, kwargs, out)
         if func in _CASTS and isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor) \
                 and args[0].dtype in NARROWING_CASTS.get(out.dtype, ()):
             prof.narrowable.add(prof.ids(out.untyped_storage()))
@@ -303,12 +282,8 @@ class Profiler:
         self.passes: list[dict[str, ModuleProfile]] = []
         self.stack: list[_Frame] = []
         self.in_hook = False
-        self.position = 0
-        """Ops run so far in the pass (`restore_peak`'s node positions)."""
-        self.last_outputs: Any = ()
-        """Storage keys of the last op's outputs."""
-        self.pending: list = []
-        """Saved inputs whose op has not run yet: ``(storage key, id, bytes, frames)``."""
+        self.nodes = NodeSpans()
+        """Which autograd node saved each storage (`saved_nodes`)."""
         self.ids = StorageIds()
         self.narrowable: set[int] = set()
         """Storages a cast made from a narrower float in this pass (`planned_bytes`)."""
@@ -323,16 +298,16 @@ class Profiler:
         self.stack = [_Frame(current[ROOT], False)]
         self._trials = {}
         timer = _OpTimer(self)
+        self.nodes = NodeSpans()
         with _ProfilePack(self, self.handler), timer:
             try:
                 yield
             finally:
-                self.place_inputs(set())
+                self.nodes.flush()
                 self.stack[0].close()
                 self.stack = []
                 self._trials = {}
                 self.narrowable = set()
-                self.last_outputs = ()
                 self.ids.clear()
 
     @contextlib.contextmanager
@@ -350,11 +325,18 @@ class Profiler:
                 if ident not in frame.inputs:
                     frame.inputs.add(ident)
                     profile.input_bytes += st.nbytes()
+                    self.in_hook = True  # its views are no op of the model's
+                    try:
+                        plain, pinned = host_buffers(value)
+                    finally:
+                        self.in_hook = False
+                    profile.input_host_bytes += plain
+                    profile.input_pinned_host_bytes += pinned
         self.stack.append(frame)
         try:
             yield
         finally:
-            self.place_inputs(set())
+            self.nodes.flush()
             self.stack.pop()
             frame.close()
 
@@ -397,12 +379,9 @@ class Profiler:
         key, nbytes = self.ids(st), st.nbytes()
         eligible = self.eligible(t)
         results = self._trial(t, key) if eligible else {}
-        # the node saving it (`restore_peak`): autograd saves an op's outputs after running it, its inputs
-        # before: the op just run when it made the storage, else the next op that takes it
-        if eligible and storage_key(st) in self.last_outputs:
-            self._place(key, nbytes, self.stack, self.position)
-        elif eligible:
-            self.pending.append((storage_key(st), key, nbytes, list(self.stack)))
+        host = host_buffers(t) if eligible else (0, 0)
+        if eligible:  # the node saving it, for `saved_nodes.restore_peak`
+            self.nodes.saved(st, key, nbytes, self.stack)
         for frame in self.stack:
             if key in frame.saved:
                 continue
@@ -415,6 +394,8 @@ class Profiler:
                 continue
             p.saved_bytes += nbytes
             p.largest_bytes = max(p.largest_bytes, nbytes)
+            p.host_bytes += host[0]
+            p.pinned_host_bytes += host[1]
             for kind, r in results.items():
                 if kind == "compress" or frame.tolerant:
                     setattr(p, f"{kind}_bytes", getattr(p, f"{kind}_bytes") + r.nbytes)
@@ -423,23 +404,6 @@ class Profiler:
                     if kind != "compress":
                         setattr(p, f"{kind}_error", max(getattr(p, f"{kind}_error"), r.error_ratio))
             self._select(frame, key)
-
-    def place_inputs(self, arguments: set) -> None:
-        """The saved inputs waiting for their op (`record_saved`) that are among ``arguments``, at this op's
-        position; with no ``arguments``, all of them at the next (a frame ends, or the pass)."""
-        waiting = []
-        for entry in self.pending:
-            if not arguments or entry[0] in arguments:
-                self._place(*entry[1:], self.position + (not arguments))
-            else:
-                waiting.append(entry)
-        self.pending = waiting
-
-    @staticmethod
-    def _place(key: int, nbytes: int, frames: list, node: int) -> None:
-        for frame in frames:
-            span = frame.spans.setdefault(key, [node, node, nbytes])
-            span[0], span[1] = min(span[0], node), max(span[1], node)
 
     def _select(self, frame: _Frame, key: int) -> None:
         """Selective recompute keeps a saved storage iff an expensive op in this module made it."""

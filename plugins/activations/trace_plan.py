@@ -32,7 +32,7 @@ from xirang_ds.plugins.activations.planner import Choice, estimate_peak, least_b
 from xirang_ds.plugins.activations.pricing import build_tree, plan_within, reach
 from xirang_ds.plugins.activations.profile import ROOT, ModuleProfile, Profiler
 from xirang_ds.plugins.activations.storage import PayloadStorage
-from xirang_ds.plugins.activations.wrapper import ModuleWrapper, Runtime
+from xirang_ds.plugins.activations.wrapper import OFFLOADED_INPUTS, ModuleWrapper, Runtime
 
 HOST = "host"
 PLAN_ROUNDS = 4
@@ -60,6 +60,7 @@ class TracePlan:
         reach: what the planner can reach on this model (`pricing.reach`).
         step_peak_bytes: the rank's whole predicted peak with this plan (the estimate's, set by the run that
             takes the plan: `run_plan`), which the monitor checks the run against.
+        host_bytes: what the plan's offloads hold on the host (`offload_host_bytes`).
     """
 
     plan: dict[str, str] = field(default_factory=dict)
@@ -77,6 +78,7 @@ class TracePlan:
     outside_bytes: int = 0
     reach: Optional[dict] = None
     step_peak_bytes: Optional[int] = None
+    host_bytes: int = 0
 
     @property
     def least_budget_bytes(self) -> int:
@@ -111,7 +113,7 @@ class TracePlan:
                 "other_bytes": self.other_bytes, "planned_peaks": list(self.planned_peaks),
                 "keep_bytes": self.keep_bytes, "least_bytes": self.least_bytes,
                 "least_budget_bytes": self.least_budget_bytes, "added_s": self.added_s, "fits": self.fits,
-                "reserves": self.reserves, "reserve_added_s": reserve_added_s(self.choices),
+                "reserves": self.reserves, "reserve_added_s": reserve_added_s(self.choices), "host_bytes": self.host_bytes,
                 "device_profile": self.device_profile.name if self.device_profile else None}
 
 
@@ -247,11 +249,30 @@ def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str
         # the next plan's saved activations at least ``over`` below this one's (the planner leaves slack)
         out.other_bytes = max(out.other_bytes + over, limit - (max(out.planned_peaks) - over))
     out.plan = {name: choice.option for name, choice in out.choices.items()}
+    out.host_bytes = offload_host_bytes(out.plan, profiles, profile.name != "cpu")
+    for cats in adjusted.values():  # the offload pool's buffers, kept for the next step (`storage.HostPool`)
+        cats[HOST] = cats.get(HOST, 0) + out.host_bytes
     out.outside_bytes = before + after
     out.reach = reach(roots, before, after, out.other_bytes, profiles, out.choices, plugin.head_names,
                       out.budget_bytes)
     out.added_s = sum(choice.added_s for choice in out.choices.values())
     return adjusted, out
+
+
+def offload_host_bytes(plan: dict[str, str], profiles: dict[str, ModuleProfile], pinned: bool) -> int:
+    """The host bytes ``plan``'s offloads hold at the end of forward, when every offloaded storage is on the host:
+    each in its pool buffer (`ModuleProfile.host_bytes`; its block where ``pinned``), a module's saved storages for
+    ``offload``, its inputs for the ``*_offload`` recomputes."""
+    total = 0
+    for name, option in plan.items():
+        p = profiles.get(name)
+        if p is None:
+            continue
+        if option == "offload":
+            total += p.pinned_host_bytes if pinned else p.host_bytes
+        elif option in OFFLOADED_INPUTS:
+            total += p.input_pinned_host_bytes if pinned else p.input_host_bytes
+    return total
 
 
 def _layer_gradients(plugin: Any) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""What an on-demand restore holds at once in backward (`profile.restore_peak`, the planner's transient of
+"""What an on-demand restore holds at once in backward (`saved_nodes.restore_peak`, the planner's transient of
 offload and of the codecs): the profile's ``restore_bytes`` equals, to the byte, the most restored bytes alive
 at once while the module's backward runs with every saved storage offloaded, on modules whose nodes save one
 storage each, two at once, outputs after inputs, and one storage for several nodes."""
@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from xirang_ds.memory.device_profile import PROFILES
 from xirang_ds.plugins.activations.handlers import OffloadHandler
 from xirang_ds.plugins.activations.offload import Offloader
-from xirang_ds.plugins.activations.profile import Profiler, restore_peak
+from xirang_ds.plugins.activations.profile import Profiler
+from xirang_ds.plugins.activations.saved_nodes import restore_peak
 from xirang_ds.plugins.activations.saved import Eligibility
 from xirang_ds.plugins.activations.storage import PayloadStorage
 

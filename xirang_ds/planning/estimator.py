@@ -79,8 +79,9 @@ class Estimate:
         korthikanti_activations: the paper's formula for a standard transformer, for reference.
         points: the points inside a phase that plugins adjusted on their own before the larger was taken
             (``backward_end``: grad_release's end of backward), with their breakdown and total.
-        host_peak_bytes: what the host tiers hold at most over the phases (their ``host`` bytes: grad_release's
-            states and stash, as the host ledger counts them), which ``host_memory_budget`` in bytes caps.
+        host_peak_bytes: what the host tiers hold at most over the phases (their ``host`` bytes, as the host
+            ledger counts them: grad_release's states and stash, the activation plan's offloads), which
+            ``host_memory_budget`` in bytes caps.
         device_fits: ``fits`` on the device alone (the plan and ``memory_budget``; ``None``: neither a budget nor
             a device total to check), whatever the host holds.
     """

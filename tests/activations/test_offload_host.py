@@ -1,0 +1,47 @@
+"""The host bytes an activation plan's offloads hold (`trace_plan.offload_host_bytes`), counted before the run
+from the profile (each offloaded storage's packed part in its pool buffer), equal to what the run's host ledger
+counts for the offload pool, and in the estimate's ``host_peak_bytes``; over ``host_memory_budget`` the estimate
+says the block does not fit and the run refuses it at its first forward, before any step."""
+from tests.activations.test_deepspeed import _train
+from tests.harness.engine_runs import ds_config
+from xirang_ds.launch import run_ranks
+from xirang_ds.planning.spec import estimate_spec
+
+
+def _config(budget="auto", host="auto"):
+    return ds_config(stage=2, xirang={"host_memory_budget": host, "activations": {
+        "enabled": True, "budget": budget, "options": ["keep", "offload"]}})
+
+
+def _held(rank, world, config):
+    from xirang_ds.memory.host_ledger import ledger
+
+    from xirang_ds.config.validate import XirangConfigError
+
+    seen = {}
+
+    def after_step(engine, step):
+        seen["offload"] = ledger().by_tier.get("activations offload", 0)
+
+    try:
+        out = _train(rank, world, config, 2, engine_hook=after_step)
+    except XirangConfigError as e:
+        return {"refused": str(e), **seen}
+    return {"plan": out["plan"], **seen}
+
+
+def test_the_plans_offload_host_bytes_are_what_the_pool_holds():
+    keep = estimate_spec("gpt-tiny", _config(), 2).plans["activations"].keep_bytes
+    est = estimate_spec("gpt-tiny", _config(keep // 2), 2)
+    plan = est.plans["activations"]
+    assert "offload" in plan.plan.values() and plan.host_bytes > 0
+    assert est.host_peak_bytes == plan.host_bytes == plan.as_dict()["host_bytes"]
+    for r in run_ranks(_held, 2, _config(keep // 2)):
+        assert r["plan"] == plan.plan
+        assert r["offload"] == plan.host_bytes, (r["offload"], plan.host_bytes)
+
+    over = estimate_spec("gpt-tiny", _config(keep // 2, plan.host_bytes - 1), 2)
+    assert over.fits is False and over.device_fits is not False
+    for r in run_ranks(_held, 2, _config(keep // 2, plan.host_bytes - 1)):
+        assert "xirang.host_memory_budget" in r["refused"] and f"at least {plan.host_bytes:,}" in r["refused"]
+        assert "offload" not in r  # before any step

@@ -89,8 +89,8 @@ def _stages(rank, world):
 
 
 @pytest.mark.distributed
-def test_lossless_plans_train_bit_identically_zero_0_to_3_two_ranks_grad_accumulation():
-    r0, r1 = run_ranks(_stages, 2, threads=1)
+def test_lossless_plans_train_bit_identically_zero_0_to_3_two_ranks_grad_accumulation(two_ranks):
+    r0, r1 = (r["stages"] for r in two_ranks)
     for stage in (0, 1, 2, 3):
         a, b = r0[stage], r1[stage]
         assert a["fixed_same"] and b["fixed_same"], stage
@@ -146,12 +146,12 @@ def _gathered_by_reference(rank, world):
 
 
 @pytest.mark.distributed
-def test_zero3_gathered_weights_are_saved_by_reference():
+def test_zero3_gathered_weights_are_saved_by_reference(two_ranks):
     """With DeepSpeed releasing parameters after each forward, a plan that packs saved tensors (here
     offload) keeps no gathered weight alive until backward: the parameters' own highest is plain
     ZeRO-3's (without the references it was about twice that), the losses are the same,
     and a reference to a released parameter is gathered again, exactly."""
-    for out in run_ranks(_gathered_by_reference, 2, threads=1):
+    for out in (r["gathered_by_reference"] for r in two_ranks):
         plain, ours = out["plain"], out["ours"]
         assert ours["losses"] == plain["losses"]
         refs = ours["plugin_figures"]["activations"]["gathered_refs"]
@@ -177,9 +177,9 @@ def _round_trip(rank, world, tmp):
 
 
 @pytest.mark.distributed
-def test_checkpoint_resumes_with_the_same_plan_and_identical_losses(tmp_path):
+def test_checkpoint_resumes_with_the_same_plan_and_identical_losses(two_ranks):
     """The plan (here a lossy one, so the plan decides the numbers) travels in the checkpoint."""
-    for full, resumed in run_ranks(_round_trip, 2, str(tmp_path), threads=1):
+    for full, resumed in (r["round_trip"] for r in two_ranks):
         assert resumed["state_after_load"] == "planned"  # the plan came from the checkpoint: no profiling
         assert "quantize" in full["plan"].values()
         assert resumed["plan"] == full["plan"]
@@ -307,10 +307,10 @@ def _with_other_plugins(rank, world):
 
 
 @pytest.mark.distributed
-def test_lossless_plans_compose_with_grad_release_and_optimizer_states():
+def test_lossless_plans_compose_with_grad_release_and_optimizer_states(two_ranks):
     """Saved-tensor hooks and the optimizer seams are independent: a lossless plan leaves the losses
     and parameters of grad_release and of int8 optimizer states exactly as they are without it."""
-    for out in run_ranks(_with_other_plugins, 2, threads=1):
+    for out in (r["with_other_plugins"] for r in two_ranks):
         for name, (alone, both, same, plan, sections) in out.items():
             assert sections == ["activations", name]  # both attached, in plugin order
             assert plan == {"blocks.0": "compress", "blocks.1": "recompute"}, name
@@ -382,13 +382,13 @@ def _chunked_head_zero3(rank, world, tmp):
 
 
 @pytest.mark.distributed
-def test_chunked_head_at_zero3(tmp_path):
+def test_chunked_head_at_zero3(two_ranks):
     """ZeRO-3 releases the head's weight when the head's forward returns; the chunked loss gathers it
     itself for its forward and again for its backward (released once its gradient is accumulated):
     one slice is bit-identical to plain ZeRO-3, slices of 16 rows stay within float rounding with the
     logits no longer saved and the parameters' own highest unchanged, and the planner chunks the head
     under a budget and resumes identically."""
-    r0, r1 = run_ranks(_chunked_head_zero3, 2, str(tmp_path), threads=1)
+    r0, r1 = (r["chunked_head_zero3"] for r in two_ranks)
     for out in (r0, r1):
         assert _same(out["plain"], out["one_slice"])
         for a, b in zip(out["plain"]["losses"], out["sliced"]["losses"]):  # the bf16 head gradient rounds once a slice
@@ -443,23 +443,21 @@ def _tied_zero3(rank, world, block):
 
 
 @pytest.mark.distributed
-def test_chunked_tied_head_at_zero3():
+def test_chunked_tied_head_at_zero3(two_ranks):
     """A head tied to the embedding, DeepSpeed releasing every weight: the chunked loss's gathers leave
     the embedding's own to DeepSpeed, and one slice trains bit-identically to plain ZeRO-3."""
-    chunk = {"activations": {"enabled": True, "planner": False, "chunk": ["head"], "chunk_tokens": 10**6}}
-    for (plain, p_params), (ours, o_params) in zip(run_ranks(_tied_zero3, 2, None, threads=1),
-                                                   run_ranks(_tied_zero3, 2, chunk, threads=1)):
+    for (plain, p_params), (ours, o_params) in (r["tied_zero3"] for r in two_ranks):
         assert plain == ours
         assert all(torch.equal(a, b) for a, b in zip(p_params, o_params))
 
 
 @pytest.mark.distributed
-def test_chunked_head_and_loss_on_engines_two_ranks_grad_accumulation(tmp_path):
+def test_chunked_head_and_loss_on_engines_two_ranks_grad_accumulation(two_ranks):
     """The output head is a planner candidate: a budget that the blocks cannot meet makes it chunk, the
     tracker's activation peak falls by about the whole logits and stays within the plan, losses stay
     within bf16 rounding of plain DeepSpeed (bit-identical with one slice), and a checkpoint resumes
     with the same plan and identical losses."""
-    r0, r1 = run_ranks(_chunked_head, 2, str(tmp_path), threads=1)
+    r0, r1 = (r["chunked_head"] for r in two_ranks)
     for out in (r0, r1):
         plain, planned = out["plain"], out["planned"]
         assert _same(plain, out["one_slice"])
@@ -482,3 +480,25 @@ def test_chunked_head_and_loss_on_engines_two_ranks_grad_accumulation(tmp_path):
         assert out["peaks"]["tight"] <= 1.03 * tight["budget"], (out["peaks"]["tight"], tight["budget"])
     assert r0["planned"]["plan"] == r1["planned"]["plan"]
     assert_resumed(r0["planned"], r0["resumed"], at=2)
+
+
+# the runs, one process pair ----------------------------------------------------------------------------
+TIED_CHUNK = {"activations": {"enabled": True, "planner": False, "chunk": ["head"], "chunk_tokens": 10**6}}
+
+
+def _two_rank_scenarios(rank, world, tmp):
+    """Every 2-rank run of the tests above, in one process pair (a process start costs more than a run);
+    each checkpoint in its own folder."""
+    import os
+
+    return {"stages": _stages(rank, world), "gathered_by_reference": _gathered_by_reference(rank, world),
+            "round_trip": _round_trip(rank, world, os.path.join(tmp, "round_trip")),
+            "with_other_plugins": _with_other_plugins(rank, world),
+            "chunked_head_zero3": _chunked_head_zero3(rank, world, os.path.join(tmp, "chunked_head_zero3")),
+            "tied_zero3": (_tied_zero3(rank, world, None), _tied_zero3(rank, world, TIED_CHUNK)),
+            "chunked_head": _chunked_head(rank, world, os.path.join(tmp, "chunked_head"))}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return run_ranks(_two_rank_scenarios, 2, str(tmp_path_factory.mktemp("activations")), threads=1)

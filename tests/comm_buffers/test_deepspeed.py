@@ -50,13 +50,30 @@ def _run(rank, world, stage, overlap, xirang, steps=3, budget=None):
     return out
 
 
+ARENA = [(1, False), (2, False), (2, True)]
+ADAPT = {"comm_buffers": {"enabled": True, "adapt_every_steps": 1, "max_fraction_of_budget": 0.5}}
+ZERO3 = {"comm_buffers": {"enabled": True, "adapt": False}, "memory_budget": "2MB"}
+
+
+def _two_rank_scenarios(rank, world):
+    """Every 2-rank run the tests below compare, in one process pair (a process start costs more than a run)."""
+    arena = {"comm_buffers": {"enabled": True, "adapt": False}}
+    return {"arena": {(stage, overlap): (_run(rank, world, stage, overlap, arena), _run(rank, world, stage, overlap, None))
+                      for stage, overlap in ARENA},
+            "adapt": (_run(rank, world, 2, False, ADAPT, 4, "6MB"), _run(rank, world, 2, False, None, 4)),
+            "zero3": (_zero3(rank, world, ZERO3), _zero3(rank, world, {"monitor": {"enabled": True}})),
+            "zero3_explicit": _zero3(rank, world, ZERO3, {"stage3_max_reuse_distance": 10**9})}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_ranks(_two_rank_scenarios, 2)
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("stage, overlap", [(1, False), (2, False), (2, True)])
-def test_arena_same_numerics_and_stable_allocations(stage, overlap):
-    xirang = {"comm_buffers": {"enabled": True, "adapt": False}}
-    ours = run_ranks(_run, 2, stage, overlap, xirang)
-    plain = run_ranks(_run, 2, stage, overlap, None)
-    for o, p in zip(ours, plain):
+@pytest.mark.parametrize("stage, overlap", ARENA)
+def test_arena_same_numerics_and_stable_allocations(stage, overlap, two_ranks):
+    for o, p in (r["arena"][stage, overlap] for r in two_ranks):
         assert o["losses"] == p["losses"]  # bucket size and arena change no arithmetic
         assert o["served"] == 3 * (2 if overlap else 1) and o["misses"] == 0
         # steps 2 and 3 allocate exactly alike, and never a bucket-sized block
@@ -83,13 +100,11 @@ def test_explicit_keys_are_kept_and_auto_is_reported():
 
 
 @pytest.mark.distributed
-def test_adapts_under_memory_pressure_without_changing_numerics():
+def test_adapts_under_memory_pressure_without_changing_numerics(two_ranks):
     """A budget just above the step peak: the bucket halves (logged, agreed by both ranks) and the
     losses stay those of plain DeepSpeed."""
-    xirang = {"comm_buffers": {"enabled": True, "adapt_every_steps": 1, "max_fraction_of_budget": 0.5}}
-    ours = run_ranks(_run, 2, 2, False, xirang, 4, "6MB")
-    plain = run_ranks(_run, 2, 2, False, None, 4)
-    for o, p in zip(ours, plain):
+    ours = [r["adapt"][0] for r in two_ranks]
+    for o, p in (r["adapt"] for r in two_ranks):
         assert o["losses"] == p["losses"]
         assert o["changes"] and all(c["to"] < c["from"] for c in o["changes"])
         assert o["changes"][0]["to"] == o["changes"][0]["from"] // 2
@@ -126,14 +141,11 @@ def _zero3(rank, world, xirang, zero=None):
 
 
 @pytest.mark.distributed
-def test_zero3_gathered_weights_kept_within_the_budget_same_losses():
+def test_zero3_gathered_weights_kept_within_the_budget_same_losses(two_ranks):
     """ZeRO-3 under a budget: the reuse distance keeps at most max_fraction_of_budget of gathered weights
     from forward to backward, so the parameters' highest falls below plain ZeRO-3's (DeepSpeed's default
     keeps this model gathered whole), and gathering again in backward changes no value."""
-    plain = run_ranks(_zero3, 2, {"monitor": {"enabled": True}})
-    xirang = {"comm_buffers": {"enabled": True, "adapt": False}, "memory_budget": "2MB"}
-    ours = run_ranks(_zero3, 2, xirang)
-    for o, p in zip(ours, plain):
+    for o, p in (r["zero3"] for r in two_ranks):
         assert o["losses"] == p["losses"]  # weights gathered again: the same values
         kept = int(0.05 * 2 * 10**6 / 2)  # bf16 elements in 5% of the budget
         decision = o["decisions"]["stage3_max_reuse_distance"]
@@ -144,10 +156,10 @@ def test_zero3_gathered_weights_kept_within_the_budget_same_losses():
         gathered, plain_gathered = o["parameters"][2] - o["parameters"][0], p["parameters"][2] - p["parameters"][0]
         assert plain_gathered == 2 * 136_960  # gpt-tiny whole, in bf16
         assert 0 < gathered <= 2 * live < plain_gathered
-    explicit = run_ranks(_zero3, 2, xirang, {"stage3_max_reuse_distance": 10**9})[0]["decisions"]
+    explicit = two_ranks[0]["zero3_explicit"]["decisions"]
     kept = explicit["stage3_max_reuse_distance"]
     assert kept["kept"] and kept["value"] == 10**9 and kept["auto"] == decision["value"]
-    one_rank = run_ranks(_zero3, 1, xirang)[0]["decisions"]
+    one_rank = run_ranks(_zero3, 1, ZERO3)[0]["decisions"]
     assert "stage3_max_reuse_distance" not in one_rank  # one rank's partition is the whole weight: nothing gathered
 
 

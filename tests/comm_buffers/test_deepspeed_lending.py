@@ -84,22 +84,34 @@ def _run(rank, world, stage, overlap, lend, gas=2, steps=3, bucket="auto", guard
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _plain(stage: int, overlap: bool) -> list:
-    """The run without lending, shared by the tests that compare with it (read only)."""
-    return run_ranks(_run, 2, stage, overlap, False)
+def _two_rank_scenarios(rank, world):
+    """The runs the comparisons below read, in one process pair (a process start costs more than a run);
+    each run removes its session before the next."""
+    return {"lent": {(stage, overlap): _run(rank, world, stage, overlap, True) for stage, overlap in LENT},
+            "plain": {(stage, overlap): _run(rank, world, stage, overlap, False)
+                      for stage, overlap in sorted(set(LENT) | {(2, o) for o in GUARDED})},
+            "naive": {overlap: _run(rank, world, 2, overlap, True, naive=True) for overlap in GUARDED},
+            "pool": _run(rank, world, 2, True, True, plan=QUANTIZED, pool=True),
+            "pool_plain": _run(rank, world, 2, True, False, plan=QUANTIZED)}
+
+
+LENT = [(1, True), (2, False)]
+"""Each stage and each overlap setting once (stage 2 with overlap lends under the guard test too)."""
+GUARDED = [False, True]
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_ranks(_two_rank_scenarios, 2)
 
 
 @pytest.mark.distributed
-# each stage and each overlap setting once (stage 2 with overlap lends under the guard test too)
-@pytest.mark.parametrize("stage, overlap", [(1, True), (2, False)])
-def test_lent_activations_are_never_overwritten(stage, overlap):
+@pytest.mark.parametrize("stage, overlap", LENT)
+def test_lent_activations_are_never_overwritten(stage, overlap, two_ranks):
     """2 ranks, 2 micro-batches per step: identical losses and parameters with and without lending,
     every payload verified at decode, bytes lent every step; where the arena is smaller than the
     activations, leases in a bucket's way move to host memory."""
-    ours = run_ranks(_run, 2, stage, overlap, True)
-    plain = _plain(stage, overlap)
-    for o, p in zip(ours, plain):
+    for o, p in ((r["lent"][stage, overlap], r["plain"][stage, overlap]) for r in two_ranks):
         assert o["losses"] == p["losses"]
         assert all(a.equal(b) for a, b in zip(o["params"], p["params"]))
         st = o["stats"]
@@ -111,13 +123,11 @@ def test_lent_activations_are_never_overwritten(stage, overlap):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("overlap", [False, True])
-def test_the_guard_evicts_what_a_bad_layout_puts_in_the_way(overlap):
+@pytest.mark.parametrize("overlap", GUARDED)
+def test_the_guard_evicts_what_a_bad_layout_puts_in_the_way(overlap, two_ranks):
     """A layout that ignores when gradients arrive: the write guard moves the leases in the way to
     host memory and results stay identical."""
-    ours = run_ranks(functools.partial(_run, naive=True), 2, 2, overlap, True)
-    plain = _plain(2, overlap)
-    for o, p in zip(ours, plain):
+    for o, p in ((r["naive"][overlap], r["plain"][2, overlap]) for r in two_ranks):
         assert o["losses"] == p["losses"]
         assert all(a.equal(b) for a, b in zip(o["params"], p["params"]))
         assert sum(s["evicted_bytes"] for s in o["stats"]["steps"][1:]) > 0
@@ -132,12 +142,10 @@ def test_the_check_catches_an_overwrite_without_the_guard():
 
 
 @pytest.mark.distributed
-def test_lending_beside_the_memory_pool():
+def test_lending_beside_the_memory_pool(two_ranks):
     """int8 payloads: the arena lends what fits, the pool serves the rest; results identical to the
     same plan with neither."""
-    ours = run_ranks(functools.partial(_run, plan=QUANTIZED, pool=True), 2, 2, True, True)
-    plain = run_ranks(functools.partial(_run, plan=QUANTIZED), 2, 2, True, False)
-    for o, p in zip(ours, plain):
+    for o, p in ((r["pool"], r["pool_plain"]) for r in two_ranks):
         assert o["losses"] == p["losses"]
         assert all(a.equal(b) for a, b in zip(o["params"], p["params"]))
         assert all(s["lent_bytes"] > 0 for s in o["stats"]["steps"])

@@ -70,9 +70,20 @@ def matrix(rank, world, steps):
     return results
 
 
+def _both_matrices(rank, world):
+    """`matrix` and `models_matrix` in one process pair (a process start costs more than a run; every run
+    removes its session before the next)."""
+    return {"configs": matrix(rank, world, 2), "models": models_matrix(rank, world)}
+
+
 @pytest.fixture(scope="module")
-def runs():
-    return run_ranks(matrix, 2, 2)
+def both_matrices():
+    return run_ranks(_both_matrices, 2)
+
+
+@pytest.fixture(scope="module")
+def runs(both_matrices):
+    return [r["configs"] for r in both_matrices]
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -307,8 +318,8 @@ def models_matrix(rank, world):
 
 
 @pytest.fixture(scope="module")
-def model_runs():
-    return run_ranks(models_matrix, 2)
+def model_runs(both_matrices):
+    return [r["models"] for r in both_matrices]
 
 
 @pytest.mark.parametrize("kind", MODELS)

@@ -40,15 +40,27 @@ def _release_then_remove(rank, world, stage, states):
     return plugins, losses
 
 
+STAGES = [0, 2]
+
+
+def _stages(rank, world):
+    """Every stage's three runs (fp32 states, torch AdamW, int8 states) in one process pair (a process start
+    costs more than a run); each run removes its session before the next."""
+    return {stage: [_release_then_remove(rank, world, stage, states) for states in (FP32_STATES, None, INT8_STATES)]
+            for stage in STAGES}
+
+
+@pytest.fixture(scope="module")
+def stages():
+    return run_ranks(_stages, 2)
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("stage", [0, 2])
-def test_grad_release_steps_dynamic_adamw(stage):
+@pytest.mark.parametrize("stage", STAGES)
+def test_grad_release_steps_dynamic_adamw(stage, stages):
     """fp32 states: DynamicAdamW under grad_release equals torch AdamW under grad_release, before and
     after removal; int8 states compose and stay within 2% of them."""
-    fp32 = run_ranks(_release_then_remove, 2, stage, FP32_STATES)
-    torch_adamw = run_ranks(_release_then_remove, 2, stage, None)
-    int8 = run_ranks(_release_then_remove, 2, stage, INT8_STATES)
-    for (plugins, ours), (_, ref), (_, low) in zip(fp32, torch_adamw, int8):
+    for (plugins, ours), (_, ref), (_, low) in (r[stage] for r in stages):
         assert plugins == ["optimizer_states", "grad_release"]
         assert ours == pytest.approx(ref, rel=1e-6)
         assert low == pytest.approx(ref, rel=2e-2)

@@ -35,7 +35,7 @@ def _hf_run(out_dir, block, hog_bytes=0):
     result = trainer.train()
     engine = trainer.model_wrapped
     session = getattr(engine, "xirang", None)
-    return {
+    out = {
         "plugins": [p.section for p in session.plugins] if session else None,
         "preset": session.config.preset if session else None,
         "choice": session.preset_choice if session else None,
@@ -50,6 +50,9 @@ def _hf_run(out_dir, block, hog_bytes=0):
         # the estimator on the session's copy of the HF model, called with the Trainer's keywords
         "estimator_error": session.calibration.estimator_error() if session else None,
     }
+    if session is not None:  # its enforced budget ends with it, before the process trains anything else
+        session.remove()
+    return out
 
 
 def _hf_train(rank, world, out_dir):
@@ -84,9 +87,8 @@ def _hf_train(rank, world, out_dir):
 
 
 @pytest.mark.distributed
-def test_hf_trainer_with_patch_deepspeed(tmp_path):
-    results = run_ranks(_hf_train, 2, str(tmp_path))
-    for r, chunk, chunked_calls, survived in results:
+def test_hf_trainer_with_patch_deepspeed(two_ranks):
+    for r, chunk, chunked_calls, survived in (ranks["train"] for ranks in two_ranks):
         assert r["plugins"] == ["monitor"]
         assert r["steps"] == 4
         assert r["checks"] == 4  # the monitor saw every optimizer step
@@ -170,8 +172,8 @@ def _hf_resume(rank, world, out_dir):
 
 
 @pytest.mark.distributed
-def test_hf_trainer_resume_from_checkpoint_with_the_block_added_removed_and_changed(tmp_path):
-    for r in run_ranks(_hf_resume, 2, str(tmp_path)):
+def test_hf_trainer_resume_from_checkpoint_with_the_block_added_removed_and_changed(two_ranks):
+    for r in (ranks["resume"] for ranks in two_ranks):
         # the resumed runs logged steps 3 and 4 (1 and 2 come from the checkpoint's trainer state) as the
         # uninterrupted runs did
         assert sorted(r["added_losses"]) == sorted(r["removed_losses"]) == [1, 2, 3, 4]
@@ -224,12 +226,27 @@ def _hf_user_configs(rank, world, out_dir):
             for name, (zero, keywords, _) in USER_CONFIGS.items()}
 
 
+def _two_rank_scenarios(rank, world, out_dir):
+    """Everything that runs on 2 ranks, in one process pair: each launch imports transformers and
+    warms HF Trainer up again, which costs more than a run."""
+    import os
+
+    return {"train": _hf_train(rank, world, os.path.join(out_dir, "train")),
+            "resume": _hf_resume(rank, world, os.path.join(out_dir, "resume")),
+            "users": _hf_user_configs(rank, world, os.path.join(out_dir, "users"))}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return run_ranks(_two_rank_scenarios, 2, str(tmp_path_factory.mktemp("hf_trainer")))
+
+
 @pytest.mark.distributed
-def test_a_preset_under_hf_trainer_in_the_configurations_users_write(tmp_path):
+def test_a_preset_under_hf_trainer_in_the_configurations_users_write(two_ranks):
     """balanced under HF Trainer as users configure it: ZeRO-3 with HF's own gradient checkpointing,
     ``torch_compile=True``, optimizer offload, accumulation; it trains as plain DeepSpeed does there
     (int8 states: within 2%) and leaves out what cannot run, with its line."""
-    for results in run_ranks(_hf_user_configs, 2, str(tmp_path)):
+    for results in (ranks["users"] for ranks in two_ranks):
         for name, ((plain, _), (ours, left_out)) in results.items():
             assert len(ours) == len(plain) == 3, name
             assert ours == pytest.approx(plain, rel=2e-2), name

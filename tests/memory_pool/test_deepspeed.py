@@ -69,6 +69,18 @@ def _same(a, b):
     return a["losses"] == b["losses"] and all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
 
 
+def _two_rank_scenarios(rank, world, tmp):
+    """The 2-rank runs of the tests below in one process pair (a process start costs more than a run): the
+    measured on/off runs first, as in a fresh process; every run removes its session before the next."""
+    return {"on_off": _on_off(rank, world), "round_trip": _round_trip(rank, world, tmp),
+            "removal": _removal(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return run_ranks(_two_rank_scenarios, 2, str(tmp_path_factory.mktemp("memory_pool")), threads=1)
+
+
 def _on_off(rank, world):
     out = {}
     for stage in (0, 2):
@@ -85,8 +97,8 @@ def _on_off(rank, world):
 
 
 @pytest.mark.distributed
-def test_pool_on_and_off_train_bit_identically_with_stable_counts_two_ranks():
-    for result in run_ranks(_on_off, 2, threads=1):
+def test_pool_on_and_off_train_bit_identically_with_stable_counts_two_ranks(two_ranks):
+    for result in (r["on_off"] for r in two_ranks):
         for stage, r in result.items():
             assert r["auto_same"] and r["fixed_same"], stage
             for key in ("auto", "fixed"):
@@ -114,8 +126,8 @@ def _round_trip(rank, world, tmp):
 
 
 @pytest.mark.distributed
-def test_checkpoint_round_trip_resumes_identically(tmp_path):
-    for first, resumed, full in run_ranks(_round_trip, 2, str(tmp_path), threads=1):
+def test_checkpoint_round_trip_resumes_identically(two_ranks):
+    for first, resumed, full in (r["round_trip"] for r in two_ranks):
         assert_resumed(full, resumed, at=2, params=True)
         # the saved size is reserved at load, and the loaded states moved into the pool
         assert resumed["history"][0]["warmup"] == 0
@@ -132,9 +144,9 @@ def _removal(rank, world):
 
 
 @pytest.mark.distributed
-def test_removing_the_session_restores_plain_allocations():
+def test_removing_the_session_restores_plain_allocations(two_ranks):
     """After ``session.remove()`` the engine trains as it does when the pool was never there."""
-    for pooled, plain in run_ranks(_removal, 2, threads=1):
+    for pooled, plain in (r["removal"] for r in two_ranks):
         assert pooled["stats_at_removal"]["pooled_allocations"] > 0
         assert pooled["pool_after_removal"] is None
         assert _same(pooled, plain)

@@ -47,18 +47,39 @@ def _run(rank, world, tmp, actions, stage, steps, hog_rank, dtype="bf16", split_
         losses.append(loss.item())
     planner = engine.xirang.plugin("activations") if activations else None
     plan = dict(planner.plan) if activations else {}
-    return {"planned_step_peak": getattr(planner, "planned_step_peak", None), "history": monitor.history, "actions": monitor.actions_taken,
-            "pieces": monitor.splitter.pieces if monitor.splitter else 1, "losses": losses, "plan": plan,
-            "episodes": monitor.episode}
+    out = {"planned_step_peak": getattr(planner, "planned_step_peak", None), "history": list(monitor.history),
+           "actions": list(monitor.actions_taken), "pieces": monitor.splitter.pieces if monitor.splitter else 1,
+           "losses": losses, "plan": plan, "episodes": monitor.episode}
+    engine.xirang.remove()  # nothing of this run's monitor reaches the next run in the process
+    return out
+
+
+def _two_rank_scenarios(rank, world, tmp):
+    """The 2-rank runs of the tests below, in one process pair (a process start costs more than a run)."""
+    return {"over_threshold": _run(rank, world, tmp, ["empty_cache", "checkpoint"], 2, 4, 1, "bf16", False, False,
+                                   (1, 2, 4)),
+            "split": _run(rank, world, "/tmp", ["halve_micro_batch"], 1, 3, -1, "fp32", True),
+            "unsplit": _run(rank, world, "/tmp", ["halve_micro_batch"], 1, 3, -1, "fp32", False),
+            "halve_and_restore": _run(rank, world, "/tmp", ["halve_micro_batch"], 2, 6, 0, "bf16", False, False,
+                                      (1, 2), 2),
+            "raise_recompute": _run(rank, world, "/tmp", ["raise_recompute"], 2, 4, 0, "bf16", False, True),
+            "above_the_plan": _run(rank, world, "/tmp", ["empty_cache"], 2, 4, 1, "bf16", False, True, (2, 3), 0,
+                                   True)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("monitor")
+    return {"ranks": run_ranks(_two_rank_scenarios, 2, str(tmp)), "tmp": tmp}
 
 
 @pytest.mark.distributed
-def test_one_rank_over_threshold_both_act_once_per_episode(tmp_path):
+def test_one_rank_over_threshold_both_act_once_per_episode(two_ranks):
     """Rank 1 is over act_at in steps 1, 2 and 4: every rank acts; the checkpoint is written when the
     threshold is first crossed (step 1), not again while memory stays high (step 2), and again when a
     new episode starts after a check below warn_at (step 3)."""
-    results = run_ranks(_run, 2, str(tmp_path), ["empty_cache", "checkpoint"], 2, 4, 1, "bf16", False, False,
-                        (1, 2, 4))
+    results = [r["over_threshold"] for r in two_ranks["ranks"]]
+    tmp_path = two_ranks["tmp"]
     r0, r1 = results
     assert r1["history"][0]["fraction"] > 0.9 > r0["history"][0]["fraction"]  # only rank 1 is over
     for r in results:
@@ -91,21 +112,18 @@ def test_emergency_checkpoint_loads(tmp_path):
 
 
 @pytest.mark.distributed
-def test_halve_micro_batch_keeps_the_gradient():
+def test_halve_micro_batch_keeps_the_gradient(two_ranks):
     """fp32 so the comparison is tight: the split run follows the unsplit run's losses."""
-    split = run_ranks(_run, 2, "/tmp", ["halve_micro_batch"], 1, 3, -1, "fp32", True)
-    plain = run_ranks(_run, 2, "/tmp", ["halve_micro_batch"], 1, 3, -1, "fp32", False)
-    for s, p in zip(split, plain):
+    for s, p in ((r["split"], r["unsplit"]) for r in two_ranks["ranks"]):
         assert s["pieces"] == 2 and p["pieces"] == 1
         assert s["losses"] == pytest.approx(p["losses"], rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.distributed
-def test_halve_micro_batch_action_fires_on_all_ranks_and_restores_after_quiet_steps():
+def test_halve_micro_batch_action_fires_on_all_ranks_and_restores_after_quiet_steps(two_ranks):
     """Over act_at in steps 1 and 2: halved at each (4 pieces); quiet in steps 3-6 with
     restore_after_steps 2: back one level after step 4 and whole again after step 6."""
-    results = run_ranks(_run, 2, "/tmp", ["halve_micro_batch"], 2, 6, 0, "bf16", False, False, (1, 2), 2)
-    for r in results:
+    for r in (ranks["halve_and_restore"] for ranks in two_ranks["ranks"]):
         assert [(a["step"], a["action"]) for a in r["actions"]] == [
             (1, "halve_micro_batch"), (2, "halve_micro_batch"), (4, "restore_micro_batch"),
             (6, "restore_micro_batch")]
@@ -113,8 +131,8 @@ def test_halve_micro_batch_action_fires_on_all_ranks_and_restores_after_quiet_st
 
 
 @pytest.mark.distributed
-def test_raise_recompute_changes_the_activation_plan_on_all_ranks():
-    results = run_ranks(_run, 2, "/tmp", ["raise_recompute"], 2, 4, 0, "bf16", False, True)
+def test_raise_recompute_changes_the_activation_plan_on_all_ranks(two_ranks):
+    results = [r["raise_recompute"] for r in two_ranks["ranks"]]
     plans = [r["plan"] for r in results]
     assert plans[0] == plans[1] and any("recompute" in o for o in plans[0].values())
     for r in results:
@@ -138,12 +156,11 @@ def test_budget_errors():
 
 
 @pytest.mark.distributed
-def test_a_step_above_the_planned_budget_says_so_and_the_actions_take_over():
+def test_a_step_above_the_planned_budget_says_so_and_the_actions_take_over(two_ranks):
     """The activation plan is made before the run at step 1 (budget auto under memory_budget 300MB); rank 1
     needs 400 MB more in steps 2 and 3, which the plan could not know: the monitor says once that the plan
     missed its budget on the fullest rank, the actions run on both ranks, and the miss ends at step 4."""
-    results = run_ranks(_run, 2, "/tmp", ["empty_cache"], 2, 4, 1, "bf16", False, True, (2, 3), 0, True)
-    for r in results:
+    for r in (ranks["above_the_plan"] for ranks in two_ranks["ranks"]):
         assert r["planned_step_peak"] is not None and r["planned_step_peak"] < 300e6
         assert [h["plan_missed_budget"] for h in r["history"]] == [False, True, True, False]
         assert [(a["step"], a["action"]) for a in r["actions"]] == [(2, "empty_cache")]

@@ -106,16 +106,33 @@ def _resume(rank, world, tmp, stage, extra):
             "pieces": engine.xirang.plugin("monitor").splitter.pieces}
 
 
+RETRIES = {"zero2-backward": (2, None, "backward"),
+           # grad_release holds its update to the end of backward
+           "conservative-zero1-backward": (1, {"preset": "conservative"}, "backward"),
+           "zero0-forward": (0, None, "forward"), "zero3-forward": (3, None, "forward"),
+           "zero3-backward": (3, None, "backward")}
+
+
+def _two_rank_scenarios(rank, world, tmp):
+    """The retried runs and their references, and the presets under an enforced budget, in one process pair (a
+    process start costs more than a run); every run removes its session, and with it its enforced cap."""
+    return {"retries": {name: _retried_and_reference(rank, world, os.path.join(tmp, name), *case)
+                        for name, case in RETRIES.items()},
+            "presets": _presets_under_enforced_budget(rank, world, "16MB")}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("oom")
+    return {"ranks": run_ranks(_two_rank_scenarios, 2, str(tmp)), "tmp": tmp}
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("stage,extra,where", [
-    (2, None, "backward"),
-    (1, {"preset": "conservative"}, "backward"),  # grad_release holds its update to the end of backward
-    (0, None, "forward"),
-    (3, None, "forward"),
-    (3, None, "backward"),
-], ids=["zero2-backward", "conservative-zero1-backward", "zero0-forward", "zero3-forward", "zero3-backward"])
-def test_one_rank_out_of_memory_every_rank_retries_bit_identically(tmp_path, stage, extra, where):
-    got, ref = zip(*run_ranks(_retried_and_reference, 2, str(tmp_path), stage, extra, where))
+@pytest.mark.parametrize("case", list(RETRIES))
+def test_one_rank_out_of_memory_every_rank_retries_bit_identically(two_ranks, case):
+    stage, extra, where = RETRIES[case]
+    tmp_path = two_ranks["tmp"] / case
+    got, ref = zip(*(r["retries"][case] for r in two_ranks["ranks"]))
     for g, r in zip(got, ref):
         assert [(x["step"], x["micro_step"], x["where"], x["pieces"], x["replayed"]) for x in g["retries"]] == [
             (HOG_STEP, HOG_MICRO, where, 2, HOG_MICRO - 1)]
@@ -238,11 +255,11 @@ def _presets_under_enforced_budget(rank, world, budget):
 
 
 @pytest.mark.distributed
-def test_every_preset_stays_inside_an_enforced_budget_from_its_first_step():
+def test_every_preset_stays_inside_an_enforced_budget_from_its_first_step(two_ranks):
     """About 0.58x of what the presets peak at without a budget (27.7 MB): the profiling passes (their codec
     trials on host copies where the budget leaves too little room), the
     warm-ups and every step fit, or the enforced cap would have raised (on_oom is "raise")."""
-    for result in run_ranks(_presets_under_enforced_budget, 2, "16MB"):
+    for result in (r["presets"] for r in two_ranks["ranks"]):
         for preset, r in result.items():
             assert r["limit"] == r["budget"] == 16_000_000, preset
             assert len(r["peaks"]) == 3 and max(r["peaks"]) <= r["budget"], (preset, r["peaks"])

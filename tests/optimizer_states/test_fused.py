@@ -320,11 +320,22 @@ def _engine_runs(rank, world, save_dir):
             "chunks": full.basic_optimizer.fused.chunks, "summary": full.xirang.plugin("optimizer_states").describe()}
 
 
-@pytest.mark.distributed
-def test_fused_inside_deepspeed_zero2_with_accumulation_on_2_ranks_and_resume(tmp_path):
+def _two_rank_scenarios(rank, world, save_dir):
+    """Both engine comparisons in one process pair: a process start, and its first compilations, cost more
+    than a run."""
+    return {"zero2": _engine_runs(rank, world, save_dir), "no_master": _no_master_engine_runs(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
     from xirang_ds.launch import run_ranks
 
-    for out in run_ranks(_engine_runs, 2, str(tmp_path), threads=1):
+    return run_ranks(_two_rank_scenarios, 2, str(tmp_path_factory.mktemp("fused")), threads=1)
+
+
+@pytest.mark.distributed
+def test_fused_inside_deepspeed_zero2_with_accumulation_on_2_ranks_and_resume(two_ranks):
+    for out in (r["zero2"] for r in two_ranks):
         assert out["chunks"] > 0 and "compiled call(s)" in out["summary"]
         # the compiled kernel ran (``chunks``); whether its rounding differs from eager's in these four
         # losses depends on the CPU's vector kernels (equal on some AMD EPYC hosts), so only closeness is asserted
@@ -356,15 +367,13 @@ def _no_master_engine_runs(rank, world):
 
 
 @pytest.mark.distributed
-def test_grad_release_no_master_update_is_fused_inside_deepspeed_on_2_ranks():
+def test_grad_release_no_master_update_is_fused_inside_deepspeed_on_2_ranks(two_ranks):
     """The aggressive preset's update (grad_release ``masters: none`` in place, int8 states rounded
     stochastically; ZeRO-2, accumulation 2, clipping that bites): with ``fused: true`` the compiled
     kernel updates the bf16 weights (``xirang_weight_noise`` and the clip coefficients read from the
     views), drawing the eager path's noise: the losses equal, the weights but a few elements (measured
     0.0007% here, Adam's lerp) bit for bit."""
-    from xirang_ds.launch import run_ranks
-
-    for eager, fused in run_ranks(_no_master_engine_runs, 2, threads=1):
+    for eager, fused in (r["no_master"] for r in two_ranks):
         assert eager["in_place"] and fused["in_place"] and eager["chunks"] == 0 and fused["chunks"] > 0
         assert max(abs(a - b) / abs(b) for a, b in zip(fused["losses"], eager["losses"])) < 1e-3
         assert (fused["params"] == eager["params"]).double().mean().item() > 0.999

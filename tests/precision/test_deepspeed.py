@@ -68,11 +68,30 @@ def _numerics(rank, world, stage, copies):
     return out
 
 
+NUMERICS = [(0, "auto", "on_demand"), (1, "on_demand", "on_demand"), (2, "auto", "persistent")]
+OVERFLOW_STAGES = [0, 2]
+
+
+def _two_rank_scenarios(rank, world):
+    """The 2-rank runs of the tests below, in one process pair (starting ranks is the slow part); each
+    run removes its session, and with it the precision policy, before the next."""
+    return {"numerics": {stage: _numerics(rank, world, stage, copies) for stage, copies, _ in NUMERICS},
+            "overflow": {stage: _overflow(rank, world, stage) for stage in OVERFLOW_STAGES},
+            "shared_vs_separate": _shared_vs_separate(rank, world),
+            "compositions": _compose(rank, world, list(COMPOSITIONS), False),
+            "reference_adamw": _compose(rank, world, ["on_demand", "persistent"], True),
+            "fp16_with_grad_release": _fp16_with_grad_release(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_ranks(_two_rank_scenarios, 2)
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("stage, copies, layout", [(0, "auto", "on_demand"), (1, "on_demand", "on_demand"),
-                                                   (2, "auto", "persistent")])
-def test_trains_like_fp32_with_fp32_optimizer_view_2_ranks(stage, copies, layout):
-    for rank_out in run_ranks(_numerics, 2, stage, copies):
+@pytest.mark.parametrize("stage, copies, layout", NUMERICS)
+def test_trains_like_fp32_with_fp32_optimizer_view_2_ranks(stage, copies, layout, two_ranks):
+    for rank_out in (r["numerics"][stage] for r in two_ranks):
         ref, ours = rank_out[False], rank_out[True]
         for a, b in zip(ours["losses"], ref["losses"]):
             assert abs(a - b) / b < 1e-3, (ours["losses"], ref["losses"])
@@ -115,13 +134,14 @@ def _overflow(rank, world, stage):
         changed = any(not torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
         record.append({"scale": scale, "changed": changed, "skipped": engine.skipped_steps,
                        "global_steps": engine.global_steps})
+    engine.xirang.remove()
     return record
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("stage", [0, 2])
-def test_fp16_overflow_skips_the_step_on_every_rank_and_halves_the_scale(stage):
-    records = run_ranks(_overflow, 2, stage)
+@pytest.mark.parametrize("stage", OVERFLOW_STAGES)
+def test_fp16_overflow_skips_the_step_on_every_rank_and_halves_the_scale(stage, two_ranks):
+    records = [r["overflow"][stage] for r in two_ranks]
     assert records[0] == records[1]  # every rank took the same decision
     r = records[0]
     assert [s["scale"] for s in r] == [256, 256, 256, 128]
@@ -243,8 +263,8 @@ def _shared_vs_separate(rank, world):
 
 
 @pytest.mark.distributed
-def test_shared_zero_masters_change_no_result():
-    for (shared_losses, shared), (separate_losses, separate) in run_ranks(_shared_vs_separate, 2):
+def test_shared_zero_masters_change_no_result(two_ranks):
+    for (shared_losses, shared), (separate_losses, separate) in (r["shared_vs_separate"] for r in two_ranks):
         assert shared_losses == separate_losses
         assert all(torch.equal(a, b) for a, b in zip(shared, separate))
 
@@ -314,12 +334,9 @@ def _compose(rank, world, names, client_adamw):
 
 
 @pytest.fixture(scope="module")
-def compositions():
-    """Every composition and the two references in one pair of processes (starting ranks is the slow part)."""
-    names = list(COMPOSITIONS)
-    runs = run_ranks(_compose, 2, names, False)
-    references = run_ranks(_compose, 2, ["on_demand", "persistent"], True)
-    return [{**ours, "reference_adamw": ref} for ours, ref in zip(runs, references)]
+def compositions(two_ranks):
+    """Every composition and the two references, per rank."""
+    return [{**r["compositions"], "reference_adamw": r["reference_adamw"]} for r in two_ranks]
 
 
 def _fp16_with_grad_release(rank, world):
@@ -390,8 +407,8 @@ def test_composes_with_grad_release_and_optimizer_states_2_ranks(compositions):
 
 
 @pytest.mark.distributed
-def test_fp16_with_grad_release_scales_in_grad_release_or_is_refused_2_ranks():
-    for out in run_ranks(_fp16_with_grad_release, 2):
+def test_fp16_with_grad_release_scales_in_grad_release_or_is_refused_2_ranks(two_ranks):
+    for out in (r["fp16_with_grad_release"] for r in two_ranks):
         assert all(torch.isfinite(torch.tensor(out["on_demand"]["losses"])))
         message = out["on_demand+grad_release"]
         assert "xirang.precision.dtype" in message and "xirang.grad_release" in message

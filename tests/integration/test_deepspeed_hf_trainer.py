@@ -123,7 +123,7 @@ def test_hf_trainer_with_preset_auto(tmp_path):
 
 def _hf_resumable(out_dir, block, resume_from=None):
     """4 steps of HF Trainer, checkpointed every 2; returns the final parameters, the losses logged at
-    each step this run trained, and the step-2 checkpoint."""
+    each step this run trained, the step-2 checkpoint and the block's sections the engine ran."""
     import os
 
     import torch
@@ -144,7 +144,9 @@ def _hf_resumable(out_dir, block, resume_from=None):
     trainer.train(resume_from_checkpoint=resume_from)
     params = torch.cat([p.detach().float().reshape(-1) for p in trainer.model_wrapped.module.parameters()])
     losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
-    return params, losses, os.path.join(out_dir, "checkpoint-2")
+    session = getattr(trainer.model_wrapped, "xirang", None)
+    sections = sorted(p.section for p in session.plugins) if session is not None else []
+    return params, losses, os.path.join(out_dir, "checkpoint-2"), sections
 
 
 def _hf_resume(rank, world, out_dir):
@@ -156,19 +158,22 @@ def _hf_resume(rank, world, out_dir):
 
     xirang_ds.patch_deepspeed()
     release = {"grad_release": {"enabled": True}}
-    plain, plain_losses, plain_ckpt = _hf_resumable(os.path.join(out_dir, "plain"), None)
-    added, added_losses, _ = _hf_resumable(os.path.join(out_dir, "added"), release, resume_from=plain_ckpt)
-    ours, ours_losses, ours_ckpt = _hf_resumable(os.path.join(out_dir, "ours"), release)
-    removed, removed_losses, _ = _hf_resumable(os.path.join(out_dir, "removed"), None, resume_from=ours_ckpt)
-    changed, _, _ = _hf_resumable(os.path.join(out_dir, "changed"), {"optimizer_states": {"enabled": True}},
-                                  resume_from=ours_ckpt)
+    plain, plain_losses, plain_ckpt, plain_ran = _hf_resumable(os.path.join(out_dir, "plain"), None)
+    added, added_losses, _, added_ran = _hf_resumable(os.path.join(out_dir, "added"), release, resume_from=plain_ckpt)
+    ours, ours_losses, ours_ckpt, ours_ran = _hf_resumable(os.path.join(out_dir, "ours"), release)
+    removed, removed_losses, _, removed_ran = _hf_resumable(os.path.join(out_dir, "removed"), None,
+                                                            resume_from=ours_ckpt)
+    changed, _, _, changed_ran = _hf_resumable(os.path.join(out_dir, "changed"), {"optimizer_states": {"enabled": True}},
+                                               resume_from=ours_ckpt)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     weights = get_fp32_state_dict_from_zero_checkpoint(ours_ckpt)  # the grad_release run's, with GPT-2's tied head
     tied = "lm_head.weight" in weights and torch.equal(weights["lm_head.weight"], weights["transformer.wte.weight"])
     return {"tied": tied, "added": torch.equal(plain, added), "removed": torch.equal(ours, removed),
             "changed": torch.equal(ours, changed), "plain_losses": plain_losses, "added_losses": added_losses,
-            "ours_losses": ours_losses, "removed_losses": removed_losses}
+            "ours_losses": ours_losses, "removed_losses": removed_losses,
+            "ran": {"plain": plain_ran, "added": added_ran, "ours": ours_ran, "removed": removed_ran,
+                    "changed": changed_ran}}
 
 
 @pytest.mark.distributed
@@ -181,6 +186,9 @@ def test_hf_trainer_resume_from_checkpoint_with_the_block_added_removed_and_chan
         # and end on the uninterrupted run's parameters, bit for bit, in every direction
         assert r["added"] and r["removed"] and r["changed"]
         assert r["tied"]  # zero_to_fp32 names the tied head as DeepSpeed's own checkpoints do
+        # the block ran where it was written (through patch_deepspeed), and nowhere else
+        assert r["ran"] == {"plain": [], "added": ["grad_release"], "ours": ["grad_release"], "removed": [],
+                            "changed": ["optimizer_states"]}, r["ran"]
 
 
 USER_CONFIGS = {

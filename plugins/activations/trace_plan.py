@@ -61,6 +61,7 @@ class TracePlan:
         step_peak_bytes: the rank's whole predicted peak with this plan (the estimate's, set by the run that
             takes the plan: `run_plan`), which the monitor checks the run against.
         host_bytes: what the plan's offloads hold on the host (`offload_host_bytes`).
+        host_note: why the plan does without offload, where ``host_memory_budget`` made it (`plan_phases`).
     """
 
     plan: dict[str, str] = field(default_factory=dict)
@@ -79,6 +80,7 @@ class TracePlan:
     reach: Optional[dict] = None
     step_peak_bytes: Optional[int] = None
     host_bytes: int = 0
+    host_note: str = ""
 
     @property
     def least_budget_bytes(self) -> int:
@@ -173,10 +175,31 @@ def profile_trace(plugin: Any, model: torch.nn.Module, tracker: Any, free: list[
 def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str], streams: bool,
                 device_total: Optional[int], profile: DeviceProfile) -> tuple[dict, TracePlan]:
     """Plan on the fake pass's profiles under the budget and put the plan's saved activations into
-    ``phases`` (see the module docstring); ``device_total`` stands for ``memory_budget: auto``."""
+    ``phases`` (see the module docstring); ``device_total`` stands for ``memory_budget: auto``.
+
+    With ``host_memory_budget`` in bytes, a plan whose offloads need more host than the other host tiers leave
+    gives way to the plan without offloads where that one fits the device (said in `TracePlan.host_note`); else
+    it stands, and the estimate and the run refuse it on the host's figure."""
+    adjusted, out = _plan_phases(plugin, phases, free, fixed, streams, device_total, profile, plugin.options)
+    host_budget = plugin.session.config.host_memory_budget
+    room = None if host_budget == "auto" else int(host_budget) - max(c.get(HOST, 0) for c in phases.values())
+    kept_off = tuple(o for o in plugin.options if o != "offload" and o not in OFFLOADED_INPUTS)
+    if room is not None and out.host_bytes > room and kept_off != tuple(plugin.options):
+        adjusted_on_device, on_device = _plan_phases(plugin, phases, free, fixed, streams, device_total, profile,
+                                                     kept_off)
+        if on_device.fits and on_device.host_bytes <= room:
+            on_device.host_note = (f"its offloads would take {out.host_bytes:,} bytes of host memory where "
+                                   f"host_memory_budget leaves {max(room, 0):,}: planned without offload")
+            return adjusted_on_device, on_device
+    return adjusted, out
+
+
+def _plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str], streams: bool,
+                 device_total: Optional[int], profile: DeviceProfile, options: tuple) -> tuple[dict, TracePlan]:
+    """`plan_phases` over the candidates' ``options``."""
     c = plugin.config
     profiles = plugin.trace_profiles
-    tree = _tree(plugin, free, fixed, streams, profile)
+    tree = _tree(plugin, free, fixed, streams, profile, options)
     roots, before, after = tree
     keep = profiles.get(ROOT, ModuleProfile(ROOT)).keep_bytes
     # an output head's whole loss (logits, log-probabilities, their gradient) is the planner's to price
@@ -314,11 +337,12 @@ def _nodes(roots: list) -> Iterator[Any]:
         yield from _nodes(node.children)
 
 
-def _tree(plugin: Any, free: list[str], fixed: dict[str, str], streams: bool, profile: DeviceProfile) -> tuple:
+def _tree(plugin: Any, free: list[str], fixed: dict[str, str], streams: bool, profile: DeviceProfile,
+          options: Optional[tuple] = None) -> tuple:
     c = plugin.config
     bandwidth = c.host_bandwidth_gbps * 1e9 if c.host_bandwidth_gbps != "auto" else profile.host_link_bytes_per_s
-    return build_tree(free, fixed, plugin.trace_profiles, plugin.options, plugin.tolerant_names, bandwidth, streams,
-                      c.offload_prefetch, plugin.token_wise_names)
+    return build_tree(free, fixed, plugin.trace_profiles, tuple(plugin.options if options is None else options),
+                      plugin.tolerant_names, bandwidth, streams, c.offload_prefetch, plugin.token_wise_names)
 
 
 def least_saved(plugin: Any, free: list[str], fixed: dict[str, str], profile: DeviceProfile) -> tuple[int, int]:
@@ -347,7 +371,8 @@ def describe(result: TracePlan) -> str:
     for option in result.plan.values():
         counts[option] = counts.get(option, 0) + 1
     end, worst = result.planned_peaks
-    return (f"planned before the run ({result.device_profile.name} profile): "
+    return (f"planned before the run ({result.device_profile.name} profile"
+            + (f"; {result.host_note}" if result.host_note else "") + "): "
             + ", ".join(f"{n} {o}" for o, n in sorted(counts.items()))
             + f"; {format_bytes(max(end, worst))} of saved activations at most (keep-all "
               f"{format_bytes(result.keep_bytes)}, budget {format_bytes(result.budget_bytes or 0)}), "

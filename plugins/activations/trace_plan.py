@@ -60,7 +60,8 @@ class TracePlan:
         reach: what the planner can reach on this model (`pricing.reach`).
         step_peak_bytes: the rank's whole predicted peak with this plan (the estimate's, set by the run that
             takes the plan: `run_plan`), which the monitor checks the run against.
-        host_bytes: what the plan's offloads hold on the host (`offload_host_bytes`).
+        host_bytes: what the plan's offloads hold on the host (`offload_host_bytes`), its lossy modules' reserves
+            taken.
         host_note: why the plan does without offload, where ``host_memory_budget`` made it (`plan_phases`).
     """
 
@@ -272,7 +273,8 @@ def _plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, st
         # the next plan's saved activations at least ``over`` below this one's (the planner leaves slack)
         out.other_bytes = max(out.other_bytes + over, limit - (max(out.planned_peaks) - over))
     out.plan = {name: choice.option for name, choice in out.choices.items()}
-    out.host_bytes = offload_host_bytes(out.plan, profiles, profile.name != "cpu")
+    # a lossy module whose bound is exceeded switches to its reserve (`reserve_for`): the host covers that too
+    out.host_bytes = offload_host_bytes({**out.plan, **out.reserves}, profiles, profile.name != "cpu")
     for cats in adjusted.values():  # the offload pool's buffers, kept for the next step (`storage.HostPool`)
         cats[HOST] = cats.get(HOST, 0) + out.host_bytes
     out.outside_bytes = before + after

@@ -59,3 +59,17 @@ def test_a_host_budget_the_offloads_do_not_fit_takes_the_plan_without_them_where
     assert any(f"would take {offloading.host_bytes:,} bytes of host memory" in n for n in est.notes)
     for r in run_ranks(_held, 2, _config(keep // 2, offloading.host_bytes - 1, options)):
         assert r["plan"] == plan.plan and r["offload"] == 0
+
+
+def test_offload_host_bytes_by_option_plain_and_pinned():
+    from xirang_ds.plugins.activations.profile import ModuleProfile
+    from xirang_ds.plugins.activations.trace_plan import offload_host_bytes
+
+    profiles = {"a": ModuleProfile("a", host_bytes=5120, pinned_host_bytes=8192, input_host_bytes=4096,
+                                   input_pinned_host_bytes=4096),
+                "b": ModuleProfile("b", host_bytes=10240, pinned_host_bytes=16384, input_host_bytes=6144,
+                                   input_pinned_host_bytes=8192)}
+    assert offload_host_bytes({"a": "offload", "b": "keep"}, profiles, False) == 5120
+    assert offload_host_bytes({"a": "offload", "b": "recompute_offload"}, profiles, True) == 8192 + 8192
+    assert offload_host_bytes({"a": "recompute_tiled_offload", "b": "quantize"}, profiles, False) == 4096
+    assert offload_host_bytes({"a": "recompute", "c": "offload"}, profiles, True) == 0

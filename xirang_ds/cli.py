@@ -104,9 +104,8 @@ def _fit_verdict(spec: Any, ds_config: dict, world_size: int) -> Optional[str]:
             least = least_fitting_budget(ds_config, lambda c: estimate_spec(spec, c, world_size),
                                          est.least_budget_bytes)[0]
         raise XirangConfigError([p for plan in refusing for p in plan.refusal(budget, where, least=least)])
-    if not est.fits and est.device_fits is not False:  # the host tiers alone (the estimate's note, as initialize says)
-        raise XirangConfigError([("xirang.host_memory_budget", n.split(": ", 1)[1] + f" ({where})")
-                                 for n in est.notes if n.startswith("host_memory_budget: ")])
+    if est.host_refusal and est.device_fits is not False:  # the host tiers alone, as the run refuses them
+        raise XirangConfigError([("xirang.host_memory_budget", f"{est.host_refusal} ({where})")])
     if not est.fits:
         raise XirangConfigError([("xirang.memory_budget", f"the estimate's peak {format_bytes(est.predicted_peak_bytes)} "
                                                           f"is above it ({where}); xirang-ds estimate names a change "
@@ -269,7 +268,7 @@ def _estimate_and_search(args: argparse.Namespace, model: Any, ds_config: dict, 
     # resolves "preset": "auto", checks the block
     est = estimate_spec(model, ds_config, args.world_size, device, device_profile=profile, plain=True)
     est.notes.extend(notes)
-    host_only = est.fits is False and est.device_fits is not False  # the host tiers alone: its note names the fix
+    host_only = bool(est.host_refusal) and est.device_fits is not False  # the host tiers alone: its note names the fix
     if est.fits is False and not args.no_suggest:
         from xirang_ds.planning.suggest import format_suggestion, least_fitting_budget, suggest_fit
 

@@ -87,11 +87,9 @@ def plan_before_run(plugin: Any, twin: ModelTwin, args: tuple, kwargs: dict) -> 
         least = least_fitting_budget(ds_config, again, plan.least_budget_bytes)[0] if budget != "auto" else None
         raise XirangConfigError(plan.refusal(budget, f"planned before the run for a batch of {sig.describe()}", held,
                                              fixes, least))
-    host = session.config.host_memory_budget
-    if est.device_fits is not False and not est.fits and host != "auto":  # the host tiers, the offloads' included
-        raise XirangConfigError([("xirang.host_memory_budget", n.split(": ", 1)[1] + f" (planned before the run "
-                                  f"for a batch of {sig.describe()})")
-                                 for n in est.notes if n.startswith("host_memory_budget: ")])
+    if est.host_refusal:  # the host tiers, the offloads' included
+        raise XirangConfigError([("xirang.host_memory_budget", f"{est.host_refusal} (planned before the run for a "
+                                                               f"batch of {sig.describe()})")])
     plan.step_peak_bytes = est.predicted_peak_bytes + held
     if stepper is not None and stepper.tier_pending:
         states = est.plans.get("grad_release") or {}

@@ -13,11 +13,10 @@ from typing import Any, Iterable
 
 import torch
 
-from xirang_ds.compat.torch import pytree, storage_key
+from xirang_ds.compat.torch import is_traceable_wrapper_subclass, pytree, storage_key
 from xirang_ds.memory.dispatch import returns_alias
-from xirang_ds.memory.host_ledger import pinned_block
 from xirang_ds.plugins.activations.saved import storage_flat
-from xirang_ds.plugins.activations.storage import host_size_class
+from xirang_ds.plugins.activations.storage import pool_buffer_bytes
 
 
 def restore_peak(spans: Iterable) -> int:
@@ -34,19 +33,13 @@ def host_buffers(t: torch.Tensor) -> tuple[int, int]:
     """The host buffer offloading ``t``'s storage takes (its packed part), plain and pinned (`storage.HostPool`)."""
     flat, _ = storage_flat(t)
     nbytes = flat.numel() * flat.element_size()
-    return host_size_class(nbytes), pinned_block(nbytes)
+    return pool_buffer_bytes(nbytes, False), pool_buffer_bytes(nbytes, True)
 
 
 def storage_keys(tree: Any) -> set:
     """Storage keys of the strided tensors in ``tree`` (a wrapper subclass without storage is left out)."""
-    keys = set()
-    for t in pytree.tree_leaves(tree):
-        if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-            try:
-                keys.add(storage_key(t.untyped_storage()))
-            except (RuntimeError, NotImplementedError):
-                pass
-    return keys
+    return {storage_key(t.untyped_storage()) for t in pytree.tree_leaves(tree)
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and not is_traceable_wrapper_subclass(t)}
 
 
 class NodeSpans:

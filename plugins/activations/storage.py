@@ -94,6 +94,11 @@ def host_size_class(nbytes: int) -> int:
     return -(-nbytes // step) * step
 
 
+def pool_buffer_bytes(nbytes: int, pin: bool) -> int:
+    """The buffer `HostPool` hands out for ``nbytes``: the allocator's own block pinned, else its size class."""
+    return pinned_block(nbytes) if pin else host_size_class(nbytes)
+
+
 class HostPool:
     """Host buffers for offloaded tensors, reused by size class and trimmed.
 
@@ -137,7 +142,7 @@ class HostPool:
         """A ``uint8`` host buffer of ``nbytes`` (a view of a size-class buffer), or ``None`` when the
         budget cannot hold it."""
         self._reap()
-        size = pinned_block(nbytes) if self.pin else host_size_class(nbytes)  # pinned: the allocator's own block
+        size = pool_buffer_bytes(nbytes, self.pin)
         for i in range(len(self._cached) - 1, -1, -1):  # the most recently returned buffer of the class
             if self._cached[i].numel() == size:
                 buf = self._cached.pop(i)

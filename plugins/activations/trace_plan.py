@@ -26,6 +26,7 @@ from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import ACTIVATIONS, GRADIENTS, TEMPORARIES
 from xirang_ds.memory.device_profile import DeviceProfile
+from xirang_ds.memory.host_ledger import pins
 from xirang_ds.plugins.activations import layer_temporaries
 from xirang_ds.plugins.activations.head_loss import CHUNK
 from xirang_ds.plugins.activations.planner import Choice, estimate_peak, least_budget, reserve_added_s
@@ -274,7 +275,7 @@ def _plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, st
         out.other_bytes = max(out.other_bytes + over, limit - (max(out.planned_peaks) - over))
     out.plan = {name: choice.option for name, choice in out.choices.items()}
     # a lossy module whose bound is exceeded switches to its reserve (`reserve_for`): the host covers that too
-    out.host_bytes = offload_host_bytes({**out.plan, **out.reserves}, profiles, profile.name != "cpu")
+    out.host_bytes = offload_host_bytes({**out.plan, **out.reserves}, profiles, pins(streams, profile))
     for cats in adjusted.values():  # the offload pool's buffers, kept for the next step (`storage.HostPool`)
         cats[HOST] = cats.get(HOST, 0) + out.host_bytes
     out.outside_bytes = before + after

@@ -17,7 +17,7 @@ import torch
 from xirang_ds.compat.torch import GRAD_DTYPE_SETTABLE
 from xirang_ds.config.types import format_bytes
 from xirang_ds.memory.categories import ACTIVATIONS, GRADIENTS, OPTIMIZER_STATES, PARAMETERS, TEMPORARIES
-from xirang_ds.memory.host_ledger import pinned_block
+from xirang_ds.memory.host_ledger import block_bytes, pins
 from xirang_ds.memory.model_states import BACKWARD_END, BACKWARD_START, STEP_PREPARE, adam_temporaries
 from xirang_ds.plugins.grad_release.embedding_rows import plain
 from xirang_ds.plugins.grad_release.layout import plan_buckets
@@ -209,8 +209,7 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
     on_host, stashes = why is not None or parked, bool(holds_shard and stash)
     plugin.estimate_plan = {"states": "host" if on_host else "device", "why": why,
                             "state_bytes": states, "stashes_shard": stashes, "stash_bytes": comm_bytes}
-    pinned = shape.device != "cpu" or getattr(plugin.session, "device_profile", None) is not None and \
-        plugin.session.device_profile.name != "cpu"
+    pinned = pins(shape.device != "cpu", getattr(plugin.session, "device_profile", None))
     tensors = _state_tensors(plugin.session.state_quantizer, len(numels))
     buckets = [(sum(math.ceil(order[i] / world) for i in b),
                 [t for i in b for t in tensors(len(numels) - 1 - i, math.ceil(order[i] / world))] if on_host else [])
@@ -234,14 +233,11 @@ def host_bytes(buckets: list[tuple[int, list[int]]], stash_bytes_per_element: in
     and exact clipping's stash, one buffer per bucket shard in the reduced gradient's dtype
     (``stash_bytes_per_element``; 0: no stash); each buffer pinned on an accelerator (``pinned``: its block the
     next power of two)."""
-    def cost(nbytes: int) -> int:
-        return pinned_block(nbytes) if pinned else nbytes
-
     total = 0
     for shard, states in buckets:
         if stash_bytes_per_element:
-            total += cost(stash_bytes_per_element * shard)
-        total += sum(cost(n) for n in states)
+            total += block_bytes(stash_bytes_per_element * shard, pinned)
+        total += sum(block_bytes(n, pinned) for n in states)
     return total
 
 

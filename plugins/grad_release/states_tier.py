@@ -73,7 +73,7 @@ class StatesTier:
         """``auto``: start in host memory where the estimate puts them there (its own rule, `adjust_estimate`:
         with them on the device it is over ``memory_budget``; ``auto``: the device's capacity); said in the
         summary, recorded as a ``states_to_host`` event. ``auto`` or ``host`` with ``host_memory_budget`` in
-        bytes: refused here where the estimate's host tiers exceed it (`estimator.host_over_budget`).
+        bytes: refused here where the estimate's host tiers exceed it (its ``host_refusal``).
 
         Raises:
             XirangConfigError: the host tiers would not fit ``host_memory_budget``.
@@ -89,11 +89,9 @@ class StatesTier:
             requested[BLOCK_KEY] = {**requested[BLOCK_KEY], "memory_budget": int(get_accelerator().total_memory())}
         estimate = self.session.estimator.estimate_states(model, requested, self.session.world_size,
                                                           get_accelerator().device_name())
-        if host_budget != "auto" and estimate.host_peak_bytes > int(host_budget):  # before the run, not in it
-            room = (estimate.plans.get(self.section) or {}).get("host_fix", "")
-            raise XirangConfigError([("xirang.host_memory_budget", "grad_release's host states and stash: " +
-                                      self.session.estimator.host_over_budget(estimate.host_peak_bytes,
-                                                                              int(host_budget), room))])
+        if estimate.host_refusal:  # before the run, not in it
+            raise XirangConfigError([("xirang.host_memory_budget",
+                                      f"grad_release's host states and stash: {estimate.host_refusal}")])
         if self.config.states != "auto":
             return
         self.parked_why = host_reason(estimate.notes)

@@ -98,3 +98,12 @@ def test_pinned_buffers_are_counted_at_their_allocator_blocks():
     assert host_bytes(buckets, 4, True) == 4096 + 2 * (4096 + 128) + 16384 + 2 * 16384
     assert host_bytes(buckets, 2, True) == 2048 + 2 * (4096 + 128) + 8192 + 2 * 16384  # a bf16 stash
     assert host_bytes([(1024, []), (3000, [])], 0, True) == 0
+
+
+def test_only_an_accelerator_or_a_gpus_profile_pins():
+    from xirang_ds.memory.device_profile import PROFILES, measure_cpu_profile
+    from xirang_ds.memory.host_ledger import pins
+
+    assert pins(True) and pins(False, PROFILES["h100"])
+    assert not pins(False) and not pins(False, PROFILES["cpu"])
+    assert not pins(False, measure_cpu_profile(repeats=1))  # "cpu-measured"

@@ -68,6 +68,11 @@ class DeviceProfile:
     memory_bytes: int = 0
     interconnect_bytes_per_s: float = 5e9
 
+    @property
+    def accelerator(self) -> bool:
+        """A GPU's profile (the CPU's, stated or measured, are named ``cpu...``)."""
+        return not self.name.startswith("cpu")
+
     def op_seconds(self, flops: float, bytes_moved: float, low_precision: bool = True) -> float:
         """One op: the larger of its arithmetic and its memory traffic (a roofline), plus its launch."""
         rate = (self.matmul_flops_per_s if low_precision else self.fp32_flops_per_s) * MATMUL_EFFICIENCY

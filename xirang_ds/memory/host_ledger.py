@@ -28,7 +28,7 @@ import contextlib
 import logging
 import weakref
 from collections import Counter
-from typing import Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 
@@ -38,6 +38,17 @@ logger = logging.getLogger("xirang_ds")
 def pinned_block(nbytes: int) -> int:
     """The block torch's caching host allocator pins for a request of ``nbytes``: the next power of two."""
     return 1 << max(int(nbytes) - 1, 0).bit_length()
+
+
+def block_bytes(nbytes: int, pinned: bool) -> int:
+    """What a host buffer of ``nbytes`` holds: its pinned block, or its own bytes."""
+    return pinned_block(nbytes) if pinned else int(nbytes)
+
+
+def pins(on_accelerator: bool, profile: Any = None) -> bool:
+    """Whether host tiers pin their buffers in a run on an accelerator, or in an estimate priced by a GPU's
+    ``profile`` (`xirang_ds.memory.device_profile.DeviceProfile`)."""
+    return on_accelerator or bool(profile is not None and profile.accelerator)
 
 
 class HostLedger:
@@ -64,10 +75,8 @@ class HostLedger:
     def cost(self, nbytes: int, pinned: bool) -> int:
         """What a new buffer of ``nbytes`` adds to ``held_bytes``: nothing where a cached block of its size is
         free, else its block (pinned) or its bytes (plain)."""
-        if not pinned:
-            return int(nbytes)
-        block = pinned_block(nbytes)
-        return 0 if self._cached[block] else block
+        block = block_bytes(nbytes, pinned)
+        return 0 if pinned and self._cached[block] else block
 
     def fits(self, nbytes: int, pinned: bool) -> bool:
         """Whether a new buffer of ``nbytes`` keeps ``held_bytes`` within ``budget_bytes``."""

@@ -82,6 +82,8 @@ class Estimate:
         host_peak_bytes: what the host tiers hold at most over the phases (their ``host`` bytes, as the host
             ledger counts them: grad_release's states and stash, the activation plan's offloads), which
             ``host_memory_budget`` in bytes caps.
+        host_refusal: why the host tiers do not fit ``host_memory_budget`` (`host_over_budget`), or ``None``; the
+            estimate's notes say it, ``validate --model`` and the run refuse with it.
         device_fits: ``fits`` on the device alone (the plan and ``memory_budget``; ``None``: neither a budget nor
             a device total to check), whatever the host holds.
     """
@@ -99,6 +101,7 @@ class Estimate:
     plain_step_time: Optional[StepTime] = None
     points: dict = dataclasses.field(default_factory=dict)
     host_peak_bytes: int = 0
+    host_refusal: Optional[str] = None
     device_fits: Optional[bool] = None
 
     def as_dict(self) -> dict:
@@ -238,17 +241,17 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
     peak_phase = max(totals, key=totals.__getitem__)
     host = max(v.get("host", 0) for v in phases.values())
     device_fits, least = _fits(session, totals[peak_phase], plans)
-    fits = device_fits
     host_budget = session.config.host_memory_budget if session is not None else "auto"
+    refusal = None
     if host_budget != "auto" and host > int(host_budget):
         # how the block keeps them on the device, where a plugin says (grad_release's states fixed to the host)
         room = next((p["host_fix"] for p in plans.values() if isinstance(p, dict) and p.get("host_fix")), "")
-        notes.append(f"host_memory_budget: {host_over_budget(host, int(host_budget), room)}")
-        fits = False
+        refusal = host_over_budget(host, int(host_budget), room)
+        notes.append(f"host_memory_budget: {refusal}")
     return Estimate(predicted_peak_bytes=totals[peak_phase], by_category=phases[peak_phase], peak_phase=peak_phase,
-                    phases={k: {**v, "total": totals[k]} for k, v in phases.items()}, notes=notes, fits=fits,
-                    least_budget_bytes=least, plans=plans, points=points, host_peak_bytes=host,
-                    device_fits=device_fits)
+                    phases={k: {**v, "total": totals[k]} for k, v in phases.items()}, notes=notes,
+                    fits=False if refusal else device_fits, least_budget_bytes=least, plans=plans, points=points,
+                    host_peak_bytes=host, host_refusal=refusal, device_fits=device_fits)
 
 
 def _fits(session: Any, peak: int, plans: dict) -> tuple[Optional[bool], int]:

@@ -37,9 +37,9 @@ On the CPU Inductor emits one ``cpp_fused_*`` call per bf16 or int8 chunk and th
   weight) compiles a function of its own code (`_variant`), as Dynamo keeps 8 graphs per code object.
   A chunk (the CPU's static length) draws its states' noise in a compiled call of its own before its
   update (`formats.draw_chunk`, 8 bytes an element of the chunk), which takes the draws as an input:
-  Inductor's C++ for the update with the hash inside took 35-50 ns an element of an int8 chunk against
-  3.9 with the draws given and 2.9 for the draws alone (131,072 elements, 1 thread, one process; the
-  generated loops are vectorized alike, the cause inside the compiler not found). A whole tensor (off
+  Inductor's C++ for the update with the hash inside took 36 ns an element of an int8 chunk against
+  3.0 with the draws given and 1.6 for the draws alone (``benchmarks/fused_draws.py``; the generated
+  loops are vectorized alike, the cause inside the compiler not found). A whole tensor (off
   the CPU) keeps the hash in its one call: its draws made apart would take 8 bytes an element of it.
   ZeRO-3's ``masters: none``, whose update is DeepSpeed's, rounds in a pass of its own after it:
   `FusedStep.round_`, one dynamic-length call per sub-group (a single loop, on the CPU too).

@@ -7,8 +7,8 @@ counts on any machine for the same program:
 * ``kernels``: ATen ops that compute (views and size queries left out), seen by a dispatch mode: what
   an eager step launches. A compiled region runs eagerly under the mode (Dynamo declines to trace
   under one), so it counts its ops, not its one graph call; except where the code runs it through
-  `compiled_call` (optimizer_states' fused update): the counters are lifted for the call and each
-  counts it as one kernel. On CUDA the profiler's count of kernels really launched is
+  `compiled_call` (optimizer_states' fused update): the counters, and a memory tracker beside them,
+  are lifted for the call and each counter counts it as one kernel. On CUDA the profiler's count of kernels really launched is
   ``device_kernels`` beside it.
 * ``host_syncs``: ops whose result the host must read before it goes on (``aten._local_scalar_dense``
   behind ``.item()``, ``float(t)`` and ``bool(t)``; ``Tensor.tolist`` of a CPU tensor on a CPU run, which
@@ -49,6 +49,7 @@ from xirang_ds.compat.torch import (
     pop_function_mode_temporarily,
     pop_mode_temporarily,
 )
+from xirang_ds.memory.dispatch import TrackingMode
 
 _aten = torch.ops.aten
 _SIZE_OPS = {_aten.sym_size.int, _aten.sym_stride.int, _aten.sym_numel.default, _aten.sym_storage_offset.default,
@@ -130,20 +131,26 @@ class _Counter(TorchDispatchMode):
 
 
 def only_counters_active() -> bool:
-    """Every active dispatch mode is a step counter (none at all counts too): a compiled region may
-    run through `compiled_call` and be counted as what it is, one graph call."""
-    return all(isinstance(mode, _Counter) for mode in dispatch_mode_stack())
+    """Every active dispatch mode is a step counter (none at all counts too), or a memory tracker while a
+    counter counts: a compiled region may run through `compiled_call` and be counted as what it is, one
+    graph call. The tracker (the bench's instrument, not the user's program) steps aside for the counted
+    step's compiled calls, so the step counted is the program a run without it takes; the bench reads
+    its memory figures before that step (`bench.bench_rank`)."""
+    modes = dispatch_mode_stack()
+    counting = any(isinstance(mode, _Counter) for mode in modes)
+    return all(isinstance(mode, _Counter) or (counting and isinstance(mode, TrackingMode)) for mode in modes)
 
 
 @contextlib.contextmanager
 def compiled_call() -> Iterator[None]:
-    """Run the body (one call of a compiled graph) with the active step counters lifted, since Dynamo
-    does not trace under a dispatch mode, and count it as one kernel in each. Only where
-    `only_counters_active`; with no counter it does nothing."""
-    counters = [mode for mode in dispatch_mode_stack() if isinstance(mode, _Counter)]
+    """Run the body (one call of a compiled graph) with the active step counters (and a memory tracker
+    beside them) lifted, since Dynamo does not trace under a dispatch mode, and count it as one kernel
+    in each counter. Only where `only_counters_active`; with no counter it does nothing."""
+    modes = dispatch_mode_stack()
+    counters = [mode for mode in modes if isinstance(mode, _Counter)]
     readers = [mode for mode in function_mode_stack() if isinstance(mode, _ListReads)]
     with contextlib.ExitStack() as lifted:
-        for _ in counters:
+        for _ in modes if counters else ():  # every mode is a counter or a tracker
             lifted.enter_context(pop_mode_temporarily())
         for _ in readers:  # count_ops enters them innermost
             lifted.enter_context(pop_function_mode_temporarily())

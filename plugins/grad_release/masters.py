@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -61,7 +61,7 @@ class MasterSlices:
                     for piece, view in zip(self.pieces, self.views):
                         allow_any_grad_dtype(view)  # the bucket's fp32 gradient on the bf16 weight
                         view.xirang_weight_noise = self._weight_noise(piece)  # what the fused update rounds with
-                        view.xirang_write_back = self._stochastic_write_back(view)
+                        view.xirang_write_back = self._stochastic_write_back(view, lambda: self.optimizer)
             else:
                 self.master = torch.zeros(self.layout.shard_numel, dtype=torch.float32,
                                           device=self.params[0].device)
@@ -137,13 +137,20 @@ class MasterSlices:
     def _round(self, out: torch.Tensor) -> None:
         """The updated master into ``out`` (the parameter dtype, laid out as the master): to nearest,
         with ``none`` stochastically (the master is consumed), with ``remainders_8bit`` to nearest after
-        the master is rounded stochastically to 16 significant bits (`remainders.round8_`)."""
+        the master is rounded stochastically to 16 significant bits (`remainders.round8_`). Where the
+        bucket's optimizer is optimizer_states' with its compiled kernels on, the rounding is one compiled
+        call of the bucket's shard, bit for bit the eager pass (`FusedStep.round_`), not a few dozen ops
+        per chunk of `stochastic.CHUNK_NUMEL`."""
         if self.masters not in ("none", "remainders_8bit"):
             out.copy_(self.master)
             return
 
         seed = noise_seed(self.index, self.steps_applied, self.comm.rank if self.sharded else 0)
-        (round8_ if self.masters == "remainders_8bit" else round_)(self.master, out, seed)
+        eight = self.masters == "remainders_8bit"
+        fused = getattr(self.optimizer, "fused", None)  # optimizer_states' `FusedStep`: one compiled call
+        if fused is not None and fused.round_(self.master, out, seed, low_bits=8 if eight else 16):
+            return
+        (round8_ if eight else round_)(self.master, out, seed)
 
     @contextlib.contextmanager
     def fp32_masters(self, write_params: bool = False):
@@ -182,14 +189,18 @@ class MasterSlices:
         return lambda: (noise_seed(self.index, self.steps_applied, rank), piece.offset)
 
     @staticmethod
-    def _stochastic_write_back(view: torch.Tensor):
+    def _stochastic_write_back(view: torch.Tensor, optimizer: Callable[[], Any] = lambda: None):
         """``view``'s ``xirang_write_back`` (in-place ``none``, eager update): an updated fp32 chunk at
-        ``start`` rounded stochastically into the weight with the noise of its ``xirang_weight_noise``."""
+        ``start`` rounded stochastically into the weight with the noise of its ``xirang_weight_noise``, in
+        one compiled call where ``optimizer()``'s kernels are on (`FusedStep.round_`, the same bits)."""
         flat = view.view(-1)
 
         def write_back(values: torch.Tensor, start: int) -> None:
             seed, offset = view.xirang_weight_noise()
-            round_(values, flat[start:start + values.numel()], seed, offset + start)
+            out = flat[start:start + values.numel()]
+            fused = getattr(optimizer(), "fused", None)
+            if fused is None or not fused.round_(values, out, seed, offset + start):
+                round_(values, out, seed, offset + start)
 
         return write_back
 

@@ -39,8 +39,8 @@ import torch
 from xirang_ds.plugins.grad_release.stochastic import rounded_chunks
 
 _TIE = -32768  # 0x8000 as int16
-_HALF = 1 << 15  # added to the bits before clearing the low half: rounds half away from zero
-_HIGH_HALF = -(1 << 16)  # 0xFFFF0000 as int32
+HALF = 1 << 15  # added to the bits before clearing the low half: rounds half away from zero
+HIGH_HALF = -(1 << 16)  # 0xFFFF0000 as int32
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
     raise ImportError("xirang grad_release remainders assume little-endian fp32 layout")
@@ -117,7 +117,7 @@ def round8_(master: torch.Tensor, out: torch.Tensor, seed: int) -> None:
     `stochastic.CHUNK_NUMEL` elements at a time; infinities stay, a NaN becomes the canonical one
     (whose low half is zero); the largest finite numbers can round to infinity, as to nearest."""
     for start, part, noise in rounded_chunks(master, seed, low_bits=8):  # NOISE_BYTES an element of a chunk
-        half = noise.fill_(_HALF).add_(part).bitwise_and_(_HIGH_HALF)  # half away from zero
+        half = noise.fill_(HALF).add_(part).bitwise_and_(HIGH_HALF)  # half away from zero
         out[start:start + part.numel()].copy_(half.view(torch.float32))  # exact: the low half is zero
 
 

@@ -64,6 +64,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from xirang_ds.compat.torch import compile_unavailable
+from xirang_ds.plugins.grad_release.remainders import HALF, HIGH_HALF
 from xirang_ds.plugins.grad_release.stochastic import noise_keys, stochastic_round
 from xirang_ds.plugins.optimizer_states.formats import Buffers, Draws, StateFormat, draw_chunk
 from xirang_ds.plugins.optimizer_states.update import AdamHyper
@@ -135,8 +136,16 @@ def whole_step(fmt: StateFormat, p: torch.Tensor, g: torch.Tensor, m_buf: Buffer
 
 def round_step(master: torch.Tensor, out: torch.Tensor, keys: torch.Tensor, start: torch.Tensor) -> None:
     """fp32 ``master`` (flat; consumed) rounded stochastically into bf16 ``out`` (`stochastic.round_` in one
-    graph: ZeRO-3's ``masters: none``, whose update is DeepSpeed's, rounds in this pass after it)."""
+    graph: ``masters: none`` where the update is not this kernel's, grad_release's transient masters and
+    ZeRO-3's, whose update is DeepSpeed's, round in this pass after it)."""
     out.copy_(stochastic_round(master, keys, start).view(torch.float32))
+
+
+def round8_step(master: torch.Tensor, out: torch.Tensor, keys: torch.Tensor, start: torch.Tensor) -> None:
+    """fp32 ``master`` (flat; consumed) rounded stochastically to 16 significant bits, its bf16 rounding half
+    away from zero into ``out`` (`remainders.round8_` in one graph: ``masters: remainders_8bit``)."""
+    bits = stochastic_round(master, keys, start, low_bits=8)
+    out.copy_(bits.add(HALF).bitwise_and_(HIGH_HALF).view(torch.float32))
 
 
 def whole_tensor(device_type: str) -> bool:
@@ -157,8 +166,10 @@ _KERNEL: Optional[Callable[..., None]] = None
 """`chunk_step` compiled (static shapes: Dynamo keeps one graph per format and chunk length)."""
 _WHOLE_KERNEL: Optional[Callable[..., None]] = None
 """`whole_step` compiled with dynamic shapes."""
-_ROUND_KERNEL: Optional[Callable[..., None]] = None
-"""`round_step` compiled with dynamic shapes (one call per tensor on every device: one loop, no moments)."""
+ROUNDINGS: dict[int, Callable[..., None]] = {16: round_step, 8: round8_step}
+"""The rounding passes by the low bits they clear: ``masters: none`` (to bf16), ``remainders_8bit``."""
+_ROUND_KERNELS: dict[int, Callable[..., None]] = {}
+"""`ROUNDINGS` compiled with dynamic shapes (one call per tensor on every device: one loop, no moments)."""
 _DRAW_KERNEL: Optional[Callable[..., torch.Tensor]] = None
 """`formats.draw_chunk` compiled (static shapes: a graph per chunk length and number of bits)."""
 _VARIANTS: dict[tuple[str, ...], Callable[..., None]] = {}
@@ -199,7 +210,8 @@ class FusedStep:
         chunks: compiled update calls so far (whole tensors and chunks).
         draw_calls: compiled calls that drew a chunk's stochastic rounding noise so far (`draw_chunk`).
         wholes: tensors updated whole by the dynamic-length kernel so far.
-        rounds: compiled rounding passes so far (`round_`: ZeRO-3's ``masters: none``).
+        rounds: compiled rounding passes so far (`round_`: ``masters: none`` and ``remainders_8bit`` where the
+            update is not this kernel's: grad_release's transient masters, ZeRO-3's DeepSpeed update).
         eager: ``{device type: reason}`` for the devices this optimizer keeps eager.
         chunked: ``{(device type, format): reason}`` where the whole-tensor kernel failed to compile
             and tensors run in static chunks instead; ``(device type, "round")``: where `round_` failed
@@ -361,15 +373,15 @@ class FusedStep:
         self._compiled.add(key)
         return True
 
-    def round_(self, master: torch.Tensor, out: torch.Tensor, seed: int, offset: int = 0) -> bool:
-        """Round fp32 ``master`` (flat; consumed) stochastically into bf16 ``out`` as `stochastic.round_` does,
-        bit for bit, in one compiled call; False where the eager rounding must do it (not enabled here, a
-        dispatch mode, other dtypes, or ``auto`` failed to compile it).
+    def round_(self, master: torch.Tensor, out: torch.Tensor, seed: int, offset: int = 0, low_bits: int = 16) -> bool:
+        """Round fp32 ``master`` (flat; consumed) stochastically into bf16 ``out`` in one compiled call, bit for
+        bit what the eager pass writes: `stochastic.round_` (``low_bits`` 16: ``masters: none``) or
+        `remainders.round8_` (8: ``remainders_8bit``); False where the eager rounding must do it (not enabled
+        here, a dispatch mode, other dtypes, or ``auto`` failed to compile it).
 
         Raises:
             FusedUnavailable: ``fused: true`` and the rounding failed to compile.
         """
-        global _ROUND_KERNEL
         device = master.device.type
         if not (master.dtype == torch.float32 and out.dtype == torch.bfloat16 and (device, "round") not in self.chunked
                 and self.enabled(device) and only_counters_active()):
@@ -377,9 +389,9 @@ class FusedStep:
         args = (master, out, noise_keys(seed, master.device), torch.tensor(offset, device=master.device))
         try:
             with compiled_call():
-                if _ROUND_KERNEL is None:
-                    _ROUND_KERNEL = torch.compile(round_step, dynamic=True, fullgraph=True)
-                _ROUND_KERNEL(*args)
+                if low_bits not in _ROUND_KERNELS:
+                    _ROUND_KERNELS[low_bits] = torch.compile(ROUNDINGS[low_bits], dynamic=True, fullgraph=True)
+                _ROUND_KERNELS[low_bits](*args)
         except Exception as error:  # noqa: BLE001 (Dynamo and Inductor raise many kinds)
             if self.setting is True:
                 raise FusedUnavailable(f"xirang.optimizer_states.fused: true failed to compile the stochastic "

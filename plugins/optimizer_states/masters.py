@@ -168,7 +168,8 @@ class Parking:
         rounder = rounding or round_
         with torch.no_grad(), self.scope(PARAMETERS):
             if weight.device == master.device:
-                if rounding is None and self.fused is not None and self.fused.round_(master, weight, seed):
+                low_bits = 16 if rounding is None else 8 if rounding is round8_ else None
+                if low_bits and self.fused is not None and self.fused.round_(master, weight, seed, low_bits=low_bits):
                     return
                 rounder(master, weight, seed)
             else:  # parameters offloaded: rounded on the master's device, then copied

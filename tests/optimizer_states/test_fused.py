@@ -262,6 +262,23 @@ def test_eager_under_a_dispatch_mode_and_auto_eager_on_the_cpu():
     assert not auto.enabled("cpu") and "CPU" in auto.describe()
 
 
+def test_the_memory_tracker_steps_aside_for_a_counted_steps_compiled_calls():
+    """The bench tracks memory through every step and counts one more (`bench.bench_rank`): tracked alone a
+    step is eager (Dynamo does not trace under the tracker's mode); counted, its compiled calls run, the
+    tracker lifted for them, and count one kernel each: the counts are those of a run without the tracker."""
+    from xirang_ds.memory.tracker import MemoryTracker
+    from xirang_ds.step_counts import count_ops
+
+    _, opt = _train("int8", True, steps=1)
+    untracked = count_ops(opt.step)[1].optimizer_kernels
+    with MemoryTracker("cpu"):
+        chunks = opt.fused.chunks
+        opt.step()
+        assert opt.fused.chunks == chunks  # tracked: eager
+        assert count_ops(opt.step)[1].optimizer_kernels == untracked
+    assert opt.fused.chunks == chunks + sum(a * b // CHUNK for a, b in SHAPES)  # the counted step's full chunks
+
+
 def test_unavailable_compile_is_an_error_with_true_and_eager_with_auto(monkeypatch):
     monkeypatch.setattr(fused_module, "compile_unavailable", lambda device: "Triton is not installed")
     with pytest.raises(FusedUnavailable, match=r"optimizer_states.fused: true .*Triton is not installed.*Fix"):
@@ -320,10 +337,40 @@ def _engine_runs(rank, world, save_dir):
             "chunks": full.basic_optimizer.fused.chunks, "summary": full.xirang.plugin("optimizer_states").describe()}
 
 
+def _rounded_master_runs(rank, world):
+    """grad_release's rounded masters under fp32 states, whose update is eager and exact with ``fused`` on or
+    off: only the rounding differs, eager chunks against compiled calls (``remainders_8bit``: one per bucket
+    after its update; ``none``, in place: one per chunk the eager update writes back)."""
+    import xirang_ds
+    from tests.harness.engine_runs import data_iter, ds_config
+    from xirang_ds.bench import optimizer_step
+    from xirang_ds.models import BUILTIN_SPECS, build_model
+    from xirang_ds.step_counts import count_ops
+
+    def run(masters, fused):
+        block = {"grad_release": {"enabled": True, "bucket_size_numel": 20_000, "masters": masters},
+                 "optimizer_states": {"enabled": True, "schedule": [{"dtype": "fp32"}], "min_numel": 0,
+                                      "fused": fused}}
+        model = build_model(BUILTIN_SPECS["gpt-tiny"], seed=0)
+        engine = xirang_ds.initialize(model=model, model_parameters=model.parameters(),
+                                      config=ds_config(stage=2, dtype="bf16", gas=2, clip=0.05, xirang=block))[0]
+        data = data_iter(4, 64, rank, world)
+        losses = [optimizer_step(engine, data) for _ in range(2)]
+        counter = count_ops(lambda: optimizer_step(engine, data))[1]
+        buckets = engine.xirang.plugin("grad_release").buckets
+        return {"losses": losses, "kernels": counter.kernels, "buckets": len(buckets),
+                "in_place": any(b.in_place for b in buckets),
+                "rounds": sum(b.optimizer.fused.rounds for b in buckets if b.optimizer is not None),
+                "params": torch.cat([p.detach().float().reshape(-1) for p in engine.module.parameters()])}
+
+    return {masters: (run(masters, False), run(masters, True)) for masters in ("remainders_8bit", "none")}
+
+
 def _two_rank_scenarios(rank, world, save_dir):
     """Both engine comparisons in one process pair: a process start, and its first compilations, cost more
     than a run."""
-    return {"zero2": _engine_runs(rank, world, save_dir), "no_master": _no_master_engine_runs(rank, world)}
+    return {"zero2": _engine_runs(rank, world, save_dir), "no_master": _no_master_engine_runs(rank, world),
+            "rounded_masters": _rounded_master_runs(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -379,6 +426,41 @@ def test_grad_release_no_master_update_is_fused_inside_deepspeed_on_2_ranks(two_
         assert (fused["params"] == eager["params"]).double().mean().item() > 0.999
 
 
+@pytest.mark.distributed
+def test_grad_release_rounds_its_masters_in_compiled_calls_with_the_eager_bits_on_2_ranks(two_ranks):
+    """``remainders_8bit`` (the balanced preset's) and in-place ``none`` under fp32 states (the eager
+    update): with ``fused: true`` each bucket's rounding is one compiled call, each written-back chunk's
+    one, drawing the eager chunks' noise: the weights bit for bit, fewer kernels a step."""
+    for runs in (r["rounded_masters"] for r in two_ranks):
+        (eight_eager, eight), (none_eager, none) = runs["remainders_8bit"], runs["none"]
+        assert not eight["in_place"] and none["in_place"] and eight_eager["rounds"] == none_eager["rounds"] == 0
+        assert eight["rounds"] == 3 * eight["buckets"]  # every bucket, every step (the counted one too)
+        assert none["rounds"] >= 3 * none["buckets"]
+        for eager, fused in ((eight_eager, eight), (none_eager, none)):
+            assert fused["losses"] == eager["losses"] and torch.equal(fused["params"], eager["params"])
+            assert fused["kernels"] < eager["kernels"]
+
+
+def test_remainders_8bit_rounding_is_one_compiled_call_with_the_eager_bits():
+    """`remainders.round8_` (``masters: remainders_8bit``) as one compiled call of any length and offset, bit for
+    bit the eager chunks, NaN, infinities and the largest finite numbers included."""
+    from xirang_ds.plugins.grad_release.remainders import round8_
+    from xirang_ds.plugins.grad_release.stochastic import round_
+    from xirang_ds.step_counts import count_ops
+
+    step = FusedStep(True)
+    for numel in (300_001, 3 * 300_001):
+        master = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 1e-2
+        master[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), torch.finfo(torch.float32).max])
+        for low_bits, eager_round in ((8, round8_), (16, round_)):
+            eager, fused = torch.empty(numel, dtype=torch.bfloat16), torch.empty(numel, dtype=torch.bfloat16)
+            eager_round(master.clone(), eager, 7)
+            kernels = count_ops(lambda: step.round_(master.clone(), fused, 7, low_bits=low_bits))[1].kernels
+            assert kernels == 2  # the clone and the one compiled call, at any length
+            assert torch.equal(fused.view(torch.int16), eager.view(torch.int16)), (numel, low_bits)
+    assert step.rounds == 4
+
+
 def test_zero3_no_master_rounding_is_one_compiled_call_with_the_eager_bits():
     """ZeRO-3's ``masters: none`` (`masters.Parking`): DeepSpeed updates the master, parking rounds it into
     the bf16 partition; with the basic optimizer's `FusedStep` enabled that pass is one compiled call of
@@ -409,7 +491,7 @@ def test_a_rounding_pass_that_fails_to_compile_stays_eager_with_auto_and_raises_
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler")
 
-    monkeypatch.setattr(fused_module, "_ROUND_KERNEL", broken)
+    monkeypatch.setitem(fused_module._ROUND_KERNELS, 16, broken)
     monkeypatch.setattr(FusedStep, "enabled", lambda self, device_type: self.setting is not False)
     master, out = torch.randn(64), torch.zeros(64, dtype=torch.bfloat16)
     auto = FusedStep("auto")

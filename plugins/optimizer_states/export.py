@@ -10,6 +10,11 @@ from xirang_ds.contributions import StateCodes, register_checkpoint
 from xirang_ds.plugins.optimizer_states.formats import MOMENTS, format_of, make_format
 
 
+class StateLoadError(ValueError):
+    """A checkpoint's optimizer states cannot be loaded into this optimizer (the message says why
+    and what to do)."""
+
+
 def decode_state(state: dict, param: torch.Tensor) -> dict:
     """One parameter's state as ``torch.optim.AdamW`` keeps it: ``step``, ``exp_avg``, ``exp_avg_sq``
     (fp32, shaped like ``param``)."""
@@ -88,4 +93,40 @@ register_checkpoint(StateCodes("optimizer_states", marker="optimizer_states_code
                                moment_range=moment_range, torch_layout=torch_layout))
 
 
-__all__ = ["checkpoint_to_torch", "decode_state", "moment_range", "to_torch_optimizer", "torch_layout"]
+def reencode_v1(state: dict) -> None:
+    """An int8 state saved with version 1's second-moment map, re-encoded in today's: each value
+    decoded with the old map and rounded to the nearest code of the new one (the block scales stay)."""
+    from xirang_ds.plugins.optimizer_states.qmaps import SECOND_MOMENT_8BIT, SECOND_MOMENT_8BIT_V1
+
+    codes = state.get("exp_avg_sq_codes")
+    if codes is None or format_of(state) != "int8":
+        return
+    values = SECOND_MOMENT_8BIT_V1.decode(codes)
+    new = SECOND_MOMENT_8BIT.encode(values)
+    codes.copy_(new.to(codes.dtype))
+
+
+def check_numel(state: dict, p: torch.Tensor, index: int) -> None:
+    """A saved state (``state``) of parameter ``index`` holds ``p``'s element count.
+
+    Raises:
+        StateLoadError: it does not (another world size or set of parameters).
+    """
+    name = format_of(state)
+    fmt = make_format(name, state.get("block_size") or 256, state.get("block_size") or 128)
+    key = fmt.keys("exp_avg")[0]
+    if key not in state:
+        return
+    expected = fmt.zeros("exp_avg", p.numel(), torch.device("meta"))[key].numel()
+    if state[key].numel() != expected:
+        raise StateLoadError(
+            f"optimizer state of parameter {index} holds {state[key].numel()} {name} elements of {key!r} but the "
+            f"parameter has {p.numel()} elements (the states would need {expected}). Under ZeRO each rank keeps "
+            f"the states of its own partition, so a checkpoint saved with another data-parallel world size, other "
+            f"ZeRO-3 sub-groups (zero_optimization.sub_group_size) or another set of parameters cannot be matched "
+            f"element by element. Resume with the world size and sub_group_size the checkpoint was saved with, or "
+            f"load with load_optimizer_states=False to restart the moments.")
+
+
+__all__ = ["StateLoadError", "check_numel", "checkpoint_to_torch", "decode_state", "moment_range", "reencode_v1",
+           "to_torch_optimizer", "torch_layout"]

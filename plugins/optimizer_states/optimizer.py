@@ -31,6 +31,7 @@ from torch.utils.hooks import RemovableHandle
 
 from xirang_ds.config.validate import XirangConfigError, convert_section
 from xirang_ds.plugins.optimizer_states import export, first_step
+from xirang_ds.plugins.optimizer_states.export import StateLoadError, check_numel, reencode_v1
 from xirang_ds.plugins.optimizer_states.config import STATE_DTYPE_ORDER, OptimizerStatesConfig
 from xirang_ds.plugins.grad_release.stochastic import noise_keys
 from xirang_ds.plugins.optimizer_states.formats import (
@@ -44,18 +45,14 @@ from xirang_ds.plugins.optimizer_states.formats import (
 )
 from xirang_ds.plugins.optimizer_states.fused import FusedStep
 from xirang_ds.plugins.optimizer_states.schedule import Measurement, Policy, make_policy
+from xirang_ds.plugins.optimizer_states.together import steps_together, update_together
 from xirang_ds.plugins.optimizer_states.update import AdamHyper, adam_chunk_, grad_chunk, param_numel, store_param
 
 STATE_DICT_KEY = "xirang_optimizer_states"
 """Extra key of `DynamicAdamW.state_dict`: the format version."""
 STATE_DICT_VERSION = 2
 """2: the int8 second moment has no zero code (`qmaps.SECOND_MOMENT_8BIT`); version 1 states load
-and are re-encoded (`_reencode_v1`)."""
-
-
-class StateLoadError(ValueError):
-    """A checkpoint's optimizer states cannot be loaded into this optimizer (the message says why
-    and what to do)."""
+and are re-encoded (`export.reencode_v1`)."""
 
 
 def config_from_dict(data: Any) -> OptimizerStatesConfig:
@@ -198,9 +195,17 @@ class DynamicAdamW(torch.optim.Optimizer):
             hyper = AdamHyper(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                               weight_decay=group["weight_decay"], decoupled=group["adam_w_mode"],
                               maximize=group["maximize"], bias_correction=group["bias_correction"])
+            together = []  # small tensors with fp32 states: one multi-tensor update (`together`)
             for p in group["params"]:
-                if p.grad is not None:
+                if p.grad is None:
+                    continue
+                if steps_together(self, p, group):
+                    together.append(p)
+                    self._rounding(p, self._next_step(p))  # what it would draw, for the tensors after it
+                else:
                     self._update(p, group, hyper)
+            if together:
+                update_together(self, together, hyper)
         return loss
 
     def _update(self, p: torch.Tensor, group: dict, hyper: AdamHyper) -> None:
@@ -235,10 +240,20 @@ class DynamicAdamW(torch.optim.Optimizer):
         read per tensor and step (the counter lives on the host, but a read is a sync where it does not)."""
         counter = state["step"]
         counter += 1
+        return self._counted(p, counter)
+
+    def _counted(self, p: torch.Tensor, counter: torch.Tensor) -> int:
+        """``p``'s step after ``counter`` (its ``state["step"]``) was incremented, as a Python int."""
         last = self._step_numbers.get(p)
         step = last[1] + 1 if last is not None and last[0] is counter else int(counter.item())
         self._step_numbers[p] = (counter, step)
         return step
+
+    def _next_step(self, p: torch.Tensor) -> int:
+        """The step ``p``'s next update will count (no counter changed)."""
+        counter = self.state[p]["step"]
+        last = self._step_numbers.get(p)
+        return last[1] + 1 if last is not None and last[0] is counter else int(counter.item()) + 1
 
     def _replace(self, p: torch.Tensor, state: dict, old: dict, new: dict, old_name: str, new_name: str,
                  fmt: StateFormat, step: int) -> None:
@@ -439,7 +454,7 @@ class DynamicAdamW(torch.optim.Optimizer):
         for index, (i, p) in enumerate(zip(ids, params)):
             st = saved.get(i)
             if st:
-                _check_numel(st, p, index)
+                check_numel(st, p, index)
         super().load_state_dict(state_dict)
         for group in self.param_groups:  # torch.optim.AdamW's groups lack this optimizer's keys
             group.setdefault("adam_w_mode", bool(group.get("decoupled_weight_decay", self.defaults["adam_w_mode"])))
@@ -453,20 +468,7 @@ class DynamicAdamW(torch.optim.Optimizer):
                     st[k] = original.to(device=p.device)  # torch casts floating states to the param's dtype
         if extra and extra.get("version") == 1:
             for st in self.state.values():
-                _reencode_v1(st)
-
-
-def _reencode_v1(state: dict) -> None:
-    """An int8 state saved with version 1's second-moment map, re-encoded in today's: each value
-    decoded with the old map and rounded to the nearest code of the new one (the block scales stay)."""
-    from xirang_ds.plugins.optimizer_states.qmaps import SECOND_MOMENT_8BIT, SECOND_MOMENT_8BIT_V1
-
-    codes = state.get("exp_avg_sq_codes")
-    if codes is None or format_of(state) != "int8":
-        return
-    values = SECOND_MOMENT_8BIT_V1.decode(codes)
-    new = SECOND_MOMENT_8BIT.encode(values)
-    codes.copy_(new.to(codes.dtype))
+                reencode_v1(st)
 
 
 def _check_hyper(lr: float, betas: tuple, eps: float, weight_decay: float) -> None:
@@ -475,23 +477,6 @@ def _check_hyper(lr: float, betas: tuple, eps: float, weight_decay: float) -> No
                      (0.0 <= weight_decay, f"weight_decay value: {weight_decay}")):
         if not ok:
             raise ValueError(f"Invalid {what}")
-
-
-def _check_numel(state: dict, p: torch.Tensor, index: int) -> None:
-    name = format_of(state)
-    fmt = make_format(name, state.get("block_size") or 256, state.get("block_size") or 128)
-    key = fmt.keys("exp_avg")[0]
-    if key not in state:
-        return
-    expected = fmt.zeros("exp_avg", p.numel(), torch.device("meta"))[key].numel()
-    if state[key].numel() != expected:
-        raise StateLoadError(
-            f"optimizer state of parameter {index} holds {state[key].numel()} {name} elements of {key!r} but the "
-            f"parameter has {p.numel()} elements (the states would need {expected}). Under ZeRO each rank keeps "
-            f"the states of its own partition, so a checkpoint saved with another data-parallel world size, other "
-            f"ZeRO-3 sub-groups (zero_optimization.sub_group_size) or another set of parameters cannot be matched "
-            f"element by element. Resume with the world size and sub_group_size the checkpoint was saved with, or "
-            f"load with load_optimizer_states=False to restart the moments.")
 
 
 def _lcm(*values: int) -> int:

@@ -12,6 +12,7 @@ added to what the callers did before.
 from __future__ import annotations
 
 import operator
+import types
 from typing import Any, Callable, Optional
 
 import torch
@@ -309,6 +310,11 @@ op_entry: Callable[[Any], Callable[..., Any]] = operator.attrgetter("_op")
 log_softmax_backward_data = torch.ops.aten._log_softmax_backward_data
 """``(grad_output, output, dim, input_dtype)``: the gradient of ``log_softmax`` from its output."""
 foreach_zero_ = torch._foreach_zero_
+FOREACH_OPS = ("add", "add_", "addcdiv_", "addcmul_", "div_", "lerp_", "mul_", "neg", "sqrt")
+foreach = types.SimpleNamespace(**{name: getattr(torch, f"_foreach_{name}") for name in FOREACH_OPS})
+"""torch's multi-tensor ops by name (``foreach.lerp_`` is ``torch._foreach_lerp_``): what ``torch.optim``'s
+``foreach`` paths run, one op over a list of tensors."""
+UPSTREAM_NAMES.update({f"torch._foreach_{name}": "aten op, torch/_C/_VariableFunctions.pyi" for name in FOREACH_OPS})
 amp_foreach_non_finite_check_and_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
 """``(grads, found_inf, inv_scale)``: what ``GradScaler.unscale_`` runs, in place."""
 
@@ -386,7 +392,7 @@ __all__ = [
     "current_autograd_node",
     "current_dispatch_mode", "current_saved_tensors_hooks", "destroy_library", "disable_current_modes",
     "dispatch_mode_active", "dispatch_mode_stack", "function_mode_stack", "pop_function_mode_temporarily",
-    "dump_memory_snapshot", "fake_tensor_mode", "flop_aliases", "foreach_zero_", "graph_retained", "is_checkpoint_hook",
+    "dump_memory_snapshot", "fake_tensor_mode", "flop_aliases", "foreach", "foreach_zero_", "graph_retained", "is_checkpoint_hook",
     "is_optimized_module",
     "is_traceable_wrapper_subclass", "log_softmax_backward_data", "make_wrapper_subclass", "op_entry", "op_schema",
     "ops_with_kernel", "outside_dynamo", "parameter_table", "parse_to", "pop_mode_temporarily",

@@ -8,7 +8,10 @@ from (the kept ones in fp32). Compiled (``fused: true``, or ``auto`` on a GPU pr
 tensor is one kernel reading and writing the fp32 parameter, reading its gradient (fp32) and reading and
 writing both moments in their format; otherwise (fp32 states, the CPU's ``auto``) the eager update runs
 chunk by chunk, and one chunk of it is run on fake tensors and counted (`update.adam_chunk_` between the
-format's decode and encode, what `optimizer.DynamicAdamW` runs), every chunk priced as a whole one.
+format's decode and encode, what `optimizer.DynamicAdamW` runs), every chunk priced as a whole one; kept
+fp32 shards of at most ``chunk_numel`` elements are stepped together on torch's multi-tensor ops, as the
+run steps them (`together`): one batch's ops per ``chunk_numel`` elements of them (a multi-tensor op counted
+as one launch), except under in-place ``masters: none``, whose kept shards write back one by one.
 Under grad_release's ``masters: none`` in place (bf16 weights, no master) the compiled kernel also rounds
 the result stochastically into the weight (`fused.chunk_step`): it reads and writes the bf16 weight
 instead of an fp32 parameter, still one kernel. What grad_release's other masters add (rebuilding a
@@ -27,6 +30,7 @@ from xirang_ds.compat.torch import fake_tensor_mode
 from xirang_ds.memory.device_profile import OpTally
 from xirang_ds.plugins.optimizer_states.formats import MOMENTS, make_format
 from xirang_ds.plugins.optimizer_states.fused import FUSED_FORMATS
+from xirang_ds.plugins.optimizer_states.together import adam_foreach_, batches
 from xirang_ds.plugins.optimizer_states.update import AdamHyper, adam_chunk_
 from xirang_ds.planning.step_time import tallied
 
@@ -54,6 +58,22 @@ def eager_chunk(name: str, numel: int, int8_block: int, int4_block: int) -> OpTa
             return tallied(chunk)
 
 
+@functools.lru_cache(maxsize=64)
+def together_batch(numel: int) -> OpTally:
+    """The ops of one batch of small fp32 tensors stepped together (`together.adam_foreach_`), ``numel``
+    elements in all, counted on fake tensors (as one tensor: a multi-tensor op counts one launch)."""
+    hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False,
+                      bias_correction=True)
+    with fake_tensor_mode():
+        p, g, m, v = (torch.zeros(numel) for _ in range(4))
+        return tallied(lambda: adam_foreach_([p], [g], [m], [v], [2], hyper))
+
+
+def _add(out: OpTally, ops: OpTally, times: int = 1) -> None:
+    for key, count in ops.ops.items():
+        out.ops[key] = out.ops.get(key, 0) + count * times
+
+
 def update_ops(plugin: Any, shape: Any, numels: list, profile: Any) -> Optional[OpTally]:
     """The update's ops as they run on ``profile``'s device (module docstring); ``None`` without the model."""
     layout = plugin.estimate_layout()
@@ -74,15 +94,19 @@ def update_ops(plugin: Any, shape: Any, numels: list, profile: Any) -> Optional[
     no_master = (stepper is not None and shape.dtype == torch.bfloat16
                  and getattr(getattr(stepper, "config", None), "masters", None) == "none")  # rounded in the kernel
     out = OpTally()
+    together = [n for f, n in tensors if f is fp32 and n <= c.chunk_numel] if not no_master else []
+    for run in batches([torch.empty(n, device="meta") for n in together], c.chunk_numel):
+        _add(out, together_batch(sum(t.numel() for t in run)))
     for f, n in tensors:
+        if f is fp32 and n <= c.chunk_numel and not no_master:
+            continue  # stepped together above
         if compiled and f.name in FUSED_FORMATS:  # one kernel: the parameter, its gradient, both moments
             key = (0, (4 if no_master else 8) * n + 4 * n + 2 * f.state_bytes(n), False)
             out.ops[key] = out.ops.get(key, 0) + 1
         else:
             chunk = min(c.chunk_numel, n)
-            for key, count in eager_chunk(f.name, chunk, c.int8_block_size, c.int4_block_size).ops.items():
-                out.ops[key] = out.ops.get(key, 0) + count * math.ceil(n / chunk)
+            _add(out, eager_chunk(f.name, chunk, c.int8_block_size, c.int4_block_size), math.ceil(n / chunk))
     return out
 
 
-__all__ = ["eager_chunk", "update_ops"]
+__all__ = ["eager_chunk", "together_batch", "update_ops"]

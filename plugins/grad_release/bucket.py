@@ -403,8 +403,7 @@ class Bucket(MasterSlices, ParkedStates):
         shard, full = self._gather_buffers
         if full is not None:
             with torch.no_grad():
-                for i, param in enumerate(self.params):
-                    self.layout.read(full, i, param.detach().view(-1))
+                self.layout.read_all(full, [param.detach().view(-1) for param in self.params])
         self.gather_work, self._gather_buffers = None, ()
 
     def discard(self) -> None:

@@ -18,6 +18,8 @@ from typing import Sequence
 
 import torch
 
+from xirang_ds.compat.torch import foreach
+
 AUTO_BUCKET_FRACTION = 16
 """``auto`` bucket size: the trainable elements divided by this, raised toward the size at which one
 collective runs at >= 90% of the link's bandwidth (`xirang_ds.links.efficient_numel`: a small model
@@ -172,6 +174,23 @@ class BucketLayout:
         tail = n - full * c
         if tail:
             flat_out[full * c:].copy_(rows[full, :tail])
+
+    def read_all(self, buffer: torch.Tensor, flats: Sequence[torch.Tensor]) -> None:
+        """`read` of every parameter (``flats[i]``: parameter ``i``'s ``numel`` elements, out) in one
+        multi-tensor copy: one op a bucket instead of one or two a parameter, the same values."""
+        dst, src = [], []
+        for index, flat_out in enumerate(flats):
+            rows, _ = self._region(buffer, index)
+            n, c = self.numels[index], self.chunks[index]
+            full = n // c if c else 0
+            if full:
+                dst.append(flat_out[: full * c].view(full, c))
+                src.append(rows[:full])
+            if n - full * c:
+                dst.append(flat_out[full * c:])
+                src.append(rows[full, :n - full * c])
+        if dst:
+            foreach.copy_(dst, src)
 
     def zero(self, buffer: torch.Tensor, index: int) -> None:
         """Zero parameter ``index``'s region of the buffer (a parameter that got no gradient)."""

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from xirang_ds.compat.torch import allow_any_grad_dtype
+from xirang_ds.compat.torch import allow_any_grad_dtype, foreach
 from xirang_ds.memory.categories import PARAMETERS
 from xirang_ds.plugins.grad_release.layout import Piece
 from xirang_ds.plugins.grad_release.optimizers import clone_optimizer, hyperparameters
@@ -112,8 +112,9 @@ class MasterSlices:
     def _weight_shard(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """This rank's slices of the bf16 parameters, laid out as the master (padding zero)."""
         weight = torch.zeros(self.layout.shard_numel, dtype=dtype or self.dtype, device=self.params[0].device)
-        for piece in self.pieces:
-            weight[piece.offset:piece.offset + piece.numel].copy_(self._param_slice(piece).reshape(-1))
+        if self.pieces:  # one multi-tensor copy, not one a piece
+            foreach.copy_([weight[p.offset:p.offset + p.numel] for p in self.pieces],
+                          [self._param_slice(p).reshape(-1) for p in self.pieces])
         return weight
 
     def _release(self, weight: torch.Tensor) -> None:
@@ -177,8 +178,9 @@ class MasterSlices:
 
     def _write_params(self, weight: torch.Tensor) -> None:
         """This rank's slices of the parameters from ``weight`` (laid out as the master)."""
-        for piece in self.pieces:
-            self._param_slice(piece).reshape(-1).copy_(weight[piece.offset:piece.offset + piece.numel])
+        if self.pieces:  # one multi-tensor copy, not one a piece
+            foreach.copy_([self._param_slice(p).reshape(-1) for p in self.pieces],
+                          [weight[p.offset:p.offset + p.numel] for p in self.pieces])
 
     def _weight_noise(self, piece: Piece):
         """``xirang_weight_noise`` of ``piece``'s view (in-place ``none``): ``() -> (seed, offset)``, the

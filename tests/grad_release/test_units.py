@@ -17,6 +17,7 @@ from xirang_ds.plugins.grad_release.optimizers import (
     sync_hyperparameters,
 )
 from xirang_ds.plugins.grad_release.policy import clip_divisor
+from xirang_ds.step_counts import count_ops
 
 
 # layout ---------------------------------------------------------------------------------------------
@@ -43,6 +44,9 @@ def test_layout_reduce_scatter_gives_each_rank_its_slice_of_every_parameter(worl
     for i, n in enumerate(numels):  # all-gather direction: read back every parameter whole
         layout.read(summed, i, out[:n])
         torch.testing.assert_close(out[:n], sum(g[i] for g in grads))
+    together = [torch.full((n,), float("nan")) for n in numels]  # every parameter in one multi-tensor copy
+    kernels = count_ops(lambda: layout.read_all(summed, together))[1].kernels
+    assert kernels == 1 and all(torch.equal(t, sum(g[i] for g in grads)) for i, t in enumerate(together))
 
 
 def test_layout_pieces_cover_each_parameter_once():

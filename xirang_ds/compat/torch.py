@@ -310,7 +310,7 @@ op_entry: Callable[[Any], Callable[..., Any]] = operator.attrgetter("_op")
 log_softmax_backward_data = torch.ops.aten._log_softmax_backward_data
 """``(grad_output, output, dim, input_dtype)``: the gradient of ``log_softmax`` from its output."""
 foreach_zero_ = torch._foreach_zero_
-FOREACH_OPS = ("add", "add_", "addcdiv_", "addcmul_", "div_", "lerp_", "mul_", "neg", "sqrt")
+FOREACH_OPS = ("add", "add_", "addcdiv_", "addcmul_", "copy_", "div_", "lerp_", "mul_", "neg", "sqrt")
 foreach = types.SimpleNamespace(**{name: getattr(torch, f"_foreach_{name}") for name in FOREACH_OPS})
 """torch's multi-tensor ops by name (``foreach.lerp_`` is ``torch._foreach_lerp_``): what ``torch.optim``'s
 ``foreach`` paths run, one op over a list of tensors."""

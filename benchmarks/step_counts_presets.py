@@ -28,7 +28,7 @@ from xirang_ds.launch import run_ranks
 
 PRESETS = ("conservative", "balanced", "aggressive")
 COUNTS = ("kernels_per_step", "host_syncs_per_step", "host_reads_per_step", "link_bytes_per_step",
-          "link_bytes_by_category", "optimizer_kernels_per_step")
+          "link_bytes_by_category", "optimizer_kernels_per_step", "kernels_by_source_per_step")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

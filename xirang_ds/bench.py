@@ -246,7 +246,8 @@ def step_counts(engine, data, tracker=None) -> dict:
     c = count_step(lambda: optimizer_step(engine, data), engine.device, tracker)
     return {"kernels_per_step": c.kernels, "host_syncs_per_step": c.host_syncs, "host_reads_per_step": c.host_reads,
             "link_bytes_per_step": c.link_bytes_total, "link_bytes_by_category": c.link_bytes,
-            "optimizer_kernels_per_step": c.optimizer_kernels, "device_kernels_per_step": c.device_kernels,
+            "optimizer_kernels_per_step": c.optimizer_kernels, "kernels_by_source_per_step": c.kernels_by_source,
+            "device_kernels_per_step": c.device_kernels,
             "device_syncs_per_step": c.device_syncs}
 
 

@@ -25,6 +25,10 @@ counts on any machine for the same program:
   CPU's; on a CPU the tracker's host tier tells (without a tracker there is one tier: 0).
 * ``optimizer_kernels``: ``kernels`` inside any ``torch.optim.Optimizer.step`` (grad_release's
   bucket steps in backward included), through torch's global step hooks.
+* ``kernels_by_source``: ``kernels`` by the code that launched them (`source_of`): a plugin's section name
+  (``optimizer_states``, ``grad_release``...), ``deepspeed``, ``xirang_ds`` (the package's core: the bench's
+  loop and data), or ``model`` (the model's forward and backward, recomputation included, the built-in
+  models', and any other code).
 
 Example:
     counts = count_step(lambda: optimizer_step(engine, data), engine.device, engine.xirang.tracker)
@@ -33,6 +37,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Optional
@@ -60,15 +65,47 @@ _FREE: dict[Any, bool] = {}
 
 
 def launches_nothing(func: Any) -> bool:
-    """Views (outputs alias an input without writing it) and ops on sizes alone compute nothing."""
+    """Views (outputs alias an input without writing it), ops on sizes alone and the profiler's annotations
+    (``record_function``'s enter and exit, around every optimizer step) compute nothing."""
     known = _FREE.get(func)
     if known is None:
         schema = op_schema(func)
         aliases = schema is not None and any(
             r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
-        known = bool(aliases or func in _SIZE_OPS)
+        known = bool(aliases or func in _SIZE_OPS or getattr(func, "namespace", "") == "profiler")
         _FREE[func] = known
     return known
+
+
+_BACKWARD = {("torch.autograd", "backward"), ("torch._tensor", "backward"), ("torch.autograd", "grad")}
+"""Where torch enters autograd's engine from Python: an op whose innermost caller outside torch is reached
+through one of these is the model's backward, not the code that called it."""
+
+
+_INSTRUMENTS = ("xirang_ds.memory.", "xirang_ds.step_counts", "xirang_ds.compat.")
+"""Modules whose frames pass an op on rather than launch it: the measuring dispatch modes and their helpers."""
+
+
+def source_of(frame: Any) -> str:
+    """Who launched an op whose innermost Python frame is ``frame`` (module docstring's ``kernels_by_source``):
+    the innermost frame outside torch (and outside the measuring modes) decides by its module, unless autograd's
+    engine was entered on the way."""
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name.startswith(_INSTRUMENTS):  # a dispatch mode passing the op on (the tracker's, this counter's)
+            frame = frame.f_back
+            continue
+        if name == "torch" or name.startswith("torch."):
+            if (name, frame.f_code.co_name) in _BACKWARD:
+                return "model"
+            frame = frame.f_back
+            continue
+        if name.startswith("xirang_ds.plugins."):
+            return name.split(".")[2]
+        if name == "deepspeed" or name.startswith("deepspeed."):
+            return "deepspeed"
+        return "xirang_ds" if name.startswith("xirang_ds.") and name != "xirang_ds.models" else "model"
+    return "model"
 
 
 class _Counter(TorchDispatchMode):
@@ -76,6 +113,7 @@ class _Counter(TorchDispatchMode):
         super().__init__()
         self.device_type = device_type
         self.tracker = tracker
+        self.by_source: dict[str, int] = {}
         self.kernels = self.host_syncs = self.host_reads = self.optimizer_kernels = 0
         self.host_counters: set[int] = set()  # data_ptrs of optimizers' host-side step counters
         self.link_bytes: dict[str, int] = {}
@@ -99,8 +137,7 @@ class _Counter(TorchDispatchMode):
         out = func(*args, **kwargs)
         if launches_nothing(func):
             return out
-        self.kernels += 1
-        self.optimizer_kernels += self.in_step > 0
+        self._count(sys._getframe(1))
         packet = getattr(func, "overloadpacket", None)
         if packet in _SYNC_PACKETS:
             if args and isinstance(args[0], torch.Tensor) and args[0].data_ptr() in self.host_counters:
@@ -111,10 +148,15 @@ class _Counter(TorchDispatchMode):
             self._copy(packet, args, kwargs, out)
         return out
 
-    def count_compiled_call(self) -> None:
-        """One call of a compiled graph, run outside the mode (`compiled_call`)."""
+    def _count(self, frame: Any) -> None:
         self.kernels += 1
         self.optimizer_kernels += self.in_step > 0
+        source = source_of(frame)
+        self.by_source[source] = self.by_source.get(source, 0) + 1
+
+    def count_compiled_call(self, frame: Any) -> None:
+        """One call of a compiled graph, run outside the mode (`compiled_call`), from ``frame``."""
+        self._count(frame)
 
     def _copy(self, packet: Any, args: tuple, kwargs: dict, out: Any) -> None:
         src, dst = (args[1], args[0]) if packet is _COPY_INTO else (args[0], out)
@@ -155,8 +197,9 @@ def compiled_call() -> Iterator[None]:
         for _ in readers:  # count_ops enters them innermost
             lifted.enter_context(pop_function_mode_temporarily())
         yield
+    caller = sys._getframe(2)  # past contextlib's frame: the code that made the call
     for mode in counters:
-        mode.count_compiled_call()
+        mode.count_compiled_call(caller)
 
 
 class _ListReads(torch.overrides.TorchFunctionMode):
@@ -184,6 +227,7 @@ class StepCounts:
     host_reads: Optional[int] = None
     link_bytes: dict[str, int] = field(default_factory=dict)
     optimizer_kernels: Optional[int] = None
+    kernels_by_source: dict[str, int] = field(default_factory=dict)
     device_kernels: Optional[int] = None
     device_memcpys: Optional[int] = None
     device_syncs: Optional[int] = None
@@ -272,7 +316,8 @@ def count_step(step: Callable[[], Any], device: torch.device | str = "cpu", trac
     try:
         _, mode = count_ops(step, device, tracker)
         counts = StepCounts(kernels=mode.kernels, host_syncs=mode.host_syncs, host_reads=mode.host_reads,
-                            link_bytes=dict(mode.link_bytes), optimizer_kernels=mode.optimizer_kernels)
+                            link_bytes=dict(mode.link_bytes), optimizer_kernels=mode.optimizer_kernels,
+                            kernels_by_source=dict(sorted(mode.by_source.items(), key=lambda kv: -kv[1])))
     except Exception:  # a compiled region refused under the mode: the device's counts alone
         counts = StepCounts(kernels=None)
     if torch.device(device).type == "cuda":
@@ -282,4 +327,5 @@ def count_step(step: Callable[[], Any], device: torch.device | str = "cpu", trac
     return counts
 
 
-__all__ = ["StepCounts", "compiled_call", "count_ops", "count_step", "launches_nothing", "only_counters_active"]
+__all__ = ["StepCounts", "compiled_call", "count_ops", "count_step", "launches_nothing", "only_counters_active",
+           "source_of"]

@@ -101,6 +101,31 @@ def test_reads_of_an_optimizers_host_side_step_counters_are_host_reads_not_syncs
     assert count_step(lambda: torch.ones(3).mul(2).tolist(), "cpu").host_syncs == 1  # no ATen op: a function mode sees it
 
 
+def test_each_kernel_is_counted_to_the_code_that_launched_it():
+    """An op this test runs is the model's; so is every op of autograd's backward; an op in a plugin is its
+    section's, even through torch's own functions (an optimizer's step), and a compiled call is counted where
+    it is made."""
+    from xirang_ds.plugins.optimizer_states import DynamicAdamW
+
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def model_step():
+        (w @ w).sum().backward()
+
+    counter = count_ops(model_step)[1]
+    assert counter.by_source == {"model": counter.kernels} and counter.kernels > 3  # forward and backward
+    params = [torch.nn.Parameter(torch.randn(64)) for _ in range(3)]
+    opt = DynamicAdamW(params, states={"schedule": [{"dtype": "int8"}], "min_numel": 0})
+    for p in params:
+        p.grad = torch.randn(64)
+    opt.step()
+    counter = count_ops(opt.step)[1]
+    assert counter.by_source == {"optimizer_states": counter.kernels} == {"optimizer_states": counter.optimizer_kernels}
+    counts = count_step(lambda: (model_step(), opt.step()), "cpu")
+    assert set(counts.kernels_by_source) == {"model", "optimizer_states"}
+    assert sum(counts.kernels_by_source.values()) == counts.kernels
+
+
 def test_the_bench_gives_each_side_its_counts():
     """Plain DeepSpeed copies nothing to the host, nor does grad_release's exact clipping by default (``auto``:
     ``hold`` while the optimizer states are on the device, a norm needs no host); its ``host`` method copies
@@ -114,6 +139,10 @@ def test_the_bench_gives_each_side_its_counts():
     block = {"grad_release": {"enabled": True, "exact_method": "host"}}
     ours = run_side("gpt-tiny", {**config, "xirang": block}, 2, 1, None, 0, True).counts
     assert plain["link_bytes_per_step"] == 0 and plain["kernels_per_step"] > plain["optimizer_kernels_per_step"] > 0
+    # plain DeepSpeed's step: the model's forward and backward, and DeepSpeed's own (its optimizer step included)
+    assert set(plain["kernels_by_source_per_step"]) <= {"model", "deepspeed", "xirang_ds"}
+    assert sum(plain["kernels_by_source_per_step"].values()) == plain["kernels_per_step"]
+    assert ours["kernels_by_source_per_step"]["grad_release"] > 0
     from xirang_ds.models import BUILTIN_SPECS, build_model
 
     numel = sum(p.numel() for p in build_model(BUILTIN_SPECS["gpt-tiny"]).parameters())

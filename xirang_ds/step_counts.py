@@ -37,7 +37,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import sys
+import inspect
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Optional
@@ -137,7 +137,7 @@ class _Counter(TorchDispatchMode):
         out = func(*args, **kwargs)
         if launches_nothing(func):
             return out
-        self._count(sys._getframe(1))
+        self._count(inspect.currentframe().f_back)
         packet = getattr(func, "overloadpacket", None)
         if packet in _SYNC_PACKETS:
             if args and isinstance(args[0], torch.Tensor) and args[0].data_ptr() in self.host_counters:
@@ -197,7 +197,7 @@ def compiled_call() -> Iterator[None]:
         for _ in readers:  # count_ops enters them innermost
             lifted.enter_context(pop_function_mode_temporarily())
         yield
-    caller = sys._getframe(2)  # past contextlib's frame: the code that made the call
+    caller = inspect.currentframe().f_back.f_back  # past contextlib's frame: the code that made the call
     for mode in counters:
         mode.count_compiled_call(caller)
 

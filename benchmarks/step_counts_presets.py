@@ -89,6 +89,7 @@ def main() -> None:
                             f"(configs/demo.json, block: preset only); counts of rank 0's step after {args.steps}")
     out.setdefault("runs", {})[args.label] = {
         "command": f"python benchmarks/step_counts_presets.py --label {args.label} --steps {args.steps}"
+                   + (f" --model {args.model}" if args.model != "gpt-small" else "")
                    + (" --as-gpu" if args.as_gpu else "") + (f" --out {args.out}" if args.out else ""),
         "program": "as on a GPU (--as-gpu)" if args.as_gpu else "this CPU's",
         "commit": commit.strip(), "counts": runs}

@@ -386,7 +386,9 @@ class FusedStep:
         if not (master.dtype == torch.float32 and out.dtype == torch.bfloat16 and (device, "round") not in self.chunked
                 and self.enabled(device) and only_counters_active()):
             return False
-        args = (master, out, noise_keys(seed, master.device), torch.tensor(offset, device=master.device))
+        # the offset made on the device (a fill), not copied from the host: a blocking copy would wait there
+        start = torch.full((), offset, dtype=torch.int64, device=master.device)
+        args = (master, out, noise_keys(seed, master.device), start)
         try:
             with compiled_call():
                 if low_bits not in _ROUND_KERNELS:

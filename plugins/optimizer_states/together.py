@@ -83,8 +83,8 @@ def update_together(opt: Any, params: list[torch.Tensor], hyper: AdamHyper) -> N
     steps = [opt._counted(p, s["step"]) for p, s in zip(params, states)]
     at = dict(zip(map(id, params), zip(states, steps)))
     for run in batches(params, opt.config.chunk_numel):
-        adam_foreach_([p.view(-1) for p in run], [p.grad.view(-1) for p in run],
-                      [at[id(p)][0]["exp_avg"].view(-1) for p in run], [at[id(p)][0]["exp_avg_sq"].view(-1) for p in run],
+        moments = [[at[id(p)][0][m].view(-1) for p in run] for m in ("exp_avg", "exp_avg_sq")]
+        adam_foreach_([p.view(-1) for p in run], [p.grad.view(-1) for p in run], *moments,
                       [at[id(p)][1] for p in run], hyper)
 
 

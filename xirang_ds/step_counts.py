@@ -8,8 +8,8 @@ counts on any machine for the same program:
   an eager step launches. A compiled region runs eagerly under the mode (Dynamo declines to trace
   under one), so it counts its ops, not its one graph call; except where the code runs it through
   `compiled_call` (optimizer_states' fused update): the counters, and a memory tracker beside them,
-  are lifted for the call and each counter counts it as one kernel. On CUDA the profiler's count of kernels really launched is
-  ``device_kernels`` beside it.
+  are lifted for the call and each counter counts it as one kernel. On CUDA the profiler's count of
+  kernels really launched is ``device_kernels`` beside it.
 * ``host_syncs``: ops whose result the host must read before it goes on (``aten._local_scalar_dense``
   behind ``.item()``, ``float(t)`` and ``bool(t)``; ``Tensor.tolist`` of a CPU tensor on a CPU run, which
   reads memory with no ATen op, seen by a function mode; ``is_nonzero``, ``equal``; ops whose output

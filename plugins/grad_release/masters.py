@@ -23,8 +23,8 @@ from xirang_ds.compat.torch import allow_any_grad_dtype, foreach
 from xirang_ds.memory.categories import PARAMETERS
 from xirang_ds.plugins.grad_release.layout import Piece
 from xirang_ds.plugins.grad_release.optimizers import clone_optimizer, hyperparameters
-from xirang_ds.plugins.grad_release.remainders import join, join8, round8_, split, split8, tie_bytes
-from xirang_ds.plugins.grad_release.stochastic import noise_seed, round_
+from xirang_ds.plugins.grad_release.remainders import join, join8, round_into, split, split8, tie_bytes
+from xirang_ds.plugins.grad_release.stochastic import noise_seed
 
 
 @dataclass(frozen=True)
@@ -147,11 +147,8 @@ class MasterSlices:
             return
 
         seed = noise_seed(self.index, self.steps_applied, self.comm.rank if self.sharded else 0)
-        eight = self.masters == "remainders_8bit"
-        fused = getattr(self.optimizer, "fused", None)  # optimizer_states' `FusedStep`: one compiled call
-        if fused is not None and fused.round_(self.master, out, seed, low_bits=8 if eight else 16):
-            return
-        (round8_ if eight else round_)(self.master, out, seed)
+        round_into(self.master, out, seed, low_bits=8 if self.masters == "remainders_8bit" else 16,
+                   compiled=compiled_rounding(self.optimizer))
 
     @contextlib.contextmanager
     def fp32_masters(self, write_params: bool = False):
@@ -199,10 +196,8 @@ class MasterSlices:
 
         def write_back(values: torch.Tensor, start: int) -> None:
             seed, offset = view.xirang_weight_noise()
-            out = flat[start:start + values.numel()]
-            fused = getattr(optimizer(), "fused", None)
-            if fused is None or not fused.round_(values, out, seed, offset + start):
-                round_(values, out, seed, offset + start)
+            round_into(values, flat[start:start + values.numel()], seed, offset + start,
+                       compiled=compiled_rounding(optimizer()))
 
         return write_back
 
@@ -233,4 +228,9 @@ class MasterSlices:
     # gradients in ----------------------------------------------------------------------------
 
 
-__all__ = ["MasterSlices", "SliceOf"]
+def compiled_rounding(optimizer: Any) -> Optional[Callable[..., bool]]:
+    """``optimizer``'s one-call stochastic rounding, where it has one (optimizer_states' `FusedStep.round_`)."""
+    return getattr(getattr(optimizer, "fused", None), "round_", None)
+
+
+__all__ = ["MasterSlices", "SliceOf", "compiled_rounding"]

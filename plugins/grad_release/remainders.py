@@ -33,10 +33,11 @@ rounds to itself, so a save and load round trip is exact.
 from __future__ import annotations
 
 import sys
+from typing import Callable, Optional
 
 import torch
 
-from xirang_ds.plugins.grad_release.stochastic import rounded_chunks
+from xirang_ds.plugins.grad_release.stochastic import round_, rounded_chunks
 
 _TIE = -32768  # 0x8000 as int16
 HALF = 1 << 15  # added to the bits before clearing the low half: rounds half away from zero
@@ -109,16 +110,28 @@ def join(weight: torch.Tensor, remainder: torch.Tensor, ties: torch.Tensor, mast
     halves[:, 0] = remainder
 
 
-def round8_(master: torch.Tensor, out: torch.Tensor, seed: int) -> None:
+def round8_(master: torch.Tensor, out: torch.Tensor, seed: int, offset: int = 0) -> None:
     """Round fp32 ``master`` (flat; overwritten) stochastically to 16 significant bits and write its bf16
     rounding half away from zero into ``out`` (bf16, flat, same numel): the pair `split8` keeps.
 
     The noise is counter-based under ``seed`` (`stochastic.noise_seed`, `stochastic.random_bits`), a chunk of
     `stochastic.CHUNK_NUMEL` elements at a time; infinities stay, a NaN becomes the canonical one
-    (whose low half is zero); the largest finite numbers can round to infinity, as to nearest."""
-    for start, part, noise in rounded_chunks(master, seed, low_bits=8):  # NOISE_BYTES an element of a chunk
+    (whose low half is zero); the largest finite numbers can round to infinity, as to nearest. ``offset``: the
+    index of ``master``'s element 0 in the shard its noise is drawn for."""
+    for start, part, noise in rounded_chunks(master, seed, 8, offset):  # NOISE_BYTES an element of a chunk
         half = noise.fill_(HALF).add_(part).bitwise_and_(HIGH_HALF)  # half away from zero
         out[start:start + part.numel()].copy_(half.view(torch.float32))  # exact: the low half is zero
+
+
+def round_into(master: torch.Tensor, out: torch.Tensor, seed: int, offset: int = 0, low_bits: int = 16,
+               compiled: Optional[Callable[..., bool]] = None) -> None:
+    """fp32 ``master`` (flat; consumed) rounded stochastically into bf16 ``out``: ``low_bits`` 16 as
+    `stochastic.round_` (``masters: none``), 8 as `round8_` (``remainders_8bit``), the noise of elements ``offset
+    ..`` under ``seed``. ``compiled``: an optimizer's one-call rounding with the same bits, tried first
+    (optimizer_states' `FusedStep.round_`, which says False where it does not run)."""
+    if compiled is not None and compiled(master, out, seed, offset, low_bits=low_bits):
+        return
+    (round8_ if low_bits == 8 else round_)(master, out, seed, offset)
 
 
 def split8(master: torch.Tensor, remainder: torch.Tensor) -> None:
@@ -140,4 +153,4 @@ def join8(weight: torch.Tensor, remainder: torch.Tensor, master: torch.Tensor) -
     parts[:, 0] = 0
 
 
-__all__ = ["join", "join8", "round8_", "split", "split8", "tie_bytes"]
+__all__ = ["join", "join8", "round8_", "round_into", "split", "split8", "tie_bytes"]

@@ -48,8 +48,8 @@ from xirang_ds.compat.megatron import DUMMY_STATE_INIT, wrap_range_state_seams
 from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import PARAMETERS
 from xirang_ds.memory.run_shape import partition_numel, sub_group_numels
-from xirang_ds.plugins.grad_release.remainders import join, join8, round8_, split, split8, tie_bytes
-from xirang_ds.plugins.grad_release.stochastic import noise_seed, round_
+from xirang_ds.plugins.grad_release.remainders import join, join8, round_into, split, split8, tie_bytes
+from xirang_ds.plugins.grad_release.stochastic import noise_seed
 from xirang_ds.plugins.optimizer_states.fused import FusedStep
 
 SECTION = "xirang.optimizer_states"
@@ -118,7 +118,7 @@ class Parking:
             self.parked[i] = (None, None, master.shape)
         elif self.eight:
             flat = master.detach().view(-1)
-            self._round_into_weight(i, flat, round8_)
+            self._round_into_weight(i, flat, 8)
             with torch.no_grad(), self.scope(PARAMETERS):
                 remainder = torch.empty(master.numel(), dtype=torch.int8, device=master.device)
                 split8(flat, remainder)
@@ -154,9 +154,9 @@ class Parking:
                 join(self._weight(i, remainder.device), remainder, ties, master)
         return master.view(shape)
 
-    def _round_into_weight(self, i: int, master: torch.Tensor, rounding: Optional[Callable[..., None]] = None) -> None:
+    def _round_into_weight(self, i: int, master: torch.Tensor, low_bits: int = 16) -> None:
         """``masters: none``: the fp32 ``master`` (flat, consumed) rounded stochastically into weight ``i``
-        (``rounding``: `remainders.round8_` for ``remainders_8bit``, the master kept to 16 bits).
+        (``low_bits`` 8: `remainders.round8_` for ``remainders_8bit``, the master kept to 16 bits).
         The noise is a function of the entry, its update count and the rank (`stochastic.noise_seed`),
         so a resumed run draws what the uninterrupted one would have; a master its weight already
         holds exactly (before the first update, after a load) rounds to that weight."""
@@ -165,16 +165,13 @@ class Parking:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         weight = self.weights[i].detach().view(-1)
         seed = noise_seed(i, self.updates(i), rank)
-        rounder = rounding or round_
         with torch.no_grad(), self.scope(PARAMETERS):
             if weight.device == master.device:
-                low_bits = 16 if rounding is None else 8 if rounding is round8_ else None
-                if low_bits and self.fused is not None and self.fused.round_(master, weight, seed, low_bits=low_bits):
-                    return
-                rounder(master, weight, seed)
+                round_into(master, weight, seed, low_bits=low_bits,
+                           compiled=self.fused.round_ if self.fused is not None else None)
             else:  # parameters offloaded: rounded on the master's device, then copied
                 rounded = torch.empty(master.numel(), dtype=torch.bfloat16, device=master.device)
-                rounder(master, rounded, seed)
+                round_into(master, rounded, seed, low_bits=low_bits)
                 weight.copy_(rounded)
 
     def updates(self, i: int) -> int:

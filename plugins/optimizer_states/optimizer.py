@@ -238,19 +238,14 @@ class DynamicAdamW(torch.optim.Optimizer):
         """Add one to ``state["step"]`` and return it as a Python int, read from the tensor only when it is
         not the one this optimizer last counted (after a load, `first_step`, a checkpoint's clone): no host
         read per tensor and step (the counter lives on the host, but a read is a sync where it does not)."""
+        step = self._next_step(p)
         counter = state["step"]
         counter += 1
-        return self._counted(p, counter)
-
-    def _counted(self, p: torch.Tensor, counter: torch.Tensor) -> int:
-        """``p``'s step after ``counter`` (its ``state["step"]``) was incremented, as a Python int."""
-        last = self._step_numbers.get(p)
-        step = last[1] + 1 if last is not None and last[0] is counter else int(counter.item())
         self._step_numbers[p] = (counter, step)
         return step
 
     def _next_step(self, p: torch.Tensor) -> int:
-        """The step ``p``'s next update will count (no counter changed)."""
+        """The step ``p``'s next update counts, as a Python int (no counter changed)."""
         counter = self.state[p]["step"]
         last = self._step_numbers.get(p)
         return last[1] + 1 if last is not None and last[0] is counter else int(counter.item()) + 1

@@ -79,8 +79,9 @@ def update_together(opt: Any, params: list[torch.Tensor], hyper: AdamHyper) -> N
     """Step ``params`` (each `steps_together`) of one group: their step counters in one op, their update
     in batches of at most ``chunk_numel`` elements."""
     states = [opt.state[p] for p in params]
+    steps = [opt._next_step(p) for p in params]
     foreach.add_([s["step"] for s in states], 1.0)
-    steps = [opt._counted(p, s["step"]) for p, s in zip(params, states)]
+    opt._step_numbers.update((p, (s["step"], step)) for p, s, step in zip(params, states, steps))
     at = dict(zip(map(id, params), zip(states, steps)))
     for run in batches(params, opt.config.chunk_numel):
         moments = [[at[id(p)][0][m].view(-1) for p in run] for m in ("exp_avg", "exp_avg_sq")]

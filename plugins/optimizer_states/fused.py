@@ -43,7 +43,9 @@ On the CPU Inductor emits one ``cpp_fused_*`` call per bf16 or int8 chunk and th
   the CPU) keeps the hash in its one call: its draws made apart would take 8 bytes an element of it.
   ZeRO-3's ``masters: none``, whose update is DeepSpeed's, rounds in a pass of its own after it:
   `FusedStep.round_`, one dynamic-length call per sub-group (a single loop, on the CPU too).
-* fp32 states always take the eager path: it equals ``torch.optim.AdamW`` bit for bit.
+* fp32 states take the eager path (it equals ``torch.optim.AdamW`` bit for bit), except under a 16-bit weight
+  rounded stochastically (grad_release's ``masters: none`` in place: norms and biases kept in fp32), which equals
+  it neither way: one call per tensor there too, instead of about fifteen ops (`fuses`).
 * The eager path also runs a tensor whose step measures for the stability policy or changes format;
   a parameter neither fp32 nor bf16, or one whose ``xirang_write_back`` has no ``xirang_weight_noise``;
   and any step taken under a ``TorchDispatchMode`` (the memory tracker), where Dynamo does not trace;
@@ -71,7 +73,14 @@ from xirang_ds.plugins.optimizer_states.update import AdamHyper
 from xirang_ds.step_counts import compiled_call, only_counters_active
 
 FUSED_FORMATS = frozenset({"bf16", "int8", "int4"})
-"""State formats the fused kernel updates (fp32 stays on the bit-exact eager path)."""
+"""State formats the fused kernel updates (fp32 stays on the bit-exact eager path, `fuses`)."""
+
+
+def fuses(name: str, rounded_weight: bool = False) -> bool:
+    """The fused kernel updates states in format ``name``: the low-bit ones, and fp32 where the weight is a
+    16-bit one rounded stochastically (``rounded_weight``: grad_release's ``masters: none`` in place), whose
+    result no longer equals ``torch.optim.AdamW``'s bit for bit whichever path runs it."""
+    return name in FUSED_FORMATS or (name == "fp32" and rounded_weight)
 
 Weight = tuple[torch.Tensor, Union[int, torch.Tensor]]
 """A 16-bit weight's stochastic rounding in the kernel: `stochastic.noise_keys` and the index of the
@@ -122,8 +131,9 @@ def chunk_step(fmt: StateFormat, p: torch.Tensor, g: torch.Tensor, m_buf: Buffer
     p32.sub_(step_size * (m / denom))
     if p32 is not p:
         p.copy_(p32 if weight is None else stochastic_round(p32, *weight).view(torch.float32))
-    fmt.encode("exp_avg", m, m_buf, 0, draws)
-    fmt.encode("exp_avg_sq", v, v_buf, 0, draws)
+    if fmt.name != "fp32":  # fp32's decode is a view of its buffer, updated in place above
+        fmt.encode("exp_avg", m, m_buf, 0, draws)
+        fmt.encode("exp_avg_sq", v, v_buf, 0, draws)
 
 
 def whole_step(fmt: StateFormat, p: torch.Tensor, g: torch.Tensor, m_buf: Buffers, v_buf: Buffers,
@@ -152,6 +162,11 @@ def whole_tensor(device_type: str) -> bool:
     """A tensor's update is one compiled call of dynamic length on this device type (module docstring:
     not on the CPU, where chunks of a static length are faster and hold chunk-sized temporaries)."""
     return device_type != "cpu"
+
+
+def _identity(value: Any) -> Any:
+    """A cache key's part: a tensor by identity (its values may change between steps), anything else by value."""
+    return ("tensor", id(value)) if isinstance(value, torch.Tensor) else value
 
 
 def _variant(function: Callable[..., None], tag: str) -> Callable[..., None]:
@@ -228,6 +243,7 @@ class FusedStep:
         self.chunked: dict[tuple[str, str], str] = {}
         self._compiled: set[tuple[str, ...]] = set()
         self._scalars: tuple[Any, Optional[torch.Tensor]] = (None, None)
+        self._step_inputs: dict[tuple[Any, ...], tuple[tuple[Any, ...], torch.Tensor]] = {}
 
     def applies(self, fmt: StateFormat, p: torch.Tensor, g: torch.Tensor, param: Optional[torch.Tensor] = None) -> bool:
         """The kernel updates this tensor now (format, dtypes, device, no dispatch mode but the step
@@ -235,12 +251,12 @@ class FusedStep:
         fp32 one, or a bf16 one stored to nearest or, where ``param`` carries ``xirang_weight_noise``
         (grad_release's ``masters: none``), rounded stochastically in the kernel."""
         param = p if param is None else param
+        rounded = p.dtype == torch.bfloat16 and hasattr(param, "xirang_weight_noise")
         if p.dtype == torch.float32:
             weight_ok = getattr(param, "xirang_write_back", None) is None and not getattr(param, "xirang_grad_scale", ())
         else:
-            weight_ok = p.dtype == torch.bfloat16 and (getattr(param, "xirang_write_back", None) is None
-                                                        or hasattr(param, "xirang_weight_noise"))
-        return (fmt.name in FUSED_FORMATS and weight_ok and g.dtype.is_floating_point
+            weight_ok = p.dtype == torch.bfloat16 and (getattr(param, "xirang_write_back", None) is None or rounded)
+        return (fuses(fmt.name, rounded) and weight_ok and g.dtype.is_floating_point
                 and self.enabled(p.device.type) and only_counters_active())
 
     def enabled(self, device_type: str) -> bool:
@@ -295,8 +311,20 @@ class FusedStep:
             self.chunks += 1
         return n // chunk * chunk
 
-    @staticmethod
-    def _extras(flat_p: torch.Tensor, n: int, chunk: int, draws: Optional[Draws], param: Optional[torch.Tensor]
+    def new_step(self) -> None:
+        """An optimizer step begins: the gradients' multipliers and the noise keys made for the last one go."""
+        self._step_inputs = {}
+
+    def _step_input(self, key: tuple[Any, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``make()``, made once per step for equal keys (a tensor in a key is the same object, which the cache
+        holds): grad_release gives every view of a bucket the same multipliers and noise seed, so each tensor
+        would otherwise stack the one and copy the other to the device again."""
+        found = self._step_inputs.get(tuple(map(_identity, key)))
+        if found is None:
+            found = self._step_inputs[tuple(map(_identity, key))] = (key, make())
+        return found[1]
+
+    def _extras(self, flat_p: torch.Tensor, n: int, chunk: int, draws: Optional[Draws], param: Optional[torch.Tensor]
                 ) -> tuple[tuple[str, ...], Callable[[int], tuple[Any, ...]]]:
         """The kernel's tags and, for the ``k``-th call, its noise and gradient scales: each call's first
         element index a 0-d view of one ``arange`` per tensor (no host copy and no new graph per chunk)."""
@@ -312,10 +340,15 @@ class FusedStep:
             if noise is not None:
                 tags += ("rounded",)
                 seed, offset = noise()
-                weight = (noise_keys(seed, device), torch.arange(offset, offset + n, chunk, device=device))
-            factors = [torch.as_tensor(f, dtype=torch.float32, device=device).reshape(())
-                       for f in getattr(param, "xirang_grad_scale", ())]
-            scales = torch.stack(factors + [torch.ones((), device=device)] * (2 - len(factors)))
+                keys = self._step_input(("keys", seed, device), lambda: noise_keys(seed, device))
+                weight = (keys, torch.arange(offset, offset + n, chunk, device=device))
+            factors = tuple(getattr(param, "xirang_grad_scale", ()))
+
+            def stack() -> torch.Tensor:
+                made = [torch.as_tensor(f, dtype=torch.float32, device=device).reshape(()) for f in factors]
+                return torch.stack(made + [torch.ones((), device=device)] * (2 - len(made)))
+
+            scales = self._step_input(("scales", device, *factors), stack)
 
         def extra(k: int) -> tuple[Any, ...]:
             return (None if starts is None else Draws(state_keys, starts[k]),

@@ -190,6 +190,7 @@ class DynamicAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.fused.new_step()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             hyper = AdamHyper(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],

@@ -11,10 +11,10 @@ chunk by chunk, and one chunk of it is run on fake tensors and counted (`update.
 format's decode and encode, what `optimizer.DynamicAdamW` runs), every chunk priced as a whole one; kept
 fp32 shards of at most ``chunk_numel`` elements are stepped together on torch's multi-tensor ops, as the
 run steps them (`together`): one batch's ops per ``chunk_numel`` elements of them (a multi-tensor op counted
-as one launch), except under in-place ``masters: none``, whose kept shards write back one by one.
+as one launch), except under in-place ``masters: none``, whose kept shards are updated one by one.
 Under grad_release's ``masters: none`` in place (bf16 weights, no master) the compiled kernel also rounds
 the result stochastically into the weight (`fused.chunk_step`): it reads and writes the bf16 weight
-instead of an fp32 parameter, still one kernel. What grad_release's other masters add (rebuilding a
+instead of an fp32 parameter, still one kernel, for the kept fp32 shards too (`fused.fuses`). What grad_release's other masters add (rebuilding a
 master from remainders, rounding into the weights after the update) is not counted.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from xirang_ds.compat.torch import fake_tensor_mode
 from xirang_ds.memory.device_profile import OpTally
 from xirang_ds.plugins.optimizer_states.formats import MOMENTS, make_format
-from xirang_ds.plugins.optimizer_states.fused import FUSED_FORMATS
+from xirang_ds.plugins.optimizer_states.fused import fuses
 from xirang_ds.plugins.optimizer_states.together import adam_foreach_, batches
 from xirang_ds.plugins.optimizer_states.update import AdamHyper, adam_chunk_
 from xirang_ds.planning.step_time import tallied
@@ -100,7 +100,7 @@ def update_ops(plugin: Any, shape: Any, numels: list, profile: Any) -> Optional[
     for f, n in tensors:
         if f is fp32 and n <= c.chunk_numel and not no_master:
             continue  # stepped together above
-        if compiled and f.name in FUSED_FORMATS:  # one kernel: the parameter, its gradient, both moments
+        if compiled and fuses(f.name, no_master):  # one kernel: the parameter, its gradient, both moments
             key = (0, (4 if no_master else 8) * n + 4 * n + 2 * f.state_bytes(n), False)
             out.ops[key] = out.ops.get(key, 0) + 1
         else:

@@ -100,11 +100,11 @@ def _optimizer_kernels(dtype, scale):
     return count_ops(opt.step)[1].optimizer_kernels
 
 
-def _train_no_master(fused, steps=4, shapes=WHOLE_SHAPES, scale=1, master=False, device="cpu"):
+def _train_no_master(fused, steps=4, shapes=WHOLE_SHAPES, scale=1, master=False, device="cpu", dtype="int8"):
     """bf16 weights updated as grad_release's ``masters: none`` in place has them (`masters.MasterSlices`):
     each chunk's fp32 result rounded stochastically into the weight (``xirang_write_back`` eagerly, in the
     kernel where fused, both with ``xirang_weight_noise``'s seed), gradients scaled by ``xirang_grad_scale``,
-    the int8 states encoded with stochastic rounding; ``master``: an fp32 master instead (the reference)."""
+    the states (``dtype``) encoded with stochastic rounding; ``master``: an fp32 master instead (the reference)."""
     from xirang_ds.plugins.grad_release.masters import MasterSlices
     from xirang_ds.plugins.grad_release.stochastic import noise_seed
 
@@ -118,7 +118,7 @@ def _train_no_master(fused, steps=4, shapes=WHOLE_SHAPES, scale=1, master=False,
             p.xirang_write_back = MasterSlices._stochastic_write_back(p)
         p.xirang_grad_scale = (torch.tensor(0.5, device=device), 0.25) if not master else ()
     opt = DynamicAdamW(params, lr=1e-3, weight_decay=0.1, states={
-        "schedule": [{"dtype": "int8"}], "min_numel": 0, "chunk_numel": CHUNK, "fused": fused,
+        "schedule": [{"dtype": dtype}], "min_numel": 0, "chunk_numel": CHUNK, "fused": fused,
         "stochastic_rounding": True})
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
@@ -130,15 +130,18 @@ def _train_no_master(fused, steps=4, shapes=WHOLE_SHAPES, scale=1, master=False,
     return params, opt
 
 
-def test_a_no_master_bf16_update_with_stochastic_states_is_one_compiled_call_per_tensor(monkeypatch):
+@pytest.mark.parametrize("dtype", ["int8", "fp32"])
+def test_a_no_master_bf16_update_with_stochastic_states_is_one_compiled_call_per_tensor(dtype, monkeypatch):
     """``masters: none`` with stochastic rounding of the states and of the weight (issue 58): off the CPU
     one call per tensor covers decode, Adam, encode and the rounding into the bf16 weight, the same kernel
     count at 13 times the elements; the same noise as the eager path, so the weights are the eager
-    path's but where Adam's own arithmetic differs (`test_fused_trains_like_the_eager_path...`)."""
+    path's but where Adam's own arithmetic differs (`test_fused_trains_like_the_eager_path...`). fp32
+    states too (the norms and biases kept in fp32 under ``masters: none``), which no path keeps equal to
+    ``torch.optim.AdamW`` under a rounded weight."""
     monkeypatch.setattr(fused_module, "whole_tensor", lambda device_type: True)
-    eager, _ = _train_no_master(False)
-    fused, opt = _train_no_master(True)
-    reference, _ = _train_no_master(False, master=True)
+    eager, _ = _train_no_master(False, dtype=dtype)
+    fused, opt = _train_no_master(True, dtype=dtype)
+    reference, _ = _train_no_master(False, master=True, dtype=dtype)
     assert (opt.fused.chunks, opt.fused.wholes) == (4 * 3, 4 * 3) and all(p.dtype == torch.bfloat16 for p in fused)
     same = sum(int((a.view(torch.int16) == b.view(torch.int16)).sum()) for a, b in zip(fused, eager))
     assert same >= 0.99 * sum(p.numel() for p in eager)
@@ -147,12 +150,14 @@ def test_a_no_master_bf16_update_with_stochastic_states_is_one_compiled_call_per
     def kernels(scale):
         from xirang_ds.step_counts import count_ops
 
-        params, opt = _train_no_master(True, steps=1, scale=scale)
+        params, opt = _train_no_master(True, steps=1, scale=scale, dtype=dtype)
         for p in params:
             p.grad = torch.full_like(p, 1e-3)
         return count_ops(opt.step)[1].optimizer_kernels
 
     assert kernels(1) == kernels(13)
+    if dtype == "fp32":  # the eager update took about fifteen ops a tensor
+        assert opt.state[fused[0]]["exp_avg"].dtype == torch.float32 and kernels(1) <= 6 * len(WHOLE_SHAPES)
 
 
 def test_stochastic_rounding_steps_run_the_static_chunks_with_the_eager_paths_draws():

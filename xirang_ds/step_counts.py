@@ -4,7 +4,8 @@ A CPU hides what dominates a GPU step beside its arithmetic: a kernel launch, a 
 copy cost next to nothing there. So the bench and the GPU check count them for one step, the same
 counts on any machine for the same program:
 
-* ``kernels``: ATen ops that compute (views and size queries left out), seen by a dispatch mode: what
+* ``kernels``: ATen ops that compute (views, size queries and allocations that write nothing, ``empty``,
+  left out), seen by a dispatch mode: what
   an eager step launches. A compiled region runs eagerly under the mode (Dynamo declines to trace
   under one), so it counts its ops, not its one graph call; except where the code runs it through
   `compiled_call` (optimizer_states' fused update): the counters, and a memory tracker beside them,
@@ -64,15 +65,22 @@ _COPY_INTO, _COPY_NEW = copy_ops()
 _FREE: dict[Any, bool] = {}
 
 
+_ALLOCATE_ONLY = frozenset(getattr(_aten, name) for name in
+                           ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_"))
+"""Ops that allocate and write nothing: the caching allocator hands out memory, no kernel runs."""
+
+
 def launches_nothing(func: Any) -> bool:
-    """Views (outputs alias an input without writing it), ops on sizes alone and the profiler's annotations
-    (``record_function``'s enter and exit, around every optimizer step) compute nothing."""
+    """Views (outputs alias an input without writing it), ops on sizes alone, allocations that write nothing
+    (``empty``), metadata (``prim``: a tensor's device) and the profiler's annotations (``record_function``'s
+    enter and exit, around every optimizer step) compute nothing."""
     known = _FREE.get(func)
     if known is None:
         schema = op_schema(func)
         aliases = schema is not None and any(
             r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
-        known = bool(aliases or func in _SIZE_OPS or getattr(func, "namespace", "") == "profiler")
+        known = bool(aliases or func in _SIZE_OPS or getattr(func, "overloadpacket", None) in _ALLOCATE_ONLY
+                     or getattr(func, "namespace", "") in ("profiler", "prim"))
         _FREE[func] = known
     return known
 

@@ -206,11 +206,6 @@ def op_seconds(profile: DeviceProfile, func: Any, args: tuple, kwargs: dict, out
     return profile.op_seconds(flops, moved, low)
 
 
-_ALLOCATE_ONLY = frozenset(getattr(torch.ops.aten, name) for name in
-                           ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_"))
-"""Ops that allocate and write nothing: no kernel, no bytes moved."""
-
-
 class OpTally:
     """The ops of a stretch of work (a fake forward and backward), counted to be priced by any profile: each
     op that launches a kernel (views and size queries launch none) kept as its `op_counts`, equal ones
@@ -222,8 +217,7 @@ class OpTally:
     def add(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         from xirang_ds.step_counts import launches_nothing
 
-        packet = getattr(func, "overloadpacket", func)
-        if launches_nothing(func) or packet in _ALLOCATE_ONLY or getattr(func, "namespace", "") == "prim":
+        if launches_nothing(func):
             return  # views, sizes, allocations without a write, metadata (prim: a tensor's device)
         key = op_counts(func, args, kwargs or {}, out)
         self.ops[key] = self.ops.get(key, 0) + 1

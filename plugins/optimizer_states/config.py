@@ -71,8 +71,9 @@ class OptimizerStatesConfig(Section):
     ``torch.compile``'d kernel (Triton on GPUs, C++ on the CPU), within a code step of the eager
     update: ``"auto"`` compiles on GPUs and stays eager on the CPU (where each format's kernel takes
     seconds to build) or where compile is unavailable; ``true`` compiles on every device and is an
-    error where it cannot; ``false`` is always eager. fp32 states are always eager (bit-identical to
-    ``torch.optim.AdamW``)."""
+    error where it cannot; ``false`` is always eager. fp32 states are eager (bit-identical to
+    ``torch.optim.AdamW``), but under grad_release's in-place ``masters: none``, whose bf16 weights are
+    rounded stochastically whichever path runs: compiled there too."""
     min_numel: NonNegativeInt = 4096
     """Parameters with fewer elements keep fp32 states."""
     keep_fp32: tuple[Glob, ...] = ()

@@ -113,6 +113,16 @@ class TimesStep(Protocol):
 
 
 @runtime_checkable
+class CopiesBeside(Protocol):
+    """Some of what it adds runs beside the compute stream (host copies on a side stream, the copy engine's work):
+    the predicted step is the larger of the compute stream's parts and these (`xirang_ds.planning.step_time`)."""
+
+    def beside_seconds(self, shape: Any, numels: list, profile: Any) -> float:
+        """Seconds of one optimizer step's work beside the compute stream on ``profile``, apart from what
+        `TimesStep.step_seconds` adds to the compute stream."""
+
+
+@runtime_checkable
 class TimesUpdate(Protocol):
     """It runs the optimizer's update in place of torch's AdamW (low-bit states): the predicted step prices the
     update by it (`xirang_ds.planning.step_time`), DeepSpeed's work around the update (the gradient's upcast,

@@ -411,6 +411,7 @@ class Bucket(MasterSlices, ParkedStates):
         wait(self.work)
         wait(self.gather_work)
         self.acc = None
+        self.drop_prefetch()
         self._reset_step_buffers()
 
     def abort_backward(self) -> None:
@@ -418,6 +419,7 @@ class Bucket(MasterSlices, ParkedStates):
         wait(self.work)
         self.finish_gather()
         acc = self.acc
+        self.drop_prefetch()
         self._reset_step_buffers()
         self.acc = acc
 

@@ -7,9 +7,9 @@ them: ``make reference``) and its cross-field rules in ``check()``; the plugin r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Union
 
-from xirang_ds.config.section import Section
+from xirang_ds.config.section import Issues, Section
 from xirang_ds.config.types import AutoInt
 
 @dataclass(frozen=True)
@@ -71,6 +71,20 @@ class GradReleaseConfig(Section):
     activation planner finds no plan within it with them there and one with them on the host (then
     moved there, once); the session summary says which and why. ``host`` is not for Megatron-core
     (``auto`` stays on the device there)."""
+    prefetch_states: Union[bool, Literal["auto"]] = "auto"
+    """With the optimizer states in host memory (``states``): copy them on a side stream, the next bucket's
+    to the device while a bucket updates and each bucket's back after its update, so the host link works
+    beside the compute stream instead of stalling it. The device then holds two buckets' states while one
+    updates, not one (the estimate counts them). ``auto``: where the device has streams (GPUs); ``true``:
+    on the CPU too, where there is no side stream and the copies are only made early (nothing overlaps;
+    for tests); ``false``: each bucket's copied on the current stream just before and after its update."""
+
+    def check(self) -> Issues:
+        if self.prefetch_states is True and self.states == "device":
+            return [("prefetch_states", "copies the optimizer states from host memory ahead of the updates, but "
+                                        "states is \"device\": nothing is in host memory. Set states to \"auto\" or "
+                                        "\"host\", or prefetch_states to \"auto\"")]
+        return []
 
 
 __all__ = ["GradReleaseConfig"]

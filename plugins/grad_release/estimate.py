@@ -33,7 +33,8 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
     Adam states over this rank's shard (masters as remainders: 2 bytes and a tie bit per element, or 1,
     rebuilt for a bucket's update; ``none``: no master, the weights widened for the update and
     rounded back a chunk at a time; ``states: host``: only the updating bucket's states, at the end of
-    backward), one bucket filling and one reducing, this rank's shard
+    backward, and with ``prefetch_states`` the next bucket's beside them, and in a pass that updates in
+    backward the largest bucket's through it), one bucket filling and one reducing, this rank's shard
     held until backward ends when exact clipping uses ``hold``, and the update's temporaries in
     backward, one bucket shard at a time. There is no separate optimizer-step phase."""
     if not numels:
@@ -110,7 +111,12 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
         chunk = min(shard, quantizer.config.chunk_numel)
         update, rounding = 16 * chunk + NOISE_BYTES * min(chunk, CHUNK_NUMEL), 0
     order = list(reversed(numels))  # the largest bucket's states, of the buckets `plan_buckets` makes
-    fetched = max(math.ceil(states * sum(math.ceil(order[i] / world) for i in b) / part) for b in planned)
+    sizes = [math.ceil(states * sum(math.ceil(order[i] / world) for i in b) / part) for b in planned]
+    fetched = max(sizes)
+    # fetched ahead (``prefetch_states``): the next bucket's states arrive while one updates, and in a pass that
+    # updates in backward the next bucket's wait on the device from the update before it
+    ahead = plugin.prefetches(shape.device) and len(sizes) > 1
+    fetched = max(a + b for a, b in zip(sizes, sizes[1:])) if ahead else fetched
     # gradients the traced run makes in this backward, above those it carries from earlier micro-steps
     # (DeepSpeed keeps them from forward on under accumulation): a bucket fills only from the former
     carried = phases.get("forward", {}).get(GRADIENTS, 0)
@@ -133,7 +139,8 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
         for name, cats in phases.items():
             cats = dict(cats)
             cats[PARAMETERS] = lp * total + masters
-            cats[OPTIMIZER_STATES] = 0 if parked else states
+            cats[OPTIMIZER_STATES] = (max(sizes) if ahead and not holds_shard and name == "backward" else 0) \
+                if parked else states
             cats[GRADIENTS] = accum
             cats["comm_buffers"] = 0
             if name == "backward":
@@ -208,7 +215,8 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
     # run_plan settles the tier from it; the predicted step prices the host copies from it (`StatesTier.step_seconds`)
     on_host, stashes = why is not None or parked, bool(holds_shard and stash)
     plugin.estimate_plan = {"states": "host" if on_host else "device", "why": why,
-                            "state_bytes": states, "stashes_shard": stashes, "stash_bytes": comm_bytes}
+                            "state_bytes": states, "stashes_shard": stashes, "stash_bytes": comm_bytes,
+                            "first_bucket_state_bytes": sizes[0] if ahead else None}
     pinned = pins(shape.device != "cpu", getattr(plugin.session, "device_profile", None))
     tensors = _state_tensors(plugin.session.state_quantizer, len(numels))
     buckets = [(sum(math.ceil(order[i] / world) for i in b),

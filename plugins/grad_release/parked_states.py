@@ -7,16 +7,27 @@ device copy in its place just before the bucket's step and `park_states` copies 
 drops the device copy right after it. The optimizer steps the same values either way, so training
 is bit-identical to ``states: device``.
 
-Both copies are queued on the current stream without a host sync, as `bucket.Bucket.stash` does: the
+Just in time, both copies are queued on the current stream without a host sync, as `bucket.Bucket.stash` does: the
 device copy is freed once dropped, which the caching allocator orders after the copy on that stream,
 and the next fetch reads the host buffer after the copy that filled it. Host code that reads the
 buffers (a checkpoint) first waits for the device (`settle_states`). A host buffer is made once per
 state tensor and reused every step, in the tracker's host tier (`host_scope`).
 `bucket.Bucket` holds the state these methods read (``optimizer``, ``views``, ``params``, ``scope``).
+
+Ahead of the update (``prefetch_states``, `CopyStream`): where the device has streams, both copies go on
+a side stream instead, so they run on the copy engine beside the compute stream's work. The pipeline starts
+the next bucket's fetch (`prefetch_states`) as a bucket's update begins; the update waits only for its own
+states' copy (an event), and the park waits for the update that wrote them. A pass's first bucket is fetched
+just in time, after the side stream's parks into its host buffers. The allocator is told which
+stream uses each device copy (``record_stream``), so its memory is not handed out again before the copies
+and the update that read it have run. The device then holds two buckets' states while one updates (the
+estimate counts them). On the CPU a side stream does not exist: ``prefetch_states: true`` makes the fetch
+early and synchronous there, which tests the order and the memory, not the overlap.
 """
 from __future__ import annotations
 
-from typing import Iterator
+import contextlib
+from typing import Any, ContextManager, Iterator, Optional
 
 import torch
 
@@ -24,11 +35,56 @@ from xirang_ds.memory.categories import OPTIMIZER_STATES
 from xirang_ds.memory.host_ledger import ledger
 
 
+class CopyStream:
+    """Where grad_release's host copies of the states run ahead of the updates (module docstring): a side stream
+    of the accelerator, or none (``stream`` None: the CPU, where they are made early and synchronously).
+
+    Args:
+        device: the buckets' device.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        from deepspeed.accelerator import get_accelerator
+
+        self.accelerator = get_accelerator()
+        self.stream: Any = (self.accelerator.Stream() if device.type != "cpu"
+                            and not self.accelerator.is_synchronized_device() else None)
+
+    def side(self) -> ContextManager:
+        """Ops queued inside go on the side stream, after what the current stream has queued so far."""
+        if self.stream is None:
+            return contextlib.nullcontext()
+        self.stream.wait_stream(self.accelerator.current_stream())
+        return self.accelerator.stream(self.stream)
+
+    def mark(self) -> Any:
+        """An event after the side stream's work so far (None without a side stream)."""
+        return None if self.stream is None else self.stream.record_event()
+
+    def wait(self, event: Any) -> None:
+        """The current stream waits for ``event`` (`mark`) before its next op."""
+        if event is not None:
+            self.accelerator.current_stream().wait_event(event)
+
+    def used_here(self, tensor: torch.Tensor) -> None:
+        """``tensor`` (made on the side stream) is used on the current stream too: its memory waits for both."""
+        if self.stream is not None:
+            tensor.record_stream(self.accelerator.current_stream())
+
+    def used_aside(self, tensor: torch.Tensor) -> None:
+        """``tensor`` (made on the current stream) is read on the side stream too: its memory waits for both."""
+        if self.stream is not None:
+            tensor.record_stream(self.stream)
+
+
 class ParkedStates:
     """The host half of `bucket.Bucket`'s optimizer states (a mixin: the bucket holds the state)."""
 
     states_on = "device"
+    copies: Optional[CopyStream] = None
+    """Where the copies run ahead of the updates (``prefetch_states``); None: on the current stream, just in time."""
     _parked: dict  # (view index, state key) -> the host buffer, reused every step
+    _ahead: Optional[tuple[dict, Any]] = None  # states fetched ahead: (view index, state key) -> device copy; event
 
     def _state_items(self) -> Iterator[tuple[int, dict, str, torch.Tensor]]:
         if self.optimizer is None:
@@ -49,32 +105,64 @@ class ParkedStates:
         return sum(value.numel() * value.element_size() for *_, value in self._state_items())
 
     def park_states(self) -> None:
-        """Copy the states into their host buffers and drop the device tensors (``states: host``)."""
+        """Copy the states into their host buffers and drop the device tensors (``states: host``); on the side
+        stream after the update where the copies run ahead (`copies`)."""
         if self.states_on != "host":
             return
+        copies, self._ahead = self.copies, None
         parked = {}
-        for i, state, key, value in self._state_items():
-            host = self._parked.get((i, key))
-            if value is not host:
-                if host is None or host.shape != value.shape or host.dtype != value.dtype:
-                    host = self.host_tensor(value.shape, value.dtype)
-                host.copy_(value, non_blocking=True)
-                state[key] = host
-            parked[(i, key)] = host
+        with copies.side() if copies is not None else contextlib.nullcontext():
+            for i, state, key, value in self._state_items():
+                host = self._parked.get((i, key))
+                if value is not host:
+                    if host is None or host.shape != value.shape or host.dtype != value.dtype:
+                        host = self.host_tensor(value.shape, value.dtype)
+                    host.copy_(value, non_blocking=True)
+                    if copies is not None:
+                        copies.used_aside(value)
+                    state[key] = host
+                parked[(i, key)] = host
         self._parked = parked  # a state the optimizer dropped (a format change) frees its buffer
+
+    def prefetch_states(self) -> None:
+        """Start the device copies of the parked states on the side stream, for the update to come
+        (`fetch_states` takes them); nothing where the copies do not run ahead or are under way."""
+        copies = self.copies
+        if self.states_on != "host" or copies is None or self._ahead is not None:
+            return
+        with copies.side():
+            ahead = {(i, key): self._device_copy(value) for i, state, key, value in self._state_items()
+                     if value is self._parked.get((i, key))}
+        self._ahead = (ahead, copies.mark())
+
+    def drop_prefetch(self) -> None:
+        """Forget states fetched ahead for an update that will not come (a skipped step, a failed backward)."""
+        self._ahead = None
 
     def fetch_states(self) -> None:
         """Put a device copy of every parked state in its place, for the bucket's update (or for good,
-        when grad_release is removed and hands the states back to the engine)."""
+        when grad_release is removed and hands the states back to the engine): the one fetched ahead
+        (`prefetch_states`) once its copy is done, else one copied now."""
         if self.states_on != "host":
             return
-        device = self.params[0].device
+        ahead, done = self._ahead or ({}, None)
+        self._ahead = None
+        if self.copies is not None:  # its copies, or (none ahead) the side stream's park into the host buffers
+            self.copies.wait(done if ahead else self.copies.mark())
         for i, state, key, value in self._state_items():
             if value is self._parked.get((i, key)):
-                with self.scope(OPTIMIZER_STATES):
-                    on_device = torch.empty(value.shape, dtype=value.dtype, device=device)
-                on_device.copy_(value, non_blocking=True)
+                on_device = ahead.get((i, key))
+                if on_device is None:
+                    on_device = self._device_copy(value)
+                elif self.copies is not None:
+                    self.copies.used_here(on_device)
                 state[key] = on_device
+
+    def _device_copy(self, host: torch.Tensor) -> torch.Tensor:
+        with self.scope(OPTIMIZER_STATES):
+            on_device = torch.empty(host.shape, dtype=host.dtype, device=self.params[0].device)
+        on_device.copy_(host, non_blocking=True)
+        return on_device
 
     def unpark_states(self) -> None:
         """Keep the states on the device from now on (``states: auto`` settled there); the host buffers go."""
@@ -89,4 +177,4 @@ class ParkedStates:
             get_accelerator().synchronize()
 
 
-__all__ = ["ParkedStates"]
+__all__ = ["CopyStream", "ParkedStates"]

@@ -159,6 +159,7 @@ class ReleasePipeline:
     def apply_all(self, rule: Rule) -> None:
         """After a HOLD pass: apply every bucket in order, gathers overlapped with the next update."""
         for b, bucket in enumerate(self.buckets):
+            self._fetch_ahead(b + 1)
             bucket.unstash()
             bucket.apply(rule(bucket))
             self.gathering.append(b)
@@ -211,9 +212,16 @@ class ReleasePipeline:
                 if self.stash_held:
                     bucket.stash()
             else:
+                self._fetch_ahead(b + 1)
                 bucket.apply(self.rule(bucket) if self.rule is not None else 1.0)
                 self.gathering.append(b)
                 self._finish_gathers(self.max_in_flight)
+
+    def _fetch_ahead(self, b: int) -> None:
+        """Bucket ``b``'s optimizer states start for the device while the bucket before it updates, where they are
+        in host memory and the copies run ahead (`parked_states.ParkedStates.prefetch_states`)."""
+        if b < len(self.buckets):
+            self.buckets[b].prefetch_states()
 
     def _finish_gathers(self, keep: int) -> None:
         while len(self.gathering) > keep:

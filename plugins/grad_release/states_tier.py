@@ -24,6 +24,7 @@ from typing import Any, Optional
 from xirang_ds.config.loader import BLOCK_KEY
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.memory.run_shape import partition_numel
+from xirang_ds.plugins.grad_release.parked_states import CopyStream
 
 logger = logging.getLogger("xirang_ds")
 
@@ -104,6 +105,21 @@ class StatesTier:
         self.tier_pending = self.planner_decides()
         self.stash_chosen = self.stash_chosen or self.tier_pending
 
+    def copy_stream(self) -> Optional[CopyStream]:
+        """Where the states' host copies run ahead of the updates (``prefetch_states``): a side stream of the
+        buckets' device (``auto``: where it has one), or early on the CPU (``true``); None: just in time."""
+        setting = self.config.prefetch_states
+        if setting is False or self.config.states == "device" or not self.buckets:
+            return None
+        copies = CopyStream(self.buckets[0].params[0].device)
+        return copies if copies.stream is not None or setting is True else None
+
+    def prefetches(self, device_type: str) -> bool:
+        """Buckets on ``device_type`` fetch the next one's states ahead where those are in host memory (`copy_stream`;
+        a GPU has streams)."""
+        setting = self.config.prefetch_states
+        return self.config.states != "device" and (setting is True or (setting == "auto" and device_type != "cpu"))
+
     def planner_decides(self) -> bool:
         """The activation planner plans under a ``memory_budget`` in bytes: it settles the states' tier, and
         ``exact_method: auto`` stashes the held shard in host memory meanwhile and after (`stashes_held`)."""
@@ -120,22 +136,38 @@ class StatesTier:
 
     def parkable_bytes(self) -> int:
         """Device bytes the optimizer states take there beyond the largest bucket's (which comes back for
-        each update), where the planner may still choose their tier: 0 unless ``auto`` and not settled on
-        the host at initialize, and under Megatron-core."""
+        each update; fetched ahead, the largest adjacent pair's), where the planner may still choose their tier:
+        0 unless ``auto`` and not settled on the host at initialize, and under Megatron-core."""
         if self.config.states != "auto" or not self.path.parks_states or (self.parked_why and not self.tier_pending):
             return 0
         held = [b.state_bytes() for b in self.buckets]
-        return sum(held) - max(held, default=0)
+        back = max(held, default=0)
+        if self.buckets and self.buckets[0].copies is not None:
+            back = max((a + b for a, b in zip(held, held[1:])), default=back)
+        return sum(held) - back
 
     def step_seconds(self, shape: Any, numels: list, profile: Any) -> float:
-        """`xirang_ds.roles.TimesStep`: the host-link copies the estimate's tiers make each step, there and back
-        (its ``estimate_plan``): the optimizer states where they are in host memory (their bytes), the reduced
-        gradient shard where exact clipping stashes it there."""
+        """`xirang_ds.roles.TimesStep`: the host-link copies the estimate's tiers make each step on the compute
+        stream, there and back (its ``estimate_plan``): the optimizer states where they are in host memory (their
+        bytes; fetched ahead, only the first bucket's, which nothing precedes: `beside_seconds` has the rest), the
+        reduced gradient shard where exact clipping stashes it there."""
         plan = getattr(self, "estimate_plan", None) or {}
-        moved = 2 * plan.get("state_bytes", 0) if plan.get("states") == "host" else 0
+        moved = 0
+        if plan.get("states") == "host":
+            first = plan.get("first_bucket_state_bytes")
+            moved = 2 * plan.get("state_bytes", 0) if first is None else first
         if plan.get("stashes_shard"):  # in the reduced gradient's dtype
             moved += 2 * plan.get("stash_bytes", 4) * partition_numel(sum(numels), shape.world_size)
         return moved / profile.host_link_bytes_per_s
+
+    def beside_seconds(self, shape: Any, numels: list, profile: Any) -> float:
+        """`xirang_ds.roles.CopiesBeside`: the states' copies on the side stream where they are fetched ahead
+        (``prefetch_states``): every bucket's back after its update and every bucket's but the first ahead of it."""
+        plan = getattr(self, "estimate_plan", None) or {}
+        first = plan.get("first_bucket_state_bytes")
+        if plan.get("states") != "host" or first is None:
+            return 0.0
+        return (2 * plan.get("state_bytes", 0) - first) / profile.host_link_bytes_per_s
 
     def settle_tier(self, on_host: bool, why: str = "") -> None:
         """``auto``: the optimizer states in host memory from now on (``why`` in the summary), or on the device."""

@@ -8,15 +8,15 @@ from xirang_ds.launch import run_ranks
 pytestmark = pytest.mark.gpu
 
 
-def _grad_release(rank, world, method, masters="auto"):
+def _grad_release(rank, world, method, masters="auto", states="auto", ahead="auto", clip=0.05):
     import xirang_ds
     from tests.harness.engine_runs import data_iter, ds_config
     from xirang_ds.bench import optimizer_step
     from xirang_ds.models import BUILTIN_SPECS, build_model
 
-    cfg = ds_config(stage=2, dtype="bf16", micro=4, clip=0.05,
+    cfg = ds_config(stage=2, dtype="bf16", micro=4, clip=clip,
                     xirang={"grad_release": {"enabled": True, "bucket_size_numel": 20000, "exact_method": method,
-                                             "masters": masters}})
+                                             "masters": masters, "states": states, "prefetch_states": ahead}})
     model = build_model(BUILTIN_SPECS["gpt-tiny"], seed=0)
     engine, *_ = xirang_ds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     data = data_iter(4, 64, rank, world)
@@ -24,7 +24,19 @@ def _grad_release(rank, world, method, masters="auto"):
     plugin = engine.xirang.plugin("grad_release")
     pinned = [b._host.is_pinned() for b in plugin.buckets if b._host is not None]
     params = torch.cat([p.detach().float().reshape(-1).cpu() for p in engine.module.parameters()])
-    return {"losses": losses, "params": params, "pinned": pinned}
+    streams = sorted({type(b.copies.stream).__name__ if b.copies is not None else "none" for b in plugin.buckets})
+    return {"losses": losses, "params": params, "pinned": pinned, "streams": streams}
+
+
+def test_states_fetched_ahead_on_a_side_stream_train_as_on_the_device():
+    """``prefetch_states`` on CUDA (its default there): each bucket's states copied in on a side stream while the
+    bucket before it updates and back after its own update, the allocator told of both streams; no clipping, so
+    each bucket updates in backward as it is reduced. Bit for bit the run with the states on the device."""
+    ahead, = run_ranks(_grad_release, 1, "hold", "auto", "host", "auto", 0.0)
+    device, = run_ranks(_grad_release, 1, "hold", "auto", "device", "auto", 0.0)
+    assert ahead["streams"] == ["Stream"] and device["streams"] == ["none"]
+    assert ahead["losses"] == device["losses"]
+    assert torch.equal(ahead["params"], device["params"])
 
 
 def test_grad_release_host_stash_equals_hold_on_cuda():

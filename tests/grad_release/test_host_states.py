@@ -19,12 +19,14 @@ STEPS = 4
 INT8 = {"enabled": True, "schedule": [{"dtype": "int8"}], "min_numel": 0, "chunk_numel": 4096}
 
 
-def _config(states="device", stage=2, dtype="bf16", quantized=False):
+def _config(states="device", stage=2, dtype="bf16", quantized=False, ahead=None, clip=0.05):
     # both tiers with the host stash of exact clipping, so that they differ by the states alone
     xirang = {"grad_release": {"enabled": True, "bucket_size_numel": 20_000, "states": states, "exact_method": "host"}}
+    if ahead is not None:
+        xirang["grad_release"]["prefetch_states"] = ahead
     if quantized:
         xirang["optimizer_states"] = INT8
-    return ds_config(stage=stage, dtype=dtype, micro=2, gas=2, clip=0.05, scheduler=SCHEDULER, xirang=xirang)
+    return ds_config(stage=stage, dtype=dtype, micro=2, gas=2, clip=clip, scheduler=SCHEDULER, xirang=xirang)
 
 
 def _train(rank, world, config, steps, skip=0, save_dir=None, load_dir=None, measure=False, remove_at=None):
@@ -83,7 +85,12 @@ def _scenarios(rank, world, ckpt_dir):
            "device_stage0": _train(rank, world, _config(stage=0), 2),
            "host_stage0": _train(rank, world, _config("host", stage=0), 2),
            "device_int8": _train(rank, world, _config(quantized=True), STEPS),
-           "host_int8": _train(rank, world, _config("host", quantized=True), STEPS, measure=True)}
+           "host_int8": _train(rank, world, _config("host", quantized=True), STEPS, measure=True),
+           # fetched ahead (prefetch_states; early and synchronous on the CPU): after backward (exact clipping's
+           # held pass) and in it (no clipping: each bucket updates as it is reduced)
+           "host_ahead": _train(rank, world, _config("host", ahead=True), STEPS, measure=True),
+           "device_unclipped": _train(rank, world, _config(clip=0.0), STEPS),
+           "host_ahead_unclipped": _train(rank, world, _config("host", ahead=True, clip=0.0), STEPS, measure=True)}
     half = STEPS // 2
     out["host_first_half"] = _train(rank, world, _config("host"), half, save_dir=host_dir)
     out["host_resumed"] = _train(rank, world, _config("host"), STEPS - half, skip=half, load_dir=host_dir)
@@ -124,6 +131,29 @@ def test_the_device_holds_no_state_at_rest_and_one_bucket_at_the_step(runs):
         int8 = r["host_int8"]
         assert int8["at_rest"]["optimizer_states"] == int8["step_counts"]
         assert int8["step_states_peak"] == max(int8["state_bytes"]) + int8["step_counts"]
+
+
+@pytest.mark.distributed
+def test_states_fetched_ahead_train_bit_identically_with_two_buckets_at_the_step(runs):
+    """``prefetch_states``: the next bucket's states come to the device while a bucket updates, so the step
+    holds two adjacent buckets' at most (in update order), none at rest, and trains as on the device."""
+    for r in runs:
+        for ahead, device in (("host_ahead", "device"), ("host_ahead_unclipped", "device_unclipped")):
+            run = r[ahead]
+            assert run["losses"] == r[device]["losses"] and same_tensors(run["params"], r[device]["params"]), ahead
+            sizes = run["state_bytes"]
+            assert len(sizes) > 2 and run["parked"] == ["host"]
+            assert run["at_rest"]["optimizer_states"] == run["step_counts"], ahead
+            pair = max(a + b for a, b in zip(sizes, sizes[1:]))
+            assert run["step_states_peak"] == pair + run["step_counts"] > max(sizes) + run["step_counts"], ahead
+
+
+def test_prefetch_states_true_needs_states_off_the_device():
+    from xirang_ds.config.loader import validate_block
+    from xirang_ds.config.validate import XirangConfigError
+
+    with pytest.raises(XirangConfigError, match="prefetch_states.*states is \"device\""):
+        validate_block({"grad_release": {"enabled": True, "states": "device", "prefetch_states": True}})
 
 
 @pytest.mark.distributed

@@ -72,17 +72,31 @@ def test_the_estimate_prices_the_same_counts_on_every_profile_and_against_plain_
 
 def test_what_the_block_adds_is_priced_by_its_plugins():
     """Under a budget the plan offloads (the plan's own seconds, every micro-step) and grad_release keeps the
-    optimizer states in host memory (their bytes there and back over the host link); what a plugin cannot price
-    is named."""
+    optimizer states in host memory (their bytes there and back over the host link, on the compute stream with
+    ``prefetch_states: false``; fetched ahead on a side stream, the default on a GPU, only the first bucket's
+    fetch is on it and the rest runs beside the compute: the step is the larger of the two); what a plugin
+    cannot price is named."""
     block = {"preset": "conservative", "memory_budget": 2_000_000}
     config = {**CONFIG, "gradient_accumulation_steps": 2}
-    est = estimate_spec("gpt-tiny", {**config, "xirang": block}, 2, "cuda", device_profile=PROFILES["h100"])
+    link = PROFILES["h100"].host_link_bytes_per_s
+    serial = {**block, "grad_release": {"prefetch_states": False}}
+    est = estimate_spec("gpt-tiny", {**config, "xirang": serial}, 2, "cuda", device_profile=PROFILES["h100"])
     plan = est.plans["activations"]
     assert est.fits and est.step_time.parts["activations"] == pytest.approx(2 * plan.added_s) and plan.added_s > 0
     assert est.plans["grad_release"]["states"] == "host"
-    state_bytes = est.step_time.parts["grad_release"] * PROFILES["h100"].host_link_bytes_per_s
+    state_bytes = est.step_time.parts["grad_release"] * link
     assert state_bytes >= 2 * 8 * sum(p.numel() for p in _gpt_tiny().parameters()) // 2
     assert est.step_time.notes == []  # every plugin of the preset prices itself or adds no time
+    assert est.step_time.seconds == pytest.approx(sum(est.step_time.parts.values()))
+    ahead = estimate_spec("gpt-tiny", {**config, "xirang": block}, 2, "cuda", device_profile=PROFILES["h100"])
+    states, first = (ahead.plans["grad_release"][k] for k in ("state_bytes", "first_bucket_state_bytes"))
+    assert 0 < first < states and est.plans["grad_release"]["first_bucket_state_bytes"] is None
+    beside = (2 * states - first) / link
+    assert ahead.step_time.parts["grad_release"] == pytest.approx(est.step_time.parts["grad_release"] - beside)
+    assert ahead.step_time.counts["beside_compute_s"] == pytest.approx(beside)
+    assert ahead.step_time.seconds == pytest.approx(max(sum(ahead.step_time.parts.values()),
+                                                        ahead.step_time.counts["beside_compute_s"]))
+    assert ahead.step_time.seconds < est.step_time.seconds
 
 
 def test_low_bit_states_price_their_own_update_compiled_per_tensor_on_a_gpu_and_chunk_by_chunk_on_the_cpu():

@@ -17,6 +17,10 @@ where DeepSpeed overlaps communication with backward):
   runs its own, `xirang_ds.roles.TimesUpdate`: low-bit states), the master cast back into the 16-bit weights;
 * **what the block adds**: each enabled plugin's own seconds per step (`xirang_ds.roles.TimesStep`); one
   that does not price itself is named in the notes as not modelled.
+
+Work a plugin runs beside the compute stream (`xirang_ds.roles.CopiesBeside`: grad_release's states fetched
+ahead on a side stream) is not one of the parts: the step is the larger of the parts' sum and that work
+(``counts["beside_compute_s"]``), whose copies run on the copy engine while the compute stream works.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ import torch
 from xirang_ds.compat.torch import TorchDispatchMode, fake_tensor_mode
 from xirang_ds.memory.device_profile import DeviceProfile, OpTally
 from xirang_ds.memory.run_shape import RunShape, fullest_rank, partition_numel
-from xirang_ds.roles import TimesStep, TimesUpdate
+from xirang_ds.roles import CopiesBeside, TimesStep, TimesUpdate
 
 
 @dataclass
@@ -38,7 +42,7 @@ class StepTime:
     Attributes:
         seconds: the whole step.
         parts: ``forward_backward`` (all micro-steps), ``communication``, ``optimizer`` and one entry per
-            plugin that adds time.
+            plugin that adds time on the compute stream (their sum is ``seconds`` unless work beside it is longer).
         counts: what was priced: launches, FLOPs and bytes of one micro-step's forward and backward and of
             the optimizer step, communication bytes per rank.
         profile: the device profile's name.
@@ -153,7 +157,10 @@ def step_time(shape: RunShape, trace: Any, profile: DeviceProfile, session: Any 
               "micro_steps": shape.grad_accum}
     if update is not None:
         counts["optimizer_update"] = update.as_dict()  # beside DeepSpeed's ops around it, under "optimizer"
-    return StepTime(sum(parts.values()), parts, counts, profile.name, notes)
+    beside = sum(p.beside_seconds(shape, numels, profile) for p in plugins if isinstance(p, CopiesBeside))
+    if beside:
+        counts["beside_compute_s"] = beside
+    return StepTime(max(sum(parts.values()), beside), parts, counts, profile.name, notes)
 
 
 __all__ = ["StepTime", "communication_bytes", "optimizer_ops", "step_time", "tallied"]

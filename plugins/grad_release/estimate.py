@@ -127,6 +127,22 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
     trace = getattr(plugin.session, "trace", None)
     traced = trace.backward_by_category if trace is not None and trace.backward_sweeps else None
 
+    def update_bytes(parked: bool) -> dict:
+        """What a bucket's update adds while it runs (as at the end of backward's): its temporaries (the larger of
+        the update's and the rounding's), the all-gather it starts, and its states where they come from the host
+        (the next bucket's, fetched ahead, are the backward phase's already)."""
+        return {TEMPORARIES: max(update, rounding), "comm_buffers": lp * gathers,
+                OPTIMIZER_STATES: max(sizes) if parked else 0}
+
+    def _update_at(arrived: list[int], bytes_: dict) -> dict:
+        """``bytes_`` where taking the last of ``arrived`` sets off a bucket's update (`pipeline.ReleasePipeline`: a
+        bucket launched completes the one before it, which updates, or itself without ``overlap``), else none."""
+        def applied(got: list[int]) -> int:
+            launched = _launched(got, numels, planned)
+            return max(0, launched - 1) if overlap else launched
+
+        return bytes_ if arrived and applied(arrived) > applied(arrived[:-1]) else {}
+
     def held(parked: bool, stash: bool) -> dict:
         out = {}
         rows = rows_held(stash)
@@ -134,8 +150,10 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
         # what the buckets hold once these gradients have been taken (the trace holds the one being made)
         plugin.estimate_gradients_held = lambda arrived: accum + _held_after(
             arrived, numels, planned, buffers, world, comm_bytes, overlap, rows, holds_shard and not stash)
-        # backward's worst point with the buckets' holding: where the trace's own bytes and it are the most together
-        point = trace.most_beside(plugin.estimate_gradients_held) if traced is not None else None
+        # backward's worst point with the buckets' holding: where the trace's own bytes and it are the most together,
+        # and in a pass that updates in backward, an update as the gradient that sets it off is taken
+        in_backward = None if holds_shard else (lambda arrived: _update_at(arrived, update_bytes(parked)))
+        point = trace.most_beside(plugin.estimate_gradients_held, in_backward) if traced is not None else None
         for name, cats in phases.items():
             cats = dict(cats)
             cats[PARAMETERS] = lp * total + masters
@@ -154,6 +172,8 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
                     _, own, cats[GRADIENTS] = point
                     for c in (ACTIVATIONS, TEMPORARIES):  # the trace's peak's own bytes for that point's
                         cats[c] = cats.get(c, 0) - traced.get(c, 0) + own.get(c, 0)
+                    for c in (OPTIMIZER_STATES, "comm_buffers"):  # an update's there (`_update_at`)
+                        cats[c] = cats.get(c, 0) + own.get(c, 0)
                 # early in backward, before the first bucket is full, the activations are all there
                 # with the loss's gradient temporaries; at its end the activations are gone, buckets
                 # are in flight and updating, and the held shard (if any) is whole: a phase of its own,
@@ -275,9 +295,7 @@ def _held_after(arrived: list[int], numels: list[int], planned: list[list[int]],
     (whole, before its hook) is not in it: the trace holds that one."""
     last = len(numels) - 1
     got = {last - i for i in arrived}  # positions in launch order (reverse registration)
-    launched = 0
-    while launched < len(planned) and all(i in got for i in planned[launched]):
-        launched += 1
+    launched = _launched(arrived, numels, planned)
     total = 0
     for b, indices in enumerate(planned):
         shard = sum(math.ceil(numels[last - i] / world) for i in indices)
@@ -290,6 +308,17 @@ def _held_after(arrived: list[int], numels: list[int], planned: list[list[int]],
         elif holds:
             total += comm_bytes * shard
     return total
+
+
+def _launched(arrived: list[int], numels: list[int], planned: list[list[int]]) -> int:
+    """How many buckets are launched once the gradients ``arrived`` (indices into ``numels``) are taken: in
+    launch order, each once all its gradients are there."""
+    last = len(numels) - 1
+    got = {last - i for i in arrived}
+    launched = 0
+    while launched < len(planned) and all(i in got for i in planned[launched]):
+        launched += 1
+    return launched
 
 
 def _buckets(order: list[int], planned: list[list[int]], world: int,

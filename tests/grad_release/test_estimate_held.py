@@ -72,6 +72,19 @@ def test_backward_peaks_where_its_own_bytes_and_the_held_gradients_are_the_most_
         (1150, {"activations": 1000, "temporaries": 0}, 150)
 
 
+def test_an_update_a_gradient_sets_off_counts_at_that_moment_only():
+    """``at_arrival``: a bucket's update set off as a gradient is taken (a pass that updates in backward) holds its
+    bytes there, not through the events after it."""
+    sweep = Sweep(start={"activations": 1000}, events=[(5, 100, "temporaries"), (9, -100, "temporaries")])
+    update = lambda arrived: {"optimizer_states": 70} if len(arrived) == 1 else {}  # noqa: E731
+    # the update (70) at clock 6 beside the temporary (100): more than the temporary alone
+    assert most_beside(sweep, [(6, 3)], lambda arrived: 0, update) == \
+        (1170, {"activations": 1000, "temporaries": 100, "optimizer_states": 70}, 0)
+    # at clock 4, before the temporary: gone by the time the temporary comes (1,100 then)
+    assert most_beside(sweep, [(4, 3)], lambda arrived: 0, update) == \
+        (1100, {"activations": 1000, "temporaries": 100}, 0)
+
+
 def test_a_bucket_steps_torchs_adam_on_the_multi_tensor_path_unless_the_config_chooses():
     """The update at the end of backward: each bucket's clone of torch's AdamW runs ``foreach`` where the ds_config
     leaves it unset (one sqrt over the bucket shard's pieces at once: 4 bytes an element), not torch's per-tensor

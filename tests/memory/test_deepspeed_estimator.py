@@ -19,6 +19,8 @@ HOLD = {"grad_release": {"enabled": True}}
 HOST_STATES = {"grad_release": {"enabled": True, "states": "host", "exact_method": "host"}}
 NO_MASTER = {"grad_release": {"enabled": True, "masters": "none", "exact_method": "host"}}
 AHEAD = {"grad_release": {**HOST_STATES["grad_release"], "prefetch_states": True}}
+PREVIOUS_STEP = {"grad_release": {"enabled": True, "clipping": "previous_step"}}
+"""Clipping by the previous step's norm (`test_estimate_within_ten_percent_of_measured` clips at 1.0): no held pass."""
 """The next bucket's states fetched ahead: two buckets' at the update (early and synchronous on the CPU)."""
 ON_DEMAND = {"precision": {"enabled": True, "weight_copies": "on_demand"}}  # DeepSpeed in fp32, masters shared
 PRECISION = {"precision": {"enabled": True}}  # auto: persistent copies (DeepSpeed's bf16) on 2 ranks at ZeRO 1/2
@@ -39,6 +41,10 @@ CASES = [  # model, stage, dtype, micro, world, bucket, xirang block
     ("gpt-small", 2, "bf16", 1, 2, 1e6, NO_MASTER),
     ("gpt-small", 2, "bf16", 1, 2, 1e6, HOST_STATES),  # measured 16,107,352 bytes; 29,400,920 on the device
     ("gpt-small", 2, "bf16", 1, 2, 1e6, AHEAD),  # 16,107,352 too: two buckets' states after backward stay below it
+    # each bucket updates in backward as it is reduced, the activations still alive: the estimate had priced the
+    # updates at its end only (-5.5%, and -15.8% with the states in host memory: 16,108,136 of 19,133,032)
+    ("gpt-small", 2, "bf16", 1, 2, 1e6, PREVIOUS_STEP),
+    ("gpt-small", 2, "bf16", 1, 2, 1e6, {"grad_release": {**PREVIOUS_STEP["grad_release"], "states": "host"}}),
     ("gpt-small", 2, "bf16", 1, 2, 1e6, {**NO_MASTER, **INT8}),  # in place: no widened shard, chunks
     ("gpt-small", 0, "bf16", 4, 1, 1e6, GRAD_RELEASE),
     # the head's whole gradient at the start of backward beside the loss's temporaries: DeepSpeed holds none
@@ -59,7 +65,8 @@ there), so this shape is checked phase by phase in `test_zero3_step_estimate_fol
 @pytest.mark.distributed
 @pytest.mark.parametrize("model, stage, dtype, micro, world, bucket, xirang", CASES)
 def test_estimate_within_ten_percent_of_measured(model, stage, dtype, micro, world, bucket, xirang):
-    config = ds_config(stage=stage, dtype=dtype, micro=micro, bucket=bucket, xirang=xirang)
+    clip = 1.0 if xirang is not None and (xirang.get("grad_release") or {}).get("clipping") == "previous_step" else 0.0
+    config = ds_config(stage=stage, dtype=dtype, micro=micro, bucket=bucket, xirang=xirang, clip=clip)
     measured = max(r["peak_bytes"] for r in run_ranks(bench_rank, world, model, config, 3, None, 0,
                                                       xirang is not None))
     predicted = estimate_spec(model, config, world).predicted_peak_bytes

@@ -10,7 +10,7 @@ that point can be found for any holding given by the gradients taken so far (`mo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from xirang_ds.memory.categories import COMM_BUFFERS, GRADIENTS, PARAMETERS
 
@@ -49,13 +49,17 @@ def record_sweep(tracker: Any, start: int, end: int, after: int) -> Sweep:
     return out
 
 
-def most_beside(sweep: Sweep, arrivals: list[tuple[int, int]],
-                held: Callable[[list[int]], int]) -> tuple[int, dict, int]:
+def most_beside(sweep: Sweep, arrivals: list[tuple[int, int]], held: Callable[[list[int]], int],
+                at_arrival: Optional[Callable[[list[int]], dict[str, int]]] = None) -> tuple[int, dict, int]:
     """The point of ``sweep``'s backward where its own bytes and ``held(arrived)`` (the gradients taken so far, by
     the ``(clock, index)`` ``arrivals``, each after the events of its clock) are the most together.
 
+    Args:
+        at_arrival: bytes by category that exist only as a gradient is taken (the work it sets off at once, an
+            optimizer update, gone before the next event), given the gradients taken by then.
+
     Returns:
-        ``(total, own bytes by category, held)`` there.
+        ``(total, own bytes by category, held)`` there; ``at_arrival``'s bytes there are among the own bytes.
     """
     live = dict(sweep.start)
     taken: list[int] = []
@@ -63,14 +67,19 @@ def most_beside(sweep: Sweep, arrivals: list[tuple[int, int]],
     best = (sum(live.values()) + now, dict(live), now)
     steps = sorted([(clock, 0, n, c) for clock, n, c in sweep.events] + [(clock, 1, i, "") for clock, i in arrivals])
     for _, kind, value, category in steps:
+        spike: dict[str, int] = {}
         if kind:
             taken.append(value)
             now = held(taken)
+            spike = at_arrival(taken) if at_arrival is not None else {}
         else:
             live[category] = live.get(category, 0) + value
-        total = sum(live.values()) + now
+        total = sum(live.values()) + now + sum(spike.values())
         if total > best[0]:
-            best = (total, dict(live), now)
+            own = dict(live)
+            for c, n in spike.items():
+                own[c] = own.get(c, 0) + n
+            best = (total, own, now)
     return best
 
 

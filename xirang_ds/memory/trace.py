@@ -81,11 +81,12 @@ class Trace:
             return []
         return [index for at, index in self.grad_arrivals[micro] if at < clock]
 
-    def most_beside(self, held: Callable[[list[int]], int]) -> Optional[tuple[int, dict, int]]:
-        """The point of backward where its own bytes (activations, temporaries) and ``held(arrived)`` are the
-        most together, over the micro-steps (`sweep.most_beside`): ``(total, own by category, held)``; ``None``
-        without sweeps."""
-        points = [most_beside(s, a, held) for s, a in zip(self.backward_sweeps, self.grad_arrivals)]
+    def most_beside(self, held: Callable[[list[int]], int],
+                    at_arrival: Optional[Callable[[list[int]], dict]] = None) -> Optional[tuple[int, dict, int]]:
+        """The point of backward where its own bytes (activations, temporaries; ``at_arrival``'s as a gradient is
+        taken) and ``held(arrived)`` are the most together, over the micro-steps (`sweep.most_beside`): ``(total,
+        own by category, held)``; ``None`` without sweeps."""
+        points = [most_beside(s, a, held, at_arrival) for s, a in zip(self.backward_sweeps, self.grad_arrivals)]
         return max(points, key=lambda p: p[0], default=None)
 
 

@@ -11,7 +11,8 @@ the median step time over the parameters. The first steps (compilation) are not 
 ``--no-master`` runs only the rows of issue 58's no-master update and merges them into ``--out``: int8 states
 rounded stochastically, bf16 weights updated in place and rounded stochastically (grad_release's
 ``masters: none`` with optimizer_states, its ``xirang_weight_noise`` and ``xirang_write_back`` set as
-`grad_release.masters.MasterSlices` sets them), dtype ``"int8 no master"``.
+`grad_release.masters.MasterSlices` sets them), dtype ``"int8 no master"``; and the same with fp32 states (the
+norms and biases a preset keeps in fp32 there), dtype ``"fp32 no master"``.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ WAYS = {"eager": (False, False), "compiled chunks": (True, False), "compiled who
 """Way → (``fused``, one call per tensor)."""
 
 
-NO_MASTER = "int8 no master"
+NO_MASTER = {"int8 no master": "int8", "fp32 no master": "fp32"}
+"""The no-master rows' dtypes → their states' format."""
 
 
 def _no_master(params: list[torch.Tensor], steps: list[int]) -> None:
@@ -53,13 +55,13 @@ def one(dtype: str, way: str, scale: int, steps: int) -> dict[str, Any]:
     fused, whole = WAYS[way]
     fused_module.whole_tensor = (lambda device_type: True) if whole else (lambda device_type: False)
     torch.manual_seed(0)
-    no_master = dtype == NO_MASTER
+    no_master = dtype in NO_MASTER
     params = [torch.nn.Parameter(torch.randn((scale * s[0],) + s[1:]).to(torch.bfloat16 if no_master else torch.float32))
               for s in SHAPES]
     done = [0]
     if no_master:
         _no_master(params, done)
-    opt = DynamicAdamW(params, lr=1e-3, states={"schedule": [{"dtype": "int8" if no_master else dtype}], "min_numel": 0,
+    opt = DynamicAdamW(params, lr=1e-3, states={"schedule": [{"dtype": NO_MASTER.get(dtype, dtype)}], "min_numel": 0,
                                                 "fused": fused, "stochastic_rounding": no_master})
     opt.register_step_post_hook(lambda *args: done.__setitem__(0, done[0] + 1))
     for p in params:
@@ -87,7 +89,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
-    for dtype in (NO_MASTER,) if args.no_master else ("int8", "int4", "bf16"):
+    for dtype in tuple(NO_MASTER) if args.no_master else ("int8", "int4", "bf16"):
         for way in WAYS:
             for scale in (1, 13):
                 row = one(dtype, way, scale, args.steps)
@@ -100,7 +102,7 @@ def main() -> None:
     if args.out and args.no_master:  # the other rows as they were measured
         with open(args.out) as f:
             old = json.load(f)
-        old["rows"] = [r for r in old["rows"] if r["dtype"] != NO_MASTER] + rows
+        old["rows"] = [r for r in old["rows"] if r["dtype"] not in NO_MASTER] + rows
         old["no_master_command"] = out["command"].replace(" --out", " --no-master --out")
         out = old
     if args.out:

@@ -47,7 +47,7 @@ class CopyStream:
         from deepspeed.accelerator import get_accelerator
 
         self.accelerator = get_accelerator()
-        self.stream: Any = (self.accelerator.Stream() if device.type != "cpu"
+        self.stream: Any = (self.accelerator.Stream(device=device) if device.type != "cpu"
                             and not self.accelerator.is_synchronized_device() else None)
 
     def side(self) -> ContextManager:

@@ -5,7 +5,7 @@ copy cost next to nothing there. So the bench and the GPU check count them for o
 counts on any machine for the same program:
 
 * ``kernels``: ATen ops that compute (views, size queries and allocations that write nothing, ``empty``,
-  left out), seen by a dispatch mode: what
+  left out; off a CPU, ops on host tensors alone too), seen by a dispatch mode: what
   an eager step launches. A compiled region runs eagerly under the mode (Dynamo declines to trace
   under one), so it counts its ops, not its one graph call; except where the code runs it through
   `compiled_call` (optimizer_states' fused update): the counters, and a memory tracker beside them,
@@ -56,6 +56,7 @@ from xirang_ds.compat.torch import (
     pop_mode_temporarily,
 )
 from xirang_ds.memory.dispatch import TrackingMode
+from xirang_ds.memory.storages import tensors_in
 
 _aten = torch.ops.aten
 _SIZE_OPS = {_aten.sym_size.int, _aten.sym_stride.int, _aten.sym_numel.default, _aten.sym_storage_offset.default,
@@ -145,12 +146,16 @@ class _Counter(TorchDispatchMode):
         out = func(*args, **kwargs)
         if launches_nothing(func):
             return out
-        self._count(inspect.currentframe().f_back)
+        # off a CPU, an op on host tensors alone (a torch optimizer's step counter) launches nothing on the device,
+        # and reading one waits for nothing there
+        on_device = self.device_type == "cpu" or any(t.device.type != "cpu" for t in tensors_in((args, kwargs, out)))
+        if on_device:
+            self._count(inspect.currentframe().f_back)
         packet = getattr(func, "overloadpacket", None)
         if packet in _SYNC_PACKETS:
             if args and isinstance(args[0], torch.Tensor) and args[0].data_ptr() in self.host_counters:
                 self.host_reads += 1
-            else:
+            elif on_device:
                 self.host_syncs += 1
         elif packet is _COPY_INTO or packet is _COPY_NEW:
             self._copy(packet, args, kwargs, out)

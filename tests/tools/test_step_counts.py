@@ -25,6 +25,21 @@ def test_views_and_size_queries_are_no_kernels_and_each_computing_op_is_one():
     assert mode.kernels == 3 and mode.host_syncs == 0 and torch.equal(out, ((x + 1) * 2).sum())
 
 
+def test_off_a_cpu_ops_on_host_tensors_alone_launch_nothing_and_wait_for_nothing():
+    """A GPU run's host-side scalars (torch's step counters, a tensor made on the host before its copy): their
+    ops launch no device kernel and reading them is no sync. Counted for a CUDA run (the device type alone),
+    on host tensors here."""
+    def host_side():
+        step = torch.zeros(())
+        step += 1
+        return step.item()
+
+    _, mode = count_ops(host_side, "cuda")
+    assert (mode.kernels, mode.host_syncs) == (0, 0)
+    _, mode = count_ops(host_side, "cpu")  # on a CPU the host is the device
+    assert (mode.kernels, mode.host_syncs) == (3, 1)
+
+
 def test_every_host_read_is_one_sync():
     a, b = torch.randn(8), torch.randn(8)
 

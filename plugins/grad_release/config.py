@@ -72,12 +72,13 @@ class GradReleaseConfig(Section):
     moved there, once); the session summary says which and why. ``host`` is not for Megatron-core
     (``auto`` stays on the device there)."""
     prefetch_states: Union[bool, Literal["auto"]] = "auto"
-    """With the optimizer states in host memory (``states``): copy them on a side stream, the next bucket's
-    to the device while a bucket updates and each bucket's back after its update, so the host link works
-    beside the compute stream instead of stalling it. The device then holds two buckets' states while one
-    updates, not one (the estimate counts them). ``auto``: where the device has streams (GPUs); ``true``:
-    on the CPU too, where there is no side stream and the copies are only made early (nothing overlaps;
-    for tests); ``false``: each bucket's copied on the current stream just before and after its update."""
+    """With the optimizer states in host memory (``states``): copy them on a side stream, each bucket's back
+    after its update and the next bucket's to the device right behind it, so the host link works beside the
+    compute stream (in a pass that updates in backward, while backward runs) instead of stalling it. The device
+    then holds up to two buckets' states at once, not one, and in such a backward the next bucket's between
+    updates (the estimate counts them). ``auto``: where the device has streams (GPUs); ``true``: on the CPU too,
+    where there is no side stream and the copies are only made early (nothing overlaps; for tests); ``false``:
+    each bucket's copied on the current stream just before and after its update."""
 
     def check(self) -> Issues:
         if self.prefetch_states is True and self.states == "device":

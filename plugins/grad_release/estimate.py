@@ -33,8 +33,8 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
     Adam states over this rank's shard (masters as remainders: 2 bytes and a tie bit per element, or 1,
     rebuilt for a bucket's update; ``none``: no master, the weights widened for the update and
     rounded back a chunk at a time; ``states: host``: only the updating bucket's states, at the end of
-    backward, and with ``prefetch_states`` the next bucket's beside them, and in a pass that updates in
-    backward the largest bucket's through it), one bucket filling and one reducing, this rank's shard
+    backward, and with ``prefetch_states`` on an accelerator the next bucket's beside them, and in a pass that
+    updates in backward the largest bucket's through it), one bucket filling and one reducing, this rank's shard
     held until backward ends when exact clipping uses ``hold``, and the update's temporaries in
     backward, one bucket shard at a time. There is no separate optimizer-step phase."""
     if not numels:
@@ -113,10 +113,12 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
     order = list(reversed(numels))  # the largest bucket's states, of the buckets `plan_buckets` makes
     sizes = [math.ceil(states * sum(math.ceil(order[i] / world) for i in b) / part) for b in planned]
     fetched = max(sizes)
-    # fetched ahead (``prefetch_states``): the next bucket's states arrive while one updates, and in a pass that
-    # updates in backward the next bucket's wait on the device from the update before it
+    # fetched ahead (``prefetch_states``): in a pass that updates in backward the next bucket's states wait on the
+    # device from the update before it; on a side stream (an accelerator) a bucket's copy back and the next one's
+    # copy in are under way together after its update (`pipeline.ReleasePipeline._fetch_ahead`)
     ahead = plugin.prefetches(shape.device) and len(sizes) > 1
-    fetched = max(a + b for a, b in zip(sizes, sizes[1:])) if ahead else fetched
+    overlapped = ahead and shape.device != "cpu"
+    fetched = max(a + b for a, b in zip(sizes, sizes[1:])) if overlapped else fetched
     # gradients the traced run makes in this backward, above those it carries from earlier micro-steps
     # (DeepSpeed keeps them from forward on under accumulation): a bucket fills only from the former
     carried = phases.get("forward", {}).get(GRADIENTS, 0)
@@ -130,9 +132,9 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
     def update_bytes(parked: bool) -> dict:
         """What a bucket's update adds while it runs (as at the end of backward's): its temporaries (the larger of
         the update's and the rounding's), the all-gather it starts, and its states where they come from the host
-        (the next bucket's, fetched ahead, are the backward phase's already)."""
+        (fetched ahead they are the backward phase's already, and on a side stream the next bucket's beside them)."""
         return {TEMPORARIES: max(update, rounding), "comm_buffers": lp * gathers,
-                OPTIMIZER_STATES: max(sizes) if parked else 0}
+                OPTIMIZER_STATES: max(sizes) if parked and (overlapped or not ahead) else 0}
 
     def _update_at(arrived: list[int], bytes_: dict) -> dict:
         """``bytes_`` where taking the last of ``arrived`` sets off a bucket's update (`pipeline.ReleasePipeline`: a
@@ -236,7 +238,7 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
     on_host, stashes = why is not None or parked, bool(holds_shard and stash)
     plugin.estimate_plan = {"states": "host" if on_host else "device", "why": why,
                             "state_bytes": states, "stashes_shard": stashes, "stash_bytes": comm_bytes,
-                            "first_bucket_state_bytes": sizes[0] if ahead else None}
+                            "first_bucket_state_bytes": sizes[0] if overlapped else None}
     pinned = pins(shape.device != "cpu", getattr(plugin.session, "device_profile", None))
     tensors = _state_tensors(plugin.session.state_quantizer, len(numels))
     buckets = [(sum(math.ceil(order[i] / world) for i in b),

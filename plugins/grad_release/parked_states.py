@@ -16,13 +16,15 @@ state tensor and reused every step, in the tracker's host tier (`host_scope`).
 
 Ahead of the update (``prefetch_states``, `CopyStream`): where the device has streams, both copies go on
 a side stream instead, so they run on the copy engine beside the compute stream's work. The pipeline starts
-the next bucket's fetch (`prefetch_states`) as a bucket's update begins; the update waits only for its own
-states' copy (an event), and the park waits for the update that wrote them. A pass's first bucket is fetched
-just in time, after the side stream's parks into its host buffers. The allocator is told which
-stream uses each device copy (``record_stream``), so its memory is not handed out again before the copies
-and the update that read it have run. The device then holds two buckets' states while one updates (the
-estimate counts them). On the CPU a side stream does not exist: ``prefetch_states: true`` makes the fetch
-early and synchronous there, which tests the order and the memory, not the overlap.
+the next bucket's fetch (`prefetch_states`) once a bucket has updated, behind that bucket's park on the side
+stream; the next update waits only for its own states' copy (an event), so by then the park before it is done,
+and each park waits for the update that wrote them. A pass's first bucket is fetched just in time, after the
+side stream's parks into its host buffers. The allocator is told which stream uses each device copy
+(``record_stream``), so its memory is not handed out again before the copies and the update that read it have
+run. The device so holds at most two buckets' states at once (one parking, the next arriving), and between two
+updates in backward the next bucket's (the estimate counts both). On the CPU a side stream does not exist:
+``prefetch_states: true`` makes the fetch early and synchronous there (one bucket's states at a time, the next
+one's from the update before it), which tests the order, not the overlap.
 """
 from __future__ import annotations
 
@@ -85,6 +87,8 @@ class ParkedStates:
     """Where the copies run ahead of the updates (``prefetch_states``); None: on the current stream, just in time."""
     _parked: dict  # (view index, state key) -> the host buffer, reused every step
     _ahead: Optional[tuple[dict, Any]] = None  # states fetched ahead: (view index, state key) -> device copy; event
+    fetched_ahead = 0
+    """Updates whose states were fetched ahead (`prefetch_states`), so far."""
 
     def _state_items(self) -> Iterator[tuple[int, dict, str, torch.Tensor]]:
         if self.optimizer is None:
@@ -147,6 +151,7 @@ class ParkedStates:
             return
         ahead, done = self._ahead or ({}, None)
         self._ahead = None
+        self.fetched_ahead += bool(ahead)
         if self.copies is not None:  # its copies, or (none ahead) the side stream's park into the host buffers
             self.copies.wait(done if ahead else self.copies.mark())
         for i, state, key, value in self._state_items():

@@ -159,9 +159,9 @@ class ReleasePipeline:
     def apply_all(self, rule: Rule) -> None:
         """After a HOLD pass: apply every bucket in order, gathers overlapped with the next update."""
         for b, bucket in enumerate(self.buckets):
-            self._fetch_ahead(b + 1)
             bucket.unstash()
             bucket.apply(rule(bucket))
+            self._fetch_ahead(b + 1)
             self.gathering.append(b)
             self._finish_gathers(self.max_in_flight)
         self._finish_gathers(0)
@@ -212,14 +212,15 @@ class ReleasePipeline:
                 if self.stash_held:
                     bucket.stash()
             else:
-                self._fetch_ahead(b + 1)
                 bucket.apply(self.rule(bucket) if self.rule is not None else 1.0)
+                self._fetch_ahead(b + 1)
                 self.gathering.append(b)
                 self._finish_gathers(self.max_in_flight)
 
     def _fetch_ahead(self, b: int) -> None:
-        """Bucket ``b``'s optimizer states start for the device while the bucket before it updates, where they are
-        in host memory and the copies run ahead (`parked_states.ParkedStates.prefetch_states`)."""
+        """Bucket ``b``'s optimizer states start for the device once the bucket before it has updated, where they
+        are in host memory and the copies run ahead (`parked_states.ParkedStates.prefetch_states`): on the side
+        stream after that bucket's copy back, so at most these two buckets' states are on the device at once."""
         if b < len(self.buckets):
             self.buckets[b].prefetch_states()
 

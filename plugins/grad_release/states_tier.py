@@ -142,7 +142,8 @@ class StatesTier:
             return 0
         held = [b.state_bytes() for b in self.buckets]
         back = max(held, default=0)
-        if self.buckets and self.buckets[0].copies is not None:
+        copies = self.buckets[0].copies if self.buckets else None
+        if copies is not None and copies.stream is not None:  # a copy back and the next copy in, together
             back = max((a + b for a, b in zip(held, held[1:])), default=back)
         return sum(held) - back
 

@@ -154,7 +154,8 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
             arrived, numels, planned, buffers, world, comm_bytes, overlap, rows, holds_shard and not stash)
         # backward's worst point with the buckets' holding: where the trace's own bytes and it are the most together,
         # and in a pass that updates in backward, an update as the gradient that sets it off is taken
-        in_backward = None if holds_shard else (lambda arrived: _update_at(arrived, update_bytes(parked)))
+        spike = update_bytes(parked)
+        in_backward = None if holds_shard else (lambda arrived: _update_at(arrived, spike))
         point = trace.most_beside(plugin.estimate_gradients_held, in_backward) if traced is not None else None
         for name, cats in phases.items():
             cats = dict(cats)

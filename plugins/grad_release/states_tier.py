@@ -105,20 +105,18 @@ class StatesTier:
         self.tier_pending = self.planner_decides()
         self.stash_chosen = self.stash_chosen or self.tier_pending
 
-    def copy_stream(self) -> Optional[CopyStream]:
-        """Where the states' host copies run ahead of the updates (``prefetch_states``): a side stream of the
-        buckets' device (``auto``: where it has one), or early on the CPU (``true``); None: just in time."""
-        setting = self.config.prefetch_states
-        if setting is False or self.config.states == "device" or not self.buckets:
-            return None
-        copies = CopyStream(self.buckets[0].params[0].device)
-        return copies if copies.stream is not None or setting is True else None
-
     def prefetches(self, device_type: str) -> bool:
-        """Buckets on ``device_type`` fetch the next one's states ahead where those are in host memory (`copy_stream`;
-        a GPU has streams)."""
+        """Buckets on ``device_type`` fetch the next one's states ahead where those are in host memory
+        (``prefetch_states``; ``auto``: off the CPU, where a side stream runs the copies)."""
         setting = self.config.prefetch_states
         return self.config.states != "device" and (setting is True or (setting == "auto" and device_type != "cpu"))
+
+    def copy_stream(self) -> Optional[CopyStream]:
+        """Where the states' host copies run ahead of the updates where they do (`prefetches`): the buckets'
+        device's side stream, or none (the CPU: early and synchronous); None: just in time."""
+        if not self.buckets or not self.prefetches(self.buckets[0].params[0].device.type):
+            return None
+        return CopyStream(self.buckets[0].params[0].device)
 
     def planner_decides(self) -> bool:
         """The activation planner plans under a ``memory_budget`` in bytes: it settles the states' tier, and

@@ -242,7 +242,6 @@ class FusedStep:
         self.eager: dict[str, str] = {}
         self.chunked: dict[tuple[str, str], str] = {}
         self._compiled: set[tuple[str, ...]] = set()
-        self._scalars: tuple[Any, Optional[torch.Tensor]] = (None, None)
         self._step_inputs: dict[tuple[Any, ...], tuple[tuple[Any, ...], torch.Tensor]] = {}
 
     def applies(self, fmt: StateFormat, p: torch.Tensor, g: torch.Tensor, param: Optional[torch.Tensor] = None) -> bool:
@@ -317,8 +316,8 @@ class FusedStep:
 
     def _step_input(self, key: tuple[Any, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``make()``, made once per step for equal keys (a tensor in a key is the same object, which the cache
-        holds): grad_release gives every view of a bucket the same multipliers and noise seed, so each tensor
-        would otherwise stack the one and copy the other to the device again."""
+        holds): the hyperparameters' tensor, and grad_release gives every view of a bucket the same multipliers
+        and noise seed, so each tensor would otherwise stack the one and copy the others to the device again."""
         found = self._step_inputs.get(tuple(map(_identity, key)))
         if found is None:
             found = self._step_inputs[tuple(map(_identity, key))] = (key, make())
@@ -359,11 +358,7 @@ class FusedStep:
     def _scalars_for(self, hyper: AdamHyper, step: int, device: torch.device) -> torch.Tensor:
         """`hyper_tensor`, made once per group, step and device (one host-to-device copy a step, not
         one a tensor)."""
-        key, scalars = self._scalars
-        if key != (hyper, step, device):
-            scalars = hyper_tensor(hyper, step, device)
-            self._scalars = ((hyper, step, device), scalars)
-        return scalars
+        return self._step_input(("scalars", hyper, step, device), lambda: hyper_tensor(hyper, step, device))
 
     def _call(self, key: tuple[str, ...], fmt: StateFormat, flat_p: torch.Tensor, flat_g: torch.Tensor,
               buffers: Buffers, start: int, end: int, scalars: torch.Tensor, extra: tuple[Any, ...]) -> bool:

@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 import torch
 
-from xirang_ds.compat.torch import flop_aliases
+from xirang_ds.compat.torch import TorchDispatchMode, flop_aliases
 from xirang_ds.memory.storages import tensors_in
 
 MATMUL_EFFICIENCY = 0.8
@@ -206,6 +206,10 @@ def op_seconds(profile: DeviceProfile, func: Any, args: tuple, kwargs: dict, out
     return profile.op_seconds(flops, moved, low)
 
 
+_BARE = (0, 0, True)
+"""A launch that moves nothing the tally prices: a collective (its bytes are the step's communication), a host read."""
+
+
 class OpTally:
     """The ops of a stretch of work (a fake forward and backward), counted to be priced by any profile: each
     op that launches a kernel (views and size queries launch none) kept as its `op_counts`, equal ones
@@ -213,6 +217,18 @@ class OpTally:
 
     def __init__(self) -> None:
         self.ops: dict[tuple[int, int, bool], int] = {}
+        self.host_syncs = 0
+
+    def collective(self) -> None:
+        """One collective launched (an all-reduce written beside fake ops, which run none): a launch here, its
+        bytes priced as the step's communication."""
+        self.ops[_BARE] = self.ops.get(_BARE, 0) + 1
+
+    def host_read(self) -> None:
+        """One device scalar read on the host (``.item()``, ``bool(t)``; on fake tensors it cannot run): a
+        launch and a host sync, as `xirang_ds.step_counts` counts ``aten._local_scalar_dense``."""
+        self.ops[_BARE] = self.ops.get(_BARE, 0) + 1
+        self.host_syncs += 1
 
     def add(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         from xirang_ds.step_counts import launches_nothing
@@ -238,9 +254,40 @@ class OpTally:
         """The ops one after another on ``profile`` (each `DeviceProfile.op_seconds`)."""
         return sum(profile.op_seconds(f, b, low) * n for (f, b, low), n in self.ops.items())
 
+    def merge(self, other: "OpTally") -> "OpTally":
+        """This tally and ``other`` together (a new tally)."""
+        out = OpTally()
+        for tally in (self, other):
+            for key, n in tally.ops.items():
+                out.ops[key] = out.ops.get(key, 0) + n
+            out.host_syncs += tally.host_syncs
+        return out
+
     def as_dict(self) -> dict[str, int]:
-        return {"launches": self.launches, "flops": self.flops, "bytes_moved": self.bytes_moved}
+        return {"launches": self.launches, "flops": self.flops, "bytes_moved": self.bytes_moved,
+                "host_syncs": self.host_syncs}
 
 
-__all__ = ["DeviceProfile", "MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY", "OpTally", "PROFILES", "UNKNOWN_ACCELERATOR",
-           "measure_cpu_profile", "op_counts", "op_seconds", "profile_for", "profile_named"]
+class Tallying(TorchDispatchMode):
+    """Counts into ``tally`` every op run under it (on fake tensors, inside the caller's ``FakeTensorMode``)."""
+
+    def __init__(self, tally: OpTally) -> None:
+        super().__init__()
+        self.tally = tally
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.tally.add(func, args, kwargs or {}, out)
+        return out
+
+
+def tallied(fn: Any) -> OpTally:
+    """The ops ``fn()`` runs (on fake tensors, inside the caller's ``FakeTensorMode``), counted."""
+    tally = OpTally()
+    with Tallying(tally):
+        fn()
+    return tally
+
+
+__all__ = ["DeviceProfile", "MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY", "OpTally", "PROFILES", "Tallying", "UNKNOWN_ACCELERATOR",
+           "measure_cpu_profile", "op_counts", "op_seconds", "profile_for", "profile_named", "tallied"]

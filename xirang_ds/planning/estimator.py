@@ -351,6 +351,7 @@ def format_estimate(est: Estimate) -> str:
         beside = f" (plain DeepSpeed {plain.seconds * 1e3:.1f} ms)" if plain is not None and plain is not st else ""
         lines.append(f"predicted step: {st.seconds * 1e3:.1f} ms on the {st.profile} profile{beside}: " +
                      ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in st.parts.items()) +
+                     f"; {st.counts['kernels']:,} kernels and {st.counts['host_syncs']} host syncs counted" +
                      "".join(f"; {n}" for n in st.notes))
     lines += ["  " + n for n in est.notes]
     lines.append(f"{'category':<18}{'forward':>12}{'backward':>12}{'optimizer_step':>16}")

@@ -4,23 +4,30 @@ One optimizer step is, one part after the other (no overlap is assumed, so the f
 where DeepSpeed overlaps communication with backward):
 
 * **forward and backward**, ``gradient_accumulation_steps`` times: the fake trace's own ops
-  (`xirang_ds.memory.trace.Trace.ops`: every op that launches a kernel, its FLOPs and bytes moved, the
-  engine's emulated gradient handling included), each priced ``max(FLOPs / rate, bytes / bandwidth) + launch``;
+  (`xirang_ds.memory.trace.Trace.ops`: every op that launches a kernel, its FLOPs and bytes moved), each priced
+  ``max(FLOPs / rate, bytes / bandwidth) + launch``, and DeepSpeed's gradient handling in them (each gradient
+  copied into its bucket, the buckets averaged and reduced, the partition's gradients kept: `deepspeed_ops`);
 * **communication**: the bytes ZeRO's collectives move per rank over the profile's interconnect, as a ring
   moves them (``(n - 1) / n`` of the buffer per reduce-scatter or all-gather, twice that per all-reduce):
   ZeRO 0 all-reduces the 16-bit gradients at the boundary, ZeRO 1 reduces them at the boundary and ZeRO 2 in
   every micro-step, both all-gather the updated 16-bit parameters; ZeRO 3 gathers the parameters in forward
   and in backward and reduce-scatters the gradients, every micro-step. Nothing on one rank;
-* **the optimizer step**: the ops of DeepSpeed's step on the fullest rank's partition, run on fake tensors
-  and counted the same way (`optimizer_ops`): the 16-bit gradient upcast, the gradient norm and clipping
-  where ``gradient_clipping`` is set, torch's AdamW over the fp32 master (or the update of the plugin that
-  runs its own, `xirang_ds.roles.TimesUpdate`: low-bit states), the master cast back into the 16-bit weights;
+* **the optimizer step**: DeepSpeed's ops at the boundary on the fullest rank's partition, op for op on fake
+  tensors (`deepspeed_ops.engine_ops`: the overflow check, the norm in fp64, its checks read on the host, the
+  flatten and upcast, the clipping, torch's AdamW or the update of the plugin that runs its own,
+  `xirang_ds.roles.TimesUpdate`, the cast back, the all-gather); where that module does not write DeepSpeed's
+  path (ZeRO 3, the offloads), one flat partition's (`optimizer_ops`), and the notes say so;
 * **what the block adds**: each enabled plugin's own seconds per step (`xirang_ds.roles.TimesStep`); one
-  that does not price itself is named in the notes as not modelled.
+  that does not price itself is named in the notes as not modelled. A plugin that reduces and steps the
+  gradients itself (`xirang_ds.roles.DropsGradients`: grad_release) is priced as DeepSpeed's path it
+  replaces, and the notes say so.
 
 Work a plugin runs beside the compute stream (`xirang_ds.roles.CopiesBeside`: grad_release's states fetched
 ahead on a side stream) is not one of the parts: the step is the larger of the parts' sum and that work
 (``counts["beside_compute_s"]``), whose copies run on the copy engine while the compute stream works.
+``counts["kernels"]`` and ``counts["host_syncs"]`` are what the counted ops launch and read on the host per
+step (forward and backward, DeepSpeed's, the update), comparable with ``xirang-ds bench``'s counts of plain
+DeepSpeed; a plugin's own seconds (`xirang_ds.roles.TimesStep`) are not in them.
 """
 from __future__ import annotations
 
@@ -29,10 +36,11 @@ from typing import Any, Optional
 
 import torch
 
-from xirang_ds.compat.torch import TorchDispatchMode, fake_tensor_mode
-from xirang_ds.memory.device_profile import DeviceProfile, OpTally
+from xirang_ds.compat.torch import fake_tensor_mode
+from xirang_ds.memory.device_profile import DeviceProfile, OpTally, Tallying, tallied
 from xirang_ds.memory.run_shape import RunShape, fullest_rank, partition_numel
-from xirang_ds.roles import CopiesBeside, TimesStep, TimesUpdate
+from xirang_ds.planning.deepspeed_ops import engine_ops
+from xirang_ds.roles import CopiesBeside, DropsGradients, TimesStep, TimesUpdate
 
 
 @dataclass
@@ -60,28 +68,11 @@ class StepTime:
                 "profile": self.profile, "notes": list(self.notes)}
 
 
-class _Tallying(TorchDispatchMode):
-    def __init__(self, tally: OpTally) -> None:
-        super().__init__()
-        self.tally = tally
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.tally.add(func, args, kwargs or {}, out)
-        return out
-
-
-def tallied(fn: Any) -> OpTally:
-    """The ops ``fn()`` runs (on fake tensors, inside the caller's ``FakeTensorMode``), counted."""
-    tally = OpTally()
-    with _Tallying(tally):
-        fn()
-    return tally
-
-
 def optimizer_ops(shape: RunShape, numels: list[int], update: bool = True) -> OpTally:
-    """The ops of DeepSpeed's optimizer step on this rank's partition (module docstring), counted on fake
-    tensors: one flat partition per parameter group at ZeRO 1-3, every parameter at ZeRO 0."""
+    """DeepSpeed's optimizer step as one flat partition's, where `deepspeed_ops` does not write its path op for op
+    (ZeRO 3, the offloads, ZeRO 0 under DeepSpeed's fused optimizers), counted on fake tensors: the 16-bit gradient
+    upcast, the norm and clipping, torch's AdamW, the cast back; one flat partition per parameter group at ZeRO 1-3,
+    every parameter at ZeRO 0."""
     if shape.stage == 0:
         sizes = list(numels)
     else:
@@ -96,7 +87,7 @@ def optimizer_ops(shape: RunShape, numels: list[int], update: bool = True) -> Op
         low = [torch.zeros(n, dtype=shape.dtype) for n in sizes] if sixteen else masters
         # DeepSpeed's fused Adam (one multi-tensor kernel per chunk of tensors) is counted as torch's foreach
         opt = torch.optim.AdamW(masters, foreach=shape.adam_impl != "single_tensor")
-        with _Tallying(tally):
+        with Tallying(tally):
             for m, g16 in zip(masters, low):
                 m.grad = g16.float() if sixteen else torch.zeros_like(m)
             if shape.clipping:
@@ -137,12 +128,21 @@ def step_time(shape: RunShape, trace: Any, profile: DeviceProfile, session: Any 
     plugins = list(session.plugins if session is not None else ())
     updates = [(p, p.update_ops(shape, numels, profile)) for p in plugins if isinstance(p, TimesUpdate)]
     update = next((ops for _, ops in updates if ops is not None), None)
-    opt = optimizer_ops(shape, numels, update=update is None)
+    notes = []
+    engine = engine_ops(shape, numels, update=update is None)
+    if engine is None:
+        backward, opt = OpTally(), optimizer_ops(shape, numels, update=update is None)
+        notes.append(f"DeepSpeed's own work around the update ({_flat_why(shape)}) is priced as one flat "
+                     "partition's, not op by op")
+    else:
+        backward, opt = engine
+    for plugin in plugins:
+        if isinstance(plugin, DropsGradients):  # it reduces and steps the gradients in place of DeepSpeed's path
+            notes.append(f"{plugin.section}: its own gradient handling is priced as DeepSpeed's, which it replaces")
     comm = communication_bytes(shape, total)
-    parts = {"forward_backward": shape.grad_accum * ops.seconds(profile),
+    parts = {"forward_backward": shape.grad_accum * ops.seconds(profile) + backward.seconds(profile),
              "communication": comm / profile.interconnect_bytes_per_s if comm else 0.0,
              "optimizer": opt.seconds(profile) + (update.seconds(profile) if update is not None else 0.0)}
-    notes = []
     if shape.offloaded:
         notes.append("DeepSpeed's host offload is not priced")
     priced = {p.section for p, ops in updates if ops is not None}
@@ -153,14 +153,22 @@ def step_time(shape: RunShape, trace: Any, profile: DeviceProfile, session: Any 
                 notes.append(f"{plugin.section}: its time is not priced")
         elif seconds:
             parts[plugin.section] = seconds
-    counts = {"forward_backward": ops.as_dict(), "optimizer": opt.as_dict(), "communication_bytes": comm,
-              "micro_steps": shape.grad_accum}
+    counted = [ops] * shape.grad_accum + [backward, opt] + ([update] if update is not None else [])
+    counts = {"forward_backward": ops.as_dict(), "engine_backward": backward.as_dict(), "optimizer": opt.as_dict(),
+              "communication_bytes": comm, "micro_steps": shape.grad_accum,
+              "kernels": sum(t.launches for t in counted), "host_syncs": sum(t.host_syncs for t in counted)}
     if update is not None:
         counts["optimizer_update"] = update.as_dict()  # beside DeepSpeed's ops around it, under "optimizer"
     beside = sum(p.beside_seconds(shape, numels, profile) for p in plugins if isinstance(p, CopiesBeside))
     if beside:
         counts["beside_compute_s"] = beside
     return StepTime(max(sum(parts.values()), beside), parts, counts, profile.name, notes)
+
+
+def _flat_why(shape: RunShape) -> str:
+    if shape.offloaded:
+        return "its host offload"
+    return "ZeRO 3" if shape.stage == 3 else "ZeRO 0 under its fused optimizer"
 
 
 __all__ = ["StepTime", "communication_bytes", "optimizer_ops", "step_time", "tallied"]

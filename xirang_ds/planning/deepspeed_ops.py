@@ -1,0 +1,290 @@
+"""DeepSpeed's own ops in one optimizer step, on fake tensors: what the engine launches around the model's
+forward and backward and the optimizer's update, for the predicted step (`xirang_ds.planning.step_time`).
+
+Plain DeepSpeed's step is mostly its own small ops: at gpt-small (ZeRO-2 bf16, 2 ranks, clipping 1.0) 528 of
+the 680 kernels of rank 0's step as a GPU runs it (``benchmarks/results/step_counts_presets.json``, "as_gpu"),
+a dozen per gradient piece, most of them launch-bound on a GPU, a few of them passes over every gradient
+(its ``amax`` and ``amin``, its norm in fp64). Each path below is written after DeepSpeed 0.19's code, op for
+op, and counted against the real engine on this CPU (``tests/memory/test_deepspeed_ops.py``):
+
+* **ZeRO 1/2** (``runtime/zero/stage_1_and_2.py``). Every micro-step: the loss divided by the accumulation steps
+  and scaled (``engine.backward``, ``scale_loss``); each gradient copied into the reduction bucket as it
+  arrives (``reduce_independent_p_g_buckets_and_remove_grads``); each bucket averaged (``average_tensor``),
+  flattened, all-reduced and this rank's runs of it copied back (``allreduce_and_copy_with_multiple_ranks``);
+  each gradient of this rank's partition copied into the partition (``copy_grads_in_partition``) and, after
+  the first micro-step, added to what the ones before kept (``independent_gradient_partition_epilogue``).
+  At the boundary: in 16-bit, the overflow check (``has_inf_or_nan`` of every gradient piece of the
+  partition, summed, all-reduced and read: a host sync); the norm, one per piece in fp64
+  (``get_grad_norm_direct``), combined and checked (``combine_grad_norm_groups``; ``is_invalid_grad_norm``
+  reads it, a host sync, twice where clipping); the partition flattened (and upcast), unscaled and clipped
+  (``unscale_and_clip_grads``); the update; the cast back into the 16-bit partition; the all-gather.
+* **ZeRO 0 in 16-bit under torch's optimizer** (``runtime/fp16/unfused_optimizer.py``, DeepSpeed's
+  ``DDP_BFLOAT16``). The engine's all-reduce of the gradients by buckets, copied back one by one; per
+  parameter the overflow check read on the host (``has_overflow_serial``: a host sync each), its norm
+  (``get_weight_norm``), its upcast, unscaling and cast back.
+* **ZeRO 0 in fp32**: the engine's all-reduce, then ``clip_grad_norm_`` where clipping (a norm and a scaling
+  per parameter), then torch's optimizer.
+
+A collective counts one launch (its bytes are the step's ``communication``), a host read (``.item()``) one
+launch and one host sync, as `xirang_ds.step_counts` counts them. Not written here: ZeRO 3, ZeRO 0 under
+DeepSpeed's fused optimizers, the host offloads: there `flat_step_ops` prices DeepSpeed's work around the
+update as one flat partition's (the upcast, the norm and clipping, the cast back) and the notes say so.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from xirang_ds.compat.torch import fake_tensor_mode
+from xirang_ds.memory.device_profile import OpTally, Tallying
+from xirang_ds.memory.run_shape import RunShape, partition_numel
+
+ZERO0_ALLREDUCE_NUMEL = 500_000_000
+"""The engine's all-reduce bucket at ZeRO 0 (``engine.py`` ``MEMORY_OPT_ALLREDUCE_SIZE``; no config key sets it)."""
+NORM_DTYPE = torch.float64
+"""DeepSpeed's ``get_norm_dtype()`` on a device with fp64 (CUDA, the CPU): gradient norms accumulate in it."""
+
+
+def emulated(shape: RunShape) -> bool:
+    """DeepSpeed's own work of this run is written op for op here (module docstring)."""
+    if shape.offloaded or shape.stage == 3:
+        return False
+    return shape.stage in (1, 2) or shape.dtype == torch.float32 or shape.adam_impl != "fused"
+
+
+def pieces(shape: RunShape, numels: list[int], rank: int) -> list[list[tuple[int, int]]]:
+    """Per parameter group, ``(parameter, its elements in the partition)`` of each gradient piece in ``rank``'s
+    ZeRO 1/2 partition (``averaged_gradients``: a parameter that crosses the partition's edge is cut there)."""
+    out = []
+    for group in _groups(shape, numels):
+        part = partition_numel(sum(numels[i] for i in group), shape.world_size)
+        lo, hi, start, mine = rank * part, (rank + 1) * part, 0, []
+        for i in group:
+            first, last = max(start, lo), min(start + numels[i], hi)
+            if first < last:
+                mine.append((i, last - first))
+            start += numels[i]
+        out.append(mine)
+    return out
+
+
+def fullest_rank_index(shape: RunShape, numels: list[int]) -> int:
+    """The rank `run_shape.fullest_rank` describes: the first whose partition keeps the most elements whole."""
+    kept = [sum(numels[i] for group in pieces(shape, numels, r) for i, _ in group) for r in range(max(shape.world_size, 1))]
+    return kept.index(max(kept))
+
+
+def _groups(shape: RunShape, numels: list[int]) -> tuple[tuple[int, ...], ...]:
+    return shape.groups or (tuple(range(len(numels))),)
+
+
+def _slices(shape: RunShape, numels: list[int], param: int) -> list[tuple[int, int]]:
+    """``(rank, elements)`` of each slice of a parameter's gradient, in order (``average_tensor``'s
+    ``partition_ids_w_offsets``)."""
+    group = next(g for g in _groups(shape, numels) if param in g)
+    part = partition_numel(sum(numels[i] for i in group), shape.world_size)
+    start = sum(numels[i] for i in group[:group.index(param)])
+    end, out = start + numels[param], []
+    while start < end:
+        stop = min(end, (start // part + 1) * part)
+        out.append((start // part, stop - start))
+        start = stop
+    return out
+
+
+def _buckets(numels: list[int], size: int) -> list[list[int]]:
+    """Parameters in the order their gradients arrive (the last first), cut into reduction buckets of ``size``."""
+    buckets, fill = [[]], 0
+    for i in reversed(range(len(numels))):
+        if fill + numels[i] > size and fill:
+            buckets.append([])
+            fill = 0
+        buckets[-1].append(i)
+        fill += numels[i]
+    return [b for b in buckets if b]
+
+
+def _has_inf_or_nan(g: torch.Tensor) -> torch.Tensor:
+    """``runtime/utils.py``'s ``has_inf_or_nan``: the finiteness of the largest and smallest element."""
+    return torch.isfinite(g.amax()).logical_and(torch.isfinite(g.amin())).logical_not()
+
+
+def _invalid(norm: torch.Tensor, tally: OpTally) -> None:
+    """``is_invalid_grad_norm``: checked on the device, read on the host."""
+    (~torch.isfinite(norm) | (norm < 0)).any()
+    tally.host_read()
+
+
+def _zero12_backward(shape: RunShape, numels: list[int], rank: int) -> OpTally:
+    """Every micro-step's backward at ZeRO 1/2 (module docstring)."""
+    lp = shape.dtype
+    inside = {i for group in pieces(shape, numels, rank) for i, _ in group}
+    backward = OpTally()
+    with Tallying(backward):
+        for micro in range(shape.grad_accum):
+            (torch.empty(()) / shape.grad_accum) * 1.0  # engine.backward's division, the loss scaler's product
+            for bucket in _buckets(numels, shape.reduce_bucket):
+                flat = torch.empty(sum(numels[i] for i in bucket), dtype=lp)
+                for i in bucket:  # each gradient copied in as it arrives
+                    flat[:numels[i]].copy_(torch.empty(numels[i], dtype=lp))
+                flat.div_(shape.world_size)  # average_tensor
+                runs: list[tuple[int, int]] = []  # the bucket's slices, consecutive ones of one rank merged
+                for r, n in (s for i in bucket for s in _slices(shape, numels, i)):
+                    if runs and runs[-1][0] == r:
+                        runs[-1] = (r, runs[-1][1] + n)
+                    else:
+                        runs.append((r, n))
+                # allreduce_bucket's flatten of the runs (one run is its own flat view), all-reduced
+                reduced = torch.cat([flat[:n] for _, n in runs]) if len(runs) > 1 else flat
+                backward.collective()
+                for r, n in runs:  # this rank's runs of the bucket copied back
+                    if r == rank:
+                        flat[:n].copy_(reduced[:n])
+                for i in bucket:
+                    if i in inside:  # copy_grads_in_partition: the parameter's whole gradient
+                        torch.empty(numels[i], dtype=lp).copy_(torch.empty(numels[i], dtype=lp))
+            if micro:  # the epilogue adds this micro-step's partition gradients to the kept ones
+                for i in inside:
+                    torch.empty(numels[i], dtype=lp).add_(torch.empty(numels[i], dtype=lp))
+    return backward
+
+
+def _zero12_before(shape: RunShape, numels: list[int], rank: int, tally: OpTally) -> list[torch.Tensor]:
+    """The boundary at ZeRO 1/2 up to the update: each group's flat fp32 gradient partition (module docstring)."""
+    lp, sixteen = shape.dtype, shape.dtype != torch.float32
+    with Tallying(tally):
+        groups = [[torch.empty(n, dtype=lp) for _, n in group] for group in pieces(shape, numels, rank)]
+        if sixteen:  # check_overflow
+            count = torch.zeros(1)
+            for g in (g for group in groups for g in group):
+                count += _has_inf_or_nan(g)
+            count.bool().to(torch.uint8)
+            tally.collective()
+            tally.host_read()
+        group_norms = []
+        for grads in groups:  # get_grad_norm_direct
+            norms = [torch.linalg.vector_norm(g.to(NORM_DTYPE)) for g in grads]
+            total = torch.stack(norms).pow(2).sum().float() if norms else torch.zeros(())
+            tally.collective()
+            total = total.pow(0.5)
+            total.masked_fill_(total.isnan().logical_or(total.isinf()), torch.empty(()))  # mask_nan_or_inf_with_val_inplace
+            group_norms.append(total)
+        stacked = torch.stack(group_norms)  # combine_grad_norm_groups
+        invalid = (~torch.isfinite(stacked) | (stacked < 0)).any()
+        combined = torch.linalg.vector_norm(stacked)
+        norm = torch.where(invalid, torch.full_like(combined, float("inf")), combined)
+        _invalid(norm, tally)  # step()'s check of the combined norm
+        norm / 1.0  # the norm kept for logging, unscaled
+        masters = []
+        for grads in groups:
+            flat = torch.cat(grads) if len(grads) > 1 else grads[0] if grads else torch.empty(0, dtype=lp)  # flattened
+            master = flat.float() if sixteen else flat
+            if shape.clipping:  # unscale_and_clip_grads
+                _invalid(norm, tally)
+                clip = torch.clamp(((norm / 1.0) + 1e-6) / shape.clipping, min=1.0) * 1.0
+                master.mul_(1.0 / clip)
+            masters.append(master)
+    return masters
+
+
+def _zero12_after(shape: RunShape, numels: list[int], rank: int, tally: OpTally) -> None:
+    """Each group's update cast back into its 16-bit partition, and the all-gather."""
+    with Tallying(tally):
+        for group in pieces(shape, numels, rank):
+            n = sum(n for _, n in group)
+            torch.empty(n, dtype=shape.dtype).copy_(torch.empty(n))
+        tally.collective()
+
+
+def _zero0_backward(shape: RunShape, numels: list[int]) -> OpTally:
+    """The engine's division of the loss each micro-step and its all-reduce of the gradients at the boundary
+    (``buffered_allreduce_fallback``: a bucket flattened, divided, all-reduced and copied back one by one)."""
+    backward = OpTally()
+    with Tallying(backward):
+        for _ in range(shape.grad_accum):
+            torch.empty(()) / shape.grad_accum  # engine.backward's division
+        for bucket in _buckets(numels, ZERO0_ALLREDUCE_NUMEL):
+            flat = torch.cat([torch.empty(numels[i], dtype=shape.dtype) for i in bucket])
+            flat.mul_(1.0 / shape.world_size)
+            backward.collective()
+            for i in bucket:
+                torch.empty(numels[i], dtype=shape.dtype).copy_(flat[:numels[i]])
+    return backward
+
+
+def _zero0_before(shape: RunShape, numels: list[int], tally: OpTally) -> list[torch.Tensor]:
+    """ZeRO 0 up to the update: the fp32 gradients the optimizer steps with (module docstring)."""
+    with Tallying(tally):
+        grads = [torch.empty(n, dtype=shape.dtype) for n in numels]
+        if shape.dtype != torch.float32:  # FP16_UnfusedOptimizer.step
+            for g in grads:  # has_overflow_serial: each parameter's check read on the host
+                _has_inf_or_nan(g)
+                tally.host_read()
+            tally.host_read()  # has_overflow's flag
+            total = None
+            for g in grads:  # get_weight_norm
+                term = g.float().norm().pow(2)
+                total = term + 0.0 if total is None else total.add_(term)
+            tally.host_read()
+            tally.host_read()
+            masters = [g.float() for g in grads]
+            for m in masters:  # unscale_and_clip_grads, by a scale the host computed
+                m.mul_(1.0)
+            return masters
+        if shape.clipping:  # clip_grad_norm_
+            norms = [g.detach().float().norm() for g in grads]
+            total = torch.stack(norms).pow(2).sum().float().pow(0.5)
+            scaled = total * 1.0 / shape.world_size
+            tally.collective()
+            coef = torch.min(torch.empty(1), torch.empty(1) / (scaled + 1e-6))  # both made by host copies
+            for g in grads:
+                g.mul_(coef)
+        return grads
+
+
+def _zero0_after(shape: RunShape, numels: list[int], tally: OpTally) -> None:
+    if shape.dtype != torch.float32:
+        with Tallying(tally):
+            for n in numels:  # the fp32 masters cast back into the 16-bit parameters
+                torch.empty(n, dtype=shape.dtype).copy_(torch.empty(n))
+
+
+def engine_ops(shape: RunShape, numels: list[int], update: bool = True,
+               rank: Optional[int] = None) -> Optional[tuple[OpTally, OpTally]]:
+    """``(backward, step)``: DeepSpeed's ops in every micro-step's backward together, and at the boundary with
+    torch's AdamW as the update where ``update`` (else a plugin prices the update: `xirang_ds.roles.TimesUpdate`);
+    ``rank``'s at ZeRO 1/2 (default: the fullest rank's). ``None`` where the path is not written here
+    (`emulated`)."""
+    if not emulated(shape):
+        return None
+    rank = fullest_rank_index(shape, numels) if rank is None else rank
+    step = OpTally()
+    with fake_tensor_mode():
+        if shape.stage in (1, 2):
+            backward = _zero12_backward(shape, numels, rank)
+            masters = _zero12_before(shape, numels, rank, step)
+        else:
+            backward = _zero0_backward(shape, numels)
+            masters = _zero0_before(shape, numels, step)
+        if update:  # torch's AdamW, a step taken before so that its states exist (the counted step is a later one)
+            params = [torch.nn.Parameter(torch.zeros(m.numel())) for m in masters]
+            foreach = shape.adam_impl != "single_tensor"
+            # one optimizer step per group at ZeRO 1/2 (``_optimizer_step``), one over every parameter at ZeRO 0
+            optimizers = [torch.optim.AdamW(ps, foreach=foreach) for ps in ([[p] for p in params] if shape.stage
+                                                                           else [params])]
+            for p, m in zip(params, masters):
+                p.grad = m
+            for opt in optimizers:
+                opt.step()
+            with Tallying(step):
+                for opt in optimizers:
+                    opt.step()
+        if shape.stage in (1, 2):
+            _zero12_after(shape, numels, rank, step)
+        else:
+            _zero0_after(shape, numels, step)
+    return backward, step
+
+
+__all__ = ["NORM_DTYPE", "ZERO0_ALLREDUCE_NUMEL", "emulated", "engine_ops", "fullest_rank_index", "pieces"]

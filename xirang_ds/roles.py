@@ -133,6 +133,23 @@ class TimesUpdate(Protocol):
         `xirang_ds.memory.device_profile.OpTally`), or ``None`` where it cannot count them (then torch's AdamW
         stands in, and the notes say so)."""
 
+    def group_update_ops(self, shape: Any, pieces: list, profile: Any) -> Optional[Any]:
+        """The ops of one optimizer step over ``pieces`` (``(parameter index, elements)``, the parameters indexed as
+        the estimate's ``numels``): a `TimesGradients` plugin's own optimizer steps (a grad_release bucket's shard),
+        or ``None`` where it cannot count them."""
+
+
+@runtime_checkable
+class TimesGradients(Protocol):
+    """It reduces and steps the gradients in place of DeepSpeed's path (grad_release): the predicted step counts its
+    ops there instead of DeepSpeed's (`xirang_ds.planning.step_time`)."""
+
+    def gradient_ops(self, shape: Any, numels: list, profile: Any) -> Optional[tuple[Any, Any]]:
+        """``(backward, boundary)``: `xirang_ds.memory.device_profile.OpTally` of its ops in one optimizer step's
+        backwards (updates made there included) and after them on ``profile``'s device, the updates of its own
+        optimizer steps with them (a `TimesUpdate` plugin's `TimesUpdate.group_update_ops` where one runs them);
+        ``None`` where it cannot count them (DeepSpeed's path stands in, and the notes say so)."""
+
 
 @runtime_checkable
 class ReshapesRun(Protocol):

@@ -217,6 +217,10 @@ class OptimizerStatesPlugin(Plugin):
         """`xirang_ds.roles.TimesUpdate`: the low-bit update's ops (`step_time.update_ops`)."""
         return step_time.update_ops(self, shape, numels, profile)
 
+    def group_update_ops(self, shape: Any, pieces: list, profile: Any) -> Optional[Any]:
+        """`xirang_ds.roles.TimesUpdate`: one optimizer step's ops over some pieces (`step_time.group_update_ops`)."""
+        return step_time.group_update_ops(self, shape, pieces, profile)
+
     def adjust_estimate(self, phases: dict, shape: Any, numels: list) -> Optional[dict]:
         """States at the most precise format the policy starts from (the run's peak is there: a
         schedule only lowers precision, stability never rises above its start), fp32 for the kept

@@ -11,7 +11,9 @@ chunk by chunk, and one chunk of it is run on fake tensors and counted (`update.
 format's decode and encode, what `optimizer.DynamicAdamW` runs), every chunk priced as a whole one; kept
 fp32 shards of at most ``chunk_numel`` elements are stepped together on torch's multi-tensor ops, as the
 run steps them (`together`): one batch's ops per ``chunk_numel`` elements of them (a multi-tensor op counted
-as one launch), except under in-place ``masters: none``, whose kept shards are updated one by one.
+as one launch), except under in-place ``masters: none``, whose kept shards are updated one by one. Under
+grad_release each bucket's optimizer steps its own shard: grad_release counts its buckets' updates one by one
+(`group_update_ops`, from its own step run on fake tensors: `grad_release.step_ops`).
 Under grad_release's ``masters: none`` in place (bf16 weights, no master) the compiled kernel also rounds
 the result stochastically into the weight (`fused.chunk_step`): it reads and writes the bf16 weight
 instead of an fp32 parameter, still one kernel, for the kept fp32 shards too (`fused.fuses`). What grad_release's other masters add (rebuilding a
@@ -80,7 +82,6 @@ def update_ops(plugin: Any, shape: Any, numels: list, profile: Any) -> Optional[
     if layout is None:
         return None
     params, kept_ids, fmt = layout
-    c = plugin.config
     world = shape.world_size if shape.stage >= 1 else 1
     fp32 = make_format("fp32")
     kept = [p.numel() for p in params if id(p) in kept_ids]
@@ -89,16 +90,34 @@ def update_ops(plugin: Any, shape: Any, numels: list, profile: Any) -> Optional[
         tensors = [(fp32, math.ceil(n / world)) for n in kept] + [(fmt, math.ceil(n / world)) for n in quant]
     else:  # one flat partition per group
         tensors = [(f, math.ceil(sum(ns) / world)) for f, ns in ((fp32, kept), (fmt, quant)) if ns]
+    return _tensors_ops(plugin, shape, tensors, profile)
+
+
+def group_update_ops(plugin: Any, shape: Any, pieces: list, profile: Any) -> Optional[OpTally]:
+    """The ops of one optimizer step over ``pieces`` (``(parameter index, elements)``: one grad_release bucket's
+    shard, which its own optimizer steps), as `update_ops` counts a step; ``None`` without the model."""
+    layout = plugin.estimate_layout()
+    if layout is None:
+        return None
+    params, kept_ids, fmt = layout
+    fp32 = make_format("fp32")
+    return _tensors_ops(plugin, shape, [(fp32 if id(params[i]) in kept_ids else fmt, n) for i, n in pieces], profile)
+
+
+def _tensors_ops(plugin: Any, shape: Any, tensors: list, profile: Any) -> OpTally:
+    """One step of ``tensors`` (``(state format, elements)``) as it runs on ``profile``'s device."""
+    c = plugin.config
+    fp32 = make_format("fp32")
     compiled = c.fused is True or (c.fused == "auto" and not profile.name.startswith("cpu"))
     stepper = plugin.session.stepper
     no_master = (stepper is not None and shape.dtype == torch.bfloat16
                  and getattr(getattr(stepper, "config", None), "masters", None) == "none")  # rounded in the kernel
     out = OpTally()
-    together = [n for f, n in tensors if f is fp32 and n <= c.chunk_numel] if not no_master else []
+    together = [n for f, n in tensors if f.name == fp32.name and n <= c.chunk_numel] if not no_master else []
     for run in batches([torch.empty(n, device="meta") for n in together], c.chunk_numel):
         _add(out, together_batch(sum(t.numel() for t in run)))
     for f, n in tensors:
-        if f is fp32 and n <= c.chunk_numel and not no_master:
+        if f.name == fp32.name and n <= c.chunk_numel and not no_master:
             continue  # stepped together above
         if compiled and fuses(f.name, no_master):  # one kernel: the parameter, its gradient, both moments
             key = (0, (4 if no_master else 8) * n + 4 * n + 2 * f.state_bytes(n), False)
@@ -109,4 +128,4 @@ def update_ops(plugin: Any, shape: Any, numels: list, profile: Any) -> Optional[
     return out
 
 
-__all__ = ["eager_chunk", "together_batch", "update_ops"]
+__all__ = ["eager_chunk", "group_update_ops", "together_batch", "update_ops"]

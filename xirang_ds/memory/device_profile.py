@@ -224,6 +224,17 @@ class OpTally:
         bytes priced as the step's communication."""
         self.ops[_BARE] = self.ops.get(_BARE, 0) + 1
 
+    def ops_from(self, other: "OpTally") -> None:
+        """Add ``other``'s ops and host syncs to this tally."""
+        for key, n in other.ops.items():
+            self.ops[key] = self.ops.get(key, 0) + n
+        self.host_syncs += other.host_syncs
+
+    def add_counts(self, flops: int, bytes_moved: int, low_precision: bool) -> None:
+        """One launch of known counts that no ATen op here runs (a compiled graph's call, written by its caller)."""
+        key = (flops, bytes_moved, low_precision)
+        self.ops[key] = self.ops.get(key, 0) + 1
+
     def host_read(self) -> None:
         """One device scalar read on the host (``.item()``, ``bool(t)``; on fake tensors it cannot run): a
         launch and a host sync, as `xirang_ds.step_counts` counts ``aten._local_scalar_dense``."""
@@ -253,15 +264,6 @@ class OpTally:
     def seconds(self, profile: DeviceProfile) -> float:
         """The ops one after another on ``profile`` (each `DeviceProfile.op_seconds`)."""
         return sum(profile.op_seconds(f, b, low) * n for (f, b, low), n in self.ops.items())
-
-    def merge(self, other: "OpTally") -> "OpTally":
-        """This tally and ``other`` together (a new tally)."""
-        out = OpTally()
-        for tally in (self, other):
-            for key, n in tally.ops.items():
-                out.ops[key] = out.ops.get(key, 0) + n
-            out.host_syncs += tally.host_syncs
-        return out
 
     def as_dict(self) -> dict[str, int]:
         return {"launches": self.launches, "flops": self.flops, "bytes_moved": self.bytes_moved,

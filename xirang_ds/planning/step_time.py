@@ -19,8 +19,8 @@ where DeepSpeed overlaps communication with backward):
   path (ZeRO 3, the offloads), one flat partition's (`optimizer_ops`), and the notes say so;
 * **what the block adds**: each enabled plugin's own seconds per step (`xirang_ds.roles.TimesStep`); one
   that does not price itself is named in the notes as not modelled. A plugin that reduces and steps the
-  gradients itself (`xirang_ds.roles.DropsGradients`: grad_release) is priced as DeepSpeed's path it
-  replaces, and the notes say so.
+  gradients in place of DeepSpeed's path (`xirang_ds.roles.TimesGradients`: grad_release) counts its own ops
+  there instead of DeepSpeed's, its update included unless another plugin prices that.
 
 Work a plugin runs beside the compute stream (`xirang_ds.roles.CopiesBeside`: grad_release's states fetched
 ahead on a side stream) is not one of the parts: the step is the larger of the parts' sum and that work
@@ -40,7 +40,7 @@ from xirang_ds.compat.torch import fake_tensor_mode
 from xirang_ds.memory.device_profile import DeviceProfile, OpTally, Tallying, tallied
 from xirang_ds.memory.run_shape import RunShape, fullest_rank, partition_numel
 from xirang_ds.planning.deepspeed_ops import engine_ops
-from xirang_ds.roles import CopiesBeside, DropsGradients, TimesStep, TimesUpdate
+from xirang_ds.roles import CopiesBeside, TimesGradients, TimesStep, TimesUpdate
 
 
 @dataclass
@@ -129,23 +129,26 @@ def step_time(shape: RunShape, trace: Any, profile: DeviceProfile, session: Any 
     updates = [(p, p.update_ops(shape, numels, profile)) for p in plugins if isinstance(p, TimesUpdate)]
     update = next((ops for _, ops in updates if ops is not None), None)
     notes = []
-    engine = engine_ops(shape, numels, update=update is None)
+    priced = {p.section for p, ops in updates if ops is not None}
+    handler = next((p for p in plugins if isinstance(p, TimesGradients)), None)  # in place of DeepSpeed's path
+    engine = handler.gradient_ops(shape, numels, profile) if handler is not None else None
+    if engine is not None:
+        update = None  # its own optimizer steps are in its ops
+    elif handler is not None:
+        notes.append(f"{handler.section}: its own gradient handling is priced as DeepSpeed's, which it replaces")
+    engine = engine or engine_ops(shape, numels, update=update is None)
     if engine is None:
         backward, opt = OpTally(), optimizer_ops(shape, numels, update=update is None)
         notes.append(f"DeepSpeed's own work around the update ({_flat_why(shape)}) is priced as one flat "
                      "partition's, not op by op")
     else:
         backward, opt = engine
-    for plugin in plugins:
-        if isinstance(plugin, DropsGradients):  # it reduces and steps the gradients in place of DeepSpeed's path
-            notes.append(f"{plugin.section}: its own gradient handling is priced as DeepSpeed's, which it replaces")
     comm = communication_bytes(shape, total)
     parts = {"forward_backward": shape.grad_accum * ops.seconds(profile) + backward.seconds(profile),
              "communication": comm / profile.interconnect_bytes_per_s if comm else 0.0,
              "optimizer": opt.seconds(profile) + (update.seconds(profile) if update is not None else 0.0)}
     if shape.offloaded:
         notes.append("DeepSpeed's host offload is not priced")
-    priced = {p.section for p, ops in updates if ops is not None}
     for plugin in plugins:
         seconds = plugin.step_seconds(shape, numels, profile) if isinstance(plugin, TimesStep) else None
         if seconds is None:

@@ -63,7 +63,7 @@ def plan_before_run(plugin: Any, twin: ModelTwin, args: tuple, kwargs: dict) -> 
         with tracker.paused() if tracker is not None else contextlib.nullcontext():
             est = session.estimator.estimate_run(twin.build, ds_config, world_size=session.world_size,
                                                  device=device, inputs=sig.fake, device_profile=plugin.device_profile,
-                                                 device_total_bytes=total)
+                                                 device_total_bytes=total, timed=False)
     except XirangConfigError:
         raise
     except Exception as e:  # fake tensors cannot run every model (data-dependent shapes, custom ops)
@@ -82,7 +82,7 @@ def plan_before_run(plugin: Any, twin: ModelTwin, args: tuple, kwargs: dict) -> 
             with tracker.paused() if tracker is not None else contextlib.nullcontext():
                 return session.estimator.estimate_run(twin.build, config, world_size=session.world_size, device=device,
                                                       inputs=sig.fake, device_profile=plugin.device_profile,
-                                                      device_total_bytes=total)
+                                                      device_total_bytes=total, timed=False)
 
         least = least_fitting_budget(ds_config, again, plan.least_budget_bytes)[0] if budget != "auto" else None
         raise XirangConfigError(plan.refusal(budget, f"planned before the run for a batch of {sig.describe()}", held,

@@ -129,7 +129,10 @@ def test_compiled_models_train_under_every_preset_with_and_without_a_budget(runs
             run = rank[preset]
             assert all(math.isfinite(x) for x in run["losses"]), (preset, run)
             if preset == "conservative":  # lossless: the compiled plain run's losses
-                assert run["losses"] == rank["plain"]["losses"]
+                # to the last bits of fp32: under grad_release's gradient hooks Dynamo may compile a layer anew,
+                # and Inductor's new kernel can sum in another order (seen on some x86 hosts: one loss of
+                # llama's 6 off by 5e-7, the steps after equal again)
+                assert run["losses"] == pytest.approx(rank["plain"]["losses"], rel=1e-6, abs=0)
             budgeted = rank[preset + " budget"]
             if builder == "gpt":  # one unit: every saved tensor is back at once in its backward
                 assert "the model was compiled before initialize, so the model is one unit" in budgeted["refused"]

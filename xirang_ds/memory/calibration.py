@@ -349,7 +349,8 @@ class Calibration:
             with tracker.paused() if tracker is not None else contextlib.nullcontext():
                 est = session.estimator.estimate_run(self.twin.build, session.requested_ds_config,
                                                      world_size=session.world_size,
-                                                     device="cuda" if self.on_accelerator else "cpu", inputs=sig.fake)
+                                                     device="cuda" if self.on_accelerator else "cpu", inputs=sig.fake,
+                                                     timed=False)
         except Exception as e:  # fake tensors cannot run every model (data-dependent shapes, custom ops)
             self.notes.append(f"the estimator could not trace this model on {sig.describe()} ({type(e).__name__}: "
                               f"{' '.join(str(e).split())[:200]}); the prediction is the measured steady peak, for "

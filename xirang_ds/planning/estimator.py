@@ -120,7 +120,8 @@ class Estimate:
 def estimate_run(build: Callable[[], torch.nn.Module], ds_config: dict, seq: Optional[int] = None,
                  vocab: Optional[int] = None, world_size: int = 1, device: str = "cpu",
                  inputs: Optional[Inputs] = None, device_profile: Any = None,
-                 device_total_bytes: Optional[int] = None, model_key: Optional[Hashable] = None) -> Estimate:
+                 device_total_bytes: Optional[int] = None, model_key: Optional[Hashable] = None,
+                 timed: bool = True) -> Estimate:
     """Estimate one rank's peak for ``build()`` trained with ``ds_config`` on ``world_size`` ranks, on
     ``seq`` tokens below ``vocab`` per sample or on the batch ``inputs`` makes (`trace_model`).
 
@@ -129,7 +130,8 @@ def estimate_run(build: Callable[[], torch.nn.Module], ds_config: dict, seq: Opt
     planner plans on the trace, priced by ``device_profile`` (default: the CPU's), with
     ``device_total_bytes`` for ``memory_budget: auto`` where the device is not this machine's. Inside
     `xirang_ds.planning.trace_cache.reuse_traces`, ``model_key`` (what ``build`` makes: a model spec) lets
-    estimates that trace the same share one trace.
+    estimates that trace the same share one trace. ``timed=False`` leaves the predicted step out (``None``): a
+    caller that needs only the memory (the plan at ``initialize``) does not count the step's ops.
     """
     session = _session_for(build, ds_config, world_size)
     if session is not None:
@@ -140,7 +142,7 @@ def estimate_run(build: Callable[[], torch.nn.Module], ds_config: dict, seq: Opt
     trace = traced(lambda seen: trace_model(build, seen, seq, vocab, inputs, session),
                    model_key if inputs is None else None, shape, seq, vocab, ds_config, session)
     est = _estimate(session, shape, trace)
-    est.step_time = step_time(shape, trace, device_profile or PROFILES["cpu"], session)
+    est.step_time = step_time(shape, trace, device_profile or PROFILES["cpu"], session) if timed else None
     if trace.loss_outside:
         est.notes.append("the forward returns no loss: what the loss computed outside it keeps is not traced")
     return est

@@ -16,7 +16,8 @@ grad_release each bucket's optimizer steps its own shard: grad_release counts it
 (`group_update_ops`, from its own step run on fake tensors: `grad_release.step_ops`).
 Under grad_release's ``masters: none`` in place (bf16 weights, no master) the compiled kernel also rounds
 the result stochastically into the weight (`fused.chunk_step`): it reads and writes the bf16 weight
-instead of an fp32 parameter, still one kernel, for the kept fp32 shards too (`fused.fuses`). What grad_release's other masters add (rebuilding a
+instead of an fp32 parameter, still one kernel, for the kept fp32 shards too (`fused.fuses`), beside the
+start index of its noise (an ``arange`` a tensor) and the gradient's scales (stacked once a step). What grad_release's other masters add (rebuilding a
 master from remainders, rounding into the weights after the update) is not counted.
 """
 from __future__ import annotations
@@ -113,6 +114,8 @@ def _tensors_ops(plugin: Any, shape: Any, tensors: list, profile: Any) -> OpTall
     no_master = (stepper is not None and shape.dtype == torch.bfloat16
                  and getattr(getattr(stepper, "config", None), "masters", None) == "none")  # rounded in the kernel
     out = OpTally()
+    if compiled and no_master and tensors:  # the weight's gradient scales stacked once a step (`FusedStep._extras`)
+        out.ops[(0, 12, False)] = out.ops.get((0, 12, False), 0) + 2
     together = [n for f, n in tensors if f.name == fp32.name and n <= c.chunk_numel] if not no_master else []
     for run in batches([torch.empty(n, device="meta") for n in together], c.chunk_numel):
         _add(out, together_batch(sum(t.numel() for t in run)))
@@ -122,6 +125,8 @@ def _tensors_ops(plugin: Any, shape: Any, tensors: list, profile: Any) -> OpTall
         if compiled and fuses(f.name, no_master):  # one kernel: the parameter, its gradient, both moments
             key = (0, (4 if no_master else 8) * n + 4 * n + 2 * f.state_bytes(n), False)
             out.ops[key] = out.ops.get(key, 0) + 1
+            if no_master:  # and the start index of the weight's noise, made on the device (an ``arange``)
+                out.ops[(0, 8, False)] = out.ops.get((0, 8, False), 0) + 1
         else:
             chunk = min(c.chunk_numel, n)
             _add(out, eager_chunk(f.name, chunk, c.int8_block_size, c.int4_block_size), math.ceil(n / chunk))

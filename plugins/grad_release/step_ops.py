@@ -20,6 +20,7 @@ do) is counted as one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Optional
 
 import torch
@@ -169,6 +170,26 @@ def step_ops(plugin: Any, shape: Any, numels: list[int], profile: Any) -> Option
     setup = plugin.setup
     if setup is None or not numels:
         return None
+    bucket_numel = plugin._bucket_numel(sum(numels), setup.comm_dtype.itemsize, max(shape.world_size, 1))
+    pricer = next((p for p in plugin.session.plugins if isinstance(p, TimesUpdate)), None)
+    # what the ops depend on; the micro-batch changes none of them (the tuner asks for many)
+    key = (dataclasses.replace(shape, micro_batch=0), tuple(numels), repr(profile), repr(setup), repr(plugin.config),
+           plugin._masters, plugin.retries_oom(), bucket_numel, repr(getattr(pricer, "config", None)),
+           leaves_foreach_in_config(plugin.session.ds_config))
+    if key not in _COUNTED:
+        _COUNTED[key] = _count(plugin, shape, numels, profile, bucket_numel)
+        while len(_COUNTED) > 32:
+            _COUNTED.pop(next(iter(_COUNTED)))
+    return _COUNTED[key]
+
+
+_COUNTED: dict = {}
+"""`step_ops` by what they depend on, the oldest dropped first (read-only tallies)."""
+
+
+def _count(plugin: Any, shape: Any, numels: list[int], profile: Any, bucket_numel: int
+           ) -> Optional[tuple[OpTally, OpTally]]:
+    setup = plugin.setup
     counting = _Counting()
     comm = DataParallelComm(None, dist=_Dist(max(shape.world_size, 1), counting))
     sharded = setup.zero_stage >= 1 and comm.world > 1
@@ -179,7 +200,6 @@ def step_ops(plugin: Any, shape: Any, numels: list[int], profile: Any) -> Option
         if basic is None:
             return None
         order = list(reversed(range(len(params))))
-        bucket_numel = plugin._bucket_numel(sum(numels), setup.comm_dtype.itemsize, comm.world)
         buckets = []
         for indices in plan_buckets([numels[i] for i in order], bucket_numel):
             chosen = [order[k] for k in indices]

@@ -32,6 +32,8 @@ update as one flat partition's (the upcast, the norm and clipping, the cast back
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Optional
 
 import torch
@@ -255,10 +257,17 @@ def engine_ops(shape: RunShape, numels: list[int], update: bool = True,
     """``(backward, step)``: DeepSpeed's ops in every micro-step's backward together, and at the boundary with
     torch's AdamW as the update where ``update`` (else a plugin prices the update: `xirang_ds.roles.TimesUpdate`);
     ``rank``'s at ZeRO 1/2 (default: the fullest rank's). ``None`` where the path is not written here
-    (`emulated`)."""
+    (`emulated`). The same tallies for the same shape but its micro-batch, which changes no op here (the tuner
+    asks for many micro-batches): treat them as read-only."""
     if not emulated(shape):
         return None
     rank = fullest_rank_index(shape, numels) if rank is None else rank
+    return _engine_ops(dataclasses.replace(shape, micro_batch=0), tuple(numels), update, rank)
+
+
+@functools.lru_cache(maxsize=64)
+def _engine_ops(shape: RunShape, numels: tuple[int, ...], update: bool, rank: int) -> tuple[OpTally, OpTally]:
+    numels = list(numels)
     step = OpTally()
     with fake_tensor_mode():
         if shape.stage in (1, 2):

@@ -64,7 +64,8 @@ def main() -> None:
         counts = combine(run_ranks(as_gpu_rank, 2, args.model, config, 1, None, 0, True, threads=1)).counts
         by_source = counts["kernels_by_source_per_step"]
         st = estimate_spec(args.model, config, 2, "cuda", device_profile=PROFILES["h100"]).step_time
-        presets[preset] = {"counted": {k: by_source.get(k, 0) for k in ("grad_release", "optimizer_states", "deepspeed")},
+        sources = ("grad_release", "optimizer_states", "deepspeed")
+        presets[preset] = {"counted": {k: by_source.get(k, 0) for k in sources},
                            "predicted": st.counts["engine_backward"]["launches"] + st.counts["optimizer"]["launches"],
                            "kernels_per_step": counts["kernels_per_step"], "predicted_kernels": st.counts["kernels"],
                            "predicted_step_s_h100": st.seconds, "notes": st.notes}
@@ -79,7 +80,8 @@ def main() -> None:
                                                         "host_syncs": st.counts["host_syncs"]}
     plain_big = predicted[f"{BIG} 1 rank(s) h200"]["seconds"]
     for preset in PRESETS:  # the presets at 0.91B on one H200, memory_budget auto (the device's memory)
-        st = estimate_spec(BIG, {**big, "xirang": {"preset": preset}}, 1, "cuda", device_profile=PROFILES["h200"]).step_time
+        st = estimate_spec(BIG, {**big, "xirang": {"preset": preset}}, 1, "cuda",
+                           device_profile=PROFILES["h200"]).step_time
         predicted[f"{BIG} 1 rank(s) h200 {preset}"] = {"seconds": st.seconds, "parts": st.parts,
                                                          "kernels": st.counts["kernels"],
                                                          "host_syncs": st.counts["host_syncs"], "notes": st.notes,

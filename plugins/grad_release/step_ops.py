@@ -12,10 +12,10 @@ The update is counted as it runs, one optimizer step per bucket: torch's AdamW o
 a plugin prices the update (`xirang_ds.roles.TimesUpdate`: optimizer_states' DynamicAdamW), a stand-in whose
 step counts that plugin's count of a step over the bucket's pieces (`TimesUpdate.group_update_ops`) and whose
 rounding is the real one's one compiled call where the run compiles it (off the CPU). What it does not run: the
-host tiers' copies (the states' and a stashed shard's: `states_tier.StatesTier`
-prices their bytes over the host link), so the buckets run with their states on the device; the rows' hand-over of
-an embedding or head gradient (`rows.py`). The host read of the step's norm (``float``, which fake tensors cannot
-do) is counted as one.
+host tiers' copies (the states' and a stashed shard's: `states_tier.StatesTier` prices their bytes over the host
+link), so the buckets run with their states on the device; the rows' hand-over of an embedding or head gradient
+(`rows.py`); the model's second backward under ``exact_method: two_pass`` (the trace counts one a micro-step).
+The host read of the step's norm (``float``, which fake tensors cannot do) is counted as one.
 """
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def _basic_optimizer(plugin: Any, shape: Any, params: list, profile: Any, counti
         if impl == "single_tensor" and leaves_foreach_in_config(plugin.session.ds_config):
             impl = "foreach"
         return torch.optim.AdamW(params, lr=1e-3, foreach=impl != "single_tensor")
-    if pricer.group_update_ops(shape, [(0, 1)], profile) is None:
+    if pricer.group_update_ops(shape, [(0, 1)], profile) is None:  # asked of one element: it counts or it cannot
         return None
     fused = getattr(pricer.config, "fused", False)
     compiled = fused is True or (fused == "auto" and profile.accelerator)

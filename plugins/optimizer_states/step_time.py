@@ -17,8 +17,9 @@ grad_release each bucket's optimizer steps its own shard: grad_release counts it
 Under grad_release's ``masters: none`` in place (bf16 weights, no master) the compiled kernel also rounds
 the result stochastically into the weight (`fused.chunk_step`): it reads and writes the bf16 weight
 instead of an fp32 parameter, still one kernel, for the kept fp32 shards too (`fused.fuses`), beside the
-start index of its noise (an ``arange`` a tensor) and the gradient's scales (stacked once a step). What grad_release's other masters add (rebuilding a
-master from remainders, rounding into the weights after the update) is not counted.
+start index of its noise (an ``arange`` a tensor) and the gradient's scales (stacked once a step). What
+grad_release's other masters add (rebuilding a master from remainders, rounding into the weights after the
+update) is grad_release's own count (`grad_release.step_ops`).
 """
 from __future__ import annotations
 

@@ -73,7 +73,8 @@ def pieces(shape: RunShape, numels: list[int], rank: int) -> list[list[tuple[int
 
 def fullest_rank_index(shape: RunShape, numels: list[int]) -> int:
     """The rank `run_shape.fullest_rank` describes: the first whose partition keeps the most elements whole."""
-    kept = [sum(numels[i] for group in pieces(shape, numels, r) for i, _ in group) for r in range(max(shape.world_size, 1))]
+    ranks = range(max(shape.world_size, 1))
+    kept = [sum(numels[i] for group in pieces(shape, numels, r) for i, _ in group) for r in ranks]
     return kept.index(max(kept))
 
 
@@ -170,7 +171,8 @@ def _zero12_before(shape: RunShape, numels: list[int], rank: int, tally: OpTally
             total = torch.stack(norms).pow(2).sum().float() if norms else torch.zeros(())
             tally.collective()
             total = total.pow(0.5)
-            total.masked_fill_(total.isnan().logical_or(total.isinf()), torch.empty(()))  # mask_nan_or_inf_with_val_inplace
+            # mask_nan_or_inf_with_val_inplace
+            total.masked_fill_(total.isnan().logical_or(total.isinf()), torch.empty(()))
             group_norms.append(total)
         stacked = torch.stack(group_norms)  # combine_grad_norm_groups
         invalid = (~torch.isfinite(stacked) | (stacked < 0)).any()

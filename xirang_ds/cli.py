@@ -91,7 +91,7 @@ def _fit_verdict(spec: Any, ds_config: dict, world_size: int) -> Optional[str]:
     from xirang_ds.planning.spec import estimate_spec
     from xirang_ds.planning.suggest import least_fitting_budget
 
-    est = estimate_spec(spec, ds_config, world_size)
+    est = estimate_spec(spec, ds_config, world_size, timed=False)
     if est.fits is None:
         return None
     budget = ds_config[BLOCK_KEY].get("memory_budget", "auto")
@@ -101,7 +101,7 @@ def _fit_verdict(spec: Any, ds_config: dict, world_size: int) -> Optional[str]:
     if not est.fits and refusing:
         least = None
         if budget != "auto":
-            least = least_fitting_budget(ds_config, lambda c: estimate_spec(spec, c, world_size),
+            least = least_fitting_budget(ds_config, lambda c: estimate_spec(spec, c, world_size, timed=False),
                                          est.least_budget_bytes)[0]
         raise XirangConfigError([p for plan in refusing for p in plan.refusal(budget, where, least=least)])
     if est.host_refusal and est.device_fits is not False:  # the host tiers alone, as the run refuses them
@@ -273,7 +273,7 @@ def _estimate_and_search(args: argparse.Namespace, model: Any, ds_config: dict, 
         from xirang_ds.planning.suggest import format_suggestion, least_fitting_budget, suggest_fit
 
         def again(c: dict) -> Any:
-            return estimate_spec(model, c, args.world_size, device, device_profile=profile)
+            return estimate_spec(model, c, args.world_size, device, device_profile=profile, timed=False)
 
         least, ran = (None, 0) if host_only else least_fitting_budget(ds_config, again, est.least_budget_bytes)
         if host_only:

@@ -15,23 +15,24 @@ from xirang_ds.planning.estimator import Estimate, RunShape, estimate_run, korth
 
 
 def estimate_spec(model: Union[str, Any], ds_config: dict, world_size: int = 1, device: str = "cpu",
-                  device_profile: Optional[DeviceProfile] = None, plain: bool = False) -> Estimate:
+                  device_profile: Optional[DeviceProfile] = None, plain: bool = False, timed: bool = True) -> Estimate:
     """`estimate_run` for a ``--model`` spec (built-in name, ``gpt:...``, or a parsed spec such as a
     `xirang_ds.models.FactorySpec`: its ``seq`` and ``vocab`` shape the inputs); ``"preset": "auto"`` is
     resolved first (`xirang_ds.planning.auto`), its choice a note. With a named GPU's ``device_profile``
     (``--gpu``) the plan is priced by it and ``memory_budget: auto`` is that GPU's memory. Plain DeepSpeed's
     predicted step (the ds_config without the block, traced on its own) is set beside the block's with
-    ``plain`` (``xirang-ds estimate``; a second trace)."""
+    ``plain`` (``xirang-ds estimate``; a second trace). ``timed=False``: the memory only, no predicted step
+    (`estimate_run`)."""
     spec = parse_model_spec(model)
     ds_config, choice = choose_for_spec(ds_config, spec, world_size, device)
     total = device_profile.memory_bytes or None if device_profile is not None else None
     est = estimate_run(lambda: build_model(spec), ds_config, spec.seq, spec.vocab, world_size, device,
-                       device_profile=device_profile, device_total_bytes=total, model_key=spec)
-    if BLOCK_KEY in ds_config and plain:  # plain DeepSpeed's step on the same profile, beside the block's
+                       device_profile=device_profile, device_total_bytes=total, model_key=spec, timed=timed)
+    if BLOCK_KEY in ds_config and plain and timed:  # plain DeepSpeed's step on the same profile, beside the block's
         plain = {k: v for k, v in ds_config.items() if k != BLOCK_KEY}
         est.plain_step_time = estimate_run(lambda: build_model(spec), plain, spec.seq, spec.vocab, world_size, device,
                                            device_profile=device_profile, model_key=spec).step_time
-    elif BLOCK_KEY not in ds_config:
+    elif BLOCK_KEY not in ds_config and timed:
         est.plain_step_time = est.step_time
     if choice:
         est.notes.append(choice)

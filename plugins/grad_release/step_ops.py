@@ -40,6 +40,8 @@ class _Counting:
     """Where the stand-ins count: the tally of the stretch being counted (None: the first step, not counted)."""
 
     tally: Optional[OpTally] = None
+    unpriced = False
+    """An update the pricing plugin could not count (`TimesUpdate.group_update_ops` gave ``None``)."""
 
 
 class _Dist:
@@ -81,15 +83,16 @@ class _Rounding:
         return self.compiled
 
 
-def _update_priced_elsewhere(write_back: bool, rounding: _Rounding, price: Any, chunk: int) -> type:
+def _update_priced_elsewhere(rounding: _Rounding, price: Any, chunk: int) -> type:
     """A stand-in for an optimizer whose update another plugin prices (`xirang_ds.roles.TimesUpdate`): each step
     counts that plugin's count of a step over its tensors (`TimesUpdate.group_update_ops`); it stores its updates
-    through ``xirang_write_back`` where the real one does (grad_release's in-place ``masters: none``: compiled, the
-    update's one kernel rounds into the weight; eager, each ``chunk`` of an update is handed to the view's
-    write-back, which rounds it) and rounds with the real one's compiled rounding."""
+    through ``xirang_write_back`` as the real one does (optimizer_states' DynamicAdamW; under grad_release's
+    in-place ``masters: none``, compiled, the update's one kernel rounds into the weight; eager, each ``chunk`` of
+    an update is handed to the view's write-back, which rounds it) and rounds with the real one's compiled
+    rounding."""
 
     class UpdatePricedElsewhere(torch.optim.Optimizer):
-        xirang_write_back = write_back
+        xirang_write_back = True
         fused = rounding
 
         def __init__(self, params: Any, lr: float = 1e-3) -> None:
@@ -106,27 +109,28 @@ def _update_priced_elsewhere(write_back: bool, rounding: _Rounding, price: Any, 
     return UpdatePricedElsewhere
 
 
-def _basic_optimizer(plugin: Any, shape: Any, params: list, profile: Any, counting: _Counting) -> Optional[Any]:
+def _basic_optimizer(plugin: Any, shape: Any, params: list, profile: Any, counting: _Counting) -> Any:
     """The optimizer the buckets clone: a stand-in counting the update's pricing plugin per step, or torch's AdamW
-    (counted as it runs); ``None`` where that plugin cannot count."""
+    (counted as it runs)."""
     pricer = next((p for p in plugin.session.plugins if isinstance(p, TimesUpdate)), None)
     if pricer is None:
         impl = shape.adam_impl  # torch's Adam left to choose takes the multi-tensor path in each bucket's clone
         if impl == "single_tensor" and leaves_foreach_in_config(plugin.session.ds_config):
             impl = "foreach"
         return torch.optim.AdamW(params, lr=1e-3, foreach=impl != "single_tensor")
-    if pricer.group_update_ops(shape, [(0, 1)], profile) is None:  # asked of one element: it counts or it cannot
-        return None
     fused = getattr(pricer.config, "fused", False)
     compiled = fused is True or (fused == "auto" and profile.accelerator)
 
     def price(pieces: list) -> None:
         if counting.tally is not None and pieces:
             with pop_mode_temporarily():  # the pricing's own fake tensors are not the step's ops
-                counting.tally.ops_from(pricer.group_update_ops(shape, pieces, profile))
+                ops = pricer.group_update_ops(shape, pieces, profile)
+            if ops is None:
+                counting.unpriced = True
+            else:
+                counting.tally.ops_from(ops)
 
-    # the optimizer such a plugin runs stores its updated chunks through ``xirang_write_back`` (DynamicAdamW)
-    cls = _update_priced_elsewhere(True, _Rounding(compiled, counting), price, int(pricer.config.chunk_numel))
+    cls = _update_priced_elsewhere(_Rounding(compiled, counting), price, int(pricer.config.chunk_numel))
     return cls(params)
 
 
@@ -197,8 +201,6 @@ def _count(plugin: Any, shape: Any, numels: list[int], profile: Any, bucket_nume
     with fake_tensor_mode():
         params = [torch.nn.Parameter(torch.empty(n, dtype=setup.param_dtype)) for n in numels]
         basic = _basic_optimizer(plugin, shape, params, profile, counting)
-        if basic is None:
-            return None
         order = list(reversed(range(len(params))))
         buckets = []
         for indices in plan_buckets([numels[i] for i in order], bucket_numel):
@@ -216,7 +218,7 @@ def _count(plugin: Any, shape: Any, numels: list[int], profile: Any, bucket_nume
         _one_step(plugin, shape, params, pipeline, policy, counting, None, None)  # the optimizer's states made
         backward, boundary = OpTally(), OpTally()
         _one_step(plugin, shape, params, pipeline, policy, counting, backward, boundary)
-    return backward, boundary
+    return None if counting.unpriced else (backward, boundary)
 
 
 __all__ = ["step_ops"]

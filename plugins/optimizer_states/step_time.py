@@ -31,12 +31,11 @@ from typing import Any, Optional
 import torch
 
 from xirang_ds.compat.torch import fake_tensor_mode
-from xirang_ds.memory.device_profile import OpTally
+from xirang_ds.memory.device_profile import OpTally, tallied
 from xirang_ds.plugins.optimizer_states.formats import MOMENTS, make_format
 from xirang_ds.plugins.optimizer_states.fused import fuses
 from xirang_ds.plugins.optimizer_states.together import adam_foreach_, batches
 from xirang_ds.plugins.optimizer_states.update import AdamHyper, adam_chunk_
-from xirang_ds.planning.step_time import tallied
 
 
 @functools.lru_cache(maxsize=16)
@@ -71,11 +70,6 @@ def together_batch(numel: int) -> OpTally:
     with fake_tensor_mode():
         p, g, m, v = (torch.zeros(numel) for _ in range(4))
         return tallied(lambda: adam_foreach_([p], [g], [m], [v], [2], hyper))
-
-
-def _add(out: OpTally, ops: OpTally, times: int = 1) -> None:
-    for key, count in ops.ops.items():
-        out.ops[key] = out.ops.get(key, 0) + count * times
 
 
 def update_ops(plugin: Any, shape: Any, numels: list, profile: Any) -> Optional[OpTally]:
@@ -116,21 +110,20 @@ def _tensors_ops(plugin: Any, shape: Any, tensors: list, profile: Any) -> OpTall
                  and getattr(getattr(stepper, "config", None), "masters", None) == "none")  # rounded in the kernel
     out = OpTally()
     if compiled and no_master and tensors:  # the weight's gradient scales stacked once a step (`FusedStep._extras`)
-        out.ops[(0, 12, False)] = out.ops.get((0, 12, False), 0) + 2
+        out.add_counts(0, 12, False, times=2)
     together = [n for f, n in tensors if f.name == fp32.name and n <= c.chunk_numel] if not no_master else []
     for run in batches([torch.empty(n, device="meta") for n in together], c.chunk_numel):
-        _add(out, together_batch(sum(t.numel() for t in run)))
+        out.ops_from(together_batch(sum(t.numel() for t in run)))
     for f, n in tensors:
         if f.name == fp32.name and n <= c.chunk_numel and not no_master:
             continue  # stepped together above
         if compiled and fuses(f.name, no_master):  # one kernel: the parameter, its gradient, both moments
-            key = (0, (4 if no_master else 8) * n + 4 * n + 2 * f.state_bytes(n), False)
-            out.ops[key] = out.ops.get(key, 0) + 1
+            out.add_counts(0, (4 if no_master else 8) * n + 4 * n + 2 * f.state_bytes(n), False)
             if no_master:  # and the start index of the weight's noise, made on the device (an ``arange``)
-                out.ops[(0, 8, False)] = out.ops.get((0, 8, False), 0) + 1
+                out.add_counts(0, 8, False)
         else:
             chunk = min(c.chunk_numel, n)
-            _add(out, eager_chunk(f.name, chunk, c.int8_block_size, c.int4_block_size), math.ceil(n / chunk))
+            out.ops_from(eager_chunk(f.name, chunk, c.int8_block_size, c.int4_block_size), math.ceil(n / chunk))
     return out
 
 

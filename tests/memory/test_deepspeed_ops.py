@@ -5,9 +5,9 @@ gradient handling, overflow check, norm, clipping, torch's AdamW under it, the c
 import pytest
 
 from tests.harness.engine_runs import ds_config
-from xirang_ds.memory.run_shape import RunShape
+from xirang_ds.memory.run_shape import RunShape, fullest_rank, partition_pieces
 from xirang_ds.models import BUILTIN_SPECS, build_model
-from xirang_ds.planning.deepspeed_ops import emulated, engine_ops, fullest_rank_index, pieces
+from xirang_ds.planning.deepspeed_ops import emulated, engine_ops
 
 NUMELS = [p.numel() for p in build_model(BUILTIN_SPECS["gpt-tiny"]).parameters()]
 
@@ -32,9 +32,9 @@ def test_deepspeeds_own_kernels_per_step_are_counted_op_for_op(stage, dtype, gas
 def test_the_ops_follow_the_partition_the_buckets_and_the_micro_steps():
     config = ds_config(stage=2, dtype="bf16", micro=2, gas=1, clip=1.0, bucket=20_000)
     shape = RunShape.from_ds_config(config, 2, "cuda")
-    rank = fullest_rank_index(shape, NUMELS)
-    mine = pieces(shape, NUMELS, rank)[0]
-    assert sum(n for _, n in mine) == max(sum(n for _, n in pieces(shape, NUMELS, r)[0]) for r in range(2))
+    rank = fullest_rank(shape, NUMELS).rank
+    mine = partition_pieces(shape, NUMELS, rank)[0]
+    assert sum(n for _, n in mine) == max(sum(n for _, n in partition_pieces(shape, NUMELS, r)[0]) for r in range(2))
     backward, step = engine_ops(shape, NUMELS)
     twice, _ = engine_ops(RunShape.from_ds_config({**config, "gradient_accumulation_steps": 2}, 2, "cuda"), NUMELS)
     # a micro-step more: its own copies into the buckets and the partition, and the epilogue's additions

@@ -219,27 +219,28 @@ class OpTally:
         self.ops: dict[tuple[int, int, bool], int] = {}
         self.host_syncs = 0
 
+    def add_counts(self, flops: int, bytes_moved: int, low_precision: bool, times: int = 1) -> None:
+        """``times`` launches of known counts that no ATen op here runs (a compiled graph's call, written by its
+        caller)."""
+        key = (flops, bytes_moved, low_precision)
+        self.ops[key] = self.ops.get(key, 0) + times
+
     def collective(self) -> None:
         """One collective launched (an all-reduce written beside fake ops, which run none): a launch here, its
         bytes priced as the step's communication."""
-        self.ops[_BARE] = self.ops.get(_BARE, 0) + 1
-
-    def ops_from(self, other: "OpTally") -> None:
-        """Add ``other``'s ops and host syncs to this tally."""
-        for key, n in other.ops.items():
-            self.ops[key] = self.ops.get(key, 0) + n
-        self.host_syncs += other.host_syncs
-
-    def add_counts(self, flops: int, bytes_moved: int, low_precision: bool) -> None:
-        """One launch of known counts that no ATen op here runs (a compiled graph's call, written by its caller)."""
-        key = (flops, bytes_moved, low_precision)
-        self.ops[key] = self.ops.get(key, 0) + 1
+        self.add_counts(*_BARE)
 
     def host_read(self) -> None:
         """One device scalar read on the host (``.item()``, ``bool(t)``; on fake tensors it cannot run): a
         launch and a host sync, as `xirang_ds.step_counts` counts ``aten._local_scalar_dense``."""
-        self.ops[_BARE] = self.ops.get(_BARE, 0) + 1
+        self.add_counts(*_BARE)
         self.host_syncs += 1
+
+    def ops_from(self, other: "OpTally", times: int = 1) -> None:
+        """Add ``other``'s ops and host syncs, ``times`` over, to this tally."""
+        for key, n in other.ops.items():
+            self.add_counts(*key, times=n * times)
+        self.host_syncs += other.host_syncs * times
 
     def add(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         from xirang_ds.step_counts import launches_nothing

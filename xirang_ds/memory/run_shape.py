@@ -150,28 +150,35 @@ class _Partition:
     numel: int
     params: tuple[int, ...]
     by_group: tuple[int, ...] = ()  # the numel it keeps whole in each group
+    rank: int = 0
+
+
+def partition_pieces(shape: RunShape, numels: list[int], rank: int) -> list[list[tuple[int, int]]]:
+    """Per parameter group, ``(parameter, its elements in the partition)`` of each gradient piece in ``rank``'s
+    ZeRO 1/2 partition: each group's flat 16-bit buffer split evenly in parameter order (``averaged_gradients``:
+    a parameter that crosses the partition's edge is cut there)."""
+    out = []
+    for group in shape.groups or (tuple(range(len(numels))),):
+        part = partition_numel(sum(numels[i] for i in group), shape.world_size)
+        lo, hi, start, mine = rank * part, (rank + 1) * part, 0, []
+        for i in group:
+            first, last = max(start, lo), min(start + numels[i], hi)
+            if first < last:
+                mine.append((i, last - first))
+            start += numels[i]
+        out.append(mine)
+    return out
 
 
 def fullest_rank(shape: RunShape, numels: list[int]) -> _Partition:
-    """The rank whose ZeRO 1/2 gradient partition is largest: each group's flat 16-bit buffer is split
-    evenly in parameter order, and a rank keeps the gradients of every parameter that reaches into its
-    range whole (stage_1_and_2.py ``params_in_partition``; ``grads_in_partition`` is their sum), in
-    every group."""
-    n = max(shape.world_size, 1)
-    groups = shape.groups or (tuple(range(len(numels))),)
-    best = _Partition(0, (), (0,) * len(groups))
-    for r in range(n):
-        inside, sizes = [], []
-        for group in groups:
-            part = partition_numel(sum(numels[i] for i in group), n)
-            lo, hi = r * part, (r + 1) * part
-            start, kept = 0, 0
-            for i in group:
-                if start < hi and start + numels[i] > lo:
-                    inside.append(i)
-                    kept += numels[i]
-                start += numels[i]
-            sizes.append(kept)
+    """The rank whose ZeRO 1/2 gradient partition is largest: a rank keeps the gradients of every parameter that
+    reaches into its range whole (stage_1_and_2.py ``params_in_partition``; ``grads_in_partition`` is their sum),
+    in every group (`partition_pieces`); the first such rank."""
+    best = _Partition(0, (), (0,) * len(shape.groups or ((),)))
+    for r in range(max(shape.world_size, 1)):
+        groups = partition_pieces(shape, numels, r)
+        sizes = tuple(sum(numels[i] for i, _ in group) for group in groups)
         if sum(sizes) > best.numel:
-            best = _Partition(sum(sizes), tuple(inside), tuple(sizes))
+            best = _Partition(sum(sizes), tuple(i for group in groups for i, _ in group), sizes, r)
     return best
+

@@ -27,8 +27,9 @@ op, and counted against the real engine on this CPU (``tests/memory/test_deepspe
 
 A collective counts one launch (its bytes are the step's ``communication``), a host read (``.item()``) one
 launch and one host sync, as `xirang_ds.step_counts` counts them. Not written here: ZeRO 3, ZeRO 0 under
-DeepSpeed's fused optimizers, the host offloads: there `flat_step_ops` prices DeepSpeed's work around the
-update as one flat partition's (the upcast, the norm and clipping, the cast back) and the notes say so.
+DeepSpeed's fused optimizers, the host offloads (`not_written`): there `step_time.optimizer_ops` prices
+DeepSpeed's work around the update as one flat partition's (the upcast, the norm and clipping, the cast back)
+and the notes say so.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ import torch
 
 from xirang_ds.compat.torch import fake_tensor_mode
 from xirang_ds.memory.device_profile import OpTally, Tallying
-from xirang_ds.memory.run_shape import RunShape, partition_numel
+from xirang_ds.memory.run_shape import RunShape, fullest_rank, partition_numel, partition_pieces
 
 ZERO0_ALLREDUCE_NUMEL = 500_000_000
 """The engine's all-reduce bucket at ZeRO 0 (``engine.py`` ``MEMORY_OPT_ALLREDUCE_SIZE``; no config key sets it)."""
@@ -48,34 +49,20 @@ NORM_DTYPE = torch.float64
 """DeepSpeed's ``get_norm_dtype()`` on a device with fp64 (CUDA, the CPU): gradient norms accumulate in it."""
 
 
+def not_written(shape: RunShape) -> Optional[str]:
+    """Why DeepSpeed's own work of this run is not written op for op here (module docstring); ``None`` where it is."""
+    if shape.offloaded:
+        return "its host offload"
+    if shape.stage == 3:
+        return "ZeRO 3"
+    if shape.stage == 0 and shape.dtype != torch.float32 and shape.adam_impl == "fused":
+        return "ZeRO 0 under its fused optimizer"
+    return None
+
+
 def emulated(shape: RunShape) -> bool:
-    """DeepSpeed's own work of this run is written op for op here (module docstring)."""
-    if shape.offloaded or shape.stage == 3:
-        return False
-    return shape.stage in (1, 2) or shape.dtype == torch.float32 or shape.adam_impl != "fused"
-
-
-def pieces(shape: RunShape, numels: list[int], rank: int) -> list[list[tuple[int, int]]]:
-    """Per parameter group, ``(parameter, its elements in the partition)`` of each gradient piece in ``rank``'s
-    ZeRO 1/2 partition (``averaged_gradients``: a parameter that crosses the partition's edge is cut there)."""
-    out = []
-    for group in _groups(shape, numels):
-        part = partition_numel(sum(numels[i] for i in group), shape.world_size)
-        lo, hi, start, mine = rank * part, (rank + 1) * part, 0, []
-        for i in group:
-            first, last = max(start, lo), min(start + numels[i], hi)
-            if first < last:
-                mine.append((i, last - first))
-            start += numels[i]
-        out.append(mine)
-    return out
-
-
-def fullest_rank_index(shape: RunShape, numels: list[int]) -> int:
-    """The rank `run_shape.fullest_rank` describes: the first whose partition keeps the most elements whole."""
-    ranks = range(max(shape.world_size, 1))
-    kept = [sum(numels[i] for group in pieces(shape, numels, r) for i, _ in group) for r in ranks]
-    return kept.index(max(kept))
+    """DeepSpeed's own work of this run is written op for op here (`not_written`)."""
+    return not_written(shape) is None
 
 
 def _groups(shape: RunShape, numels: list[int]) -> tuple[tuple[int, ...], ...]:
@@ -122,7 +109,7 @@ def _invalid(norm: torch.Tensor, tally: OpTally) -> None:
 def _zero12_backward(shape: RunShape, numels: list[int], rank: int) -> OpTally:
     """Every micro-step's backward at ZeRO 1/2 (module docstring)."""
     lp = shape.dtype
-    inside = {i for group in pieces(shape, numels, rank) for i, _ in group}
+    inside = {i for group in partition_pieces(shape, numels, rank) for i, _ in group}
     backward = OpTally()
     with Tallying(backward):
         for micro in range(shape.grad_accum):
@@ -157,7 +144,7 @@ def _zero12_before(shape: RunShape, numels: list[int], rank: int, tally: OpTally
     """The boundary at ZeRO 1/2 up to the update: each group's flat fp32 gradient partition (module docstring)."""
     lp, sixteen = shape.dtype, shape.dtype != torch.float32
     with Tallying(tally):
-        groups = [[torch.empty(n, dtype=lp) for _, n in group] for group in pieces(shape, numels, rank)]
+        groups = [[torch.empty(n, dtype=lp) for _, n in group] for group in partition_pieces(shape, numels, rank)]
         if sixteen:  # check_overflow
             count = torch.zeros(1)
             for g in (g for group in groups for g in group):
@@ -195,7 +182,7 @@ def _zero12_before(shape: RunShape, numels: list[int], rank: int, tally: OpTally
 def _zero12_after(shape: RunShape, numels: list[int], rank: int, tally: OpTally) -> None:
     """Each group's update cast back into its 16-bit partition, and the all-gather."""
     with Tallying(tally):
-        for group in pieces(shape, numels, rank):
+        for group in partition_pieces(shape, numels, rank):
             n = sum(n for _, n in group)
             torch.empty(n, dtype=shape.dtype).copy_(torch.empty(n))
         tally.collective()
@@ -254,6 +241,24 @@ def _zero0_after(shape: RunShape, numels: list[int], tally: OpTally) -> None:
                 torch.empty(n, dtype=shape.dtype).copy_(torch.empty(n))
 
 
+def adamw_ops(masters: list[torch.Tensor], shape: RunShape, tally: OpTally) -> None:
+    """torch's AdamW over fake fp32 tensors with the gradients ``masters`` (inside the caller's fake mode), counted
+    into ``tally``: one step per tensor where DeepSpeed steps each group's flat partition apart (ZeRO 1-3,
+    ``_optimizer_step``), one over all at ZeRO 0; a step taken first so that its states exist, as they do in a
+    run's counted step. DeepSpeed's fused Adam (one multi-tensor kernel per chunk of tensors) is counted as torch's
+    ``foreach``."""
+    params = [torch.nn.Parameter(torch.zeros(m.numel())) for m in masters]
+    foreach = shape.adam_impl != "single_tensor"
+    optimizers = [torch.optim.AdamW(ps, foreach=foreach) for ps in ([[p] for p in params] if shape.stage else [params])]
+    for p, m in zip(params, masters):
+        p.grad = m.detach()
+    for opt in optimizers:
+        opt.step()
+    with Tallying(tally):
+        for opt in optimizers:
+            opt.step()
+
+
 def engine_ops(shape: RunShape, numels: list[int], update: bool = True,
                rank: Optional[int] = None) -> Optional[tuple[OpTally, OpTally]]:
     """``(backward, step)``: DeepSpeed's ops in every micro-step's backward together, and at the boundary with
@@ -263,7 +268,7 @@ def engine_ops(shape: RunShape, numels: list[int], update: bool = True,
     asks for many micro-batches): treat them as read-only."""
     if not emulated(shape):
         return None
-    rank = fullest_rank_index(shape, numels) if rank is None else rank
+    rank = fullest_rank(shape, numels).rank if rank is None else rank
     return _engine_ops(dataclasses.replace(shape, micro_batch=0), tuple(numels), update, rank)
 
 
@@ -278,19 +283,8 @@ def _engine_ops(shape: RunShape, numels: tuple[int, ...], update: bool, rank: in
         else:
             backward = _zero0_backward(shape, numels)
             masters = _zero0_before(shape, numels, step)
-        if update:  # torch's AdamW, a step taken before so that its states exist (the counted step is a later one)
-            params = [torch.nn.Parameter(torch.zeros(m.numel())) for m in masters]
-            foreach = shape.adam_impl != "single_tensor"
-            # one optimizer step per group at ZeRO 1/2 (``_optimizer_step``), one over every parameter at ZeRO 0
-            optimizers = [torch.optim.AdamW(ps, foreach=foreach) for ps in ([[p] for p in params] if shape.stage
-                                                                           else [params])]
-            for p, m in zip(params, masters):
-                p.grad = m
-            for opt in optimizers:
-                opt.step()
-            with Tallying(step):
-                for opt in optimizers:
-                    opt.step()
+        if update:
+            adamw_ops(masters, shape, step)
         if shape.stage in (1, 2):
             _zero12_after(shape, numels, rank, step)
         else:
@@ -298,4 +292,4 @@ def _engine_ops(shape: RunShape, numels: tuple[int, ...], update: bool, rank: in
     return backward, step
 
 
-__all__ = ["NORM_DTYPE", "ZERO0_ALLREDUCE_NUMEL", "emulated", "engine_ops", "fullest_rank_index", "pieces"]
+__all__ = ["NORM_DTYPE", "ZERO0_ALLREDUCE_NUMEL", "adamw_ops", "emulated", "engine_ops", "not_written"]

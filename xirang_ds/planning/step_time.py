@@ -39,7 +39,7 @@ import torch
 from xirang_ds.compat.torch import fake_tensor_mode
 from xirang_ds.memory.device_profile import DeviceProfile, OpTally, Tallying, tallied
 from xirang_ds.memory.run_shape import RunShape, fullest_rank, partition_numel
-from xirang_ds.planning.deepspeed_ops import engine_ops
+from xirang_ds.planning.deepspeed_ops import adamw_ops, engine_ops, not_written
 from xirang_ds.roles import CopiesBeside, TimesGradients, TimesStep, TimesUpdate
 
 
@@ -83,23 +83,21 @@ def optimizer_ops(shape: RunShape, numels: list[int], update: bool = True) -> Op
     tally = OpTally()
     sixteen = shape.dtype != torch.float32
     with fake_tensor_mode():
-        masters = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+        masters = [torch.zeros(n) for n in sizes]
         low = [torch.zeros(n, dtype=shape.dtype) for n in sizes] if sixteen else masters
-        # DeepSpeed's fused Adam (one multi-tensor kernel per chunk of tensors) is counted as torch's foreach
-        opt = torch.optim.AdamW(masters, foreach=shape.adam_impl != "single_tensor")
         with Tallying(tally):
-            for m, g16 in zip(masters, low):
-                m.grad = g16.float() if sixteen else torch.zeros_like(m)
+            grads = [g16.float() if sixteen else torch.zeros_like(m) for m, g16 in zip(masters, low)]
             if shape.clipping:
-                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(m.grad) for m in masters]))
+                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
                 scale = torch.clamp(shape.clipping / (norm + 1e-6), max=1.0)
-                for m in masters:
-                    m.grad.mul_(scale)
-            if update:  # torch's AdamW, unless a plugin prices the update itself (`TimesUpdate`)
-                opt.step()
-            if sixteen:
+                for g in grads:
+                    g.mul_(scale)
+        if update:  # torch's AdamW, unless a plugin prices the update itself (`TimesUpdate`)
+            adamw_ops(grads, shape, tally)
+        if sixteen:
+            with Tallying(tally):
                 for m, p16 in zip(masters, low):
-                    p16.copy_(m.detach())
+                    p16.copy_(m)
     return tally
 
 
@@ -139,7 +137,7 @@ def step_time(shape: RunShape, trace: Any, profile: DeviceProfile, session: Any 
     engine = engine or engine_ops(shape, numels, update=update is None)
     if engine is None:
         backward, opt = OpTally(), optimizer_ops(shape, numels, update=update is None)
-        notes.append(f"DeepSpeed's own work around the update ({_flat_why(shape)}) is priced as one flat "
+        notes.append(f"DeepSpeed's own work around the update ({not_written(shape)}) is priced as one flat "
                      "partition's, not op by op")
     else:
         backward, opt = engine
@@ -166,12 +164,6 @@ def step_time(shape: RunShape, trace: Any, profile: DeviceProfile, session: Any 
     if beside:
         counts["beside_compute_s"] = beside
     return StepTime(max(sum(parts.values()), beside), parts, counts, profile.name, notes)
-
-
-def _flat_why(shape: RunShape) -> str:
-    if shape.offloaded:
-        return "its host offload"
-    return "ZeRO 3" if shape.stage == 3 else "ZeRO 0 under its fused optimizer"
 
 
 __all__ = ["StepTime", "communication_bytes", "optimizer_ops", "step_time", "tallied"]

@@ -71,9 +71,11 @@ class OptimizerStatesConfig(Section):
     ``torch.compile``'d kernel (Triton on GPUs, C++ on the CPU), within a code step of the eager
     update: ``"auto"`` compiles on GPUs and stays eager on the CPU (where each format's kernel takes
     seconds to build) or where compile is unavailable; ``true`` compiles on every device and is an
-    error where it cannot; ``false`` is always eager. fp32 states are eager (bit-identical to
-    ``torch.optim.AdamW``), but under grad_release's in-place ``masters: none``, whose bf16 weights are
-    rounded stochastically whichever path runs: compiled there too."""
+    error where it cannot; ``false`` is always eager. Where it compiles, fp32 states take torch's fused
+    Adam kernel (bit-identical to ``torch.optim.AdamW(fused=True)``; one op for a tensor of any size or for
+    the small ones together), and the compiled kernel under grad_release's in-place ``masters: none``, whose
+    bf16 weights are rounded stochastically; elsewhere they are eager (bit-identical to
+    ``torch.optim.AdamW``'s default)."""
     min_numel: NonNegativeInt = 4096
     """Parameters with fewer elements keep fp32 states."""
     keep_fp32: tuple[Glob, ...] = ()

@@ -43,9 +43,12 @@ On the CPU Inductor emits one ``cpp_fused_*`` call per bf16 or int8 chunk and th
   the CPU) keeps the hash in its one call: its draws made apart would take 8 bytes an element of it.
   ZeRO-3's ``masters: none``, whose update is DeepSpeed's, rounds in a pass of its own after it:
   `FusedStep.round_`, one dynamic-length call per sub-group (a single loop, on the CPU too).
-* fp32 states take the eager path (it equals ``torch.optim.AdamW`` bit for bit), except under a 16-bit weight
-  rounded stochastically (grad_release's ``masters: none`` in place: norms and biases kept in fp32), which equals
-  it neither way: one call per tensor there too, instead of about fifteen ops (`fuses`).
+* fp32 states with an fp32 weight take torch's fused Adam kernel where this update is on (`FusedStep.adam_`:
+  ``torch.optim.AdamW(fused=True)``'s bit for bit, one multi-tensor op for a group's small tensors or for one
+  large one, no temporaries), and the eager path elsewhere (``torch.optim.AdamW``'s default, bit for bit;
+  `together`). Under a 16-bit weight rounded stochastically (grad_release's ``masters: none`` in place: norms
+  and biases kept in fp32), which equals neither, they take this kernel: one call per tensor there too, instead
+  of about fifteen ops (`fuses`).
 * The eager path also runs a tensor whose step measures for the stability policy or changes format;
   a parameter neither fp32 nor bf16, or one whose ``xirang_write_back`` has no ``xirang_weight_noise``;
   and any step taken under a ``TorchDispatchMode`` (the memory tracker), where Dynamo does not trace;
@@ -65,7 +68,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from xirang_ds.compat.torch import compile_unavailable
+from xirang_ds.compat.torch import compile_unavailable, fused_adam_, fused_adam_devices, fused_adamw_
 from xirang_ds.plugins.grad_release.remainders import HALF, HIGH_HALF
 from xirang_ds.plugins.grad_release.stochastic import noise_keys, stochastic_round
 from xirang_ds.plugins.optimizer_states.formats import Buffers, Draws, StateFormat, draw_chunk
@@ -225,6 +228,7 @@ class FusedStep:
         chunks: compiled update calls so far (whole tensors and chunks).
         draw_calls: compiled calls that drew a chunk's stochastic rounding noise so far (`draw_chunk`).
         wholes: tensors updated whole by the dynamic-length kernel so far.
+        adam_calls: calls of torch's fused Adam kernel so far (fp32 states, `adam_`).
         rounds: compiled rounding passes so far (`round_`: ``masters: none`` and ``remainders_8bit`` where the
             update is not this kernel's: grad_release's transient masters, ZeRO-3's DeepSpeed update).
         eager: ``{device type: reason}`` for the devices this optimizer keeps eager.
@@ -239,6 +243,7 @@ class FusedStep:
         self.draw_calls = 0
         self.wholes = 0
         self.rounds = 0
+        self.adam_calls = 0
         self.eager: dict[str, str] = {}
         self.chunked: dict[tuple[str, str], str] = {}
         self._compiled: set[tuple[str, ...]] = set()
@@ -309,6 +314,27 @@ class FusedStep:
                 return start
             self.chunks += 1
         return n // chunk * chunk
+
+    def adam_(self, params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+              exp_avg_sqs: list[torch.Tensor], steps: list[int], hyper: AdamHyper) -> bool:
+        """Step fp32 tensors with fp32 states (flat, all on one device; each ``steps[i]`` its step after
+        increment) on torch's fused Adam kernel, ``torch.optim.AdamW(fused=True)``'s bit for bit: one
+        multi-tensor op for them all, no temporaries, whatever their size. False where the eager path must run
+        them (not enabled here, no fused kernel on the device, or ``bias_correction`` off, which the kernel
+        lacks)."""
+        device = params[0].device
+        if not (hyper.bias_correction and device.type in fused_adam_devices() and self.enabled(device.type)):
+            return False
+
+        def step_tensor(step: int) -> torch.Tensor:  # made on the device (a fill), once a step for each value
+            return self._step_input(("step", step, device), lambda: torch.full((), float(step), device=device))
+
+        kernel = fused_adamw_ if hyper.decoupled else fused_adam_
+        kernel(params, grads, exp_avgs, exp_avg_sqs, [], [step_tensor(s) for s in steps], amsgrad=False, lr=hyper.lr,
+               beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay, eps=hyper.eps,
+               maximize=hyper.maximize)
+        self.adam_calls += 1
+        return True
 
     def new_step(self) -> None:
         """An optimizer step begins: the gradients' multipliers and the noise keys made for the last one go."""
@@ -437,8 +463,10 @@ class FusedStep:
         eager = "; ".join([f"eager on {device}: {why}" for device, why in self.eager.items()]
                           + [f"{'eager rounding' if name == 'round' else 'chunks'} on {device} ({name}): {why}"
                              for (device, name), why in self.chunked.items()])
-        if self.chunks or self.rounds:
+        if self.chunks or self.rounds or self.adam_calls:
             wholes = f", {self.wholes:,} of them whole tensors" if self.wholes else ""
             rounds = f", {self.rounds:,} compiled rounding pass(es)" if self.rounds else ""
-            return f"fused update: {self.chunks:,} compiled call(s){wholes}{rounds}" + (f" ({eager})" if eager else "")
+            adam = f", {self.adam_calls:,} fused fp32 Adam call(s)" if self.adam_calls else ""
+            return (f"fused update: {self.chunks:,} compiled call(s){wholes}{rounds}{adam}"
+                    + (f" ({eager})" if eager else ""))
         return eager or f"fused: {self.setting!r}, no chunk updated yet"

@@ -45,7 +45,7 @@ from xirang_ds.plugins.optimizer_states.formats import (
 )
 from xirang_ds.plugins.optimizer_states.fused import FusedStep
 from xirang_ds.plugins.optimizer_states.schedule import Measurement, Policy, make_policy
-from xirang_ds.plugins.optimizer_states.together import steps_together, update_together
+from xirang_ds.plugins.optimizer_states.together import plain_fp32, steps_together, update_together
 from xirang_ds.plugins.optimizer_states.update import AdamHyper, adam_chunk_, grad_chunk, param_numel, store_param
 
 STATE_DICT_KEY = "xirang_optimizer_states"
@@ -299,6 +299,10 @@ class DynamicAdamW(torch.optim.Optimizer):
         flat_g = first_step.flat_view(p.grad)
         n = flat_p.numel()
         chunk = _lcm(self.config.chunk_numel, src.block_size, dst.block_size)
+        if not measure and src is dst and src.name == "fp32" and plain_fp32(p):  # torch's fused kernel: one op
+            m, v = (src.decode(k, src_buf, 0, n) for k in MOMENTS)
+            if self.fused.adam_([flat_p], [flat_g], [m], [v], [step], hyper):
+                return None
         fuse = not measure and src is dst and self.fused.applies(src, flat_p, flat_g, p)
         done = self.fused.run(src, flat_p, flat_g, src_buf, step, hyper, chunk, draws, p) if fuse else 0  # eager: the rest
         # |m|^2, |v|^2, |du|^2, |u|^2 summed on the device: one host sync per tensor and measurement, not four per chunk

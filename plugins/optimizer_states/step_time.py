@@ -1,25 +1,26 @@
 """optimizer_states' update priced for the predicted step (`xirang_ds.planning.step_time`, the
 `xirang_ds.roles.TimesUpdate` role): its ops counted, the profile prices them.
 
-The tensors are the ones the run updates: one flat partition per parameter group at ZeRO 1-3 (kept fp32
-parameters in a group of their own), each parameter at ZeRO 0, and each parameter's shard of its bucket
-where an update runs in backward (grad_release). Each tensor's states are in the format the policy starts
-from (the kept ones in fp32). Compiled (``fused: true``, or ``auto`` on a GPU profile) a bf16, int8 or int4
-tensor is one kernel reading and writing the fp32 parameter, reading its gradient (fp32) and reading and
-writing both moments in their format; otherwise (fp32 states, the CPU's ``auto``) the eager update runs
-chunk by chunk, and one chunk of it is run on fake tensors and counted (`update.adam_chunk_` between the
-format's decode and encode, what `optimizer.DynamicAdamW` runs), every chunk priced as a whole one; kept
-fp32 shards of at most ``chunk_numel`` elements are stepped together on torch's multi-tensor ops, as the
-run steps them (`together`): one batch's ops per ``chunk_numel`` elements of them (a multi-tensor op counted
-as one launch), except under in-place ``masters: none``, whose kept shards are updated one by one. Under
-grad_release each bucket's optimizer steps its own shard: grad_release counts its buckets' updates one by one
-(`group_update_ops`, from its own step run on fake tensors: `grad_release.step_ops`).
-Under grad_release's ``masters: none`` in place (bf16 weights, no master) the compiled kernel also rounds
-the result stochastically into the weight (`fused.chunk_step`): it reads and writes the bf16 weight
-instead of an fp32 parameter, still one kernel, for the kept fp32 shards too (`fused.fuses`), beside the
+The tensors are the ones the run updates: one flat partition per parameter group at ZeRO 1-3 (kept fp32 parameters
+in a group of their own), each parameter at ZeRO 0, and each parameter's shard of its bucket where an update runs in
+backward (grad_release). Each tensor's states are in the format the policy starts from (the kept ones in fp32).
+Compiled (``fused: true``, or ``auto`` on a GPU profile) a bf16, int8 or int4 tensor is one kernel reading and
+writing the fp32 parameter, reading its gradient (fp32) and reading and writing both moments in their format, and
+fp32 states take torch's fused Adam kernel, one op a large tensor and one for the small ones together, beside the
+step's value made on the device (`fused.FusedStep.adam_`; priced with ``bias_correction`` on, which the estimate
+does not read: off, the run takes the eager chunks); otherwise (the CPU's ``auto``) the eager update runs chunk by
+chunk, and one chunk of it is run on fake tensors and counted (`update.adam_chunk_` between the format's decode and
+encode, what `optimizer.DynamicAdamW` runs), every chunk priced as a whole one; kept fp32 shards of at most
+``chunk_numel`` elements are stepped together on torch's multi-tensor ops, as the run steps them (`together`): one
+batch's ops per ``chunk_numel`` elements of them (a multi-tensor op counted as one launch), except under in-place
+``masters: none``, whose kept shards are updated one by one. Under grad_release each bucket's optimizer steps its
+own shard: grad_release counts its buckets' updates one by one (`group_update_ops`, from its own step run on fake
+tensors: `grad_release.step_ops`). Under grad_release's ``masters: none`` in place (bf16 weights, no master) the
+compiled kernel also rounds the result stochastically into the weight (`fused.chunk_step`): it reads and writes the
+bf16 weight instead of an fp32 parameter, still one kernel, for the kept fp32 shards too (`fused.fuses`), beside the
 start index of its noise (an ``arange`` a tensor) and the gradient's scales (stacked once a step). What
-grad_release's other masters add (rebuilding a master from remainders, rounding into the weights after the
-update) is grad_release's own count (`grad_release.step_ops`).
+grad_release's other masters add (rebuilding a master from remainders, rounding into the weights after the update)
+is grad_release's own count (`grad_release.step_ops`).
 """
 from __future__ import annotations
 
@@ -36,6 +37,11 @@ from xirang_ds.plugins.optimizer_states.formats import MOMENTS, make_format
 from xirang_ds.plugins.optimizer_states.fused import fuses
 from xirang_ds.plugins.optimizer_states.together import adam_foreach_, batches
 from xirang_ds.plugins.optimizer_states.update import AdamHyper, adam_chunk_
+
+
+FUSED_ADAM_BYTES = 28
+"""Bytes an element of torch's fused Adam kernel moves: the parameter, gradient and both fp32 moments read, the
+parameter and moments written."""
 
 
 @functools.lru_cache(maxsize=16)
@@ -111,13 +117,21 @@ def _tensors_ops(plugin: Any, shape: Any, tensors: list, profile: Any) -> OpTall
     out = OpTally()
     if compiled and no_master and tensors:  # the weight's gradient scales stacked once a step (`FusedStep._extras`)
         out.add_counts(0, 12, False, times=2)
+    fp32_kernel = compiled and not no_master  # fp32 states on torch's fused Adam kernel (`fused.FusedStep.adam_`)
     together = [n for f, n in tensors if f.name == fp32.name and n <= c.chunk_numel] if not no_master else []
-    for run in batches([torch.empty(n, device="meta") for n in together], c.chunk_numel):
+    if fp32_kernel:
+        if together:
+            out.add_counts(0, FUSED_ADAM_BYTES * sum(together), False)
+        if any(f.name == fp32.name for f, _ in tensors):  # the step's value, made on the device once
+            out.add_counts(0, 4, False)
+    for run in ([] if fp32_kernel else batches([torch.empty(n, device="meta") for n in together], c.chunk_numel)):
         out.ops_from(together_batch(sum(t.numel() for t in run)))
     for f, n in tensors:
         if f.name == fp32.name and n <= c.chunk_numel and not no_master:
             continue  # stepped together above
-        if compiled and fuses(f.name, no_master):  # one kernel: the parameter, its gradient, both moments
+        if fp32_kernel and f.name == fp32.name:
+            out.add_counts(0, FUSED_ADAM_BYTES * n, False)
+        elif compiled and fuses(f.name, no_master):  # one kernel: the parameter, its gradient, both moments
             out.add_counts(0, (4 if no_master else 8) * n + 4 * n + 2 * f.state_bytes(n), False)
             if no_master:  # and the start index of the weight's noise, made on the device (an ``arange``)
                 out.add_counts(0, 8, False)
@@ -127,4 +141,4 @@ def _tensors_ops(plugin: Any, shape: Any, tensors: list, profile: Any) -> OpTall
     return out
 
 
-__all__ = ["eager_chunk", "group_update_ops", "together_batch", "update_ops"]
+__all__ = ["FUSED_ADAM_BYTES", "eager_chunk", "group_update_ops", "together_batch", "update_ops"]

@@ -7,7 +7,10 @@ cost hundreds of launches a step (issue 58; the balanced preset's step at gpt-sm
 runs it, spent 272 of its 975 kernels there). Here they take torch's multi-tensor ops
 (``torch._foreach_*``, what ``torch.optim.AdamW`` runs by default on CUDA): the same arithmetic per
 element in the same order, so on the CPU the result is `update.adam_chunk_`'s bit for bit
-(``tests/optimizer_states/test_together.py``), and on CUDA it is torch's default AdamW's.
+(``tests/optimizer_states/test_together.py``), and on CUDA it is torch's default AdamW's. Where the fused
+update is on (``fused: "auto"`` off the CPU, ``true``), they take torch's fused Adam kernel instead, one op
+for them all (`fused.FusedStep.adam_`: ``torch.optim.AdamW(fused=True)``'s result bit for bit), and so does
+an fp32 tensor too large or measured to be here (`optimizer.DynamicAdamW._run_chunks`).
 
 Which tensors (`steps_together`): fp32 states already made, a steady fp32 tensor (not measured: a
 measured one may leave fp32), an fp32 parameter and gradient, dense and contiguous, with no
@@ -27,14 +30,20 @@ from xirang_ds.plugins.optimizer_states.formats import format_of
 from xirang_ds.plugins.optimizer_states.update import AdamHyper
 
 
+def plain_fp32(p: torch.Tensor) -> bool:
+    """``p`` and its gradient are dense fp32, and ``p`` is updated as it is: no ``xirang_write_back`` or
+    ``xirang_grad_scale`` (grad_release's in-place bf16 weights)."""
+    g = p.grad
+    return p.dtype == torch.float32 and g.dtype == torch.float32 and not g.is_sparse \
+        and getattr(p, "xirang_write_back", None) is None and not getattr(p, "xirang_grad_scale", ())
+
+
 def steps_together(opt: Any, p: torch.Tensor, group: dict) -> bool:
     """``p`` (with a gradient) takes the multi-tensor update this step (module docstring)."""
     state = opt.state.get(p)
-    g = p.grad
     return bool(state) and format_of(state) == "fp32" and opt._pinned(p, group) and not opt._measured(p, group) \
-        and p.dtype == torch.float32 and g.dtype == torch.float32 and not g.is_sparse \
-        and 0 < p.numel() <= opt.config.chunk_numel and p.is_contiguous() and g.is_contiguous() \
-        and getattr(p, "xirang_write_back", None) is None and not getattr(p, "xirang_grad_scale", ())
+        and plain_fp32(p) and 0 < p.numel() <= opt.config.chunk_numel and p.is_contiguous() \
+        and p.grad.is_contiguous()
 
 
 def batches(params: Sequence[torch.Tensor], limit: int) -> Iterator[list[torch.Tensor]]:
@@ -77,11 +86,16 @@ def adam_foreach_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg
 
 def update_together(opt: Any, params: list[torch.Tensor], hyper: AdamHyper) -> None:
     """Step ``params`` (each `steps_together`) of one group: their step counters in one op, their update
+    on torch's fused kernel where the fused update is on (`fused.FusedStep.adam_`: one op for them all), else
     in batches of at most ``chunk_numel`` elements."""
     states = [opt.state[p] for p in params]
     steps = [opt._next_step(p) for p in params]
     foreach.add_([s["step"] for s in states], 1.0)
     opt._step_numbers.update((p, (s["step"], step)) for p, s, step in zip(params, states, steps))
+    flat = [[t.view(-1) for t in ts] for ts in (params, [p.grad for p in params], *(
+        [s[m] for s in states] for m in ("exp_avg", "exp_avg_sq")))]
+    if opt.fused.adam_(*flat, steps, hyper):
+        return
     at = dict(zip(map(id, params), zip(states, steps)))
     for run in batches(params, opt.config.chunk_numel):
         moments = [[at[id(p)][0][m].view(-1) for p in run] for m in ("exp_avg", "exp_avg_sq")]
@@ -89,4 +103,4 @@ def update_together(opt: Any, params: list[torch.Tensor], hyper: AdamHyper) -> N
                       [at[id(p)][1] for p in run], hyper)
 
 
-__all__ = ["adam_foreach_", "batches", "steps_together", "update_together"]
+__all__ = ["adam_foreach_", "batches", "plain_fp32", "steps_together", "update_together"]

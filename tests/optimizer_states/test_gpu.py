@@ -73,3 +73,24 @@ def test_no_master_update_on_cuda_is_one_triton_call_per_tensor_with_the_eager_n
     same = sum(int((a.view(torch.int16) == b.view(torch.int16)).sum()) for a, b in zip(fused, eager))
     assert same >= 0.99 * sum(p.numel() for p in eager)
     assert _distance(fused, eager) <= 0.05 * _distance(eager, reference)
+
+
+def test_fp32_states_on_cuda_step_as_torch_fused_adamw_bit_for_bit():
+    """With the fused update on (``auto`` on CUDA), fp32 states take torch's fused kernel: a tensor above the chunk
+    and the small ones together, each one call, equal to ``torch.optim.AdamW(fused=True)``."""
+    from xirang_ds.plugins.optimizer_states import DynamicAdamW
+
+    gen = torch.Generator().manual_seed(0)
+    sizes = (16, 300_000, 40)
+    ours, ref = ([torch.nn.Parameter(t.clone().cuda()) for t in inits]
+                 for inits in [[torch.randn(n, generator=gen) for n in sizes]] * 2)
+    opt = DynamicAdamW(ours, lr=3e-3, weight_decay=0.1, states={"schedule": [{"dtype": "fp32"}], "min_numel": 4096})
+    torch_opt = torch.optim.AdamW(ref, lr=3e-3, weight_decay=0.1, fused=True)
+    for step in range(4):
+        for a, b in zip(ours, ref):
+            a.grad = torch.randn(a.shape, generator=gen).cuda() * 1e-2
+            b.grad = a.grad.clone()
+        opt.step()
+        torch_opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+    assert opt.fused.adam_calls == 3 + 3 * 2, opt.fused.describe()

@@ -29,6 +29,11 @@ def test_small_fp32_tensors_step_together_as_torch_adam_steps_them_bit_for_bit(t
     opt = DynamicAdamW(ours, lr=3e-3, weight_decay=0.1, adam_w_mode=adam_w_mode, maximize=maximize,
                        states={"schedule": [{"dtype": "int8"}], "min_numel": 4096})  # all below: pinned fp32
     torch_opt = torch_cls(ref, lr=3e-3, weight_decay=0.1, maximize=maximize, foreach=False)
+    _assert_five_steps_equal(opt, ours, torch_opt, ref)
+
+
+def _assert_five_steps_equal(opt, ours, torch_opt, ref):
+    """Five steps of both on the same gradients: parameters, moments and step counters equal bit for bit."""
     for step in range(5):
         _grads(ours, step)
         _grads(ref, step)
@@ -80,3 +85,45 @@ def test_batches_keep_order_and_stay_within_the_chunk():
     runs = list(batches(params, 6))
     assert [[p.numel() for p in run] for run in runs] == [[3], [4, 2], [5, 1]]
     assert [p for run in runs for p in run] == params
+
+
+def _sized(sizes, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in sizes]
+
+
+@pytest.mark.parametrize("torch_cls,adam_w_mode,maximize", [(torch.optim.AdamW, True, False),
+                                                             (torch.optim.Adam, False, True)])
+def test_with_the_fused_update_on_fp32_states_step_as_torch_fused_adam_bit_for_bit(torch_cls, adam_w_mode, maximize):
+    """Small tensors (together) and ones above the chunk (one by one) alike: torch's fused kernel, one op each."""
+    sizes = (16, 9000, 40, 20000)
+    ours, ref = _sized(sizes), _sized(sizes)
+    opt = DynamicAdamW(ours, lr=3e-3, weight_decay=0.1, adam_w_mode=adam_w_mode, maximize=maximize,
+                       states={"schedule": [{"dtype": "fp32"}], "min_numel": 4096, "chunk_numel": 4096, "fused": True})
+    torch_opt = torch_cls(ref, lr=3e-3, weight_decay=0.1, maximize=maximize, fused=True)
+    _assert_five_steps_equal(opt, ours, torch_opt, ref)
+    assert opt.fused.adam_calls == 4 + 4 * 3  # the first step makes the states one by one; then the two
+    # large tensors, and the small ones (kept fp32 below ``min_numel``) together
+    assert "fused fp32 Adam call" in opt.fused.describe()
+
+
+def test_with_the_fused_update_on_the_fp32_step_does_not_grow_with_the_tensor():
+    def ops(scale):
+        params = _sized((9000 * scale, 20000 * scale, 16))
+        opt = DynamicAdamW(params, lr=1e-3, states={"schedule": [{"dtype": "fp32"}], "min_numel": 0,
+                                                    "chunk_numel": 4096, "fused": True})
+        _grads(params, 0)
+        opt.step()
+        return count_ops(opt.step)[1].optimizer_kernels
+
+    assert ops(1) == ops(13) <= 8  # three fused calls, the step counters, the step values made once
+
+
+def test_without_bias_correction_fp32_states_stay_on_the_eager_path():
+    """torch's fused kernel always corrects the bias: DeepSpeed's ``bias_correction: false`` runs eagerly."""
+    params = _sized((9000, 16))
+    opt = DynamicAdamW(params, lr=1e-3, bias_correction=False,
+                       states={"schedule": [{"dtype": "fp32"}], "min_numel": 0, "chunk_numel": 4096, "fused": True})
+    _grads(params, 0)
+    opt.step()
+    assert opt.fused.adam_calls == 0 and all(torch.isfinite(p).all() for p in params)

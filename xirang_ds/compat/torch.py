@@ -317,6 +317,18 @@ foreach = types.SimpleNamespace(**{name: getattr(torch, f"_foreach_{name}") for 
 UPSTREAM_NAMES.update({f"torch._foreach_{name}": "aten op, torch/_C/_VariableFunctions.pyi" for name in FOREACH_OPS})
 amp_foreach_non_finite_check_and_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
 """``(grads, found_inf, inv_scale)``: what ``GradScaler.unscale_`` runs, in place."""
+fused_adam_ = torch._fused_adam_
+fused_adamw_ = torch._fused_adamw_
+"""``(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, lr, beta1, beta2, weight_decay, eps,
+amsgrad, maximize)``: the kernel of ``torch.optim.Adam`` / ``AdamW`` with ``fused=True``, in place over lists of
+tensors; each step tensor holds the step after increment, on the parameters' device (read, not changed)."""
+fused_adam_devices: Callable[[], list[str]] = torch.utils._foreach_utils._get_fused_kernels_supported_devices
+"""Device types that have torch's fused optimizer kernels (``fused=True``)."""
+UPSTREAM_NAMES.update({
+    "torch._fused_adam_": "aten op, torch/_C/_VariableFunctions.pyi (torch/optim/adam.py _fused_adam)",
+    "torch._fused_adamw_": "aten op, torch/_C/_VariableFunctions.pyi (torch/optim/adam.py _fused_adam)",
+    "torch.utils._foreach_utils._get_fused_kernels_supported_devices": "torch/utils/_foreach_utils.py L13",
+})
 
 
 def op_schema(func: Any) -> Any:
@@ -388,6 +400,7 @@ __all__ = [
     "OpOverloadPacket",
     "SCHEDULER_PER_GROUP_LISTS", "TorchDispatchMode", "UPSTREAM_NAMES", "all_op_names", "allow_any_grad_dtype",
     "amp_foreach_non_finite_check_and_unscale_", "buffer_table", "compile_unavailable", "compiled_entry", "copy_ops",
+    "fused_adam_", "fused_adam_devices", "fused_adamw_",
     "host_read_ops",
     "current_autograd_node",
     "current_dispatch_mode", "current_saved_tensors_hooks", "destroy_library", "disable_current_modes",

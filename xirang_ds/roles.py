@@ -150,6 +150,11 @@ class TimesGradients(Protocol):
         optimizer steps with them (a `TimesUpdate` plugin's `TimesUpdate.group_update_ops` where one runs them);
         ``None`` where it cannot count them (DeepSpeed's path stands in, and the notes say so)."""
 
+    def extra_backwards(self, shape: Any) -> int:
+        """The model's backwards per optimizer step beyond one a micro-step that its method runs (grad_release's
+        ``two_pass``: a norm-only backward before the boundary's): the step prices the trace's backward again
+        for each."""
+
 
 @runtime_checkable
 class ReshapesRun(Protocol):

@@ -34,7 +34,7 @@ from xirang_ds.plugins.grad_release.optimizers import optimizer_problems, state_
 from xirang_ds.plugins.grad_release.pipeline import Pass, ReleasePipeline
 from xirang_ds.plugins.grad_release.rows import owners as rows_owners
 from xirang_ds.plugins.grad_release.states_tier import StatesTier
-from xirang_ds.plugins.grad_release.step_ops import step_ops
+from xirang_ds.plugins.grad_release.step_ops import extra_backwards, step_ops
 from xirang_ds.registry import UPDATE_IN_BACKWARD, Plugin, register_plugin
 
 logger = logging.getLogger("xirang_ds")
@@ -232,6 +232,10 @@ class GradReleasePlugin(StatesTier, Plugin):
     def gradient_ops(self, shape: Any, numels: list, profile: Any) -> Optional[tuple[Any, Any]]:
         """`xirang_ds.roles.TimesGradients`: its own ops in one step, run on fake tensors (`step_ops.step_ops`)."""
         return step_ops(self, shape, numels, profile)
+
+    def extra_backwards(self, shape: Any) -> int:
+        """`xirang_ds.roles.TimesGradients`: ``two_pass``'s norm-only backward (`step_ops.extra_backwards`)."""
+        return extra_backwards(self)
 
     def _rows_numels(self, world: int, bucket_numel: int) -> list[int]:
         return estimate.rows_numels(self, world, bucket_numel)

@@ -14,7 +14,8 @@ step counts that plugin's count of a step over the bucket's pieces (`TimesUpdate
 rounding is the real one's one compiled call where the run compiles it (off the CPU). What it does not run: the
 host tiers' copies (the states' and a stashed shard's: `states_tier.StatesTier` prices their bytes over the host
 link), so the buckets run with their states on the device; the rows' hand-over of an embedding or head gradient
-(`rows.py`); the model's second backward under ``exact_method: two_pass`` (the trace counts one a micro-step).
+(`rows.py`). The model's second backward under ``exact_method: two_pass`` is the trace's backward once more
+(`extra_backwards`, which `xirang_ds.planning.step_time` prices).
 The host read of the step's norm (``float``, which fake tensors cannot do) is counted as one.
 """
 from __future__ import annotations
@@ -210,10 +211,7 @@ def _count(plugin: Any, shape: Any, numels: list[int], profile: Any, bucket_nume
                             setup.comm_dtype, masters=plugin._masters, states="device")
             bucket.copies = None
             buckets.append(bucket)
-        policy = ReleasePolicy(comm, sharded, setup.gradient_clipping, plugin.config.clipping,
-                               "two_pass" if plugin.config.exact_method == "two_pass" else "hold",
-                               setup.skip_nonfinite, None, sum(numels))
-        policy.hold_updates = plugin.retries_oom()
+        policy = _policy(plugin, comm, sharded, sum(numels))
         pipeline = ReleasePipeline(buckets, plugin.config.overlap_comm)
         _one_step(plugin, shape, params, pipeline, policy, counting, None, None)  # the optimizer's states made
         backward, boundary = OpTally(), OpTally()
@@ -221,4 +219,25 @@ def _count(plugin: Any, shape: Any, numels: list[int], profile: Any, bucket_nume
     return None if counting.unpriced else (backward, boundary)
 
 
-__all__ = ["step_ops"]
+def _policy(plugin: Any, comm: DataParallelComm, sharded: bool, total: int) -> ReleasePolicy:
+    """The run's `policy.ReleasePolicy`: its clipping, exact method, non-finite handling and held updates."""
+    setup = plugin.setup
+    policy = ReleasePolicy(comm, sharded, setup.gradient_clipping, plugin.config.clipping,
+                           "two_pass" if plugin.config.exact_method == "two_pass" else "hold",
+                           setup.skip_nonfinite, None, total)
+    policy.hold_updates = plugin.retries_oom()
+    return policy
+
+
+def extra_backwards(plugin: Any) -> int:
+    """The model's backwards in a steady optimizer step beyond one a micro-step: one more at the boundary where
+    ``exact_method: two_pass`` runs a norm-only backward first (the step's norm or finiteness is needed before
+    any update), else none; 0 before the ds_config is read."""
+    if plugin.setup is None:
+        return 0
+    policy = _policy(plugin, DataParallelComm(None, dist=_Dist(1, _Counting())), False, 0)
+    policy.previous_norm = 1.0  # a steady step: the previous one's norm is known
+    return len(policy.passes(True)) - 1
+
+
+__all__ = ["extra_backwards", "step_ops"]

@@ -101,8 +101,8 @@ def test_what_the_block_adds_is_priced_by_its_plugins():
 
 def test_low_bit_states_price_their_own_update_compiled_per_tensor_on_a_gpu_and_chunk_by_chunk_on_the_cpu():
     """int8 states for the matrices, fp32 for norms and biases (kept), under DeepSpeed's ZeRO-2 step (one flat
-    partition per group). On a GPU profile the int8 partition is one compiled kernel whatever its size; the kept
-    fp32 ones and the CPU's eager path run chunk by chunk."""
+    partition per group). On a GPU profile the int8 partition is one compiled kernel whatever its size and the kept
+    fp32 one torch's fused Adam kernel; the CPU's eager path runs chunk by chunk."""
     states = {"enabled": True, "schedule": [{"dtype": "int8"}], "keep_fp32_embeddings_and_norms": "measured"}
     config = {**CONFIG, "xirang": {"optimizer_states": states}}
     small, wide = ("gpt:layers=2,hidden=64,heads=2,seq=32,vocab=256", "gpt:layers=2,hidden=256,heads=2,seq=32,vocab=256")
@@ -133,6 +133,28 @@ def test_grad_release_counts_its_own_step_with_each_buckets_update():
     ops = [t.counts["engine_backward"]["launches"] + t.counts["optimizer"]["launches"] for t in (small, wide, deep)]
     assert ops[0] == ops[1]  # 16x the matrices' elements, the same buckets: the same kernels
     assert ops[2] > ops[0] + 6 * 4
+
+
+@pytest.mark.parametrize("clip", [1.0, 0.0])
+def test_two_pass_prices_its_norm_only_backward_as_the_traces_backward_once_more(clip):
+    """grad_release's ``two_pass`` runs the boundary's backward twice where the step needs its norm first (exact
+    clipping): the trace's backward (its own tally, within the micro-step's) once more; without clipping (bf16,
+    no global pass) one backward, as ``hold``."""
+    model = "gpt:layers=2,hidden=64,heads=2,seq=32,vocab=256"
+    config = {**CONFIG, "gradient_clipping": clip, "gradient_accumulation_steps": 2}
+    hold, two = (estimate_spec(model, {**config, "xirang": {"grad_release": {"enabled": True, "exact_method": m}}},
+                               2, "cuda", device_profile=PROFILES["h100"]).step_time for m in ("hold", "two_pass"))
+    assert hold.counts["extra_backwards"] == 0 and two.notes == []
+    if not clip:
+        assert two.counts == hold.counts and two.parts == hold.parts
+        return
+    again = two.counts["repeated_backward"]
+    assert two.counts["extra_backwards"] == 1 and 0 < again["launches"] < two.counts["forward_backward"]["launches"]
+    assert again["flops"] > two.counts["forward_backward"]["flops"] / 2  # backward: about two thirds of a micro-step
+    own = [t.counts["engine_backward"]["launches"] + t.counts["optimizer"]["launches"] for t in (hold, two)]
+    assert two.counts["kernels"] - own[1] == 2 * two.counts["forward_backward"]["launches"] + again["launches"]
+    assert hold.counts["kernels"] - own[0] == 2 * hold.counts["forward_backward"]["launches"]
+    assert two.parts["forward_backward"] > hold.parts["forward_backward"]
 
 
 def test_the_no_master_update_is_priced_as_one_kernel_per_tensor_reading_and_writing_the_bf16_weight():

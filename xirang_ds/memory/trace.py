@@ -50,6 +50,7 @@ class Trace:
             loss keeps for backward is not in the activations.
         ops: the ops of one micro-step's forward and backward (the engine's emulated gradient handling
             included), counted to be priced by a device profile (`xirang_ds.planning.step_time`).
+        backward_ops: those of them in its backward (what a second backward of the micro-step runs again).
         grad_arrivals: per micro-step, ``(clock, index)`` of each gradient hook on the tracker's clock, in the
             order autograd finished them (``index`` into ``param_numels``): where in backward each gradient
             was taken, so that a plugin that holds gradients its own way can say what it holds at any point.
@@ -69,6 +70,7 @@ class Trace:
     accumulates: bool = False
     loss_outside: bool = False
     ops: Optional[OpTally] = None
+    backward_ops: Optional[OpTally] = None
     grad_arrivals: list[list[tuple[int, int]]] = field(default_factory=list)
     backward_clocks: list[int] = field(default_factory=list)
     backward_sweeps: list[Sweep] = field(default_factory=list)
@@ -249,8 +251,8 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
         handles = [p.register_post_accumulate_grad_hook(emu.hook) for p in params]
         micro_steps = 2 if shape.grad_accum > 1 else 1  # the second carries the first's gradients
         fwd_report = bwd_report = None
-        ops = OpTally()
-        tracker.on_op = ops.add  # the first micro-step's (one forward and backward; not while paused)
+        forward_ops, backward_ops = OpTally(), OpTally()
+        tracker.on_op = forward_ops.add  # the first micro-step's (one forward and backward; not while paused)
         with applied, tracker:
             for micro in range(micro_steps):
                 if micro:
@@ -275,6 +277,8 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
                 if fwd_report is None or report.peak_bytes >= fwd_report.peak_bytes:
                     fwd_report = report
                 bwd = tracker.open_window()
+                if micro == 0:
+                    tracker.on_op = backward_ops.add
                 emu.start_backward()
                 loss.backward()
                 emu.end_backward()
@@ -286,6 +290,9 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
                 sweeps.append(record_sweep(tracker, emu.backward_clocks[-1], tracker.clock, seeded))
         for h in handles:
             h.remove()
+    ops = OpTally()
+    for part in (forward_ops, backward_ops):
+        ops.ops_from(part)
     batch_bytes = sum(t.numel() * t.element_size() for t in batch if t.device.type == "cpu")
     param_bytes = fwd_report.by_category[PARAMETERS]
 
@@ -300,5 +307,6 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
                  backward_peak=bwd_report.peak_bytes - base, backward_by_category=above(bwd_report),
                  backward_start_by_category=above(start), forward_by_category=above(fwd_report), inputs=batch_bytes,
                  param_numels=[p.numel() for p in params], accumulates=micro_steps > 1, loss_outside=outside,
-                 ops=ops, layer_temporaries=max(0, emu.layer_temporaries - batch_bytes), grad_arrivals=emu.arrivals,
+                 ops=ops, backward_ops=backward_ops, layer_temporaries=max(0, emu.layer_temporaries - batch_bytes),
+                 grad_arrivals=emu.arrivals,
                  backward_clocks=emu.backward_clocks, backward_sweeps=sweeps)

@@ -7,6 +7,9 @@ where DeepSpeed overlaps communication with backward):
   (`xirang_ds.memory.trace.Trace.ops`: every op that launches a kernel, its FLOPs and bytes moved), each priced
   ``max(FLOPs / rate, bytes / bandwidth) + launch``, and DeepSpeed's gradient handling in them (each gradient
   copied into its bucket, the buckets averaged and reduced, the partition's gradients kept: `deepspeed_ops`);
+  the trace's backward once more for each backward a plugin's method adds (grad_release's ``two_pass``:
+  `xirang_ds.roles.TimesGradients.extra_backwards`, ``counts["extra_backwards"]`` and
+  ``counts["repeated_backward"]``);
 * **communication**: the bytes ZeRO's collectives move per rank over the profile's interconnect, as a ring
   moves them (``(n - 1) / n`` of the buffer per reduce-scatter or all-gather, twice that per all-reduce):
   ZeRO 0 all-reduces the 16-bit gradients at the boundary, ZeRO 1 reduces them at the boundary and ZeRO 2 in
@@ -141,8 +144,15 @@ def step_time(shape: RunShape, trace: Any, profile: DeviceProfile, session: Any 
                      "partition's, not op by op")
     else:
         backward, opt = engine
+    again = handler.extra_backwards(shape) if handler is not None else 0  # the model's backward run once more
+    repeated = getattr(trace, "backward_ops", None)
+    if again and repeated is None:
+        notes.append(f"{handler.section}: its {again} more backward(s) a step are not priced")
+        again, repeated = 0, OpTally()
+    repeated = repeated or OpTally()
     comm = communication_bytes(shape, total)
-    parts = {"forward_backward": shape.grad_accum * ops.seconds(profile) + backward.seconds(profile),
+    parts = {"forward_backward": shape.grad_accum * ops.seconds(profile) + backward.seconds(profile)
+             + again * repeated.seconds(profile),
              "communication": comm / profile.interconnect_bytes_per_s if comm else 0.0,
              "optimizer": opt.seconds(profile) + (update.seconds(profile) if update is not None else 0.0)}
     if shape.offloaded:
@@ -154,10 +164,12 @@ def step_time(shape: RunShape, trace: Any, profile: DeviceProfile, session: Any 
                 notes.append(f"{plugin.section}: its time is not priced")
         elif seconds:
             parts[plugin.section] = seconds
-    counted = [ops] * shape.grad_accum + [backward, opt] + ([update] if update is not None else [])
+    counted = [ops] * shape.grad_accum + [repeated] * again + [backward, opt] + ([update] if update is not None else [])
     counts = {"forward_backward": ops.as_dict(), "engine_backward": backward.as_dict(), "optimizer": opt.as_dict(),
-              "communication_bytes": comm, "micro_steps": shape.grad_accum,
+              "communication_bytes": comm, "micro_steps": shape.grad_accum, "extra_backwards": again,
               "kernels": sum(t.launches for t in counted), "host_syncs": sum(t.host_syncs for t in counted)}
+    if again:
+        counts["repeated_backward"] = repeated.as_dict()  # priced ``extra_backwards`` times
     if update is not None:
         counts["optimizer_update"] = update.as_dict()  # beside DeepSpeed's ops around it, under "optimizer"
     beside = sum(p.beside_seconds(shape, numels, profile) for p in plugins if isinstance(p, CopiesBeside))

@@ -118,8 +118,8 @@ class CopiesBeside(Protocol):
     the predicted step is the larger of the compute stream's parts and these (`xirang_ds.planning.step_time`)."""
 
     def beside_seconds(self, shape: Any, numels: list, profile: Any) -> float:
-        """Seconds of one optimizer step's work beside the compute stream on ``profile``, apart from what
-        `TimesStep.step_seconds` adds to the compute stream."""
+        """Seconds of one optimizer step on ``profile`` of the resource its work beside the compute stream runs on
+        (the host link), that work and what of the compute stream's own (`TimesStep.step_seconds`) shares it."""
 
 
 @runtime_checkable

@@ -176,7 +176,7 @@ class Bucket(MasterSlices, ParkedStates):
         if self.rows_taken == "acc":
             self.acc.add_(late, alpha=1.0 / self.comm.world)
         elif self.rows_taken == "host":  # back on the device, where the reduction would have left it
-            self.rows_taken, self.reduced = None, late.add_(self._host.to(late.device))
+            self.rows_taken, self.reduced = None, late.add_(self.host_shard_ready().to(late.device))
         else:
             self.reduced.add_(late)
         self.rows_sumsq = None
@@ -282,35 +282,6 @@ class Bucket(MasterSlices, ParkedStates):
             norm = torch.linalg.vector_norm(self.reduced, dtype=torch.float32).double() / self.comm.world
         self.reduced = None
         return norm * norm
-
-    def stash(self) -> None:
-        """Hold the step's gradient shard in (pinned) host memory until the update needs it: the
-        device keeps only the buckets in flight while backward goes on. The copy is queued on the
-        current stream (no host sync); the device shard is freed once the tensor is dropped, which the
-        caching allocator orders after the copy on that stream."""
-        grad = self.grad
-        if grad is self._host:  # its rounds went there as they were reduced (`rows.RowSink`)
-            return
-        host = self.host_shard(grad.shape, grad.dtype)
-        host.copy_(grad, non_blocking=True)
-        self.grad = host
-
-    def host_shard(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """The host buffer `stash` keeps the gradient shard in (pinned on accelerators), reused every step."""
-        host = self._host
-        if host is None or host.shape != shape or host.dtype != dtype:
-            self._host = host = self.host_tensor(shape, dtype)
-        return host
-
-    def unstash(self) -> None:
-        """Bring a stashed gradient shard back to the device (just before its update)."""
-        host = self.grad
-        if host is None or host is not self._host:
-            return
-        with self.scope(GRADIENTS):
-            grad = torch.empty(host.shape, dtype=host.dtype, device=self.params[0].device)
-        grad.copy_(host, non_blocking=True)
-        self.grad = grad
 
     def param_sumsq(self) -> torch.Tensor:
         """Squared norm of each parameter's part of the step's gradient shard (float64 vector)."""

@@ -78,7 +78,10 @@ class GradReleaseConfig(Section):
     then holds up to two buckets' states at once, not one, and in such a backward the next bucket's between
     updates (the estimate counts them). ``auto``: where the device has streams (GPUs); ``true``: on the CPU too,
     where there is no side stream and the copies are only made early (nothing overlaps; for tests); ``false``:
-    each bucket's copied on the current stream just before and after its update."""
+    each bucket's copied on the current stream just before and after its update. The same for exact clipping's
+    stash (``exact_method: host``), with the states on the device too: each reduced gradient shard copied to the
+    host on the side stream in backward, and back while the bucket before it updates (the device then holds two
+    buckets' shards at the updates, not one)."""
 
     def check(self) -> Issues:
         if self.prefetch_states is True and self.states == "device":

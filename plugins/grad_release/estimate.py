@@ -83,6 +83,13 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
                     for n in by_rows), default=0)
 
     shard = math.ceil(bucket / world)
+    # a stashed shard back on the device for its update, and where the stash's copies run ahead
+    # (`states_tier.stash_prefetches`) the next bucket's beside it (`pipeline.ReleasePipeline.apply_all`)
+    order = list(reversed(numels))
+    shards = [sum(math.ceil(order[i] / world) for i in b) for b in planned]
+    stash_ahead = plugin.stash_prefetches(shape.device)
+    stash_back = max((a + b for a, b in zip(shards, shards[1:])), default=shard) if stash_ahead else shard
+    stash_overlapped = stash_ahead and shape.device != "cpu"  # on a side stream: beside the compute stream
     # the update (bucket.py ``apply``): the bucket shard's fp32 gradient, then with remainders its
     # master rebuilt from a 16-bit copy of its weights (freed once joined; ``none``: widened in
     # place), then the optimizer over the parameters' pieces, one at a time for torch's
@@ -110,7 +117,7 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
         # gradient alive, nothing per shard
         chunk = min(shard, quantizer.config.chunk_numel)
         update, rounding = 16 * chunk + NOISE_BYTES * min(chunk, CHUNK_NUMEL), 0
-    order = list(reversed(numels))  # the largest bucket's states, of the buckets `plan_buckets` makes
+    # the largest bucket's states, of the buckets `plan_buckets` makes
     sizes = [math.ceil(states * sum(math.ceil(order[i] / world) for i in b) / part) for b in planned]
     fetched = max(sizes)
     # fetched ahead (``prefetch_states``): in a pass that updates in backward the next bucket's states wait on the
@@ -183,7 +190,7 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
                 # as the activation planner, adjusting after, lowers the first and not the second
                 # (a held pass updates after backward, `pipeline.ReleasePipeline.apply_all`: no gradient is whole
                 # then, the updating bucket's shard is on the device, brought back from the host if stashed)
-                end_grads = (lp * shard if stash else lp * part) if holds_shard else whole
+                end_grads = (lp * stash_back if stash else lp * part) if holds_shard else whole
                 at_update = {**cats, "activations": 0, "comm_buffers": lp * gathers, "temporaries": update,
                              OPTIMIZER_STATES: fetched if parked else states, GRADIENTS: accum + end_grads}
                 # then the master rounded into the 16-bit shard, the bucket's gradient freed (a held pass still
@@ -239,7 +246,9 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
     on_host, stashes = why is not None or parked, bool(holds_shard and stash)
     plugin.estimate_plan = {"states": "host" if on_host else "device", "why": why,
                             "state_bytes": states, "stashes_shard": stashes, "stash_bytes": comm_bytes,
-                            "first_bucket_state_bytes": sizes[0] if overlapped else None}
+                            "first_bucket_state_bytes": sizes[0] if overlapped else None,
+                            # the stash's copies on a side stream: the first bucket's shard back on the compute stream
+                            "first_bucket_stash_numel": shards[0] if stashes and stash_overlapped else None}
     pinned = pins(shape.device != "cpu", getattr(plugin.session, "device_profile", None))
     tensors = _state_tensors(plugin.session.state_quantizer, len(numels))
     buckets = [(sum(math.ceil(order[i] / world) for i in b),

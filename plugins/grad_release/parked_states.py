@@ -33,7 +33,7 @@ from typing import Any, ContextManager, Iterator, Optional
 
 import torch
 
-from xirang_ds.memory.categories import OPTIMIZER_STATES
+from xirang_ds.memory.categories import GRADIENTS, OPTIMIZER_STATES
 from xirang_ds.memory.host_ledger import ledger
 
 
@@ -80,7 +80,8 @@ class CopyStream:
 
 
 class ParkedStates:
-    """The host half of `bucket.Bucket`'s optimizer states (a mixin: the bucket holds the state)."""
+    """The host half of `bucket.Bucket`: its optimizer states, and exact clipping's stashed gradient shard (a mixin:
+    the bucket holds the state)."""
 
     states_on = "device"
     copies: Optional[CopyStream] = None
@@ -89,6 +90,12 @@ class ParkedStates:
     _ahead: Optional[tuple[dict, Any]] = None  # states fetched ahead: (view index, state key) -> device copy; event
     fetched_ahead = 0
     """Updates whose states were fetched ahead (`prefetch_states`), so far."""
+    stash_copies: Optional[CopyStream] = None
+    """Where the stash's copies run (`stash`, `prefetch_grad`): a side stream; None: the current stream, just in
+    time."""
+    _grad_ahead: Optional[tuple[torch.Tensor, Any]] = None  # the stashed shard fetched ahead: device copy; event
+    grad_fetched_ahead = 0
+    """Updates whose stashed gradient shard was fetched ahead (`prefetch_grad`), so far."""
 
     def _state_items(self) -> Iterator[tuple[int, dict, str, torch.Tensor]]:
         if self.optimizer is None:
@@ -140,8 +147,9 @@ class ParkedStates:
         self._ahead = (ahead, copies.mark())
 
     def drop_prefetch(self) -> None:
-        """Forget states fetched ahead for an update that will not come (a skipped step, a failed backward)."""
-        self._ahead = None
+        """Forget states and a gradient shard fetched ahead for an update that will not come (a skipped step, a
+        failed backward)."""
+        self._ahead = self._grad_ahead = None
 
     def fetch_states(self) -> None:
         """Put a device copy of every parked state in its place, for the bucket's update (or for good,
@@ -168,6 +176,72 @@ class ParkedStates:
             on_device = torch.empty(host.shape, dtype=host.dtype, device=self.params[0].device)
         on_device.copy_(host, non_blocking=True)
         return on_device
+
+    # the stashed gradient shard (exact clipping's ``host`` method) ------------------------------------
+    def stash(self) -> None:
+        """Hold the step's gradient shard in (pinned) host memory until the update needs it: the device keeps only
+        the buckets in flight while backward goes on. The copy is queued without a host sync (`to_host`); the
+        device shard is freed once the tensor is dropped, which the caching allocator orders after the copy."""
+        grad = self.grad
+        if grad is self._host:  # its rounds went there as they were reduced (`rows.RowSink`)
+            return
+        host = self.host_shard(grad.shape, grad.dtype)
+        self.to_host(host, grad)
+        self.grad = host
+
+    def to_host(self, host: torch.Tensor, value: torch.Tensor) -> None:
+        """Copy ``value`` (on the device) into ``host`` (part of the stash's buffer): on the side stream where the
+        stash's copies run there (`stash_copies`: the compute stream goes on meanwhile), else on the current one."""
+        copies = self.stash_copies
+        with copies.side() if copies is not None else contextlib.nullcontext():
+            host.copy_(value, non_blocking=True)
+        if copies is not None:
+            copies.used_aside(value)
+
+    def host_shard(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """The host buffer `stash` keeps the gradient shard in (pinned on accelerators), reused every step."""
+        host = self._host
+        if host is None or host.shape != shape or host.dtype != dtype:
+            self._host = host = self.host_tensor(shape, dtype)
+        return host
+
+    def host_shard_ready(self) -> torch.Tensor:
+        """The stash's host buffer, for an op on the current stream to read: after the side stream's copies into
+        it."""
+        if self.stash_copies is not None:
+            self.stash_copies.wait(self.stash_copies.mark())
+        return self._host
+
+    def prefetch_grad(self) -> None:
+        """Start the stashed shard's copy back to the device on the side stream, for the update to come
+        (`unstash` takes it); nothing where the stash's copies do not run ahead, or nothing is stashed."""
+        copies = self.stash_copies
+        if copies is None or self.grad is None or self.grad is not self._host or self._grad_ahead is not None:
+            return
+        with copies.side():  # after the copy that filled the host buffer, on this stream too
+            grad = self._device_grad(self._host)
+        self._grad_ahead = (grad, copies.mark())
+
+    def unstash(self) -> None:
+        """Bring a stashed gradient shard back to the device, just before its update: the copy started ahead
+        (`prefetch_grad`) once it is done, else one made now."""
+        if self.grad is None or self.grad is not self._host:
+            return
+        ahead, self._grad_ahead = self._grad_ahead, None
+        if ahead is None:
+            self.grad = self._device_grad(self.host_shard_ready())
+            return
+        grad, done = ahead
+        self.stash_copies.wait(done)
+        self.stash_copies.used_here(grad)
+        self.grad_fetched_ahead += 1
+        self.grad = grad
+
+    def _device_grad(self, host: torch.Tensor) -> torch.Tensor:
+        with self.scope(GRADIENTS):
+            grad = torch.empty(host.shape, dtype=host.dtype, device=self.params[0].device)
+        grad.copy_(host, non_blocking=True)
+        return grad
 
     def unpark_states(self) -> None:
         """Keep the states on the device from now on (``states: auto`` settled there); the host buffers go."""

@@ -157,9 +157,12 @@ class ReleasePipeline:
         return torch.stack(sums).sum()
 
     def apply_all(self, rule: Rule) -> None:
-        """After a HOLD pass: apply every bucket in order, gathers overlapped with the next update."""
+        """After a HOLD pass: apply every bucket in order, gathers overlapped with the next update; a stashed shard
+        comes back while the bucket before it updates, where the stash's copies run ahead (`Bucket.prefetch_grad`)."""
         for b, bucket in enumerate(self.buckets):
             bucket.unstash()
+            if b + 1 < len(self.buckets):
+                self.buckets[b + 1].prefetch_grad()
             bucket.apply(rule(bucket))
             self._fetch_ahead(b + 1)
             self.gathering.append(b)

@@ -155,9 +155,9 @@ class GradReleasePlugin(StatesTier, Plugin):
         self.pipeline = ReleasePipeline(self.buckets, self.config.overlap_comm, stash_held=self.stashes_held(),
                                         on_grad_seen=lambda g: tracker.mark(g, GRADIENTS) if tracker.active else None,
                                         by_rows=by_rows)
-        copies = self.copy_stream()
+        copies, stash_copies = self.copy_stream(), self.stash_copy_stream()
         for bucket in self.buckets:
-            bucket.copies = copies
+            bucket.copies, bucket.stash_copies = copies, stash_copies
         hook = on_grad or self.pipeline.on_grad
         for bucket in self.buckets:
             for param in bucket.params:

@@ -114,8 +114,8 @@ class RowSink:
         if self.sumsq is not None:
             norm = torch.linalg.vector_norm(out, dtype=torch.float32).double()
             self.sumsq += (norm if self.into_acc else norm / self.world) ** 2
-        if self.to_host:  # queued on the current stream, as `Bucket.stash` copies
-            self.host[start:end].copy_(out, non_blocking=True)
+        if self.to_host:  # queued as `Bucket.stash` copies (`Bucket.to_host`)
+            bucket.to_host(self.host[start:end], out)
         self.done += rows
 
     def close(self) -> None:

@@ -118,6 +118,20 @@ class StatesTier:
             return None
         return CopyStream(self.buckets[0].params[0].device)
 
+    def stash_prefetches(self, device_type: str) -> bool:
+        """The stashed gradient shards' copies run on a side stream, each shard back while the bucket before it
+        updates (exact clipping's ``host`` method), as ``prefetch_states`` has the states' (``auto``: where the
+        device has streams; ``true``: on the CPU too, early and synchronous there, for tests)."""
+        setting = self.config.prefetch_states
+        return setting is True or (setting == "auto" and device_type != "cpu")
+
+    def stash_copy_stream(self) -> Optional[CopyStream]:
+        """Where the stash's copies run (`stash_prefetches`), where the run stashes; None: just in time."""
+        if not self.buckets or not self.stashes_held():
+            return None
+        device = self.buckets[0].params[0].device
+        return CopyStream(device) if self.stash_prefetches(device.type) else None
+
     def planner_decides(self) -> bool:
         """The activation planner plans under a ``memory_budget`` in bytes: it settles the states' tier, and
         ``exact_method: auto`` stashes the held shard in host memory meanwhile and after (`stashes_held`)."""
@@ -149,24 +163,34 @@ class StatesTier:
         """`xirang_ds.roles.TimesStep`: the host-link copies the estimate's tiers make each step on the compute
         stream, there and back (its ``estimate_plan``): the optimizer states where they are in host memory (their
         bytes; fetched ahead, only the first bucket's, which nothing precedes: `beside_seconds` has the rest), the
-        reduced gradient shard where exact clipping stashes it there."""
-        plan = getattr(self, "estimate_plan", None) or {}
-        moved = 0
-        if plan.get("states") == "host":
-            first = plan.get("first_bucket_state_bytes")
-            moved = 2 * plan.get("state_bytes", 0) if first is None else first
-        if plan.get("stashes_shard"):  # in the reduced gradient's dtype
-            moved += 2 * plan.get("stash_bytes", 4) * partition_numel(sum(numels), shape.world_size)
-        return moved / profile.host_link_bytes_per_s
+        reduced gradient shard where exact clipping stashes it there (on a side stream, `stash_prefetches`: only the
+        first bucket's shard back)."""
+        return self._link_bytes(shape, numels)[0] / profile.host_link_bytes_per_s
 
     def beside_seconds(self, shape: Any, numels: list, profile: Any) -> float:
-        """`xirang_ds.roles.CopiesBeside`: the states' copies on the side stream where they are fetched ahead
-        (``prefetch_states``): every bucket's back after its update and every bucket's but the first ahead of it."""
+        """`xirang_ds.roles.CopiesBeside`: where copies run on the side stream (the states' fetched ahead,
+        ``prefetch_states``; the stashed shards', `stash_prefetches`), the host link's whole time a step, theirs and
+        the compute stream's own (`step_seconds`): the link carries both, one copy at a time, so the step is no
+        shorter."""
+        on_stream, aside = self._link_bytes(shape, numels)
+        return (on_stream + aside) / profile.host_link_bytes_per_s if aside else 0.0
+
+    def _link_bytes(self, shape: Any, numels: list) -> tuple[int, int]:
+        """Bytes over the host link a step ``(on the compute stream, on the side stream)``, from the estimate's
+        plan: the states there and back, every bucket's but the first's fetch aside where fetched ahead; the
+        stashed shard there in backward and back, every one but the first bucket's aside where it runs ahead."""
         plan = getattr(self, "estimate_plan", None) or {}
-        first = plan.get("first_bucket_state_bytes")
-        if plan.get("states") != "host" or first is None:
-            return 0.0
-        return (2 * plan.get("state_bytes", 0) - first) / profile.host_link_bytes_per_s
+        on_stream = aside = 0
+        if plan.get("states") == "host":
+            first, states = plan.get("first_bucket_state_bytes"), plan.get("state_bytes", 0)
+            on_stream += 2 * states if first is None else first
+            aside += 0 if first is None else 2 * states - first
+        if plan.get("stashes_shard"):  # in the reduced gradient's dtype
+            first, shard = plan.get("first_bucket_stash_numel"), partition_numel(sum(numels), shape.world_size)
+            size = plan.get("stash_bytes", 4)
+            on_stream += size * (2 * shard if first is None else first)
+            aside += 0 if first is None else size * (2 * shard - first)
+        return on_stream, aside
 
     def settle_tier(self, on_host: bool, why: str = "") -> None:
         """``auto``: the optimizer states in host memory from now on (``why`` in the summary), or on the device."""

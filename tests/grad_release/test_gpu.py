@@ -25,7 +25,10 @@ def _grad_release(rank, world, method, masters="auto", states="auto", ahead="aut
     pinned = [b._host.is_pinned() for b in plugin.buckets if b._host is not None]
     params = torch.cat([p.detach().float().reshape(-1).cpu() for p in engine.module.parameters()])
     streams = sorted({type(b.copies.stream).__name__ if b.copies is not None else "none" for b in plugin.buckets})
-    return {"losses": losses, "params": params, "pinned": pinned, "streams": streams}
+    stash = sorted({type(b.stash_copies.stream).__name__ if b.stash_copies is not None else "none"
+                    for b in plugin.buckets})
+    return {"losses": losses, "params": params, "pinned": pinned, "streams": streams, "stash_streams": stash,
+            "grad_ahead": [b.grad_fetched_ahead for b in plugin.buckets]}
 
 
 def test_states_fetched_ahead_on_a_side_stream_train_as_on_the_device():
@@ -40,9 +43,13 @@ def test_states_fetched_ahead_on_a_side_stream_train_as_on_the_device():
 
 
 def test_grad_release_host_stash_equals_hold_on_cuda():
+    """Exact clipping's stash on CUDA: each reduced shard copied to pinned host memory on a side stream in
+    backward, and back on it while the bucket before it updates (every update's but each step's first)."""
     host, = run_ranks(_grad_release, 1, "host")
     hold, = run_ranks(_grad_release, 1, "hold")
     assert host["pinned"] and all(host["pinned"]) and not hold["pinned"]
+    assert host["stash_streams"] == ["Stream"] and hold["stash_streams"] == ["none"]
+    assert sum(host["grad_ahead"]) == 3 * (len(host["grad_ahead"]) - 1) and host["grad_ahead"][0] == 0
     assert host["losses"] == hold["losses"]
     assert torch.equal(host["params"], hold["params"])
 

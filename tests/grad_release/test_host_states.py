@@ -26,7 +26,8 @@ def _config(states="device", stage=2, dtype="bf16", quantized=False, ahead=None,
         xirang["grad_release"]["prefetch_states"] = ahead
     if quantized:
         xirang["optimizer_states"] = INT8
-    return ds_config(stage=stage, dtype=dtype, micro=2, gas=2, clip=clip, scheduler=SCHEDULER, xirang=xirang)
+    # clipping written out: DeepSpeed's default is 1.0
+    return ds_config(stage=stage, dtype=dtype, micro=2, gas=2, scheduler=SCHEDULER, xirang=xirang, gradient_clipping=clip)
 
 
 def _train(rank, world, config, steps, skip=0, save_dir=None, load_dir=None, measure=False, remove_at=None):
@@ -75,6 +76,7 @@ def _train(rank, world, config, steps, skip=0, save_dir=None, load_dir=None, mea
                                  for t in s.values() if isinstance(t, torch.Tensor) and t.dim() == 0)
         out["parked"] = sorted({b.states_on for b in buckets})
         out["fetched_ahead"] = [b.fetched_ahead for b in buckets]
+        out["grad_fetched_ahead"] = [b.grad_fetched_ahead for b in buckets]
         window.close()
     return out
 
@@ -139,9 +141,9 @@ def test_states_fetched_ahead_train_bit_identically(runs):
     """``prefetch_states`` (early and synchronous on the CPU): every bucket's states but the first's of each
     step are fetched once the bucket before it has updated, after its copy back, so one bucket's are on the
     device at a time here (on a GPU the two copies may run together: two), none at rest, and it trains as on
-    the device."""
+    the device; the stashed gradient shards too, each while the bucket before it updates."""
     for r in runs:
-        assert sum(r["host"]["fetched_ahead"]) == 0
+        assert sum(r["host"]["fetched_ahead"]) == sum(r["host"]["grad_fetched_ahead"]) == 0
         for ahead, device in (("host_ahead", "device"), ("host_ahead_unclipped", "device_unclipped")):
             run = r[ahead]
             assert run["losses"] == r[device]["losses"] and same_tensors(run["params"], r[device]["params"]), ahead
@@ -153,6 +155,11 @@ def test_states_fetched_ahead_train_bit_identically(runs):
             assert run["fetched_ahead"][0] == 0
             assert run["at_rest"]["optimizer_states"] == run["step_counts"], ahead
             assert run["step_states_peak"] == max(sizes) + run["step_counts"], ahead
+        # exact clipping's stash (``exact_method: host``) comes back ahead too: each step's buckets but the first;
+        # without clipping nothing is held (each bucket updates in backward as it is reduced)
+        run = r["host_ahead"]
+        assert run["grad_fetched_ahead"] == [0] + [STEPS] * (len(run["state_bytes"]) - 1)
+        assert sum(r["host_ahead_unclipped"]["grad_fetched_ahead"]) == 0
 
 
 def test_prefetch_states_true_needs_states_off_the_device():

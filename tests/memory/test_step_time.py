@@ -7,7 +7,7 @@ import torch
 
 from xirang_ds.compat.torch import fake_tensor_mode
 from xirang_ds.memory.device_profile import PROFILES, measure_cpu_profile
-from xirang_ds.memory.run_shape import RunShape
+from xirang_ds.memory.run_shape import RunShape, partition_numel
 from xirang_ds.planning.spec import estimate_spec
 from xirang_ds.planning.step_time import communication_bytes, optimizer_ops, tallied
 
@@ -74,8 +74,8 @@ def test_what_the_block_adds_is_priced_by_its_plugins():
     """Under a budget the plan offloads (the plan's own seconds, every micro-step) and grad_release keeps the
     optimizer states in host memory (their bytes there and back over the host link, on the compute stream with
     ``prefetch_states: false``; fetched ahead on a side stream, the default on a GPU, only the first bucket's
-    fetch is on it and the rest runs beside the compute: the step is the larger of the two); what a plugin
-    cannot price is named."""
+    fetch is on it and the rest runs beside the compute: the step is the larger of the two, the link's whole time
+    beside); exact clipping's stashed shards the same way; what a plugin cannot price is named."""
     block = {"preset": "conservative", "memory_budget": 2_000_000}
     config = {**CONFIG, "gradient_accumulation_steps": 2}
     link = PROFILES["h100"].host_link_bytes_per_s
@@ -92,8 +92,15 @@ def test_what_the_block_adds_is_priced_by_its_plugins():
     states, first = (ahead.plans["grad_release"][k] for k in ("state_bytes", "first_bucket_state_bytes"))
     assert 0 < first < states and est.plans["grad_release"]["first_bucket_state_bytes"] is None
     beside = (2 * states - first) / link
+    plan = ahead.plans["grad_release"]  # exact clipping's stash, on the side stream too
+    assert plan["stashes_shard"]
+    shards = partition_numel(sum(p.numel() for p in _gpt_tiny().parameters()), 2)  # this rank's of 2
+    assert 0 < plan["first_bucket_stash_numel"] < shards and est.plans["grad_release"]["first_bucket_stash_numel"] \
+        is None
+    beside += plan["stash_bytes"] * (2 * shards - plan["first_bucket_stash_numel"]) / link
     assert ahead.step_time.parts["grad_release"] == pytest.approx(est.step_time.parts["grad_release"] - beside)
-    assert ahead.step_time.counts["beside_compute_s"] == pytest.approx(beside)
+    # the link carries the compute stream's copies too: beside them, its whole time
+    assert ahead.step_time.counts["beside_compute_s"] == pytest.approx(est.step_time.parts["grad_release"])
     assert ahead.step_time.seconds == pytest.approx(max(sum(ahead.step_time.parts.values()),
                                                         ahead.step_time.counts["beside_compute_s"]))
     assert ahead.step_time.seconds < est.step_time.seconds

@@ -26,8 +26,9 @@ where DeepSpeed overlaps communication with backward):
   there instead of DeepSpeed's, its update included unless another plugin prices that.
 
 Work a plugin runs beside the compute stream (`xirang_ds.roles.CopiesBeside`: grad_release's states fetched
-ahead on a side stream) is not one of the parts: the step is the larger of the parts' sum and that work
-(``counts["beside_compute_s"]``), whose copies run on the copy engine while the compute stream works.
+ahead and its stashed gradient shards, on a side stream) is not one of the parts: the step is the larger of the
+parts' sum and the host link's time a step (``counts["beside_compute_s"]``: those copies, which run on the copy
+engine while the compute stream works, and the compute stream's own, since the link carries one at a time).
 ``counts["kernels"]`` and ``counts["host_syncs"]`` are what the counted ops launch and read on the host per
 step (forward and backward, DeepSpeed's, the update), comparable with ``xirang-ds bench``'s counts of plain
 DeepSpeed; a plugin's own seconds (`xirang_ds.roles.TimesStep`) are not in them.

@@ -147,10 +147,10 @@ def step_time(shape: RunShape, trace: Any, profile: DeviceProfile, session: Any 
         backward, opt = engine
     again = handler.extra_backwards(shape) if handler is not None else 0  # the model's backward run once more
     repeated = getattr(trace, "backward_ops", None)
-    if again and repeated is None:
-        notes.append(f"{handler.section}: its {again} more backward(s) a step are not priced")
+    if repeated is None:
+        if again:
+            notes.append(f"{handler.section}: its {again} more backward(s) a step are not priced")
         again, repeated = 0, OpTally()
-    repeated = repeated or OpTally()
     comm = communication_bytes(shape, total)
     parts = {"forward_backward": shape.grad_accum * ops.seconds(profile) + backward.seconds(profile)
              + again * repeated.seconds(profile),

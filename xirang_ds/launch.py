@@ -73,15 +73,12 @@ def _context() -> Any:
     of `PRELOAD` the caller had imported, once per calling process; forked from it, a rank starts
     in milliseconds instead of importing torch and DeepSpeed again (about 3 s of CPU each). The
     server imports nothing else and runs no torch op before forking (no thread pools exist yet), and
-    ranks get the function and arguments by pickle, as with ``spawn``. With torch it imports Dynamo too
-    (starting no thread either). ``spawn`` where the platform has no fork server (Windows)."""
+    ranks get the function and arguments by pickle, as with ``spawn``. ``spawn`` where the platform
+    has no fork server (Windows)."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    names = [name for name in PRELOAD if name in sys.modules]
-    if "torch" in names:  # every rank imports Dynamo with its first optimizer (``Optimizer.add_param_group``
-        names.insert(1, "torch._dynamo")  # keeps Dynamo out of itself): about 2 s of CPU once, not in each rank
-    ctx.set_forkserver_preload(["__main__", *names])
+    ctx.set_forkserver_preload(["__main__", *(name for name in PRELOAD if name in sys.modules)])
     return ctx
 
 

@@ -1,4 +1,5 @@
-"""A bucket's optimizer states in host memory between its updates (``grad_release.states: host``).
+"""A bucket's host tier: its optimizer states between its updates (``grad_release.states: host``), and exact
+clipping's stashed gradient shard (``exact_method: host``) from its reduction to its update.
 
 The bucket's optimizer keeps its per-parameter state in ``optimizer.state[view]`` as torch optimizers
 do (optimizer_states' quantized codes too, `formats.py`). Between updates every state tensor that has
@@ -7,7 +8,7 @@ device copy in its place just before the bucket's step and `park_states` copies 
 drops the device copy right after it. The optimizer steps the same values either way, so training
 is bit-identical to ``states: device``.
 
-Just in time, both copies are queued on the current stream without a host sync, as `bucket.Bucket.stash` does: the
+Just in time, both copies are queued on the current stream without a host sync, as the stash's are then: the
 device copy is freed once dropped, which the caching allocator orders after the copy on that stream,
 and the next fetch reads the host buffer after the copy that filled it. Host code that reads the
 buffers (a checkpoint) first waits for the device (`settle_states`). A host buffer is made once per
@@ -25,6 +26,13 @@ run. The device so holds at most two buckets' states at once (one parking, the n
 updates in backward the next bucket's (the estimate counts both). On the CPU a side stream does not exist:
 ``prefetch_states: true`` makes the fetch early and synchronous there (one bucket's states at a time, the next
 one's from the update before it), which tests the order, not the overlap.
+
+The stash (`stash`, `unstash`) follows the same rule (`stash_copies`, made where ``prefetch_states`` makes the
+states' copies run ahead, with the states on the device too): each reduced shard goes to its host buffer on the
+side stream as its norm is taken, and comes back on it while the bucket before it updates (`prefetch_grad`, from
+`pipeline.ReleasePipeline.apply_all`), the update waiting only for that copy's event; an op on the compute stream
+that reads the host buffer waits for the side stream first (`host_shard_ready`). Else both copies are queued on
+the current stream, just in time.
 """
 from __future__ import annotations
 

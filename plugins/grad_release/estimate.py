@@ -117,8 +117,8 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
         # gradient alive, nothing per shard
         chunk = min(shard, quantizer.config.chunk_numel)
         update, rounding = 16 * chunk + NOISE_BYTES * min(chunk, CHUNK_NUMEL), 0
-    # the largest bucket's states, of the buckets `plan_buckets` makes
-    sizes = [math.ceil(states * sum(math.ceil(order[i] / world) for i in b) / part) for b in planned]
+    # each bucket's states, of the buckets `plan_buckets` makes
+    sizes = [math.ceil(states * n / part) for n in shards]
     fetched = max(sizes)
     # fetched ahead (``prefetch_states``): in a pass that updates in backward the next bucket's states wait on the
     # device from the update before it; on a side stream (an accelerator) a bucket's copy back and the next one's
@@ -251,9 +251,8 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
                             "first_bucket_stash_numel": shards[0] if stashes and stash_overlapped else None}
     pinned = pins(shape.device != "cpu", getattr(plugin.session, "device_profile", None))
     tensors = _state_tensors(plugin.session.state_quantizer, len(numels))
-    buckets = [(sum(math.ceil(order[i] / world) for i in b),
-                [t for i in b for t in tensors(len(numels) - 1 - i, math.ceil(order[i] / world))] if on_host else [])
-               for b in planned]
+    buckets = [(n, [t for i in b for t in tensors(len(numels) - 1 - i, math.ceil(order[i] / world))] if on_host
+                else []) for n, b in zip(shards, planned)]
     host = host_bytes(buckets, comm_bytes if stashes else 0, pinned)
     plugin.estimate_plan["host_bytes"] = host
     if parked:  # what keeps the states off the host where the config put them there (`estimator.host_over_budget`)

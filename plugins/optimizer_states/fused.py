@@ -63,6 +63,7 @@ once on a long CPU run.
 """
 from __future__ import annotations
 
+import functools
 import types
 from typing import Any, Callable, Optional, Union
 
@@ -165,6 +166,12 @@ def whole_tensor(device_type: str) -> bool:
     """A tensor's update is one compiled call of dynamic length on this device type (module docstring:
     not on the CPU, where chunks of a static length are faster and hold chunk-sized temporaries)."""
     return device_type != "cpu"
+
+
+@functools.lru_cache(maxsize=1)
+def _fused_adam_devices() -> frozenset:
+    """Device types with torch's fused Adam kernel (asked once, not per tensor and step)."""
+    return frozenset(fused_adam_devices())
 
 
 def _identity(value: Any) -> Any:
@@ -323,7 +330,7 @@ class FusedStep:
         them (not enabled here, no fused kernel on the device, or ``bias_correction`` off, which the kernel
         lacks)."""
         device = params[0].device
-        if not (hyper.bias_correction and device.type in fused_adam_devices() and self.enabled(device.type)):
+        if not (hyper.bias_correction and device.type in _fused_adam_devices() and self.enabled(device.type)):
             return False
 
         def step_tensor(step: int) -> torch.Tensor:  # made on the device (a fill), once a step for each value

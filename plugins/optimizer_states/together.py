@@ -92,15 +92,14 @@ def update_together(opt: Any, params: list[torch.Tensor], hyper: AdamHyper) -> N
     steps = [opt._next_step(p) for p in params]
     foreach.add_([s["step"] for s in states], 1.0)
     opt._step_numbers.update((p, (s["step"], step)) for p, s, step in zip(params, states, steps))
-    flat = [[t.view(-1) for t in ts] for ts in (params, [p.grad for p in params], *(
-        [s[m] for s in states] for m in ("exp_avg", "exp_avg_sq")))]
-    if opt.fused.adam_(*flat, steps, hyper):
+    flat_p, flat_g = [p.view(-1) for p in params], [p.grad.view(-1) for p in params]
+    m, v = ([s[k].view(-1) for s in states] for k in ("exp_avg", "exp_avg_sq"))
+    if opt.fused.adam_(flat_p, flat_g, m, v, steps, hyper):
         return
-    at = dict(zip(map(id, params), zip(states, steps)))
-    for run in batches(params, opt.config.chunk_numel):
-        moments = [[at[id(p)][0][m].view(-1) for p in run] for m in ("exp_avg", "exp_avg_sq")]
-        adam_foreach_([p.view(-1) for p in run], [p.grad.view(-1) for p in run], *moments,
-                      [at[id(p)][1] for p in run], hyper)
-
+    start = 0
+    for run in batches(params, opt.config.chunk_numel):  # in order: each run the next len(run) tensors
+        end = start + len(run)
+        adam_foreach_(flat_p[start:end], flat_g[start:end], m[start:end], v[start:end], steps[start:end], hyper)
+        start = end
 
 __all__ = ["adam_foreach_", "batches", "plain_fp32", "steps_together", "update_together"]

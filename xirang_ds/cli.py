@@ -228,8 +228,8 @@ def _setup_estimate(p: argparse.ArgumentParser) -> None:
                    help="then run 3 real steps here, measure, and report the error per category")
     p.add_argument("--no-suggest", action="store_true",
                    help="where the block does not fit, skip confirming the least budget by estimating at it and the "
-                        "search for a change that fits (preset, ZeRO stage, micro-batch): one estimate instead of up "
-                        "to thirteen")
+                        "search for a change that fits (preset, ZeRO stage, micro-batch, optimizer offload): one "
+                        "estimate instead of up to seventeen")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON")
     _add_config_flags(p)
 

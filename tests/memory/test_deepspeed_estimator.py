@@ -235,11 +235,41 @@ def test_zero3_working_set_follows_the_reuse_distance():
     assert forward_parameters(1) == 6 * model
 
 
-def test_host_offload_is_named_as_not_modelled():
-    config = ds_config(stage=2, micro=2)
+def _offloaded(config: dict) -> dict:
     config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-    notes = estimate_spec("gpt-tiny", config, 1).notes
+    return config
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("model, stage, dtype, gas, world", [("gpt-tiny", 2, "bf16", 2, 2),
+                                                           ("llama-tiny", 1, "fp32", 1, 1)])
+def test_an_offloaded_optimizer_is_estimated_on_the_device_and_in_host_memory(model, stage, dtype, gas, world):
+    """ZeRO 1/2 with ``offload_optimizer``: the fp32 partition, its gradient, the states, the staging buffers and,
+    under accumulation, the carried 16-bit gradients in host memory (the tracker counts DeepSpeed's host buffers
+    and its update's temporaries as ``host``, as a GPU's allocator would not see them); the device keeps the 16-bit
+    model, its buckets and one staging buffer of the largest gradient. Measured and estimated, the device peak to 1%
+    and the host bytes at it exactly (gpt-tiny, ZeRO-2 bf16, 2 ranks: 3,571,060 bytes measured, 3,601,928 estimated,
+    against 4,525,944 measured with the optimizer on the device)."""
+    config = _offloaded(ds_config(stage=stage, dtype=dtype, micro=4, gas=gas))
+    runs = run_ranks(bench_rank, world, model, config, 3, None, 0, False)
+    measured = max(runs, key=lambda r: r["peak_bytes"])
+    est = estimate_spec(model, config, world)
+    assert abs(est.predicted_peak_bytes - measured["peak_bytes"]) / measured["peak_bytes"] <= 0.01
+    assert measured["peak_by_category"]["optimizer_states"] == est.by_category["optimizer_states"] == 0
+    # the fullest rank's host bytes (under accumulation each rank carries its partition's parameters whole)
+    assert max(r["peak_by_category"]["host"] for r in runs) == est.phases["backward"]["host"] > 0
+    assert not any("offload" in n for n in est.notes)
+    on_device = estimate_spec(model, ds_config(stage=stage, dtype=dtype, micro=4, gas=gas), world)
+    assert est.predicted_peak_bytes < on_device.predicted_peak_bytes - est.phases["backward"]["host"] // 2
+
+
+def test_the_offloads_not_modelled_are_named():
+    zero3 = _offloaded(ds_config(stage=3, micro=2))
+    notes = estimate_spec("gpt-tiny", zero3, 1).notes
     assert any(n.startswith("zero_optimization.offload_optimizer: host offload is not modelled") for n in notes)
+    params = _offloaded(ds_config(stage=3, micro=2))
+    params["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    assert any(n.startswith("zero_optimization.offload_param") for n in estimate_spec("gpt-tiny", params, 1).notes)
     assert not any("offload" in n for n in estimate_spec("gpt-tiny", ds_config(stage=2, micro=2), 1).notes)
 
 

@@ -50,9 +50,56 @@ def test_the_ops_follow_the_partition_the_buckets_and_the_micro_steps():
     assert step.bytes_moved > 18 * sum(n for _, n in mine)
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage,dtype,gas,clip", [(2, "bf16", 2, 1.0), (1, "fp32", 1, 0.5)])
+def test_an_offloaded_optimizers_kernels_and_host_ops_are_counted_op_for_op(stage, dtype, gas, clip):
+    """``offload_optimizer`` at ZeRO 1/2: the device's ops (each gradient piece's norm, overflow check and copy to the
+    host, the norm's pieces read one by one, the partition copied back) and the host's (the update, the clipping,
+    the cast into the staging buffer) together, against the real engine's count on this CPU, where both run."""
+    from xirang_ds.bench import run_side
+    from xirang_ds.planning.deepspeed_ops import host_optimizer_ops
+
+    config = ds_config(stage=stage, dtype=dtype, micro=2, gas=gas, clip=clip, bucket=20_000)
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    counts = run_side("gpt-tiny", config, 1, 2, None, 0, False).counts
+    shape = RunShape.from_ds_config(config, 2, "cpu")
+    backward, step = engine_ops(shape, NUMELS, rank=0)
+    host = host_optimizer_ops(shape, NUMELS, rank=0)
+    predicted = backward.launches + step.launches + host.host.launches
+    counted = counts["kernels_by_source_per_step"]["deepspeed"]
+    # the CPU makes a tensor from a Python number without a copy, where a GPU copies it to the device: the norm's
+    # sum per group and, in 16-bit, the overflow flag (counted here as copies to the device)
+    assert 0 <= predicted - counted <= 4, (predicted, counted)
+    # every piece of the partition is read on the host twice (its overflow check, its norm)
+    pieces = len(partition_pieces(shape, NUMELS, 0)[0])
+    assert backward.host_syncs == pieces and step.host_syncs >= pieces
+
+
+def test_an_offloaded_optimizer_moves_its_gradients_and_parameters_over_the_host_link():
+    from xirang_ds.planning.deepspeed_ops import host_optimizer_ops
+
+    config = ds_config(stage=2, dtype="bf16", micro=2, gas=1, clip=1.0, bucket=20_000)
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    shape = RunShape.from_ds_config(config, 2, "cuda")
+    rank = fullest_rank(shape, NUMELS)
+    mine = sum(n for _, n in partition_pieces(shape, NUMELS, rank.rank)[0])
+    host = host_optimizer_ops(shape, NUMELS)
+    assert host.to_host_bytes == 4 * mine  # each piece upcast on the device, copied to the fp32 gradient
+    assert host.to_device_bytes == 2 * mine + 1 + 4  # the 16-bit partition back; the overflow flag, the norm's sum
+    twice = host_optimizer_ops(RunShape.from_ds_config({**config, "gradient_accumulation_steps": 2}, 2, "cuda"), NUMELS)
+    whole = sum(NUMELS[i] for i in rank.params)  # under accumulation each whole gradient is carried on the host
+    assert twice.to_host_bytes - host.to_host_bytes == 2 * 2 * whole
+    assert twice.to_device_bytes - host.to_device_bytes == 2 * whole
+    # DeepSpeedCPUAdam (no torch_adam): one pass over the partition on the host
+    config["optimizer"]["params"]["torch_adam"] = False
+    fused = host_optimizer_ops(RunShape.from_ds_config(config, 2, "cuda"), NUMELS)
+    assert fused.host.launches < host.host.launches and fused.host.bytes_moved < host.host.bytes_moved
+    assert host_optimizer_ops(RunShape.from_ds_config(ds_config(stage=2), 2, "cuda"), NUMELS) is None
+
+
 def test_paths_not_written_are_left_to_the_flat_stand_in():
     for extra in ({"zero_optimization": {"stage": 3}},
-                  {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}):
+                  {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}):
         shape = RunShape.from_ds_config({**ds_config(stage=2), **extra}, 2, "cuda")
         assert not emulated(shape) and engine_ops(shape, NUMELS) is None
     fused = ds_config(stage=0)

@@ -190,3 +190,26 @@ def test_the_cpu_profile_measured_here_is_a_profile_like_the_named_ones():
     assert profile.name == "cpu-measured" and profile.matmul_flops_per_s > 0 and 0 < profile.launch_s < 1e-3
     assert profile.interconnect_bytes_per_s == PROFILES["cpu"].interconnect_bytes_per_s
     assert copy.copy(profile) == profile
+
+
+def test_an_offloaded_optimizer_is_priced_on_the_host_and_over_the_host_link():
+    """ZeRO 2 with ``offload_optimizer``: the update leaves the device's ``optimizer`` part for ``host_optimizer``,
+    the host's ops priced by the GPU server's host profile and the copies each way by the host link."""
+    from xirang_ds.memory.device_profile import host_profile
+    from xirang_ds.models import BUILTIN_SPECS, build_model
+    from xirang_ds.planning.deepspeed_ops import host_optimizer_ops
+
+    config = copy.deepcopy(CONFIG)
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    h100 = PROFILES["h100"]
+    est = estimate_spec("gpt-tiny", config, 2, "cuda", device_profile=h100)
+    on_device = estimate_spec("gpt-tiny", CONFIG, 2, "cuda", device_profile=h100).step_time
+    st = est.step_time
+    numels = [p.numel() for p in build_model(BUILTIN_SPECS["gpt-tiny"]).parameters()]
+    host = host_optimizer_ops(RunShape.from_ds_config(config, 2, "cuda"), numels)
+    link = (host.to_host_bytes + host.to_device_bytes) / h100.host_link_bytes_per_s
+    assert st.parts["host_optimizer"] == pytest.approx(host.host.seconds(host_profile(h100)) + link)
+    assert st.counts["host_optimizer"]["to_host_bytes"] == host.to_host_bytes > 0
+    assert st.parts["optimizer"] < on_device.parts["optimizer"]  # the update is the host's now
+    assert st.seconds > on_device.seconds and not st.notes
+    assert host_profile(PROFILES["cpu"]) is PROFILES["cpu"] and host_profile(h100).name.startswith("host")

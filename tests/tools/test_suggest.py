@@ -44,7 +44,8 @@ def test_the_first_single_change_that_fits_in_the_order_a_user_gives_up_least():
     cfg = s.ds_config
     assert (cfg["xirang"]["preset"], cfg["zero_optimization"]["stage"], cfg["train_micro_batch_size_per_gpu"],
             cfg["gradient_accumulation_steps"]) == ("balanced", 2, 4, 2)
-    assert s.predicted_peak_bytes == 95 and s.estimates == len(calls) == 7
+    # the optimizer offloaded is estimated each round too (it saves nothing in these figures)
+    assert s.predicted_peak_bytes == 95 and s.estimates == len(calls) == 9
     assert BASE["zero_optimization"]["stage"] == 1 and BASE["xirang"]["preset"] == "conservative"  # not edited
 
 
@@ -109,3 +110,19 @@ def test_estimate_names_a_change_that_fits_and_the_least_budget_it_confirmed(tmp
                      "--json", str(out)]) == 0
         assert json.loads(out.read_text())["fits"] is True
     assert "fits with these changes" in printed or not s["found"]
+
+
+def test_the_optimizer_offloaded_is_the_last_change_tried_and_only_at_zero_1_and_2():
+    def need(cfg):
+        offloaded = (cfg["zero_optimization"].get("offload_optimizer") or {}).get("device") == "cpu"
+        return _need(cfg) - (60 if offloaded else 0)
+
+    s = suggest_fit(BASE, _estimator(need)[0])  # 140: only the offload (80) fits in round 1
+    assert s.found and s.changes == ['zero_optimization.offload_optimizer {"device": "cpu"} (the fp32 weights, '
+                                     "gradients and optimizer states in host memory, the update on the CPU: slower "
+                                     "steps)"]
+    assert s.ds_config["zero_optimization"] == {"stage": 1, "offload_optimizer": {"device": "cpu"}}
+    s = suggest_fit(BASE, _estimator(lambda c: need(c) - 25)[0])  # 115: stage 2 (95) fits before the offload
+    assert s.changes == ["zero_optimization.stage 1 -> 2"]
+    zero3 = {**BASE, "zero_optimization": {"stage": 3}}
+    assert not any("offload" in c for c in suggest_fit(zero3, _estimator(need)[0]).changes)

@@ -40,7 +40,10 @@ UPSTREAM_NAMES: dict[str, tuple[str, ...]] = {
         "self.optimizer._restore_from_bit16_weights()"),
     "deepspeed/runtime/zero/stage_1_and_2.py": (
         "def _link_all_hp_params(self)", "def _release_ipg_buffers(self)", "def _gradient_reduction_buffer_dtype(self)",
-        "def _release_preflattened_grad_buffers(self", "self._offload_accumulated_param_ids = set()"),
+        "def _release_preflattened_grad_buffers(self", "self._offload_accumulated_param_ids = set()",
+        "self.temp_grad_buffer_for_gpu_offload = torch.zeros(largest_param_numel,",
+        "self.param_buffer_of_bit16_for_cpu_offload_groups.append(temp_buffer_bit16)",
+        "self.accumulated_grads_in_cpu[param_id] = buffer_to_accumulate_to_in_cpu()"),
     "deepspeed/runtime/bf16_optimizer.py": ("def _link_all_hp_params(self)",),
     "deepspeed/runtime/base_optimizer.py": ("self._backward_hook_state = BackwardHookStateManager()",),
     "deepspeed/runtime/zero/partitioned_param_coordinator.py": ("def _invalidate_trace(self)",),
@@ -163,6 +166,7 @@ OPTIMIZER_ATTRIBUTES_BY_ROLE: dict[str, tuple[str, ...]] = {
         "averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer",
         "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition", "fp32_groups_gradients_flat",
         "fp32_groups_gradient_flat_partition", "fp32_groups_gradients", "fp32_groups_actual_gradients_flat",
+        "temp_grad_buffer_for_gpu_offload",
     ),
     COMM_BUFFERS: (
         "ipg_buckets", "ipg_buffer", "_DeepSpeedZeroOptimizer_Stage3__ipg_bucket_flat_buffer",
@@ -172,6 +176,21 @@ OPTIMIZER_ATTRIBUTES_BY_ROLE: dict[str, tuple[str, ...]] = {
 category's buffers, at any stage and precision mode (``_DeepSpeedZeroOptimizer_Stage3__*`` are stage3.py's
 name-mangled ``self.__param_id_to_grad_partition`` and ``self.__ipg_bucket_flat_buffer``; the latter is
 absent from 0.19.8 and read where an older release has it)."""
+
+OFFLOADED_OPTIMIZER_ATTRIBUTES = (
+    "single_partition_of_fp32_groups", "param_buffer_of_bit16_for_cpu_offload_groups",
+    "temp_grad_buffer_for_cpu_offload", "accumulated_grads_in_cpu",
+)
+"""ZeRO 1/2's buffers in host memory under ``offload_optimizer`` (stage_1_and_2.py with ``cpu_offload``): the fp32
+partition and its ``.grad``, the 16-bit partition staged for the copy back, the gradient staging buffer, and the
+16-bit gradients carried between micro-steps under accumulation. ``temp_grad_buffer_for_gpu_offload`` (its
+device-side staging buffer, the largest parameter in 16 bits) stays on the device, a gradient buffer."""
+
+
+def offloads_optimizer(wrapper: Any) -> bool:
+    """ZeRO 1/2 keeps its fp32 partition, gradients and optimizer states in host memory (``offload_optimizer``;
+    stage_1_and_2.py ``self.cpu_offload``)."""
+    return bool(getattr(wrapper, "cpu_offload", False))
 
 
 def can_relink_hp_params(optimizer: Any) -> bool:
@@ -395,9 +414,10 @@ def pass_pre_backward(model: Any, passes: Callable[[Any], bool]) -> Callable[[],
 
 
 __all__ = [
-    "OPTIMIZER_ATTRIBUTES_BY_ROLE", "UPSTREAM_NAMES", "ZERO3_WHOLE_MASTERS", "accumulation_boundary",
-    "around_zero3_update", "around_zero_file_names", "around_zero_save", "can_relink_hp_params",
-    "drop_step_gradients", "gradient_reduction_dtype", "hp_mapping", "pass_pre_backward", "protocol_holds",
+    "OFFLOADED_OPTIMIZER_ATTRIBUTES", "OPTIMIZER_ATTRIBUTES_BY_ROLE", "UPSTREAM_NAMES", "ZERO3_WHOLE_MASTERS",
+    "accumulation_boundary", "around_zero3_update", "around_zero_file_names", "around_zero_save", "can_relink_hp_params",
+    "drop_step_gradients", "gradient_reduction_dtype", "hp_mapping", "offloads_optimizer", "pass_pre_backward",
+    "protocol_holds",
     "redirect_zero_files", "relink_hp_params", "restore_accumulation_boundary", "restore_gradient_clipping",
     "shared_params", "step_protocol", "zero3_param_groups", "zero_param_shapes", "zero_state_missing",
 ]

@@ -98,6 +98,23 @@ slightly less where the driver keeps some)."""
 UNKNOWN_ACCELERATOR = "h100"
 """The figures an accelerator of no known name is priced with."""
 
+HOSTS: dict[str, DeviceProfile] = {
+    "h100": DeviceProfile("host-dgx-h100", 7.17e12, 7.17e12, 614e9, 64e9, 5e-6, 0, 0.0),
+    "a100": DeviceProfile("host-dgx-a100", 4.61e12, 4.61e12, 410e9, 32e9, 5e-6, 0, 0.0),
+}
+"""The host CPUs of a GPU profile, where work runs on the host (DeepSpeed's ``offload_optimizer`` update): spec
+figures of the DGX servers' two sockets (DGX H100 and H200: two Xeon Platinum 8480C, 56 cores at 2.0 GHz, two
+AVX-512 FMA units, 8 channels of DDR5-4800 each; DGX A100: two EPYC 7742, 64 cores at 2.25 GHz, AVX2, 8 channels
+of DDR4-3200 each; 16-bit arithmetic at the fp32 rate). An op there is priced as on a device (`DeviceProfile.op_seconds`); a CPU profile is its own
+host."""
+
+
+def host_profile(profile: DeviceProfile) -> DeviceProfile:
+    """The profile that prices ``profile``'s host work (`HOSTS`; the CPU's is itself)."""
+    if not profile.accelerator:
+        return profile
+    return HOSTS["a100" if profile.name == "a100" else "h100"]
+
 
 def profile_named(name: str) -> DeviceProfile:
     """The profile called ``name`` (case-insensitive).
@@ -292,5 +309,6 @@ def tallied(fn: Any) -> OpTally:
     return tally
 
 
-__all__ = ["DeviceProfile", "MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY", "OpTally", "PROFILES", "Tallying", "UNKNOWN_ACCELERATOR",
-           "measure_cpu_profile", "op_counts", "op_seconds", "profile_for", "profile_named", "tallied"]
+__all__ = ["DeviceProfile", "HOSTS", "MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY", "OpTally", "PROFILES", "Tallying",
+           "UNKNOWN_ACCELERATOR", "host_profile", "measure_cpu_profile", "op_counts", "op_seconds", "profile_for",
+           "profile_named", "tallied"]

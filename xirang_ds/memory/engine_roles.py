@@ -12,9 +12,9 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from xirang_ds.compat.deepspeed import OPTIMIZER_ATTRIBUTES_BY_ROLE
+from xirang_ds.compat.deepspeed import OFFLOADED_OPTIMIZER_ATTRIBUTES, OPTIMIZER_ATTRIBUTES_BY_ROLE, offloads_optimizer
 from xirang_ds.hooks import wrap_method
-from xirang_ds.memory.categories import COMM_BUFFERS, GRADIENTS, OPTIMIZER_STATES, PARAMETERS
+from xirang_ds.memory.categories import COMM_BUFFERS, GRADIENTS, HOST, OPTIMIZER_STATES, PARAMETERS
 from xirang_ds.memory.compiled_calls import watch_compiled
 from xirang_ds.memory.tracker import MemoryTracker
 
@@ -73,6 +73,8 @@ class TrainingWatch:
         self.model = model
         self.basic_optimizer = basic_optimizer
         self.wrapper = wrapper if wrapper is not basic_optimizer else None
+        self.offloaded = offloads_optimizer(self.wrapper)  # ZeRO 1/2's optimizer in host memory
+        self._host_step: Any = None  # the tracker's host tier while an offloaded optimizer steps
         self._handles: list[Any] = []
         self._engine = engine
         self._comm_scanned = False
@@ -150,9 +152,15 @@ class TrainingWatch:
     def _step_pre(self, optimizer, args, kwargs) -> None:
         self.mark_model_states()
         self.tracker.set_phase("optimizer_step")
+        if self.offloaded:  # DeepSpeed's offloaded update runs on the host: its temporaries are host memory
+            self._host_step = self.tracker.host_tier()
+            self._host_step.__enter__()
 
     def _step_post(self, optimizer, args, kwargs) -> None:
-        self.tracker.mark(optimizer_state_tensors(optimizer), OPTIMIZER_STATES)
+        if self._host_step is not None:
+            self._host_step.__exit__(None, None, None)
+            self._host_step = None
+        self.tracker.mark(optimizer_state_tensors(optimizer), HOST if self.offloaded else OPTIMIZER_STATES)
         for fn in self.on_step_end:
             fn()
 
@@ -177,6 +185,11 @@ class TrainingWatch:
         for provider in self.roles:
             for category, tensors in provider():
                 t.mark(tensors, category)
+        if self.offloaded:  # on a CPU run the host tier is accounted apart, as on a GPU it is apart
+            host = [x for name in OFFLOADED_OPTIMIZER_ATTRIBUTES for x in _walk(getattr(self.wrapper, name, None))]
+            t.mark(host + [x.grad for x in host if x.grad is not None], HOST)
+            if self.basic_optimizer is not None:
+                t.mark(optimizer_state_tensors(self.basic_optimizer), HOST)
 
     def remove(self) -> None:
         while self._handles:

@@ -40,12 +40,23 @@ def add_categories(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
 
 
 def model_states(shape: RunShape, numels: list[int]) -> dict[str, int]:
-    """Resident bytes between steps: parameters (16-bit and fp32 master) and optimizer states."""
+    """Resident bytes between steps: parameters (16-bit and fp32 master) and optimizer states.
+
+    ZeRO 1/2 with ``offload_optimizer`` (`RunShape.host_optimizer`; stage_1_and_2.py ``cpu_offload``) keeps on the
+    device the 16-bit parameters and a staging buffer of the largest parameter's 16-bit gradient
+    (``temp_grad_buffer_for_gpu_offload``); in host memory (``host``) the fp32 partition, its fp32 gradient, the
+    states, the 16-bit partition staged for the copy back, a host staging buffer of the largest gradient and, under
+    accumulation, the 16-bit gradients of the partition's parameters carried between micro-steps (whole)."""
     total = sum(numels)
     lp = shape.lp_bytes
     part = partition_numel(total, shape.world_size)
     padded = part * shape.world_size
     groups = 1
+    if shape.host_optimizer:
+        largest = max(numels)
+        carried = lp * sum(numels[i] for i in fullest_rank(shape, numels).params) if shape.grad_accum > 1 else 0
+        return category_bytes(parameters=lp * padded, gradients=lp * largest,
+                              host=(4 + 4 + 8 + lp) * part + 4 * groups + lp * largest + carried)
     if shape.stage == 0:
         master = 4 * total if shape.dtype != torch.float32 else 0
         return category_bytes(parameters=lp * total + master, optimizer_states=8 * total + 4 * len(numels))
@@ -73,7 +84,8 @@ def optimizer_step(shape: RunShape, states: dict, numels: list[int]) -> tuple[di
     flattened into a copy, the copy upcast to the fp32 gradient of the master partition, then the
     16-bit gradients are freed before the update; ZeRO 3 does this one sub-group at a time
     (``_prepare_sub_group``, then the update, then ``_release_sub_group`` drops the fp32 gradient),
-    keeping the 16-bit partition. ZeRO 0 in 16 bits with DeepSpeed's fused Adam
+    keeping the 16-bit partition. With ``offload_optimizer`` at ZeRO 1/2 nothing of it is on the device.
+    ZeRO 0 in 16 bits with DeepSpeed's fused Adam
     (``FP16_Optimizer``): every gradient upcast one by one, then flattened into one fp32 gradient.
     ZeRO 0 with torch's Adam (``FP16_UnfusedOptimizer``) upcasts into each master's ``.grad``.
     """
@@ -81,6 +93,8 @@ def optimizer_step(shape: RunShape, states: dict, numels: list[int]) -> tuple[di
     lp = shape.lp_bytes
     part = partition_numel(total, shape.world_size)
     sixteen = shape.dtype != torch.float32
+    if shape.host_optimizer:  # the gradients are on the host already; the update's temporaries are host memory
+        return add_categories(states, category_bytes(host=adam_temporaries(shape, [part]))), None
     if shape.stage == 0:
         grads = lp * total + (4 * total if sixteen else 0)
         update = add_categories(states, category_bytes(gradients=grads, temporaries=adam_temporaries(shape, numels)))

@@ -144,6 +144,17 @@ class RunShape:
     def lp_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
+    @property
+    def host_optimizer(self) -> bool:
+        """ZeRO 1/2 with ``offload_optimizer``: the fp32 partition, its gradient and the optimizer states in host
+        memory, the update on the host (stage_1_and_2.py ``cpu_offload``); modelled by the estimate."""
+        return self.stage in (1, 2) and "offload_optimizer" in self.offloaded
+
+    @property
+    def unmodelled_offloads(self) -> tuple[str, ...]:
+        """The offload sections the estimate does not model (ZeRO 3's, and ``offload_param``)."""
+        return tuple(k for k in self.offloaded if not (k == "offload_optimizer" and self.host_optimizer))
+
 
 @dataclass(frozen=True)
 class _Partition:

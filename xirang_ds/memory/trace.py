@@ -160,6 +160,8 @@ class _EngineEmulation:
             self.bucket_fill = 0
 
     def _reduce(self) -> None:
+        if self.shape.host_optimizer:
+            return  # each reduced gradient goes to its fp32 partition in host memory (`model_states`)
         if not any(getattr(t, "_xirang_partition", False) for t in self.keep):
             with self.tracker.scope(GRADIENTS):
                 t = torch.empty(self.partition_numel, dtype=self.shape.dtype)

@@ -25,11 +25,17 @@ op, and counted against the real engine on this CPU (``tests/memory/test_deepspe
 * **ZeRO 0 in fp32**: the engine's all-reduce, then ``clip_grad_norm_`` where clipping (a norm and a scaling
   per parameter), then torch's optimizer.
 
+* **ZeRO 1/2 under ``offload_optimizer``** (``cpu_offload`` there): the same reduction, then each gradient of the
+  partition to the host instead of into a device partition, its norm and overflow check (read on the host, per
+  parameter), under accumulation carried on the host between micro-steps; at the boundary the norm's pieces read
+  one by one, the update on the host, the 16-bit partition back (`HostOptimizer`: the host's ops and the link's
+  bytes, `host_optimizer_ops`).
+
 A collective counts one launch (its bytes are the step's ``communication``), a host read (``.item()``) one
-launch and one host sync, as `xirang_ds.step_counts` counts them. Not written here: ZeRO 3, ZeRO 0 under
-DeepSpeed's fused optimizers, the host offloads (`not_written`): there `step_time.optimizer_ops` prices
-DeepSpeed's work around the update as one flat partition's (the upcast, the norm and clipping, the cast back)
-and the notes say so.
+launch and one host sync, as `xirang_ds.step_counts` counts them; a copy between host and device one launch, its
+bytes priced over the host link. Not written here: ZeRO 3, ZeRO 0 under DeepSpeed's fused optimizers, NVMe and
+parameter offload (`not_written`): there `step_time.optimizer_ops` prices DeepSpeed's work around the update as
+one flat partition's (the upcast, the norm and clipping, the cast back) and the notes say so.
 """
 from __future__ import annotations
 
@@ -51,8 +57,8 @@ NORM_DTYPE = torch.float64
 
 def not_written(shape: RunShape) -> Optional[str]:
     """Why DeepSpeed's own work of this run is not written op for op here (module docstring); ``None`` where it is."""
-    if shape.offloaded:
-        return "its host offload"
+    if shape.unmodelled_offloads:
+        return "its host offload" if shape.stage != 3 else "ZeRO 3"
     if shape.stage == 3:
         return "ZeRO 3"
     if shape.stage == 0 and shape.dtype != torch.float32 and shape.adam_impl == "fused":
@@ -106,10 +112,58 @@ def _invalid(norm: torch.Tensor, tally: OpTally) -> None:
     tally.host_read()
 
 
-def _zero12_backward(shape: RunShape, numels: list[int], rank: int) -> OpTally:
-    """Every micro-step's backward at ZeRO 1/2 (module docstring)."""
+@dataclasses.dataclass
+class HostOptimizer:
+    """What ZeRO 1/2 under ``offload_optimizer`` does beside the device's ops of `engine_ops`: the host's ops a
+    step (the norm combined, the clipping, the update, the cast into the 16-bit staging buffer) and the bytes
+    each way over the host link (the reduced gradients to the host, in fp32 at the boundary and in 16 bits
+    between micro-steps under accumulation, and back; the updated 16-bit partition to the device)."""
+
+    host: OpTally = dataclasses.field(default_factory=OpTally)
+    to_host_bytes: int = 0
+    to_device_bytes: int = 0
+
+    def to_host(self, tally: OpTally, nbytes: int) -> None:
+        """One copy from the device to the host: a launch on the device's stream, its bytes over the link."""
+        tally.add_counts(0, 0, True)
+        self.to_host_bytes += nbytes
+
+    def to_device(self, tally: OpTally, nbytes: int) -> None:
+        tally.add_counts(0, 0, True)
+        self.to_device_bytes += nbytes
+
+
+def _offloaded_gradient(shape: RunShape, n: int, piece: int, micro: int, offload: HostOptimizer,
+                        tally: OpTally) -> None:
+    """``copy_grads_in_partition`` under ``offload_optimizer`` for a parameter of ``n`` elements, ``piece`` of them in
+    this rank's partition: under accumulation its whole gradient carried on the host between micro-steps
+    (``async_accumulate_grad_in_cpu_via_gpu``); at the boundary its piece's norm in fp64 and its overflow check read on
+    the host (``update_offload_overflow_tracker``: a host sync per parameter), the piece upcast and copied to the
+    fp32 partition's gradient on the host (``async_inplace_copy_grad_to_fp32_buffer_from_gpu``)."""
     lp = shape.dtype
-    inside = {i for group in partition_pieces(shape, numels, rank) for i, _ in group}
+    grad = torch.empty(n, dtype=lp)
+    if shape.grad_accum > 1:
+        if micro:
+            staged = torch.empty(n, dtype=lp)
+            offload.to_device(tally, shape.lp_bytes * n)
+            grad.add_(staged)
+        offload.to_host(tally, shape.lp_bytes * n)
+    if micro == shape.grad_accum - 1:
+        torch.linalg.vector_norm(grad[:piece].to(NORM_DTYPE))
+        _has_inf_or_nan(grad)
+        tally.host_read()
+        if lp != torch.float32:
+            grad[:piece].float()
+        offload.to_host(tally, 4 * piece)
+
+
+def _zero12_backward(shape: RunShape, numels: list[int], rank: int,
+                     offload: Optional[HostOptimizer] = None) -> OpTally:
+    """Every micro-step's backward at ZeRO 1/2 (module docstring); with ``offload`` (``offload_optimizer``) each
+    gradient of the partition goes to the host instead (`_offloaded_gradient`)."""
+    lp = shape.dtype
+    pieces = {i: n for group in partition_pieces(shape, numels, rank) for i, n in group}
+    inside = set(pieces)
     backward = OpTally()
     with Tallying(backward):
         for micro in range(shape.grad_accum):
@@ -132,9 +186,11 @@ def _zero12_backward(shape: RunShape, numels: list[int], rank: int) -> OpTally:
                     if r == rank:
                         flat[:n].copy_(reduced[:n])
                 for i in bucket:
-                    if i in inside:  # copy_grads_in_partition: the parameter's whole gradient
+                    if i in inside and offload is not None:
+                        _offloaded_gradient(shape, numels[i], pieces[i], micro, offload, backward)
+                    elif i in inside:  # copy_grads_in_partition: the parameter's whole gradient
                         torch.empty(numels[i], dtype=lp).copy_(torch.empty(numels[i], dtype=lp))
-            if micro:  # the epilogue adds this micro-step's partition gradients to the kept ones
+            if micro and offload is None:  # the epilogue adds this micro-step's partition gradients to the kept ones
                 for i in inside:
                     torch.empty(numels[i], dtype=lp).add_(torch.empty(numels[i], dtype=lp))
     return backward
@@ -177,6 +233,61 @@ def _zero12_before(shape: RunShape, numels: list[int], rank: int, tally: OpTally
                 master.mul_(1.0 / clip)
             masters.append(master)
     return masters
+
+
+CPU_ADAM_BYTES = 28
+"""Bytes per element of DeepSpeed's ``DeepSpeedCPUAdam`` step, one pass (the fp32 weight and both moments read
+and written, the fp32 gradient read), as torch's fused Adam kernel moves them."""
+
+
+def _offloaded_step(shape: RunShape, numels: list[int], rank: int, update: bool, tally: OpTally,
+                    offload: HostOptimizer) -> None:
+    """The boundary at ZeRO 1/2 under ``offload_optimizer`` (stage_1_and_2.py ``step`` with ``cpu_offload``): on the
+    device, the host's wait for the gradients' copies (a host sync), in 16-bit the overflow flag made a device
+    tensor, all-reduced and read (``has_overflow``), every piece's norm read on the host one by one, their sum
+    made a device tensor, all-reduced and read (``complete_grad_norm_calculation_for_cpu_offload``), each group's
+    16-bit partition copied in from the host, the all-gather; on the host, the norm combined and checked, the
+    clipping, the update (``DeepSpeedCPUAdam``, one pass, or torch's AdamW with ``torch_adam``), the cast into
+    the 16-bit staging buffer."""
+    groups = partition_pieces(shape, numels, rank)
+    with Tallying(tally):
+        tally.host_syncs += 1  # _wait_for_offload_copies: an event waited on, no launch
+        if shape.dtype != torch.float32:
+            offload.to_device(tally, 1)
+            tally.collective()
+            tally.host_read()
+        for group in groups:
+            for _ in group:
+                tally.host_read()
+            offload.to_device(tally, 4)
+            tally.collective()
+            tally.host_read()
+    host = offload.host
+    with Tallying(host):
+        norms = [torch.empty(()) for _ in groups]
+        stacked = torch.stack(norms)  # combine_grad_norm_groups, on host tensors
+        invalid = (~torch.isfinite(stacked) | (stacked < 0)).any()
+        norm = torch.where(invalid, torch.full_like(stacked[0], float("inf")), torch.linalg.vector_norm(stacked))
+        _invalid(norm, host)
+        norm / 1.0
+        masters = [torch.empty(sum(n for _, n in group)) for group in groups]
+        for master in masters:
+            if shape.clipping:
+                _invalid(norm, host)
+                clip = torch.clamp(((norm / 1.0) + 1e-6) / shape.clipping, min=1.0) * 1.0
+                master.mul_(1.0 / clip)
+    if update and shape.adam_impl != "fused":  # torch's AdamW on host tensors takes its single-tensor path
+        adamw_ops(masters, dataclasses.replace(shape, adam_impl="single_tensor"), host)
+    elif update:
+        for master in masters:
+            host.add_counts(0, CPU_ADAM_BYTES * master.numel(), False)
+    with Tallying(host):
+        for master in masters:
+            torch.empty(master.numel(), dtype=shape.dtype).copy_(master)
+    with Tallying(tally):
+        for master in masters:
+            offload.to_device(tally, shape.lp_bytes * master.numel())
+        tally.collective()
 
 
 def _zero12_after(shape: RunShape, numels: list[int], rank: int, tally: OpTally) -> None:
@@ -269,14 +380,30 @@ def engine_ops(shape: RunShape, numels: list[int], update: bool = True,
     if not emulated(shape):
         return None
     rank = fullest_rank(shape, numels).rank if rank is None else rank
-    return _engine_ops(dataclasses.replace(shape, micro_batch=0), tuple(numels), update, rank)
+    return _engine_ops(dataclasses.replace(shape, micro_batch=0), tuple(numels), update, rank)[:2]
+
+
+def host_optimizer_ops(shape: RunShape, numels: list[int], update: bool = True,
+                       rank: Optional[int] = None) -> Optional[HostOptimizer]:
+    """Under ``offload_optimizer`` at ZeRO 1/2 (`RunShape.host_optimizer`), the host's ops and the host link's
+    bytes of one optimizer step beside `engine_ops`' device ops; ``None`` for any other run. Read-only."""
+    if not (shape.host_optimizer and emulated(shape)):
+        return None
+    rank = fullest_rank(shape, numels).rank if rank is None else rank
+    return _engine_ops(dataclasses.replace(shape, micro_batch=0), tuple(numels), update, rank)[2]
 
 
 @functools.lru_cache(maxsize=64)
-def _engine_ops(shape: RunShape, numels: tuple[int, ...], update: bool, rank: int) -> tuple[OpTally, OpTally]:
+def _engine_ops(shape: RunShape, numels: tuple[int, ...], update: bool,
+                rank: int) -> tuple[OpTally, OpTally, Optional[HostOptimizer]]:
     numels = list(numels)
     step = OpTally()
     with fake_tensor_mode():
+        if shape.host_optimizer:
+            offload = HostOptimizer()
+            backward = _zero12_backward(shape, numels, rank, offload)
+            _offloaded_step(shape, numels, rank, update, step, offload)
+            return backward, step, offload
         if shape.stage in (1, 2):
             backward = _zero12_backward(shape, numels, rank)
             masters = _zero12_before(shape, numels, rank, step)
@@ -289,7 +416,8 @@ def _engine_ops(shape: RunShape, numels: tuple[int, ...], update: bool, rank: in
             _zero12_after(shape, numels, rank, step)
         else:
             _zero0_after(shape, numels, step)
-    return backward, step
+    return backward, step, None
 
 
-__all__ = ["NORM_DTYPE", "ZERO0_ALLREDUCE_NUMEL", "adamw_ops", "emulated", "engine_ops", "not_written"]
+__all__ = ["CPU_ADAM_BYTES", "HostOptimizer", "NORM_DTYPE", "ZERO0_ALLREDUCE_NUMEL", "adamw_ops", "emulated",
+           "engine_ops", "host_optimizer_ops", "not_written"]

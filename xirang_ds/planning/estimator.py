@@ -198,7 +198,7 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
     notes = [f"ZeRO {shape.stage}, {str(shape.dtype).replace('torch.', '')}, micro-batch {shape.micro_batch}, "
              f"{n} rank(s), {total:,} parameters", f"optimizer step temporaries: {shape.adam_impl}"]
     notes += [f"zero_optimization.{k}: host offload is not modelled (the estimate keeps on the device what "
-              "it moves to the host); measure with xirang-ds bench" for k in shape.offloaded]
+              "it moves to the host); measure with xirang-ds bench" for k in shape.unmodelled_offloads]
     inputs = category_bytes(temporaries=trace.inputs)
     accum = category_bytes()  # gradients carried into the next micro-step's forward (unless the trace holds them)
     if shape.grad_accum > 1 and not trace.accumulates:

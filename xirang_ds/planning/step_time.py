@@ -20,6 +20,10 @@ where DeepSpeed overlaps communication with backward):
   flatten and upcast, the clipping, torch's AdamW or the update of the plugin that runs its own,
   `xirang_ds.roles.TimesUpdate`, the cast back, the all-gather); where that module does not write DeepSpeed's
   path (ZeRO 3, the offloads), one flat partition's (`optimizer_ops`), and the notes say so;
+* **DeepSpeed's update on the host** (ZeRO 1/2 with ``offload_optimizer``, part ``host_optimizer``): the host's ops
+  (the update, the clipping, the cast into the 16-bit staging buffer: `deepspeed_ops.host_optimizer_ops`) priced
+  by the host's profile (`xirang_ds.memory.device_profile.host_profile`), and the gradients' and parameters' bytes
+  over the host link each way (DeepSpeed copies on the device's stream: in the step's way, not beside it);
 * **what the block adds**: each enabled plugin's own seconds per step (`xirang_ds.roles.TimesStep`); one
   that does not price itself is named in the notes as not modelled. A plugin that reduces and steps the
   gradients in place of DeepSpeed's path (`xirang_ds.roles.TimesGradients`: grad_release) counts its own ops
@@ -41,9 +45,9 @@ from typing import Any, Optional
 import torch
 
 from xirang_ds.compat.torch import fake_tensor_mode
-from xirang_ds.memory.device_profile import DeviceProfile, OpTally, Tallying, tallied
+from xirang_ds.memory.device_profile import DeviceProfile, OpTally, Tallying, host_profile, tallied
 from xirang_ds.memory.run_shape import RunShape, fullest_rank, partition_numel
-from xirang_ds.planning.deepspeed_ops import adamw_ops, engine_ops, not_written
+from xirang_ds.planning.deepspeed_ops import adamw_ops, engine_ops, host_optimizer_ops, not_written
 from xirang_ds.roles import CopiesBeside, TimesGradients, TimesStep, TimesUpdate
 
 
@@ -156,7 +160,12 @@ def step_time(shape: RunShape, trace: Any, profile: DeviceProfile, session: Any 
              + again * repeated.seconds(profile),
              "communication": comm / profile.interconnect_bytes_per_s if comm else 0.0,
              "optimizer": opt.seconds(profile) + (update.seconds(profile) if update is not None else 0.0)}
-    if shape.offloaded:
+    offload = host_optimizer_ops(shape, numels, update=update is None) if engine is not None else None
+    if offload is not None:  # ZeRO 1/2's offload_optimizer: the host's ops and the link's copies, on the way
+        host = host_profile(profile)
+        link = (offload.to_host_bytes + offload.to_device_bytes) / profile.host_link_bytes_per_s
+        parts["host_optimizer"] = offload.host.seconds(host) + link
+    if shape.unmodelled_offloads:
         notes.append("DeepSpeed's host offload is not priced")
     for plugin in plugins:
         seconds = plugin.step_seconds(shape, numels, profile) if isinstance(plugin, TimesStep) else None
@@ -173,6 +182,9 @@ def step_time(shape: RunShape, trace: Any, profile: DeviceProfile, session: Any 
         counts["repeated_backward"] = repeated.as_dict()  # priced ``extra_backwards`` times
     if update is not None:
         counts["optimizer_update"] = update.as_dict()  # beside DeepSpeed's ops around it, under "optimizer"
+    if offload is not None:
+        counts["host_optimizer"] = {**offload.host.as_dict(), "to_host_bytes": offload.to_host_bytes,
+                                    "to_device_bytes": offload.to_device_bytes, "host_profile": host.name}
     beside = sum(p.beside_seconds(shape, numels, profile) for p in plugins if isinstance(p, CopiesBeside))
     if beside:
         counts["beside_compute_s"] = beside

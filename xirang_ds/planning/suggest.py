@@ -8,13 +8,16 @@ the same figures that refused the block), in the order a user gives up least:
 * ``zero_stage``: the next ZeRO stage (more of the model states partitioned over the ranks, more
   communication);
 * ``micro_batch``: the micro-batch halved and ``gradient_accumulation_steps`` doubled, so the global batch
-  and the update stay the same (an even micro-batch only).
+  and the update stay the same (an even micro-batch only);
+* ``offload_optimizer``: at ZeRO 1/2, DeepSpeed's optimizer in host memory (``{"device": "cpu"}``: the fp32
+  weights, their gradients and the states there, the update on the CPU), the costliest in time (the step
+  prices it: `xirang_ds.planning.step_time`); grad_release and optimizer_states cannot run beside it, so a
+  preset leaves them out.
 
 The search is greedy and bounded: each round estimates every single change on top of the changes taken so
 far; the first that fits (in the order above) is the suggestion, otherwise the change that lowered the least
-budget most is kept and the next round starts, for at most `MAX_ROUNDS` rounds. DeepSpeed's own host offload
-(``offload_optimizer``) is not suggested: the estimate does not model what it moves (grad_release's
-``states: "auto"``, in every preset, is the host tier the estimate does price).
+budget most is kept and the next round starts, for at most `MAX_ROUNDS` rounds. ZeRO 3's offloads and
+``offload_param`` are not suggested: the estimate does not model them.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from xirang_ds.memory.run_shape import EstimateError
 PRESET_ORDER = ("conservative", "balanced", "aggressive")
 """Presets from the one that changes least to the one that saves most."""
 MAX_ROUNDS = 3
-"""Rounds of the greedy search: at most three changes, at most nine estimates."""
+"""Rounds of the greedy search: at most three changes, at most twelve estimates."""
 BUDGET_ROUNDS = 4
 """Estimates `least_fitting_budget` runs at most."""
 
@@ -89,7 +92,20 @@ def _half_micro_batch(ds_config: dict) -> Optional[tuple[dict, str]]:
                  f"{accum} -> {accum * 2} (the same global batch)")
 
 
-CHANGES: tuple[Callable[[dict], Optional[tuple[dict, str]]], ...] = (_next_preset, _next_stage, _half_micro_batch)
+def _offload_optimizer(ds_config: dict) -> Optional[tuple[dict, str]]:
+    zero = dict(ds_config.get("zero_optimization") or {})
+    stage = int(zero.get("stage", 0))
+    device = str((zero.get("offload_optimizer") or {}).get("device", "none"))
+    if stage not in (1, 2) or device != "none":
+        return None
+    zero["offload_optimizer"] = {**(zero.get("offload_optimizer") or {}), "device": "cpu"}
+    return {**ds_config, "zero_optimization": zero}, ('zero_optimization.offload_optimizer {"device": "cpu"} (the fp32 '
+                                                      "weights, gradients and optimizer states in host memory, the "
+                                                      "update on the CPU: slower steps)")
+
+
+CHANGES: tuple[Callable[[dict], Optional[tuple[dict, str]]], ...] = (_next_preset, _next_stage, _half_micro_batch,
+                                                                     _offload_optimizer)
 """The changes, in the order a user gives up least (module docstring)."""
 
 
@@ -166,7 +182,7 @@ def format_suggestion(s: Suggestion) -> str:
     from xirang_ds.config.types import format_bytes
 
     if not s.changes:
-        return "no change the estimate can price makes it fit (preset, ZeRO stage, micro-batch)"
+        return "no change the estimate can price makes it fit (preset, ZeRO stage, micro-batch, optimizer offload)"
     if s.found:
         head = f"fits with these changes (predicted peak {format_bytes(s.predicted_peak_bytes)}; {s.estimates} estimate(s)):"
     else:

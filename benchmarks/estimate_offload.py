@@ -1,0 +1,113 @@
+"""DeepSpeed's ``offload_optimizer`` at ZeRO 1/2: the estimate against the run, and the predicted step at 0.91B.
+
+    .venv/bin/python benchmarks/estimate_offload.py [--out benchmarks/results/estimate_offload.json]
+
+Each case runs 3 steps of plain DeepSpeed with the optimizer offloaded (``{"device": "cpu"}``, torch's AdamW on
+the host tensors) and, for the first cases, the same ds_config without the offload, on this CPU (gloo; 1 or 2
+ranks), and takes the worst rank's tracker peak. On a CPU the host is the device: the tracker counts DeepSpeed's
+host buffers (the fp32 partition and its gradient, the states, the staging buffers) and its update's temporaries
+as ``host``, apart from the device's bytes, as they are apart on a GPU (`xirang_ds.memory.engine_roles`). Each
+is estimated before it runs (`xirang_ds.planning.spec.estimate_spec`); memory on the CPU is exact, so each row
+reproduces to the byte.
+
+Then the 0.91B GPT of the 2026-12-04 H200 run on one H200 (``benchmarks/configs/plain_0.91b.json``), without the
+offload, with it (torch's AdamW on the host, as that ds_config's ``torch_adam`` asks) and with it under
+DeepSpeedCPUAdam (``torch_adam`` dropped): the predicted peak, the host bytes and the predicted step (a prediction, not a
+measurement: the host's update is priced by a DGX H100/H200 server's spec, `device_profile.HOSTS`).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+
+from xirang_ds.bench import bench_rank
+from xirang_ds.launch import run_ranks
+from xirang_ds.memory.device_profile import PROFILES
+from xirang_ds.planning.spec import estimate_spec
+
+CASES = [  # model, stage, dtype, accumulation, ranks, xirang block, also without the offload
+    ("gpt-tiny", 2, "bf16", 1, 2, None, True),
+    ("gpt-small", 2, "bf16", 1, 2, None, True),
+    ("gpt-tiny", 1, "bf16", 1, 2, None, True),
+    ("gpt-tiny", 2, "bf16", 2, 2, None, True),
+    ("gpt-tiny", 2, "fp32", 1, 2, None, False),
+    ("gpt-tiny", 1, "bf16", 2, 1, None, False),
+    ("llama-tiny", 2, "bf16", 1, 2, None, False),
+    ("gpt-small", 2, "bf16", 1, 2, {"preset": "conservative"}, False),
+    ("gpt-small", 2, "bf16", 1, 2, {"preset": "balanced"}, False),
+    ("gpt-small", 2, "bf16", 1, 2, {"preset": "conservative", "memory_budget": 20_000_000}, False),
+]
+BIG = "gpt:layers=16,hidden=2048,heads=16,seq=1024,vocab=50304"
+STEPS = 3
+
+
+def ds_config(stage: int, dtype: str, gas: int, block: dict | None, offload: bool) -> dict:
+    c = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas, "steps_per_print": 10**6,
+         "gradient_clipping": 1.0, "zero_optimization": {"stage": stage, "reduce_bucket_size": 1e6,
+                                                         "allgather_bucket_size": 1e6},
+         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}}}
+    if dtype == "bf16":  # fp16: DeepSpeed refuses it on a CPU
+        c["bf16"] = {"enabled": True}
+    if offload:
+        c["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if block is not None:
+        c["xirang"] = copy.deepcopy(block)
+    return c
+
+
+def measure(model: str, config: dict, world: int) -> dict:
+    runs = run_ranks(bench_rank, world, model, config, STEPS, None, 0, "xirang" in config)
+    worst = max(runs, key=lambda r: r["peak_bytes"])
+    est = estimate_spec(model, config, world)
+    return {"measured_peak_bytes": worst["peak_bytes"], "measured_by_category": worst["peak_by_category"],
+            "measured_host_bytes": max(r["peak_by_category"]["host"] for r in runs),
+            "predicted_peak_bytes": est.predicted_peak_bytes, "predicted_by_category": est.by_category,
+            "predicted_host_at_peak_phase": est.phases[est.peak_phase]["host"],
+            "error": (est.predicted_peak_bytes - worst["peak_bytes"]) / worst["peak_bytes"],
+            "notes": [n for n in est.notes if "offload" in n or "not modelled" in n]}
+
+
+def predicted_0_91b() -> dict:
+    with open(os.path.join(os.path.dirname(__file__), "configs", "plain_0.91b.json")) as f:
+        plain = json.load(f)
+    out = {}
+    for label, offload in (("on_device", False), ("offloaded", True), ("offloaded_cpu_adam", True)):
+        config = copy.deepcopy(plain)
+        if offload:
+            config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        if label == "offloaded_cpu_adam":  # DeepSpeedCPUAdam, what DeepSpeed builds without torch_adam
+            del config["optimizer"]["params"]["torch_adam"]
+        est = estimate_spec(BIG, config, 1, "cuda", device_profile=PROFILES["h200"])
+        st = est.step_time
+        out[label] = {"predicted_peak_bytes": est.predicted_peak_bytes, "host_peak_bytes": est.host_peak_bytes,
+                      "predicted_step_time_s": st.seconds, "parts": st.parts, "kernels": st.counts["kernels"],
+                      "host_syncs": st.counts["host_syncs"], "host_optimizer": st.counts.get("host_optimizer")}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="benchmarks/results/estimate_offload.json")
+    args = parser.parse_args()
+    rows = []
+    for model, stage, dtype, gas, world, block, both in CASES:
+        row = {"model": model, "stage": stage, "dtype": dtype, "gradient_accumulation_steps": gas, "ranks": world,
+               "xirang": block, "offloaded": measure(model, ds_config(stage, dtype, gas, block, True), world)}
+        if both:
+            row["on_device"] = measure(model, ds_config(stage, dtype, gas, block, False), world)
+        rows.append(row)
+        off = row["offloaded"]
+        print(f"{model} ZeRO-{stage} {dtype} gas {gas} {world} rank(s) {block or ''}: measured "
+              f"{off['measured_peak_bytes']:,}, predicted {off['predicted_peak_bytes']:,} ({off['error']:+.2%})"
+              + (f"; on the device {row['on_device']['measured_peak_bytes']:,}" if both else ""), flush=True)
+    result = {"cases": rows, "h200_0.91b": predicted_0_91b()}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result["h200_0.91b"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -25,6 +25,9 @@ import os
 from xirang_ds.bench import bench_rank
 from xirang_ds.launch import run_ranks
 from xirang_ds.memory.device_profile import PROFILES
+from xirang_ds.memory.model_states import offloaded_optimizer_host
+from xirang_ds.memory.run_shape import RunShape
+from xirang_ds.models import build_model, parse_model_spec
 from xirang_ds.planning.spec import estimate_spec
 
 CASES = [  # model, stage, dtype, accumulation, ranks, xirang block, also without the offload
@@ -61,10 +64,13 @@ def measure(model: str, config: dict, world: int) -> dict:
     runs = run_ranks(bench_rank, world, model, config, STEPS, None, 0, "xirang" in config)
     worst = max(runs, key=lambda r: r["peak_bytes"])
     est = estimate_spec(model, config, world)
+    numels = [p.numel() for p in build_model(parse_model_spec(model)).parameters()]
+    resident = offloaded_optimizer_host(RunShape.from_ds_config(config, world), numels)[0]  # DeepSpeed's, between updates
     return {"measured_peak_bytes": worst["peak_bytes"], "measured_by_category": worst["peak_by_category"],
             "measured_host_bytes": max(r["peak_by_category"]["host"] for r in runs),
             "predicted_peak_bytes": est.predicted_peak_bytes, "predicted_by_category": est.by_category,
-            "predicted_host_at_peak_phase": est.phases[est.peak_phase]["host"],
+            "predicted_host_at_peak_phase": est.phases[est.peak_phase]["host"] + resident,
+            "deepspeed_host_bytes": est.deepspeed_host_bytes,
             "error": (est.predicted_peak_bytes - worst["peak_bytes"]) / worst["peak_bytes"],
             "notes": [n for n in est.notes if "offload" in n or "not modelled" in n]}
 
@@ -82,6 +88,7 @@ def predicted_0_91b() -> dict:
         est = estimate_spec(BIG, config, 1, "cuda", device_profile=PROFILES["h200"])
         st = est.step_time
         out[label] = {"predicted_peak_bytes": est.predicted_peak_bytes, "host_peak_bytes": est.host_peak_bytes,
+                      "deepspeed_host_bytes": est.deepspeed_host_bytes,
                       "predicted_step_time_s": st.seconds, "parts": st.parts, "kernels": st.counts["kernels"],
                       "host_syncs": st.counts["host_syncs"], "host_optimizer": st.counts.get("host_optimizer")}
     return out

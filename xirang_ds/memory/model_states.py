@@ -44,19 +44,14 @@ def model_states(shape: RunShape, numels: list[int]) -> dict[str, int]:
 
     ZeRO 1/2 with ``offload_optimizer`` (`RunShape.host_optimizer`; stage_1_and_2.py ``cpu_offload``) keeps on the
     device the 16-bit parameters and a staging buffer of the largest parameter's 16-bit gradient
-    (``temp_grad_buffer_for_gpu_offload``); in host memory (``host``) the fp32 partition, its fp32 gradient, the
-    states, the 16-bit partition staged for the copy back, a host staging buffer of the largest gradient and, under
-    accumulation, the 16-bit gradients of the partition's parameters carried between micro-steps (whole)."""
+    (``temp_grad_buffer_for_gpu_offload``); the rest is in host memory (`offloaded_optimizer_host`)."""
     total = sum(numels)
     lp = shape.lp_bytes
     part = partition_numel(total, shape.world_size)
     padded = part * shape.world_size
     groups = 1
     if shape.host_optimizer:
-        largest = max(numels)
-        carried = lp * sum(numels[i] for i in fullest_rank(shape, numels).params) if shape.grad_accum > 1 else 0
-        return category_bytes(parameters=lp * padded, gradients=lp * largest,
-                              host=(4 + 4 + 8 + lp) * part + 4 * groups + lp * largest + carried)
+        return category_bytes(parameters=lp * padded, gradients=lp * max(numels))
     if shape.stage == 0:
         master = 4 * total if shape.dtype != torch.float32 else 0
         return category_bytes(parameters=lp * total + master, optimizer_states=8 * total + 4 * len(numels))
@@ -65,6 +60,20 @@ def model_states(shape: RunShape, numels: list[int]) -> dict[str, int]:
         return category_bytes(parameters=lp * padded + master, optimizer_states=8 * part + 4 * groups)
     # ZeRO 3: 16-bit partition, fp32 partition, states over the partition
     return category_bytes(parameters=lp * part + 4 * part, optimizer_states=8 * part + 4 * groups)
+
+
+def offloaded_optimizer_host(shape: RunShape, numels: list[int]) -> tuple[int, int]:
+    """``(between updates, at the update)``: the host memory DeepSpeed's ``offload_optimizer`` holds at ZeRO 1/2
+    (`RunShape.host_optimizer`; ``(0, 0)`` otherwise): the fp32 partition, its fp32 gradient, the states, the 16-bit
+    partition staged for the copy back, a host staging buffer of the largest gradient and, under accumulation, the
+    16-bit gradients of the partition's parameters carried between micro-steps (whole); at the update, its
+    temporaries besides. Not a host tier of the block's: ``host_memory_budget`` does not cap it."""
+    if not shape.host_optimizer:
+        return 0, 0
+    lp, part = shape.lp_bytes, partition_numel(sum(numels), shape.world_size)
+    carried = lp * sum(numels[i] for i in fullest_rank(shape, numels).params) if shape.grad_accum > 1 else 0
+    resident = (4 + 4 + 8 + lp) * part + 4 + lp * max(numels) + carried
+    return resident, resident + adam_temporaries(shape, [part])
 
 
 def adam_temporaries(shape: RunShape, tensors: list[int]) -> int:
@@ -93,8 +102,8 @@ def optimizer_step(shape: RunShape, states: dict, numels: list[int]) -> tuple[di
     lp = shape.lp_bytes
     part = partition_numel(total, shape.world_size)
     sixteen = shape.dtype != torch.float32
-    if shape.host_optimizer:  # the gradients are on the host already; the update's temporaries are host memory
-        return add_categories(states, category_bytes(host=adam_temporaries(shape, [part]))), None
+    if shape.host_optimizer:  # the gradients are on the host already, the update runs there
+        return states, None
     if shape.stage == 0:
         grads = lp * total + (4 * total if sixteen else 0)
         update = add_categories(states, category_bytes(gradients=grads, temporaries=adam_temporaries(shape, numels)))

@@ -37,6 +37,7 @@ from xirang_ds.memory.model_states import (
     add_categories,
     category_bytes,
     model_states,
+    offloaded_optimizer_host,
     optimizer_step,
     stage3_working_set,
 )
@@ -86,6 +87,8 @@ class Estimate:
             estimate's notes say it, ``validate --model`` and the run refuse with it.
         device_fits: ``fits`` on the device alone (the plan and ``memory_budget``; ``None``: neither a budget nor
             a device total to check), whatever the host holds.
+        deepspeed_host_bytes: the host memory DeepSpeed's own ``offload_optimizer`` holds at most (ZeRO 1/2:
+            `xirang_ds.memory.model_states.offloaded_optimizer_host`), beside the host tiers; 0 without it.
     """
 
     predicted_peak_bytes: int
@@ -103,10 +106,11 @@ class Estimate:
     host_peak_bytes: int = 0
     host_refusal: Optional[str] = None
     device_fits: Optional[bool] = None
+    deepspeed_host_bytes: int = 0
 
     def as_dict(self) -> dict:
         return {"predicted_peak_bytes": self.predicted_peak_bytes, "host_peak_bytes": self.host_peak_bytes,
-                "by_category": dict(self.by_category),
+                "deepspeed_host_bytes": self.deepspeed_host_bytes, "by_category": dict(self.by_category),
                 "peak_phase": self.peak_phase, "fits": self.fits, "least_budget_bytes": self.least_budget_bytes,
                 "phases": {k: dict(v) for k, v in self.phases.items()}, "notes": list(self.notes),
                 "plans": {k: v.as_dict() if hasattr(v, "as_dict") else v for k, v in self.plans.items()},
@@ -253,7 +257,8 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
     return Estimate(predicted_peak_bytes=totals[peak_phase], by_category=phases[peak_phase], peak_phase=peak_phase,
                     phases={k: {**v, "total": totals[k]} for k, v in phases.items()}, notes=notes,
                     fits=False if refusal else device_fits, least_budget_bytes=least, plans=plans, points=points,
-                    host_peak_bytes=host, host_refusal=refusal, device_fits=device_fits)
+                    host_peak_bytes=host, host_refusal=refusal, device_fits=device_fits,
+                    deepspeed_host_bytes=offloaded_optimizer_host(shape, numels)[1])
 
 
 def _fits(session: Any, peak: int, plans: dict) -> tuple[Optional[bool], int]:
@@ -348,6 +353,9 @@ def format_estimate(est: Estimate) -> str:
                      f"{format_bytes(est.least_budget_bytes)} ({est.least_budget_bytes:,} bytes)")
     if est.host_peak_bytes:
         lines.append(f"host tiers: {format_bytes(est.host_peak_bytes)} ({est.host_peak_bytes:,} bytes) held")
+    if est.deepspeed_host_bytes:
+        lines.append(f"DeepSpeed's offloaded optimizer: {format_bytes(est.deepspeed_host_bytes)} "
+                     f"({est.deepspeed_host_bytes:,} bytes) in host memory at most")
     if est.step_time is not None:
         st, plain = est.step_time, est.plain_step_time
         beside = f" (plain DeepSpeed {plain.seconds * 1e3:.1f} ms)" if plain is not None and plain is not st else ""

@@ -1,8 +1,8 @@
-"""DeepSpeed's ``offload_optimizer`` at ZeRO 1/2: the estimate against the run, and the predicted step at 0.91B.
+"""DeepSpeed's ``offload_optimizer`` at ZeRO 1-3: the estimate against the run, and the predicted step at 0.91B.
 
     .venv/bin/python benchmarks/estimate_offload.py [--out benchmarks/results/estimate_offload.json]
 
-Each case runs 3 steps of plain DeepSpeed with the optimizer offloaded (``{"device": "cpu"}``, torch's AdamW on
+Each case runs 3 steps of DeepSpeed with the optimizer offloaded (``{"device": "cpu"}``, torch's AdamW on
 the host tensors) and, for the first cases, the same ds_config without the offload, on this CPU (gloo; 1 or 2
 ranks), and takes the worst rank's tracker peak. On a CPU the host is the device: the tracker counts DeepSpeed's
 host buffers (the fp32 partition and its gradient, the states, the staging buffers) and its update's temporaries
@@ -12,8 +12,8 @@ reproduces to the byte.
 
 Then the 0.91B GPT of the 2026-12-04 H200 run on one H200 (``benchmarks/configs/plain_0.91b.json``), without the
 offload, with it (torch's AdamW on the host, as that ds_config's ``torch_adam`` asks) and with it under
-DeepSpeedCPUAdam (``torch_adam`` dropped): the predicted peak, the host bytes and the predicted step (a prediction, not a
-measurement: the host's update is priced by a DGX H100/H200 server's spec, `device_profile.HOSTS`).
+DeepSpeedCPUAdam (``torch_adam`` dropped): the predicted peak, the host bytes and the predicted step (a
+prediction, not a measurement: the host's update is priced by a DGX H100/H200 server's spec, `device_profile.HOSTS`).
 """
 from __future__ import annotations
 
@@ -41,6 +41,10 @@ CASES = [  # model, stage, dtype, accumulation, ranks, xirang block, also withou
     ("gpt-small", 2, "bf16", 1, 2, {"preset": "conservative"}, False),
     ("gpt-small", 2, "bf16", 1, 2, {"preset": "balanced"}, False),
     ("gpt-small", 2, "bf16", 1, 2, {"preset": "conservative", "memory_budget": 20_000_000}, False),
+    ("gpt-tiny", 3, "bf16", 1, 2, None, True),
+    ("gpt-small", 3, "bf16", 2, 2, None, True),
+    ("gpt-small", 3, "bf16", 1, 2, {"preset": "conservative"}, False),
+    ("gpt-small", 3, "bf16", 1, 2, {"preset": "conservative", "memory_budget": 20_000_000}, False),
 ]
 BIG = "gpt:layers=16,hidden=2048,heads=16,seq=1024,vocab=50304"
 STEPS = 3
@@ -65,7 +69,7 @@ def measure(model: str, config: dict, world: int) -> dict:
     worst = max(runs, key=lambda r: r["peak_bytes"])
     est = estimate_spec(model, config, world)
     numels = [p.numel() for p in build_model(parse_model_spec(model)).parameters()]
-    resident = offloaded_optimizer_host(RunShape.from_ds_config(config, world), numels)[0]  # DeepSpeed's, between updates
+    resident = offloaded_optimizer_host(RunShape.from_ds_config(config, world), numels)[0]  # between updates
     return {"measured_peak_bytes": worst["peak_bytes"], "measured_by_category": worst["peak_by_category"],
             "measured_host_bytes": max(r["peak_by_category"]["host"] for r in runs),
             "predicted_peak_bytes": est.predicted_peak_bytes, "predicted_by_category": est.by_category,

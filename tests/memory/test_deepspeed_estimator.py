@@ -247,13 +247,15 @@ def _offloaded(config: dict) -> dict:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("model, stage, dtype, gas, world", [("gpt-tiny", 2, "bf16", 2, 2),
-                                                           ("llama-tiny", 1, "fp32", 1, 1)])
+                                                           ("llama-tiny", 1, "fp32", 1, 1),
+                                                           ("gpt-tiny", 3, "bf16", 1, 2)])
 def test_an_offloaded_optimizer_is_estimated_on_the_device_and_in_host_memory(model, stage, dtype, gas, world):
-    """ZeRO 1/2 with ``offload_optimizer``: the fp32 partition, its gradient, the states, the staging buffers and,
+    """``offload_optimizer``: the fp32 partition, its gradient, the states and at ZeRO 1/2 the staging buffers and,
     under accumulation, the carried 16-bit gradients in host memory (the tracker counts DeepSpeed's host buffers
     and its update's temporaries as ``host``, as a GPU's allocator would not see them); the device keeps the 16-bit
-    model, its buckets and one staging buffer of the largest gradient. Measured and estimated, the device peak to 1%
-    and the host bytes at it exactly (gpt-tiny, ZeRO-2 bf16, 2 ranks: 3,571,060 bytes measured, 3,601,928 estimated,
+    model, its buckets and one staging buffer of the largest gradient (ZeRO 3: its 16-bit partition, the gathered
+    weights, the gradient partition and the bucket, as without the offload). Measured and estimated, the device peak
+    to 1% and the host bytes at it exactly (gpt-tiny, ZeRO-2 bf16, 2 ranks: 3,571,060 bytes measured, 3,601,928 estimated,
     against 4,525,944 measured with the optimizer on the device)."""
     config = _offloaded(ds_config(stage=stage, dtype=dtype, micro=4, gas=gas))
     runs = run_ranks(bench_rank, world, model, config, 3, None, 0, False)
@@ -272,12 +274,19 @@ def test_an_offloaded_optimizer_is_estimated_on_the_device_and_in_host_memory(mo
 
 
 def test_the_offloads_not_modelled_are_named():
-    zero3 = _offloaded(ds_config(stage=3, micro=2))
-    notes = estimate_spec("gpt-tiny", zero3, 1).notes
-    assert any(n.startswith("zero_optimization.offload_optimizer: host offload is not modelled") for n in notes)
     params = _offloaded(ds_config(stage=3, micro=2))
     params["zero_optimization"]["offload_param"] = {"device": "cpu"}
-    assert any(n.startswith("zero_optimization.offload_param") for n in estimate_spec("gpt-tiny", params, 1).notes)
+    notes = estimate_spec("gpt-tiny", params, 1).notes
+    for section in ("offload_optimizer", "offload_param"):  # the parameters on the host too: neither is modelled
+        assert any(n.startswith(f"zero_optimization.{section}: host offload is not modelled") for n in notes)
+    for offload in ({"device": "nvme", "nvme_path": "/tmp"}, {"device": "cpu", "ratio": 0.5}):
+        config = ds_config(stage=3, micro=2)
+        config["zero_optimization"]["offload_optimizer"] = offload
+        notes = estimate_spec("gpt-tiny", config, 1).notes
+        assert any("offload_optimizer: host offload is not modelled" in n for n in notes)
+    for stage in (1, 2, 3):
+        notes = estimate_spec("gpt-tiny", _offloaded(ds_config(stage=stage, micro=2)), 1).notes
+        assert not any("offload" in n for n in notes)
     assert not any("offload" in n for n in estimate_spec("gpt-tiny", ds_config(stage=2, micro=2), 1).notes)
 
 

@@ -213,3 +213,10 @@ def test_an_offloaded_optimizer_is_priced_on_the_host_and_over_the_host_link():
     assert st.parts["optimizer"] < on_device.parts["optimizer"]  # the update is the host's now
     assert st.seconds > on_device.seconds and not st.notes
     assert host_profile(PROFILES["cpu"]) is PROFILES["cpu"] and host_profile(h100).name.startswith("host")
+    # ZeRO 3: the update the host's, sub-group by sub-group, beside the flat stand-in of the device's work
+    config["zero_optimization"]["stage"] = 3
+    zero3 = estimate_spec("gpt-tiny", config, 2, "cuda", device_profile=h100).step_time
+    on_device = estimate_spec("gpt-tiny", {**CONFIG, "zero_optimization": {"stage": 3}}, 2, "cuda",
+                              device_profile=h100).step_time
+    assert zero3.parts["host_optimizer"] > 0 and zero3.parts["optimizer"] < on_device.parts["optimizer"]
+    assert zero3.counts["host_optimizer"]["to_host_bytes"] == zero3.counts["host_optimizer"]["to_device_bytes"]

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 from xirang_ds.cli import main
 from xirang_ds.config.types import format_bytes
-from xirang_ds.planning.suggest import least_fitting_budget, suggest_fit
+from xirang_ds.planning.suggest import CHANGES, least_fitting_budget, suggest_fit
 
 BASE = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 1},
         "xirang": {"preset": "conservative", "memory_budget": 100}}
@@ -59,7 +59,8 @@ def test_a_preset_change_is_preferred_when_it_fits_and_aggressive_says_it_is_los
 
 
 def test_nothing_left_to_change_says_so_with_the_closest():
-    top = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 8, "zero_optimization": {"stage": 3},
+    top = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 8,
+           "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
            "xirang": {"preset": "aggressive", "memory_budget": 10}}
     s = suggest_fit(top, _estimator(_need)[0])
     assert not s.found and s.changes == [] and s.estimates == 0
@@ -112,7 +113,7 @@ def test_estimate_names_a_change_that_fits_and_the_least_budget_it_confirmed(tmp
     assert "fits with these changes" in printed or not s["found"]
 
 
-def test_the_optimizer_offloaded_is_the_last_change_tried_and_only_at_zero_1_and_2():
+def test_the_optimizer_offloaded_is_the_last_change_tried_and_not_at_zero_0():
     def need(cfg):
         offloaded = (cfg["zero_optimization"].get("offload_optimizer") or {}).get("device") == "cpu"
         return _need(cfg) - (60 if offloaded else 0)
@@ -124,5 +125,9 @@ def test_the_optimizer_offloaded_is_the_last_change_tried_and_only_at_zero_1_and
     assert s.ds_config["zero_optimization"] == {"stage": 1, "offload_optimizer": {"device": "cpu"}}
     s = suggest_fit(BASE, _estimator(lambda c: need(c) - 25)[0])  # 115: stage 2 (95) fits before the offload
     assert s.changes == ["zero_optimization.stage 1 -> 2"]
-    zero3 = {**BASE, "zero_optimization": {"stage": 3}}
-    assert not any("offload" in c for c in suggest_fit(zero3, _estimator(need)[0]).changes)
+    offload = CHANGES[-1]  # DeepSpeed offloads from ZeRO 1 on
+    assert offload({**BASE, "zero_optimization": {"stage": 0}}) is None
+    assert offload({**BASE, "zero_optimization": {"stage": 3}})[0]["zero_optimization"]["offload_optimizer"] == \
+        {"device": "cpu"}
+    offloaded = {**BASE, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    assert not any("offload" in c for c in suggest_fit(offloaded, _estimator(need)[0]).changes)

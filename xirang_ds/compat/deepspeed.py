@@ -53,7 +53,8 @@ UPSTREAM_NAMES: dict[str, tuple[str, ...]] = {
         "def _release_sub_group(self, sub_group_id, timer_names)",
         "self.fp16_partitioned_groups_flat[sub_group_id].data.copy_(",
         "state_dict[FP32_FLAT_GROUPS] = self.fp32_partitioned_groups_flat",
-        "self.optimizer = torch.optim.Adagrad(self.fp32_partitioned_groups_flat, **self.optimizer.defaults)"),
+        "self.optimizer = torch.optim.Adagrad(self.fp32_partitioned_groups_flat, **self.optimizer.defaults)",
+        "self.fp32_partitioned_groups_flat[i].grad = subgroup_gradient_buffer.to(self.subgroup_to_device[i])"),
     "deepspeed/utils/mixed_precision_linkage.py": ("lp_param._hp_mapping = get_hp_fragment_mapping(",),
     "deepspeed/runtime/zero/parameter_offload.py": (
         "return apply_to_tensors_only(module.pre_bwd_fn.apply,", "module.pre_bwd_fn = PreBackwardFunctionForModule",
@@ -179,18 +180,27 @@ absent from 0.19.8 and read where an older release has it)."""
 
 OFFLOADED_OPTIMIZER_ATTRIBUTES = (
     "single_partition_of_fp32_groups", "param_buffer_of_bit16_for_cpu_offload_groups",
-    "temp_grad_buffer_for_cpu_offload", "accumulated_grads_in_cpu",
+    "temp_grad_buffer_for_cpu_offload", "accumulated_grads_in_cpu", "fp32_partitioned_groups_flat",
 )
-"""ZeRO 1/2's buffers in host memory under ``offload_optimizer`` (stage_1_and_2.py with ``cpu_offload``): the fp32
-partition and its ``.grad``, the 16-bit partition staged for the copy back, the gradient staging buffer, and the
-16-bit gradients carried between micro-steps under accumulation. ``temp_grad_buffer_for_gpu_offload`` (its
-device-side staging buffer, the largest parameter in 16 bits) stays on the device, a gradient buffer."""
+"""The buffers in host memory under ``offload_optimizer`` (with the optimizer's states): ZeRO 1/2's (stage_1_and_2.py
+with ``cpu_offload``) fp32 partition and its ``.grad``, the 16-bit partition staged for the copy back, the gradient
+staging buffer, and the 16-bit gradients carried between micro-steps under accumulation; ZeRO 3's (stage3.py with
+``offload_optimizer``) fp32 sub-group partitions and their ``.grad``. ZeRO 1/2's ``temp_grad_buffer_for_gpu_offload``
+(its device-side staging buffer, the largest parameter in 16 bits) stays on the device, a gradient buffer."""
+
+
+def sub_groups_kept_on_device(wrapper: Any) -> list:
+    """ZeRO 3's fp32 sub-group partitions a partial offload (``offload_optimizer.ratio`` below 1) keeps on the device
+    (stage3.py ``subgroup_to_device``); empty at ZeRO 1/2 and for a whole offload."""
+    where = getattr(wrapper, "subgroup_to_device", None) or {}
+    return [t for i, t in enumerate(getattr(wrapper, "fp32_partitioned_groups_flat", None) or [])
+            if where.get(i, "cpu") != "cpu"]
 
 
 def offloads_optimizer(wrapper: Any) -> bool:
-    """ZeRO 1/2 keeps its fp32 partition, gradients and optimizer states in host memory (``offload_optimizer``;
-    stage_1_and_2.py ``self.cpu_offload``)."""
-    return bool(getattr(wrapper, "cpu_offload", False))
+    """ZeRO keeps its fp32 partition, gradients and optimizer states in host memory (``offload_optimizer``;
+    stage_1_and_2.py ``self.cpu_offload``, stage3.py ``self.offload_optimizer``)."""
+    return bool(getattr(wrapper, "cpu_offload", False)) or bool(getattr(wrapper, "offload_optimizer", False))
 
 
 def can_relink_hp_params(optimizer: Any) -> bool:
@@ -417,7 +427,7 @@ __all__ = [
     "OFFLOADED_OPTIMIZER_ATTRIBUTES", "OPTIMIZER_ATTRIBUTES_BY_ROLE", "UPSTREAM_NAMES", "ZERO3_WHOLE_MASTERS",
     "accumulation_boundary", "around_zero3_update", "around_zero_file_names", "around_zero_save", "can_relink_hp_params",
     "drop_step_gradients", "gradient_reduction_dtype", "hp_mapping", "offloads_optimizer", "pass_pre_backward",
-    "protocol_holds",
-    "redirect_zero_files", "relink_hp_params", "restore_accumulation_boundary", "restore_gradient_clipping",
-    "shared_params", "step_protocol", "zero3_param_groups", "zero_param_shapes", "zero_state_missing",
+    "protocol_holds", "redirect_zero_files", "relink_hp_params", "restore_accumulation_boundary",
+    "restore_gradient_clipping", "shared_params", "step_protocol", "sub_groups_kept_on_device", "zero3_param_groups",
+    "zero_param_shapes", "zero_state_missing",
 ]

@@ -12,7 +12,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from xirang_ds.compat.deepspeed import OFFLOADED_OPTIMIZER_ATTRIBUTES, OPTIMIZER_ATTRIBUTES_BY_ROLE, offloads_optimizer
+from xirang_ds.compat.deepspeed import (OFFLOADED_OPTIMIZER_ATTRIBUTES, OPTIMIZER_ATTRIBUTES_BY_ROLE, offloads_optimizer,
+                                        sub_groups_kept_on_device)
 from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import COMM_BUFFERS, GRADIENTS, HOST, OPTIMIZER_STATES, PARAMETERS
 from xirang_ds.memory.compiled_calls import watch_compiled
@@ -73,7 +74,7 @@ class TrainingWatch:
         self.model = model
         self.basic_optimizer = basic_optimizer
         self.wrapper = wrapper if wrapper is not basic_optimizer else None
-        self.offloaded = offloads_optimizer(self.wrapper)  # ZeRO 1/2's optimizer in host memory
+        self.offloaded = offloads_optimizer(self.wrapper)  # DeepSpeed's optimizer in host memory
         self._host_step: Any = None  # the tracker's host tier while an offloaded optimizer steps
         self._handles: list[Any] = []
         self._engine = engine
@@ -186,7 +187,9 @@ class TrainingWatch:
             for category, tensors in provider():
                 t.mark(tensors, category)
         if self.offloaded:  # on a CPU run the host tier is accounted apart, as on a GPU it is apart
-            host = [x for name in OFFLOADED_OPTIMIZER_ATTRIBUTES for x in _walk(getattr(self.wrapper, name, None))]
+            kept = {id(x) for x in sub_groups_kept_on_device(self.wrapper)}
+            host = [x for name in OFFLOADED_OPTIMIZER_ATTRIBUTES for x in _walk(getattr(self.wrapper, name, None))
+                    if id(x) not in kept]
             t.mark(host + [x.grad for x in host if x.grad is not None], HOST)
             if self.basic_optimizer is not None:
                 t.mark(optimizer_state_tensors(self.basic_optimizer), HOST)

@@ -42,14 +42,17 @@ def add_categories(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
 def model_states(shape: RunShape, numels: list[int]) -> dict[str, int]:
     """Resident bytes between steps: parameters (16-bit and fp32 master) and optimizer states.
 
-    ZeRO 1/2 with ``offload_optimizer`` (`RunShape.host_optimizer`; stage_1_and_2.py ``cpu_offload``) keeps on the
+    With ``offload_optimizer`` (`RunShape.host_optimizer`) ZeRO 1/2 (stage_1_and_2.py ``cpu_offload``) keeps on the
     device the 16-bit parameters and a staging buffer of the largest parameter's 16-bit gradient
-    (``temp_grad_buffer_for_gpu_offload``); the rest is in host memory (`offloaded_optimizer_host`)."""
+    (``temp_grad_buffer_for_gpu_offload``), ZeRO 3 its 16-bit partition; the rest is in host memory
+    (`offloaded_optimizer_host`)."""
     total = sum(numels)
     lp = shape.lp_bytes
     part = partition_numel(total, shape.world_size)
     padded = part * shape.world_size
     groups = 1
+    if shape.host_optimizer and shape.stage == 3:
+        return category_bytes(parameters=lp * part)
     if shape.host_optimizer:
         return category_bytes(parameters=lp * padded, gradients=lp * max(numels))
     if shape.stage == 0:
@@ -63,14 +66,17 @@ def model_states(shape: RunShape, numels: list[int]) -> dict[str, int]:
 
 
 def offloaded_optimizer_host(shape: RunShape, numels: list[int]) -> tuple[int, int]:
-    """``(between updates, at the update)``: the host memory DeepSpeed's ``offload_optimizer`` holds at ZeRO 1/2
-    (`RunShape.host_optimizer`; ``(0, 0)`` otherwise): the fp32 partition, its fp32 gradient, the states, the 16-bit
-    partition staged for the copy back, a host staging buffer of the largest gradient and, under accumulation, the
-    16-bit gradients of the partition's parameters carried between micro-steps (whole); at the update, its
-    temporaries besides. Not a host tier of the block's: ``host_memory_budget`` does not cap it."""
+    """``(between updates, at the update)``: the host memory DeepSpeed's ``offload_optimizer`` holds
+    (`RunShape.host_optimizer`; ``(0, 0)`` otherwise): the fp32 partition, its fp32 gradient and the states; at ZeRO
+    1/2 besides, the 16-bit partition staged for the copy back, a host staging buffer of the largest gradient and,
+    under accumulation, the 16-bit gradients of the partition's parameters carried between micro-steps (whole); at
+    the update, its temporaries. Not a host tier of the block's: ``host_memory_budget`` does not cap it."""
     if not shape.host_optimizer:
         return 0, 0
     lp, part = shape.lp_bytes, partition_numel(sum(numels), shape.world_size)
+    if shape.stage == 3:  # stage3.py: each sub-group's fp32 partition and gradient, the states
+        sub = max(sub_group_numels(numels, shape.groups, shape.world_size, shape.sub_group_size))
+        return 16 * part + 4, 16 * part + 4 + adam_temporaries(shape, [sub])
     carried = lp * sum(numels[i] for i in fullest_rank(shape, numels).params) if shape.grad_accum > 1 else 0
     resident = (4 + 4 + 8 + lp) * part + 4 + lp * max(numels) + carried
     return resident, resident + adam_temporaries(shape, [part])
@@ -93,7 +99,8 @@ def optimizer_step(shape: RunShape, states: dict, numels: list[int]) -> tuple[di
     flattened into a copy, the copy upcast to the fp32 gradient of the master partition, then the
     16-bit gradients are freed before the update; ZeRO 3 does this one sub-group at a time
     (``_prepare_sub_group``, then the update, then ``_release_sub_group`` drops the fp32 gradient),
-    keeping the 16-bit partition. With ``offload_optimizer`` at ZeRO 1/2 nothing of it is on the device.
+    keeping the 16-bit partition. With ``offload_optimizer`` at ZeRO 1/2 nothing of it is on the device, at ZeRO 3
+    the 16-bit gradient partition and the bucket.
     ZeRO 0 in 16 bits with DeepSpeed's fused Adam
     (``FP16_Optimizer``): every gradient upcast one by one, then flattened into one fp32 gradient.
     ZeRO 0 with torch's Adam (``FP16_UnfusedOptimizer``) upcasts into each master's ``.grad``.
@@ -102,6 +109,12 @@ def optimizer_step(shape: RunShape, states: dict, numels: list[int]) -> tuple[di
     lp = shape.lp_bytes
     part = partition_numel(total, shape.world_size)
     sixteen = shape.dtype != torch.float32
+    if shape.host_optimizer and shape.stage == 3:
+        # the 16-bit gradient partition and the bucket stay; on a GPU each sub-group's update comes back to its 16-bit
+        # partition through an fp32 copy on the device (a copy across devices that casts makes one)
+        resident = add_categories(states, category_bytes(gradients=lp * part, comm_buffers=lp * shape.reduce_bucket))
+        sub = max(sub_group_numels(numels, shape.groups, shape.world_size, shape.sub_group_size))
+        return add_categories(resident, category_bytes(temporaries=4 * sub if shape.device != "cpu" else 0)), None
     if shape.host_optimizer:  # the gradients are on the host already, the update runs there
         return states, None
     if shape.stage == 0:

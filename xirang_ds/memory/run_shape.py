@@ -60,6 +60,14 @@ def sub_group_numels(numels: list[int], groups: Optional[tuple], world: int, siz
     return sizes
 
 
+def _optimizer_offload(zero: dict) -> str:
+    """`RunShape.optimizer_offload` from ``zero_optimization``."""
+    section = zero.get("offload_optimizer") or {}
+    device = str(section.get("device", "none"))
+    ratio = _number(section.get("ratio", 1.0), 1.0)
+    return "partial" if device != "none" and ratio < 1.0 else device
+
+
 class EstimateError(ValueError):
     """The ds_config or model cannot be estimated (the message says why)."""
 
@@ -96,6 +104,9 @@ class RunShape:
     shared_masters: bool = False  # ZeRO 1/2's fp32 partition is a view of fp32 parameters, not a copy
     clipping: float = 0.0
     """``gradient_clipping`` (DeepSpeed's default 1.0); 0: no norm is taken."""
+    optimizer_offload: str = "none"
+    """``zero_optimization.offload_optimizer.device`` (``cpu``, ``nvme`` or ``none``), ``partial`` where its ``ratio``
+    keeps part of the states on the device."""
     groups: Optional[tuple[tuple[int, ...], ...]] = None
     """DeepSpeed's parameter groups as indices into the trainable parameters, when a plugin splits them
     (optimizer_states keeps fp32 states in groups of their own); ZeRO 1/2 flattens and partitions each
@@ -137,7 +148,7 @@ class RunShape:
                    sub_group_size=int(float(zero.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE))),
                    offloaded=tuple(k for k in ("offload_optimizer", "offload_param")
                                    if str((zero.get(k) or {}).get("device", "none")) != "none"),
-                   optimizer=name, adam_impl=impl, device=device,
+                   optimizer=name, adam_impl=impl, device=device, optimizer_offload=_optimizer_offload(zero),
                    clipping=_number(ds.get("gradient_clipping", DEFAULT_GRADIENT_CLIPPING), DEFAULT_GRADIENT_CLIPPING))
 
     @property
@@ -146,13 +157,15 @@ class RunShape:
 
     @property
     def host_optimizer(self) -> bool:
-        """ZeRO 1/2 with ``offload_optimizer``: the fp32 partition, its gradient and the optimizer states in host
-        memory, the update on the host (stage_1_and_2.py ``cpu_offload``); modelled by the estimate."""
-        return self.stage in (1, 2) and "offload_optimizer" in self.offloaded
+        """``offload_optimizer`` to the CPU, whole: the fp32 partition, its gradient and the optimizer states in host
+        memory, the update on the host (stage_1_and_2.py ``cpu_offload``; stage3.py ``offload_optimizer``, where the
+        parameters stay on the device); modelled by the estimate."""
+        whole_device = self.stage < 3 or "offload_param" not in self.offloaded
+        return self.optimizer_offload == "cpu" and self.stage >= 1 and whole_device
 
     @property
     def unmodelled_offloads(self) -> tuple[str, ...]:
-        """The offload sections the estimate does not model (ZeRO 3's, and ``offload_param``)."""
+        """The offload sections the estimate does not model (``offload_param``, NVMe, a partial ``ratio``)."""
         return tuple(k for k in self.offloaded if not (k == "offload_optimizer" and self.host_optimizer))
 
 

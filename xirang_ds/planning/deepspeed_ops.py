@@ -47,7 +47,7 @@ import torch
 
 from xirang_ds.compat.torch import fake_tensor_mode
 from xirang_ds.memory.device_profile import OpTally, Tallying
-from xirang_ds.memory.run_shape import RunShape, fullest_rank, partition_numel, partition_pieces
+from xirang_ds.memory.run_shape import RunShape, fullest_rank, partition_numel, partition_pieces, sub_group_numels
 
 ZERO0_ALLREDUCE_NUMEL = 500_000_000
 """The engine's all-reduce bucket at ZeRO 0 (``engine.py`` ``MEMORY_OPT_ALLREDUCE_SIZE``; no config key sets it)."""
@@ -58,7 +58,7 @@ NORM_DTYPE = torch.float64
 def not_written(shape: RunShape) -> Optional[str]:
     """Why DeepSpeed's own work of this run is not written op for op here (module docstring); ``None`` where it is."""
     if shape.unmodelled_offloads:
-        return "its host offload" if shape.stage != 3 else "ZeRO 3"
+        return "its host offload" if shape.stage != 3 else "ZeRO 3 and its host offload"
     if shape.stage == 3:
         return "ZeRO 3"
     if shape.stage == 0 and shape.dtype != torch.float32 and shape.adam_impl == "fused":
@@ -114,10 +114,11 @@ def _invalid(norm: torch.Tensor, tally: OpTally) -> None:
 
 @dataclasses.dataclass
 class HostOptimizer:
-    """What ZeRO 1/2 under ``offload_optimizer`` does beside the device's ops of `engine_ops`: the host's ops a
-    step (the norm combined, the clipping, the update, the cast into the 16-bit staging buffer) and the bytes
-    each way over the host link (the reduced gradients to the host, in fp32 at the boundary and in 16 bits
-    between micro-steps under accumulation, and back; the updated 16-bit partition to the device)."""
+    """What ZeRO under ``offload_optimizer`` does beside the device's ops: the host's ops a step (at ZeRO 1/2 the
+    norm combined, the clipping, the update, the cast into the 16-bit staging buffer; at ZeRO 3 the clipping and
+    the update) and the bytes each way over the host link (the reduced gradients to the host, in fp32 at the
+    boundary and at ZeRO 1/2 in 16 bits between micro-steps under accumulation, and back; the updated partition to
+    the device, in 16 bits at ZeRO 1/2, in fp32 at ZeRO 3)."""
 
     host: OpTally = dataclasses.field(default_factory=OpTally)
     to_host_bytes: int = 0
@@ -240,6 +241,16 @@ CPU_ADAM_BYTES = 28
 and written, the fp32 gradient read), as torch's fused Adam kernel moves them."""
 
 
+def _host_update(shape: RunShape, masters: list[torch.Tensor], host: OpTally) -> None:
+    """The offloaded update of ``masters`` on the host: ``DeepSpeedCPUAdam`` one pass each, or with ``torch_adam``
+    torch's AdamW, whose host tensors take its single-tensor path."""
+    if shape.adam_impl != "fused":
+        adamw_ops(masters, dataclasses.replace(shape, adam_impl="single_tensor"), host)
+        return
+    for master in masters:
+        host.add_counts(0, CPU_ADAM_BYTES * master.numel(), False)
+
+
 def _offloaded_step(shape: RunShape, numels: list[int], rank: int, update: bool, tally: OpTally,
                     offload: HostOptimizer) -> None:
     """The boundary at ZeRO 1/2 under ``offload_optimizer`` (stage_1_and_2.py ``step`` with ``cpu_offload``): on the
@@ -276,11 +287,8 @@ def _offloaded_step(shape: RunShape, numels: list[int], rank: int, update: bool,
                 _invalid(norm, host)
                 clip = torch.clamp(((norm / 1.0) + 1e-6) / shape.clipping, min=1.0) * 1.0
                 master.mul_(1.0 / clip)
-    if update and shape.adam_impl != "fused":  # torch's AdamW on host tensors takes its single-tensor path
-        adamw_ops(masters, dataclasses.replace(shape, adam_impl="single_tensor"), host)
-    elif update:
-        for master in masters:
-            host.add_counts(0, CPU_ADAM_BYTES * master.numel(), False)
+    if update:
+        _host_update(shape, masters, host)
     with Tallying(host):
         for master in masters:
             torch.empty(master.numel(), dtype=shape.dtype).copy_(master)
@@ -385,12 +393,34 @@ def engine_ops(shape: RunShape, numels: list[int], update: bool = True,
 
 def host_optimizer_ops(shape: RunShape, numels: list[int], update: bool = True,
                        rank: Optional[int] = None) -> Optional[HostOptimizer]:
-    """Under ``offload_optimizer`` at ZeRO 1/2 (`RunShape.host_optimizer`), the host's ops and the host link's
-    bytes of one optimizer step beside `engine_ops`' device ops; ``None`` for any other run. Read-only."""
-    if not (shape.host_optimizer and emulated(shape)):
+    """Under ``offload_optimizer`` (`RunShape.host_optimizer`), the host's ops and the host link's bytes of one
+    optimizer step beside the device's ops (`engine_ops` at ZeRO 1/2, the flat stand-in at ZeRO 3); ``None`` for any
+    other run. Read-only."""
+    if not shape.host_optimizer:
         return None
+    if shape.stage == 3:
+        return _zero3_host_optimizer(dataclasses.replace(shape, micro_batch=0), tuple(numels), update)
     rank = fullest_rank(shape, numels).rank if rank is None else rank
     return _engine_ops(dataclasses.replace(shape, micro_batch=0), tuple(numels), update, rank)[2]
+
+
+@functools.lru_cache(maxsize=16)
+def _zero3_host_optimizer(shape: RunShape, numels: tuple[int, ...], update: bool) -> HostOptimizer:
+    """ZeRO 3's update on the host (stage3.py with ``offload_optimizer``), sub-group by sub-group, beside the flat
+    stand-in of its device work (`step_time.optimizer_ops`): each sub-group's gradient in fp32 to the host, clipped
+    and stepped there, its fp32 weights back to the device, where they are cast into the 16-bit partition."""
+    out = HostOptimizer()
+    subs = sub_group_numels(list(numels), shape.groups, shape.world_size, shape.sub_group_size)
+    with fake_tensor_mode():
+        masters = [torch.empty(n) for n in subs]
+        with Tallying(out.host):
+            for master in masters:
+                if shape.clipping:
+                    master.mul_(1.0)
+        if update:
+            _host_update(shape, masters, out.host)
+    out.to_host_bytes = out.to_device_bytes = 4 * sum(subs)
+    return out
 
 
 @functools.lru_cache(maxsize=64)

@@ -20,8 +20,9 @@ where DeepSpeed overlaps communication with backward):
   flatten and upcast, the clipping, torch's AdamW or the update of the plugin that runs its own,
   `xirang_ds.roles.TimesUpdate`, the cast back, the all-gather); where that module does not write DeepSpeed's
   path (ZeRO 3, the offloads), one flat partition's (`optimizer_ops`), and the notes say so;
-* **DeepSpeed's update on the host** (ZeRO 1/2 with ``offload_optimizer``, part ``host_optimizer``): the host's ops
-  (the update, the clipping, the cast into the 16-bit staging buffer: `deepspeed_ops.host_optimizer_ops`) priced
+* **DeepSpeed's update on the host** (``offload_optimizer`` to the CPU, part ``host_optimizer``): the host's ops
+  (the update, the clipping, at ZeRO 1/2 the cast into the 16-bit staging buffer: `deepspeed_ops.host_optimizer_ops`;
+  at ZeRO 3 sub-group by sub-group beside the flat stand-in of the device's work) priced
   by the host's profile (`xirang_ds.memory.device_profile.host_profile`), and the gradients' and parameters' bytes
   over the host link each way (DeepSpeed copies on the device's stream: in the step's way, not beside it);
 * **what the block adds**: each enabled plugin's own seconds per step (`xirang_ds.roles.TimesStep`); one
@@ -143,8 +144,9 @@ def step_time(shape: RunShape, trace: Any, profile: DeviceProfile, session: Any 
     elif handler is not None:
         notes.append(f"{handler.section}: its own gradient handling is priced as DeepSpeed's, which it replaces")
     engine = engine or engine_ops(shape, numels, update=update is None)
-    if engine is None:
-        backward, opt = OpTally(), optimizer_ops(shape, numels, update=update is None)
+    offload = host_optimizer_ops(shape, numels, update=update is None) if handler is None else None
+    if engine is None:  # one flat partition's ops stand in; the update is the host's where it is offloaded
+        backward, opt = OpTally(), optimizer_ops(shape, numels, update=update is None and offload is None)
         notes.append(f"DeepSpeed's own work around the update ({not_written(shape)}) is priced as one flat "
                      "partition's, not op by op")
     else:
@@ -160,8 +162,7 @@ def step_time(shape: RunShape, trace: Any, profile: DeviceProfile, session: Any 
              + again * repeated.seconds(profile),
              "communication": comm / profile.interconnect_bytes_per_s if comm else 0.0,
              "optimizer": opt.seconds(profile) + (update.seconds(profile) if update is not None else 0.0)}
-    offload = host_optimizer_ops(shape, numels, update=update is None) if engine is not None else None
-    if offload is not None:  # ZeRO 1/2's offload_optimizer: the host's ops and the link's copies, on the way
+    if offload is not None:  # offload_optimizer: the host's ops and the link's copies, on the step's way
         host = host_profile(profile)
         link = (offload.to_host_bytes + offload.to_device_bytes) / profile.host_link_bytes_per_s
         parts["host_optimizer"] = offload.host.seconds(host) + link

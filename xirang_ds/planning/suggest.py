@@ -9,15 +9,15 @@ the same figures that refused the block), in the order a user gives up least:
   communication);
 * ``micro_batch``: the micro-batch halved and ``gradient_accumulation_steps`` doubled, so the global batch
   and the update stay the same (an even micro-batch only);
-* ``offload_optimizer``: at ZeRO 1/2, DeepSpeed's optimizer in host memory (``{"device": "cpu"}``: the fp32
+* ``offload_optimizer``: at ZeRO 1-3, DeepSpeed's optimizer in host memory (``{"device": "cpu"}``: the fp32
   weights, their gradients and the states there, the update on the CPU), the costliest in time (the step
   prices it: `xirang_ds.planning.step_time`); grad_release and optimizer_states cannot run beside it, so a
   preset leaves them out.
 
 The search is greedy and bounded: each round estimates every single change on top of the changes taken so
 far; the first that fits (in the order above) is the suggestion, otherwise the change that lowered the least
-budget most is kept and the next round starts, for at most `MAX_ROUNDS` rounds. ZeRO 3's offloads and
-``offload_param`` are not suggested: the estimate does not model them.
+budget most is kept and the next round starts, for at most `MAX_ROUNDS` rounds. ``offload_param`` and NVMe are
+not suggested: the estimate does not model them.
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def _offload_optimizer(ds_config: dict) -> Optional[tuple[dict, str]]:
     zero = dict(ds_config.get("zero_optimization") or {})
     stage = int(zero.get("stage", 0))
     device = str((zero.get("offload_optimizer") or {}).get("device", "none"))
-    if stage not in (1, 2) or device != "none":
+    if stage == 0 or device != "none":
         return None
     zero["offload_optimizer"] = {**(zero.get("offload_optimizer") or {}), "device": "cpu"}
     return {**ds_config, "zero_optimization": zero}, ('zero_optimization.offload_optimizer {"device": "cpu"} (the fp32 '

@@ -39,6 +39,7 @@ from xirang_ds.memory.model_states import (
     model_states,
     offloaded_optimizer_host,
     optimizer_step,
+    stage3_fetch_buffer,
     stage3_working_set,
 )
 from xirang_ds.memory.run_shape import (
@@ -203,6 +204,11 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
              f"{n} rank(s), {total:,} parameters", f"optimizer step temporaries: {shape.adam_impl}"]
     notes += [f"zero_optimization.{k}: host offload is not modelled (the estimate keeps on the device what "
               "it moves to the host); measure with xirang-ds bench" for k in shape.unmodelled_offloads]
+    fetch = stage3_fetch_buffer(shape, numels)
+    if fetch:
+        notes.append(f"ZeRO 3: a coalesced fetch's flat all-gather buffer, up to {format_bytes(fetch)} ({fetch:,} "
+                     "bytes: stage3_prefetch_bucket_size's weights), lives beside the weights copied out of it in "
+                     "forward and is not counted in the phases; a smaller stage3_prefetch_bucket_size bounds it")
     inputs = category_bytes(temporaries=trace.inputs)
     accum = category_bytes()  # gradients carried into the next micro-step's forward (unless the trace holds them)
     if shape.grad_accum > 1 and not trace.accumulates:

@@ -255,8 +255,8 @@ def test_an_offloaded_optimizer_is_estimated_on_the_device_and_in_host_memory(mo
     and its update's temporaries as ``host``, as a GPU's allocator would not see them); the device keeps the 16-bit
     model, its buckets and one staging buffer of the largest gradient (ZeRO 3: its 16-bit partition, the gathered
     weights, the gradient partition and the bucket, as without the offload). Measured and estimated, the device peak
-    to 1% and the host bytes at it exactly (gpt-tiny, ZeRO-2 bf16, 2 ranks: 3,571,060 bytes measured, 3,601,928 estimated,
-    against 4,525,944 measured with the optimizer on the device)."""
+    to 1% and the host bytes at it exactly (gpt-tiny, ZeRO-2 bf16, 2 ranks, accumulation 2: 3,571,060 bytes
+    measured, 3,601,928 estimated, against 4,525,944 measured with the optimizer on the device)."""
     config = _offloaded(ds_config(stage=stage, dtype=dtype, micro=4, gas=gas))
     runs = run_ranks(bench_rank, world, model, config, 3, None, 0, False)
     measured = max(runs, key=lambda r: r["peak_bytes"])

@@ -108,8 +108,7 @@ class StatesTier:
     def prefetches(self, device_type: str) -> bool:
         """Buckets on ``device_type`` fetch the next one's states ahead where those are in host memory
         (``prefetch_states``; ``auto``: off the CPU, where a side stream runs the copies)."""
-        setting = self.config.prefetch_states
-        return self.config.states != "device" and (setting is True or (setting == "auto" and device_type != "cpu"))
+        return self.config.states != "device" and self.stash_prefetches(device_type)
 
     def copy_stream(self) -> Optional[CopyStream]:
         """Where the states' host copies run ahead of the updates where they do (`prefetches`): the buckets'

@@ -32,16 +32,11 @@ from typing import Any, Optional
 import torch
 
 from xirang_ds.compat.torch import fake_tensor_mode
-from xirang_ds.memory.device_profile import OpTally, tallied
+from xirang_ds.memory.device_profile import FUSED_ADAM_BYTES, OpTally, tallied
 from xirang_ds.plugins.optimizer_states.formats import MOMENTS, make_format
 from xirang_ds.plugins.optimizer_states.fused import fuses
 from xirang_ds.plugins.optimizer_states.together import adam_foreach_, batches
 from xirang_ds.plugins.optimizer_states.update import AdamHyper, adam_chunk_
-
-
-FUSED_ADAM_BYTES = 28
-"""Bytes an element of torch's fused Adam kernel moves: the parameter, gradient and both fp32 moments read, the
-parameter and moments written."""
 
 
 @functools.lru_cache(maxsize=16)
@@ -141,4 +136,4 @@ def _tensors_ops(plugin: Any, shape: Any, tensors: list, profile: Any) -> OpTall
     return out
 
 
-__all__ = ["FUSED_ADAM_BYTES", "eager_chunk", "group_update_ops", "together_batch", "update_ops"]
+__all__ = ["eager_chunk", "group_update_ops", "together_batch", "update_ops"]

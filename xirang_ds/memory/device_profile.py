@@ -223,6 +223,10 @@ def op_seconds(profile: DeviceProfile, func: Any, args: tuple, kwargs: dict, out
     return profile.op_seconds(flops, moved, low)
 
 
+FUSED_ADAM_BYTES = 28
+"""Bytes an element of one fused Adam pass moves (torch's fused kernel, DeepSpeed's ``DeepSpeedCPUAdam``): the fp32
+parameter, gradient and both moments read, the parameter and moments written."""
+
 _BARE = (0, 0, True)
 """A launch that moves nothing the tally prices: a collective (its bytes are the step's communication), a host read."""
 
@@ -309,6 +313,7 @@ def tallied(fn: Any) -> OpTally:
     return tally
 
 
-__all__ = ["DeviceProfile", "HOSTS", "MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY", "OpTally", "PROFILES", "Tallying",
+__all__ = ["DeviceProfile", "FUSED_ADAM_BYTES", "HOSTS", "MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY", "OpTally", "PROFILES",
+           "Tallying",
            "UNKNOWN_ACCELERATOR", "host_profile", "measure_cpu_profile", "op_counts", "op_seconds", "profile_for",
            "profile_named", "tallied"]

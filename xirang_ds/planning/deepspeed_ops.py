@@ -46,7 +46,7 @@ from typing import Optional
 import torch
 
 from xirang_ds.compat.torch import fake_tensor_mode
-from xirang_ds.memory.device_profile import OpTally, Tallying
+from xirang_ds.memory.device_profile import FUSED_ADAM_BYTES, OpTally, Tallying
 from xirang_ds.memory.run_shape import RunShape, fullest_rank, partition_numel, partition_pieces, sub_group_numels
 
 ZERO0_ALLREDUCE_NUMEL = 500_000_000
@@ -158,6 +158,25 @@ def _offloaded_gradient(shape: RunShape, n: int, piece: int, micro: int, offload
         offload.to_host(tally, 4 * piece)
 
 
+def _combined_norm(group_norms: list[torch.Tensor], tally: OpTally) -> torch.Tensor:
+    """``combine_grad_norm_groups`` and ``step()``'s check of its result, read on the host (inside ``Tallying``)."""
+    stacked = torch.stack(group_norms)
+    invalid = (~torch.isfinite(stacked) | (stacked < 0)).any()
+    combined = torch.linalg.vector_norm(stacked)
+    norm = torch.where(invalid, torch.full_like(combined, float("inf")), combined)
+    _invalid(norm, tally)
+    norm / 1.0  # the norm kept for logging, unscaled
+    return norm
+
+
+def _unscale_and_clip(master: torch.Tensor, norm: torch.Tensor, shape: RunShape, tally: OpTally) -> None:
+    """``unscale_and_clip_grads`` of one flat fp32 gradient where clipping (inside ``Tallying``)."""
+    if shape.clipping:
+        _invalid(norm, tally)
+        clip = torch.clamp(((norm / 1.0) + 1e-6) / shape.clipping, min=1.0) * 1.0
+        master.mul_(1.0 / clip)
+
+
 def _zero12_backward(shape: RunShape, numels: list[int], rank: int,
                      offload: Optional[HostOptimizer] = None) -> OpTally:
     """Every micro-step's backward at ZeRO 1/2 (module docstring); with ``offload`` (``offload_optimizer``) each
@@ -218,27 +237,14 @@ def _zero12_before(shape: RunShape, numels: list[int], rank: int, tally: OpTally
             # mask_nan_or_inf_with_val_inplace
             total.masked_fill_(total.isnan().logical_or(total.isinf()), torch.empty(()))
             group_norms.append(total)
-        stacked = torch.stack(group_norms)  # combine_grad_norm_groups
-        invalid = (~torch.isfinite(stacked) | (stacked < 0)).any()
-        combined = torch.linalg.vector_norm(stacked)
-        norm = torch.where(invalid, torch.full_like(combined, float("inf")), combined)
-        _invalid(norm, tally)  # step()'s check of the combined norm
-        norm / 1.0  # the norm kept for logging, unscaled
+        norm = _combined_norm(group_norms, tally)
         masters = []
         for grads in groups:
             flat = torch.cat(grads) if len(grads) > 1 else grads[0] if grads else torch.empty(0, dtype=lp)  # flattened
             master = flat.float() if sixteen else flat
-            if shape.clipping:  # unscale_and_clip_grads
-                _invalid(norm, tally)
-                clip = torch.clamp(((norm / 1.0) + 1e-6) / shape.clipping, min=1.0) * 1.0
-                master.mul_(1.0 / clip)
+            _unscale_and_clip(master, norm, shape, tally)
             masters.append(master)
     return masters
-
-
-CPU_ADAM_BYTES = 28
-"""Bytes per element of DeepSpeed's ``DeepSpeedCPUAdam`` step, one pass (the fp32 weight and both moments read
-and written, the fp32 gradient read), as torch's fused Adam kernel moves them."""
 
 
 def _host_update(shape: RunShape, masters: list[torch.Tensor], host: OpTally) -> None:
@@ -248,7 +254,7 @@ def _host_update(shape: RunShape, masters: list[torch.Tensor], host: OpTally) ->
         adamw_ops(masters, dataclasses.replace(shape, adam_impl="single_tensor"), host)
         return
     for master in masters:
-        host.add_counts(0, CPU_ADAM_BYTES * master.numel(), False)
+        host.add_counts(0, FUSED_ADAM_BYTES * master.numel(), False)
 
 
 def _offloaded_step(shape: RunShape, numels: list[int], rank: int, update: bool, tally: OpTally,
@@ -274,19 +280,11 @@ def _offloaded_step(shape: RunShape, numels: list[int], rank: int, update: bool,
             tally.collective()
             tally.host_read()
     host = offload.host
-    with Tallying(host):
-        norms = [torch.empty(()) for _ in groups]
-        stacked = torch.stack(norms)  # combine_grad_norm_groups, on host tensors
-        invalid = (~torch.isfinite(stacked) | (stacked < 0)).any()
-        norm = torch.where(invalid, torch.full_like(stacked[0], float("inf")), torch.linalg.vector_norm(stacked))
-        _invalid(norm, host)
-        norm / 1.0
+    with Tallying(host):  # the norm combined on host tensors, the fp32 gradients clipped there
+        norm = _combined_norm([torch.empty(()) for _ in groups], host)
         masters = [torch.empty(sum(n for _, n in group)) for group in groups]
         for master in masters:
-            if shape.clipping:
-                _invalid(norm, host)
-                clip = torch.clamp(((norm / 1.0) + 1e-6) / shape.clipping, min=1.0) * 1.0
-                master.mul_(1.0 / clip)
+            _unscale_and_clip(master, norm, shape, host)
     if update:
         _host_update(shape, masters, host)
     with Tallying(host):
@@ -449,5 +447,5 @@ def _engine_ops(shape: RunShape, numels: tuple[int, ...], update: bool,
     return backward, step, None
 
 
-__all__ = ["CPU_ADAM_BYTES", "HostOptimizer", "NORM_DTYPE", "ZERO0_ALLREDUCE_NUMEL", "adamw_ops", "emulated",
+__all__ = ["HostOptimizer", "NORM_DTYPE", "ZERO0_ALLREDUCE_NUMEL", "adamw_ops", "emulated",
            "engine_ops", "host_optimizer_ops", "not_written"]

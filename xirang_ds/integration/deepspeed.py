@@ -8,7 +8,6 @@ model and choose the basic optimizer, calls DeepSpeed, then attaches the plugins
 """
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 from typing import Any, Optional
@@ -20,6 +19,7 @@ from xirang_ds.compat.accelerate import protect_block, unprotect_block
 from xirang_ds.compat.deepspeed import settle_zero3_adagrad
 from xirang_ds.compat.torch import is_optimized_module, uncompiled
 from xirang_ds.config.loader import BLOCK_KEY, read_ds_config
+from xirang_ds.integration.process_groups import shut_down_at_exit
 from xirang_ds.planning import estimator
 from xirang_ds.planning.preset import resolve
 from xirang_ds.registry import OptimizerSpec
@@ -105,7 +105,7 @@ def initialize(
         chosen = optimizer  # no plugin replaced it: DeepSpeed builds it from the block as usual
     passthrough.update(optimizer=chosen, config=session.ds_config, config_params=None)
     engine, opt, loader, sched = _call_with_dict(passthrough, from_args)
-    _destroy_process_group_at_exit()
+    shut_down_at_exit()
     settle_zero3_adagrad(engine)  # so that its checkpoints load (plain DeepSpeed's do not)
     session.attach(engine, checkpoints=True)
     if engine.global_rank == 0:
@@ -123,29 +123,6 @@ def _model_problems(model: Any, ds_config: dict) -> list[tuple[str, str]]:
                  "first forward: 'dict' object has no attribute '_in_forward'); pass the model uncompiled "
                  "and call engine.compile() after initialize, which ZeRO-3 runs with every preset")]
     return []
-
-
-def _destroy_process_group_at_exit() -> None:
-    """Shut the process groups down before the interpreter's teardown, once per process.
-
-    A process group's gloo worker threads and its store's are C++ ``std::thread``s; a script that ends with
-    the group alive (DeepSpeed's examples do not destroy it) leaves them to static destructors, and a rank
-    then aborts at exit now and then with ``terminate called without an active exception`` (SIGABRT, the
-    launcher reports a failed job; notes/cpu-runtime.md measured about 1 run in 10 at 2 ranks). Registered
-    after DeepSpeed made the group, so exit handlers registered later still find it; a group the script
-    destroyed itself is left alone.
-    """
-    if getattr(_destroy_process_group_at_exit, "registered", False):
-        return
-    _destroy_process_group_at_exit.registered = True  # type: ignore[attr-defined]
-    atexit.register(_destroy_process_group)
-
-
-def _destroy_process_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _world_size() -> int:

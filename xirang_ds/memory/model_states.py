@@ -145,8 +145,9 @@ def stage3_fetch_buffer(shape: RunShape, numels: list[int]) -> int:
     fetch (``stage3_prefetch_bucket_size``'s and the module's in use, at most every partitioned weight). DeepSpeed
     copies each weight out of it (partition_parameters.py ``AllGatherCoalescedHandle.wait``, ``torch.cat``) and the
     buffer lives beside the copies until the fetch's last weight is taken, late in forward where the bucket covers
-    the model (gpt-small at DeepSpeed's defaults: 5,767,168 bytes, measured). Not in the phases: where it falls
-    against forward's other bytes is not traced; the estimate names it (0 on one rank or below ZeRO 3)."""
+    the model (gpt-small at DeepSpeed's defaults: 5,767,168 bytes, measured). The phases count the buffers where the
+    trace recorded forward's modules (`xirang_ds.memory.zero3_fetch`); where it did not (a model that does not run
+    on fake tensors), the estimate names this bound instead (0 on one rank or below ZeRO 3)."""
     if shape.stage != 3 or shape.world_size == 1:
         return 0
     released = [x for x in numels if x > shape.persistence_threshold]

@@ -56,6 +56,9 @@ class Trace:
             was taken, so that a plugin that holds gradients its own way can say what it holds at any point.
         backward_clocks: the tracker's clock as each micro-step's backward started.
         backward_sweeps: per micro-step, its backward's own bytes step by step (`xirang_ds.memory.sweep`).
+        forward_calls: ``(clock, indices)`` of each module called in the first micro-step's forward, in order, with
+            the parameters (into ``param_numels``) it owns itself: where ZeRO 3 fetches (`xirang_ds.memory.zero3_fetch`).
+        forward_sweep: that forward's own bytes step by step.
     """
 
     forward_peak: int
@@ -74,6 +77,8 @@ class Trace:
     grad_arrivals: list[list[tuple[int, int]]] = field(default_factory=list)
     backward_clocks: list[int] = field(default_factory=list)
     backward_sweeps: list[Sweep] = field(default_factory=list)
+    forward_calls: list[tuple[int, list[int]]] = field(default_factory=list)
+    forward_sweep: Optional[Sweep] = None
 
     def arrived(self, clock: int) -> list[int]:
         """The indices (into ``param_numels``) of the gradients hooked in the backward that ``clock`` is in,
@@ -251,6 +256,15 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
                 applied.enter_context(context)
         emu = _EngineEmulation(shape, params, tracker)
         handles = [p.register_post_accumulate_grad_hook(emu.hook) for p in params]
+        index, calls = {id(p): i for i, p in enumerate(params)}, []
+
+        def called(module: torch.nn.Module, args: Any) -> None:
+            if tracker.phase == "forward" and not calls_done:
+                calls.append((tracker.clock, [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]))
+
+        calls_done = False
+        handles += [m.register_forward_pre_hook(called) for m in model.modules()]
+        forward_sweep = None
         micro_steps = 2 if shape.grad_accum > 1 else 1  # the second carries the first's gradients
         fwd_report = bwd_report = None
         forward_ops, backward_ops = OpTally(), OpTally()
@@ -263,6 +277,7 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
                     tracker.mark([p.grad for p in params if p.grad is not None], GRADIENTS)
                 fwd = tracker.open_window()
                 tracker.set_phase("forward")
+                forward_clock = tracker.clock
                 output = model(*args, **kwargs)
                 loss = loss_of(output)
                 if loss is None and inputs is None:
@@ -276,6 +291,8 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
                 report = fwd.report()
                 if micro == 0:
                     activations = tracker.live_bytes - base
+                    calls_done = True
+                    forward_sweep = record_sweep(tracker, forward_clock, tracker.clock, seeded)
                 if fwd_report is None or report.peak_bytes >= fwd_report.peak_bytes:
                     fwd_report = report
                 bwd = tracker.open_window()
@@ -311,4 +328,5 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
                  param_numels=[p.numel() for p in params], accumulates=micro_steps > 1, loss_outside=outside,
                  ops=ops, backward_ops=backward_ops, layer_temporaries=max(0, emu.layer_temporaries - batch_bytes),
                  grad_arrivals=emu.arrivals,
-                 backward_clocks=emu.backward_clocks, backward_sweeps=sweeps)
+                 backward_clocks=emu.backward_clocks, backward_sweeps=sweeps, forward_calls=calls,
+                 forward_sweep=forward_sweep)

@@ -28,7 +28,7 @@ import torch
 from xirang_ds.compat.torch import fake_tensor_mode
 from xirang_ds.config.loader import BLOCK_KEY
 from xirang_ds.config.types import format_bytes
-from xirang_ds.memory.categories import CATEGORIES
+from xirang_ds.memory.categories import CATEGORIES, COMM_BUFFERS
 from xirang_ds.memory.model_states import (
     BACKWARD_END,
     BACKWARD_START,
@@ -54,7 +54,9 @@ from xirang_ds.memory.run_shape import (
     fullest_rank,
     partition_numel,
 )
+from xirang_ds.memory.sweep import ENGINE, most_beside
 from xirang_ds.memory.trace import Inputs, Trace, loss_of, trace_model
+from xirang_ds.memory.zero3_fetch import forward_fetches
 from xirang_ds.memory.device_profile import PROFILES
 from xirang_ds.planning.fit import fit_block
 from xirang_ds.planning.step_time import StepTime, step_time
@@ -194,6 +196,21 @@ def _plugin_shape(session: Any, ds_config: dict, world_size: int, device: str) -
     return shape
 
 
+def stage3_forward(shape: "RunShape", trace: Trace) -> tuple[dict, int]:
+    """ZeRO 3's forward by category above the resident states: the trace's forward peak, or the module where
+    forward's own bytes and the flat all-gather buffers alive there (`xirang_ds.memory.zero3_fetch`) are the
+    most together, if that is higher; and the buffers' bytes there."""
+    fetches = forward_fetches(shape, trace.param_numels, [use for _, use in trace.forward_calls])
+    arrivals = [(clock, k) for k, (clock, _) in enumerate(trace.forward_calls)]
+    total, own, held = most_beside(trace.forward_sweep, arrivals, lambda taken: fetches[taken[-1]].held if taken else 0,
+                                   lambda taken: {COMM_BUFFERS: fetches[taken[-1]].spike})
+    traced = trace.forward_by_category
+    if total <= sum(v for c, v in traced.items() if c not in ENGINE):
+        return traced, 0
+    out = category_bytes(**{c: v for c, v in traced.items() if c in ENGINE})
+    return add_categories(add_categories(out, own), category_bytes(comm_buffers=held)), held
+
+
 def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
     """The phases from a trace (or what stands for one), the step, and the plugins' adjustments."""
     numels = trace.param_numels
@@ -204,11 +221,18 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
              f"{n} rank(s), {total:,} parameters", f"optimizer step temporaries: {shape.adam_impl}"]
     notes += [f"zero_optimization.{k}: host offload is not modelled (the estimate keeps on the device what "
               "it moves to the host); measure with xirang-ds bench" for k in shape.unmodelled_offloads]
+    forward_own = trace.forward_by_category
     fetch = stage3_fetch_buffer(shape, numels)
-    if fetch:
+    if fetch and trace.forward_calls and trace.forward_sweep is not None:
+        forward_own, held = stage3_forward(shape, trace)
+        where = f"{format_bytes(held)} ({held:,} bytes)" if held else "none alive"
+        notes.append(f"ZeRO 3: the coalesced fetches' flat all-gather buffers in forward, replayed over the traced "
+                     f"modules: {where} at forward's worst point")
+    elif fetch:
         notes.append(f"ZeRO 3: a coalesced fetch's flat all-gather buffer, up to {format_bytes(fetch)} ({fetch:,} "
                      "bytes: stage3_prefetch_bucket_size's weights), lives beside the weights copied out of it in "
-                     "forward and is not counted in the phases; a smaller stage3_prefetch_bucket_size bounds it")
+                     "forward and is not counted in the phases (no module trace); a smaller "
+                     "stage3_prefetch_bucket_size bounds it")
     inputs = category_bytes(temporaries=trace.inputs)
     accum = category_bytes()  # gradients carried into the next micro-step's forward (unless the trace holds them)
     if shape.grad_accum > 1 and not trace.accumulates:
@@ -216,7 +240,7 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
             accum = category_bytes(gradients=lp * total)
         elif shape.stage == 2:
             accum = category_bytes(gradients=lp * fullest_rank(shape, numels).numel)
-    fwd = add_categories(add_categories(states, inputs), add_categories(accum, trace.forward_by_category))
+    fwd = add_categories(add_categories(states, inputs), add_categories(accum, forward_own))
     bwd = add_categories(add_categories(states, inputs), trace.backward_by_category)
     start = add_categories(add_categories(states, inputs), trace.backward_start_by_category or trace.backward_by_category)
     if shape.stage == 2:

@@ -1,0 +1,48 @@
+"""ZeRO 3's forward fetches replayed as DeepSpeed's coordinator makes them at a steady step: which weights share a
+flat all-gather buffer, and how long it lives (`xirang_ds.memory.zero3_fetch`)."""
+import dataclasses
+
+from tests.harness.engine_runs import ds_config
+from xirang_ds.memory.run_shape import RunShape
+from xirang_ds.memory.zero3_fetch import Fetch, forward_fetches
+
+
+def _shape(world: int = 2, bucket: float = 5e7, persistence: int = 100, stage: int = 3) -> RunShape:
+    config = ds_config(stage=stage, dtype="bf16")
+    config["zero_optimization"].update(stage3_prefetch_bucket_size=bucket, stage3_param_persistence_threshold=persistence)
+    return RunShape.from_ds_config(config, world)
+
+
+NUMELS = [1000, 2001, 3000, 4000, 50]  # the last is at most the persistence threshold: never fetched
+MODULES = [[0], [1], [], [2, 4], [3]]  # a module without weights of its own still prefetches
+
+
+def test_a_bucket_larger_than_the_model_puts_every_later_weight_in_one_buffer_until_the_last_is_taken():
+    # the first module gathers its one weight into itself; its prefetch takes weights 1-3 in one flat buffer,
+    # each weight's partition padded (2001 elements: 1001 a rank), from both ranks, in bf16
+    buffer = 2 * 2 * (1001 + 1500 + 2000)
+    assert forward_fetches(_shape(), NUMELS, MODULES) == [Fetch(buffer, 0), Fetch(buffer, 0), Fetch(buffer, 0),
+                                                          Fetch(buffer, 0), Fetch(0, 0)]
+
+
+def test_a_bucket_of_one_weight_prefetches_one_at_a_time_into_the_weights_themselves():
+    assert forward_fetches(_shape(bucket=1), NUMELS, MODULES) == [Fetch(0, 0)] * 5
+
+
+def test_a_module_fetching_two_weights_itself_holds_its_buffer_only_while_they_are_copied_out():
+    fetches = forward_fetches(_shape(bucket=0), NUMELS, [[0, 1], [2, 3]])
+    assert fetches == [Fetch(0, 2 * 2 * (500 + 1001)), Fetch(0, 2 * 2 * (1500 + 2000))]
+
+
+def test_a_bucket_of_two_weights_makes_buffers_that_overlap_as_the_modules_take_them():
+    numels = [100_000] * 6
+    one = 2 * 2 * 2 * 50_000  # two weights a buffer
+    fetches = forward_fetches(_shape(bucket=150_000), numels, [[i] for i in range(6)])
+    # every module prefetches: module 0 takes 1 and 2 in one buffer, module 1 takes 1 from it and prefetches 3 and
+    # 4 in a second; module 2 takes 2 (the first buffer goes) and prefetches 5 alone, into the weight itself
+    assert [f.held for f in fetches] == [one, 2 * one, one, one, 0, 0]
+
+
+def test_one_rank_or_below_zero_3_gathers_nothing():
+    assert forward_fetches(_shape(world=1), NUMELS, MODULES) == [Fetch(0, 0)] * 5
+    assert forward_fetches(dataclasses.replace(_shape(), stage=2), NUMELS, MODULES) == [Fetch(0, 0)] * 5

@@ -4,12 +4,17 @@ import dataclasses
 
 from tests.harness.engine_runs import ds_config
 from xirang_ds.memory.run_shape import RunShape
-from xirang_ds.memory.zero3_fetch import Fetch, forward_fetches
+from xirang_ds.memory.zero3_fetch import Fetch, replay
 
 
-def _shape(world: int = 2, bucket: float = 5e7, persistence: int = 100, stage: int = 3) -> RunShape:
+def forward_fetches(shape, numels, modules):
+    return [dataclasses.replace(f, gathered=0) for f in replay(shape, numels, modules).forward]
+
+
+def _shape(world: int = 2, bucket: float = 5e7, persistence: int = 100, stage: int = 3, reuse: float = 1e9) -> RunShape:
     config = ds_config(stage=stage, dtype="bf16")
-    config["zero_optimization"].update(stage3_prefetch_bucket_size=bucket, stage3_param_persistence_threshold=persistence)
+    config["zero_optimization"].update(stage3_prefetch_bucket_size=bucket, stage3_param_persistence_threshold=persistence,
+                                       stage3_max_reuse_distance=reuse)
     return RunShape.from_ds_config(config, world)
 
 
@@ -46,3 +51,22 @@ def test_a_bucket_of_two_weights_makes_buffers_that_overlap_as_the_modules_take_
 def test_one_rank_or_below_zero_3_gathers_nothing():
     assert forward_fetches(_shape(world=1), NUMELS, MODULES) == [Fetch(0, 0)] * 5
     assert forward_fetches(dataclasses.replace(_shape(), stage=2), NUMELS, MODULES) == [Fetch(0, 0)] * 5
+
+
+def test_weights_kept_from_forward_fetch_nothing_in_backward():
+    assert [f.held + f.spike for f in replay(_shape(), NUMELS, MODULES).backward] == [0] * 5
+
+
+def test_a_reuse_distance_of_0_releases_only_what_no_prefetch_walked_past():
+    numels = [100_000] * 4
+    one = 2 * 2 * 2 * 50_000  # two weights a buffer (bf16, 2 ranks)
+    steps = replay(_shape(bucket=150_000, reuse=0), numels, [[0], [1], [2], [3]])
+    # module 0 gathers weight 0 (released after it: no reuse distance) and prefetches 1 and 2 in one buffer;
+    # module 1's prefetch walks the trace on: 3, then backward's entries (3 again, 2 in flight, 1 in use) to 0,
+    # released by then, and takes 3 and 0 in a second buffer. The walk went past 1's and 2's backward uses, so
+    # the coordinator keeps them gathered to backward; 3 is released after its forward and gathered again, alone
+    assert [f.held for f in steps.forward] == [one, 2 * one, one, one]
+    assert [f.gathered for f in steps.forward] == [200_000, 400_000, 400_000, 800_000]
+    assert steps.forward_end == Fetch(held=one, spike=0, gathered=600_000)
+    assert [(f.held, f.gathered) for f in steps.backward] == [(one, 800_000), (one, 600_000), (one, 400_000),
+                                                              (0, 200_000)]

@@ -156,7 +156,8 @@ def stage3_fetch_buffer(shape: RunShape, numels: list[int]) -> int:
     return shape.lp_bytes * min(sum(released), max(shape.prefetch_bucket, max(released)) + max(released))
 
 
-def stage3_working_set(shape: RunShape, numels: list[int], fwd: dict, bwd: dict) -> tuple[dict, dict]:
+def stage3_working_set(shape: RunShape, numels: list[int], fwd: dict, bwd: dict,
+                       replayed: bool = False) -> tuple[dict, dict]:
     """ZeRO 3: parameters live as partitions; the trace counted them whole, gathered. Replace the
     whole 16-bit parameters by the gathered working set and add the persistent reduction buffers.
 
@@ -167,7 +168,9 @@ def stage3_working_set(shape: RunShape, numels: list[int], fwd: dict, bwd: dict)
     parameters after it in forward; with DeepSpeed's default (1e9) every model under 5e8
     parameters stays gathered from forward to backward. Beside them: the prefetch bucket and the
     module in use, and the persistent small parameters (``stage3_param_persistence_threshold``).
-    On one rank the partition is the whole parameter and nothing is gathered."""
+    On one rank the partition is the whole parameter and nothing is gathered. ``replayed``: the phases hold the
+    partitioned weights gathered where the fetches were replayed over the trace (`xirang_ds.memory.zero3_fetch`);
+    only the persistent ones are added."""
     lp = shape.lp_bytes
     total = sum(numels)
     persistent = sum(x for x in numels if x <= shape.persistence_threshold)
@@ -179,6 +182,8 @@ def stage3_working_set(shape: RunShape, numels: list[int], fwd: dict, bwd: dict)
         after += x
     largest = max(numels)
     gathered = min(sum(released), kept + max(shape.prefetch_bucket, largest) + largest) + persistent
+    if replayed:
+        gathered = persistent
     if shape.world_size == 1:
         gathered = 0  # one rank's partition is the whole parameter: gathering allocates nothing
     extra = category_bytes(parameters=lp * gathered,

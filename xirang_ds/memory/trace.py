@@ -59,6 +59,8 @@ class Trace:
         forward_calls: ``(clock, indices)`` of each module called in the first micro-step's forward, in order, with
             the parameters (into ``param_numels``) it owns itself: where ZeRO 3 fetches (`xirang_ds.memory.zero3_fetch`).
         forward_sweep: that forward's own bytes step by step.
+        backward_calls: ``(clock, indices)`` of each module as its backward starts in the first micro-step (the
+            first gradient of one of its outputs), in order, with the parameters it owns itself.
     """
 
     forward_peak: int
@@ -79,6 +81,7 @@ class Trace:
     backward_sweeps: list[Sweep] = field(default_factory=list)
     forward_calls: list[tuple[int, list[int]]] = field(default_factory=list)
     forward_sweep: Optional[Sweep] = None
+    backward_calls: list[tuple[int, list[int]]] = field(default_factory=list)
 
     def arrived(self, clock: int) -> list[int]:
         """The indices (into ``param_numels``) of the gradients hooked in the backward that ``clock`` is in,
@@ -258,12 +261,34 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
         handles = [p.register_post_accumulate_grad_hook(emu.hook) for p in params]
         index, calls = {id(p): i for i, p in enumerate(params)}, []
 
-        def called(module: torch.nn.Module, args: Any) -> None:
-            if tracker.phase == "forward" and not calls_done:
-                calls.append((tracker.clock, [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]))
+        backward_calls: list[tuple[int, list[int]]] = []
 
-        calls_done = False
-        handles += [m.register_forward_pre_hook(called) for m in model.modules()]
+        def owned(module: torch.nn.Module) -> list[int]:
+            return [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
+
+        def called(module: torch.nn.Module, args: Any) -> None:
+            if tracker.phase == "forward" and tracker.measuring and not calls_done:  # not a profiling pass
+                calls.append((tracker.clock, owned(module)))
+
+        def returned(module: torch.nn.Module, args: Any, output: Any) -> None:
+            # as DeepSpeed's pre-backward function on the outputs: the module's backward starts at the first
+            # gradient of one of them
+            if tracker.phase != "forward" or not tracker.measuring or calls_done:
+                return
+            started: list[bool] = []
+
+            def grad_ready(grad_outputs: Any) -> None:
+                if not started and not backward_done:
+                    started.append(True)
+                    backward_calls.append((tracker.clock, owned(module)))
+
+            for node in dict.fromkeys(t.grad_fn for t in tensors_in(output) if t.grad_fn is not None):
+                node.register_prehook(grad_ready)  # on the node, not the tensor: a hooked tensor changes nothing
+
+        calls_done = backward_done = False
+        if shape.stage == 3 and shape.world_size > 1:  # where ZeRO 3 fetches (`xirang_ds.memory.zero3_fetch`)
+            handles += [m.register_forward_pre_hook(called) for m in model.modules()]
+            handles += [m.register_forward_hook(returned) for m in model.modules()]
         forward_sweep = None
         micro_steps = 2 if shape.grad_accum > 1 else 1  # the second carries the first's gradients
         fwd_report = bwd_report = None
@@ -301,6 +326,7 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
                 emu.start_backward()
                 loss.backward()
                 emu.end_backward()
+                backward_done = True
                 tracker.on_op = None
                 del loss, held
                 report = bwd.report()
@@ -329,4 +355,4 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
                  ops=ops, backward_ops=backward_ops, layer_temporaries=max(0, emu.layer_temporaries - batch_bytes),
                  grad_arrivals=emu.arrivals,
                  backward_clocks=emu.backward_clocks, backward_sweeps=sweeps, forward_calls=calls,
-                 forward_sweep=forward_sweep)
+                 forward_sweep=forward_sweep, backward_calls=backward_calls)

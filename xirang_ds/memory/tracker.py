@@ -110,6 +110,11 @@ class MemoryTracker:
     def active(self) -> bool:
         return self._mode is not None
 
+    @property
+    def measuring(self) -> bool:
+        """Started and not `paused`: what runs now is measured."""
+        return self._mode is not None and current_dispatch_mode() is self._mode
+
     def __enter__(self) -> "MemoryTracker":
         return self.start()
 

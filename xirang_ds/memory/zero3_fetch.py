@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
+from typing import Optional
 
 from xirang_ds.memory.run_shape import RunShape
 
@@ -28,51 +29,77 @@ NOT_AVAILABLE, IN_FLIGHT, AVAILABLE = "not_available", "in_flight", "available"
 
 @dataclass(frozen=True)
 class Fetch:
-    """What one module's forward fetch leaves.
+    """What one module's fetch leaves.
 
     Attributes:
         held: bytes of the flat buffers alive after it (prefetched weights not all taken yet).
         spike: bytes of its own coalesced fetch's buffer, alive while its weights are copied out (0 when the
             module fetched fewer than two weights).
+        gathered: bytes of the partitioned weights gathered whole after it (copied out of a buffer, or gathered
+            into themselves), the persistent ones left out.
     """
 
     held: int
     spike: int
+    gathered: int = 0
 
 
-def kept_in_forward(shape: RunShape, order: list[int], numels: list[int]) -> set[int]:
-    """The partitioned weights (indices, in forward ``order``) that stay gathered from their forward to their
-    backward: the coordinator keeps a weight whose next use comes within ``stage3_max_reuse_distance`` elements of
-    fetches, about twice the weights after it in forward (`xirang_ds.memory.model_states.stage3_working_set`)."""
-    kept, after = set(), 0
-    for i in reversed(order):
-        if 2 * after < shape.max_reuse_distance:
-            kept.add(i)
-        after += numels[i]
-    return kept
+@dataclass(frozen=True)
+class Replay:
+    """A steady step's fetches: per module call in forward, per module call in backward, and what forward's
+    end leaves before backward's first call."""
+
+    forward: list[Fetch]
+    backward: list[Fetch]
+    forward_end: Fetch
 
 
-def forward_fetches(shape: RunShape, numels: list[int], uses: list[list[int]]) -> list[Fetch]:
-    """Per module in forward's order (``uses[k]``: the weights, as indices into ``numels``, that the ``k``-th
-    module called owns), what its fetch leaves at a steady step; no buffers below ZeRO 3 or on one rank."""
+def replay(shape: RunShape, numels: list[int], forward: list[list[int]],
+           backward: Optional[list[list[int]]] = None) -> Replay:
+    """What each module's fetch leaves at a steady step, in forward and in backward: ``forward[k]`` and
+    ``backward[k]`` are the weights (indices into ``numels``) that the ``k``-th module called owns, in the order
+    the modules' forwards and backwards start. Without ``backward``, the modules' backwards are taken as their
+    forwards in reverse. On one rank the partition is the weight: nothing is gathered.
+
+    A module's weights are released after it (its forward or its backward) unless the coordinator keeps them
+    (``partitioned_param_coordinator.py``, ``__params_to_release``): a weight used again within
+    ``stage3_max_reuse_distance`` elements of the fetches that follow, or one a prefetch already walked past
+    (the prefetch skips a gathered weight's later use, so the coordinator keeps it to that use)."""
+    backward = [list(reversed(u)) for u in reversed(forward)] if backward is None else backward
+    calls = [list(dict.fromkeys(u)) for u in forward + backward]
     if shape.stage != 3 or shape.world_size == 1:
-        return [Fetch(0, 0) for _ in uses]
+        return Replay([Fetch(0, 0) for _ in forward], [Fetch(0, 0) for _ in backward], Fetch(0, 0))
     world, lp = shape.world_size, shape.lp_bytes
 
     def flat_bytes(batch: list[int]) -> int:  # each weight's partition, padded, from every rank
         return lp * world * sum(-(-numels[i] // world) for i in batch) if len(batch) > 1 else 0
 
-    released = {i for u in uses for i in u if numels[i] > shape.persistence_threshold}
-    order = list(dict.fromkeys(i for u in uses for i in u if i in released))
-    kept = kept_in_forward(shape, order, numels)
+    released = {i for u in calls for i in u if numels[i] > shape.persistence_threshold}
+    uses_at = collections.defaultdict(list)  # a weight: the calls that use it, in order
+    reach = [0]  # elements fetched before each call
+    for k, use in enumerate(calls):
+        for i in use:
+            uses_at[i].append(k)
+        reach.append(reach[-1] + sum(numels[i] for i in use))
+
+    def reused(i: int, start: int) -> bool:  # used again by a call from ``start`` within the reuse distance
+        ahead = [k for k in uses_at[i] if k >= start]
+        return bool(ahead) and reach[ahead[0]] - reach[start] < shape.max_reuse_distance
+
     status = {i: NOT_AVAILABLE for i in released}  # the step before released them all at its end
-    queue = collections.deque([i for u in uses for i in u] + [i for u in reversed(uses) for i in u])
-    taken_from_queue: set[int] = set()
+    # the coordinator's trace of the step: each use of a weight with the call it is used at
+    queue = collections.deque((k, i) for k, u in enumerate(calls) for i in u)
+    fetched_for: dict[int, int] = {}  # a weight: the latest call a popped entry of it was for
     batch_of: dict[int, int] = {}
-    batches: dict[int, list[int]] = {}  # id: [bytes, weights not yet taken]
-    out = []
-    for k, use in enumerate(uses):
-        use = list(dict.fromkeys(use))
+    batches: dict[int, list] = {}  # id: [bytes, weights not yet taken, copied out yet]
+    out: list[Fetch] = []
+
+    def gathered() -> int:
+        whole = [i for i, s in status.items() if s == AVAILABLE or (s == IN_FLIGHT and (
+            i not in batch_of or batches[batch_of[i]][2]))]
+        return lp * sum(numels[i] for i in whole)
+
+    for k, use in enumerate(calls):
         own = [i for i in use if status.get(i) == NOT_AVAILABLE]
         for i in own:
             status[i] = AVAILABLE
@@ -80,29 +107,36 @@ def forward_fetches(shape: RunShape, numels: list[int], uses: list[list[int]]) -
             if i in batch_of:
                 batch = batches[batch_of.pop(i)]
                 batch[1] -= 1
+                batch[2] = True  # the first wait copies every weight of the fetch out
             if status.get(i) == IN_FLIGHT:
                 status[i] = AVAILABLE
         batches = {b: v for b, v in batches.items() if v[1] > 0}
-        for _ in [i for i in use if i not in taken_from_queue]:  # the module's own entries leave the queue
+        for _ in [i for i in use if fetched_for.get(i, -1) < k]:  # the call's own entries leave the queue
             if queue:
-                taken_from_queue.add(queue.popleft())
+                at, i = queue.popleft()
+                fetched_for[i] = max(fetched_for.get(i, -1), at)
         prefetch, numel = [], 0
         while shape.prefetch_bucket > 0 and queue and numel < shape.prefetch_bucket:
-            i = queue.popleft()
-            taken_from_queue.add(i)
+            at, i = queue.popleft()
+            fetched_for[i] = max(fetched_for.get(i, -1), at)
             if status.get(i) == NOT_AVAILABLE and i not in prefetch:
                 prefetch.append(i)
                 numel += numels[i]
         for i in prefetch:
             status[i] = IN_FLIGHT
         if len(prefetch) > 1:
-            batches[k] = [flat_bytes(prefetch), len(prefetch)]
+            batches[k] = [flat_bytes(prefetch), len(prefetch), False]
             batch_of.update((i, k) for i in prefetch)
-        out.append(Fetch(held=sum(v[0] for v in batches.values()), spike=flat_bytes(own)))
-        for i in use:  # the module's forward ends: what is not kept is released
-            if i in released and i not in kept and status[i] == AVAILABLE:
+        out.append(Fetch(held=sum(v[0] for v in batches.values()), spike=flat_bytes(own), gathered=gathered()))
+        for i in use:  # the call ends: its weights are released unless kept
+            if (i in released and status[i] == AVAILABLE and fetched_for.get(i, -1) <= k + 1
+                    and not reused(i, k + 1)):
                 status[i] = NOT_AVAILABLE
-    return out
+        if k == len(forward) - 1:
+            end = Fetch(held=sum(v[0] for v in batches.values()), spike=0, gathered=gathered())
+    if not forward:
+        end = Fetch(0, 0)
+    return Replay(out[:len(forward)], out[len(forward):], end)
 
 
-__all__ = ["Fetch", "forward_fetches", "kept_in_forward"]
+__all__ = ["Fetch", "Replay", "replay"]

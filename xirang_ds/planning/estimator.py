@@ -54,9 +54,9 @@ from xirang_ds.memory.run_shape import (
     fullest_rank,
     partition_numel,
 )
-from xirang_ds.memory.sweep import ENGINE, most_beside
+from xirang_ds.memory.sweep import ENGINE, Sweep, most_beside
 from xirang_ds.memory.trace import Inputs, Trace, loss_of, trace_model
-from xirang_ds.memory.zero3_fetch import forward_fetches
+from xirang_ds.memory.zero3_fetch import Fetch, replay
 from xirang_ds.memory.device_profile import PROFILES
 from xirang_ds.planning.fit import fit_block
 from xirang_ds.planning.step_time import StepTime, step_time
@@ -196,19 +196,58 @@ def _plugin_shape(session: Any, ds_config: dict, world_size: int, device: str) -
     return shape
 
 
-def stage3_forward(shape: "RunShape", trace: Trace) -> tuple[dict, int]:
-    """ZeRO 3's forward by category above the resident states: the trace's forward peak, or the module where
-    forward's own bytes and the flat all-gather buffers alive there (`xirang_ds.memory.zero3_fetch`) are the
-    most together, if that is higher; and the buffers' bytes there."""
-    fetches = forward_fetches(shape, trace.param_numels, [use for _, use in trace.forward_calls])
-    arrivals = [(clock, k) for k, (clock, _) in enumerate(trace.forward_calls)]
-    total, own, held = most_beside(trace.forward_sweep, arrivals, lambda taken: fetches[taken[-1]].held if taken else 0,
-                                   lambda taken: {COMM_BUFFERS: fetches[taken[-1]].spike})
-    traced = trace.forward_by_category
-    if total <= sum(v for c, v in traced.items() if c not in ENGINE):
-        return traced, 0
-    out = category_bytes(**{c: v for c, v in traced.items() if c in ENGINE})
-    return add_categories(add_categories(out, own), category_bytes(comm_buffers=held)), held
+@dataclass
+class Stage3Fetches:
+    """ZeRO 3's fetches at a steady step replayed over the trace (`xirang_ds.memory.zero3_fetch`), by category
+    above the resident states, the persistent weights left out: ``forward`` stands for the trace's forward peak,
+    ``backward`` is added to backward's and ``backward_start`` to the point before its first gradient; ``held``:
+    the flat buffers' bytes at forward's worst point."""
+
+    forward: dict
+    backward: dict
+    backward_start: dict
+    held: int
+
+
+def stage3_fetches(shape: "RunShape", trace: Trace) -> Stage3Fetches:
+    """The point of forward where its own bytes, the flat all-gather buffers alive and the weights gathered are
+    the most together, and the same over backward's module calls, set against backward's own peak."""
+    backward_calls = trace.backward_calls
+    seen = {i for _, use in backward_calls for i in use}
+    unseen = list(dict.fromkeys(i for _, use in trace.forward_calls for i in use if i not in seen))
+    if backward_calls and unseen:
+        # weights whose module's backward the trace did not see start (a head that runs again in backward, one
+        # chunk at a time): taken as used where backward's first module starts, so kept gathered to there
+        backward_calls = [(backward_calls[0][0], unseen), *backward_calls]
+    steps = replay(shape, trace.param_numels, [use for _, use in trace.forward_calls],
+                   [use for _, use in backward_calls] or None)
+
+    def beside(sweep: Sweep, calls: list, fetches: list[Fetch], before: Fetch) -> tuple[dict, dict]:
+        arrivals = [(clock, k) for k, (clock, _) in enumerate(calls)]
+        _, own, now = most_beside(sweep, arrivals, lambda taken: _whole(fetches[taken[-1]] if taken else before),
+                                  lambda taken: {COMM_BUFFERS: fetches[taken[-1]].spike})
+        at = next(f for f in [before, *fetches] if _whole(f) == now)  # one with those bytes (ties split alike)
+        return own, category_bytes(comm_buffers=at.held, parameters=at.gathered)
+
+    own, fetched = beside(trace.forward_sweep, trace.forward_calls, steps.forward, Fetch(0, 0))
+    engine = category_bytes(**{c: v for c, v in trace.forward_by_category.items() if c in ENGINE})
+    forward = add_categories(add_categories(engine, own), fetched)
+    start = category_bytes(comm_buffers=steps.forward_end.held, parameters=steps.forward_end.gathered)
+    backward = start
+    if trace.backward_calls and trace.backward_sweeps:
+        sweep = trace.backward_sweeps[0]
+        own, fetched = beside(sweep, backward_calls, steps.backward, steps.forward_end)
+        # what backward's own bytes are there, against their own peak (which the trace's backward holds)
+        backward = add_categories(fetched, category_bytes(temporaries=sum(own.values()) - _own_peak(sweep)))
+    return Stage3Fetches(forward, backward, start, forward[COMM_BUFFERS])
+
+
+def _whole(fetch: Fetch) -> int:
+    return fetch.held + fetch.gathered
+
+
+def _own_peak(sweep: Sweep) -> int:
+    return most_beside(sweep, [], lambda taken: 0)[0]
 
 
 def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
@@ -223,11 +262,13 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
               "it moves to the host); measure with xirang-ds bench" for k in shape.unmodelled_offloads]
     forward_own = trace.forward_by_category
     fetch = stage3_fetch_buffer(shape, numels)
+    replayed = None
     if fetch and trace.forward_calls and trace.forward_sweep is not None:
-        forward_own, held = stage3_forward(shape, trace)
+        replayed = stage3_fetches(shape, trace)
+        forward_own, held = replayed.forward, replayed.held
         where = f"{format_bytes(held)} ({held:,} bytes)" if held else "none alive"
-        notes.append(f"ZeRO 3: the coalesced fetches' flat all-gather buffers in forward, replayed over the traced "
-                     f"modules: {where} at forward's worst point")
+        notes.append("ZeRO 3: the weights' fetches replayed over the traced modules as DeepSpeed's coordinator makes "
+                     f"them (gathered weights, flat all-gather buffers): {where} of buffers at forward's worst point")
     elif fetch:
         notes.append(f"ZeRO 3: a coalesced fetch's flat all-gather buffer, up to {format_bytes(fetch)} ({fetch:,} "
                      "bytes: stage3_prefetch_bucket_size's weights), lives beside the weights copied out of it in "
@@ -243,6 +284,8 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
     fwd = add_categories(add_categories(states, inputs), add_categories(accum, forward_own))
     bwd = add_categories(add_categories(states, inputs), trace.backward_by_category)
     start = add_categories(add_categories(states, inputs), trace.backward_start_by_category or trace.backward_by_category)
+    if replayed is not None:
+        bwd, start = add_categories(bwd, replayed.backward), add_categories(start, replayed.backward_start)
     if shape.stage == 2:
         bwd, start = add_categories(bwd, accum), add_categories(start, accum)
     if shape.stage == 0:
@@ -254,8 +297,8 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
         if sum(reduce.values()) > sum(bwd.values()):
             bwd = reduce
     if shape.stage == 3:
-        fwd, bwd = stage3_working_set(shape, numels, fwd, bwd)
-        start = stage3_working_set(shape, numels, start, start)[0]
+        fwd, bwd = stage3_working_set(shape, numels, fwd, bwd, replayed is not None)
+        start = stage3_working_set(shape, numels, start, start, replayed is not None)[0]
     step, prepare = optimizer_step(shape, states, numels)
     phases = {"forward": fwd, "backward": bwd, "optimizer_step": step, BACKWARD_START: start}
     if prepare is not None:

@@ -70,3 +70,16 @@ def test_a_reuse_distance_of_0_releases_only_what_no_prefetch_walked_past():
     assert steps.forward_end == Fetch(held=one, spike=0, gathered=600_000)
     assert [(f.held, f.gathered) for f in steps.backward] == [(one, 800_000), (one, 600_000), (one, 400_000),
                                                               (0, 200_000)]
+
+
+def test_the_prefetch_stops_at_stage3_max_live_parameters():
+    numels = [100_000] * 4
+    one = 2 * 2 * 2 * 50_000  # two weights a buffer (bf16, 2 ranks)
+    unlimited = replay(_shape(bucket=1e6), numels, [[0], [1], [2], [3]])
+    assert [f.held for f in unlimited.forward] == [3 * one // 2] * 3 + [0]  # 1, 2 and 3 in one buffer
+    config = ds_config(stage=3, dtype="bf16")
+    config["zero_optimization"].update(stage3_prefetch_bucket_size=1e6, stage3_max_live_parameters=250_000)
+    limited = replay(RunShape.from_ds_config(config, 2), numels, [[0], [1], [2], [3]])
+    # module 0 holds 100,000 elements: its prefetch takes 150,000 more at most (1 and 2); then 300,000 are live
+    # and none is released (the default reuse distance keeps them), so module 3 gathers its own weight
+    assert [f.held for f in limited.forward] == [one, one, 0, 0]

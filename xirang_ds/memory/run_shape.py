@@ -107,6 +107,8 @@ class RunShape:
     optimizer_offload: str = "none"
     """``zero_optimization.offload_optimizer.device`` (``cpu``, ``nvme`` or ``none``), ``partial`` where its ``ratio``
     keeps part of the states on the device."""
+    max_live_parameters: int = DEFAULT_MAX_LIVE_PARAMETERS
+    """``stage3_max_live_parameters``: ZeRO 3 prefetches while fewer elements than this are gathered."""
     groups: Optional[tuple[tuple[int, ...], ...]] = None
     """DeepSpeed's parameter groups as indices into the trainable parameters, when a plugin splits them
     (optimizer_states keeps fp32 states in groups of their own); ZeRO 1/2 flattens and partitions each
@@ -145,6 +147,7 @@ class RunShape:
                    persistence_threshold=int(float(zero.get("stage3_param_persistence_threshold",
                                                             DEFAULT_PERSISTENCE_THRESHOLD))),
                    max_reuse_distance=int(float(zero.get("stage3_max_reuse_distance", DEFAULT_MAX_REUSE_DISTANCE))),
+                   max_live_parameters=int(float(zero.get("stage3_max_live_parameters", DEFAULT_MAX_LIVE_PARAMETERS))),
                    sub_group_size=int(float(zero.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE))),
                    offloaded=tuple(k for k in ("offload_optimizer", "offload_param")
                                    if str((zero.get(k) or {}).get("device", "none")) != "none"),

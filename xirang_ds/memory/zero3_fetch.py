@@ -1,20 +1,22 @@
-"""ZeRO 3's weight fetches in forward, as DeepSpeed's parameter coordinator makes them at a steady step.
+"""ZeRO 3's weight fetches over one step, as DeepSpeed's parameter coordinator makes them at a steady step.
 
-From the second step on, the coordinator knows the step's order of modules (its trace) and, at each module's
-forward, fetches the module's weights that are not gathered, then prefetches the next weights of the trace, up
-to ``stage3_prefetch_bucket_size`` elements, in one all-gather (``partitioned_param_coordinator.py``,
-``_fetch_sub_module_impl``). A fetch of two or more weights gathers them into one flat buffer and copies each
-weight out of it (``partition_parameters.py``, ``_all_gather_dtype`` and ``AllGatherCoalescedHandle.wait``,
-``torch.cat``); the buffer lives until the module that uses the fetch's last weight takes it from the in-flight
-registry. A fetch of one weight gathers into the weight itself. So at DeepSpeed's defaults (a 5e7-element bucket)
-a model under 5e7 elements has every weight after its first module's in one buffer, alive from the first module
-to the last weight's module, late in forward: 5,767,168 bytes on gpt-small, beside the weights copied out.
+From the second step on, the coordinator knows the step's order of module calls, forward and backward (its
+trace) and, at each call, fetches the module's weights that are not gathered, then prefetches the next weights of
+the trace, up to ``stage3_prefetch_bucket_size`` elements and while fewer than ``stage3_max_live_parameters`` are
+gathered, in one all-gather (``partitioned_param_coordinator.py``, ``_fetch_sub_module_impl``). A fetch of two or
+more weights gathers them into one flat buffer and copies each weight out of it (``partition_parameters.py``,
+``_all_gather_dtype`` and ``AllGatherCoalescedHandle.wait``, ``torch.cat``); the buffer lives until the call that
+uses the fetch's last weight takes it from the in-flight registry. A fetch of one weight gathers into the weight
+itself. After its call a weight is released, unless its next use comes within ``stage3_max_reuse_distance``
+elements of fetches or a prefetch already walked past that use (``__params_to_release``). So at DeepSpeed's
+defaults (a 5e7-element bucket) a model under 5e7 elements has every weight after its first module's in one
+buffer, alive from the first module to the last weight's module, late in forward: 5,767,168 bytes on gpt-small,
+beside the weights copied out, all of them kept gathered to backward.
 
-`forward_fetches` replays that over the modules the trace saw in forward (`xirang_ds.memory.trace`): the buffers
-alive after each module's fetch, and the module's own coalesced fetch, alive only while its weights are copied
-out. The estimate sets them beside forward's own bytes at each module (`xirang_ds.memory.sweep.most_beside`).
-Left out: ``stage3_max_live_parameters`` (DeepSpeed's default 1e9 does not bind below 1e9 elements) and the
-fetches of backward (weights released in forward and gathered again).
+`replay` runs that over the module calls the trace recorded (`xirang_ds.memory.trace`: each module as its forward
+starts and as its backward starts): per call, the buffers alive after its fetch, its own coalesced fetch's buffer
+(alive only while its weights are copied out) and the weights gathered. The estimate sets them beside the step's
+own bytes at each call (`xirang_ds.planning.estimator.stage3_fetches`).
 """
 from __future__ import annotations
 
@@ -90,6 +92,7 @@ def replay(shape: RunShape, numels: list[int], forward: list[list[int]],
     # the coordinator's trace of the step: each use of a weight with the call it is used at
     queue = collections.deque((k, i) for k, u in enumerate(calls) for i in u)
     fetched_for: dict[int, int] = {}  # a weight: the latest call a popped entry of it was for
+    live = 0  # elements the coordinator counts gathered (``__n_available_params``, 0 as a step starts)
     batch_of: dict[int, int] = {}
     batches: dict[int, list] = {}  # id: [bytes, weights not yet taken, copied out yet]
     out: list[Fetch] = []
@@ -103,6 +106,7 @@ def replay(shape: RunShape, numels: list[int], forward: list[list[int]],
         own = [i for i in use if status.get(i) == NOT_AVAILABLE]
         for i in own:
             status[i] = AVAILABLE
+        live += sum(numels[i] for i in own)
         for i in use:
             if i in batch_of:
                 batch = batches[batch_of.pop(i)]
@@ -116,7 +120,8 @@ def replay(shape: RunShape, numels: list[int], forward: list[list[int]],
                 at, i = queue.popleft()
                 fetched_for[i] = max(fetched_for.get(i, -1), at)
         prefetch, numel = [], 0
-        while shape.prefetch_bucket > 0 and queue and numel < shape.prefetch_bucket:
+        most = min(shape.max_live_parameters - live, shape.prefetch_bucket)
+        while shape.prefetch_bucket > 0 and queue and numel < most:
             at, i = queue.popleft()
             fetched_for[i] = max(fetched_for.get(i, -1), at)
             if status.get(i) == NOT_AVAILABLE and i not in prefetch:
@@ -124,6 +129,7 @@ def replay(shape: RunShape, numels: list[int], forward: list[list[int]],
                 numel += numels[i]
         for i in prefetch:
             status[i] = IN_FLIGHT
+        live += numel
         if len(prefetch) > 1:
             batches[k] = [flat_bytes(prefetch), len(prefetch), False]
             batch_of.update((i, k) for i in prefetch)
@@ -132,6 +138,7 @@ def replay(shape: RunShape, numels: list[int], forward: list[list[int]],
             if (i in released and status[i] == AVAILABLE and fetched_for.get(i, -1) <= k + 1
                     and not reused(i, k + 1)):
                 status[i] = NOT_AVAILABLE
+                live -= numels[i]
         if k == len(forward) - 1:
             end = Fetch(held=sum(v[0] for v in batches.values()), spike=0, gathered=gathered())
     if not forward:

@@ -190,7 +190,8 @@ def _plugin_shape(session: Any, ds_config: dict, world_size: int, device: str) -
         edited = RunShape.from_ds_config(session.ds_config, world_size, device)
         shape = dataclasses.replace(shape, reduce_bucket=edited.reduce_bucket, allgather_bucket=edited.allgather_bucket,
                                     prefetch_bucket=edited.prefetch_bucket, overlap_comm=edited.overlap_comm,
-                                    max_reuse_distance=edited.max_reuse_distance, sub_group_size=edited.sub_group_size)
+                                    max_reuse_distance=edited.max_reuse_distance, sub_group_size=edited.sub_group_size,
+                                    max_live_parameters=edited.max_live_parameters)
         for plugin in session.plugins_with(ReshapesRun):
             shape = plugin.estimate_shape(shape)
     return shape

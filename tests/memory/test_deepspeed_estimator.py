@@ -346,7 +346,7 @@ def test_zero3_replays_deepspeeds_fetches_over_the_traced_modules(zero3, phase):
     est = estimate_spec("gpt-small", config, 2)
     if not zero3:
         held = 2 * sum(x for x in numels_of("gpt-small") if x > 1e5)  # the embeddings stay gathered (persistent)
-        assert any(f"({held:,} bytes) of buffers at forward's worst point" in n for n in est.notes)
+        assert any(f"({held:,} bytes) of flat buffers alive at forward's worst point" in n for n in est.notes)
     worst = max(run_ranks(bench_rank, 2, "gpt-small", config, 3, None, 0, False), key=lambda r: r["peak_bytes"])
     assert worst["peak_phase"] == est.peak_phase == phase
     assert abs(est.predicted_peak_bytes - worst["peak_bytes"]) / worst["peak_bytes"] <= 0.001

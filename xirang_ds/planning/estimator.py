@@ -267,9 +267,9 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
     if fetch and trace.forward_calls and trace.forward_sweep is not None:
         replayed = stage3_fetches(shape, trace)
         forward_own, held = replayed.forward, replayed.held
-        where = f"{format_bytes(held)} ({held:,} bytes)" if held else "none alive"
+        where = f"{format_bytes(held)} ({held:,} bytes) of flat buffers" if held else "no flat buffer"
         notes.append("ZeRO 3: the weights' fetches replayed over the traced modules as DeepSpeed's coordinator makes "
-                     f"them (gathered weights, flat all-gather buffers): {where} of buffers at forward's worst point")
+                     f"them (gathered weights, flat all-gather buffers): {where} alive at forward's worst point")
     elif fetch:
         notes.append(f"ZeRO 3: a coalesced fetch's flat all-gather buffer, up to {format_bytes(fetch)} ({fetch:,} "
                      "bytes: stage3_prefetch_bucket_size's weights), lives beside the weights copied out of it in "

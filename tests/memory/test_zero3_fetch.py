@@ -13,8 +13,8 @@ def forward_fetches(shape, numels, modules):
 
 def _shape(world: int = 2, bucket: float = 5e7, persistence: int = 100, stage: int = 3, reuse: float = 1e9) -> RunShape:
     config = ds_config(stage=stage, dtype="bf16")
-    config["zero_optimization"].update(stage3_prefetch_bucket_size=bucket, stage3_param_persistence_threshold=persistence,
-                                       stage3_max_reuse_distance=reuse)
+    config["zero_optimization"].update(stage3_prefetch_bucket_size=bucket, stage3_max_reuse_distance=reuse,
+                                       stage3_param_persistence_threshold=persistence)
     return RunShape.from_ds_config(config, world)
 
 

@@ -57,7 +57,8 @@ class Trace:
         backward_clocks: the tracker's clock as each micro-step's backward started.
         backward_sweeps: per micro-step, its backward's own bytes step by step (`xirang_ds.memory.sweep`).
         forward_calls: ``(clock, indices)`` of each module called in the first micro-step's forward, in order, with
-            the parameters (into ``param_numels``) it owns itself: where ZeRO 3 fetches (`xirang_ds.memory.zero3_fetch`).
+            the parameters (into ``param_numels``) it owns itself: where ZeRO 3 fetches
+            (`xirang_ds.memory.zero3_fetch`; recorded at ZeRO 3 on several ranks only).
         forward_sweep: that forward's own bytes step by step.
         backward_calls: ``(clock, indices)`` of each module as its backward starts in the first micro-step (the
             first gradient of one of its outputs), in order, with the parameters it owns itself.

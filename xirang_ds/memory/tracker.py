@@ -27,6 +27,7 @@ import torch
 from xirang_ds.compat.torch import (
     current_autograd_node,
     current_dispatch_mode,
+    dispatch_mode_stack,
     is_traceable_wrapper_subclass,
     pop_mode_temporarily,
     storage_key,
@@ -112,8 +113,8 @@ class MemoryTracker:
 
     @property
     def measuring(self) -> bool:
-        """Started and not `paused`: what runs now is measured."""
-        return self._mode is not None and current_dispatch_mode() is self._mode
+        """Started and not `paused`: what runs now is measured (another mode may sit above the tracker's)."""
+        return self._mode is not None and any(m is self._mode for m in dispatch_mode_stack())
 
     def __enter__(self) -> "MemoryTracker":
         return self.start()

@@ -61,10 +61,16 @@ def most_beside(sweep: Sweep, arrivals: list[tuple[int, int]], held: Callable[[l
     Returns:
         ``(total, own bytes by category, held)`` there; ``at_arrival``'s bytes there are among the own bytes.
     """
+    return most_beside_point(sweep, arrivals, held, at_arrival)[:3]
+
+
+def most_beside_point(sweep: Sweep, arrivals: list[tuple[int, int]], held: Callable[[list[int]], int],
+                      at_arrival: Optional[Callable[[list[int]], dict[str, int]]] = None) -> tuple[int, dict, int, int]:
+    """`most_beside`, and how many of ``arrivals`` were taken at that point."""
     live = dict(sweep.start)
     taken: list[int] = []
     now = held(taken)
-    best = (sum(live.values()) + now, dict(live), now)
+    best = (sum(live.values()) + now, dict(live), now, 0)
     steps = sorted([(clock, 0, n, c) for clock, n, c in sweep.events] + [(clock, 1, i, "") for clock, i in arrivals])
     for _, kind, value, category in steps:
         spike: dict[str, int] = {}
@@ -79,8 +85,8 @@ def most_beside(sweep: Sweep, arrivals: list[tuple[int, int]], held: Callable[[l
             own = dict(live)
             for c, n in spike.items():
                 own[c] = own.get(c, 0) + n
-            best = (total, own, now)
+            best = (total, own, now, len(taken))
     return best
 
 
-__all__ = ["ENGINE", "Sweep", "most_beside", "record_sweep"]
+__all__ = ["ENGINE", "Sweep", "most_beside", "most_beside_point", "record_sweep"]

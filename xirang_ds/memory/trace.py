@@ -59,7 +59,7 @@ class Trace:
         forward_calls: ``(clock, indices)`` of each module called in the first micro-step's forward, in order, with
             the parameters (into ``param_numels``) it owns itself: where ZeRO 3 fetches
             (`xirang_ds.memory.zero3_fetch`; recorded at ZeRO 3 on several ranks only).
-        forward_sweep: that forward's own bytes step by step.
+        forward_sweep: that forward's own bytes step by step (with ``forward_calls`` only).
         backward_calls: ``(clock, indices)`` of each module as its backward starts in the first micro-step (the
             first gradient of one of its outputs), in order, with the parameters it owns itself.
     """
@@ -260,8 +260,8 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
                 applied.enter_context(context)
         emu = _EngineEmulation(shape, params, tracker)
         handles = [p.register_post_accumulate_grad_hook(emu.hook) for p in params]
-        index, calls = {id(p): i for i, p in enumerate(params)}, []
-
+        index = {id(p): i for i, p in enumerate(params)}
+        calls: list[tuple[int, list[int]]] = []
         backward_calls: list[tuple[int, list[int]]] = []
 
         def owned(module: torch.nn.Module) -> list[int]:
@@ -287,7 +287,8 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
                 node.register_prehook(grad_ready)  # on the node, not the tensor: a hooked tensor changes nothing
 
         calls_done = backward_done = False
-        if shape.stage == 3 and shape.world_size > 1:  # where ZeRO 3 fetches (`xirang_ds.memory.zero3_fetch`)
+        fetches = shape.stage == 3 and shape.world_size > 1  # where ZeRO 3 fetches (`xirang_ds.memory.zero3_fetch`)
+        if fetches:
             handles += [m.register_forward_pre_hook(called) for m in model.modules()]
             handles += [m.register_forward_hook(returned) for m in model.modules()]
         forward_sweep = None
@@ -318,7 +319,8 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
                 if micro == 0:
                     activations = tracker.live_bytes - base
                     calls_done = True
-                    forward_sweep = record_sweep(tracker, forward_clock, tracker.clock, seeded)
+                    if fetches:
+                        forward_sweep = record_sweep(tracker, forward_clock, tracker.clock, seeded)
                 if fwd_report is None or report.peak_bytes >= fwd_report.peak_bytes:
                     fwd_report = report
                 bwd = tracker.open_window()

@@ -54,7 +54,7 @@ from xirang_ds.memory.run_shape import (
     fullest_rank,
     partition_numel,
 )
-from xirang_ds.memory.sweep import ENGINE, Sweep, most_beside
+from xirang_ds.memory.sweep import ENGINE, Sweep, most_beside, most_beside_point
 from xirang_ds.memory.trace import Inputs, Trace, loss_of, trace_model
 from xirang_ds.memory.zero3_fetch import Fetch, replay
 from xirang_ds.memory.device_profile import PROFILES
@@ -225,12 +225,13 @@ def stage3_fetches(shape: "RunShape", trace: Trace) -> Stage3Fetches:
 
     def beside(sweep: Sweep, calls: list, fetches: list[Fetch], before: Fetch) -> tuple[dict, dict]:
         arrivals = [(clock, k) for k, (clock, _) in enumerate(calls)]
-        _, own, now = most_beside(sweep, arrivals, lambda taken: _whole(fetches[taken[-1]] if taken else before),
-                                  lambda taken: {COMM_BUFFERS: fetches[taken[-1]].spike})
-        at = next(f for f in [before, *fetches] if _whole(f) == now)  # one with those bytes (ties split alike)
+        _, own, _, taken = most_beside_point(sweep, arrivals, lambda k: _whole(fetches[k[-1]] if k else before),
+                                             lambda k: {COMM_BUFFERS: fetches[k[-1]].spike})
+        at = fetches[taken - 1] if taken else before  # the call the worst point comes after
         return own, category_bytes(comm_buffers=at.held, parameters=at.gathered)
 
     own, fetched = beside(trace.forward_sweep, trace.forward_calls, steps.forward, Fetch(0, 0))
+    held = fetched[COMM_BUFFERS]  # the buffers alive there, the module's own transient (in ``own``) left out
     engine = category_bytes(**{c: v for c, v in trace.forward_by_category.items() if c in ENGINE})
     forward = add_categories(add_categories(engine, own), fetched)
     start = category_bytes(comm_buffers=steps.forward_end.held, parameters=steps.forward_end.gathered)
@@ -240,7 +241,7 @@ def stage3_fetches(shape: "RunShape", trace: Trace) -> Stage3Fetches:
         own, fetched = beside(sweep, backward_calls, steps.backward, steps.forward_end)
         # what backward's own bytes are there, against their own peak (which the trace's backward holds)
         backward = add_categories(fetched, category_bytes(temporaries=sum(own.values()) - _own_peak(sweep)))
-    return Stage3Fetches(forward, backward, start, forward[COMM_BUFFERS])
+    return Stage3Fetches(forward, backward, start, held)
 
 
 def _whole(fetch: Fetch) -> int:

@@ -83,3 +83,34 @@ def test_the_prefetch_stops_at_stage3_max_live_parameters():
     # module 0 holds 100,000 elements: its prefetch takes 150,000 more at most (1 and 2); then 300,000 are live
     # and none is released (the default reuse distance keeps them), so module 3 gathers its own weight
     assert [f.held for f in limited.forward] == [one, one, 0, 0]
+
+
+def test_the_first_steps_second_micro_batch_fetches_the_persistent_weights_and_holds_their_buffer():
+    # the first micro-batch released persistent weight 4 (50 elements): the first module's prefetch takes it with
+    # weights 1-3, and the buffer lives until module 3 takes it, although module 4's weight was taken last before
+    numels, modules = NUMELS, [[0], [1], [2], [3], [4]]
+    steady = forward_fetches(_shape(), numels, modules)
+    buffer = 2 * 2 * (1001 + 1500 + 2000)
+    assert [f.held for f in steady] == [buffer, buffer, buffer, 0, 0]
+    first = [dataclasses.replace(f, gathered=0) for f in replay(_shape(), numels, modules, persistent_kept=[]).forward]
+    assert [f.held for f in first] == [buffer + 2 * 2 * 25] * 4 + [0]
+    # kept from the first micro-batch (a module whose inputs need no gradient): fetched by nobody
+    kept = replay(_shape(), numels, modules, persistent_kept=[4]).forward
+    assert [f.held for f in kept] == [buffer, buffer, buffer, 0, 0]
+    # a persistent weight gathered is in the model's states, never in ``gathered``
+    assert [f.gathered for f in replay(_shape(), numels, modules, persistent_kept=[]).forward] == \
+        [f.gathered for f in replay(_shape(), numels, modules).forward]
+
+
+def test_the_trace_names_the_weights_whose_module_takes_no_input_that_needs_a_gradient():
+    # DeepSpeed's post-backward function rides on a module's inputs: the embeddings', fed token and position ids,
+    # never runs, so the first micro-batch leaves their weights gathered
+    from xirang_ds.memory.trace import trace_model
+    from xirang_ds.models import build_model, parse_model_spec
+
+    spec = parse_model_spec("gpt-small")
+    model = build_model(spec)
+    config = ds_config(stage=3, dtype="bf16", gas=2)
+    trace = trace_model(lambda: build_model(spec), RunShape.from_ds_config(config, 2), spec.seq, spec.vocab)
+    names = [n for n, _ in model.named_parameters()]
+    assert sorted(names[i] for i in trace.unreleased_in_backward) == ["embed.weight", "pos.weight"]

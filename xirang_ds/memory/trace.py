@@ -62,6 +62,9 @@ class Trace:
         forward_sweep: that forward's own bytes step by step (with ``forward_calls`` only).
         backward_calls: ``(clock, indices)`` of each module as its backward starts in the first micro-step (the
             first gradient of one of its outputs), in order, with the parameters it owns itself.
+        unreleased_in_backward: the parameters of those modules whose inputs need no gradient (a token
+            embedding): DeepSpeed's post-backward function, applied to a module's inputs, never runs for them, so
+            ZeRO 3 does not release them after their backward.
     """
 
     forward_peak: int
@@ -83,6 +86,7 @@ class Trace:
     forward_calls: list[tuple[int, list[int]]] = field(default_factory=list)
     forward_sweep: Optional[Sweep] = None
     backward_calls: list[tuple[int, list[int]]] = field(default_factory=list)
+    unreleased_in_backward: list[int] = field(default_factory=list)
 
     def arrived(self, clock: int) -> list[int]:
         """The indices (into ``param_numels``) of the gradients hooked in the backward that ``clock`` is in,
@@ -263,6 +267,7 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
         index = {id(p): i for i, p in enumerate(params)}
         calls: list[tuple[int, list[int]]] = []
         backward_calls: list[tuple[int, list[int]]] = []
+        unreleased: list[int] = []
 
         def owned(module: torch.nn.Module) -> list[int]:
             return [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
@@ -277,11 +282,14 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
             if tracker.phase != "forward" or not tracker.measuring or calls_done:
                 return
             started: list[bool] = []
+            fed = any(t.requires_grad for t in tensors_in(args))
 
             def grad_ready(grad_outputs: Any) -> None:
                 if not started and not backward_done:
                     started.append(True)
                     backward_calls.append((tracker.clock, owned(module)))
+                    if not fed:
+                        unreleased.extend(owned(module))
 
             for node in dict.fromkeys(t.grad_fn for t in tensors_in(output) if t.grad_fn is not None):
                 node.register_prehook(grad_ready)  # on the node, not the tensor: a hooked tensor changes nothing
@@ -358,4 +366,4 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
                  ops=ops, backward_ops=backward_ops, layer_temporaries=max(0, emu.layer_temporaries - batch_bytes),
                  grad_arrivals=emu.arrivals,
                  backward_clocks=emu.backward_clocks, backward_sweeps=sweeps, forward_calls=calls,
-                 forward_sweep=forward_sweep, backward_calls=backward_calls)
+                 forward_sweep=forward_sweep, backward_calls=backward_calls, unreleased_in_backward=unreleased)

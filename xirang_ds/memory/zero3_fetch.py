@@ -13,6 +13,15 @@ defaults (a 5e7-element bucket) a model under 5e7 elements has every weight afte
 buffer, alive from the first module to the last weight's module, late in forward: 5,767,168 bytes on gpt-small,
 beside the weights copied out, all of them kept gathered to backward.
 
+The first optimizer step differs where it accumulates. Its first micro-batch has no trace yet: each module
+fetches its own weights and releases them after it, the persistent ones too (``release_sub_module``), except
+those of a module whose inputs need no gradient (its post-backward function, applied to the inputs, never runs).
+From its second micro-batch on the trace is complete, so the persistent weights still released are fetched and
+prefetched with the others, and kept (never in ``__params_to_release``), until the step gathers them for good
+(``stage3.py``, ``_post_step``). So their fetch joins the flat buffers and a buffer lives until the call that takes
+its last persistent weight: on gpt-small, one 6,450,176-byte buffer to forward's end instead of 5,767,168 bytes to
+its last block. `replay` with ``persistent_kept`` replays that micro-batch.
+
 `replay` runs that over the module calls the trace recorded (`xirang_ds.memory.trace`: each module as its forward
 starts and as its backward starts): per call, the buffers alive after its fetch, its own coalesced fetch's buffer
 (alive only while its weights are copied out) and the weights gathered. The estimate sets them beside the step's
@@ -22,7 +31,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional
 
 from xirang_ds.memory.run_shape import RunShape
 
@@ -57,11 +66,13 @@ class Replay:
 
 
 def replay(shape: RunShape, numels: list[int], forward: list[list[int]],
-           backward: Optional[list[list[int]]] = None) -> Replay:
+           backward: Optional[list[list[int]]] = None, persistent_kept: Optional[Iterable[int]] = None) -> Replay:
     """What each module's fetch leaves at a steady step, in forward and in backward: ``forward[k]`` and
     ``backward[k]`` are the weights (indices into ``numels``) that the ``k``-th module called owns, in the order
     the modules' forwards and backwards start. Without ``backward``, the modules' backwards are taken as their
-    forwards in reverse. On one rank the partition is the weight: nothing is gathered.
+    forwards in reverse. On one rank the partition is the weight: nothing is gathered. With ``persistent_kept``:
+    the first step's second micro-batch, where the persistent weights start released but those given, and are
+    fetched like the others and kept (module docstring).
 
     A module's weights are released after it (its forward or its backward) unless the coordinator keeps them
     (``partitioned_param_coordinator.py``, ``__params_to_release``): a weight used again within
@@ -89,6 +100,9 @@ def replay(shape: RunShape, numels: list[int], forward: list[list[int]],
         return bool(ahead) and reach[ahead[0]] - reach[start] < shape.max_reuse_distance
 
     status = {i: NOT_AVAILABLE for i in released}  # the step before released them all at its end
+    if persistent_kept is not None:  # the first micro-batch released the persistent weights but these
+        kept = set(persistent_kept)
+        status.update((i, NOT_AVAILABLE) for u in calls for i in u if i not in released and i not in kept)
     # the coordinator's trace of the step: each use of a weight with the call it is used at
     queue = collections.deque((k, i) for k, u in enumerate(calls) for i in u)
     fetched_for: dict[int, int] = {}  # a weight: the latest call a popped entry of it was for
@@ -98,8 +112,8 @@ def replay(shape: RunShape, numels: list[int], forward: list[list[int]],
     out: list[Fetch] = []
 
     def gathered() -> int:
-        whole = [i for i, s in status.items() if s == AVAILABLE or (s == IN_FLIGHT and (
-            i not in batch_of or batches[batch_of[i]][2]))]
+        whole = [i for i, s in status.items() if i in released and (s == AVAILABLE or (s == IN_FLIGHT and (
+            i not in batch_of or batches[batch_of[i]][2])))]
         return lp * sum(numels[i] for i in whole)
 
     for k, use in enumerate(calls):

@@ -28,7 +28,7 @@ import torch
 from xirang_ds.compat.torch import fake_tensor_mode
 from xirang_ds.config.loader import BLOCK_KEY
 from xirang_ds.config.types import format_bytes
-from xirang_ds.memory.categories import CATEGORIES, COMM_BUFFERS
+from xirang_ds.memory.categories import CATEGORIES, COMM_BUFFERS, OPTIMIZER_STATES
 from xirang_ds.memory.model_states import (
     BACKWARD_END,
     BACKWARD_START,
@@ -210,9 +210,11 @@ class Stage3Fetches:
     held: int
 
 
-def stage3_fetches(shape: "RunShape", trace: Trace) -> Stage3Fetches:
+def stage3_fetches(shape: "RunShape", trace: Trace, first_step: bool = False) -> Stage3Fetches:
     """The point of forward where its own bytes, the flat all-gather buffers alive and the weights gathered are
-    the most together, and the same over backward's module calls, set against backward's own peak."""
+    the most together, and the same over backward's module calls, set against backward's own peak. ``first_step``:
+    those of the first step's second micro-batch, whose fetches take the persistent weights too
+    (`xirang_ds.memory.zero3_fetch`)."""
     backward_calls = trace.backward_calls
     seen = {i for _, use in backward_calls for i in use}
     unseen = list(dict.fromkeys(i for _, use in trace.forward_calls for i in use if i not in seen))
@@ -221,7 +223,7 @@ def stage3_fetches(shape: "RunShape", trace: Trace) -> Stage3Fetches:
         # chunk at a time): taken as used where backward's first module starts, so kept gathered to there
         backward_calls = [(backward_calls[0][0], unseen), *backward_calls]
     steps = replay(shape, trace.param_numels, [use for _, use in trace.forward_calls],
-                   [use for _, use in backward_calls] or None)
+                   [use for _, use in backward_calls] or None, trace.unreleased_in_backward if first_step else None)
 
     def beside(sweep: Sweep, calls: list, fetches: list[Fetch], before: Fetch) -> tuple[dict, dict]:
         arrivals = [(clock, k) for k, (clock, _) in enumerate(calls)]
@@ -244,6 +246,10 @@ def stage3_fetches(shape: "RunShape", trace: Trace) -> Stage3Fetches:
     return Stage3Fetches(forward, backward, start, held)
 
 
+def _device(categories: dict) -> int:
+    return sum(v for c, v in categories.items() if c != "host")
+
+
 def _whole(fetch: Fetch) -> int:
     return fetch.held + fetch.gathered
 
@@ -262,12 +268,11 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
              f"{n} rank(s), {total:,} parameters", f"optimizer step temporaries: {shape.adam_impl}"]
     notes += [f"zero_optimization.{k}: host offload is not modelled (the estimate keeps on the device what "
               "it moves to the host); measure with xirang-ds bench" for k in shape.unmodelled_offloads]
-    forward_own = trace.forward_by_category
     fetch = stage3_fetch_buffer(shape, numels)
     replayed = None
     if fetch and trace.forward_calls and trace.forward_sweep is not None:
         replayed = stage3_fetches(shape, trace)
-        forward_own, held = replayed.forward, replayed.held
+        held = replayed.held
         where = f"{format_bytes(held)} ({held:,} bytes) of flat buffers" if held else "no flat buffer"
         notes.append("ZeRO 3: the weights' fetches replayed over the traced modules as DeepSpeed's coordinator makes "
                      f"them (gathered weights, flat all-gather buffers): {where} alive at forward's worst point")
@@ -283,11 +288,29 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
             accum = category_bytes(gradients=lp * total)
         elif shape.stage == 2:
             accum = category_bytes(gradients=lp * fullest_rank(shape, numels).numel)
-    fwd = add_categories(add_categories(states, inputs), add_categories(accum, forward_own))
-    bwd = add_categories(add_categories(states, inputs), trace.backward_by_category)
-    start = add_categories(add_categories(states, inputs), trace.backward_start_by_category or trace.backward_by_category)
-    if replayed is not None:
-        bwd, start = add_categories(bwd, replayed.backward), add_categories(start, replayed.backward_start)
+
+    def micro_step(states: dict, replayed: Optional[Stage3Fetches]) -> tuple[dict, dict, dict]:
+        forward_own = replayed.forward if replayed is not None else trace.forward_by_category
+        fwd = add_categories(add_categories(states, inputs), add_categories(accum, forward_own))
+        bwd = add_categories(add_categories(states, inputs), trace.backward_by_category)
+        start = add_categories(add_categories(states, inputs),
+                               trace.backward_start_by_category or trace.backward_by_category)
+        if replayed is not None:
+            bwd, start = add_categories(bwd, replayed.backward), add_categories(start, replayed.backward_start)
+        return fwd, bwd, start
+
+    fwd, bwd, start = micro_step(states, replayed)
+    if replayed is not None and shape.grad_accum > 1:
+        # the first step's second micro-batch, before the optimizer made its states (lazily, at the first update)
+        fetched = stage3_fetches(shape, trace, first_step=True)
+        first = micro_step({**states, OPTIMIZER_STATES: 0}, fetched)
+        larger = [a if _device(a) >= _device(b) else b for a, b in zip((fwd, bwd, start), first)]
+        if larger[0] is not fwd:
+            notes.append("ZeRO 3 with accumulation: forward peaks in the first step's second micro-batch, before the "
+                         "optimizer's states exist, whose fetches take the persistent weights with the others: "
+                         f"{format_bytes(fetched.held)} ({fetched.held:,} bytes) of flat buffers alive at its worst "
+                         "point")
+        fwd, bwd, start = larger
     if shape.stage == 2:
         bwd, start = add_categories(bwd, accum), add_categories(start, accum)
     if shape.stage == 0:

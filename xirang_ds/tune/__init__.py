@@ -41,6 +41,7 @@ from xirang_ds.memory.calibration import calibrated_peak
 from xirang_ds.models import describe_model
 from xirang_ds.planning.estimator import EstimateError
 from xirang_ds.planning.spec import estimate_spec
+from xirang_ds.planning.trace_cache import reuse_traces
 from xirang_ds.tune.cost import (
     grow_micro_batch,
     micro_batch_of,
@@ -184,7 +185,8 @@ def tune(model: str, ds_config: dict, budget: int, world_size: int = 1, objectiv
                      int((ds_config.get("zero_optimization") or {}).get("stage", 0)), user_mb,
                      grow=objective == "largest_micro_batch" and not micro_batches, far_mb=user_mb)
     pool = candidates(user, search_space(ds_config, world_size, lossless_only, micro_batches))
-    live = _predict(search, pool)
+    with reuse_traces():  # candidates that trace the same thing (another budget, another state dtype) share one
+        live = _predict(search, pool)
     profiles = _profile(search, live, profile_steps)
     fitting, calibration = _rank(search, pool, live, profiles)
     winner = _measure(search, fitting, measure_top, measure_steps)

@@ -1,4 +1,5 @@
-"""DeepSpeed's ``offload_optimizer`` at ZeRO 1-3: the estimate against the run, and the predicted step at 0.91B.
+"""DeepSpeed's ``offload_optimizer`` at ZeRO 1-3 and ``offload_param`` at ZeRO 3: the estimate against the run, and
+the predicted step at 0.91B.
 
     .venv/bin/python benchmarks/estimate_offload.py [--out benchmarks/results/estimate_offload.json]
 
@@ -8,7 +9,10 @@ ranks), and takes the worst rank's tracker peak. On a CPU the host is the device
 host buffers (the fp32 partition and its gradient, the states, the staging buffers) and its update's temporaries
 as ``host``, apart from the device's bytes, as they are apart on a GPU (`xirang_ds.memory.engine_roles`). Each
 is estimated before it runs (`xirang_ds.planning.spec.estimate_spec`); memory on the CPU is exact, so each row
-reproduces to the byte.
+reproduces to the byte. Then ZeRO 3 with ``offload_param`` to the CPU (``param_cases``), the optimizer offloaded too
+or not: the tracker counts DeepSpeed's flat host buffers of the 16-bit partitions as ``host``. On a CPU the copy of
+a partition to the device is the partition itself, so a GPU's copies in at each fetch (which the estimate adds on a
+GPU) are not in these runs.
 
 Then the 0.91B GPT of the 2026-12-04 H200 run on one H200 (``benchmarks/configs/plain_0.91b.json``), without the
 offload, with it (torch's AdamW on the host, as that ds_config's ``torch_adam`` asks) and with it under
@@ -25,7 +29,7 @@ import os
 from xirang_ds.bench import bench_rank
 from xirang_ds.launch import run_ranks
 from xirang_ds.memory.device_profile import PROFILES
-from xirang_ds.memory.model_states import offloaded_optimizer_host
+from xirang_ds.memory.model_states import offloaded_optimizer_host, offloaded_params_host
 from xirang_ds.memory.run_shape import RunShape
 from xirang_ds.models import build_model, parse_model_spec
 from xirang_ds.planning.spec import estimate_spec
@@ -45,6 +49,12 @@ CASES = [  # model, stage, dtype, accumulation, ranks, xirang block, also withou
     ("gpt-small", 3, "bf16", 2, 2, None, True),
     ("gpt-small", 3, "bf16", 1, 2, {"preset": "conservative"}, False),
     ("gpt-small", 3, "bf16", 1, 2, {"preset": "conservative", "memory_budget": 20_000_000}, False),
+]
+PARAM_CASES = [  # ZeRO 3 bf16 with offload_param to the CPU: model, accumulation, ranks, optimizer offloaded too, block
+    ("gpt-small", 1, 2, False, None),
+    ("gpt-small", 2, 2, True, None),
+    ("llama-tiny", 1, 2, True, None),
+    ("gpt-small", 1, 2, True, {"preset": "conservative"}),
 ]
 BIG = "gpt:layers=16,hidden=2048,heads=16,seq=1024,vocab=50304"
 STEPS = 3
@@ -69,7 +79,8 @@ def measure(model: str, config: dict, world: int) -> dict:
     worst = max(runs, key=lambda r: r["peak_bytes"])
     est = estimate_spec(model, config, world)
     numels = [p.numel() for p in build_model(parse_model_spec(model)).parameters()]
-    resident = offloaded_optimizer_host(RunShape.from_ds_config(config, world), numels)[0]  # between updates
+    shape = RunShape.from_ds_config(config, world)
+    resident = offloaded_optimizer_host(shape, numels)[0] + offloaded_params_host(shape, numels)  # between updates
     return {"measured_peak_bytes": worst["peak_bytes"], "measured_by_category": worst["peak_by_category"],
             "measured_host_bytes": max(r["peak_by_category"]["host"] for r in runs),
             "predicted_peak_bytes": est.predicted_peak_bytes, "predicted_by_category": est.by_category,
@@ -113,7 +124,20 @@ def main() -> None:
         print(f"{model} ZeRO-{stage} {dtype} gas {gas} {world} rank(s) {block or ''}: measured "
               f"{off['measured_peak_bytes']:,}, predicted {off['predicted_peak_bytes']:,} ({off['error']:+.2%})"
               + (f"; on the device {row['on_device']['measured_peak_bytes']:,}" if both else ""), flush=True)
-    result = {"cases": rows, "h200_0.91b": predicted_0_91b()}
+    params = []
+    for model, gas, world, optimizer_too, block in PARAM_CASES:
+        config = ds_config(3, "bf16", gas, block, optimizer_too)
+        config["zero_optimization"]["offload_param"] = {"device": "cpu"}
+        row = {"model": model, "gradient_accumulation_steps": gas, "ranks": world, "offload_optimizer": optimizer_too,
+               "xirang": block, "offloaded": measure(model, config, world)}
+        numels = [p.numel() for p in build_model(parse_model_spec(model)).parameters()]
+        row["partitions_host_bytes"] = offloaded_params_host(RunShape.from_ds_config(config, world), numels)
+        params.append(row)
+        off = row["offloaded"]
+        print(f"{model} ZeRO-3 offload_param gas {gas} {world} rank(s) optimizer offloaded {optimizer_too} "
+              f"{block or ''}: measured {off['measured_peak_bytes']:,}, predicted {off['predicted_peak_bytes']:,} "
+              f"({off['error']:+.2%})", flush=True)
+    result = {"cases": rows, "param_cases": params, "h200_0.91b": predicted_0_91b()}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

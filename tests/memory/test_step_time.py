@@ -220,3 +220,29 @@ def test_an_offloaded_optimizer_is_priced_on_the_host_and_over_the_host_link():
                               device_profile=h100).step_time
     assert zero3.parts["host_optimizer"] > 0 and zero3.parts["optimizer"] < on_device.parts["optimizer"]
     assert zero3.counts["host_optimizer"]["to_host_bytes"] == zero3.counts["host_optimizer"]["to_device_bytes"]
+
+
+def test_offload_param_prices_each_fetchs_partitions_and_the_update_coming_back_over_the_host_link():
+    """gpt-small at ZeRO 3 on 2 ranks with ``offload_param``: at DeepSpeed's defaults one prefetch gathers every
+    partitioned weight in forward and keeps it to backward, so a micro-step copies in this rank's half of them
+    (2,883,584 elements above the persistence threshold, in bf16: 2,883,584 bytes); the updated 16-bit partition
+    (1,661,696 elements) comes back once a step, unless the optimizer is on the host too."""
+    from xirang_ds.models import build_model, parse_model_spec
+
+    numels = [p.numel() for p in build_model(parse_model_spec("gpt-small")).parameters()]
+    partitioned = sum(x for x in numels if x > 1e5)
+    config = copy.deepcopy(CONFIG)
+    config.update(gradient_accumulation_steps=2, zero_optimization={"stage": 3, "offload_param": {"device": "cpu"}})
+    h100 = PROFILES["h100"]
+    st = estimate_spec("gpt-small", config, 2, "cuda", device_profile=h100).step_time
+    assert st.counts["param_copies_bytes"] == 2 * partitioned + 2 * sum(numels) // 2
+    assert st.parts["param_copies"] == pytest.approx(st.counts["param_copies_bytes"] / h100.host_link_bytes_per_s)
+    assert not any("offload_param" in n for n in st.notes)
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    st = estimate_spec("gpt-small", config, 2, "cuda", device_profile=h100).step_time
+    assert st.counts["param_copies_bytes"] == 2 * partitioned
+    # no reuse distance and a small bucket: backward gathers again those no prefetch walked past (the coordinator
+    # keeps the others, `tests/memory/test_zero3_fetch.py`)
+    config["zero_optimization"].update(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=250_000)
+    st = estimate_spec("gpt-small", config, 2, "cuda", device_profile=h100).step_time
+    assert 2 * partitioned < st.counts["param_copies_bytes"] < 4 * partitioned

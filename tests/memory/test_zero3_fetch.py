@@ -8,7 +8,7 @@ from xirang_ds.memory.zero3_fetch import Fetch, replay
 
 
 def forward_fetches(shape, numels, modules):
-    return [dataclasses.replace(f, gathered=0) for f in replay(shape, numels, modules).forward]
+    return [dataclasses.replace(f, gathered=0, fetched=0) for f in replay(shape, numels, modules).forward]
 
 
 def _shape(world: int = 2, bucket: float = 5e7, persistence: int = 100, stage: int = 3, reuse: float = 1e9) -> RunShape:
@@ -92,7 +92,7 @@ def test_the_first_steps_second_micro_batch_fetches_the_persistent_weights_and_h
     steady = forward_fetches(_shape(), numels, modules)
     buffer = 2 * 2 * (1001 + 1500 + 2000)
     assert [f.held for f in steady] == [buffer, buffer, buffer, 0, 0]
-    first = [dataclasses.replace(f, gathered=0) for f in replay(_shape(), numels, modules, persistent_kept=[]).forward]
+    first = replay(_shape(), numels, modules, persistent_kept=[]).forward
     assert [f.held for f in first] == [buffer + 2 * 2 * 25] * 4 + [0]
     # kept from the first micro-batch (a module whose inputs need no gradient): fetched by nobody
     kept = replay(_shape(), numels, modules, persistent_kept=[4]).forward
@@ -114,3 +114,17 @@ def test_the_trace_names_the_weights_whose_module_takes_no_input_that_needs_a_gr
     trace = trace_model(lambda: build_model(spec), RunShape.from_ds_config(config, 2), spec.seq, spec.vocab)
     names = [n for n, _ in model.named_parameters()]
     assert sorted(names[i] for i in trace.unreleased_in_backward) == ["embed.weight", "pos.weight"]
+
+
+def test_offload_param_on_a_gpu_copies_each_fetchs_partitions_in_beside_its_buffer():
+    # the first module's own weight (one: no buffer) and its prefetch of weights 1-3 are copied in from the host,
+    # each rank's partition (bf16), before the gather; the larger of the two is the call's transient
+    shape = dataclasses.replace(_shape(), param_offload="cpu", device="cuda")
+    assert shape.host_params
+    spikes = [f.spike for f in replay(shape, NUMELS, MODULES).forward]
+    assert spikes == [2 * (1001 + 1500 + 2000), 0, 0, 0, 0]
+    # a module's own coalesced fetch: its buffer and its partitions copied in
+    own = replay(dataclasses.replace(_shape(bucket=0), param_offload="cpu", device="cuda"), NUMELS, [[0, 1], [2, 3]])
+    assert [f.spike for f in own.forward] == [2 * 2 * (500 + 1001) + 2 * (500 + 1001), 2 * 2 * 3500 + 2 * 3500]
+    # on the CPU the copy is the partition itself: nothing is made
+    assert [f.spike for f in replay(dataclasses.replace(shape, device="cpu"), NUMELS, MODULES).forward] == [0] * 5

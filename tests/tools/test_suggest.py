@@ -62,6 +62,12 @@ def test_nothing_left_to_change_says_so_with_the_closest():
     top = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 8,
            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
            "xirang": {"preset": "aggressive", "memory_budget": 10}}
+    # at ZeRO 3 with the optimizer offloaded, the parameters' partitions are what is left to offload
+    offloaded = lambda c: _need(c) - (40 if "offload_param" in c["zero_optimization"] else 0)  # noqa: E731
+    s = suggest_fit({**top, "xirang": {**top["xirang"], "memory_budget": 20}}, _estimator(offloaded)[0])
+    assert s.found and s.estimates == 1 and s.changes[0].startswith('zero_optimization.offload_param {"device": "cpu"}')
+    assert s.ds_config["zero_optimization"]["offload_param"] == {"device": "cpu"}
+    top["zero_optimization"]["offload_param"] = {"device": "cpu"}
     s = suggest_fit(top, _estimator(_need)[0])
     assert not s.found and s.changes == [] and s.estimates == 0
     odd = {**BASE, "train_micro_batch_size_per_gpu": 3}  # an odd micro-batch is not halved (the global batch)
@@ -113,7 +119,7 @@ def test_estimate_names_a_change_that_fits_and_the_least_budget_it_confirmed(tmp
     assert "fits with these changes" in printed or not s["found"]
 
 
-def test_the_optimizer_offloaded_is_the_last_change_tried_and_not_at_zero_0():
+def test_the_optimizer_offloaded_is_tried_after_the_micro_batch_and_not_at_zero_0():
     def need(cfg):
         offloaded = (cfg["zero_optimization"].get("offload_optimizer") or {}).get("device") == "cpu"
         return _need(cfg) - (60 if offloaded else 0)
@@ -125,9 +131,10 @@ def test_the_optimizer_offloaded_is_the_last_change_tried_and_not_at_zero_0():
     assert s.ds_config["zero_optimization"] == {"stage": 1, "offload_optimizer": {"device": "cpu"}}
     s = suggest_fit(BASE, _estimator(lambda c: need(c) - 25)[0])  # 115: stage 2 (95) fits before the offload
     assert s.changes == ["zero_optimization.stage 1 -> 2"]
-    offload = CHANGES[-1]  # DeepSpeed offloads from ZeRO 1 on
+    offload = CHANGES[-2]  # DeepSpeed offloads the optimizer from ZeRO 1 on, the parameters at ZeRO 3 (the last)
+    assert CHANGES[-1]({**BASE, "zero_optimization": {"stage": 2}}) is None
     assert offload({**BASE, "zero_optimization": {"stage": 0}}) is None
     assert offload({**BASE, "zero_optimization": {"stage": 3}})[0]["zero_optimization"]["offload_optimizer"] == \
         {"device": "cpu"}
     offloaded = {**BASE, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
-    assert not any("offload" in c for c in suggest_fit(offloaded, _estimator(need)[0]).changes)
+    assert not any("offload_optimizer" in c for c in suggest_fit(offloaded, _estimator(need)[0]).changes)

@@ -189,6 +189,17 @@ staging buffer, and the 16-bit gradients carried between micro-steps under accum
 (its device-side staging buffer, the largest parameter in 16 bits) stays on the device, a gradient buffer."""
 
 
+OFFLOADED_PARAM_ATTRIBUTES = ("param_groups_fp16_flat_cpu_memory",)
+"""The buffers in host memory under ZeRO 3's ``offload_param`` (stage3.py
+``_create_param_groups_fp16_flat_cpu_memory``): one flat 16-bit buffer per parameter group holding every parameter's
+partition (``ds_tensor`` is a view of it)."""
+
+
+def offloads_params(wrapper: Any) -> bool:
+    """ZeRO 3 keeps its 16-bit partitions in host memory (``offload_param``; stage3.py ``self.offload_param``)."""
+    return bool(getattr(wrapper, "offload_param", False))
+
+
 def sub_groups_kept_on_device(wrapper: Any) -> list:
     """ZeRO 3's fp32 sub-group partitions a partial offload (``offload_optimizer.ratio`` below 1) keeps on the device
     (stage3.py ``subgroup_to_device``); empty at ZeRO 1/2 and for a whole offload."""
@@ -424,10 +435,10 @@ def pass_pre_backward(model: Any, passes: Callable[[Any], bool]) -> Callable[[],
 
 
 __all__ = [
-    "OFFLOADED_OPTIMIZER_ATTRIBUTES", "OPTIMIZER_ATTRIBUTES_BY_ROLE", "UPSTREAM_NAMES", "ZERO3_WHOLE_MASTERS",
-    "accumulation_boundary", "around_zero3_update", "around_zero_file_names", "around_zero_save", "can_relink_hp_params",
-    "drop_step_gradients", "gradient_reduction_dtype", "hp_mapping", "offloads_optimizer", "pass_pre_backward",
-    "protocol_holds", "redirect_zero_files", "relink_hp_params", "restore_accumulation_boundary",
-    "restore_gradient_clipping", "shared_params", "step_protocol", "sub_groups_kept_on_device", "zero3_param_groups",
-    "zero_param_shapes", "zero_state_missing",
+    "OFFLOADED_OPTIMIZER_ATTRIBUTES", "OFFLOADED_PARAM_ATTRIBUTES", "OPTIMIZER_ATTRIBUTES_BY_ROLE", "UPSTREAM_NAMES",
+    "ZERO3_WHOLE_MASTERS", "accumulation_boundary", "around_zero3_update", "around_zero_file_names",
+    "around_zero_save", "can_relink_hp_params", "drop_step_gradients", "gradient_reduction_dtype", "hp_mapping",
+    "offloads_optimizer", "offloads_params", "pass_pre_backward", "protocol_holds", "redirect_zero_files",
+    "relink_hp_params", "restore_accumulation_boundary", "restore_gradient_clipping", "shared_params",
+    "step_protocol", "sub_groups_kept_on_device", "zero3_param_groups", "zero_param_shapes", "zero_state_missing"
 ]

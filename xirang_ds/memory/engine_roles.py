@@ -12,7 +12,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from xirang_ds.compat.deepspeed import (OFFLOADED_OPTIMIZER_ATTRIBUTES, OPTIMIZER_ATTRIBUTES_BY_ROLE, offloads_optimizer,
+from xirang_ds.compat.deepspeed import (OFFLOADED_OPTIMIZER_ATTRIBUTES, OFFLOADED_PARAM_ATTRIBUTES,
+                                        OPTIMIZER_ATTRIBUTES_BY_ROLE, offloads_optimizer, offloads_params,
                                         sub_groups_kept_on_device)
 from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import COMM_BUFFERS, GRADIENTS, HOST, OPTIMIZER_STATES, PARAMETERS
@@ -186,6 +187,8 @@ class TrainingWatch:
         for provider in self.roles:
             for category, tensors in provider():
                 t.mark(tensors, category)
+        if offloads_params(self.wrapper):  # ZeRO 3's 16-bit partitions in host memory (offload_param)
+            t.mark([x for name in OFFLOADED_PARAM_ATTRIBUTES for x in _walk(getattr(self.wrapper, name, None))], HOST)
         if self.offloaded:  # on a CPU run the host tier is accounted apart, as on a GPU it is apart
             kept = {id(x) for x in sub_groups_kept_on_device(self.wrapper)}
             host = [x for name in OFFLOADED_OPTIMIZER_ATTRIBUTES for x in _walk(getattr(self.wrapper, name, None))

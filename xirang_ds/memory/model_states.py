@@ -51,8 +51,9 @@ def model_states(shape: RunShape, numels: list[int]) -> dict[str, int]:
     part = partition_numel(total, shape.world_size)
     padded = part * shape.world_size
     groups = 1
+    on_device = 0 if shape.host_params else lp * part  # offload_param: the 16-bit partition in host memory
     if shape.host_optimizer and shape.stage == 3:
-        return category_bytes(parameters=lp * part)
+        return category_bytes(parameters=on_device)
     if shape.host_optimizer:
         return category_bytes(parameters=lp * padded, gradients=lp * max(numels))
     if shape.stage == 0:
@@ -62,7 +63,7 @@ def model_states(shape: RunShape, numels: list[int]) -> dict[str, int]:
         master = 0 if shape.shared_masters else 4 * part
         return category_bytes(parameters=lp * padded + master, optimizer_states=8 * part + 4 * groups)
     # ZeRO 3: 16-bit partition, fp32 partition, states over the partition
-    return category_bytes(parameters=lp * part + 4 * part, optimizer_states=8 * part + 4 * groups)
+    return category_bytes(parameters=on_device + 4 * part, optimizer_states=8 * part + 4 * groups)
 
 
 def offloaded_optimizer_host(shape: RunShape, numels: list[int]) -> tuple[int, int]:
@@ -80,6 +81,13 @@ def offloaded_optimizer_host(shape: RunShape, numels: list[int]) -> tuple[int, i
     carried = lp * sum(numels[i] for i in fullest_rank(shape, numels).params) if shape.grad_accum > 1 else 0
     resident = (4 + 4 + 8 + lp) * part + 4 + lp * max(numels) + carried
     return resident, resident + adam_temporaries(shape, [part])
+
+
+def offloaded_params_host(shape: RunShape, numels: list[int]) -> int:
+    """The host memory DeepSpeed's ``offload_param`` holds (`RunShape.host_params`; 0 otherwise): the 16-bit
+    partition, every parameter's, in flat host buffers (stage3.py ``param_groups_fp16_flat_cpu_memory``). Not a host
+    tier of the block's: ``host_memory_budget`` does not cap it."""
+    return shape.lp_bytes * partition_numel(sum(numels), shape.world_size) if shape.host_params else 0
 
 
 def adam_temporaries(shape: RunShape, tensors: list[int]) -> int:
@@ -114,7 +122,8 @@ def optimizer_step(shape: RunShape, states: dict, numels: list[int]) -> tuple[di
         # partition through an fp32 copy on the device (a copy across devices that casts makes one)
         resident = add_categories(states, category_bytes(gradients=lp * part, comm_buffers=lp * shape.reduce_bucket))
         sub = max(sub_group_numels(numels, shape.groups, shape.world_size, shape.sub_group_size))
-        return add_categories(resident, category_bytes(temporaries=4 * sub if shape.device != "cpu" else 0)), None
+        cast = 4 * sub if shape.device != "cpu" and not shape.host_params else 0  # offload_param: host to host
+        return add_categories(resident, category_bytes(temporaries=cast)), None
     if shape.host_optimizer:  # the gradients are on the host already, the update runs there
         return states, None
     if shape.stage == 0:

@@ -107,6 +107,8 @@ class RunShape:
     optimizer_offload: str = "none"
     """``zero_optimization.offload_optimizer.device`` (``cpu``, ``nvme`` or ``none``), ``partial`` where its ``ratio``
     keeps part of the states on the device."""
+    param_offload: str = "none"
+    """``zero_optimization.offload_param.device`` (``cpu``, ``nvme`` or ``none``)."""
     max_live_parameters: int = DEFAULT_MAX_LIVE_PARAMETERS
     """``stage3_max_live_parameters``: ZeRO 3 prefetches while fewer elements than this are gathered."""
     groups: Optional[tuple[tuple[int, ...], ...]] = None
@@ -152,6 +154,7 @@ class RunShape:
                    offloaded=tuple(k for k in ("offload_optimizer", "offload_param")
                                    if str((zero.get(k) or {}).get("device", "none")) != "none"),
                    optimizer=name, adam_impl=impl, device=device, optimizer_offload=_optimizer_offload(zero),
+                   param_offload=str((zero.get("offload_param") or {}).get("device", "none")),
                    clipping=_number(ds.get("gradient_clipping", DEFAULT_GRADIENT_CLIPPING), DEFAULT_GRADIENT_CLIPPING))
 
     @property
@@ -163,13 +166,22 @@ class RunShape:
         """``offload_optimizer`` to the CPU, whole: the fp32 partition, its gradient and the optimizer states in host
         memory, the update on the host (stage_1_and_2.py ``cpu_offload``; stage3.py ``offload_optimizer``, where the
         parameters stay on the device); modelled by the estimate."""
-        whole_device = self.stage < 3 or "offload_param" not in self.offloaded
-        return self.optimizer_offload == "cpu" and self.stage >= 1 and whole_device
+        modelled_params = self.stage < 3 or "offload_param" not in self.offloaded or self.host_params
+        return self.optimizer_offload == "cpu" and self.stage >= 1 and modelled_params
+
+    @property
+    def host_params(self) -> bool:
+        """``offload_param`` to the CPU at ZeRO 3: every 16-bit partition, the persistent weights' too, in one flat
+        host buffer per parameter group (stage3.py ``_create_param_groups_fp16_flat_cpu_memory``), each copied to the
+        device as a fetch gathers it (partition_parameters.py ``_all_gather_dtype``); modelled by the estimate on
+        several ranks (on one, each fetch copies the whole weight in, ``NoGatherCoalescedHandle``: not modelled)."""
+        return self.stage == 3 and self.param_offload == "cpu" and self.world_size > 1
 
     @property
     def unmodelled_offloads(self) -> tuple[str, ...]:
-        """The offload sections the estimate does not model (``offload_param``, NVMe, a partial ``ratio``)."""
-        return tuple(k for k in self.offloaded if not (k == "offload_optimizer" and self.host_optimizer))
+        """The offload sections the estimate does not model (NVMe, a partial ``ratio``)."""
+        return tuple(k for k in self.offloaded if not (k == "offload_optimizer" and self.host_optimizer)
+                     and not (k == "offload_param" and self.host_params))
 
 
 @dataclass(frozen=True)

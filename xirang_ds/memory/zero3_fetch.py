@@ -45,14 +45,18 @@ class Fetch:
     Attributes:
         held: bytes of the flat buffers alive after it (prefetched weights not all taken yet).
         spike: bytes of its own coalesced fetch's buffer, alive while its weights are copied out (0 when the
-            module fetched fewer than two weights).
+            module fetched fewer than two weights); with ``offload_param`` on a GPU, beside it the partitions copied
+            in from the host before the gather (``ds_tensor.to(device)``), or its prefetch's, the larger.
         gathered: bytes of the partitioned weights gathered whole after it (copied out of a buffer, or gathered
             into themselves), the persistent ones left out.
+        fetched: bytes of this rank's partitions of the weights its fetch and its prefetch gather (what
+            ``offload_param`` copies in from the host).
     """
 
     held: int
     spike: int
     gathered: int = 0
+    fetched: int = 0
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,12 @@ def replay(shape: RunShape, numels: list[int], forward: list[list[int]],
 
     def flat_bytes(batch: list[int]) -> int:  # each weight's partition, padded, from every rank
         return lp * world * sum(-(-numels[i] // world) for i in batch) if len(batch) > 1 else 0
+
+    def partitions(batch: list[int]) -> int:
+        return lp * sum(-(-numels[i] // world) for i in batch)
+
+    def copied(batch: list[int]) -> int:  # offload_param on a GPU: the partitions copied in before the gather
+        return partitions(batch) if shape.host_params and shape.device != "cpu" else 0
 
     released = {i for u in calls for i in u if numels[i] > shape.persistence_threshold}
     uses_at = collections.defaultdict(list)  # a weight: the calls that use it, in order
@@ -147,7 +157,9 @@ def replay(shape: RunShape, numels: list[int], forward: list[list[int]],
         if len(prefetch) > 1:
             batches[k] = [flat_bytes(prefetch), len(prefetch), False]
             batch_of.update((i, k) for i in prefetch)
-        out.append(Fetch(held=sum(v[0] for v in batches.values()), spike=flat_bytes(own), gathered=gathered()))
+        spike = max(flat_bytes(own) + copied(own), copied(prefetch))
+        out.append(Fetch(held=sum(v[0] for v in batches.values()), spike=spike, gathered=gathered(),
+                         fetched=partitions(own) + partitions(prefetch)))
         for i in use:  # the call ends: its weights are released unless kept
             if (i in released and status[i] == AVAILABLE and fetched_for.get(i, -1) <= k + 1
                     and not reused(i, k + 1)):

@@ -38,6 +38,7 @@ from xirang_ds.memory.model_states import (
     category_bytes,
     model_states,
     offloaded_optimizer_host,
+    offloaded_params_host,
     optimizer_step,
     stage3_fetch_buffer,
     stage3_working_set,
@@ -90,8 +91,9 @@ class Estimate:
             estimate's notes say it, ``validate --model`` and the run refuse with it.
         device_fits: ``fits`` on the device alone (the plan and ``memory_budget``; ``None``: neither a budget nor
             a device total to check), whatever the host holds.
-        deepspeed_host_bytes: the host memory DeepSpeed's own ``offload_optimizer`` holds at most (ZeRO 1/2:
-            `xirang_ds.memory.model_states.offloaded_optimizer_host`), beside the host tiers; 0 without it.
+        deepspeed_host_bytes: the host memory DeepSpeed's own ``offload_optimizer`` and ``offload_param`` hold at
+            most (`xirang_ds.memory.model_states.offloaded_optimizer_host`, ``offloaded_params_host``), beside the
+            host tiers; 0 without them.
     """
 
     predicted_peak_bytes: int
@@ -356,7 +358,8 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
                     phases={k: {**v, "total": totals[k]} for k, v in phases.items()}, notes=notes,
                     fits=False if refusal else device_fits, least_budget_bytes=least, plans=plans, points=points,
                     host_peak_bytes=host, host_refusal=refusal, device_fits=device_fits,
-                    deepspeed_host_bytes=offloaded_optimizer_host(shape, numels)[1])
+                    deepspeed_host_bytes=offloaded_optimizer_host(shape, numels)[1]
+                    + offloaded_params_host(shape, numels))
 
 
 def _fits(session: Any, peak: int, plans: dict) -> tuple[Optional[bool], int]:
@@ -452,7 +455,7 @@ def format_estimate(est: Estimate) -> str:
     if est.host_peak_bytes:
         lines.append(f"host tiers: {format_bytes(est.host_peak_bytes)} ({est.host_peak_bytes:,} bytes) held")
     if est.deepspeed_host_bytes:
-        lines.append(f"DeepSpeed's offloaded optimizer: {format_bytes(est.deepspeed_host_bytes)} "
+        lines.append(f"DeepSpeed's offload: {format_bytes(est.deepspeed_host_bytes)} "
                      f"({est.deepspeed_host_bytes:,} bytes) in host memory at most")
     if est.step_time is not None:
         st, plain = est.step_time, est.plain_step_time

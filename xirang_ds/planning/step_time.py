@@ -25,6 +25,10 @@ where DeepSpeed overlaps communication with backward):
   at ZeRO 3 sub-group by sub-group beside the flat stand-in of the device's work) priced
   by the host's profile (`xirang_ds.memory.device_profile.host_profile`), and the gradients' and parameters' bytes
   over the host link each way (DeepSpeed copies on the device's stream: in the step's way, not beside it);
+* **the parameters' copies** (``offload_param`` to the CPU at ZeRO 3, part ``param_copies``): each fetch's
+  partitions copied in from the host before its all-gather, every micro-step, and the updated 16-bit partition
+  back where the optimizer is on the device, over the host link, in the step's way (a blocking copy before each
+  gather): `param_copies_bytes`, ``counts["param_copies_bytes"]``;
 * **what the block adds**: each enabled plugin's own seconds per step (`xirang_ds.roles.TimesStep`); one
   that does not price itself is named in the notes as not modelled. A plugin that reduces and steps the
   gradients in place of DeepSpeed's path (`xirang_ds.roles.TimesGradients`: grad_release) counts its own ops
@@ -48,6 +52,7 @@ import torch
 from xirang_ds.compat.torch import fake_tensor_mode
 from xirang_ds.memory.device_profile import DeviceProfile, OpTally, Tallying, host_profile, tallied
 from xirang_ds.memory.run_shape import RunShape, fullest_rank, partition_numel
+from xirang_ds.memory.zero3_fetch import replay
 from xirang_ds.planning.deepspeed_ops import adamw_ops, engine_ops, host_optimizer_ops, not_written
 from xirang_ds.roles import CopiesBeside, TimesGradients, TimesStep, TimesUpdate
 
@@ -125,6 +130,23 @@ def communication_bytes(shape: RunShape, total: int) -> int:
     return int(3 * accum * ring)
 
 
+def param_copies_bytes(shape: RunShape, trace: Any) -> Optional[int]:
+    """``offload_param`` (`RunShape.host_params`): the bytes over the host link a step, ``None`` where it is not on or
+    the trace recorded no module calls. Each micro-step every fetch copies this rank's partitions of the weights it
+    gathers in from the host (`xirang_ds.memory.zero3_fetch.replay`, forward and backward, at a steady step); at the
+    update the 16-bit partition comes back from the device where the optimizer is there (host to host where it is
+    offloaded too)."""
+    calls = getattr(trace, "forward_calls", None)
+    if not shape.host_params or not calls:
+        return None
+    numels = trace.param_numels
+    backward = [use for _, use in getattr(trace, "backward_calls", [])] or None
+    steps = replay(shape, numels, [use for _, use in calls], backward)
+    fetched = sum(f.fetched for f in steps.forward + steps.backward)
+    back = 0 if shape.host_optimizer else shape.lp_bytes * partition_numel(sum(numels), shape.world_size)
+    return shape.grad_accum * fetched + back
+
+
 def step_time(shape: RunShape, trace: Any, profile: DeviceProfile, session: Any = None) -> Optional[StepTime]:
     """The predicted step (module docstring); ``None`` where the trace counted no ops."""
     ops = getattr(trace, "ops", None)
@@ -166,8 +188,14 @@ def step_time(shape: RunShape, trace: Any, profile: DeviceProfile, session: Any 
         host = host_profile(profile)
         link = (offload.to_host_bytes + offload.to_device_bytes) / profile.host_link_bytes_per_s
         parts["host_optimizer"] = offload.host.seconds(host) + link
-    if shape.unmodelled_offloads:
-        notes.append("DeepSpeed's host offload is not priced")
+    unpriced = list(shape.unmodelled_offloads)
+    copied = param_copies_bytes(shape, trace)
+    if copied is not None:  # offload_param: each fetch's partitions copied in, then the updated ones back
+        parts["param_copies"] = copied / profile.host_link_bytes_per_s
+    elif shape.host_params:
+        unpriced.append("offload_param")
+    if unpriced:
+        notes.append("DeepSpeed's host offload is not priced: " + ", ".join(unpriced))
     for plugin in plugins:
         seconds = plugin.step_seconds(shape, numels, profile) if isinstance(plugin, TimesStep) else None
         if seconds is None:
@@ -186,10 +214,12 @@ def step_time(shape: RunShape, trace: Any, profile: DeviceProfile, session: Any 
     if offload is not None:
         counts["host_optimizer"] = {**offload.host.as_dict(), "to_host_bytes": offload.to_host_bytes,
                                     "to_device_bytes": offload.to_device_bytes, "host_profile": host.name}
+    if copied is not None:
+        counts["param_copies_bytes"] = copied
     beside = sum(p.beside_seconds(shape, numels, profile) for p in plugins if isinstance(p, CopiesBeside))
     if beside:
         counts["beside_compute_s"] = beside
     return StepTime(max(sum(parts.values()), beside), parts, counts, profile.name, notes)
 
 
-__all__ = ["StepTime", "communication_bytes", "optimizer_ops", "step_time", "tallied"]
+__all__ = ["StepTime", "communication_bytes", "optimizer_ops", "param_copies_bytes", "step_time", "tallied"]

@@ -12,12 +12,14 @@ the same figures that refused the block), in the order a user gives up least:
 * ``offload_optimizer``: at ZeRO 1-3, DeepSpeed's optimizer in host memory (``{"device": "cpu"}``: the fp32
   weights, their gradients and the states there, the update on the CPU), the costliest in time (the step
   prices it: `xirang_ds.planning.step_time`); grad_release and optimizer_states cannot run beside it, so a
-  preset leaves them out.
+  preset leaves them out;
+* ``offload_param``: at ZeRO 3, the 16-bit partitions in host memory (``{"device": "cpu"}``), each copied to the
+  device as its weights are gathered; the predicted step does not price those copies, and says so.
 
 The search is greedy and bounded: each round estimates every single change on top of the changes taken so
 far; the first that fits (in the order above) is the suggestion, otherwise the change that lowered the least
-budget most is kept and the next round starts, for at most `MAX_ROUNDS` rounds. ``offload_param`` and NVMe are
-not suggested: the estimate does not model them.
+budget most is kept and the next round starts, for at most `MAX_ROUNDS` rounds. NVMe is not suggested: the
+estimate does not model it.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from xirang_ds.memory.run_shape import EstimateError
 PRESET_ORDER = ("conservative", "balanced", "aggressive")
 """Presets from the one that changes least to the one that saves most."""
 MAX_ROUNDS = 3
-"""Rounds of the greedy search: at most three changes, at most twelve estimates."""
+"""Rounds of the greedy search: at most three changes, at most fifteen estimates."""
 BUDGET_ROUNDS = 4
 """Estimates `least_fitting_budget` runs at most."""
 
@@ -104,8 +106,19 @@ def _offload_optimizer(ds_config: dict) -> Optional[tuple[dict, str]]:
                                                       "update on the CPU: slower steps)")
 
 
+def _offload_param(ds_config: dict) -> Optional[tuple[dict, str]]:
+    zero = dict(ds_config.get("zero_optimization") or {})
+    device = str((zero.get("offload_param") or {}).get("device", "none"))
+    if int(zero.get("stage", 0)) != 3 or device != "none":
+        return None
+    zero["offload_param"] = {**(zero.get("offload_param") or {}), "device": "cpu"}
+    return {**ds_config, "zero_optimization": zero}, ('zero_optimization.offload_param {"device": "cpu"} (the 16-bit '
+                                                      "weights' partitions in host memory, each copied to the device "
+                                                      "as it is gathered: slower steps)")
+
+
 CHANGES: tuple[Callable[[dict], Optional[tuple[dict, str]]], ...] = (_next_preset, _next_stage, _half_micro_batch,
-                                                                     _offload_optimizer)
+                                                                     _offload_optimizer, _offload_param)
 """The changes, in the order a user gives up least (module docstring)."""
 
 
@@ -182,7 +195,8 @@ def format_suggestion(s: Suggestion) -> str:
     from xirang_ds.config.types import format_bytes
 
     if not s.changes:
-        return "no change the estimate can price makes it fit (preset, ZeRO stage, micro-batch, optimizer offload)"
+        return ("no change the estimate can price makes it fit (preset, ZeRO stage, micro-batch, optimizer and "
+                "parameter offload)")
     if s.found:
         head = f"fits with these changes (predicted peak {format_bytes(s.predicted_peak_bytes)}; {s.estimates} estimate(s)):"
     else:

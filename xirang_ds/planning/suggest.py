@@ -14,7 +14,8 @@ the same figures that refused the block), in the order a user gives up least:
   prices it: `xirang_ds.planning.step_time`); grad_release and optimizer_states cannot run beside it, so a
   preset leaves them out;
 * ``offload_param``: at ZeRO 3, the 16-bit partitions in host memory (``{"device": "cpu"}``), each copied to the
-  device as its weights are gathered; the predicted step does not price those copies, and says so.
+  device as its weights are gathered (the predicted step prices those copies over the host link; on one rank the
+  estimate does not model it and keeps the partitions on the device, so there it saves nothing and never fits).
 
 The search is greedy and bounded: each round estimates every single change on top of the changes taken so
 far; the first that fits (in the order above) is the suggestion, otherwise the change that lowered the least

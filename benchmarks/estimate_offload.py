@@ -10,9 +10,9 @@ host buffers (the fp32 partition and its gradient, the states, the staging buffe
 as ``host``, apart from the device's bytes, as they are apart on a GPU (`xirang_ds.memory.engine_roles`). Each
 is estimated before it runs (`xirang_ds.planning.spec.estimate_spec`); memory on the CPU is exact, so each row
 reproduces to the byte. Then ZeRO 3 with ``offload_param`` to the CPU (``param_cases``), the optimizer offloaded too
-or not: the tracker counts DeepSpeed's flat host buffers of the 16-bit partitions as ``host``. On a CPU the copy of
-a partition to the device is the partition itself, so a GPU's copies in at each fetch (which the estimate adds on a
-GPU) are not in these runs.
+or not, on 2 ranks and on one: the tracker counts DeepSpeed's flat host buffers of the 16-bit partitions as
+``host``. On a CPU the copy of a partition to the device is the partition itself, so a GPU's copies in at each fetch
+(which the estimate adds on a GPU; on one rank each weight whole as its module takes it) are not in these runs.
 
 Then the 0.91B GPT of the 2026-12-04 H200 run on one H200 (``benchmarks/configs/plain_0.91b.json``), without the
 offload, with it (torch's AdamW on the host, as that ds_config's ``torch_adam`` asks) and with it under
@@ -55,6 +55,7 @@ PARAM_CASES = [  # ZeRO 3 bf16 with offload_param to the CPU: model, accumulatio
     ("gpt-small", 2, 2, True, None),
     ("llama-tiny", 1, 2, True, None),
     ("gpt-small", 1, 2, True, {"preset": "conservative"}),
+    ("gpt-small", 2, 1, True, None),
 ]
 BIG = "gpt:layers=16,hidden=2048,heads=16,seq=1024,vocab=50304"
 STEPS = 3

@@ -128,3 +128,15 @@ def test_offload_param_on_a_gpu_copies_each_fetchs_partitions_in_beside_its_buff
     assert [f.spike for f in own.forward] == [2 * 2 * (500 + 1001) + 2 * (500 + 1001), 2 * 2 * 3500 + 2 * 3500]
     # on the CPU the copy is the partition itself: nothing is made
     assert [f.spike for f in replay(dataclasses.replace(shape, device="cpu"), NUMELS, MODULES).forward] == [0] * 5
+
+
+def test_offload_param_on_one_rank_copies_each_weight_in_whole_as_its_module_takes_it():
+    # nothing is gathered and no buffer is made; a prefetched weight reaches the device only when its module waits
+    # for it, and on a CPU the copy is the host partition itself
+    shape = dataclasses.replace(_shape(world=1), param_offload="cpu", device="cuda")
+    steps = replay(shape, NUMELS, MODULES).forward
+    assert [(f.held, f.spike) for f in steps] == [(0, 0)] * 5
+    assert [f.gathered for f in steps] == [2 * 1000, 2 * (1000 + 2001), 2 * (1000 + 2001), 2 * (1000 + 2001 + 3000),
+                                           2 * (1000 + 2001 + 3000 + 4000)]  # kept to backward (the reuse distance)
+    assert [f.fetched for f in steps] == [2 * (1000 + 2001 + 3000 + 4000), 0, 0, 0, 0]
+    assert [f.gathered for f in replay(dataclasses.replace(shape, device="cpu"), NUMELS, MODULES).forward] == [0] * 5

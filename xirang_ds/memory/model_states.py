@@ -193,8 +193,9 @@ def stage3_working_set(shape: RunShape, numels: list[int], fwd: dict, bwd: dict,
     gathered = min(sum(released), kept + max(shape.prefetch_bucket, largest) + largest) + persistent
     if replayed:
         gathered = persistent
-    if shape.world_size == 1:
-        gathered = 0  # one rank's partition is the whole parameter: gathering allocates nothing
+    if shape.world_size == 1 and not (shape.host_params and shape.device != "cpu"):
+        gathered = 0  # one rank's partition is the whole parameter: gathering allocates nothing (offload_param on a
+        # GPU copies it in: the persistent weights stay there, the others are the replay's)
     extra = category_bytes(parameters=lp * gathered,
                  comm_buffers=lp * shape.reduce_bucket,
                  gradients=lp * partition_numel(total, shape.world_size))

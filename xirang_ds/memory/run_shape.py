@@ -173,9 +173,10 @@ class RunShape:
     def host_params(self) -> bool:
         """``offload_param`` to the CPU at ZeRO 3: every 16-bit partition, the persistent weights' too, in one flat
         host buffer per parameter group (stage3.py ``_create_param_groups_fp16_flat_cpu_memory``), each copied to the
-        device as a fetch gathers it (partition_parameters.py ``_all_gather_dtype``); modelled by the estimate on
-        several ranks (on one, each fetch copies the whole weight in, ``NoGatherCoalescedHandle``: not modelled)."""
-        return self.stage == 3 and self.param_offload == "cpu" and self.world_size > 1
+        device as a fetch gathers it (partition_parameters.py ``_all_gather_dtype``; on one rank, where nothing is
+        gathered, the whole weight is copied in as its module takes it, ``NoGatherCoalescedHandle``); modelled by the
+        estimate."""
+        return self.stage == 3 and self.param_offload == "cpu"
 
     @property
     def unmodelled_offloads(self) -> tuple[str, ...]:

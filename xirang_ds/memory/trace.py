@@ -58,7 +58,7 @@ class Trace:
         backward_sweeps: per micro-step, its backward's own bytes step by step (`xirang_ds.memory.sweep`).
         forward_calls: ``(clock, indices)`` of each module called in the first micro-step's forward, in order, with
             the parameters (into ``param_numels``) it owns itself: where ZeRO 3 fetches
-            (`xirang_ds.memory.zero3_fetch`; recorded at ZeRO 3 on several ranks only).
+            (`xirang_ds.memory.zero3_fetch`; recorded at ZeRO 3 on several ranks, or with ``offload_param``).
         forward_sweep: that forward's own bytes step by step (with ``forward_calls`` only).
         backward_calls: ``(clock, indices)`` of each module as its backward starts in the first micro-step (the
             first gradient of one of its outputs), in order, with the parameters it owns itself.
@@ -295,7 +295,8 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
                 node.register_prehook(grad_ready)  # on the node, not the tensor: a hooked tensor changes nothing
 
         calls_done = backward_done = False
-        fetches = shape.stage == 3 and shape.world_size > 1  # where ZeRO 3 fetches (`xirang_ds.memory.zero3_fetch`)
+        # where ZeRO 3 fetches (`xirang_ds.memory.zero3_fetch`): on several ranks, or from the host on one
+        fetches = shape.stage == 3 and (shape.world_size > 1 or shape.host_params)
         if fetches:
             handles += [m.register_forward_pre_hook(called) for m in model.modules()]
             handles += [m.register_forward_hook(returned) for m in model.modules()]

@@ -22,6 +22,12 @@ prefetched with the others, and kept (never in ``__params_to_release``), until t
 its last persistent weight: on gpt-small, one 6,450,176-byte buffer to forward's end instead of 5,767,168 bytes to
 its last block. `replay` with ``persistent_kept`` replays that micro-batch.
 
+With ``offload_param`` (`RunShape.host_params`) the partitions live in host memory: on a GPU each fetch first
+copies this rank's partitions of its weights in (``ds_tensor.to(device)``), then gathers. On one rank nothing is
+gathered and no buffer is made: each weight is copied in whole as its module takes it (``NoGatherCoalescedHandle``;
+a prefetched one reaches the device only then) and held while it is gathered. On a CPU the copy is the host
+partition itself.
+
 `replay` runs that over the module calls the trace recorded (`xirang_ds.memory.trace`: each module as its forward
 starts and as its backward starts): per call, the buffers alive after its fetch, its own coalesced fetch's buffer
 (alive only while its weights are copied out) and the weights gathered. The estimate sets them beside the step's
@@ -84,18 +90,22 @@ def replay(shape: RunShape, numels: list[int], forward: list[list[int]],
     (the prefetch skips a gathered weight's later use, so the coordinator keeps it to that use)."""
     backward = [list(reversed(u)) for u in reversed(forward)] if backward is None else backward
     calls = [list(dict.fromkeys(u)) for u in forward + backward]
-    if shape.stage != 3 or shape.world_size == 1:
+    if shape.stage != 3 or (shape.world_size == 1 and not shape.host_params):
         return Replay([Fetch(0, 0) for _ in forward], [Fetch(0, 0) for _ in backward], Fetch(0, 0))
     world, lp = shape.world_size, shape.lp_bytes
+    # offload_param on one rank: no gather and no flat buffer; a weight is copied in whole as its module takes it
+    # (an in-flight one is not on the device yet), and on a CPU that copy is the host partition itself
+    copies_whole = world == 1
+    on_device = not copies_whole or shape.device != "cpu"
 
     def flat_bytes(batch: list[int]) -> int:  # each weight's partition, padded, from every rank
-        return lp * world * sum(-(-numels[i] // world) for i in batch) if len(batch) > 1 else 0
+        return lp * world * sum(-(-numels[i] // world) for i in batch) if len(batch) > 1 and world > 1 else 0
 
     def partitions(batch: list[int]) -> int:
         return lp * sum(-(-numels[i] // world) for i in batch)
 
     def copied(batch: list[int]) -> int:  # offload_param on a GPU: the partitions copied in before the gather
-        return partitions(batch) if shape.host_params and shape.device != "cpu" else 0
+        return partitions(batch) if shape.host_params and shape.device != "cpu" and not copies_whole else 0
 
     released = {i for u in calls for i in u if numels[i] > shape.persistence_threshold}
     uses_at = collections.defaultdict(list)  # a weight: the calls that use it, in order
@@ -123,8 +133,8 @@ def replay(shape: RunShape, numels: list[int], forward: list[list[int]],
 
     def gathered() -> int:
         whole = [i for i, s in status.items() if i in released and (s == AVAILABLE or (s == IN_FLIGHT and (
-            i not in batch_of or batches[batch_of[i]][2])))]
-        return lp * sum(numels[i] for i in whole)
+            i not in batch_of or batches[batch_of[i]][2]) and not copies_whole))]
+        return lp * sum(numels[i] for i in whole) if on_device else 0
 
     for k, use in enumerate(calls):
         own = [i for i in use if status.get(i) == NOT_AVAILABLE]

@@ -272,7 +272,7 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
               "it moves to the host); measure with xirang-ds bench" for k in shape.unmodelled_offloads]
     fetch = stage3_fetch_buffer(shape, numels)
     replayed = None
-    if fetch and trace.forward_calls and trace.forward_sweep is not None:
+    if (fetch or shape.host_params) and trace.forward_calls and trace.forward_sweep is not None:
         replayed = stage3_fetches(shape, trace)
         held = replayed.held
         where = f"{format_bytes(held)} ({held:,} bytes) of flat buffers" if held else "no flat buffer"

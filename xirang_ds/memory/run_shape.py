@@ -179,6 +179,12 @@ class RunShape:
         return self.stage == 3 and self.param_offload == "cpu"
 
     @property
+    def fetches_weights(self) -> bool:
+        """ZeRO 3 brings weights onto the device as their modules run: gathered on several ranks, copied in from the
+        host under ``offload_param`` on one (`xirang_ds.memory.zero3_fetch`)."""
+        return self.stage == 3 and (self.world_size > 1 or self.host_params)
+
+    @property
     def unmodelled_offloads(self) -> tuple[str, ...]:
         """The offload sections the estimate does not model (NVMe, a partial ``ratio``)."""
         return tuple(k for k in self.offloaded if not (k == "offload_optimizer" and self.host_optimizer)

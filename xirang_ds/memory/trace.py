@@ -295,8 +295,7 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
                 node.register_prehook(grad_ready)  # on the node, not the tensor: a hooked tensor changes nothing
 
         calls_done = backward_done = False
-        # where ZeRO 3 fetches (`xirang_ds.memory.zero3_fetch`): on several ranks, or from the host on one
-        fetches = shape.stage == 3 and (shape.world_size > 1 or shape.host_params)
+        fetches = shape.fetches_weights  # where ZeRO 3 fetches (`xirang_ds.memory.zero3_fetch`)
         if fetches:
             handles += [m.register_forward_pre_hook(called) for m in model.modules()]
             handles += [m.register_forward_hook(returned) for m in model.modules()]

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from xirang_ds.memory.run_shape import RunShape
 
@@ -80,7 +80,8 @@ def replay(shape: RunShape, numels: list[int], forward: list[list[int]],
     """What each module's fetch leaves at a steady step, in forward and in backward: ``forward[k]`` and
     ``backward[k]`` are the weights (indices into ``numels``) that the ``k``-th module called owns, in the order
     the modules' forwards and backwards start. Without ``backward``, the modules' backwards are taken as their
-    forwards in reverse. On one rank the partition is the weight: nothing is gathered. With ``persistent_kept``:
+    forwards in reverse. On one rank the partition is the weight: nothing is gathered, and only ``offload_param``
+    copies weights in (module docstring). With ``persistent_kept``:
     the first step's second micro-batch, where the persistent weights start released but those given, and are
     fetched like the others and kept (module docstring).
 
@@ -90,7 +91,7 @@ def replay(shape: RunShape, numels: list[int], forward: list[list[int]],
     (the prefetch skips a gathered weight's later use, so the coordinator keeps it to that use)."""
     backward = [list(reversed(u)) for u in reversed(forward)] if backward is None else backward
     calls = [list(dict.fromkeys(u)) for u in forward + backward]
-    if shape.stage != 3 or (shape.world_size == 1 and not shape.host_params):
+    if not shape.fetches_weights:
         return Replay([Fetch(0, 0) for _ in forward], [Fetch(0, 0) for _ in backward], Fetch(0, 0))
     world, lp = shape.world_size, shape.lp_bytes
     # offload_param on one rank: no gather and no flat buffer; a weight is copied in whole as its module takes it
@@ -98,11 +99,11 @@ def replay(shape: RunShape, numels: list[int], forward: list[list[int]],
     copies_whole = world == 1
     on_device = not copies_whole or shape.device != "cpu"
 
-    def flat_bytes(batch: list[int]) -> int:  # each weight's partition, padded, from every rank
-        return lp * world * sum(-(-numels[i] // world) for i in batch) if len(batch) > 1 and world > 1 else 0
-
-    def partitions(batch: list[int]) -> int:
+    def partitions(batch: list[int]) -> int:  # this rank's partition of each weight, padded
         return lp * sum(-(-numels[i] // world) for i in batch)
+
+    def flat_bytes(batch: list[int]) -> int:  # a coalesced gather's buffer: the partitions from every rank
+        return world * partitions(batch) if len(batch) > 1 and not copies_whole else 0
 
     def copied(batch: list[int]) -> int:  # offload_param on a GPU: the partitions copied in before the gather
         return partitions(batch) if shape.host_params and shape.device != "cpu" and not copies_whole else 0
@@ -182,4 +183,17 @@ def replay(shape: RunShape, numels: list[int], forward: list[list[int]],
     return Replay(out[:len(forward)], out[len(forward):], end)
 
 
-__all__ = ["Fetch", "Replay", "replay"]
+def traced_calls(trace: Any) -> tuple[list[tuple[int, list[int]]], list[tuple[int, list[int]]]]:
+    """The module calls a fake trace recorded (`xirang_ds.memory.trace.Trace`: ``forward_calls``, ``backward_calls``,
+    each ``(clock, weights)``), as `replay` takes them: a weight whose module's backward the trace did not see start
+    (a head that runs again in backward, one chunk at a time) is taken as used where backward's first module starts,
+    so kept gathered to there."""
+    backward = trace.backward_calls
+    seen = {i for _, use in backward for i in use}
+    unseen = list(dict.fromkeys(i for _, use in trace.forward_calls for i in use if i not in seen))
+    if backward and unseen:
+        backward = [(backward[0][0], unseen), *backward]
+    return trace.forward_calls, backward
+
+
+__all__ = ["Fetch", "Replay", "replay", "traced_calls"]

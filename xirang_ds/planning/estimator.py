@@ -57,7 +57,7 @@ from xirang_ds.memory.run_shape import (
 )
 from xirang_ds.memory.sweep import ENGINE, Sweep, most_beside, most_beside_point
 from xirang_ds.memory.trace import Inputs, Trace, loss_of, trace_model
-from xirang_ds.memory.zero3_fetch import Fetch, replay
+from xirang_ds.memory.zero3_fetch import Fetch, replay, traced_calls
 from xirang_ds.memory.device_profile import PROFILES
 from xirang_ds.planning.fit import fit_block
 from xirang_ds.planning.step_time import StepTime, step_time
@@ -217,14 +217,8 @@ def stage3_fetches(shape: "RunShape", trace: Trace, first_step: bool = False) ->
     the most together, and the same over backward's module calls, set against backward's own peak. ``first_step``:
     those of the first step's second micro-batch, whose fetches take the persistent weights too
     (`xirang_ds.memory.zero3_fetch`)."""
-    backward_calls = trace.backward_calls
-    seen = {i for _, use in backward_calls for i in use}
-    unseen = list(dict.fromkeys(i for _, use in trace.forward_calls for i in use if i not in seen))
-    if backward_calls and unseen:
-        # weights whose module's backward the trace did not see start (a head that runs again in backward, one
-        # chunk at a time): taken as used where backward's first module starts, so kept gathered to there
-        backward_calls = [(backward_calls[0][0], unseen), *backward_calls]
-    steps = replay(shape, trace.param_numels, [use for _, use in trace.forward_calls],
+    forward_calls, backward_calls = traced_calls(trace)
+    steps = replay(shape, trace.param_numels, [use for _, use in forward_calls],
                    [use for _, use in backward_calls] or None, trace.unreleased_in_backward if first_step else None)
 
     def beside(sweep: Sweep, calls: list, fetches: list[Fetch], before: Fetch) -> tuple[dict, dict]:
@@ -234,7 +228,7 @@ def stage3_fetches(shape: "RunShape", trace: Trace, first_step: bool = False) ->
         at = fetches[taken - 1] if taken else before  # the call the worst point comes after
         return own, category_bytes(comm_buffers=at.held, parameters=at.gathered)
 
-    own, fetched = beside(trace.forward_sweep, trace.forward_calls, steps.forward, Fetch(0, 0))
+    own, fetched = beside(trace.forward_sweep, forward_calls, steps.forward, Fetch(0, 0))
     held = fetched[COMM_BUFFERS]  # the buffers alive there, the module's own transient (in ``own``) left out
     engine = category_bytes(**{c: v for c, v in trace.forward_by_category.items() if c in ENGINE})
     forward = add_categories(add_categories(engine, own), fetched)
@@ -272,7 +266,7 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
               "it moves to the host); measure with xirang-ds bench" for k in shape.unmodelled_offloads]
     fetch = stage3_fetch_buffer(shape, numels)
     replayed = None
-    if (fetch or shape.host_params) and trace.forward_calls and trace.forward_sweep is not None:
+    if shape.fetches_weights and trace.forward_calls and trace.forward_sweep is not None:
         replayed = stage3_fetches(shape, trace)
         held = replayed.held
         where = f"{format_bytes(held)} ({held:,} bytes) of flat buffers" if held else "no flat buffer"

@@ -52,7 +52,7 @@ import torch
 from xirang_ds.compat.torch import fake_tensor_mode
 from xirang_ds.memory.device_profile import DeviceProfile, OpTally, Tallying, host_profile, tallied
 from xirang_ds.memory.run_shape import RunShape, fullest_rank, partition_numel
-from xirang_ds.memory.zero3_fetch import replay
+from xirang_ds.memory.zero3_fetch import replay, traced_calls
 from xirang_ds.planning.deepspeed_ops import adamw_ops, engine_ops, host_optimizer_ops, not_written
 from xirang_ds.roles import CopiesBeside, TimesGradients, TimesStep, TimesUpdate
 
@@ -136,12 +136,11 @@ def param_copies_bytes(shape: RunShape, trace: Any) -> Optional[int]:
     gathers in from the host (`xirang_ds.memory.zero3_fetch.replay`, forward and backward, at a steady step); at the
     update the 16-bit partition comes back from the device where the optimizer is there (host to host where it is
     offloaded too)."""
-    calls = getattr(trace, "forward_calls", None)
-    if not shape.host_params or not calls:
+    if not shape.host_params or not getattr(trace, "forward_calls", None):
         return None
     numels = trace.param_numels
-    backward = [use for _, use in getattr(trace, "backward_calls", [])] or None
-    steps = replay(shape, numels, [use for _, use in calls], backward)
+    forward, backward = traced_calls(trace)
+    steps = replay(shape, numels, [use for _, use in forward], [use for _, use in backward] or None)
     fetched = sum(f.fetched for f in steps.forward + steps.backward)
     back = 0 if shape.host_optimizer else shape.lp_bytes * partition_numel(sum(numels), shape.world_size)
     return shape.grad_accum * fetched + back

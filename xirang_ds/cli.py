@@ -67,8 +67,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                 raise UsageError(f"--world-size must be >= 1; got {args.world_size}")
             spec = _model(args)
         resolved = resolve(ds_config, spec=spec, world_size=args.world_size)
-        verdict = _fit_verdict(spec, ds_config, args.world_size) if spec is not None else None
-    config = resolved.config
+        config = resolved.config
+        verdict = _fit_verdict(spec, ds_config, args.world_size, config) if spec is not None else None
     enabled = ", ".join(config.enabled_sections()) or "none"
     print(f"{args.config}: valid; preset {config.preset or 'none'}; enabled sections: {enabled}")
     for line in ([resolved.choice] if resolved.choice else []) + notes + resolved.lines() + ([verdict] if verdict else []):
@@ -78,9 +78,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fit_verdict(spec: Any, ds_config: dict, world_size: int) -> Optional[str]:
-    """Whether the block fits its budget on ``spec``, by the estimate the run plans with (the same plan and the same
-    least budget as ``initialize``'s refusal at the first forward: a planner's plan says it, ``refusal``).
+def _fit_verdict(spec: Any, ds_config: dict, world_size: int, config: Any) -> Optional[str]:
+    """Whether the block fits its budget on ``spec``, by the estimate the run plans with (the same plan, least budget
+    and fixes as ``initialize``'s refusal at the first forward: a planner's plan says it, ``refusal``); ``config``: the
+    resolved block.
 
     Raises:
         XirangConfigError: it does not fit.
@@ -90,6 +91,8 @@ def _fit_verdict(spec: Any, ds_config: dict, world_size: int) -> Optional[str]:
     from xirang_ds.models import describe_model
     from xirang_ds.planning.spec import estimate_spec
     from xirang_ds.planning.suggest import least_fitting_budget
+    from xirang_ds.registry import plugin_classes
+    from xirang_ds.roles import LowersBesidesActivations
 
     est = estimate_spec(spec, ds_config, world_size, timed=False)
     if est.fits is None:
@@ -103,7 +106,10 @@ def _fit_verdict(spec: Any, ds_config: dict, world_size: int) -> Optional[str]:
         if budget != "auto":
             least = least_fitting_budget(ds_config, lambda c: estimate_spec(spec, c, world_size, timed=False),
                                          est.least_budget_bytes)[0]
-        raise XirangConfigError([p for plan in refusing for p in plan.refusal(budget, where, least=least)])
+        sections = config.sections()
+        fixes = "; or ".join(fix for fix in (cls.budget_fix(sections[cls.section]) for cls in plugin_classes()
+                                             if issubclass(cls, LowersBesidesActivations)) if fix)
+        raise XirangConfigError([p for plan in refusing for p in plan.refusal(budget, where, fixes=fixes, least=least)])
     if est.host_refusal and est.device_fits is not False:  # the host tiers alone, as the run refuses them
         raise XirangConfigError([("xirang.host_memory_budget", f"{est.host_refusal} ({where})")])
     if not est.fits:

@@ -70,6 +70,18 @@ class FitsDsConfig(Protocol):
 
 
 @runtime_checkable
+class LowersBesidesActivations(Protocol):
+    """It can still lower what a rank holds besides saved activations, losslessly, by a key of its own (grad_release:
+    its optimizer states in host memory), which a budget's refusal names beside raising the budget. A classmethod:
+    ``xirang-ds validate --model`` asks the plugin class; the run asks its stepper (``budget_fixes()``)."""
+
+    @classmethod
+    def budget_fix(cls, config: Any) -> str:
+        """The fix, configured as ``config`` under DeepSpeed ("keep ... (xirang.<key> ...)"), or "" where the
+        section already does it or cannot."""
+
+
+@runtime_checkable
 class RemarksOnAuto(Protocol):
     """It says what ``"preset": "auto"``'s line mentions of a candidate's estimate (grad_release: its optimizer
     states taken to host memory). A classmethod: `xirang_ds.planning.auto` asks the plugin class."""

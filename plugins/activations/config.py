@@ -112,6 +112,12 @@ class ActivationsConfig(Section):
     """Apply ds_config's ``activation_checkpointing`` section through this plugin (recompute of the
     repeated blocks; DeepSpeed alone ignores it unless model code calls its API)."""
 
+    @property
+    def follows_memory_budget(self) -> bool:
+        """The saved activations' budget is what ``memory_budget`` leaves them (neither ``budget`` nor
+        ``budget_fraction`` set): what lowers the rest raises it."""
+        return self.budget == "auto" and self.budget_fraction is None
+
     def check(self) -> Issues:
         issues: Issues = []
         if self.budget_fraction is not None and self.budget != "auto":

@@ -68,7 +68,7 @@ class Passes:
         lossy = tuple(k for k in ("quantize", "sparsify") if k in self.options or k in fixed)
         rt.profiler = Profiler(rt.eligible, rt.handlers["offload"], PayloadStorage(), self.tolerant_names, lossy,
                                self.config.quantize_block_size, self.config.sparsify_threshold, self.device_profile)
-        if self.config.budget_fraction is None and self.config.budget == "auto":
+        if self.config.follows_memory_budget:
             self._other_peak = OtherPeak(self.session, self._engine)
             rt.head_stretch = self._other_peak.exclude
             budget = self.session.config.memory_budget

@@ -126,7 +126,7 @@ def resolve_budget(config: ActivationsConfig, memory_budget: object, device_tota
     """Device bytes the saved activations may take per rank.
 
     Args:
-        stepper: the plugin that steps in backward (grad_release), whose ``budget_fixes()`` the error adds.
+        stepper: the plugin that steps in backward (grad_release), whose ``budget_fixes()`` the error names.
 
     Raises:
         XirangConfigError: ``memory_budget`` is below what the rank needs besides activations.
@@ -138,12 +138,12 @@ def resolve_budget(config: ActivationsConfig, memory_budget: object, device_tota
     total = device_total if memory_budget == "auto" else int(memory_budget)
     other = other_peak or 0
     if total <= other:
-        other_fixes = stepper.budget_fixes() if stepper is not None else ""
+        fix = stepper.budget_fixes() if stepper is not None else ""
         raise XirangConfigError([("xirang.memory_budget",
                                   f"{format_bytes(total)} is below what this rank needs besides saved activations "
                                   f"({format_bytes(other)} at its peak: model states, "
-                                  f"gradients, communication buffers, temporaries); raise it{other_fixes}, or set "
-                                  f"{PATH}.budget to the bytes activations may take")])
+                                  "gradients, communication buffers, temporaries); raise it, or set "
+                                  f"{PATH}.budget to the bytes activations may take{'; or ' + fix if fix else ''}")])
     return total - other
 
 
@@ -193,7 +193,7 @@ def plan_within(config: ActivationsConfig, memory_budget: object, device_total: 
         lossy = any(o in LOSSY_ACTIVATION_OPTIONS for o in config.options)
         return budget, choose(roots, budget, before, after, region, lossy), rest
 
-    open_tier = bool(parkable) and other is not None and config.budget == "auto" and config.budget_fraction is None
+    open_tier = bool(parkable) and other is not None and config.follows_memory_budget
     on_device = other + parkable if open_tier and pending else other
     try:
         found = attempt(on_device)

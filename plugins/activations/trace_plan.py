@@ -64,6 +64,8 @@ class TracePlan:
         host_bytes: what the plan's offloads hold on the host (`offload_host_bytes`), its lossy modules' reserves
             taken.
         host_note: why the plan does without offload, where ``host_memory_budget`` made it (`plan_phases`).
+        follows_memory_budget: the saved activations' budget is what ``memory_budget`` leaves them
+            (`ActivationsConfig.follows_memory_budget`): a refusal then names what lowers the rest.
     """
 
     plan: dict[str, str] = field(default_factory=dict)
@@ -83,6 +85,7 @@ class TracePlan:
     step_peak_bytes: Optional[int] = None
     host_bytes: int = 0
     host_note: str = ""
+    follows_memory_budget: bool = True
 
     @property
     def least_budget_bytes(self) -> int:
@@ -93,15 +96,17 @@ class TracePlan:
     def refusal(self, budget: Any, where: str, held: int = 0, fixes: str = "",
                 least: Optional[int] = None) -> list[tuple[str, str]]:
         """The problems of a plan that does not fit, as the run (`run_plan`) and ``xirang-ds validate --model`` both
-        say them: the planner's own, with ``fixes`` (what the run's stepper can still lower) after the budget's,
-        then the least budget (``least``: one an estimate at it confirmed, `xirang_ds.planning.suggest`; else the
-        plan's own) and its parts; ``where`` names the batch, ``held`` what the user holds on the device (taken off
-        ``budget`` before planning)."""
+        say them: the planner's own, each with ``fixes`` (what the run's stepper can still lower, where the saved
+        activations' budget follows ``memory_budget``: ``follows_memory_budget``), then the least budget
+        (``least``: one an estimate at it confirmed, `xirang_ds.planning.suggest`; else the plan's own) and its
+        parts; ``where`` names the batch, ``held`` what the user holds on the device (taken off ``budget`` before
+        planning)."""
         held_text = f", {format_bytes(held)} of it held on the device besides the run" if held else ""
         stated = budget if budget == "auto" else format_bytes(int(budget))
         confirmed = f"{format_bytes(least + held)} ({least + held:,} bytes; an estimate at it fits)" if least else \
             format_bytes(self.least_budget_bytes + held)
-        return [(key, f"{message}{fixes if key == 'xirang.memory_budget' else ''} ({where}; memory_budget {stated}"
+        fixes = f"; or {fixes}" if fixes and self.follows_memory_budget else ""
+        return [(key, f"{message}{fixes} ({where}; memory_budget {stated}"
                       f"{held_text}: the least budget that fits is {confirmed}; at this budget's settings "
                       f"{format_bytes(self.other_bytes)} besides saved activations, "
                       f"{format_bytes(self.least_bytes)} of them at least)")
@@ -210,7 +215,7 @@ def _plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, st
     transient = sum(profiles[n].keep_transient_bytes for n in free if n in plugin.head_names and n in profiles)
     other = max(_besides(cats, keep, transient) for cats in phases.values())
     out = TracePlan(profiles=profiles, other_bytes=other, keep_bytes=keep, device_profile=profile,
-                    least_bytes=least_budget(roots, before, after))
+                    least_bytes=least_budget(roots, before, after), follows_memory_budget=c.follows_memory_budget)
     total = device_total if device_total is not None else other + keep  # unknown device: everything fits
     budget = plugin.session.config.memory_budget
     limit = total if budget == "auto" else int(budget)

@@ -18,6 +18,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Optional
 
@@ -38,6 +39,18 @@ def host_reason(notes: list[str]) -> Optional[str]:
     """Why an estimate (`xirang_ds.planning.estimator.Estimate`) put grad_release's states in host memory, or None."""
     prefix = f"grad_release: {HOST_NOTE}"
     return next((n[len(prefix):] for n in notes if n.startswith(prefix)), None)
+
+
+def host_states_fix(config: Any, path: Any = None) -> str:
+    """What grad_release (``config``) can still lower losslessly where a budget refuses the run, as a fix to name
+    ("keep ...") or "": its optimizer states in host memory, where it keeps them on the device and the framework
+    (``path``, a `xirang_ds.registry.FrameworkPath` class; default DeepSpeed's) takes ``states: host``."""
+    if path is None:
+        from xirang_ds.plugins.grad_release.deepspeed import DeepSpeedRelease as path
+    refused = any(key == "states" for key, _ in path.check(dataclasses.replace(config, states="host")))
+    if not config.enabled or config.states != "device" or refused:
+        return ""
+    return "keep the optimizer states in host memory (xirang.grad_release.states \"host\", lossless)"
 
 
 class StatesTier:
@@ -136,14 +149,16 @@ class StatesTier:
         ``exact_method: auto`` stashes the held shard in host memory meanwhile and after (`stashes_held`)."""
         planner = self.session.activation_planner
         c = planner.config if planner is not None else None
-        return (self.session.config.memory_budget != "auto" and c is not None and c.planner and c.budget == "auto"
-                and c.budget_fraction is None)
+        return self.session.config.memory_budget != "auto" and c is not None and c.planner and c.follows_memory_budget
+
+    @classmethod
+    def budget_fix(cls, config: Any) -> str:
+        """`xirang_ds.roles.LowersBesidesActivations`: `host_states_fix` under DeepSpeed."""
+        return host_states_fix(config)
 
     def budget_fixes(self) -> str:
-        """What grad_release can still lower losslessly, for a memory_budget error (", or ...")."""
-        if self.config.states == "device" and self.buckets:
-            return ", keep the optimizer states in host memory (xirang.grad_release.states \"host\", lossless)"
-        return ""
+        """What this run's grad_release can still lower losslessly, for a budget's refusal (`host_states_fix`)."""
+        return host_states_fix(self.config, type(self.path)) if self.buckets else ""
 
     def parkable_bytes(self) -> int:
         """Device bytes the optimizer states take there beyond the largest bucket's (which comes back for

@@ -201,18 +201,49 @@ def test_a_budget_below_the_rest_names_host_states_where_they_are_on_the_device(
     from xirang_ds.config.validate import XirangConfigError
     from xirang_ds.plugins.activations.config import ActivationsConfig
     from xirang_ds.plugins.activations.pricing import resolve_budget
+    from xirang_ds.plugins.activations.trace_plan import TracePlan
     from xirang_ds.plugins.grad_release.config import GradReleaseConfig
-    from xirang_ds.plugins.grad_release.plugin import GradReleasePlugin
+    from xirang_ds.plugins.grad_release.megatron import MegatronRelease
+    from xirang_ds.plugins.grad_release.states_tier import host_states_fix
 
     def error(states):
         stepper = SimpleNamespace(config=GradReleaseConfig(enabled=True, states=states), buckets=[object()])
-        stepper.budget_fixes = lambda: GradReleasePlugin.budget_fixes(stepper)
+        stepper.budget_fixes = lambda: host_states_fix(stepper.config)
         with pytest.raises(XirangConfigError) as e:
             resolve_budget(ActivationsConfig(enabled=True), 1000, 10 ** 9, {}, 2000, stepper)
         return str(e.value)
 
-    assert "xirang.grad_release.states \"host\"" in error("device")
+    fix = "keep the optimizer states in host memory (xirang.grad_release.states \"host\", lossless)"
+    assert error("device").endswith(f"activations may take; or {fix}")
     assert "grad_release" not in error("host") and "raise it, or set" in error("host")
+    assert host_states_fix(GradReleaseConfig(enabled=True, states="auto")) == ""  # the planner already settles them
+    assert host_states_fix(GradReleaseConfig(enabled=False)) == ""
+    # Megatron refuses states: host
+    assert host_states_fix(GradReleaseConfig(enabled=True, states="device"), MegatronRelease) == ""
+    # a plan no budget of saved activations meets names it too: the rest it lowers raises that budget
+    plan = TracePlan(fits=False, problems=[("xirang.activations.budget", "1 KiB is below the least any plan needs")])
+    (key, message), = plan.refusal(1000, "here", fixes=fix)
+    assert key == "xirang.activations.budget" and message.startswith(f"1 KiB is below the least any plan needs; or {fix}")
+    plan.follows_memory_budget = False  # a budget of saved activations written out: the rest does not move it
+    assert "grad_release" not in plan.refusal(1000, "here", fixes=fix)[0][1]
+
+
+def test_validate_names_host_states_where_initialize_does(tmp_path, capsys):
+    import json
+
+    from xirang_ds.cli import main
+
+    def validate(states):
+        block = {"preset": "conservative", "memory_budget": 25_000_000, "grad_release": {"states": states}}
+        path = tmp_path / f"{states}.json"
+        path.write_text(json.dumps(ds_config(stage=2, dtype="bf16", micro=2, clip=1.0, xirang=block)))
+        code = main(["validate", str(path), "--model", "gpt-small", "--world-size", "2"])
+        return code, capsys.readouterr()
+
+    code, said = validate("device")  # below the least budget with the states on the device
+    assert code == 2 and "xirang.grad_release.states \"host\"" in said.err
+    code, said = validate("auto")  # the estimate puts them in host memory, and fits
+    assert code == 0 and "fits memory_budget" in said.out
 
 
 # states: auto (the default) under the activation planner --------------------------------------------------

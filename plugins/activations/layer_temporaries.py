@@ -75,14 +75,19 @@ def timeline(tracker: Any, marks: list[tuple[int, str]]) -> Timeline:
     return Timeline(records, spans)
 
 
-def measure(line: Timeline, held: Optional[Callable[[int], int]] = None, changes: Sequence[int] = ()) -> dict[str, int]:
+def measure(line: Timeline, held: Optional[Callable[[int], int]] = None, changes: Sequence[int] = (),
+            net_of_saved: bool = True) -> dict[str, int]:
     """For each marked candidate, the most its backward holds above the saved activations alive as it starts: the
     temporaries made in backward, less what it has freed of its saved tensors by then (the planner counts them
-    all until its backward ends); with ``held``, the gradient bytes held at each clock beside them at the same
-    moment (they change only at the ``changes`` clocks, after the event of that clock)."""
+    all until its backward ends: a kept or recomputed module's); with ``held``, the gradient bytes held at each
+    clock beside them at the same moment (they change only at the ``changes`` clocks, after the event of that
+    clock). Without ``net_of_saved``, the temporaries alone, nothing taken off for the saved tensors freed: for a
+    module whose saved tensors come back one by one as its nodes need them (an offload without a copy stream, an
+    encoding), which the planner counts at their most at once, not all until its backward ends."""
     out: dict[str, int] = {}
+    records = line.records if net_of_saved else [r for r in line.records if not r[3]]
     for start, end, name in line.spans:
-        out[name] = max(out.get(name, 0), _most_between(line.records, start, end, held, changes))
+        out[name] = max(out.get(name, 0), _most_between(records, start, end, held, changes))
     return out
 
 

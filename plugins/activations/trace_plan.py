@@ -24,7 +24,7 @@ import torch
 from xirang_ds.config.types import format_bytes
 from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.hooks import wrap_method
-from xirang_ds.memory.categories import ACTIVATIONS, GRADIENTS, TEMPORARIES
+from xirang_ds.memory.categories import ACTIVATIONS, COMM_BUFFERS, GRADIENTS, TEMPORARIES
 from xirang_ds.memory.device_profile import DeviceProfile
 from xirang_ds.memory.host_ledger import pins
 from xirang_ds.plugins.activations import layer_temporaries
@@ -177,6 +177,8 @@ def profile_trace(plugin: Any, model: torch.nn.Module, tracker: Any, free: list[
         plugin.trace_profiles = rt.profiler.combined()
         plugin.trace_layer_timeline = layer_temporaries.timeline(tracker, marks)
         plugin.trace_layer_temporaries = layer_temporaries.measure(plugin.trace_layer_timeline)
+        plugin.trace_layer_temporaries_alone = layer_temporaries.measure(plugin.trace_layer_timeline,
+                                                                         net_of_saved=False)
 
 
 def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str], streams: bool,
@@ -229,9 +231,17 @@ def _plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, st
     # activations (the trace's `Trace.layer_temporaries`)
     heads = frozenset(plugin.head_names)
     most_temporaries = getattr(getattr(plugin.session, "trace", None), "layer_temporaries", 0)
-    own = getattr(plugin, "trace_layer_temporaries", None) or {}  # each candidate's (`layer_temporaries`)
+    # each candidate's (`layer_temporaries`): net of the saved tensors its backward frees where the plan holds them
+    # all until it ends, alone where they come back one by one (`on_demand`)
+    own = getattr(plugin, "trace_layer_temporaries", None) or {}
+    alone = getattr(plugin, "trace_layer_temporaries_alone", None) or {}
+    demand, packed = on_demand(streams), {name: p.saved_bytes for name, p in profiles.items()}
     inputs = getattr(getattr(plugin.session, "trace", None), "inputs", 0)
-    own_and_held = _layer_gradients(plugin)  # with the gradients held beside them, where a plugin holds them its way
+    # with the gradients held beside them, where a plugin holds them its way
+    own_and_held, alone_and_held = _layer_gradients(plugin), _layer_gradients(plugin, net_of_saved=False)
+    # else the engine's reduction buckets, made by then
+    held_its_way = any(getattr(p, "estimate_gradients_held", None) is not None for p in plugin.session.plugins)
+    buffers = 0 if held_its_way else getattr(getattr(plugin.session, "trace", None), "layer_buffers", 0)
     for _ in range(PLAN_ROUNDS):
         try:
             out.budget_bytes, out.choices, _ = plan_within(c, budget, total, profiles, out.other_bytes, tree)
@@ -242,10 +252,10 @@ def _plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, st
         saved_end, saved_worst = (max(0, t - p) for t, p in zip(traced, out.planned_peaks))
         layers_worst = estimate_peak(roots, _past_heads(out.choices, heads), before, 0)[1]
         # the worst layer with its own temporaries (else the most any layer holds, beside the most saved)
-        with_own = estimate_peak(roots, _past_heads(out.choices, heads, own), before, 0)[1] if own else \
-            layers_worst + most_temporaries
-        with_held = estimate_peak(roots, _past_heads(out.choices, heads, own_and_held), before, 0)[1] \
-            if own and own_and_held else None
+        with_own = estimate_peak(roots, _past_heads(out.choices, heads, own, alone, demand, packed), before, 0)[1] \
+            if own else layers_worst + most_temporaries
+        with_held = estimate_peak(roots, _past_heads(out.choices, heads, own_and_held, alone_and_held, demand, packed),
+                                  before, 0)[1] if own and own_and_held else None
         adjusted = {}
         for phase, cats in phases.items():
             cats = dict(cats)
@@ -269,6 +279,8 @@ def _plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, st
                 layer = {**cats, ACTIVATIONS: worst, TEMPORARIES: max(0, with_own - worst) + inputs}
                 if with_held is not None:  # its gradients at the worst layer in place of those at the trace's peak
                     layer[GRADIENTS] = max(0, with_held - with_own)
+                # the engine's reduction buckets, which a trace that peaks before its first gradient has not
+                layer[COMM_BUFFERS] = max(cats.get(COMM_BUFFERS, 0), buffers)
                 at = max(at, layer, key=lambda c: sum(v for k, v in c.items() if k != HOST))
             adjusted[phase] = at
         # the rest was taken at its own peaks with the heads' whole loss left out: where the planned phases still
@@ -306,10 +318,11 @@ def offload_host_bytes(plan: dict[str, str], profiles: dict[str, ModuleProfile],
     return total
 
 
-def _layer_gradients(plugin: Any) -> dict[str, int]:
+def _layer_gradients(plugin: Any, net_of_saved: bool = True) -> dict[str, int]:
     """Each candidate's most bytes at once while its backward runs, its temporaries and the gradients held beside
     them, where a plugin of the session holds gradients its own way (its ``estimate_gradients_held``: the bytes
-    once the trace's gradients so far are taken, `xirang_ds.memory.trace.Trace.arrived`); empty where none does."""
+    once the trace's gradients so far are taken, `xirang_ds.memory.trace.Trace.arrived`); empty where none does.
+    ``net_of_saved``: as `layer_temporaries.measure` takes it."""
     held = next((p.estimate_gradients_held for p in plugin.session.plugins
                  if getattr(p, "estimate_gradients_held", None) is not None), None)
     trace = getattr(plugin.session, "trace", None)
@@ -325,18 +338,35 @@ def _layer_gradients(plugin: Any) -> dict[str, int]:
             cache[arrived] = held(list(arrived))
         return cache[arrived]
 
-    return layer_temporaries.measure(line, at, changes)
+    return layer_temporaries.measure(line, at, changes, net_of_saved)
 
 
-def _past_heads(choices: dict, heads: frozenset, own: Optional[dict] = None) -> dict:
+def _past_heads(choices: dict, heads: frozenset, own: Optional[dict] = None, alone: Optional[dict] = None,
+                demand: frozenset = frozenset(), saved: Optional[dict] = None) -> dict:
     """``choices`` past the first gradient: a kept head (last in forward, first in backward, its gradients made at
     the end of its backward) holds nothing there any more; with ``own``, each other candidate's backward holds
-    its own temporaries beside what it brings back."""
-    own = own or {}
+    its own temporaries beside what it brings back. Where its option is in ``demand`` (what comes back, one by
+    one, is at most its transient and at most what it saved, ``saved``), the lesser of two bounds: ``alone``'s
+    temporaries beside its transient at its most, and ``own``'s beside everything it saved."""
+    own, alone, saved = own or {}, alone or {}, saved or {}
+
+    def held(name: str, choice: Any) -> int:
+        if choice.option not in demand:
+            return choice.transient_bytes + own.get(name, 0)
+        return min(choice.transient_bytes + alone.get(name, 0),
+                   max(choice.transient_bytes, saved.get(name, 0)) + own.get(name, 0))
+
     return {name: dataclasses.replace(choice, device_bytes=0, transient_bytes=0)
             if name in heads and choice.option == "keep" else
-            dataclasses.replace(choice, transient_bytes=choice.transient_bytes + own.get(name, 0))
+            dataclasses.replace(choice, transient_bytes=held(name, choice))
             for name, choice in choices.items()}
+
+
+def on_demand(streams: bool) -> frozenset:
+    """The options whose saved tensors come back one by one in backward, each as its nodes need it
+    (`planner.option_costs` prices them at their most at once): the encodings, and offload without a copy
+    stream (with one, a module's come back whole, ahead)."""
+    return frozenset({"compress", "quantize", "sparsify"} | (set() if streams else {"offload"}))
 
 
 def _nodes(roots: list) -> Iterator[Any]:

@@ -44,6 +44,9 @@ class Trace:
             gradients of the layers' activations as autograd passes them down, beside what they saved; the
             loss's gradient comes before): what stays with a plan that moves the backward's worst point
             from the loss into a layer.
+        layer_buffers: the most bytes of the engine's communication buffers alive from backward's first gradient on
+            (ZeRO 1 and 2's reduction buckets, made as it is taken): what a layer's backward has beside it where
+            the backward's worst point with every activation kept comes before them.
         accumulates: the phases are the larger of two micro-steps of one accumulation window, so
             they hold what the engine carries from one micro-step to the next.
         loss_outside: the forward returned no loss; a stand-in was traced, and what the run's own
@@ -76,6 +79,7 @@ class Trace:
     backward_start_by_category: dict = field(default_factory=dict)
     param_numels: list[int] = field(default_factory=list)
     layer_temporaries: int = 0
+    layer_buffers: int = 0
     accumulates: bool = False
     loss_outside: bool = False
     ops: Optional[OpTally] = None
@@ -121,6 +125,7 @@ class _EngineEmulation:
         self.backward_starts: list[Any] = []  # its report at the micro-step's first gradient
         self.layers: Any = None  # a tracker window opened at that first gradient, to the end of backward
         self.layer_temporaries = 0  # the most temporaries it saw (`Trace.layer_temporaries`)
+        self.layer_buffers = 0  # and communication buffers (`Trace.layer_buffers`)
         self.index = {id(p): i for i, p in enumerate(params)}
         self.arrivals: list[list[tuple[int, int]]] = []  # `Trace.grad_arrivals`
         self.backward_clocks: list[int] = []
@@ -184,8 +189,9 @@ class _EngineEmulation:
     def end_backward(self) -> None:
         """ZeRO 2's epilogue: the last bucket is reduced into the partition, the gradients cleared."""
         if self.layers is not None:
-            peak = self.layers.category_peaks()[TEMPORARIES]
-            self.layer_temporaries = max(self.layer_temporaries, peak)
+            peaks = self.layers.category_peaks()
+            self.layer_temporaries = max(self.layer_temporaries, peaks[TEMPORARIES])
+            self.layer_buffers = max(self.layer_buffers, peaks[COMM_BUFFERS])
             self.layers.close()
             self.layers = None
         if self.shape.stage == 2 and self.bucket_fill:
@@ -364,6 +370,7 @@ def trace_model(build: Callable[[], torch.nn.Module], shape: RunShape, seq: Opti
                  backward_start_by_category=above(start), forward_by_category=above(fwd_report), inputs=batch_bytes,
                  param_numels=[p.numel() for p in params], accumulates=micro_steps > 1, loss_outside=outside,
                  ops=ops, backward_ops=backward_ops, layer_temporaries=max(0, emu.layer_temporaries - batch_bytes),
+                 layer_buffers=emu.layer_buffers,
                  grad_arrivals=emu.arrivals,
                  backward_clocks=emu.backward_clocks, backward_sweeps=sweeps, forward_calls=calls,
                  forward_sweep=forward_sweep, backward_calls=backward_calls, unreleased_in_backward=unreleased)

@@ -1,0 +1,54 @@
+"""What a layer's backward holds beside what the plan keeps (`plugins/activations/trace_plan.py`): its temporaries,
+net of the saved tensors it frees where the plan holds them all until it ends, alone where they come back one by
+one (`layer_temporaries.measure`, `_past_heads`), and ZeRO 1 and 2's reduction buckets, made at backward's first
+gradient (`Trace.layer_buffers`). Known answers; the runs that check them end to end are
+`tests/activations/test_plan_before_run.py`'s (gpt-tiny, micro-batch 16, where both had put the run over its
+budget) and `benchmarks/estimate_budgeted.py`."""
+from xirang_ds.memory.run_shape import RunShape
+from xirang_ds.memory.trace import trace_model
+from xirang_ds.models import BUILTIN_SPECS, build_model
+from xirang_ds.plugins.activations.layer_temporaries import Timeline, measure
+from xirang_ds.plugins.activations.planner import Choice
+from xirang_ds.plugins.activations.trace_plan import _past_heads, on_demand
+
+
+def test_temporaries_net_of_the_saved_tensors_freed_or_alone():
+    # the layer saved 600 + 400 bytes; its backward frees the 600 at clock 6 and makes a 500-byte temporary from 5
+    # to 9 and a 300-byte one from 7 to 10: 800 at most (clock 7), 200 of it net of the 600 freed by then
+    line = Timeline(records=[(1, 6, 600, True), (1, 20, 400, True), (5, 9, 500, False), (7, 10, 300, False)],
+                    spans=[(4, 12, "layer")])
+    assert measure(line) == {"layer": 500}  # clock 5: the 500 beside all it saved (the planner counts them all)
+    assert measure(line, net_of_saved=False) == {"layer": 800}
+
+
+def test_a_module_whose_saved_tensors_come_back_one_by_one_takes_the_lesser_bound():
+    own, alone, saved = {"a": 500, "b": 500}, {"a": 800, "b": 800}, {"a": 1000, "b": 1000}
+    choices = {"a": Choice("keep", 1000, 0.0, 0), "b": Choice("offload", 0, 0.0, 600)}
+    held = _past_heads(choices, frozenset(), own, alone, on_demand(False), saved)
+    assert held["a"].transient_bytes == 500  # kept: its temporaries net of what it frees, beside all it saved
+    assert held["b"].transient_bytes == min(600 + 800, 1000 + 500)  # what comes back at its most, beside them all
+    # brought back a little at a time: its temporaries alone beside the most it brings back at once
+    held = _past_heads({"b": Choice("compress", 100, 0.0, 200)}, frozenset(), own, alone, on_demand(False), saved)
+    assert held["b"].transient_bytes == 200 + 800
+    # a copy stream fetches an offloaded module whole, ahead: all it saved, and what it frees is taken off
+    held = _past_heads({"b": Choice("offload", 0, 0.0, 2000)}, frozenset(), own, alone, on_demand(True), saved)
+    assert held["b"].transient_bytes == 2000 + 500
+    assert on_demand(True) == {"compress", "quantize", "sparsify"} and "offload" in on_demand(False)
+
+
+def _trace(stage: int, bucket: int):
+    spec = BUILTIN_SPECS["gpt-tiny"]
+    config = {"train_micro_batch_size_per_gpu": 16, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket}}
+    return trace_model(lambda: build_model(spec), RunShape.from_ds_config(config, 2), seq=spec.seq,
+                       vocab=spec.vocab)
+
+
+def test_the_trace_records_the_reduction_buckets_a_layers_backward_holds():
+    numel = sum(p.numel() for p in build_model(BUILTIN_SPECS["gpt-tiny"]).parameters())
+    # ZeRO 2 with buckets larger than the model: one bf16 bucket (no overlap_comm), made at the first gradient,
+    # after backward's worst point with every activation kept (at micro-batch 16: the loss's gradient)
+    trace = _trace(2, 4 * numel)
+    assert trace.layer_buffers == 2 * 4 * numel
+    assert trace.backward_by_category["comm_buffers"] == 0
+    assert _trace(0, 4 * numel).layer_buffers == 0  # ZeRO 0 reduces at the boundary, after backward

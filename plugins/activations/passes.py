@@ -57,7 +57,7 @@ class Passes:
         self._apply(plan.plan)
         check_agreed(self.plan, self.runtime.device, self._groups)
         self.state = "planned"
-        self.plan_source = BEFORE_RUN + (f" ({why}: taken off the budget)" if why else "")
+        self.plan_source = BEFORE_RUN + (f" ({why})" if why else "")
         self._log_plan()
 
     def _start_profiling(self) -> None:

@@ -55,15 +55,23 @@ def plan_before_run(plugin: Any, twin: ModelTwin, args: tuple, kwargs: dict) -> 
     tracker = session.started_tracker
     device = "cpu" if torch.device(plugin.runtime.device).type == "cpu" else "cuda"
     held = held_besides_the_run(tracker, args, kwargs)
-    ds_config, total = session.requested_ds_config, int(acc.total_memory()) - held
+    ds_config, total = session.requested_ds_config, int(acc.total_memory())
     budget = session.config.memory_budget
-    if held and budget != "auto":  # what the user holds on the device comes off the budget
-        ds_config = {**ds_config, BLOCK_KEY: {**ds_config[BLOCK_KEY], "memory_budget": int(budget) - held}}
-    try:
+
+    def estimate(config: dict, device_total: int) -> Any:
         with tracker.paused() if tracker is not None else contextlib.nullcontext():
-            est = session.estimator.estimate_run(twin.build, ds_config, world_size=session.world_size,
-                                                 device=device, inputs=sig.fake, device_profile=plugin.device_profile,
-                                                 device_total_bytes=total, timed=False)
+            return session.estimator.estimate_run(twin.build, config, world_size=session.world_size, device=device,
+                                                  inputs=sig.fake, device_profile=plugin.device_profile,
+                                                  device_total_bytes=device_total, timed=False)
+
+    try:
+        est = estimate(ds_config, total)  # the plan `xirang-ds estimate` makes, which knows nothing the script holds
+        beside = held and fits_beside(est, plugin.section, held, total if budget == "auto" else int(budget))
+        if held and not beside:  # what the user holds on the device comes off the budget, and the plan is made again
+            total -= held
+            if budget != "auto":
+                ds_config = {**ds_config, BLOCK_KEY: {**ds_config[BLOCK_KEY], "memory_budget": int(budget) - held}}
+            est = estimate(ds_config, total)
     except XirangConfigError:
         raise
     except Exception as e:  # fake tensors cannot run every model (data-dependent shapes, custom ops)
@@ -73,18 +81,11 @@ def plan_before_run(plugin: Any, twin: ModelTwin, args: tuple, kwargs: dict) -> 
     if plan is None:
         note = next((n for n in est.notes if n.startswith(f"{plugin.section}:")), "")
         return None, note or "the estimate does not model this block's activation options"
-    held_text = f", {format_bytes(held)} of it held on the device besides the run" if held else ""
     stepper = session.stepper
     if not plan.fits:
         fixes = stepper.budget_fixes() if stepper is not None else ""  # what the run's stepper can still lower
-
-        def again(config: dict) -> Any:
-            with tracker.paused() if tracker is not None else contextlib.nullcontext():
-                return session.estimator.estimate_run(twin.build, config, world_size=session.world_size, device=device,
-                                                      inputs=sig.fake, device_profile=plugin.device_profile,
-                                                      device_total_bytes=total, timed=False)
-
-        least = least_fitting_budget(ds_config, again, plan.least_budget_bytes)[0] if budget != "auto" else None
+        least = least_fitting_budget(ds_config, lambda c: estimate(c, total), plan.least_budget_bytes)[0] \
+            if budget != "auto" else None
         raise XirangConfigError(plan.refusal(budget, f"planned before the run for a batch of {sig.describe()}", held,
                                              fixes, least))
     if est.host_refusal:  # the host tiers, the offloads' included
@@ -94,7 +95,19 @@ def plan_before_run(plugin: Any, twin: ModelTwin, args: tuple, kwargs: dict) -> 
     if stepper is not None and stepper.tier_pending:
         states = est.plans.get("grad_release") or {}
         stepper.settle_tier(states.get("states") == "host", states.get("why") or "")
-    return plan, held_text[2:]
+    if not held:
+        return plan, ""
+    return plan, f"{format_bytes(held)} of it held on the device besides the run: " + (
+        "the plan of the whole budget fits beside it" if beside else "taken off the budget")
+
+
+def fits_beside(est: Any, section: str, held: int, limit: int) -> bool:
+    """The estimate's plan (``est``, at the whole budget ``limit``) fits with ``held`` more bytes on the device: then
+    the run takes it, the plan ``xirang-ds estimate`` makes, and plans again with ``held`` taken off only where it
+    does not (so a few bytes a script keeps on the device do not move a plan that has room for them)."""
+    plan = est.plans.get(section)
+    return (plan is not None and plan.fits and not est.host_refusal
+            and est.predicted_peak_bytes + held <= limit)
 
 
 def held_besides_the_run(tracker: Any, args: tuple, kwargs: dict) -> int:
@@ -109,4 +122,4 @@ def held_besides_the_run(tracker: Any, args: tuple, kwargs: dict) -> int:
     return max(0, loose - sum(batch.values()))
 
 
-__all__ = ["BEFORE_RUN", "held_besides_the_run", "plan_before_run", "twin_for"]
+__all__ = ["BEFORE_RUN", "fits_beside", "held_besides_the_run", "plan_before_run", "twin_for"]

@@ -93,3 +93,49 @@ def test_a_budget_no_plan_meets_is_refused_before_the_first_step_with_the_least_
     path.write_text(json.dumps(_config(least // 2)))
     assert main(["validate", str(path), "--model", "gpt-tiny", "--world-size", "2"]) == 2
     assert said in capsys.readouterr().err
+
+
+def _held_config(budget):
+    return ds_config(stage=2, micro=16, xirang={"memory_budget": budget, "activations": {"enabled": True,
+                                                                                        "options": OPTIONS}})
+
+
+def _holding(rank, world, budget, held):
+    """Two steps under ``budget`` with ``held`` bytes the script keeps on the device from before the first forward."""
+    import xirang_ds
+    from xirang_ds.models import BUILTIN_SPECS, build_model
+
+    spec = BUILTIN_SPECS["gpt-tiny"]
+    net = build_model(spec, seed=0)
+    engine, *_ = xirang_ds.initialize(model=net, model_parameters=net.parameters(), config=_held_config(budget))
+    window = engine.xirang.track_memory().open_window()
+    kept = torch.ones(held, dtype=torch.uint8)
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        x = torch.randint(0, spec.vocab, (16, spec.seq), generator=generator)
+        engine.backward(engine(x, x))
+        engine.step()
+    plugin = engine.xirang.plugin("activations")
+    out = {"plan": dict(plugin.plan), "source": plugin.plan_source, "peak": window.peak_bytes, "kept": int(kept.sum())}
+    engine.xirang.remove()
+    return out
+
+
+def test_the_run_takes_the_estimates_plan_where_what_the_script_holds_fits_beside_it():
+    unbudgeted = estimate_spec("gpt-tiny", _held_config("auto"), 2).plans["activations"]
+    budget = unbudgeted.other_bytes + unbudgeted.keep_bytes * 3 // 5
+    est = estimate_spec("gpt-tiny", _held_config(budget), 2)
+    plan = est.plans["activations"]
+    slack = budget - est.predicted_peak_bytes  # what the plan leaves free
+    room = budget - plan.other_bytes - plan.least_bytes  # the most a plan can leave the script
+    assert plan.fits and set(plan.plan.values()) - {"keep"} and 0 < slack < room
+    # a few bytes held beside the run: the run takes the plan `xirang-ds estimate` made, which has room for them
+    for run in run_ranks(_holding, 2, budget, slack // 2):
+        assert run["plan"] == plan.plan and "the plan of the whole budget fits beside it" in run["source"]
+        assert run["peak"] <= budget and run["kept"] == slack // 2
+    # more than the plan leaves free: planned again with them taken off the budget, and the run stays within it
+    held = (slack + room) // 2
+    for run in run_ranks(_holding, 2, budget, held):
+        assert f"{format_bytes(held)} of it held on the device besides the run: taken off the budget" in run["source"]
+        assert run["plan"] == estimate_spec("gpt-tiny", _held_config(budget - held), 2).plans["activations"].plan
+        assert run["peak"] <= budget

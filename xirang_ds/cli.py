@@ -108,7 +108,8 @@ def _fit_verdict(spec: Any, ds_config: dict, world_size: int, config: Any) -> Op
                                          est.least_budget_bytes)[0]
         sections = config.sections()
         fixes = "; or ".join(fix for fix in (cls.budget_fix(sections[cls.section]) for cls in plugin_classes()
-                                             if issubclass(cls, LowersBesidesActivations)) if fix)
+                                             if issubclass(cls, LowersBesidesActivations) and cls.section in sections)
+                             if fix)
         raise XirangConfigError([p for plan in refusing for p in plan.refusal(budget, where, fixes=fixes, least=least)])
     if est.host_refusal and est.device_fits is not False:  # the host tiers alone, as the run refuses them
         raise XirangConfigError([("xirang.host_memory_budget", f"{est.host_refusal} ({where})")])

@@ -93,7 +93,8 @@ def main() -> None:
                       flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
-        json.dump({"command": "benchmarks/estimate_budgeted.py", "steps": STEPS, "rows": rows}, f, indent=2)
+        json.dump({"command": "benchmarks/estimate_budgeted.py", "models": args.models, "presets": args.presets,
+                   "fractions": args.fractions, "steps": STEPS, "rows": rows}, f, indent=2)
     print(f"wrote {args.out}")
 
 

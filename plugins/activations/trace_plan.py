@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -237,11 +237,11 @@ def _plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, st
     alone = getattr(plugin, "trace_layer_temporaries_alone", None) or {}
     demand, packed = on_demand(streams), {name: p.saved_bytes for name, p in profiles.items()}
     inputs = getattr(getattr(plugin.session, "trace", None), "inputs", 0)
-    # with the gradients held beside them, where a plugin holds them its way
-    own_and_held, alone_and_held = _layer_gradients(plugin), _layer_gradients(plugin, net_of_saved=False)
-    # else the engine's reduction buckets, made by then
-    held_its_way = any(getattr(p, "estimate_gradients_held", None) is not None for p in plugin.session.plugins)
-    buffers = 0 if held_its_way else getattr(getattr(plugin.session, "trace", None), "layer_buffers", 0)
+    # with the gradients held beside them, where a plugin holds them its way; else the engine's reduction buckets,
+    # made by then
+    held = _gradients_held(plugin)
+    own_and_held, alone_and_held = _layer_gradients(plugin, held)
+    buffers = 0 if held is not None else getattr(getattr(plugin.session, "trace", None), "layer_buffers", 0)
     for _ in range(PLAN_ROUNDS):
         try:
             out.budget_bytes, out.choices, _ = plan_within(c, budget, total, profiles, out.other_bytes, tree)
@@ -318,17 +318,21 @@ def offload_host_bytes(plan: dict[str, str], profiles: dict[str, ModuleProfile],
     return total
 
 
-def _layer_gradients(plugin: Any, net_of_saved: bool = True) -> dict[str, int]:
-    """Each candidate's most bytes at once while its backward runs, its temporaries and the gradients held beside
-    them, where a plugin of the session holds gradients its own way (its ``estimate_gradients_held``: the bytes
-    once the trace's gradients so far are taken, `xirang_ds.memory.trace.Trace.arrived`); empty where none does.
-    ``net_of_saved``: as `layer_temporaries.measure` takes it."""
-    held = next((p.estimate_gradients_held for p in plugin.session.plugins
+def _gradients_held(plugin: Any) -> Optional[Callable[[list[int]], int]]:
+    """The ``estimate_gradients_held`` of the session's plugin that holds gradients its own way (the bytes once the
+    trace's gradients so far are taken, `xirang_ds.memory.trace.Trace.arrived`), or None: the engine holds them."""
+    return next((p.estimate_gradients_held for p in plugin.session.plugins
                  if getattr(p, "estimate_gradients_held", None) is not None), None)
+
+
+def _layer_gradients(plugin: Any, held: Optional[Callable[[list[int]], int]]) -> tuple[dict[str, int], dict[str, int]]:
+    """Each candidate's most bytes at once while its backward runs, its temporaries and the gradients ``held``
+    (`_gradients_held`) beside them, net of the saved tensors it frees and not (`layer_temporaries.measure`); empty
+    where no plugin holds gradients its own way."""
     trace = getattr(plugin.session, "trace", None)
     line = getattr(plugin, "trace_layer_timeline", None)
     if held is None or trace is None or line is None or not getattr(trace, "grad_arrivals", None):
-        return {}
+        return {}, {}
     changes = [clock for arrivals in trace.grad_arrivals for clock, _ in arrivals]
     cache: dict[tuple, int] = {}
 
@@ -338,7 +342,8 @@ def _layer_gradients(plugin: Any, net_of_saved: bool = True) -> dict[str, int]:
             cache[arrived] = held(list(arrived))
         return cache[arrived]
 
-    return layer_temporaries.measure(line, at, changes, net_of_saved)
+    return (layer_temporaries.measure(line, at, changes),
+            layer_temporaries.measure(line, at, changes, net_of_saved=False))
 
 
 def _past_heads(choices: dict, heads: frozenset, own: Optional[dict] = None, alone: Optional[dict] = None,

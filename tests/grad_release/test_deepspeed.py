@@ -169,7 +169,10 @@ def _ckpt(rank, world, steps, save_dir=None, load_dir=None, skip=0):
     data = engine_runs.data_iter(2, spec.seq, rank, world)
     for _ in range(skip * 2):
         next(data)
-    losses = []
+    # each step's gradient norm, which clips the next step's update (``previous_step``): a failed comparison names
+    # the norms beside the losses
+    policy = engine.xirang.plugin("grad_release").policy
+    losses, norms = [], [policy.previous_norm]
     for _ in range(steps):
         for _ in range(2):
             x, y = next(data)
@@ -177,9 +180,11 @@ def _ckpt(rank, world, steps, save_dir=None, load_dir=None, skip=0):
             engine.backward(loss)
             engine.step()
         losses.append(loss.item())
+        norms.append(policy.previous_norm)
     if save_dir is not None:
         engine.save_checkpoint(save_dir)
-    return {"losses": losses, "params": _flat(engine), "steps": engine.global_steps, "lr": engine.get_lr()[0]}
+    return {"losses": losses, "norms": norms, "params": _flat(engine), "steps": engine.global_steps,
+            "lr": engine.get_lr()[0]}
 
 
 # removal -------------------------------------------------------------------------------------------------

@@ -280,6 +280,7 @@ def _conservative(rank, world, budget=None, states=None, steps=5, save_dir=None,
         whole = tracker.open_window()
         data = engine_runs.data_iter(2, spec.seq, rank, world)
         losses, window = [], None
+        policy, norms = engine.xirang.plugin("grad_release").policy, []  # each step's, which clips its update
         for step in range(steps):
             if step == steps - 2:  # planned at the third forward: the steady steps after it
                 window = tracker.open_window()
@@ -288,7 +289,9 @@ def _conservative(rank, world, budget=None, states=None, steps=5, save_dir=None,
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-        out = {"started": started, "losses": losses, "steady_peak": window.peak_bytes, "peak": whole.peak_bytes,
+            norms.append(policy.previous_norm)
+        out = {"started": started, "losses": losses, "norms": norms, "steady_peak": window.peak_bytes,
+               "peak": whole.peak_bytes,
                "parked": sorted({b.states_on for b in buckets}),
                "summary": engine.xirang.summary(), "events": [e["kind"] for e in engine.xirang.events]}
         if save_dir is not None:  # after the peaks: writing DeepSpeed's files makes fp32 copies
@@ -319,7 +322,9 @@ def test_auto_puts_the_states_on_the_host_only_where_the_device_cannot_hold_them
         # a byte budget the estimate fits: on the host until the plan made at the first forward puts them
         assert roomy["started"] == auto["started"] == ["host"]
         assert roomy["parked"] == ["device"] and "states_to_host" not in roomy["events"]
-        assert roomy["losses"] == unbudgeted["losses"]  # the same updates wherever the states were
+        # the same updates wherever the states were (a failure names the norms that clipped them)
+        assert roomy["losses"] == unbudgeted["losses"], (roomy["losses"], unbudgeted["losses"], roomy["norms"],
+                                                         unbudgeted["norms"])
         assert auto["parked"] == ["host"] and auto["events"].count("states_to_host") == 1
         # the plan made before the run leaves room for what the harness holds on the device (its corpus)
         assert "in host memory between updates (states auto: the estimated model states" in auto["summary"]

@@ -66,9 +66,11 @@ def same_tensors(a: Any, b: Any) -> bool:
 def assert_resumed(full: dict, resumed: dict, at: int, first: Optional[dict] = None, params: bool = False) -> None:
     """The resumed run's losses are the uninterrupted run's from step ``at`` on, bit for bit; with
     ``first``, the saved run's are its first ``at``; with ``params``, the final parameters are equal."""
-    assert resumed["losses"] == full["losses"][at:], (resumed["losses"], full["losses"])
+    # where the runs record their gradient norms (resumed, uninterrupted, saved), a failure names them too
+    said = ("norms", *(r.get("norms") for r in (resumed, full, first or {}))) if "norms" in full else ()
+    assert resumed["losses"] == full["losses"][at:], (resumed["losses"], full["losses"], *said)
     if first is not None:
-        assert first["losses"] == full["losses"][:at], (first["losses"], full["losses"])
+        assert first["losses"] == full["losses"][:at], (first["losses"], full["losses"], *said)
     if params:
         assert same_tensors(resumed["params"], full["params"])
 

@@ -349,6 +349,8 @@ def _rounded_master_runs(rank, world):
     torch's fused Adam kernel (`FusedStep.adam_`), whose bits are ``AdamW(fused=True)``'s, not the eager
     AdamW's on every CPU (they differ on AVX-512 hosts): the compiled run keeps it off, so the weights compare
     the roundings alone."""
+    from unittest import mock
+
     import xirang_ds
     from tests.harness.engine_runs import data_iter, ds_config
     from xirang_ds.bench import optimizer_step
@@ -373,12 +375,8 @@ def _rounded_master_runs(rank, world):
                 "params": torch.cat([p.detach().float().reshape(-1) for p in engine.module.parameters()])}
 
     def compiled_rounding_only(masters):
-        adam_ = FusedStep.adam_
-        FusedStep.adam_ = lambda *args, **kwargs: False  # the eager update, as in the run it is compared with
-        try:
+        with mock.patch.object(FusedStep, "adam_", lambda *args, **kwargs: False):  # the eager update, as compared
             return run(masters, True)
-        finally:
-            FusedStep.adam_ = adam_
 
     return {masters: (run(masters, False), compiled_rounding_only(masters)) for masters in ("remainders_8bit", "none")}
 

@@ -9,6 +9,12 @@ of one layer beside the most temporaries of another.
 A candidate's backward starts when the gradient of its output is ready (a tensor hook, put on in forward)
 and lasts until the next candidate outside it starts, or the phase ends. The traced run keeps every saved
 tensor; its temporaries do not depend on the plan.
+
+Where a candidate's saved tensors come back one by one (`trace_plan.on_demand`: offloaded without a copy
+stream, encoded), a storage comes back when the first autograd node of its backward that reads it starts (the
+node unpacks its saved tensors as it starts) and goes when the trace frees it (its last node has run): the
+trace records both (`MemoryTracker.record_backward_uses`), so `measure` with ``restored`` puts each storage
+back at its own moment beside the temporaries alive then.
 """
 from __future__ import annotations
 
@@ -47,14 +53,18 @@ class Timeline:
             the backward the first candidate's is in (``freed`` None: alive at the end).
         spans: ``(start, end, name)`` of each marked candidate's backward: from the gradient of its output to
             the next candidate outside it starts, or the phase ends.
+        returns: ``(uses, freed, nbytes)`` of each saved storage a handler may take (`Eligibility`'s
+            ``min_bytes`` and up) that backward reads: the clocks at which the nodes reading it started.
     """
 
     records: list[tuple[int, Optional[int], int, bool]] = field(default_factory=list)
     spans: list[tuple[int, int, str]] = field(default_factory=list)
+    returns: list[tuple[tuple[int, ...], Optional[int], int]] = field(default_factory=list)
 
 
-def timeline(tracker: Any, marks: list[tuple[int, str]]) -> Timeline:
-    """The `Timeline` of the traced backward on ``tracker``, with the ``marks`` `watch` filled."""
+def timeline(tracker: Any, marks: list[tuple[int, str]], smallest: int = 0) -> Timeline:
+    """The `Timeline` of the traced backward on ``tracker``, with the ``marks`` `watch` filled; saved storages of
+    ``smallest`` bytes and more come back on demand (smaller ones stay on the device)."""
     if not marks:
         return Timeline()
     marks = sorted(marks)
@@ -72,22 +82,39 @@ def timeline(tracker: Any, marks: list[tuple[int, str]]) -> Timeline:
         ends = [clock for clock, other in marks[i + 1:] if other != name and not other.startswith(name + ".")][:1]
         ends += [clock for clock in phase_changes if clock > start][:1]
         spans.append((start, min(ends, default=last), name))
-    return Timeline(records, spans)
+    returns = [(tuple(r.backward_uses), r.freed, r.nbytes) for r in tracker.records
+               if not r.host and r.backward_uses and r.nbytes >= smallest and r.resolved_category() == ACTIVATIONS]
+    return Timeline(records, spans, returns)
 
 
 def measure(line: Timeline, held: Optional[Callable[[int], int]] = None, changes: Sequence[int] = (),
-            net_of_saved: bool = True) -> dict[str, int]:
+            net_of_saved: bool = True, restored: bool = False) -> dict[str, int]:
     """For each marked candidate, the most its backward holds above the saved activations alive as it starts: the
     temporaries made in backward, less what it has freed of its saved tensors by then (the planner counts them
     all until its backward ends: a kept or recomputed module's); with ``held``, the gradient bytes held at each
     clock beside them at the same moment (they change only at the ``changes`` clocks, after the event of that
     clock). Without ``net_of_saved``, the temporaries alone, nothing taken off for the saved tensors freed: for a
     module whose saved tensors come back one by one as its nodes need them (an offload without a copy stream, an
-    encoding), which the planner counts at their most at once, not all until its backward ends."""
+    encoding), which the planner counts at their most at once, not all until its backward ends. With
+    ``restored``, those temporaries and the candidate's saved storages as they come back one by one, each from the
+    start of the first node of the candidate's backward that reads it until it is freed (or the backward ends):
+    what an on-demand candidate holds beside what the plan keeps before it, at the moment it is most."""
     out: dict[str, int] = {}
-    records = line.records if net_of_saved else [r for r in line.records if not r[3]]
+    records = line.records if net_of_saved and not restored else [r for r in line.records if not r[3]]
     for start, end, name in line.spans:
-        out[name] = max(out.get(name, 0), _most_between(records, start, end, held, changes))
+        returns = _returns_between(line.returns, start, end) if restored else []
+        out[name] = max(out.get(name, 0), _most_between(records + returns, start, end, held, changes))
+    return out
+
+
+def _returns_between(returns: list, start: int, end: int) -> list[tuple[int, Optional[int], int, bool]]:
+    """The storages of ``returns`` a node in ``[start, end)`` reads, as records alive from the first such node's
+    start until they are freed (None: past ``end``)."""
+    out = []
+    for uses, freed, nbytes in returns:
+        inside = [u for u in uses if start <= u < end]
+        if inside:
+            out.append((min(inside), freed if freed is not None and freed < end else None, nbytes, False))
     return out
 
 

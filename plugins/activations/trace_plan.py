@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
@@ -167,18 +168,20 @@ def profile_trace(plugin: Any, model: torch.nn.Module, tracker: Any, free: list[
     watched, marks = layer_temporaries.watch(modules, [n for n in free if n not in heads], tracker)
     handles = [*plugin.path.head_hooks(model, heads),
                wrap_method(model, "forward", root), *watched]
+    recording, tracker.record_backward_uses = tracker.record_backward_uses, True
     try:
         yield
     finally:
+        tracker.record_backward_uses = recording
         for handle in handles:
             handle.remove()
         for wrapper in wrappers:
             wrapper.remove()
         plugin.trace_profiles = rt.profiler.combined()
-        plugin.trace_layer_timeline = layer_temporaries.timeline(tracker, marks)
-        plugin.trace_layer_temporaries = layer_temporaries.measure(plugin.trace_layer_timeline)
-        plugin.trace_layer_temporaries_alone = layer_temporaries.measure(plugin.trace_layer_timeline,
-                                                                         net_of_saved=False)
+        line = plugin.trace_layer_timeline = layer_temporaries.timeline(tracker, marks, c.min_tensor_bytes)
+        plugin.trace_layer_temporaries = layer_temporaries.measure(line)
+        plugin.trace_layer_temporaries_alone = layer_temporaries.measure(line, net_of_saved=False)
+        plugin.trace_layer_returns = layer_temporaries.measure(line, restored=True)
 
 
 def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str], streams: bool,
@@ -235,12 +238,14 @@ def _plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, st
     # all until it ends, alone where they come back one by one (`on_demand`)
     own = getattr(plugin, "trace_layer_temporaries", None) or {}
     alone = getattr(plugin, "trace_layer_temporaries_alone", None) or {}
+    # and beside its saved storages as they come back, one by one, where they do (`layer_temporaries.measure`)
+    returns = getattr(plugin, "trace_layer_returns", None) or {}
     demand, packed = on_demand(streams), {name: p.saved_bytes for name, p in profiles.items()}
     inputs = getattr(getattr(plugin.session, "trace", None), "inputs", 0)
     # with the gradients held beside them, where a plugin holds them its way; else the engine's reduction buckets,
     # made by then
     held = _gradients_held(plugin)
-    own_and_held, alone_and_held = _layer_gradients(plugin, held)
+    own_and_held, alone_and_held, returns_and_held = _layer_gradients(plugin, held)
     buffers = 0 if held is not None else getattr(getattr(plugin.session, "trace", None), "layer_buffers", 0)
     for _ in range(PLAN_ROUNDS):
         try:
@@ -252,10 +257,10 @@ def _plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, st
         saved_end, saved_worst = (max(0, t - p) for t, p in zip(traced, out.planned_peaks))
         layers_worst = estimate_peak(roots, _past_heads(out.choices, heads), before, 0)[1]
         # the worst layer with its own temporaries (else the most any layer holds, beside the most saved)
-        with_own = estimate_peak(roots, _past_heads(out.choices, heads, own, alone, demand, packed), before, 0)[1] \
-            if own else layers_worst + most_temporaries
-        with_held = estimate_peak(roots, _past_heads(out.choices, heads, own_and_held, alone_and_held, demand, packed),
-                                  before, 0)[1] if own and own_and_held else None
+        with_own = estimate_peak(roots, _past_heads(out.choices, heads, own, alone, demand, packed, returns),
+                                 before, 0)[1] if own else layers_worst + most_temporaries
+        with_held = estimate_peak(roots, _past_heads(out.choices, heads, own_and_held, alone_and_held, demand, packed,
+                                                     returns_and_held), before, 0)[1] if own and own_and_held else None
         adjusted = {}
         for phase, cats in phases.items():
             cats = dict(cats)
@@ -325,14 +330,14 @@ def _gradients_held(plugin: Any) -> Optional[Callable[[list[int]], int]]:
                  if getattr(p, "estimate_gradients_held", None) is not None), None)
 
 
-def _layer_gradients(plugin: Any, held: Optional[Callable[[list[int]], int]]) -> tuple[dict[str, int], dict[str, int]]:
+def _layer_gradients(plugin: Any, held: Optional[Callable[[list[int]], int]]) -> tuple[dict[str, int], ...]:
     """Each candidate's most bytes at once while its backward runs, its temporaries and the gradients ``held``
-    (`_gradients_held`) beside them, net of the saved tensors it frees and not (`layer_temporaries.measure`); empty
-    where no plugin holds gradients its own way."""
+    (`_gradients_held`) beside them, net of the saved tensors it frees, not, and with its saved storages as they
+    come back one by one (`layer_temporaries.measure`); empty where no plugin holds gradients its own way."""
     trace = getattr(plugin.session, "trace", None)
     line = getattr(plugin, "trace_layer_timeline", None)
     if held is None or trace is None or line is None or not getattr(trace, "grad_arrivals", None):
-        return {}, {}
+        return {}, {}, {}
     changes = [clock for arrivals in trace.grad_arrivals for clock, _ in arrivals]
     cache: dict[tuple, int] = {}
 
@@ -343,23 +348,27 @@ def _layer_gradients(plugin: Any, held: Optional[Callable[[list[int]], int]]) ->
         return cache[arrived]
 
     return (layer_temporaries.measure(line, at, changes),
-            layer_temporaries.measure(line, at, changes, net_of_saved=False))
+            layer_temporaries.measure(line, at, changes, net_of_saved=False),
+            layer_temporaries.measure(line, at, changes, restored=True))
 
 
 def _past_heads(choices: dict, heads: frozenset, own: Optional[dict] = None, alone: Optional[dict] = None,
-                demand: frozenset = frozenset(), saved: Optional[dict] = None) -> dict:
+                demand: frozenset = frozenset(), saved: Optional[dict] = None, returns: Optional[dict] = None) -> dict:
     """``choices`` past the first gradient: a kept head (last in forward, first in backward, its gradients made at
     the end of its backward) holds nothing there any more; with ``own``, each other candidate's backward holds
     its own temporaries beside what it brings back. Where its option is in ``demand`` (what comes back, one by
-    one, is at most its transient and at most what it saved, ``saved``), the lesser of two bounds: ``alone``'s
-    temporaries beside its transient at its most, and ``own``'s beside everything it saved."""
-    own, alone, saved = own or {}, alone or {}, saved or {}
+    one, is at most its transient and at most what it saved, ``saved``), the least of: ``alone``'s temporaries
+    beside its transient at its most, ``own``'s beside everything it saved, and with ``returns`` the most of its
+    temporaries and its storages as they come back together, each at its own moment (each an upper bound; the
+    last is the figure where the trace reads every storage it brings back)."""
+    own, alone, saved, returns = own or {}, alone or {}, saved or {}, returns or {}
 
     def held(name: str, choice: Any) -> int:
         if choice.option not in demand:
             return choice.transient_bytes + own.get(name, 0)
         return min(choice.transient_bytes + alone.get(name, 0),
-                   max(choice.transient_bytes, saved.get(name, 0)) + own.get(name, 0))
+                   max(choice.transient_bytes, saved.get(name, 0)) + own.get(name, 0),
+                   returns.get(name, math.inf))
 
     return {name: dataclasses.replace(choice, device_bytes=0, transient_bytes=0)
             if name in heads and choice.option == "keep" else

@@ -1,10 +1,15 @@
 """What a layer's backward holds beside what the plan keeps (`plugins/activations/trace_plan.py`): its temporaries,
 net of the saved tensors it frees where the plan holds them all until it ends, alone where they come back one by
-one (`layer_temporaries.measure`, `_past_heads`), and ZeRO 1 and 2's reduction buckets, made at backward's first
+one (`layer_temporaries.measure`, `_past_heads`), or each saved storage back from the node that first reads it
+(`measure(restored=True)`, `MemoryTracker.record_backward_uses`), and ZeRO 1 and 2's reduction buckets, made at backward's first
 gradient (`Trace.layer_buffers`). Known answers; the runs that check them end to end are
 `tests/activations/test_plan_before_run.py`'s (gpt-tiny, micro-batch 16, where both had put the run over its
 budget) and `benchmarks/estimate_budgeted.py`."""
+import torch
+
+from xirang_ds.memory.categories import ACTIVATIONS
 from xirang_ds.memory.run_shape import RunShape
+from xirang_ds.memory.tracker import MemoryTracker
 from xirang_ds.memory.trace import trace_model
 from xirang_ds.models import BUILTIN_SPECS, build_model
 from xirang_ds.plugins.activations.layer_temporaries import Timeline, measure
@@ -34,6 +39,49 @@ def test_a_module_whose_saved_tensors_come_back_one_by_one_takes_the_lesser_boun
     held = _past_heads({"b": Choice("offload", 0, 0.0, 2000)}, frozenset(), own, alone, on_demand(True), saved)
     assert held["b"].transient_bytes == 2000 + 500
     assert on_demand(True) == {"compress", "quantize", "sparsify"} and "offload" in on_demand(False)
+
+
+def test_saved_storages_come_back_each_from_the_first_node_that_reads_them():
+    # temporaries of 500 bytes (clocks 5 to 9) and 300 (12 to 16); the module saved A (400 bytes, read by the node
+    # started at 6, freed at 8), B (600, read at 10, freed at 11) and C (200, read at 13 and by a node of the next
+    # module's backward at 25, freed at 28)
+    line = Timeline(records=[(1, 8, 400, True), (1, 11, 600, True), (1, 28, 200, True), (5, 9, 500, False),
+                             (12, 16, 300, False)],
+                    spans=[(4, 20, "layer"), (20, 30, "next")],
+                    returns=[((6,), 8, 400), ((10,), 11, 600), ((13, 25), 28, 200)])
+    # A beside the 500 at clock 6: 900; B alone at 10 (the 500 freed at 9); C and the 300 from 13: 500
+    assert measure(line, restored=True) == {"layer": 900, "next": 200}  # C back again for the next module's node
+    # the bounds it is taken beside: the temporaries alone (500) beside the most that comes back at once (600)
+    assert measure(line, net_of_saved=False)["layer"] + 600 == 1100
+    own, alone, saved = measure(line), measure(line, net_of_saved=False), {"layer": 1200}
+    held = _past_heads({"layer": Choice("offload", 0, 0.0, 600)}, frozenset(), own, alone, on_demand(False), saved,
+                       measure(line, restored=True))
+    assert held["layer"].transient_bytes == 900
+    # fetched whole, ahead (a copy stream): not one by one, so not this figure
+    held = _past_heads({"layer": Choice("offload", 0, 0.0, 1200)}, frozenset(), own, alone, on_demand(True), saved,
+                       measure(line, restored=True))
+    assert held["layer"].transient_bytes == 1200 + own["layer"]
+
+
+def test_the_tracker_records_when_the_node_reading_a_saved_storage_starts():
+    tracker = MemoryTracker("cpu")
+    tracker.record_backward_uses = True
+    w = torch.randn(64, 64, requires_grad=True)
+    with tracker:
+        tracker.set_phase("forward")
+        x = torch.randn(32, 64) @ w  # saved by the GELU
+        y = torch.nn.functional.gelu(x).sum()
+        tracker.set_phase("backward")
+        y.backward()
+        tracker.set_phase("idle")
+    saved = {r.op.split(".")[1]: r for r in tracker.records if r.resolved_category() == ACTIVATIONS}
+    made = {r.op.split(".")[1]: r for r in tracker.records if r.phase == "backward"}
+    # GeluBackward reads the product as it starts: nothing is made between that node's start and its gradient;
+    # MmBackward reads the random input after that gradient (then it makes w's)
+    assert saved["mm"].backward_uses == [made["gelu_backward"].created - 1]
+    assert saved["randn"].backward_uses == [made["gelu_backward"].created]
+    assert made["mm"].created == made["gelu_backward"].created + 1
+    assert tracker._node_running is None  # no autograd node held past backward
 
 
 def _trace(stage: int, bucket: int):

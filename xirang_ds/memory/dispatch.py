@@ -35,7 +35,7 @@ class TrackingMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         tracker = self.tracker
-        if tracker.record_uses:
+        if tracker.record_uses or tracker.record_backward_uses and tracker.phase == "backward":
             tracker._use(args, kwargs)
         if tracker.on_op is not None:
             tracker.on_op(func, args, kwargs, out)

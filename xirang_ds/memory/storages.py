@@ -25,6 +25,8 @@ class Record:
         nbytes: size of the storage in bytes.
         created, freed: event clock at creation and free (``freed`` is None while alive).
         last_used: event clock of the last op that read or wrote it (timeline mode only).
+        backward_uses: the clocks at which the autograd nodes that read it in backward started, in order
+            (`MemoryTracker.record_backward_uses`), else None.
         phase: phase at creation.
         category: role, or None until `resolve`.
         module: the module whose forward created it (recomputation in backward included), else ``""``.
@@ -45,6 +47,7 @@ class Record:
     dtype: str = ""
     freed: Optional[int] = None
     last_used: int = -1
+    backward_uses: Optional[list] = None
     ptr: int = 0
     host: bool = False
 

@@ -61,6 +61,12 @@ class MemoryTracker:
     def __init__(self, device_type: Optional[str] = None, record_uses: bool = False, fake: bool = False):
         self.device_type = device_type or default_device_type()
         self.record_uses = record_uses
+        self.record_backward_uses = False
+        """Record, for each storage an op reads in backward, the clock at which the autograd node running that op
+        started (`Record.backward_uses`): when a saved tensor brought back on demand comes back (its node unpacks
+        it as it starts), on the estimator's fake trace (`layer_temporaries.timeline`)."""
+        self._node_running: Any = None
+        self._node_start = 0
         self.fake = fake
         self.on_op: Optional[Callable[[Any, tuple, dict, Any], None]] = None
         """Called with every op the tracker sees, after it ran (``(func, args, kwargs, out)``): the fake
@@ -227,6 +233,12 @@ class MemoryTracker:
 
     def _use(self, args: Any, kwargs: Any) -> None:
         clock = self.clock
+        start = None
+        if self.record_backward_uses and self.phase == "backward":
+            node = current_autograd_node()  # the same object for all of one node's ops
+            if node is not self._node_running:
+                self._node_running, self._node_start = node, clock
+            start = self._node_start
         for a in itertools.chain(args, (kwargs or {}).values()):
             items = a if isinstance(a, (list, tuple)) else (a,)
             for t in items:
@@ -236,6 +248,11 @@ class MemoryTracker:
                         rec = self._live.get(storage_key(st))
                         if rec is not None:
                             rec.last_used = clock
+                            if start is not None:
+                                if rec.backward_uses is None:
+                                    rec.backward_uses = [start]
+                                elif rec.backward_uses[-1] != start:
+                                    rec.backward_uses.append(start)
 
     def _after_alloc(self) -> None:
         live, clock, phase = self.live_bytes, self.clock, self.phase
@@ -334,6 +351,8 @@ class MemoryTracker:
             if len(self.phase_log) > 4096:  # keep what open windows can see
                 oldest = min(w.start_clock for w in self._windows)
                 self.phase_log = [p for p in self.phase_log if p[0] >= oldest] or self.phase_log[-1:]
+        if self.phase == "backward" and phase != "backward":
+            self._node_running = None  # no autograd node held past its backward
         if phase == "forward" and self.phase != "forward":
             self._forward_start_serial = next(self._serial)
         elif self.phase == "forward" and phase != "forward":

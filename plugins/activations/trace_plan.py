@@ -360,7 +360,8 @@ def _past_heads(choices: dict, heads: frozenset, own: Optional[dict] = None, alo
     one, is at most its transient and at most what it saved, ``saved``), the least of: ``alone``'s temporaries
     beside its transient at its most, ``own``'s beside everything it saved, and with ``returns`` the most of its
     temporaries and its storages as they come back together, each at its own moment (each an upper bound; the
-    last is the figure where the trace reads every storage it brings back)."""
+    last is the figure where the trace reads every storage it brings back, and never below its transient, the
+    most it brings back at once, which a storage no op of the trace read would leave out)."""
     own, alone, saved, returns = own or {}, alone or {}, saved or {}, returns or {}
 
     def held(name: str, choice: Any) -> int:
@@ -368,7 +369,7 @@ def _past_heads(choices: dict, heads: frozenset, own: Optional[dict] = None, alo
             return choice.transient_bytes + own.get(name, 0)
         return min(choice.transient_bytes + alone.get(name, 0),
                    max(choice.transient_bytes, saved.get(name, 0)) + own.get(name, 0),
-                   returns.get(name, math.inf))
+                   max(returns.get(name, math.inf), choice.transient_bytes))
 
     return {name: dataclasses.replace(choice, device_bytes=0, transient_bytes=0)
             if name in heads and choice.option == "keep" else

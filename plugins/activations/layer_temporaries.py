@@ -27,20 +27,27 @@ from xirang_ds.memory.categories import ACTIVATIONS, TEMPORARIES
 from xirang_ds.memory.storages import tensors_in
 
 
-def watch(modules: dict[str, torch.nn.Module], names: list[str], tracker: Any) -> tuple[list[Any], list]:
-    """Forward hooks on ``names`` that mark, on ``tracker``'s clock, when each one's backward starts.
+HEAD_DONE = ""
+"""The mark of an output head's backward ending (the gradient of its input is ready)."""
+
+
+def watch(modules: dict[str, torch.nn.Module], names: list[str], tracker: Any,
+          heads: Sequence[str] = ()) -> tuple[list[Any], list]:
+    """Forward hooks on ``names`` that mark, on ``tracker``'s clock, when each one's backward starts, and on the
+    output ``heads`` when theirs ends (`HEAD_DONE`).
 
     Returns:
         ``(handles, marks)``: the hooks' handles, and the ``(clock, name)`` list the backward fills.
     """
     marks: list[tuple[int, str]] = []
 
-    def hook(module: torch.nn.Module, args: Any, output: Any, name: str = "") -> None:
-        for t in tensors_in(output):
+    def hook(tensors: Any, name: str) -> None:
+        for t in tensors_in(tensors):
             if t.requires_grad:
                 t.register_hook(lambda grad, name=name: marks.append((tracker.clock, name)))
 
-    handles = [modules[n].register_forward_hook(lambda m, a, o, n=n: hook(m, a, o, n)) for n in names]
+    handles = [modules[n].register_forward_hook(lambda m, a, o, n=n: hook(o, n)) for n in names]
+    handles += [modules[n].register_forward_pre_hook(lambda m, a: hook(a, HEAD_DONE)) for n in heads]
     return handles, marks
 
 
@@ -53,6 +60,9 @@ class Timeline:
             the backward the first candidate's is in (``freed`` None: alive at the end).
         spans: ``(start, end, name)`` of each marked candidate's backward: from the gradient of its output to
             the next candidate outside it starts, or the phase ends.
+        lead: ``(start, end, names)``: from the end of the output heads' backward to the start of the first
+            candidates' (``names``), where one comes before: what runs between (a final norm's backward, with
+            the gradients held by then) beside everything the plan keeps, counted as theirs.
         returns: ``(uses, freed, nbytes)`` of each saved storage a handler may take (`Eligibility`'s
             ``min_bytes`` and up) that backward reads: the clocks at which the nodes reading it started.
     """
@@ -60,14 +70,16 @@ class Timeline:
     records: list[tuple[int, Optional[int], int, bool]] = field(default_factory=list)
     spans: list[tuple[int, int, str]] = field(default_factory=list)
     returns: list[tuple[tuple[int, ...], Optional[int], int]] = field(default_factory=list)
+    lead: Optional[tuple[int, int, tuple[str, ...]]] = None
 
 
 def timeline(tracker: Any, marks: list[tuple[int, str]], smallest: int = 0) -> Timeline:
     """The `Timeline` of the traced backward on ``tracker``, with the ``marks`` `watch` filled; saved storages of
     ``smallest`` bytes and more come back on demand (smaller ones stay on the device)."""
+    heads_done = sorted(clock for clock, name in marks if name == HEAD_DONE)
+    marks = sorted(mark for mark in marks if mark[1] != HEAD_DONE)
     if not marks:
         return Timeline()
-    marks = sorted(marks)
     # the temporaries of backward alive in a candidate's: the gradient passed down to it included, made before
     # the first candidate's backward (by a norm or head outside every candidate)
     first = max([clock for clock, phase in tracker.phase_log if phase == "backward" and clock <= marks[0][0]],
@@ -82,9 +94,14 @@ def timeline(tracker: Any, marks: list[tuple[int, str]], smallest: int = 0) -> T
         ends = [clock for clock, other in marks[i + 1:] if other != name and not other.startswith(name + ".")][:1]
         ends += [clock for clock in phase_changes if clock > start][:1]
         spans.append((start, min(ends, default=last), name))
+    # what runs between the heads' end and the first candidates' backward (a block and those nested in it start
+    # together), in the same backward (no phase change between)
+    done = [clock for clock in heads_done if clock < marks[0][0]
+            and not any(clock < change <= marks[0][0] for change in phase_changes)]
+    lead = (done[-1], marks[0][0], tuple(name for clock, name in marks if clock == marks[0][0])) if done else None
     returns = [(tuple(r.backward_uses), r.freed, r.nbytes) for r in tracker.records
                if not r.host and r.backward_uses and r.nbytes >= smallest and r.resolved_category() == ACTIVATIONS]
-    return Timeline(records, spans, returns)
+    return Timeline(records, spans, returns, lead)
 
 
 def measure(line: Timeline, held: Optional[Callable[[int], int]] = None, changes: Sequence[int] = (),
@@ -104,7 +121,20 @@ def measure(line: Timeline, held: Optional[Callable[[int], int]] = None, changes
     for start, end, name in line.spans:
         returns = _returns_between(line.returns, start, end) if restored else []
         out[name] = max(out.get(name, 0), _most_between(records + returns, start, end, held, changes))
+    if line.lead is not None:
+        # above the saved activations still alive when the first candidates start (those the plan counts): the
+        # temporaries and the saved tensors of what runs between, which it frees as it goes
+        start, end, names = line.lead
+        lead = _most_between(line.records, start, end, held, changes) + _saved_at(line.records, start) \
+            - _saved_at(line.records, end)
+        for name in names:
+            out[name] = max(out.get(name, 0), lead)
     return out
+
+
+def _saved_at(records: list, clock: int) -> int:
+    """The saved activations of ``records`` alive at ``clock``."""
+    return sum(n for created, freed, n, saved in records if saved and created <= clock and (freed is None or freed > clock))
 
 
 def _returns_between(returns: list, start: int, end: int) -> list[tuple[int, Optional[int], int, bool]]:

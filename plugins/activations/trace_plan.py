@@ -165,7 +165,7 @@ def profile_trace(plugin: Any, model: torch.nn.Module, tracker: Any, free: list[
         return original(*args, **kwargs)
 
     heads = frozenset(n for n in free if n in plugin.head_names) | frozenset(chunked)
-    watched, marks = layer_temporaries.watch(modules, [n for n in free if n not in heads], tracker)
+    watched, marks = layer_temporaries.watch(modules, [n for n in free if n not in heads], tracker, sorted(heads))
     handles = [*plugin.path.head_hooks(model, heads),
                wrap_method(model, "forward", root), *watched]
     recording, tracker.record_backward_uses = tracker.record_backward_uses, True

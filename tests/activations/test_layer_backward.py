@@ -63,6 +63,18 @@ def test_saved_storages_come_back_each_from_the_first_node_that_reads_them():
     assert held["layer"].transient_bytes == 1200 + own["layer"]
 
 
+def test_what_runs_between_the_head_and_the_first_layer_counts_as_the_first_layers():
+    # the layer saved 1000 bytes (alive to 30); a final norm outside every candidate saved 300 (freed at 8) and
+    # makes a 500-byte temporary from 6 to 12; the head's backward ends at 4, the layer's starts at 10
+    line = Timeline(records=[(1, 30, 1000, True), (1, 8, 300, True), (6, 12, 500, False)],
+                    spans=[(10, 30, "layer")], lead=(4, 10, ("layer",)))
+    # clock 6: the norm's 300 and its 500 beside all the layer keeps (the planner counts those, not the norm's)
+    assert measure(line) == measure(line, net_of_saved=False) == measure(line, restored=True) == {"layer": 800}
+    # with the gradients held: 200 from clock 7 on, when the head's arrived
+    assert measure(line, lambda c: 200 * (c > 7), [7]) == {"layer": 1000}
+    assert measure(Timeline(records=line.records, spans=line.spans)) == {"layer": 500}  # the layer's own backward
+
+
 def test_the_tracker_records_when_the_node_reading_a_saved_storage_starts():
     tracker = MemoryTracker("cpu")
     tracker.record_backward_uses = True

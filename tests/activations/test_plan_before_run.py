@@ -1,6 +1,7 @@
 """The plan is made before the run (`plugins/activations/run_plan.py`, `trace_plan.py`): ``xirang-ds estimate``
 and the run hold one plan, profiled on the estimator's fake trace with every size at its bound; a budget no
 plan meets is refused at the first forward, before any step, naming the least budget."""
+import dataclasses
 import json
 
 import torch
@@ -139,3 +140,29 @@ def test_the_run_takes_the_estimates_plan_where_what_the_script_holds_fits_besid
         assert f"{format_bytes(held)} of it held on the device besides the run: taken off the budget" in run["source"]
         assert run["plan"] == estimate_spec("gpt-tiny", _held_config(budget - held), 2).plans["activations"].plan
         assert run["peak"] <= budget
+
+
+def _bench(rank, world, model, config):
+    from xirang_ds.bench import bench_rank
+
+    return bench_rank(rank, world, model, config, 3, None, 0, True)["peak_bytes"]
+
+
+def test_the_estimate_counts_the_gradients_held_while_a_final_norm_runs_backward():
+    """A Llama whose plan chunks its head under conservative: backward peaks in the final norm's backward (outside
+    every candidate), every saved activation alive and the head's gradients held by grad_release's buckets."""
+    from unittest import mock
+
+    from xirang_ds.plugins.activations import layer_temporaries
+
+    model = "llama:layers=2,hidden=64,heads=4,seq=128,vocab=256"
+    config = ds_config(stage=2, clip=1.0, bucket=5e5, xirang={"preset": "conservative", "memory_budget": 2_520_490})
+    est = estimate_spec(model, config, 2)
+    assert est.fits and est.plans["activations"].plan["lm_head"] == "chunk"
+    measured = max(run_ranks(_bench, 2, model, config))
+    assert abs(est.predicted_peak_bytes - measured) <= 0.001 * measured, (est.predicted_peak_bytes, measured)
+    timeline = layer_temporaries.timeline
+    without = mock.patch.object(layer_temporaries, "timeline",
+                                lambda *a, **k: dataclasses.replace(timeline(*a, **k), lead=None))
+    with without:  # that point left out: the gradients held there are not counted
+        assert estimate_spec(model, config, 2).predicted_peak_bytes < measured - 100_000

@@ -134,7 +134,8 @@ def measure(line: Timeline, held: Optional[Callable[[int], int]] = None, changes
 
 def _saved_at(records: list, clock: int) -> int:
     """The saved activations of ``records`` alive at ``clock``."""
-    return sum(n for created, freed, n, saved in records if saved and created <= clock and (freed is None or freed > clock))
+    return sum(n for created, freed, n, saved in records
+               if saved and created <= clock and (freed is None or freed > clock))
 
 
 def _returns_between(returns: list, start: int, end: int) -> list[tuple[int, Optional[int], int, bool]]:

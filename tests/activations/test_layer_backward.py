@@ -1,8 +1,8 @@
 """What a layer's backward holds beside what the plan keeps (`plugins/activations/trace_plan.py`): its temporaries,
 net of the saved tensors it frees where the plan holds them all until it ends, alone where they come back one by
 one (`layer_temporaries.measure`, `_past_heads`), or each saved storage back from the node that first reads it
-(`measure(restored=True)`, `MemoryTracker.record_backward_uses`), and ZeRO 1 and 2's reduction buckets, made at backward's first
-gradient (`Trace.layer_buffers`). Known answers; the runs that check them end to end are
+(`measure(restored=True)`, `MemoryTracker.record_backward_uses`), what runs between the heads and the first layer
+(`Timeline.lead`), and ZeRO 1 and 2's reduction buckets, made at backward's first gradient (`Trace.layer_buffers`). Known answers; the runs that check them end to end are
 `tests/activations/test_plan_before_run.py`'s (gpt-tiny, micro-batch 16, where both had put the run over its
 budget) and `benchmarks/estimate_budgeted.py`."""
 import torch

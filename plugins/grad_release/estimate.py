@@ -111,12 +111,20 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
     update = {"fp32": 4 * shard + adam, "remainders": max(10 * shard, 8 * shard + adam),
               "remainders_8bit": max(10 * shard, 8 * shard + adam), "none": 8 * shard + adam}[kind]
     quantizer = plugin.session.state_quantizer
+    # a measured embedding's first update (optimizer_states' `first_step.CHUNK_BYTES`): a chunk's moments, their
+    # copies and the update direction's error, and the candidate formats' buffers, beside the bucket's gradient
+    # and master as an update holds them (``bound``: the fp32 states the estimate counts for it meanwhile)
+    first, bound, index = quantizer.first_update(world) if quantizer is not None else (0, 0, -1)
+    # over the shard of the bucket that holds it (the buckets take the parameters in reverse)
+    first_shard = next((size for size, b in zip(shards, planned) if len(numels) - 1 - index in b), shard)
+    first_update = (4 if kind == "fp32" else 8) * first_shard + first
     if kind == "none" and quantizer is not None and GRAD_DTYPE_SETTABLE:
         # in place (masters.py): DynamicAdamW's chunk in fp32 (parameter, gradient, two moments:
         # 16 bytes an element) and the rounding's noise (`stochastic.NOISE_BYTES`), chunk by chunk with the
         # gradient alive, nothing per shard
         chunk = min(shard, quantizer.config.chunk_numel)
         update, rounding = 16 * chunk + NOISE_BYTES * min(chunk, CHUNK_NUMEL), 0
+        first_update = first
     # each bucket's states, of the buckets `plan_buckets` makes
     sizes = [math.ceil(states * n / part) for n in shards]
     fetched = max(sizes)
@@ -197,7 +205,11 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
                 # holds the other buckets' shards, the first bucket's rounding the most of them)
                 left = (lp * (part - shard) if holds_shard and not stash else 0) if holds_shard else whole
                 at_round = {**at_update, "temporaries": rounding, GRADIENTS: accum + left}
-                out[BACKWARD_END] = max(at_update, at_round, key=lambda c: sum(v for k, v in c.items() if k != "host"))
+                points = [at_update, at_round]
+                if first:  # step 1: a measured tensor's first update, its candidates in place of its fp32 states
+                    points.append({**at_update, "temporaries": max(update, first_update),
+                                   OPTIMIZER_STATES: 0 if parked else max(0, states - bound)})
+                out[BACKWARD_END] = max(points, key=lambda c: sum(v for k, v in c.items() if k != "host"))
             elif name == BACKWARD_START:
                 # the first gradient autograd makes (the output head's, where the model has one: the
                 # largest parameter) exists whole before its hook copies it into a bucket, unless by

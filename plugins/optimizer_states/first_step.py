@@ -28,6 +28,14 @@ from xirang_ds.plugins.optimizer_states.formats import MOMENTS, STATE_DTYPE_ORDE
 from xirang_ds.plugins.optimizer_states.update import AdamHyper, adam_chunk_, grad_chunk, store_param
 
 
+CHUNK_BYTES = 36
+"""The most the first update holds at once per element of a chunk, besides the parameter, its gradient and the
+candidates' buffers: the chunk's fp32 moments, their copies for a candidate's encoding and the update direction's
+error (`formats.update_error`: the directions in fp32, their difference and square in float64). The ordinary
+update holds 16 (`plugin.OptimizerStatesPlugin.adjust_estimate`). Pinned against the tracker by
+``tests/optimizer_states/test_first_step.py``."""
+
+
 def candidates(opt: Any, state: dict, step: int) -> list[str]:
     """The integer formats a measured tensor may leave fp32 for after ``step``: the policy's, then the
     wider ones below bf16 (int8 after int4); empty when the policy keeps it in 16 or 32 bits."""
@@ -121,4 +129,4 @@ def flat_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1)
 
 
-__all__ = ["applies", "candidates", "first_update", "flat_view"]
+__all__ = ["CHUNK_BYTES", "applies", "candidates", "first_update", "flat_view"]

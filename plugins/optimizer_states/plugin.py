@@ -28,7 +28,7 @@ from xirang_ds.config.validate import XirangConfigError
 from xirang_ds.memory.model_states import adam_temporaries
 from xirang_ds.memory.pool import align_up
 from xirang_ds.memory.run_shape import sub_group_size
-from xirang_ds.plugins.optimizer_states import masters, step_time
+from xirang_ds.plugins.optimizer_states import first_step, masters, step_time
 from xirang_ds.plugins.optimizer_states.build import MEASURED, keep_reasons, settings_from_client
 from xirang_ds.plugins.optimizer_states.config import STATE_DTYPE_ORDER, OptimizerStatesConfig
 from xirang_ds.plugins.optimizer_states.deepspeed import check_ds_config, ds_config_problems
@@ -213,6 +213,27 @@ class OptimizerStatesPlugin(Plugin):
         fmt = make_format(make_policy(self.config).initial(), self.config.int8_block_size, self.config.int4_block_size)
         return [p for p in model.parameters() if p.requires_grad], keep_reasons(model, self.config), fmt
 
+    def first_update(self, world: int) -> tuple[int, int, int]:
+        """``(held, bound, index)`` of the largest measured tensor's first update (`first_step`) over a
+        ``world``-way shard: what it holds at its most besides the parameter and its gradient (a chunk at
+        `first_step.CHUNK_BYTES` an element, and the candidate formats' buffers over the shard), the fp32 states
+        the estimate counts for that shard (their bound: the first update holds the candidates' in their place),
+        and the tensor's place among the trainable parameters; ``(0, 0, -1)`` without measured tensors."""
+        layout = self.estimate_layout()
+        if layout is None:
+            return 0, 0, -1
+        params, reasons, fmt = layout
+        measured = [i for i, p in enumerate(params) if reasons.get(id(p), "").startswith(MEASURED)]
+        if not measured or not fmt.name.startswith("int"):
+            return 0, 0, -1
+        index = max(measured, key=lambda i: params[i].numel())
+        shard = -(-params[index].numel() // max(world, 1))
+        names = STATE_DTYPE_ORDER[STATE_DTYPE_ORDER.index(fmt.name):STATE_DTYPE_ORDER.index("bf16"):-1]
+        candidates = sum(make_format(name, self.config.int8_block_size, self.config.int4_block_size).state_bytes(shard)
+                         for name in names)
+        return (first_step.CHUNK_BYTES * min(shard, self.config.chunk_numel) + candidates,
+                make_format("fp32").state_bytes(shard), index)
+
     def update_ops(self, shape: Any, numels: list, profile: Any) -> Optional[Any]:
         """`xirang_ds.roles.TimesUpdate`: the low-bit update's ops (`step_time.update_ops`)."""
         return step_time.update_ops(self, shape, numels, profile)
@@ -244,13 +265,17 @@ class OptimizerStatesPlugin(Plugin):
                                                             default=0)
         chunk = min(self.config.chunk_numel, max(largest, 1))
         temps = (8 if fmt_name == "fp32" else 16) * chunk
+        first, bound, _ = self.first_update(n)  # step 1: a measured tensor's candidates in place of its fp32 states
         plain_temps = adam_temporaries(shape, [part(sum(numels))] if shape.stage >= 1 else list(numels))
         out = {}
         for name, cats in phases.items():
             cats = dict(cats)
             cats["optimizer_states"] = states
             if name == "optimizer_step":
-                cats["temporaries"] = max(0, cats.get("temporaries", 0) - plain_temps) + temps
+                rest = max(0, cats.get("temporaries", 0) - plain_temps)
+                cats["temporaries"] = rest + temps
+                if first and first - bound > temps:
+                    cats["temporaries"] = rest + first - bound
             out[name] = cats
         if masters.parks(self.config, self.session.ds_config) and self.session.stepper is None:
             zero = self.session.ds_config.get("zero_optimization") or {}

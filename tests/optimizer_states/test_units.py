@@ -591,13 +591,24 @@ def test_version_1_int8_states_load_re_encoded():
         fresh.load_state_dict(saved)
 
 
+def _step_held(opt: DynamicAdamW) -> int:
+    """The most bytes one ``opt.step()`` holds above what was live before it (the tracker's)."""
+    from xirang_ds.memory.tracker import MemoryTracker
+
+    tracker = MemoryTracker("cpu")
+    with tracker:
+        window = tracker.open_window()
+        base = tracker.live_bytes
+        opt.step()
+        return window.report().peak_bytes - base
+
+
 @pytest.mark.parametrize("limit, settles", [(0.1, "int8"), (1e-6, "fp32")])
 def test_a_measured_embedding_first_update_holds_no_whole_fp32_moments(limit, settles):
     """The first update of a measured embedding runs chunk by chunk (first_step.py): the step's
     most-held bytes above what was live before are the settled states plus a few chunks, never
     the whole fp32 moments beside the int8 codes; the parameter is torch.optim.AdamW's bit for bit,
     and the states are those of the fp32 update (int8: decoded within a code step; fp32: equal)."""
-    from xirang_ds.memory.tracker import MemoryTracker
     from xirang_ds.plugins.optimizer_states.build import keep_reasons, split_groups
 
     n, chunk = 8192 * 64, 4096
@@ -612,12 +623,7 @@ def test_a_measured_embedding_first_update_holds_no_whole_fp32_moments(limit, se
     ref = torch.optim.AdamW([ref_param], lr=1e-3, weight_decay=1e-2)
     grad = torch.randn(8192, 64, generator=g) * 1e-2
     model[0].weight.grad, ref_param.grad = grad.clone(), grad.clone()
-    tracker = MemoryTracker("cpu")
-    with tracker:
-        window = tracker.open_window()
-        base = tracker.live_bytes
-        opt.step()
-        held = window.report().peak_bytes - base
+    held = _step_held(opt)
     ref.step()
     assert torch.equal(model[0].weight, ref_param)
     assert opt.state_format(model[0].weight) == settles and [m[2:] for m in opt.measurements][-1][-1] == (
@@ -673,3 +679,22 @@ def test_a_parameters_write_back_and_gradient_multipliers_take_the_chunks():
     p = torch.zeros(8, dtype=torch.bfloat16)
     p.xirang_grad_scale = (2.0,)
     assert torch.equal(grad_chunk(p, torch.arange(8.0).bfloat16(), 2, 6), torch.tensor([4.0, 6.0, 8.0, 10.0]))
+
+
+@pytest.mark.parametrize("dtype, candidates", [("int8", ("int8",)), ("int4", ("int4", "int8"))])
+def test_a_measured_first_update_holds_what_the_estimate_prices(dtype, candidates):
+    """The most a measured tensor's first update holds above what was live before (an fp32 parameter and its
+    gradient, as grad_release's masters): a chunk at `first_step.CHUNK_BYTES` an element and every candidate
+    format's buffers (`OptimizerStatesPlugin.first_update`, which the estimate puts in its fp32 states' place)."""
+    from xirang_ds.plugins.optimizer_states.first_step import CHUNK_BYTES
+    from xirang_ds.plugins.optimizer_states.formats import make_format
+
+    n, chunk = 3 * 131072, 131072
+    weight = torch.nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(0)) * 0.02)
+    weight.grad = torch.randn(n, generator=torch.Generator().manual_seed(1)) * 1e-3
+    opt = DynamicAdamW([{"params": [weight], "keep_fp32": "measured"}], lr=1e-3,
+                       states={"schedule": [{"dtype": dtype}], "chunk_numel": chunk})
+    held = _step_held(opt)
+    assert opt.measurements and opt.state_format(weight) == "int8"  # measured, and settled below fp32
+    priced = CHUNK_BYTES * chunk + sum(make_format(c).state_bytes(n) for c in candidates)
+    assert 0 <= held - priced <= 64, (held, priced)  # beside it, scalars: the step counter, the error's sums

@@ -33,13 +33,17 @@ CHUNK_BYTES = 36
 candidates' buffers: the chunk's fp32 moments, their copies for a candidate's encoding and the update direction's
 error (`formats.update_error`: the directions in fp32, their difference and square in float64). The ordinary
 update holds 16 (`plugin.OptimizerStatesPlugin.adjust_estimate`). Pinned against the tracker by
-``tests/optimizer_states/test_first_step.py``."""
+``tests/optimizer_states/test_units.py``."""
 
 
 def candidates(opt: Any, state: dict, step: int) -> list[str]:
     """The integer formats a measured tensor may leave fp32 for after ``step``: the policy's, then the
     wider ones below bf16 (int8 after int4); empty when the policy keeps it in 16 or 32 bits."""
-    name = opt.policy.target(state, step)
+    return widening(opt.policy.target(state, step))
+
+
+def widening(name: str) -> list[str]:
+    """``name`` and the wider integer formats below bf16 (int8 after int4); empty unless ``name`` is one."""
     if not name.startswith("int"):
         return []
     return list(STATE_DTYPE_ORDER[STATE_DTYPE_ORDER.index(name):STATE_DTYPE_ORDER.index("bf16"):-1])
@@ -129,4 +133,4 @@ def flat_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1)
 
 
-__all__ = ["CHUNK_BYTES", "applies", "candidates", "first_update", "flat_view"]
+__all__ = ["CHUNK_BYTES", "applies", "candidates", "first_update", "flat_view", "widening"]

@@ -224,11 +224,11 @@ class OptimizerStatesPlugin(Plugin):
             return 0, 0, -1
         params, reasons, fmt = layout
         measured = [i for i, p in enumerate(params) if reasons.get(id(p), "").startswith(MEASURED)]
-        if not measured or not fmt.name.startswith("int"):
+        names = first_step.widening(fmt.name)  # the candidates, as `first_step.candidates` takes them at step 1
+        if not measured or not names:
             return 0, 0, -1
         index = max(measured, key=lambda i: params[i].numel())
         shard = -(-params[index].numel() // max(world, 1))
-        names = STATE_DTYPE_ORDER[STATE_DTYPE_ORDER.index(fmt.name):STATE_DTYPE_ORDER.index("bf16"):-1]
         candidates = sum(make_format(name, self.config.int8_block_size, self.config.int4_block_size).state_bytes(shard)
                          for name in names)
         return (first_step.CHUNK_BYTES * min(shard, self.config.chunk_numel) + candidates,
@@ -272,10 +272,7 @@ class OptimizerStatesPlugin(Plugin):
             cats = dict(cats)
             cats["optimizer_states"] = states
             if name == "optimizer_step":
-                rest = max(0, cats.get("temporaries", 0) - plain_temps)
-                cats["temporaries"] = rest + temps
-                if first and first - bound > temps:
-                    cats["temporaries"] = rest + first - bound
+                cats["temporaries"] = max(0, cats.get("temporaries", 0) - plain_temps) + max(temps, first - bound)
             out[name] = cats
         if masters.parks(self.config, self.session.ds_config) and self.session.stepper is None:
             zero = self.session.ds_config.get("zero_optimization") or {}

@@ -11,6 +11,9 @@ the worst rank's tracker peak); then each preset under ``memory_budget`` = fract
 estimated (`xirang_ds.planning.spec.estimate_spec`, 2 ranks, CPU profile) and, where the estimate says
 it fits, run the same way. Memory on the CPU is exact, so each row reproduces to the byte.
 
+``bound_peak_bytes`` is the estimate's peak with what only the data decide at its bound (a measured embedding's
+optimizer states in fp32), on which the plan and ``fits`` stand; ``null`` where it is the predicted peak.
+
 Each row gives the device bytes per category at the predicted peak (``predicted_by_category``, in
 ``predicted_phase``) and at the measured one (``measured_by_category``, ``measured_phase``), and their
 difference (``miss_by_category``), so the JSON shows where a miss comes from.
@@ -74,7 +77,8 @@ def main() -> None:
                 plan = est.plans.get("activations")
                 row = {"model": model, "preset": preset, "fraction": fraction, "budget_bytes": budget,
                        "plain_peak_bytes": plain["peak_bytes"], "fits": est.fits,
-                       "predicted_peak_bytes": est.predicted_peak_bytes, "least_budget_bytes": est.least_budget_bytes,
+                       "predicted_peak_bytes": est.predicted_peak_bytes, "bound_peak_bytes": est.bound_peak_bytes,
+                       "least_budget_bytes": est.least_budget_bytes,
                        "estimate_plan": plan.plan if plan is not None else None,
                        "predicted_phase": est.peak_phase, "predicted_by_category": _device(est.by_category)}
                 if est.fits:

@@ -114,11 +114,11 @@ def _fit_verdict(spec: Any, ds_config: dict, world_size: int, config: Any) -> Op
     if est.host_refusal and est.device_fits is not False:  # the host tiers alone, as the run refuses them
         raise XirangConfigError([("xirang.host_memory_budget", f"{est.host_refusal} ({where})")])
     if not est.fits:
-        raise XirangConfigError([("xirang.memory_budget", f"the estimate's peak {format_bytes(est.predicted_peak_bytes)} "
+        raise XirangConfigError([("xirang.memory_budget", f"the estimate's peak {format_bytes(est.bound_bytes)} "
                                                           f"is above it ({where}); xirang-ds estimate names a change "
                                                           "that fits")])
-    return (f"fits memory_budget ({where}): peak {format_bytes(est.predicted_peak_bytes)}, "
-            f"least budget {format_bytes(est.least_budget_bytes)}")
+    return (f"fits memory_budget ({where}): peak {format_bytes(est.predicted_peak_bytes)} (at most "
+            f"{format_bytes(est.bound_bytes)}), least budget {format_bytes(est.least_budget_bytes)}")
 
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
@@ -269,7 +269,7 @@ def _estimate_and_search(args: argparse.Namespace, model: Any, ds_config: dict, 
                          profile: Any, reuse: Any) -> int:
     import json
 
-    from xirang_ds.planning.estimator import format_estimate, recalibrate
+    from xirang_ds.planning.estimate_text import format_estimate, recalibrate
     from xirang_ds.planning.spec import estimate_spec
 
     # resolves "preset": "auto", checks the block

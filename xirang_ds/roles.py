@@ -114,6 +114,22 @@ class Estimates(Protocol):
 
 
 @runtime_checkable
+class PricesAtBound(Protocol):
+    """It holds a size only the data decide (optimizer_states: a measured embedding's states, fp32 until its
+    first update's error allows the policy's format). The estimate plans with it at its bound, and ``fits``,
+    ``least_budget_bytes`` and the plan stand on that; it then prices the same plans again with the size at what
+    the data give where the check passes, which is the predicted peak (`xirang_ds.planning.estimator`)."""
+
+    def price_at_bound(self, bound: bool) -> None:
+        """Whether `Estimates.adjust_estimate` prices the size at its bound (``True``, the default) or at what the
+        data give where the check passes."""
+
+    def bound_headroom(self, shape: Any) -> Optional[str]:
+        """What the bound holds beyond the figure the data give where the check passes, said for the estimate's
+        notes; ``None`` where the two are the same (no such size in this run)."""
+
+
+@runtime_checkable
 class TimesStep(Protocol):
     """It prices what it adds to a training step (`xirang_ds.planning.step_time`). A plugin without the role
     adds nothing when it is ``time_neutral``, and otherwise the predicted step time notes it as not priced."""
@@ -248,6 +264,6 @@ class ReportsFigures(Protocol):
         """What the plugin measured in this run, as plain data; ``{}`` when there is nothing to report."""
 
 
-ROLES = (EditsDsConfig, EditsDdpConfig, FitsDsConfig, RemarksOnAuto, Estimates, ReshapesRun, ChangesTrace, Checkpoints,
-         LendsStorage, DropsGradients, SettlesLate, ReportsFigures)
+ROLES = (EditsDsConfig, EditsDdpConfig, FitsDsConfig, RemarksOnAuto, Estimates, PricesAtBound, ReshapesRun,
+         ChangesTrace, Checkpoints, LendsStorage, DropsGradients, SettlesLate, ReportsFigures)
 """Every role, for the structure test (each has a built-in plugin that plays it)."""

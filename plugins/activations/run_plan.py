@@ -91,7 +91,7 @@ def plan_before_run(plugin: Any, twin: ModelTwin, args: tuple, kwargs: dict) -> 
     if est.host_refusal:  # the host tiers, the offloads' included
         raise XirangConfigError([("xirang.host_memory_budget", f"{est.host_refusal} (planned before the run for a "
                                                                f"batch of {sig.describe()})")])
-    plan.step_peak_bytes = est.predicted_peak_bytes + held
+    plan.step_peak_bytes = est.bound_bytes + held  # what the plan promises, whatever the data give
     if stepper is not None and stepper.tier_pending:
         states = est.plans.get("grad_release") or {}
         stepper.settle_tier(states.get("states") == "host", states.get("why") or "")
@@ -107,7 +107,7 @@ def fits_beside(est: Any, section: str, held: int, limit: int) -> bool:
     does not (so a few bytes a script keeps on the device do not move a plan that has room for them)."""
     plan = est.plans.get(section)
     return (plan is not None and plan.fits and not est.host_refusal
-            and est.predicted_peak_bytes + held <= limit)
+            and est.bound_bytes + held <= limit)
 
 
 def held_besides_the_run(tracker: Any, args: tuple, kwargs: dict) -> int:

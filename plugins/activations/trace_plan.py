@@ -185,14 +185,19 @@ def profile_trace(plugin: Any, model: torch.nn.Module, tracker: Any, free: list[
 
 
 def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str], streams: bool,
-                device_total: Optional[int], profile: DeviceProfile) -> tuple[dict, TracePlan]:
+                device_total: Optional[int], profile: DeviceProfile,
+                made: Optional[TracePlan] = None) -> tuple[dict, TracePlan]:
     """Plan on the fake pass's profiles under the budget and put the plan's saved activations into
-    ``phases`` (see the module docstring); ``device_total`` stands for ``memory_budget: auto``.
+    ``phases`` (see the module docstring); ``device_total`` stands for ``memory_budget: auto``. With ``made`` (a plan
+    of these profiles, made on other phases: the estimate's at the bound of what only the data decide), its choices
+    are priced on ``phases`` instead of a plan made.
 
     With ``host_memory_budget`` in bytes, a plan whose offloads need more host than the other host tiers leave
     gives way to the plan without offloads where that one fits the device (said in `TracePlan.host_note`); else
     it stands, and the estimate and the run refuse it on the host's figure."""
-    adjusted, out = _plan_phases(plugin, phases, free, fixed, streams, device_total, profile, plugin.options)
+    adjusted, out = _plan_phases(plugin, phases, free, fixed, streams, device_total, profile, plugin.options, made)
+    if made is not None:
+        return adjusted, out
     host_budget = plugin.session.config.host_memory_budget
     room = None if host_budget == "auto" else int(host_budget) - max(c.get(HOST, 0) for c in phases.values())
     kept_off = tuple(o for o in plugin.options if o != "offload" and o not in OFFLOADED_INPUTS)
@@ -207,8 +212,9 @@ def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str
 
 
 def _plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str], streams: bool,
-                 device_total: Optional[int], profile: DeviceProfile, options: tuple) -> tuple[dict, TracePlan]:
-    """`plan_phases` over the candidates' ``options``."""
+                 device_total: Optional[int], profile: DeviceProfile, options: tuple,
+                 made: Optional[TracePlan] = None) -> tuple[dict, TracePlan]:
+    """`plan_phases` over the candidates' ``options`` (``made``'s choices where given)."""
     c = plugin.config
     profiles = plugin.trace_profiles
     tree = _tree(plugin, free, fixed, streams, profile, options)
@@ -248,11 +254,16 @@ def _plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, st
     own_and_held, alone_and_held, returns_and_held = _layer_gradients(plugin, held)
     buffers = 0 if held is not None else getattr(getattr(plugin.session, "trace", None), "layer_buffers", 0)
     for _ in range(PLAN_ROUNDS):
-        try:
-            out.budget_bytes, out.choices, _ = plan_within(c, budget, total, profiles, out.other_bytes, tree)
-        except XirangConfigError as e:
-            out.fits, out.problems, out.choices = False, list(e.problems), {}
-            return phases, out
+        if made is not None:
+            if not made.fits:
+                return phases, made
+            out.budget_bytes, out.choices = made.budget_bytes, made.choices
+        else:
+            try:
+                out.budget_bytes, out.choices, _ = plan_within(c, budget, total, profiles, out.other_bytes, tree)
+            except XirangConfigError as e:
+                out.fits, out.problems, out.choices = False, list(e.problems), {}
+                return phases, out
         out.planned_peaks = estimate_peak(roots, out.choices, before, after)
         saved_end, saved_worst = (max(0, t - p) for t, p in zip(traced, out.planned_peaks))
         layers_worst = estimate_peak(roots, _past_heads(out.choices, heads), before, 0)[1]
@@ -291,7 +302,7 @@ def _plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, st
         # the rest was taken at its own peaks with the heads' whole loss left out: where the planned phases still
         # peak above the budget, what the rest needs is that much more, and the planner plans again
         over = max(sum(v for k, v in cats.items() if k != HOST) for cats in adjusted.values()) - limit
-        if over <= 0 or c.budget != "auto":
+        if over <= 0 or c.budget != "auto" or made is not None:
             break
         # the next plan's saved activations at least ``over`` below this one's (the planner leaves slack)
         out.other_bytes = max(out.other_bytes + over, limit - (max(out.planned_peaks) - over))

@@ -113,7 +113,7 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
     quantizer = plugin.session.state_quantizer
     # a measured embedding's first update (optimizer_states' `first_step.CHUNK_BYTES`): a chunk's moments, their
     # copies and the update direction's error, and the candidate formats' buffers, beside the bucket's gradient
-    # and master as an update holds them (``bound``: the fp32 states the estimate counts for it meanwhile)
+    # and master as an update holds them (``bound``: the states the estimate counts for it meanwhile)
     first, bound, index = quantizer.first_update(world) if quantizer is not None else (0, 0, -1)
     # over the shard of the bucket that holds it (the buckets take the parameters in reverse)
     first_shard = next((size for size, b in zip(shards, planned) if len(numels) - 1 - index in b), shard)
@@ -206,7 +206,7 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
                 left = (lp * (part - shard) if holds_shard and not stash else 0) if holds_shard else whole
                 at_round = {**at_update, "temporaries": rounding, GRADIENTS: accum + left}
                 points = [at_update, at_round]
-                if first:  # step 1: a measured tensor's first update, its candidates in place of its fp32 states
+                if first:  # step 1: a measured tensor's first update, its candidates in place of its states
                     points.append({**at_update, "temporaries": max(update, first_update),
                                    OPTIMIZER_STATES: 0 if parked else max(0, states - bound)})
                 out[BACKWARD_END] = max(points, key=lambda c: sum(v for k, v in c.items() if k != "host"))
@@ -240,14 +240,18 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
         saved = [c.get("activations", 0) for c in phases.values()]
         return max(d - a for d, a in zip(device, saved)) + max(0, max(saved) - spare)
 
-    over = budget != "auto" and need(out) > int(budget)
+    chosen = (getattr(plugin.session, "estimate_replay", None) or {}).get(plugin.section)
+    over = budget != "auto" and need(out) > int(budget) and chosen is None
     if over and plugin.config.exact_method == "auto" and holds_shard and not parked:
         out, stash = held(False, True), True  # the held shard goes to the host before the states do (4 bytes, not 16)
         plugin.estimate_note = STASH_NOTE + (f"with this rank's gradient shard held on the device the estimate "
                                            f"exceeds memory_budget {format_bytes(int(budget))}")
         over = need(out) > int(budget)
     why = None
-    if plugin.config.states == "auto" and over:
+    if chosen is not None:  # the tiers the estimate chose at the bound of what only the data decide, priced again
+        stash, why = chosen["stash"], chosen["why"]
+        out = held(chosen["states"] == "host", stash)
+    elif plugin.config.states == "auto" and over:
         states_need = need(out)
         stash = plugin.stashes_held(True)
         out = held(True, stash)  # the run starts them on the host (`states_tier.StatesTier`)
@@ -256,7 +260,7 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
         plugin.estimate_note = HOST_NOTE + why
     # run_plan settles the tier from it; the predicted step prices the host copies from it (`StatesTier.step_seconds`)
     on_host, stashes = why is not None or parked, bool(holds_shard and stash)
-    plugin.estimate_plan = {"states": "host" if on_host else "device", "why": why,
+    plugin.estimate_plan = {"states": "host" if on_host else "device", "why": why, "stash": stash,
                             "state_bytes": states, "stashes_shard": stashes, "stash_bytes": comm_bytes,
                             "first_bucket_state_bytes": sizes[0] if overlapped else None,
                             # the stash's copies on a side stream: the first bucket's shard back on the compute stream

@@ -81,6 +81,8 @@ class OptimizerStatesPlugin(Plugin):
         self.parked: list = []
         """The masters kept as remainders (`masters.Parking`: DeepSpeed ZeRO-3's, or each Megatron member's)."""
         self.masters_line = "fp32"
+        self.estimate_at_bound = True
+        """Whether the estimate prices a measured embedding's states at their bound, fp32 (`PricesAtBound`)."""
 
     @classmethod
     def check_ds_config(cls, config: OptimizerStatesConfig, ds_config: dict) -> list[tuple[str, str]]:
@@ -206,23 +208,67 @@ class OptimizerStatesPlugin(Plugin):
 
     def estimate_layout(self) -> Optional[tuple[list, dict, Any]]:
         """What the estimate assumes of the session's model: its trainable parameters, the kept ones (fp32
-        states, by id, with their reason) and the format the policy starts the others in; ``None`` without a model."""
+        states, by id, with their reason) and the format the policy starts the others in; ``None`` without a model.
+        A measured embedding is kept at its bound; priced at what the data give (`price_at_bound`), it takes the
+        widest format its first update's check can move it to (`passing_format`)."""
+        layout = self._layout()
+        if layout is None:
+            return None
+        params, reasons, fmt, leaving = layout
+        if not self.estimate_at_bound:
+            reasons = {i: r for i, r in reasons.items() if i not in leaving}
+        return params, reasons, fmt
+
+    def _layout(self) -> Optional[tuple[list, dict, Any, set]]:
+        """The trainable parameters, every kept one's reason (by id), the policy's first format and the ids of the
+        measured tensors that may leave fp32 for it at their first update (`first_step`: the policy's format an
+        integer one, the tensor not below ``min_numel``)."""
         model = self.session.model
         if model is None:
             return None
         fmt = make_format(make_policy(self.config).initial(), self.config.int8_block_size, self.config.int4_block_size)
-        return [p for p in model.parameters() if p.requires_grad], keep_reasons(model, self.config), fmt
+        params = [p for p in model.parameters() if p.requires_grad]
+        reasons = keep_reasons(model, self.config)
+        leaving = {id(p) for p in params if reasons.get(id(p), "").startswith(MEASURED)
+                   and p.numel() >= self.config.min_numel} if first_step.widening(fmt.name) else set()
+        return params, reasons, fmt, leaving
+
+    def passing_format(self, fmt: Any) -> Any:
+        """The widest format a measured tensor leaves fp32 for where its first update's check passes, the policy's
+        first format ``fmt`` an integer one (`first_step.widening`: int8 after int4): what it holds is at most that."""
+        return make_format(first_step.widening(fmt.name)[-1], self.config.int8_block_size, self.config.int4_block_size)
+
+    def price_at_bound(self, bound: bool) -> None:
+        """`xirang_ds.roles.PricesAtBound`: a measured embedding's states at fp32 (``True``) or in the widest format
+        its check can give them (`passing_format`)."""
+        self.estimate_at_bound = bound
+
+    def bound_headroom(self, shape: Any) -> Optional[str]:
+        """`xirang_ds.roles.PricesAtBound`: what fp32 states of the measured embeddings hold over the policy's
+        format, over this rank's part; ``None`` without such a tensor."""
+        layout = self._layout()
+        if layout is None or not layout[3]:
+            return None
+        params, _, fmt, leaving = layout
+        n = shape.world_size if shape.stage >= 1 else 1
+        numel = sum(-(-p.numel() // n) for p in params if id(p) in leaving)
+        passing = self.passing_format(fmt)
+        more = make_format("fp32").state_bytes(numel) - passing.state_bytes(numel)
+        return (f"{len(leaving)} measured embedding(s) priced with {passing.name} states, the widest their first "
+                f"update's check moves them to; kept fp32 (the check fails) they hold {format_bytes(more)} "
+                f"({more:,} bytes) more")
 
     def first_update(self, world: int) -> tuple[int, int, int]:
         """``(held, bound, index)`` of the largest measured tensor's first update (`first_step`) over a
         ``world``-way shard: what it holds at its most besides the parameter and its gradient (a chunk at
-        `first_step.CHUNK_BYTES` an element, and the candidate formats' buffers over the shard), the fp32 states
-        the estimate counts for that shard (their bound: the first update holds the candidates' in their place),
-        and the tensor's place among the trainable parameters; ``(0, 0, -1)`` without measured tensors."""
-        layout = self.estimate_layout()
+        `first_step.CHUNK_BYTES` an element, and the candidate formats' buffers over the shard), the states the
+        estimate counts for that shard (fp32 at their bound, else the policy's format: the first update holds the
+        candidates' in their place), and the tensor's place among the trainable parameters; ``(0, 0, -1)`` without
+        measured tensors."""
+        layout = self._layout()
         if layout is None:
             return 0, 0, -1
-        params, reasons, fmt = layout
+        params, reasons, fmt, leaving = layout
         measured = [i for i, p in enumerate(params) if reasons.get(id(p), "").startswith(MEASURED)]
         names = first_step.widening(fmt.name)  # the candidates, as `first_step.candidates` takes them at step 1
         if not measured or not names:
@@ -231,8 +277,10 @@ class OptimizerStatesPlugin(Plugin):
         shard = -(-params[index].numel() // max(world, 1))
         candidates = sum(make_format(name, self.config.int8_block_size, self.config.int4_block_size).state_bytes(shard)
                          for name in names)
-        return (first_step.CHUNK_BYTES * min(shard, self.config.chunk_numel) + candidates,
-                make_format("fp32").state_bytes(shard), index)
+        at_bound = id(params[index]) not in leaving or self.estimate_at_bound
+        counted = make_format("fp32") if at_bound else self.passing_format(fmt)
+        held = first_step.CHUNK_BYTES * min(shard, self.config.chunk_numel) + candidates
+        return held, counted.state_bytes(shard), index
 
     def update_ops(self, shape: Any, numels: list, profile: Any) -> Optional[Any]:
         """`xirang_ds.roles.TimesUpdate`: the low-bit update's ops (`step_time.update_ops`)."""
@@ -253,19 +301,23 @@ class OptimizerStatesPlugin(Plugin):
             return None
         params, kept_ids, fmt = layout
         fmt_name = fmt.name
-        kept = sum(p.numel() for p in params if id(p) in kept_ids)
-        quant = sum(p.numel() for p in params) - kept
+        leaving = self._layout()[3]  # the measured embeddings, a group of their own (`split_groups`)
+        measured = sum(p.numel() for p in params if id(p) in leaving)
+        kept = sum(p.numel() for p in params if id(p) in kept_ids and id(p) not in leaving)
+        quant = sum(p.numel() for p in params) - kept - measured
         n = shape.world_size if shape.stage >= 1 else 1
         fp32 = make_format("fp32")
         part = (lambda x: math.ceil(x / n))
-        groups = (1 if kept else 0) + (1 if quant else 0)
+        groups = sum(1 for numel in (kept, measured, quant) if numel)
         tensors = groups if shape.stage >= 1 else len(params)
-        states = fp32.state_bytes(part(kept)) + fmt.state_bytes(part(quant)) + 4 * tensors
+        passing = fp32 if self.estimate_at_bound or not measured else self.passing_format(fmt)
+        states = fp32.state_bytes(part(kept)) + passing.state_bytes(part(measured)) + fmt.state_bytes(part(quant)) \
+            + 4 * tensors
         largest = part(quant) if shape.stage >= 1 else max((p.numel() for p in params if id(p) not in kept_ids),
                                                             default=0)
         chunk = min(self.config.chunk_numel, max(largest, 1))
         temps = (8 if fmt_name == "fp32" else 16) * chunk
-        first, bound, _ = self.first_update(n)  # step 1: a measured tensor's candidates in place of its fp32 states
+        first, bound, _ = self.first_update(n)  # step 1: a measured tensor's candidates in place of its states
         plain_temps = adam_temporaries(shape, [part(sum(numels))] if shape.stage >= 1 else list(numels))
         out = {}
         for name, cats in phases.items():

@@ -23,10 +23,11 @@ def _meta_model():
 
 def _needs(model, world=2, states="device", exact_method="auto"):
     """Each preset's estimate with grad_release's optimizer states on the device or in host memory (and exact
-    clipping's held gradient shard on the device, ``auto`` unbudgeted, or in host memory, ``host``)."""
+    clipping's held gradient shard on the device, ``auto`` unbudgeted, or in host memory, ``host``), with the
+    measured embeddings' states at their bound, fp32, as auto takes it (`Estimate.bound_bytes`)."""
     block = {"states": states, "exact_method": exact_method}
     return {name: estimate_states(model, {**BASE, "xirang": {"preset": name, "grad_release": block}},
-                                  world).predicted_peak_bytes
+                                  world).bound_bytes
             for name in ("conservative", "balanced", "aggressive")}
 
 

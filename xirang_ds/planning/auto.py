@@ -75,7 +75,7 @@ def choose_preset(block: dict, ds_config: dict, model: Any, world_size: int = 1,
         # the budget in bytes, as the run compares it (grad_release's states: auto takes the host over it)
         estimate = estimate_states(model, {**ds_config, "xirang": {**candidate, "memory_budget": budget}}, world_size,
                                    device)
-        need = estimate.predicted_peak_bytes
+        need = estimate.bound_bytes  # what only the data decide at its bound (`Estimate.bound_peak_bytes`)
         needs.append((name, need))
         if need <= budget:
             tried = "".join(f"; {n} needs {format_bytes(b)}" for n, b in needs[:-1])

@@ -14,7 +14,7 @@ Two parts:
 What both read from the ds_config is a `RunShape` (`xirang_ds.memory.run_shape`). This module puts the
 parts together into phases and lets the session's plugins adjust them. The peak is the largest of the
 phases: forward, backward, optimizer step. ``recalibrate`` compares a measured `PeakReport` with the
-estimate and returns per-category correction factors.
+estimate and returns per-category correction factors (`xirang_ds.planning.estimate_text`, with the table).
 """
 from __future__ import annotations
 
@@ -59,10 +59,11 @@ from xirang_ds.memory.sweep import ENGINE, Sweep, most_beside, most_beside_point
 from xirang_ds.memory.trace import Inputs, Trace, loss_of, trace_model
 from xirang_ds.memory.zero3_fetch import Fetch, replay, traced_calls
 from xirang_ds.memory.device_profile import PROFILES
+from xirang_ds.planning.estimate_text import format_estimate, recalibrate
 from xirang_ds.planning.fit import fit_block
 from xirang_ds.planning.step_time import StepTime, step_time
 from xirang_ds.planning.trace_cache import traced
-from xirang_ds.roles import Estimates, ReshapesRun
+from xirang_ds.roles import Estimates, PricesAtBound, ReshapesRun
 from xirang_ds.session import Session
 
 
@@ -71,7 +72,11 @@ class Estimate:
     """A predicted per-rank peak and its breakdown.
 
     Attributes:
-        predicted_peak_bytes: the largest phase.
+        predicted_peak_bytes: the largest phase, with every size only the data decide (a measured embedding's
+            optimizer states) at what the data give where their check passes.
+        bound_peak_bytes: the largest phase with those sizes at their bound, where it is above the predicted peak
+            (else ``None``): the plans, ``fits`` and ``least_budget_bytes`` are made on it, so a run whose data keep
+            them at their bound fits too (`xirang_ds.roles.PricesAtBound`).
         fits: whether the run fits ``memory_budget`` (or the device's memory where it is known; ``None``
             where neither is): a planner that finds no plan says no.
         least_budget_bytes: the least ``memory_budget`` the block as written meets (the activation
@@ -112,9 +117,16 @@ class Estimate:
     host_refusal: Optional[str] = None
     device_fits: Optional[bool] = None
     deepspeed_host_bytes: int = 0
+    bound_peak_bytes: Optional[int] = None
+
+    @property
+    def bound_bytes(self) -> int:
+        """The peak the plans and ``fits`` stand on: ``bound_peak_bytes``, else the predicted peak."""
+        return self.predicted_peak_bytes if self.bound_peak_bytes is None else self.bound_peak_bytes
 
     def as_dict(self) -> dict:
-        return {"predicted_peak_bytes": self.predicted_peak_bytes, "host_peak_bytes": self.host_peak_bytes,
+        return {"predicted_peak_bytes": self.predicted_peak_bytes, "bound_peak_bytes": self.bound_peak_bytes,
+                "host_peak_bytes": self.host_peak_bytes,
                 "deepspeed_host_bytes": self.deepspeed_host_bytes, "by_category": dict(self.by_category),
                 "peak_phase": self.peak_phase, "fits": self.fits, "least_budget_bytes": self.least_budget_bytes,
                 "phases": {k: dict(v) for k, v in self.phases.items()}, "notes": list(self.notes),
@@ -329,18 +341,15 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
     plans: dict = {}
     if session is not None:
         session.trace = trace  # what a plugin reads beside the phases (the layers' gradient temporaries)
-    phases = _apply_plugins(session, phases, shape, numels, notes, plans)
-    points = {}
-    for part, whole in ((STEP_PREPARE, "optimizer_step"), (BACKWARD_START, "backward"), (BACKWARD_END, "backward")):
-        cats = phases.pop(part, None)  # each is inside the same call as its whole; the larger is its peak
-        if cats is not None:
-            points[part] = {**cats, "total": sum(v for c, v in cats.items() if c != "host")}
-        if cats is not None and sum(cats.values()) > sum(phases[whole].values()):
-            phases[whole] = cats
-    totals = {k: sum(v[c] for c in CATEGORIES if c != "host") for k, v in phases.items()}
+    unplanned = {k: dict(v) for k, v in phases.items()}
+    phases, points, totals = _peaks(_apply_plugins(session, phases, shape, numels, notes, plans))
+    bound = max(totals.values())
+    host = max(v.get("host", 0) for v in phases.values())  # the host tiers at the bound, as the run allocates them
+    likely = _at_likely(session, unplanned, shape, numels, plans, notes)
+    if likely is not None:  # the same plans, each size only the data decide at what they give
+        phases, points, totals = _peaks(likely)
     peak_phase = max(totals, key=totals.__getitem__)
-    host = max(v.get("host", 0) for v in phases.values())
-    device_fits, least = _fits(session, totals[peak_phase], plans)
+    device_fits, least = _fits(session, bound, plans)
     host_budget = session.config.host_memory_budget if session is not None else "auto"
     refusal = None
     if host_budget != "auto" and host > int(host_budget):
@@ -353,7 +362,55 @@ def _estimate(session: Any, shape: "RunShape", trace: Trace) -> Estimate:
                     fits=False if refusal else device_fits, least_budget_bytes=least, plans=plans, points=points,
                     host_peak_bytes=host, host_refusal=refusal, device_fits=device_fits,
                     deepspeed_host_bytes=offloaded_optimizer_host(shape, numels)[1]
-                    + offloaded_params_host(shape, numels))
+                    + offloaded_params_host(shape, numels),
+                    bound_peak_bytes=bound if bound > totals[peak_phase] else None)
+
+
+def _peaks(phases: dict) -> tuple[dict, dict, dict]:
+    """``(phases, points, totals)``: each point a plugin adjusted inside a phase (grad_release's end of backward,
+    the step's preparation, backward's start) taken into its phase where it is the larger, and each phase's device
+    total."""
+    points = {}
+    for part, whole in ((STEP_PREPARE, "optimizer_step"), (BACKWARD_START, "backward"), (BACKWARD_END, "backward")):
+        cats = phases.pop(part, None)  # each is inside the same call as its whole; the larger is its peak
+        if cats is not None:
+            points[part] = {**cats, "total": sum(v for c, v in cats.items() if c != "host")}
+        if cats is not None and sum(cats.values()) > sum(phases[whole].values()):
+            phases[whole] = cats
+    return phases, points, {k: sum(v[c] for c in CATEGORIES if c != "host") for k, v in phases.items()}
+
+
+def _at_likely(session: Any, phases: dict, shape: "RunShape", numels: list[int], plans: dict,
+               notes: list[str]) -> Optional[dict]:
+    """The plugins' phases again with each size only the data decide (`xirang_ds.roles.PricesAtBound`) at what the
+    data give where its check passes, on the plans made at the bound (``plans``: a planner takes its own from
+    ``session.estimate_replay`` instead of planning again); ``None`` where no plugin holds such a size. What the
+    plugins planned for the estimate is theirs at the bound again after it."""
+    if session is None:
+        return None
+    bounded = [(p, p.bound_headroom(shape)) for p in session.plugins if isinstance(p, PricesAtBound)]
+    bounded = [(p, said) for p, said in bounded if said]
+    if not bounded:
+        return None
+    planned = {id(p): {k: getattr(p, k) for k in ESTIMATE_ATTRIBUTES if hasattr(p, k)} for p in session.plugins}
+    session.estimate_replay = plans
+    for plugin, _ in bounded:
+        plugin.price_at_bound(False)
+    try:
+        return _apply_plugins(session, phases, shape, numels, [], {})
+    finally:
+        session.estimate_replay = None
+        for plugin, said in bounded:
+            plugin.price_at_bound(True)
+            notes.append(f"{plugin.section}: {said}: the plans, fits and the least budget take that bound")
+        for plugin in session.plugins:
+            for k, v in planned[id(plugin)].items():
+                setattr(plugin, k, v)
+
+
+ESTIMATE_ATTRIBUTES = ("estimate_plan", "estimate_note", "estimate_gradients_held")
+"""What a plugin keeps of the estimate it adjusted (its plan, its note, what it holds mid-backward), restored after
+`_at_likely` priced the same plans again."""
 
 
 def _fits(session: Any, peak: int, plans: dict) -> tuple[Optional[bool], int]:
@@ -424,52 +481,6 @@ def korthikanti_activations(layers: int, seq: int, batch: int, hidden: int, head
     """Activation bytes of a standard 16-bit transformer without recomputation (Korthikanti et al.
     2022, eq. 1 with t = 1): s·b·h·(34 + 5·a·s/h) per layer."""
     return int(layers * seq * batch * hidden * (34 + 5 * heads * seq / hidden))
-
-
-def recalibrate(estimate: Estimate, measured_by_category: dict[str, int], measured_peak: int) -> dict:
-    """Compare with a measured peak: the error and a factor per category (measured / predicted)."""
-    factors = {}
-    for c in CATEGORIES:
-        p = estimate.by_category.get(c, 0)
-        m = measured_by_category.get(c, 0)
-        if p:
-            factors[c] = m / p
-    return {"predicted_peak_bytes": estimate.predicted_peak_bytes, "measured_peak_bytes": measured_peak,
-            "error": (estimate.predicted_peak_bytes - measured_peak) / measured_peak, "factors": factors}
-
-
-def format_estimate(est: Estimate) -> str:
-    """The estimate as a table: each phase's total and the breakdown at the predicted peak."""
-    lines = ["predicted per-rank peak: " + format_bytes(est.predicted_peak_bytes) +
-             f" ({est.predicted_peak_bytes:,} bytes) in {est.peak_phase}"]
-    if est.fits is not None:
-        host = " in host_memory_budget" if est.device_fits is not False and not est.fits else ""
-        lines.append(("fits" if est.fits else f"does not fit{host}") + f"; the least memory_budget the block meets: "
-                     f"{format_bytes(est.least_budget_bytes)} ({est.least_budget_bytes:,} bytes)")
-    if est.host_peak_bytes:
-        lines.append(f"host tiers: {format_bytes(est.host_peak_bytes)} ({est.host_peak_bytes:,} bytes) held")
-    if est.deepspeed_host_bytes:
-        lines.append(f"DeepSpeed's offload: {format_bytes(est.deepspeed_host_bytes)} "
-                     f"({est.deepspeed_host_bytes:,} bytes) in host memory at most")
-    if est.step_time is not None:
-        st, plain = est.step_time, est.plain_step_time
-        beside = f" (plain DeepSpeed {plain.seconds * 1e3:.1f} ms)" if plain is not None and plain is not st else ""
-        lines.append(f"predicted step: {st.seconds * 1e3:.1f} ms on the {st.profile} profile{beside}: " +
-                     ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in st.parts.items()) +
-                     f"; {st.counts['kernels']:,} kernels and {st.counts['host_syncs']} host syncs counted" +
-                     "".join(f"; {n}" for n in st.notes))
-    lines += ["  " + n for n in est.notes]
-    lines.append(f"{'category':<18}{'forward':>12}{'backward':>12}{'optimizer_step':>16}")
-    for c in CATEGORIES:
-        vals = [est.phases[p].get(c, 0) for p in ("forward", "backward", "optimizer_step")]
-        if any(vals):
-            lines.append(f"{c:<18}" + "".join(f"{format_bytes(v):>{w}}" for v, w in zip(vals, (12, 12, 16))))
-    totals = [est.phases[p]["total"] for p in ("forward", "backward", "optimizer_step")]
-    lines.append(f"{'total':<18}" + "".join(f"{format_bytes(v):>{w}}" for v, w in zip(totals, (12, 12, 16))))
-    if est.korthikanti_activations is not None:
-        lines.append(f"(Korthikanti et al. formula for 16-bit activations of a standard transformer: "
-                     f"{format_bytes(est.korthikanti_activations)}; the trace measured this model's own)")
-    return "\n".join(lines)
 
 
 # The moved names stay importable from here.

@@ -14,13 +14,15 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Optional
+import functools
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 
 from xirang_ds.hooks import wrap_method
 from xirang_ds.memory.categories import ACTIVATIONS
 from xirang_ds.plugins.activations.head_loss import CHUNK
+from xirang_ds.plugins.activations.head_rows import round_bytes
 from xirang_ds.memory.device_profile import PROFILES, DeviceProfile
 from xirang_ds.plugins.activations.selection import fixed_plan
 from xirang_ds.plugins.activations.trace_plan import describe, least_saved, plan_phases, profile_trace
@@ -97,6 +99,7 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any) -> Optional[dict]:
     if not c.planner or not plugin.trace_free:
         return phases  # only keep and chunk are fixed, and the trace ran both
     chunked = {name: CHUNK for name in plugin.traced_heads}
+    plugin.trace_head_rounds = head_rounds(plugin, shape)
     replay = getattr(plugin.session, "estimate_replay", None)  # the plan made at the sizes' bounds, priced again
     adjusted, result = plan_phases(plugin, phases, plugin.trace_free, chunked, shape.device != "cpu",
                                    device_total(plugin, shape), trace_profile(plugin),
@@ -104,6 +107,24 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any) -> Optional[dict]:
     plugin.estimate_plan = result
     plugin.estimate_note = describe(result)
     return adjusted
+
+
+def head_rounds(plugin: Any, shape: Any) -> dict[str, Callable[[int], int]]:
+    """For each output head whose weight gives its gradient by rows where it is chunked (the stepper's
+    ``rows_round``: grad_release at ZeRO 1/2 over several ranks), what its backward holds at once for slices of
+    a number of rows (`head_rows.round_bytes`), in place of a token slice's (`ModuleProfile.chunk_row_bytes`)."""
+    rounds = getattr(plugin.session.stepper, "rows_round", None)
+    model = plugin.session.model
+    out = {}
+    for name in plugin.head_names if rounds is not None and model is not None else ():
+        p = plugin.trace_profiles.get(name)
+        weight = getattr(model.get_submodule(name), "weight", None)
+        taken = rounds(weight, shape) if p is not None and p.chunk_vocab and weight is not None else None
+        if taken is not None:
+            out[name] = functools.partial(round_bytes, p.chunk_tokens, vocab=p.chunk_vocab, hidden=p.chunk_hidden,
+                                          world=taken[0], head_bytes=p.chunk_head_bytes,
+                                          loss_bytes=p.chunk_loss_bytes, comm_bytes=taken[1])
+    return out
 
 
 def reducible_bytes(plugin: Any) -> int:

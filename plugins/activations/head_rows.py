@@ -81,6 +81,19 @@ def backward(sink: Any, grad_out: torch.Tensor, hidden: torch.Tensor, weight: to
     return (dh32.to(hidden.dtype) if need_h else None), db
 
 
+def round_bytes(tokens: int, rows: int, vocab: int, hidden: int, world: int, head_bytes: int, loss_bytes: int,
+                comm_bytes: int) -> int:
+    """The most `backward` holds at once besides what the loss saved, over ``tokens`` tokens with slices of ``rows``
+    (the ``tokens`` argument there) and a weight of ``vocab x hidden`` taken by rows over ``world`` ranks: the
+    input's fp32 gradient, a round's buffer (``comm_bytes`` an element) and, for each rank's rows, the logits of
+    every token against them in the head's dtype (``head_bytes``) beside their copy in the loss's or fp32
+    (`_logits_grad`), or their gradient in the head's dtype beside its product with the rows."""
+    count = max(1, min(vocab // world, rows * vocab // max(1, tokens * world)))
+    logits = tokens * count
+    return 4 * tokens * hidden + world * count * hidden * comm_bytes + max(
+        logits * (head_bytes + max(loss_bytes, 4)), logits * head_bytes + tokens * hidden * head_bytes)
+
+
 def _logits_grad(hidden: torch.Tensor, rows: torch.Tensor, bias: Optional[torch.Tensor], casts: tuple,
                  lse: torch.Tensor, w: torch.Tensor, target: torch.Tensor, valid: torch.Tensor,
                  lo: int) -> torch.Tensor:
@@ -102,4 +115,4 @@ def _logits_grad(hidden: torch.Tensor, rows: torch.Tensor, bias: Optional[torch.
     return gz
 
 
-__all__ = ["backward", "hand_over", "lse_of"]
+__all__ = ["backward", "hand_over", "lse_of", "round_bytes"]

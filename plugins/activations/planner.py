@@ -212,11 +212,11 @@ def _priced(p: ModuleProfile, options: tuple[str, ...], tolerant: bool, bandwidt
                               p.keep_bytes))
         elif option == "chunk":
             # the logits made again slice by slice in backward (the head's forward again); smaller
-            # slices hold less while their backward runs and cost a slice's overhead more each
+            # slices hold less while their forward and backward run and cost a slice's overhead more each
             for rows in chunk_rows(p) if p.chunk_calls else ():
                 slices = calls * math.ceil(p.chunk_tokens / rows)
                 out.append(Choice(option, p.chunk_bytes, p.time_s + slices * RECOMPUTE_OVERHEAD_S,
-                                  rows * p.chunk_row_bytes, rows))
+                                  rows * max(p.chunk_row_bytes, p.chunk_forward_row_bytes), rows))
         elif option == "offload":
             out.append(Choice(option, p.small_bytes, offload_s(p.saved_bytes), fetched))
         else:  # compress, quantize, sparsify: decoded on demand, next to the payload

@@ -79,6 +79,11 @@ class ModuleProfile:
         chunk_rows: the largest slice the planner may choose (``chunk_tokens`` of the section, or
             `head_loss.auto_tokens`), and the only one when ``chunk_fixed``.
         chunk_row_bytes: what one row of a slice holds while its backward runs.
+        chunk_forward_row_bytes: what one row of a slice holds while its forward runs (its logits in the head's
+            dtype and the loss's at once, or the loss's and its log-probabilities).
+        chunk_vocab, chunk_hidden, chunk_head_bytes, chunk_loss_bytes: the head's output and input width and a
+            logit's bytes in the head's dtype and the loss's: what a backward by weight rows holds
+            (`head_rows.round_bytes`).
         keep_transient_bytes: (output heads) the most the whole head and loss hold besides what they
             save: the logits in forward, their gradient in backward.
         compiled: 1 for a torch.compile'd module (`compiled.py`): timed as one call, its saved
@@ -116,6 +121,11 @@ class ModuleProfile:
     chunk_rows: int = 0
     chunk_fixed: int = 0
     chunk_row_bytes: int = 0
+    chunk_forward_row_bytes: int = 0
+    chunk_vocab: int = 0
+    chunk_hidden: int = 0
+    chunk_head_bytes: int = 0
+    chunk_loss_bytes: int = 0
     keep_transient_bytes: int = 0
     compiled: int = 0
 

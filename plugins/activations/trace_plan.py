@@ -253,6 +253,7 @@ def _plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, st
     held = _gradients_held(plugin)
     own_and_held, alone_and_held, returns_and_held = _layer_gradients(plugin, held)
     buffers = 0 if held is not None else getattr(getattr(plugin.session, "trace", None), "layer_buffers", 0)
+    rounds = getattr(plugin, "trace_head_rounds", None) or {}  # `estimate.head_rounds`
     for _ in range(PLAN_ROUNDS):
         if made is not None:
             if not made.fits:
@@ -265,13 +266,21 @@ def _plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, st
                 out.fits, out.problems, out.choices = False, list(e.problems), {}
                 return phases, out
         out.planned_peaks = estimate_peak(roots, out.choices, before, after)
-        saved_end, saved_worst = (max(0, t - p) for t, p in zip(traced, out.planned_peaks))
-        layers_worst = estimate_peak(roots, _past_heads(out.choices, heads), before, 0)[1]
+        # a head the plan chunks (the trace ran it whole) holds a slice in forward, after everything is saved, and
+        # in backward a slice's, or a round of its weight's rows where the stepper takes them by rows
+        chunked = {n: c.rows for n, c in out.choices.items() if c.option == CHUNK and n in heads and n in free}
+        forward_slices = sum(rows * profiles[n].chunk_forward_row_bytes for n, rows in chunked.items())
+        backward = {n: rounds[n](rows) for n, rows in chunked.items() if n in rounds}
+        in_backward = estimate_peak(roots, {n: dataclasses.replace(c, transient_bytes=backward[n]) if n in backward
+                                            else c for n, c in out.choices.items()}, before, after)[1]
+        saved_end, saved_worst = (max(0, t - p) for t, p in zip(traced, (out.planned_peaks[0], in_backward)))
+        layers_worst = estimate_peak(roots, _past_heads(out.choices, heads, backward=backward), before, 0)[1]
         # the worst layer with its own temporaries (else the most any layer holds, beside the most saved)
-        with_own = estimate_peak(roots, _past_heads(out.choices, heads, own, alone, demand, packed, returns),
+        with_own = estimate_peak(roots, _past_heads(out.choices, heads, own, alone, demand, packed, returns, backward),
                                  before, 0)[1] if own else layers_worst + most_temporaries
         with_held = estimate_peak(roots, _past_heads(out.choices, heads, own_and_held, alone_and_held, demand, packed,
-                                                     returns_and_held), before, 0)[1] if own and own_and_held else None
+                                                     returns_and_held, backward),
+                                  before, 0)[1] if own and own_and_held else None
         adjusted = {}
         for phase, cats in phases.items():
             cats = dict(cats)
@@ -282,12 +291,14 @@ def _plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, st
             # forward peaks in the head's loss too (its whole logits beside what is saved): what the plan saves
             # at its worst point applies there as well
             saved, worst = (max(saved_end, saved_worst), out.planned_peaks[0]) if phase == "forward" else \
-                (saved_worst, out.planned_peaks[1])
+                (saved_worst, in_backward)
             if phase == "backward":  # what the plan saves there (a head's loss included), down to its worst layer
                 worst = layers_worst
             # off the saved activations first, then off the temporaries, where the trace holds a head's whole loss
             at = {**cats, ACTIVATIONS: max(kept - saved, min(kept, worst))}
             at[TEMPORARIES] = max(0, cats.get(TEMPORARIES, 0) - (saved - (kept - at[ACTIVATIONS])))
+            if phase == "forward":
+                at[TEMPORARIES] += forward_slices
             if phase == "backward" and saved:
                 # the plan moves backward's worst point from the trace's into a layer: there, its gradient
                 # temporaries beside what the plan keeps (and brings back) up to that layer
@@ -364,7 +375,8 @@ def _layer_gradients(plugin: Any, held: Optional[Callable[[list[int]], int]]) ->
 
 
 def _past_heads(choices: dict, heads: frozenset, own: Optional[dict] = None, alone: Optional[dict] = None,
-                demand: frozenset = frozenset(), saved: Optional[dict] = None, returns: Optional[dict] = None) -> dict:
+                demand: frozenset = frozenset(), saved: Optional[dict] = None, returns: Optional[dict] = None,
+                backward: Optional[dict] = None) -> dict:
     """``choices`` past the first gradient: a kept head (last in forward, first in backward, its gradients made at
     the end of its backward) holds nothing there any more; with ``own``, each other candidate's backward holds
     its own temporaries beside what it brings back. Where its option is in ``demand`` (what comes back, one by
@@ -372,12 +384,13 @@ def _past_heads(choices: dict, heads: frozenset, own: Optional[dict] = None, alo
     beside its transient at its most, ``own``'s beside everything it saved, and with ``returns`` the most of its
     temporaries and its storages as they come back together, each at its own moment (each an upper bound; the
     last is the figure where the trace reads every storage it brings back, and never below its transient, the
-    most it brings back at once, which a storage no op of the trace read would leave out)."""
-    own, alone, saved, returns = own or {}, alone or {}, saved or {}, returns or {}
+    most it brings back at once, which a storage no op of the trace read would leave out). ``backward``: a
+    chunked head's own figure there, where it is not its choice's (a round of its weight's rows)."""
+    own, alone, saved, returns, backward = own or {}, alone or {}, saved or {}, returns or {}, backward or {}
 
     def held(name: str, choice: Any) -> int:
         if choice.option not in demand:
-            return choice.transient_bytes + own.get(name, 0)
+            return backward.get(name, choice.transient_bytes) + own.get(name, 0)
         return min(choice.transient_bytes + alone.get(name, 0),
                    max(choice.transient_bytes, saved.get(name, 0)) + own.get(name, 0),
                    max(returns.get(name, math.inf), choice.transient_bytes))

@@ -285,6 +285,10 @@ class ModuleWrapper:
         # a slice's backward holds three rows of the loss's dtype (log-probabilities, their
         # gradient, the logits'), or one and the gradient in the head's dtype twice
         p.chunk_row_bytes = max(p.chunk_row_bytes, logits.shape[1] * max(3 * z, z + 2 * y))
+        # and in forward the logits in the head's dtype and the loss's, then those and the log-probabilities
+        p.chunk_forward_row_bytes = max(p.chunk_forward_row_bytes, logits.shape[1] * max(y + z, 2 * z))
+        p.chunk_vocab, p.chunk_hidden = logits.shape[1], logits.tokens.shape[-1]
+        p.chunk_head_bytes, p.chunk_loss_bytes = y, z
         # beyond what it saves, the whole head and loss hold the logits in the head's dtype and the
         # loss's in forward, and two of the loss's dtype in backward (the logits' gradient)
         p.keep_transient_bytes = max(p.keep_transient_bytes, logits.numel() * max(2 * z, z + y))

@@ -380,9 +380,28 @@ def rows_numels(plugin: Any, world: int, bucket_numel: int) -> list[int]:
     weights = [m.weight for m in model.modules() if type(m) is torch.nn.Embedding and plain(m)]
     activations = plugin.session.plugin("activations")
     weights += [model.get_submodule(n).weight for n in getattr(activations, "traced_heads", ())]
-    return [w.numel() for w in {id(w): w for w in weights}.values()
-            if w.requires_grad and w.ndim == 2 and w.numel() >= bucket_numel and w.shape[0] % world == 0
-            and owners[id(w)] == 1]
+    return [w.numel() for w in {id(w): w for w in weights}.values() if _by_rows(w, world, bucket_numel, owners)]
 
 
-__all__ = ["adjust_estimate", "rows_numels"]
+def _by_rows(weight: torch.Tensor, world: int, bucket_numel: int, owners: dict) -> bool:
+    """Whether ``weight``'s gradient can come by rows (`rows.fits`): 2-D and trainable, alone in its bucket, its rows
+    split evenly over ``world`` ranks, and one module's (untied)."""
+    return (weight.requires_grad and weight.ndim == 2 and weight.numel() >= bucket_numel
+            and weight.shape[0] % world == 0 and owners.get(id(weight)) == 1)
+
+
+def rows_round(plugin: Any, weight: torch.Tensor, shape: Any) -> Optional[tuple[int, int]]:
+    """``(ranks, bytes of a communicated element)`` where a chunked head's ``weight`` would give its gradient by
+    rows (`rows.RowSink`: ZeRO 1/2 over several ranks, `_by_rows`), else ``None``: the activation planner prices
+    that backward (`head_rows.round_bytes`) whether the block fixes the head to chunk or the plan chooses it."""
+    model = plugin.session.model
+    world = shape.world_size if shape.stage >= 1 and shape.world_size > 1 else 1
+    if model is None or world == 1:
+        return None
+    numels = [p.numel() for p in model.parameters() if p.requires_grad]
+    comm_bytes = plugin.setup.comm_dtype.itemsize if plugin.setup is not None else shape.lp_bytes
+    bucket_numel = plugin._bucket_numel(sum(numels), comm_bytes, shape.world_size)
+    return (world, comm_bytes) if _by_rows(weight, world, bucket_numel, rows_owners(model)) else None
+
+
+__all__ = ["adjust_estimate", "rows_numels", "rows_round"]

@@ -240,6 +240,11 @@ class GradReleasePlugin(StatesTier, Plugin):
     def _rows_numels(self, world: int, bucket_numel: int) -> list[int]:
         return estimate.rows_numels(self, world, bucket_numel)
 
+    def rows_round(self, weight: torch.Tensor, shape: Any) -> Optional[tuple[int, int]]:
+        """Where a chunked head's ``weight`` gives its gradient by rows: ``(ranks, comm bytes)``
+        (`estimate.rows_round`)."""
+        return estimate.rows_round(self, weight, shape)
+
     def describe(self) -> str:
         return self.path.describe()
 

@@ -7,8 +7,10 @@ plain DeepSpeed's peak, ZeRO-2 on 2 gloo ranks)."""
 import math
 
 from tests.harness.engine_runs import ds_config
+from xirang_ds.config.types import format_bytes
 from xirang_ds.launch import run_ranks
 from xirang_ds.models import BUILTIN_SPECS
+from xirang_ds.planning.estimate_text import format_estimate
 from xirang_ds.planning.spec import estimate_spec
 from xirang_ds.plugins.optimizer_states.formats import make_format
 
@@ -39,6 +41,7 @@ def test_the_plan_stands_at_the_bound_and_the_peak_is_predicted_at_the_format_th
     fp32, int8 = make_format("fp32"), make_format("int8")
     assert est.bound_peak_bytes - est.predicted_peak_bytes == fp32.state_bytes(part) - int8.state_bytes(part) > 0
     assert "kept fp32 (the check fails) they hold" in " ".join(est.notes)
+    assert f"at most {format_bytes(est.bound_peak_bytes)} ({est.bound_peak_bytes:,} bytes)" in format_estimate(est)
     # the run whose check passes (int8) peaks at the prediction; one whose check fails (fp32) at the bound
     passes, fails = (max(run_ranks(_bench, 2, c)) for c in (_config(budget), _config(budget, measured_max_error=1e-9)))
     assert abs(est.predicted_peak_bytes - passes) <= 1e-4 * passes, (est.predicted_peak_bytes, passes)

@@ -25,8 +25,8 @@ def format_estimate(est: Any) -> str:
     lines = ["predicted per-rank peak: " + format_bytes(est.predicted_peak_bytes) +
              f" ({est.predicted_peak_bytes:,} bytes) in {est.peak_phase}"]
     if est.bound_peak_bytes is not None:
-        lines[0] += (f"; at most {format_bytes(est.bound_peak_bytes)} ({est.bound_peak_bytes:,} bytes) where the data "
-                     "keep what they decide at its bound (the plan is made on that)")
+        lines[0] += (f"; at most {format_bytes(est.bound_peak_bytes)} ({est.bound_peak_bytes:,} bytes) where a size "
+                     "only the data decide stays at its bound (the plan and fits stand on that)")
     if est.fits is not None:
         host = " in host_memory_budget" if est.device_fits is not False and not est.fits else ""
         lines.append(("fits" if est.fits else f"does not fit{host}") + f"; the least memory_budget the block meets: "

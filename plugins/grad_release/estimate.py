@@ -53,7 +53,8 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
     for n in by_rows:
         whole_numels.remove(n)
     largest = max(whole_numels, default=0)
-    buffers, gathers, bucket = _buckets(list(reversed(numels)), planned, world, by_rows)
+    buffers, each_gather, bucket = _buckets(list(reversed(numels)), planned, world, by_rows)
+    gathers = max(each_gather, default=0)
     kind = plugin._masters if shape.dtype == torch.bfloat16 else "fp32"
     masters = {"fp32": 4 * part, "remainders": 2 * part + math.ceil(part / 8), "remainders_8bit": part,
                "none": 0}[kind] if lp != 4 else 0
@@ -116,8 +117,15 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
     # and master as an update holds them (``bound``: the states the estimate counts for it meanwhile)
     first, bound, index = quantizer.first_update(world) if quantizer is not None else (0, 0, -1)
     # over the shard of the bucket that holds it (the buckets take the parameters in reverse)
-    first_shard = next((size for size, b in zip(shards, planned) if len(numels) - 1 - index in b), shard)
+    first_bucket = next((k for k, b in enumerate(planned) if len(numels) - 1 - index in b), None)
+    first_shard = shards[first_bucket] if first_bucket is not None else shard
     first_update = (4 if kind == "fp32" else 8) * first_shard + first
+    # beside it, the all-gather of the bucket updated before it, still in flight with ``overlap_comm``
+    # (`pipeline.ReleasePipeline`: one gather kept in flight), and a stashed shard back for it (and the next one's
+    # where the stash's copies run ahead) in place of the largest pair's
+    first_gather = each_gather[first_bucket - 1] if first_bucket and plugin.config.overlap_comm else 0
+    first_back = (shards[first_bucket] + (shards[first_bucket + 1] if stash_ahead and first_bucket + 1 < len(shards)
+                                          else 0)) if first_bucket is not None else stash_back
     if kind == "none" and quantizer is not None and GRAD_DTYPE_SETTABLE:
         # in place (masters.py): DynamicAdamW's chunk in fp32 (parameter, gradient, two moments:
         # 16 bytes an element) and the rounding's noise (`stochastic.NOISE_BYTES`), chunk by chunk with the
@@ -143,6 +151,7 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
 
     trace = getattr(plugin.session, "trace", None)
     traced = trace.backward_by_category if trace is not None and trace.backward_sweeps else None
+    batch = getattr(trace, "inputs", 0) if trace is not None else 0
 
     def update_bytes(parked: bool) -> dict:
         """What a bucket's update adds while it runs (as at the end of backward's): its temporaries (the larger of
@@ -198,17 +207,20 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
                 # as the activation planner, adjusting after, lowers the first and not the second
                 # (a held pass updates after backward, `pipeline.ReleasePipeline.apply_all`: no gradient is whole
                 # then, the updating bucket's shard is on the device, brought back from the host if stashed)
+                # (the batch, which the training loop holds until the step is over, beside each)
                 end_grads = (lp * stash_back if stash else lp * part) if holds_shard else whole
-                at_update = {**cats, "activations": 0, "comm_buffers": lp * gathers, "temporaries": update,
+                at_update = {**cats, "activations": 0, "comm_buffers": lp * gathers, "temporaries": update + batch,
                              OPTIMIZER_STATES: fetched if parked else states, GRADIENTS: accum + end_grads}
                 # then the master rounded into the 16-bit shard, the bucket's gradient freed (a held pass still
                 # holds the other buckets' shards, the first bucket's rounding the most of them)
                 left = (lp * (part - shard) if holds_shard and not stash else 0) if holds_shard else whole
-                at_round = {**at_update, "temporaries": rounding, GRADIENTS: accum + left}
+                at_round = {**at_update, "temporaries": rounding + batch, GRADIENTS: accum + left}
                 points = [at_update, at_round]
                 if first:  # step 1: a measured tensor's first update, its candidates in place of its states
-                    points.append({**at_update, "temporaries": max(update, first_update),
-                                   OPTIMIZER_STATES: 0 if parked else max(0, states - bound)})
+                    points.append({**at_update, "temporaries": max(update, first_update) + batch,
+                                   "comm_buffers": lp * first_gather,
+                                   OPTIMIZER_STATES: 0 if parked else max(0, states - bound),
+                                   GRADIENTS: accum + (lp * first_back if holds_shard and stash else end_grads)})
                 out[BACKWARD_END] = max(points, key=lambda c: sum(v for k, v in c.items() if k != "host"))
             elif name == BACKWARD_START:
                 # the first gradient autograd makes (the output head's, where the model has one: the
@@ -349,17 +361,17 @@ def _launched(arrived: list[int], numels: list[int], planned: list[list[int]]) -
 
 
 def _buckets(order: list[int], planned: list[list[int]], world: int,
-             by_rows: list[int]) -> tuple[list[int], int, int]:
+             by_rows: list[int]) -> tuple[list[int], list[int], int]:
     """The planned buckets' gradient buffers in launch order (elements, padding included; none for a gradient
-    that comes by rows, `rows.RowSink`), the most elements one bucket's all-gather holds at the end of
-    backward (`Bucket.gather`: its shard, and the whole buffer unless one unpadded parameter is gathered in
-    place), and the largest bucket's elements (padding included)."""
-    rows_left, buffers, gathers, largest = list(by_rows), [], 0, 0
+    that comes by rows, `rows.RowSink`), the elements each bucket's all-gather holds at the end of backward
+    (`Bucket.gather`: its shard, and the whole buffer unless one unpadded parameter is gathered in place), and the
+    largest bucket's elements (padding included)."""
+    rows_left, buffers, gathers, largest = list(by_rows), [], [], 0
     for indices in planned:
         numels = [order[i] for i in indices]
         shard = sum(math.ceil(n / world) for n in numels)
         direct = len(numels) == 1 and numels[0] % world == 0
-        gathers = max(gathers, shard + (0 if direct or world == 1 else world * shard))
+        gathers.append(shard + (0 if direct or world == 1 else world * shard))
         largest = max(largest, world * shard)
         if len(numels) == 1 and numels[0] in rows_left:
             rows_left.remove(numels[0])

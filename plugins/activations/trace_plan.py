@@ -166,8 +166,14 @@ def profile_trace(plugin: Any, model: torch.nn.Module, tracker: Any, free: list[
 
     heads = frozenset(n for n in free if n in plugin.head_names) | frozenset(chunked)
     watched, marks = layer_temporaries.watch(modules, [n for n in free if n not in heads], tracker, sorted(heads))
-    handles = [*plugin.path.head_hooks(model, heads),
-               wrap_method(model, "forward", root), *watched]
+    entered: dict[str, int] = {}  # each head's forward start on the trace's clock
+
+    def enter(name: str) -> None:
+        if tracker.measuring:
+            entered[name] = tracker.clock
+
+    handles = [*plugin.path.head_hooks(model, heads), wrap_method(model, "forward", root), *watched,
+               *(modules[n].register_forward_pre_hook(lambda m, a, n=n: enter(n)) for n in sorted(heads))]
     recording, tracker.record_backward_uses = tracker.record_backward_uses, True
     try:
         yield
@@ -182,6 +188,11 @@ def profile_trace(plugin: Any, model: torch.nn.Module, tracker: Any, free: list[
         plugin.trace_layer_temporaries = layer_temporaries.measure(line)
         plugin.trace_layer_temporaries_alone = layer_temporaries.measure(line, net_of_saved=False)
         plugin.trace_layer_returns = layer_temporaries.measure(line, restored=True)
+        # the temporaries alive as each head's forward starts (the batch, a residual stream the model's forward
+        # still holds), what the run saves for backward left out: a chunked head's slice stands beside them
+        plugin.trace_head_entry = {name: sum(r.nbytes for r in tracker.live_records(at=clock)
+                                             if not r.host and r.resolved_category() == TEMPORARIES)
+                                   for name, clock in entered.items()}
 
 
 def plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, str], streams: bool,
@@ -254,6 +265,7 @@ def _plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, st
     own_and_held, alone_and_held, returns_and_held = _layer_gradients(plugin, held)
     buffers = 0 if held is not None else getattr(getattr(plugin.session, "trace", None), "layer_buffers", 0)
     rounds = getattr(plugin, "trace_head_rounds", None) or {}  # `estimate.head_rounds`
+    entry = getattr(plugin, "trace_head_entry", None) or {}  # `profile_trace`
     for _ in range(PLAN_ROUNDS):
         if made is not None:
             if not made.fits:
@@ -270,6 +282,7 @@ def _plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, st
         # in backward a slice's, or a round of its weight's rows where the stepper takes them by rows
         chunked = {n: c.rows for n, c in out.choices.items() if c.option == CHUNK and n in heads and n in free}
         forward_slices = sum(rows * profiles[n].chunk_forward_row_bytes for n, rows in chunked.items())
+        at_head = max((entry.get(n, 0) for n in chunked), default=0) + forward_slices  # beside all that is saved
         backward = {n: rounds[n](rows) for n, rows in chunked.items() if n in rounds}
         in_backward = estimate_peak(roots, {n: dataclasses.replace(c, transient_bytes=backward[n]) if n in backward
                                             else c for n, c in out.choices.items()}, before, after)[1]
@@ -298,7 +311,7 @@ def _plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, st
             at = {**cats, ACTIVATIONS: max(kept - saved, min(kept, worst))}
             at[TEMPORARIES] = max(0, cats.get(TEMPORARIES, 0) - (saved - (kept - at[ACTIVATIONS])))
             if phase == "forward":
-                at[TEMPORARIES] += forward_slices
+                at[TEMPORARIES] = max(at[TEMPORARIES] + forward_slices, at_head)
             if phase == "backward" and saved:
                 # the plan moves backward's worst point from the trace's into a layer: there, its gradient
                 # temporaries beside what the plan keeps (and brings back) up to that layer

@@ -171,7 +171,8 @@ def test_the_estimate_counts_the_gradients_held_while_a_final_norm_runs_backward
 def test_a_chunked_head_whose_weight_gives_its_gradient_by_rows_is_priced_in_forward_and_by_rounds():
     """A vocabulary large beside the model under conservative: the plan chunks the head, grad_release takes its
     weight's gradient by rows (ZeRO-2, 2 ranks), so backward holds a round of rows (`head_rows.round_bytes`), less
-    than a token slice's, and the run peaks in forward, at the head's slice beside every saved activation."""
+    than a token slice's, and the run peaks in forward, at the head's slice beside every saved activation and the
+    temporaries alive as the head starts (the batch, the residual stream)."""
     from unittest import mock
 
     from xirang_ds.plugins.activations import estimate
@@ -181,6 +182,6 @@ def test_a_chunked_head_whose_weight_gives_its_gradient_by_rows_is_priced_in_for
     est = estimate_spec(model, config, 2)
     assert est.fits and est.plans["activations"].plan["lm_head"] == "chunk" and est.peak_phase == "forward"
     measured = max(run_ranks(_bench, 2, model, config))
-    assert abs(est.predicted_peak_bytes - measured) <= 0.002 * measured, (est.predicted_peak_bytes, measured)
+    assert abs(est.predicted_peak_bytes - measured) <= 1e-4 * measured, (est.predicted_peak_bytes, measured)
     with mock.patch.object(estimate, "head_rounds", lambda plugin, shape: {}):  # a token slice's backward instead
         assert estimate_spec(model, config, 2).predicted_peak_bytes > 1.05 * measured

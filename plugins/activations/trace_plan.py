@@ -280,12 +280,14 @@ def _plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, st
         out.planned_peaks = estimate_peak(roots, out.choices, before, after)
         # a head the plan chunks (the trace ran it whole) holds a slice in forward, after everything is saved, and
         # in backward a slice's, or a round of its weight's rows where the stepper takes them by rows
-        chunked = {n: c.rows for n, c in out.choices.items() if c.option == CHUNK and n in heads and n in free}
+        chunked = {n: choice.rows for n, choice in out.choices.items()
+                   if choice.option == CHUNK and n in heads and n in free}
         forward_slices = sum(rows * profiles[n].chunk_forward_row_bytes for n, rows in chunked.items())
         at_head = max((entry.get(n, 0) for n in chunked), default=0) + forward_slices  # beside all that is saved
         backward = {n: rounds[n](rows) for n, rows in chunked.items() if n in rounds}
-        in_backward = estimate_peak(roots, {n: dataclasses.replace(c, transient_bytes=backward[n]) if n in backward
-                                            else c for n, c in out.choices.items()}, before, after)[1]
+        in_backward = estimate_peak(roots, {n: dataclasses.replace(choice, transient_bytes=backward[n])
+                                            if n in backward else choice for n, choice in out.choices.items()},
+                                    before, after)[1]
         saved_end, saved_worst = (max(0, t - p) for t, p in zip(traced, (out.planned_peaks[0], in_backward)))
         layers_worst = estimate_peak(roots, _past_heads(out.choices, heads, backward=backward), before, 0)[1]
         # the worst layer with its own temporaries (else the most any layer holds, beside the most saved)

@@ -244,8 +244,8 @@ class OptimizerStatesPlugin(Plugin):
         self.estimate_at_bound = bound
 
     def bound_headroom(self, shape: Any) -> Optional[str]:
-        """`xirang_ds.roles.PricesAtBound`: what fp32 states of the measured embeddings hold over the policy's
-        format, over this rank's part; ``None`` without such a tensor."""
+        """`xirang_ds.roles.PricesAtBound`: what fp32 states of the measured embeddings hold over those in the
+        format their check passes at (`passing_format`), over this rank's part; ``None`` without such a tensor."""
         layout = self._layout()
         if layout is None or not layout[3]:
             return None

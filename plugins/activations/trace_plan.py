@@ -262,7 +262,10 @@ def _plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, st
     # with the gradients held beside them, where a plugin holds them its way; else the engine's reduction buckets,
     # made by then
     held = _gradients_held(plugin)
-    own_and_held, alone_and_held, returns_and_held = _layer_gradients(plugin, held)
+    layer_held = _layer_gradients(plugin, held)
+    # and where the plan chunks a head whose gradient then comes by rows (`estimate.head_rounds`)
+    held_chunked = _gradients_held(plugin, "estimate_gradients_held_chunked")
+    layer_held_chunked = _layer_gradients(plugin, held_chunked) if held_chunked is not None else layer_held
     buffers = 0 if held is not None else getattr(getattr(plugin.session, "trace", None), "layer_buffers", 0)
     rounds = getattr(plugin, "trace_head_rounds", None) or {}  # `estimate.head_rounds`
     entry = getattr(plugin, "trace_head_entry", None) or {}  # `profile_trace`
@@ -285,6 +288,7 @@ def _plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, st
         forward_slices = sum(rows * profiles[n].chunk_forward_row_bytes for n, rows in chunked.items())
         at_head = max((entry.get(n, 0) for n in chunked), default=0) + forward_slices  # beside all that is saved
         backward = {n: rounds[n](rows) for n, rows in chunked.items() if n in rounds}
+        own_and_held, alone_and_held, returns_and_held = layer_held_chunked if backward else layer_held
         in_backward = estimate_peak(roots, {n: dataclasses.replace(choice, transient_bytes=backward[n])
                                             if n in backward else choice for n, choice in out.choices.items()},
                                     before, after)[1]
@@ -360,11 +364,11 @@ def offload_host_bytes(plan: dict[str, str], profiles: dict[str, ModuleProfile],
     return total
 
 
-def _gradients_held(plugin: Any) -> Optional[Callable[[list[int]], int]]:
+def _gradients_held(plugin: Any, name: str = "estimate_gradients_held") -> Optional[Callable[[list[int]], int]]:
     """The ``estimate_gradients_held`` of the session's plugin that holds gradients its own way (the bytes once the
-    trace's gradients so far are taken, `xirang_ds.memory.trace.Trace.arrived`), or None: the engine holds them."""
-    return next((p.estimate_gradients_held for p in plugin.session.plugins
-                 if getattr(p, "estimate_gradients_held", None) is not None), None)
+    trace's gradients so far are taken, `xirang_ds.memory.trace.Trace.arrived`), or None: the engine holds them;
+    ``estimate_gradients_held_chunked``: the same where the plan chunks a head it then takes by rows."""
+    return next((getattr(p, name) for p in plugin.session.plugins if getattr(p, name, None) is not None), None)
 
 
 def _layer_gradients(plugin: Any, held: Optional[Callable[[list[int]], int]]) -> tuple[dict[str, int], ...]:

@@ -75,13 +75,19 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
     # alone there, unpadded and in the communication dtype: then it is the buffer (`Bucket._adopts`)
     largest_whole = 0 if largest >= bucket_numel and largest % world == 0 and comm_bytes == lp else lp * largest
 
-    def rows_held(stash: bool) -> int:
+    def rows_held(stash: bool, taken: list[int]) -> int:
         # the rows' shard stays on the device unless each round goes on as it comes (`rows.RowSink`): into
         # the accumulator, or to the host under the stash; then one round more (its reduced part)
         streams = shape.grad_accum > 1 or stash and global_pass
         return max((lp * (world * math.ceil(n / world / 8)
                           + (math.ceil(n / world / 8) if streams else math.ceil(n / world)))
-                    for n in by_rows), default=0)
+                    for n in taken), default=0)
+
+    # a head the activation plan may chunk (it plans after this) gives its gradient by rows where the plan does:
+    # the buckets' holding mid-backward with it so, for the planner to take where its plan chunks the head
+    chunkable = planned_heads(plugin, world, bucket_numel) if world > 1 else []  # none fixed to chunk: not in by_rows
+    by_rows_chunked = by_rows + chunkable
+    buffers_chunked = _buckets(list(reversed(numels)), planned, world, by_rows_chunked)[0] if chunkable else None
 
     shard = math.ceil(bucket / world)
     # a stashed shard back on the device for its update, and where the stash's copies run ahead
@@ -171,11 +177,15 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
 
     def held(parked: bool, stash: bool) -> dict:
         out = {}
-        rows = rows_held(stash)
+        rows = rows_held(stash, by_rows)
         whole = max(largest_whole, rows)
         # what the buckets hold once these gradients have been taken (the trace holds the one being made)
         plugin.estimate_gradients_held = lambda arrived: accum + _held_after(
             arrived, numels, planned, buffers, world, comm_bytes, overlap, rows, holds_shard and not stash)
+        rows_chunked = rows_held(stash, by_rows_chunked)
+        plugin.estimate_gradients_held_chunked = None if buffers_chunked is None else (
+            lambda arrived: accum + _held_after(arrived, numels, planned, buffers_chunked, world, comm_bytes, overlap,
+                                                rows_chunked, holds_shard and not stash))
         # backward's worst point with the buckets' holding: where the trace's own bytes and it are the most together,
         # and in a pass that updates in backward, an update as the gradient that sets it off is taken
         spike = update_bytes(parked)
@@ -330,7 +340,8 @@ def _held_after(arrived: list[int], numels: list[int], planned: list[list[int]],
     registration order) have been taken (`pipeline.ReleasePipeline`): every bucket that has some of its
     gradients and is not launched, its buffer (a bucket by rows: its rows' share, ``rows``); the buckets launched
     in order as each completes, the last one still reducing (its buffer and its reduced shard) while
-    ``overlap``; with ``holds`` the reduced shards of those completed before it. A gradient autograd is making
+    ``overlap`` (not one by rows, whose rounds were reduced as they came); with ``holds`` the reduced shards of those
+    completed before it. A gradient autograd is making
     (whole, before its hook) is not in it: the trace holds that one."""
     last = len(numels) - 1
     got = {last - i for i in arrived}  # positions in launch order (reverse registration)
@@ -342,7 +353,7 @@ def _held_after(arrived: list[int], numels: list[int], planned: list[list[int]],
         reduced = comm_bytes * shard if world > 1 else 0  # unsharded, the buffer is reduced in place
         if b >= launched:
             total += buffer if any(i in got for i in indices) else 0
-        elif b == launched - 1 and overlap:
+        elif b == launched - 1 and overlap and buffers[b]:  # by rows, each round was reduced as it came
             total += buffer + reduced
         elif holds:
             total += comm_bytes * shard
@@ -393,6 +404,20 @@ def rows_numels(plugin: Any, world: int, bucket_numel: int) -> list[int]:
     activations = plugin.session.plugin("activations")
     weights += [model.get_submodule(n).weight for n in getattr(activations, "traced_heads", ())]
     return [w.numel() for w in {id(w): w for w in weights}.values() if _by_rows(w, world, bucket_numel, owners)]
+
+
+def planned_heads(plugin: Any, world: int, bucket_numel: int) -> list[int]:
+    """Element counts of the output heads the activation planner may chunk (not fixed to ``chunk``) whose gradient
+    would then come by rows (`_by_rows`)."""
+    model, activations = plugin.session.model, plugin.session.plugin("activations")
+    if model is None or activations is None:
+        return []
+    fixed = set(getattr(activations, "traced_heads", ()))
+    weights = [getattr(model.get_submodule(n), "weight", None) for n in getattr(activations, "head_names", ())
+               if n not in fixed]
+    owners = rows_owners(model)
+    return [w.numel() for w in {id(w): w for w in weights if w is not None}.values()
+            if _by_rows(w, world, bucket_numel, owners)]
 
 
 def _by_rows(weight: torch.Tensor, world: int, bucket_numel: int, owners: dict) -> bool:

@@ -408,7 +408,7 @@ def _at_likely(session: Any, phases: dict, shape: "RunShape", numels: list[int],
                 setattr(plugin, k, v)
 
 
-ESTIMATE_ATTRIBUTES = ("estimate_plan", "estimate_note", "estimate_gradients_held")
+ESTIMATE_ATTRIBUTES = ("estimate_plan", "estimate_note", "estimate_gradients_held", "estimate_gradients_held_chunked")
 """What a plugin keeps of the estimate it adjusted (its plan, its note, what it holds mid-backward), restored after
 `_at_likely` priced the same plans again."""
 

@@ -121,3 +121,27 @@ def test_a_measured_embeddings_first_update_holds_its_own_bucket_and_the_gather_
     measured = max(run_ranks(_bench, 2, model, config))
     assert abs(est.predicted_peak_bytes - measured) <= 0.005 * measured, (est.predicted_peak_bytes, measured)
     assert measured <= 21_417_442
+
+
+def _phase_peaks(rank, world, model, config):
+    from xirang_ds.bench import bench_rank
+
+    return bench_rank(rank, world, model, config, 3, None, 0, True)["phase_peaks"]
+
+
+def test_a_head_the_plan_chunks_gives_its_gradient_by_rows_and_holds_no_reduction_after():
+    """A Llama whose vocabulary is large beside it, under conservative: the plan chunks the head, and the run takes
+    its weight's gradient by rows (alone in its bucket, untied, 2 ranks), round by round. Backward's worst point,
+    the final norm's backward, holds no reduction of the head's bucket (the estimate had it in flight: +270 KB)."""
+    from tests.harness.engine_runs import ds_config
+    from xirang_ds.launch import run_ranks
+    from xirang_ds.planning.spec import estimate_spec
+
+    model = "llama:layers=3,hidden=96,heads=4,seq=192,vocab=2048"
+    config = ds_config(stage=2, clip=1.0, bucket=5e5, xirang={"preset": "conservative", "memory_budget": 13_587_075})
+    est = estimate_spec(model, config, 2)
+    assert est.fits and est.plans["activations"].plan["lm_head"] == "chunk"
+    measured = max(run_ranks(_phase_peaks, 2, model, config), key=lambda p: p["backward"])
+    for phase in ("forward", "backward"):
+        predicted = est.phases[phase]["total"]
+        assert abs(predicted - measured[phase]) <= 1e-3 * measured[phase], (phase, predicted, measured[phase])

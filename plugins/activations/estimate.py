@@ -99,7 +99,7 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any) -> Optional[dict]:
     if not c.planner or not plugin.trace_free:
         return phases  # only keep and chunk are fixed, and the trace ran both
     chunked = {name: CHUNK for name in plugin.traced_heads}
-    plugin.trace_head_rounds = head_rounds(plugin, shape)
+    plugin.estimate_head_rounds = head_rounds(plugin, shape)  # set for each estimate, not by the trace
     replay = getattr(plugin.session, "estimate_replay", None)  # the plan made at the sizes' bounds, priced again
     adjusted, result = plan_phases(plugin, phases, plugin.trace_free, chunked, shape.device != "cpu",
                                    device_total(plugin, shape), trace_profile(plugin),

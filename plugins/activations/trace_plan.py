@@ -267,7 +267,7 @@ def _plan_phases(plugin: Any, phases: dict, free: list[str], fixed: dict[str, st
     held_chunked = _gradients_held(plugin, "estimate_gradients_held_chunked")
     layer_held_chunked = _layer_gradients(plugin, held_chunked) if held_chunked is not None else layer_held
     buffers = 0 if held is not None else getattr(getattr(plugin.session, "trace", None), "layer_buffers", 0)
-    rounds = getattr(plugin, "trace_head_rounds", None) or {}  # `estimate.head_rounds`
+    rounds = getattr(plugin, "estimate_head_rounds", None) or {}  # `estimate.head_rounds`
     entry = getattr(plugin, "trace_head_entry", None) or {}  # `profile_trace`
     for _ in range(PLAN_ROUNDS):
         if made is not None:

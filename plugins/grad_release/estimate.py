@@ -41,11 +41,9 @@ def adjust_estimate(plugin: Any, phases: dict, shape: Any, numels: list) -> Opti
         return phases
     total = sum(numels)
     lp = shape.lp_bytes
-    world = shape.world_size if shape.stage >= 1 and shape.world_size > 1 else 1
-    part = sum(math.ceil(n / world) for n in numels)
-    comm_bytes = plugin.setup.comm_dtype.itemsize if plugin.setup is not None else lp
     # a parameter larger than the size gets a bucket of its own; a model smaller than it is one bucket
-    bucket_numel = plugin._bucket_numel(total, comm_bytes, shape.world_size)
+    world, comm_bytes, bucket_numel = _sharding(plugin, shape, total)
+    part = sum(math.ceil(n / world) for n in numels)
     planned = plan_buckets(list(reversed(numels)), bucket_numel)
     # the gradients handed over by rows (`rows.py`) are never whole: their shard and one round instead
     by_rows = plugin._rows_numels(world, bucket_numel) if world > 1 else []
@@ -399,11 +397,10 @@ def rows_numels(plugin: Any, world: int, bucket_numel: int) -> list[int]:
     model = plugin.session.model
     if model is None:
         return []
-    owners = rows_owners(model)
     weights = [m.weight for m in model.modules() if type(m) is torch.nn.Embedding and plain(m)]
     activations = plugin.session.plugin("activations")
     weights += [model.get_submodule(n).weight for n in getattr(activations, "traced_heads", ())]
-    return [w.numel() for w in {id(w): w for w in weights}.values() if _by_rows(w, world, bucket_numel, owners)]
+    return _taken_by_rows(model, weights, world, bucket_numel)
 
 
 def planned_heads(plugin: Any, world: int, bucket_numel: int) -> list[int]:
@@ -413,8 +410,12 @@ def planned_heads(plugin: Any, world: int, bucket_numel: int) -> list[int]:
     if model is None or activations is None:
         return []
     fixed = set(getattr(activations, "traced_heads", ()))
-    weights = [getattr(model.get_submodule(n), "weight", None) for n in getattr(activations, "head_names", ())
-               if n not in fixed]
+    heads = [n for n in getattr(activations, "head_names", ()) if n not in fixed]
+    return _taken_by_rows(model, [getattr(model.get_submodule(n), "weight", None) for n in heads], world, bucket_numel)
+
+
+def _taken_by_rows(model: torch.nn.Module, weights: list, world: int, bucket_numel: int) -> list[int]:
+    """Element counts of the distinct ``weights`` whose gradient can come by rows (`_by_rows`)."""
     owners = rows_owners(model)
     return [w.numel() for w in {id(w): w for w in weights if w is not None}.values()
             if _by_rows(w, world, bucket_numel, owners)]
@@ -427,18 +428,25 @@ def _by_rows(weight: torch.Tensor, world: int, bucket_numel: int, owners: dict) 
             and weight.shape[0] % world == 0 and owners.get(id(weight)) == 1)
 
 
+def _sharding(plugin: Any, shape: Any, total: int) -> tuple[int, int, int]:
+    """``(ranks the states are sharded over, bytes of a communicated element, bucket elements)`` for ``total``
+    trainable elements: 1 rank at ZeRO 0 or on one rank."""
+    world = shape.world_size if shape.stage >= 1 and shape.world_size > 1 else 1
+    comm_bytes = plugin.setup.comm_dtype.itemsize if plugin.setup is not None else shape.lp_bytes
+    return world, comm_bytes, plugin._bucket_numel(total, comm_bytes, shape.world_size)
+
+
 def rows_round(plugin: Any, weight: torch.Tensor, shape: Any) -> Optional[tuple[int, int]]:
     """``(ranks, bytes of a communicated element)`` where a chunked head's ``weight`` would give its gradient by
     rows (`rows.RowSink`: ZeRO 1/2 over several ranks, `_by_rows`), else ``None``: the activation planner prices
     that backward (`head_rows.round_bytes`) whether the block fixes the head to chunk or the plan chooses it."""
     model = plugin.session.model
-    world = shape.world_size if shape.stage >= 1 and shape.world_size > 1 else 1
-    if model is None or world == 1:
+    if model is None:
         return None
-    numels = [p.numel() for p in model.parameters() if p.requires_grad]
-    comm_bytes = plugin.setup.comm_dtype.itemsize if plugin.setup is not None else shape.lp_bytes
-    bucket_numel = plugin._bucket_numel(sum(numels), comm_bytes, shape.world_size)
-    return (world, comm_bytes) if _by_rows(weight, world, bucket_numel, rows_owners(model)) else None
+    world, comm_bytes, bucket_numel = _sharding(plugin, shape, sum(p.numel() for p in model.parameters()
+                                                                   if p.requires_grad))
+    taken = world > 1 and _by_rows(weight, world, bucket_numel, rows_owners(model))
+    return (world, comm_bytes) if taken else None
 
 
 __all__ = ["adjust_estimate", "rows_numels", "rows_round"]

@@ -251,7 +251,7 @@ class OptimizerStatesPlugin(Plugin):
             return None
         params, _, fmt, leaving = layout
         n = shape.world_size if shape.stage >= 1 else 1
-        numel = sum(-(-p.numel() // n) for p in params if id(p) in leaving)
+        numel = -(-sum(p.numel() for p in params if id(p) in leaving) // n)  # their group's part, as ZeRO splits it
         passing = self.passing_format(fmt)
         more = make_format("fp32").state_bytes(numel) - passing.state_bytes(numel)
         return (f"{len(leaving)} measured embedding(s) priced with {passing.name} states, the widest their first "
@@ -296,14 +296,13 @@ class OptimizerStatesPlugin(Plugin):
         parameters, over ZeRO's partition; step temporaries of one chunk instead of whole tensors."""
         import math
 
-        layout = self.estimate_layout()
+        layout = self._layout()
         if layout is None:
             return None
-        params, kept_ids, fmt = layout
+        params, reasons, fmt, leaving = layout  # the measured embeddings: a group of their own (`split_groups`)
         fmt_name = fmt.name
-        leaving = self._layout()[3]  # the measured embeddings, a group of their own (`split_groups`)
         measured = sum(p.numel() for p in params if id(p) in leaving)
-        kept = sum(p.numel() for p in params if id(p) in kept_ids and id(p) not in leaving)
+        kept = sum(p.numel() for p in params if id(p) in reasons and id(p) not in leaving)
         quant = sum(p.numel() for p in params) - kept - measured
         n = shape.world_size if shape.stage >= 1 else 1
         fp32 = make_format("fp32")
@@ -313,8 +312,9 @@ class OptimizerStatesPlugin(Plugin):
         passing = fp32 if self.estimate_at_bound or not measured else self.passing_format(fmt)
         states = fp32.state_bytes(part(kept)) + passing.state_bytes(part(measured)) + fmt.state_bytes(part(quant)) \
             + 4 * tensors
-        largest = part(quant) if shape.stage >= 1 else max((p.numel() for p in params if id(p) not in kept_ids),
-                                                            default=0)
+        largest = part(quant) if shape.stage >= 1 else max(
+            (p.numel() for p in params if id(p) not in reasons or id(p) in leaving and not self.estimate_at_bound),
+            default=0)
         chunk = min(self.config.chunk_numel, max(largest, 1))
         temps = (8 if fmt_name == "fp32" else 16) * chunk
         first, bound, _ = self.first_update(n)  # step 1: a measured tensor's candidates in place of its states
